@@ -1,0 +1,65 @@
+"""Everything the wrapper asks torch about the GPUs, behind one small object.
+
+The wrapper never calls torch.cuda directly; it asks `current()`. Tests swap in
+`sage_qual.testing.FakeCuda`, which makes a CPU build look like a CUDA build. None of these
+methods synchronizes the device: they read tensor metadata and cached device properties.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import ContextManager
+
+import torch
+
+
+class CudaPlatform:
+    def is_rocm(self) -> bool:
+        return torch.version.hip is not None
+
+    def device_count(self) -> int:
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+    @functools.lru_cache(maxsize=None)
+    def capability(self, index: int) -> tuple[int, int]:
+        return tuple(torch.cuda.get_device_capability(index))
+
+    @functools.lru_cache(maxsize=None)
+    def device_name(self, index: int) -> str:
+        return torch.cuda.get_device_name(index)
+
+    def torch_cuda(self) -> tuple[int, int] | None:
+        if torch.version.cuda is None:
+            return None
+        major, minor = torch.version.cuda.split(".")[:2]
+        return int(major), int(minor)
+
+    def tensor_device(self, tensor: torch.Tensor) -> int | None:
+        """CUDA device index of a tensor, None when it is not on a CUDA device."""
+        device = tensor.device
+        return device.index if device.type == "cuda" else None
+
+    def device_guard(self, index: int) -> ContextManager:
+        return torch.cuda.device(index)
+
+    def autocast_enabled(self) -> bool:
+        return torch.is_autocast_enabled("cuda")
+
+
+_platform: CudaPlatform = CudaPlatform()
+
+
+def current() -> CudaPlatform:
+    return _platform
+
+
+@contextlib.contextmanager
+def use(platform: CudaPlatform):
+    """Swap the platform for the duration of a block (used by the fake CUDA helpers)."""
+    global _platform
+    previous, _platform = _platform, platform
+    try:
+        yield platform
+    finally:
+        _platform = previous

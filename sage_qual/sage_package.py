@@ -1,0 +1,110 @@
+"""Find, import and vet the installed `sageattention` package.
+
+`load()` returns the module with its version and which compiled extensions import, or raises
+`SageUnavailable` whose message names the cause and the fix. Nothing here touches a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import inspect
+from dataclasses import dataclass
+from types import ModuleType
+
+from packaging.version import InvalidVersion, Version
+
+from .variants import EXTENSIONS, Variant
+
+MIN_VERSION = Version("2.2.0")
+BUILD_HINT = "build SageAttention 2.2 from source (github.com/thu-ml/SageAttention, see its README)"
+
+
+class SageUnavailable(Exception):
+    """SageAttention cannot serve; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class SagePackage:
+    module: ModuleType
+    version: str
+    extensions: frozenset[str]  # compiled extensions that import
+    extension_errors: dict[str, str]  # the others, with the import error
+
+    def kernel(self, variant: Variant):
+        return getattr(self.module, variant.function)
+
+
+def has_triton() -> bool:
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def parse_version(text: str) -> Version:
+    """Version of a SageAttention build, local labels such as `+cu130torch2.10.0andhigher.post6` included."""
+    try:
+        return Version(text)
+    except InvalidVersion:
+        raise SageUnavailable(f"sageattention reports version {text!r}, which is not a version number; "
+                              f"reinstall it: {BUILD_HINT}") from None
+
+
+def check_version(text: str) -> None:
+    version = parse_version(text)
+    if version.major < 2:
+        raise SageUnavailable(f"sageattention {text} is SageAttention 1, the release on PyPI; it has no "
+                              f"INT8/FP8 kernels of 2.x: uninstall it and {BUILD_HINT}")
+    if Version(version.base_version) < MIN_VERSION:
+        raise SageUnavailable(f"sageattention {text} is older than {MIN_VERSION}: {BUILD_HINT}")
+
+
+def load() -> SagePackage:
+    if importlib.util.find_spec("sageattention") is None:
+        raise SageUnavailable(f"sageattention is not installed: {BUILD_HINT}")
+    if not has_triton():
+        raise SageUnavailable("triton is not installed; SageAttention needs it: pip install triton "
+                              "(triton-windows on Windows)")
+    try:
+        version = importlib.metadata.version("sageattention")
+    except importlib.metadata.PackageNotFoundError:
+        raise SageUnavailable("sageattention imports but has no package metadata, so its version is "
+                              f"unknown (a source folder on sys.path?): install it properly: {BUILD_HINT}") from None
+    check_version(version)
+    try:
+        module = importlib.import_module("sageattention")
+    except Exception as error:  # a DLL load failure is an OSError, an ABI mismatch an ImportError
+        raise SageUnavailable(f"importing sageattention {version} failed: {type(error).__name__}: {error}; "
+                              f"it was probably built for another torch or CUDA: {BUILD_HINT}") from None
+    extensions, errors = set(), {}
+    for name in EXTENSIONS:
+        try:
+            importlib.import_module(f"sageattention.{name}")
+            extensions.add(name)
+        except Exception as error:
+            errors[name] = f"{type(error).__name__}: {error}"
+    return SagePackage(module, version, frozenset(extensions), errors)
+
+
+def kernel_problem(package: SagePackage, variant: Variant) -> str | None:
+    """Why the package's function for `variant` cannot be called safely, or None.
+
+    Every real kernel ends in **kwargs, so a keyword it no longer names (say a renamed `smooth_k`)
+    would be swallowed and smoothing would silently come back on: require each one by name.
+    """
+    function = getattr(package.module, variant.function, None)
+    if function is None:
+        return f"sageattention {package.version} has no {variant.function}: {BUILD_HINT}"
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError) as error:
+        return f"cannot read the signature of {variant.function}: {error}"
+    named = {n for n, p in parameters.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    missing = sorted(set(variant.call_keywords(1.0)) - named)
+    if missing:
+        return (f"{variant.function} in sageattention {package.version} does not take "
+                f"{', '.join(missing)} by name; a **kwargs would swallow it (smooth_k=False would be "
+                f"ignored): use a SageAttention whose kernels name these keywords")
+    return None

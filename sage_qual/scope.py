@@ -1,0 +1,59 @@
+"""The per-thread scope inside which SDPA calls may go to SageAttention."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import contextvars
+import logging
+from dataclasses import dataclass, field
+
+log = logging.getLogger("sage_qual")
+
+
+@dataclass
+class ScopeReport:
+    """What happened inside one scope; read it after (or during) the block."""
+
+    calls: int = 0
+    served: int = 0
+    fallbacks: collections.Counter = field(default_factory=collections.Counter)
+    out_of_memory: bool = False  # once set, the rest of the scope runs on PyTorch
+
+    def fell_back(self, reason: str) -> None:
+        self.calls += 1
+        self.fallbacks[reason] += 1
+
+    def summary(self) -> str:
+        reasons = ", ".join(f"{reason}={count}" for reason, count in self.fallbacks.most_common())
+        return (f"{self.calls} attention calls, {self.served} on SageAttention; "
+                f"on PyTorch SDPA: {reasons or 'none'}")
+
+
+_active: contextvars.ContextVar[ScopeReport | None] = contextvars.ContextVar("sage_qual_scope", default=None)
+
+
+def active() -> ScopeReport | None:
+    return _active.get()
+
+
+@contextlib.contextmanager
+def sage_attention_scope():
+    """Let eligible SDPA calls of this thread (and context) run on SageAttention.
+
+    Scopes nest: an inner scope reports its own calls and adds them to the outer one on exit,
+    also when its block raises. Other threads are not affected.
+    """
+    outer = _active.get()
+    report = ScopeReport(out_of_memory=outer.out_of_memory if outer else False)
+    token = _active.set(report)
+    try:
+        yield report
+    finally:
+        _active.reset(token)
+        if outer is not None:
+            outer.calls += report.calls
+            outer.served += report.served
+            outer.fallbacks.update(report.fallbacks)
+            outer.out_of_memory |= report.out_of_memory
+        log.debug(report.summary())

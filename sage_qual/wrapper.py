@@ -1,0 +1,253 @@
+"""Route torch.nn.functional.scaled_dot_product_attention to SageAttention inside a scope.
+
+`install()` rebinds torch's function once and never raises; outside `sage_attention_scope()` the
+replacement hands every call to torch untouched. Inside a scope, a call that passes the rules of
+`eligibility` runs on the kernel `config.kernel_table` picks for its GPU, with K smoothing off.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from . import platform, sage_package
+from .config import DEFAULT_CONFIG, WrapperConfig
+from .eligibility import SdpaCall, bind, refusal
+from .errors import Failure, classify
+from .scope import ScopeReport, _active
+from .variants import BoxFacts, Variant
+
+log = logging.getLogger("sage_qual")
+
+
+@dataclass
+class DeviceState:
+    index: int
+    name: str
+    capability: tuple[int, int]
+    variant: Variant | None = field(repr=False)
+    no_kernel_reason: str = ""
+    retired: str = ""  # why the device went back to PyTorch for good (until restart)
+    checked: set = field(default_factory=set)  # (dtype, head_dim) that passed the first-call check
+    cache_errors: int = 0  # consecutive Triton cache failures
+    announced: bool = False
+
+    @property
+    def label(self) -> str:
+        return "cuda:%d (%s, sm_%d%d)" % (self.index, self.name, *self.capability)
+
+
+@dataclass(frozen=True)
+class InstallStatus:
+    enabled: bool
+    reason: str = ""  # why torch's function was kept; empty when enabled
+    version: str = ""
+    devices: tuple[DeviceState, ...] = ()
+
+
+class _Installed:
+    """What a successful install() holds; module-level singleton while installed."""
+
+    def __init__(self, original, package, config: WrapperConfig, devices: dict[int, DeviceState]):
+        self.original = original
+        self.package = package
+        self.config = config
+        self.devices = devices
+        self.kernels = {i: package.kernel(d.variant) for i, d in devices.items() if d.variant}
+        self.lock = threading.Lock()
+
+
+_installed: _Installed | None = None
+_status = InstallStatus(False, "install() has not been called")
+
+
+def install_status() -> InstallStatus:
+    return _status
+
+
+def install(config: WrapperConfig | None = None) -> InstallStatus:
+    """Rebind torch's SDPA to the wrapper once. Never raises; logs one WARNING when it cannot."""
+    global _installed, _status
+    if _installed is not None:
+        return _status
+    try:
+        devices, package = _probe(config or DEFAULT_CONFIG)
+    except sage_package.SageUnavailable as why:
+        _status = InstallStatus(False, str(why))
+        log.warning("SageAttention not enabled, attention stays on PyTorch SDPA: %s", why)
+        return _status
+    except Exception as error:  # install must never break the application that calls it
+        _status = InstallStatus(False, f"unexpected {type(error).__name__}: {error}")
+        log.warning("SageAttention not enabled, attention stays on PyTorch SDPA: %s", _status.reason)
+        return _status
+    _installed = _Installed(torch.nn.functional.scaled_dot_product_attention, package,
+                            config or DEFAULT_CONFIG, devices)
+    torch.nn.functional.scaled_dot_product_attention = _sdpa
+    _status = InstallStatus(True, "", package.version, tuple(devices.values()))
+    served = ", ".join(f"{d.label} -> {d.variant.name}" for d in devices.values() if d.variant)
+    unserved = "; ".join(f"{d.label}: {d.no_kernel_reason}" for d in devices.values() if not d.variant)
+    log.info("SageAttention %s enabled for SDPA calls inside sage_attention_scope(): %s%s",
+             package.version, served, f"; no kernel for {unserved}" if unserved else "")
+    return _status
+
+
+def uninstall() -> None:
+    """Give torch back its own function (a no-op when not installed)."""
+    global _installed, _status
+    if _installed is not None:
+        torch.nn.functional.scaled_dot_product_attention = _installed.original
+        _installed = None
+    _status = InstallStatus(False, "uninstall() was called")
+
+
+def _probe(config: WrapperConfig) -> tuple[dict[int, DeviceState], sage_package.SagePackage]:
+    cuda = platform.current()
+    if cuda.is_rocm():
+        raise sage_package.SageUnavailable("this is a ROCm build of torch; SageAttention runs on NVIDIA "
+                                           "CUDA GPUs only")
+    count = cuda.device_count()
+    if count == 0:
+        raise sage_package.SageUnavailable("no CUDA GPU is visible (CPU-only torch build, no driver, or "
+                                           "CUDA_VISIBLE_DEVICES empty): install a CUDA build of torch")
+    capabilities = {i: cuda.capability(i) for i in range(count)}
+    if all(cap < (8, 0) for cap in capabilities.values()):
+        found = ", ".join("cuda:%d sm_%d%d" % (i, *cap) for i, cap in capabilities.items())
+        raise sage_package.SageUnavailable(f"no GPU of compute capability 8.0 or newer ({found}); "
+                                           "SageAttention 2 needs Ampere or newer")
+    package = sage_package.load()
+    triton = sage_package.has_triton()
+    devices = {}
+    for index, capability in capabilities.items():
+        box = BoxFacts(capability, cuda.torch_cuda(), package.extensions, triton)
+        variant, reason = config.kernel_for(box)
+        if variant is not None:
+            problem = sage_package.kernel_problem(package, variant)
+            if problem:
+                raise sage_package.SageUnavailable(problem)
+        devices[index] = DeviceState(index, cuda.device_name(index), capability, variant, reason)
+    if not any(d.variant for d in devices.values()):
+        reasons = "; ".join(f"{d.label}: {d.no_kernel_reason}" for d in devices.values())
+        raise sage_package.SageUnavailable(f"no GPU here has a usable SageAttention kernel ({reasons})")
+    return devices, package
+
+
+def _sdpa(*args, **kwargs):
+    report = _active.get()
+    if report is None:  # the common case stays one ContextVar read away from torch
+        return _installed.original(*args, **kwargs)
+    return _serve(_installed, report, args, kwargs)
+
+
+_sdpa.__doc__ = "SageAttention-aware scaled_dot_product_attention (installed by sage_qual)."
+
+
+def _serve(state: _Installed, report: ScopeReport, args: tuple, kwargs: dict):
+    original = state.original
+    call, bad_arguments = bind(args, kwargs)
+    if bad_arguments:
+        report.fell_back("arguments")
+        return original(*args, **kwargs)
+    cuda = platform.current()
+    refused = refusal(call, state.config, cuda.autocast_enabled())
+    if refused is None:
+        device = _device_refusal(state, call, cuda)
+        refused = ("device", device) if isinstance(device, str) else None
+    if refused is None and report.out_of_memory:
+        refused = ("memory", "this scope ran out of memory")
+    if refused is not None:
+        report.fell_back(refused[0])
+        return original(*args, **kwargs)
+
+    with cuda.device_guard(device.index):
+        try:
+            out = state.kernels[device.index](call.query, call.key, call.value,
+                                              **device.variant.call_keywords(call.sm_scale))
+            check_key = (call.query.dtype, call.query.shape[-1])
+            if check_key not in device.checked:
+                problem = _first_call_problem(state, call, out)
+                if problem:
+                    _retire(state, device, f"first-call check failed for {_describe(call)}: {problem}")
+                    report.fell_back("kernel_error")
+                    return original(*args, **kwargs)
+                with state.lock:
+                    device.checked.add(check_key)
+        except Exception as error:
+            return _handle_failure(state, report, device, call, error, args, kwargs)
+    device.cache_errors = 0
+    report.calls += 1
+    report.served += 1
+    if not device.announced:
+        device.announced = True
+        log.info("SageAttention %s serves attention on %s with %s (variant %s)", state.package.version,
+                 device.label, device.variant.function, device.variant.name)
+    return out
+
+
+def _device_refusal(state: _Installed, call: SdpaCall, cuda) -> DeviceState | str:
+    indices = {cuda.tensor_device(t) for t in (call.query, call.key, call.value)}
+    if len(indices) != 1 or None in indices:
+        return "tensors not all on one CUDA device"
+    device = state.devices.get(indices.pop())
+    if device is None or device.variant is None:
+        return "no SageAttention kernel for this GPU"
+    if device.retired:
+        return f"{device.label} retired: {device.retired}"
+    return device
+
+
+def _first_call_problem(state: _Installed, call: SdpaCall, out: torch.Tensor) -> str:
+    """Recompute a slice with torch; the kernel's result there must be finite and close.
+
+    The slice is the first sample, query heads 0..g-1 (the first K/V group) against K/V head 0,
+    last `check_rows` query rows: a few MiB at most, so the checked call costs no more memory
+    than later ones.
+    """
+    q, k, v = call.query, call.key, call.value
+    group = q.shape[1] // k.shape[1]
+    rows = slice(-state.config.check_rows, None)
+    q_slice, k_slice, v_slice = q[:1, :group, rows], k[:1, :1], v[:1, :1]
+    expected = state.original(q_slice, k_slice, v_slice, scale=call.scale, enable_gqa=group > 1).float()
+    got = out[:1, :group, rows].float()
+    error = torch.linalg.vector_norm(got - expected) / torch.linalg.vector_norm(expected).clamp_min(1e-12)
+    rel_l2 = error.item()  # the one host read of a served call's first instance
+    if not rel_l2 <= state.config.check_max_rel_l2:  # NaN fails this too
+        return f"relative L2 {rel_l2:.3g} against PyTorch (limit {state.config.check_max_rel_l2})"
+    return ""
+
+
+def _handle_failure(state, report, device, call, error, args, kwargs):
+    kind = classify(error)
+    if kind is Failure.OUT_OF_MEMORY:
+        report.out_of_memory = True
+        report.fell_back("memory")
+        log.info("SageAttention ran out of memory on %s (%s); the rest of this scope runs on PyTorch SDPA",
+                 device.label, _describe(call))
+    elif kind is Failure.CACHE:
+        report.fell_back("cache_error")
+        with state.lock:
+            device.cache_errors += 1
+            streak = device.cache_errors
+        if streak >= state.config.cache_error_limit:
+            _retire(state, device, f"{streak} Triton cache failures in a row, last: {error}")
+    else:
+        report.fell_back("kernel_error")
+        _retire(state, device, f"{device.variant.function} raised on {_describe(call)}: "
+                               f"{type(error).__name__}: {error}")
+    return state.original(*args, **kwargs)
+
+
+def _retire(state: _Installed, device: DeviceState, why: str) -> None:
+    with state.lock:
+        if device.retired:
+            return
+        device.retired = why
+    log.warning("SageAttention retired on %s, its attention runs on PyTorch SDPA until restart: %s",
+                device.label, why)
+
+
+def _describe(call: SdpaCall) -> str:
+    shapes = " ".join(str(list(t.shape)) for t in (call.query, call.key, call.value))
+    return f"q/k/v {shapes} {str(call.query.dtype).replace('torch.', '')}"
