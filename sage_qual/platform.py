@@ -29,6 +29,9 @@ class CudaPlatform:
     def device_name(self, index: int) -> str:
         return torch.cuda.get_device_name(index)
 
+    def total_memory(self, index: int) -> int:
+        return torch.cuda.get_device_properties(index).total_memory
+
     def torch_cuda(self) -> tuple[int, int] | None:
         if torch.version.cuda is None:
             return None

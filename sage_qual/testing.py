@@ -45,6 +45,7 @@ def on_device(tensor: torch.Tensor, index: int) -> torch.Tensor:
 class FakeGpu:
     capability: tuple[int, int]
     name: str = "Fake GPU"
+    memory_gib: float = 24.0
 
 
 class FakeCuda(platform.CudaPlatform):
@@ -74,6 +75,9 @@ class FakeCuda(platform.CudaPlatform):
 
     def device_name(self, index: int) -> str:
         return self.gpus[index].name
+
+    def total_memory(self, index: int) -> int:
+        return int(self.gpus[index].memory_gib * 2**30)
 
     def torch_cuda(self):
         return self._torch_cuda

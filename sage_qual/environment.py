@@ -1,0 +1,133 @@
+"""Collect what decides SageAttention's behaviour on this machine into a typed record.
+
+Collecting and rendering are separate (as in torch.utils.collect_env): `collect()` builds an
+`Environment`, `to_json()` is for machines, `render_text()` for people. Collecting initializes
+CUDA and imports sageattention; callers that must keep CUDA out of their process run it in a
+worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+import platform as host
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+from . import __version__, platform, sage_package
+from .config import DEFAULT_CONFIG, WrapperConfig
+from .variants import VARIANTS, BoxFacts
+
+
+@dataclass
+class Gpu:
+    index: int
+    name: str
+    capability: tuple[int, int]
+    memory_gib: float
+    kernel: str  # the variant the wrapper would use, or "" when none
+    no_kernel_reason: str
+    runnable_variants: list[str]  # every variant that can run here (qualification runs them all)
+
+
+@dataclass
+class Environment:
+    sage_qual: str
+    python: str
+    os: str
+    torch: str
+    torch_cuda: str
+    cudnn: str
+    driver: str
+    triton: str
+    sageattention: str  # version, or "" when unusable
+    sageattention_problem: str  # why it cannot serve, "" when it can
+    extensions: dict[str, str]  # extension -> "ok" or its import error
+    gpus: list[Gpu] = field(default_factory=list)
+
+
+def _distribution_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+def _driver_version() -> str:
+    try:
+        result = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return result.stdout.strip().splitlines()[0] if result.returncode == 0 and result.stdout.strip() else ""
+
+
+def collect(config: WrapperConfig = DEFAULT_CONFIG) -> Environment:
+    cuda = platform.current()
+    try:
+        package = sage_package.load()
+        problem, extensions = "", {e: "ok" for e in package.extensions}
+        extensions.update(package.extension_errors)
+    except sage_package.SageUnavailable as why:
+        package, problem, extensions = None, str(why), {}
+    env = Environment(
+        sage_qual=__version__,
+        python=sys.version.split()[0],
+        os=host.platform(),
+        torch=torch.__version__,
+        torch_cuda=torch.version.cuda or ("ROCm " + torch.version.hip if torch.version.hip else ""),
+        cudnn=str(torch.backends.cudnn.version() or "") if torch.backends.cudnn.is_available() else "",
+        driver=_driver_version() if cuda.device_count() else "",
+        triton=_distribution_version("triton") or _distribution_version("triton-windows"),
+        sageattention=package.version if package else _distribution_version("sageattention"),
+        sageattention_problem=problem,
+        extensions=extensions,
+    )
+    for index in range(cuda.device_count()):
+        box = BoxFacts(cuda.capability(index), cuda.torch_cuda(),
+                       package.extensions if package else frozenset(), sage_package.has_triton())
+        variant, reason = config.kernel_for(box)
+        if package is None:
+            variant, reason = None, "sageattention unusable (see above)"
+        elif variant is not None and sage_package.kernel_problem(package, variant):
+            variant, reason = None, sage_package.kernel_problem(package, variant)
+        env.gpus.append(Gpu(
+            index, cuda.device_name(index), box.capability, round(cuda.total_memory(index) / 2**30, 1),
+            variant.name if variant else "", reason,
+            [v.name for v in VARIANTS.values() if package and not v.not_supported_reasons(box)],
+        ))
+    return env
+
+
+def to_json(env: Environment) -> str:
+    return json.dumps(dataclasses.asdict(env), indent=2)
+
+
+def from_dict(data: dict) -> Environment:
+    gpus = [Gpu(**{**g, "capability": tuple(g["capability"])}) for g in data.get("gpus", [])]
+    return Environment(**{**data, "gpus": gpus})
+
+
+def render_text(env: Environment) -> str:
+    lines = [
+        f"sage-qual      {env.sage_qual}",
+        f"Python         {env.python} on {env.os}",
+        f"torch          {env.torch} (CUDA {env.torch_cuda or 'none'}, cuDNN {env.cudnn or 'none'})",
+        f"NVIDIA driver  {env.driver or 'none'}",
+        f"triton         {env.triton or 'not installed'}",
+        f"sageattention  {env.sageattention or 'not installed'}"
+        + (f"  -- cannot serve: {env.sageattention_problem}" if env.sageattention_problem else ""),
+    ]
+    for name, state in sorted(env.extensions.items()):
+        lines.append(f"  {name:<14} {state}")
+    if not env.gpus:
+        lines.append("GPUs           none visible")
+    for gpu in env.gpus:
+        lines.append("cuda:%d  %s  sm_%d%d  %.1f GiB" % (gpu.index, gpu.name, *gpu.capability, gpu.memory_gib))
+        lines.append(f"  wrapper kernel   {gpu.kernel or 'none: ' + gpu.no_kernel_reason}")
+        lines.append(f"  runnable here    {', '.join(gpu.runnable_variants) or 'none'}")
+    return "\n".join(lines)

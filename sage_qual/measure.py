@@ -1,0 +1,103 @@
+"""GPU measurements shared by `pytest -m slow` and `sage-qual certify`: accuracy, memory, time.
+
+One implementation, so the suite's numbers and the report's agree. Accuracy follows the
+FlashAttention tests: the kernel's error against a float32 reference is reported next to the
+error of PyTorch's SDPA in the input precision against the same reference.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .variants import Variant
+
+# The unpatched function, taken before any install(): references never go through the wrapper.
+TORCH_SDPA = F.scaled_dot_product_attention
+
+
+@dataclass(frozen=True)
+class Accuracy:
+    rel_l2: float  # ||out - ref|| / ||ref|| over the positions where the reference is finite
+    worst_head_cosine: float  # lowest per-(sample, head) cosine similarity against the reference
+    finite: bool  # output finite wherever the reference is
+    sdpa_rel_l2: float  # the same for PyTorch SDPA in the input precision
+    error_vs_sdpa: float  # rel_l2 / sdpa_rel_l2
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def reference(q, k, v, scale: float | None = None) -> torch.Tensor:
+    """Float32 attention through PyTorch's math backend (no TF32, no fused approximations)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    group = q.shape[1] // k.shape[1]
+    with sdpa_kernel([SDPBackend.MATH]):
+        return TORCH_SDPA(q.float(), k.float(), v.float(), scale=scale, enable_gqa=group > 1)
+
+
+def compare(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, bool]:
+    """(relative L2, worst per-head cosine, finite where ref is) of `out` against `ref`."""
+    out, ref = out.float(), ref.float()
+    valid = torch.isfinite(ref)
+    finite = bool(torch.isfinite(out)[valid].all())
+    diff = torch.where(valid, out - ref, 0.0).nan_to_num(nan=float("inf"))
+    rel_l2 = (torch.linalg.vector_norm(diff) / torch.linalg.vector_norm(ref[valid]).clamp_min(1e-30)).item()
+    flat_out = out.flatten(2).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    flat_ref = ref.flatten(2).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    cosine = F.cosine_similarity(flat_out, flat_ref, dim=-1, eps=1e-30).min().item()
+    if not finite:
+        cosine = float("nan")
+    return rel_l2, cosine, finite
+
+
+def call_kernel(package, variant: Variant, q, k, v, scale: float | None = None, smooth_k: bool = False):
+    """Call one variant directly (never through sageattn()), K smoothing as asked."""
+    sm_scale = scale if scale is not None else q.shape[-1] ** -0.5
+    keywords = {**variant.call_keywords(sm_scale), "smooth_k": smooth_k}
+    return getattr(package.module, variant.function)(q, k, v, **keywords)
+
+
+def accuracy(out, q, k, v, ref=None, scale: float | None = None) -> Accuracy:
+    ref = reference(q, k, v, scale) if ref is None else ref
+    rel_l2, cosine, finite = compare(out, ref)
+    sdpa = TORCH_SDPA(q, k, v, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    sdpa_rel_l2, _, _ = compare(sdpa, ref)
+    ratio = rel_l2 / sdpa_rel_l2 if sdpa_rel_l2 > 0 else float("inf")
+    return Accuracy(rel_l2, cosine, finite, sdpa_rel_l2, ratio)
+
+
+def extra_peak_bytes(fn: Callable[[], torch.Tensor], device: int) -> tuple[torch.Tensor, int]:
+    """Run fn once; return its result and the peak bytes it allocated beyond its own output."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    out = fn()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    return out, peak - out.numel() * out.element_size()
+
+
+def elements(*tensors) -> int:
+    return sum(t.numel() for t in tensors)
+
+
+def median_ms(fn: Callable[[], object], warmup: int = 5, repeats: int = 20) -> float:
+    """Median time of fn in milliseconds, timed with CUDA events after warm-up."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
