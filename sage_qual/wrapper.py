@@ -62,6 +62,7 @@ class _Installed:
 
 _installed: _Installed | None = None
 _status = InstallStatus(False, "install() has not been called")
+_install_lock = threading.Lock()  # two threads installing at once must not wrap the wrapper
 
 
 def install_status() -> InstallStatus:
@@ -70,6 +71,11 @@ def install_status() -> InstallStatus:
 
 def install(config: WrapperConfig | None = None) -> InstallStatus:
     """Rebind torch's SDPA to the wrapper once. Never raises; logs one WARNING when it cannot."""
+    with _install_lock:
+        return _install(config)
+
+
+def _install(config: WrapperConfig | None) -> InstallStatus:
     global _installed, _status
     if _installed is not None:
         return _status
@@ -97,10 +103,11 @@ def install(config: WrapperConfig | None = None) -> InstallStatus:
 def uninstall() -> None:
     """Give torch back its own function (a no-op when not installed)."""
     global _installed, _status
-    if _installed is not None:
-        torch.nn.functional.scaled_dot_product_attention = _installed.original
-        _installed = None
-    _status = InstallStatus(False, "uninstall() was called")
+    with _install_lock:
+        if _installed is not None:
+            torch.nn.functional.scaled_dot_product_attention = _installed.original
+            _installed = None
+        _status = InstallStatus(False, "uninstall() was called")
 
 
 def _probe(config: WrapperConfig) -> tuple[dict[int, DeviceState], sage_package.SagePackage]:
