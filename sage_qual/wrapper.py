@@ -63,6 +63,8 @@ class _Installed:
 _installed: _Installed | None = None
 _status = InstallStatus(False, "install() has not been called")
 _install_lock = threading.Lock()  # two threads installing at once must not wrap the wrapper
+# What a caller still holding the wrapper (`from torch.nn.functional import ...`) gets after uninstall().
+_last_original = torch.nn.functional.scaled_dot_product_attention
 
 
 def install_status() -> InstallStatus:
@@ -76,7 +78,7 @@ def install(config: WrapperConfig | None = None) -> InstallStatus:
 
 
 def _install(config: WrapperConfig | None) -> InstallStatus:
-    global _installed, _status
+    global _installed, _status, _last_original
     if _installed is not None:
         return _status
     try:
@@ -91,6 +93,7 @@ def _install(config: WrapperConfig | None) -> InstallStatus:
         return _status
     _installed = _Installed(torch.nn.functional.scaled_dot_product_attention, package,
                             config or DEFAULT_CONFIG, devices)
+    _last_original = _installed.original
     torch.nn.functional.scaled_dot_product_attention = _sdpa
     _status = InstallStatus(True, "", package.version, tuple(devices.values()))
     served = ", ".join(f"{d.label} -> {d.variant.name}" for d in devices.values() if d.variant)
@@ -142,10 +145,13 @@ def _probe(config: WrapperConfig) -> tuple[dict[int, DeviceState], sage_package.
 
 
 def _sdpa(*args, **kwargs):
+    state = _installed  # read once: uninstall() may run in another thread
+    if state is None:  # uninstalled, but the caller kept a reference to this function
+        return _last_original(*args, **kwargs)
     report = _active.get()
     if report is None:  # the common case stays one ContextVar read away from torch
-        return _installed.original(*args, **kwargs)
-    return _serve(_installed, report, args, kwargs)
+        return state.original(*args, **kwargs)
+    return _serve(state, report, args, kwargs)
 
 
 _sdpa.__doc__ = "SageAttention-aware scaled_dot_product_attention (installed by sage_qual)."
