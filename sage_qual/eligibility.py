@@ -50,8 +50,8 @@ class SdpaCall:
         return self.scale if self.scale is not None else self.query.shape[-1] ** -0.5
 
 
-def _bind(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-          enable_gqa=False, **unknown):
+def _bind(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
+          enable_gqa=False, **unknown):  # torch's signature: scale and enable_gqa are keyword-only
     return SdpaCall(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa), unknown
 
 
