@@ -1,0 +1,312 @@
+"""Inside a scope a call goes to SageAttention only if no rule refuses it; each refusal has its reason.
+
+Every refused call must reach torch and give torch's result (or torch's exception) unchanged.
+"""
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sage_qual
+from sage_qual.eligibility import REASONS
+from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention, on_device
+
+TORCH_SDPA = F.scaled_dot_product_attention
+# Low thresholds keep tensors small where the test is not about the thresholds.
+SMALL = sage_qual.WrapperConfig(min_query_tokens=32, min_key_tokens=16, check_rows=16)
+Q_TOKENS, K_TOKENS = 48, 24
+
+
+def rand(*shape, dtype=torch.float16, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def qkv(batch=1, heads=2, kv_heads=None, q_tokens=Q_TOKENS, k_tokens=K_TOKENS, head_dim=64,
+        dtype=torch.float16):
+    kv_heads = kv_heads or heads
+    return (rand(batch, heads, q_tokens, head_dim, dtype=dtype, seed=1),
+            rand(batch, kv_heads, k_tokens, head_dim, dtype=dtype, seed=2),
+            rand(batch, kv_heads, k_tokens, head_dim, dtype=dtype, seed=3))
+
+
+@contextlib.contextmanager
+def wrapped(gpus=((9, 0),), config=SMALL):
+    fake = FakeSageAttention()
+    with FakeCuda([FakeGpu(cap, f"GPU{i}") for i, cap in enumerate(gpus)]) as cuda, fake.installed():
+        status = sage_qual.install(config=config)
+        assert status.enabled, status.reason
+        yield cuda, fake
+
+
+def outcome(function, args, kwargs, seed=0):
+    """(result, None) or (None, (exception type, message)) of one call."""
+    torch.manual_seed(seed)
+    try:
+        return function(*args, **kwargs), None
+    except Exception as error:  # torch's own refusal must come through unchanged
+        return None, (type(error), str(error))
+
+
+def same_outcome(got, expected, shape_only=False):
+    (result, error), (expected_result, expected_error) = got, expected
+    assert error == expected_error
+    if expected_result is not None:
+        if expected_result.is_nested:
+            assert result.is_nested
+            assert all(torch.equal(a, b) for a, b in zip(result.unbind(), expected_result.unbind(), strict=True))
+        elif expected_result.device.type == "meta" or shape_only:
+            assert result.device == expected_result.device and result.shape == expected_result.shape
+        else:
+            assert result.dtype == expected_result.dtype
+            assert torch.equal(result, expected_result)
+
+
+def test_reasons_are_the_documented_ones():
+    assert set(REASONS) >= {"arguments", "mask", "dropout", "causal", "shape", "dtype", "head_dim", "heads",
+                            "short", "layout", "grad", "autocast", "device", "memory"}
+    assert len(set(REASONS)) == len(REASONS)
+
+
+# Served ---------------------------------------------------------------------------------------------
+
+SERVED = [
+    pytest.param(lambda: (qkv(), {}), id="fp16"),
+    pytest.param(lambda: (qkv(dtype=torch.bfloat16), {}), id="bf16"),
+    pytest.param(lambda: (qkv(head_dim=128), {}), id="head_dim=128"),
+    pytest.param(lambda: (qkv(batch=2), {}), id="batch=2"),
+    pytest.param(lambda: (qkv(heads=4, kv_heads=2), {"enable_gqa": True}), id="gqa_4/2"),
+    pytest.param(lambda: (qkv(heads=4, kv_heads=1), {"enable_gqa": True}), id="gqa_4/1"),
+    pytest.param(lambda: (qkv(), {"enable_gqa": True}), id="enable_gqa_equal_heads"),
+    pytest.param(lambda: (qkv(), {"scale": 0.3}), id="scale=0.3"),
+    pytest.param(lambda: (qkv(), {"attn_mask": None, "dropout_p": 0.0, "is_causal": False}),
+                 id="defaults_spelled_out"),
+    pytest.param(lambda: (qkv() + (None, 0.0, False), {}), id="defaults_positional"),
+    pytest.param(lambda: ((), dict(zip(("query", "key", "value"), qkv()))), id="all_keywords"),
+    pytest.param(lambda: (tuple(t.transpose(1, 2).contiguous().transpose(1, 2) for t in qkv()), {}),
+                 id="BNHD_storage_last_dim_contiguous"),
+]
+
+
+@pytest.mark.parametrize("make", SERVED)
+def test_eligible_call_is_served(make):
+    args, kwargs = make()
+    with wrapped() as (_, fake), sage_qual.sage_attention_scope() as report:
+        out = F.scaled_dot_product_attention(*args, **kwargs)
+    assert (report.calls, report.served, dict(report.fallbacks)) == (1, 1, {})
+    assert len(fake.calls) == 1
+    expected = TORCH_SDPA(*args, **kwargs)
+    assert out.dtype == expected.dtype and out.shape == expected.shape
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_grad_tensors_are_served_under_no_grad():
+    q, k, v = qkv()
+    q.requires_grad_()
+    with wrapped() as (_, fake), sage_qual.sage_attention_scope() as report, torch.no_grad():
+        F.scaled_dot_product_attention(q, k, v)
+    assert report.served == 1 and len(fake.calls) == 1
+
+
+# Refused, each with its reason ------------------------------------------------------------------------
+
+@dataclass
+class Case:
+    make: Callable  # -> (args, kwargs), built inside the fake box
+    reason: str
+    gpus: tuple = ((9, 0),)
+    context: Callable = contextlib.nullcontext
+    prepare: Callable | None = None  # run with the fake before the scope under test
+    shape_only: bool = False  # torch's own result is not deterministic (reads past the shorter value)
+
+
+def strided_last_dim(which):
+    def make():
+        tensors = list(qkv())
+        wide = rand(*tensors[which].shape[:-1], 128, seed=9)
+        tensors[which] = wide[..., ::2]
+        assert tensors[which].stride(-1) == 2
+        return tuple(tensors), {}
+    return make
+
+
+def requiring_grad(which):
+    def make():
+        tensors = qkv()
+        tensors[which].requires_grad_()
+        return tensors, {}
+    return make
+
+
+def on_devices(*indices):
+    def make():
+        return tuple(on_device(t, i) for t, i in zip(qkv(), indices)), {}
+    return make
+
+
+def nested_qkv():
+    def nested(seed):
+        return torch.nested.nested_tensor([rand(2, Q_TOKENS, 64, seed=seed), rand(2, Q_TOKENS - 8, 64, seed=seed)])
+    return (nested(1), nested(2), nested(3)), {}
+
+
+def mixed(dtypes):
+    def make():
+        q, k, v = qkv()
+        return (q.to(dtypes[0]), k.to(dtypes[1]), v.to(dtypes[2])), {}
+    return make
+
+
+def retire_device_0(fake):
+    fake.raise_error(ValueError("kernel is broken"))
+    with sage_qual.sage_attention_scope():
+        F.scaled_dot_product_attention(*qkv())
+    fake.behave()
+
+
+REFUSED = [
+    pytest.param(Case(lambda: (qkv(), {"attn_mask": torch.ones(Q_TOKENS, K_TOKENS, dtype=torch.bool)}), "mask"),
+                 id="mask_bool"),
+    pytest.param(Case(lambda: (qkv(), {"attn_mask": rand(1, 1, Q_TOKENS, K_TOKENS, seed=5)}), "mask"),
+                 id="mask_additive"),
+    pytest.param(Case(lambda: (qkv() + (rand(1, 1, Q_TOKENS, K_TOKENS, seed=5),), {}), "mask"),
+                 id="mask_positional"),
+    pytest.param(Case(lambda: (qkv(), {"dropout_p": 0.1}), "dropout"), id="dropout=0.1"),
+    pytest.param(Case(lambda: (qkv() + (None, 0.5), {}), "dropout"), id="dropout_positional"),
+    pytest.param(Case(lambda: (qkv(), {"is_causal": True}), "causal"), id="causal"),
+    pytest.param(Case(lambda: (qkv() + (None, 0.0, True), {}), "causal"), id="causal_positional"),
+    pytest.param(Case(lambda: (tuple(t[0] for t in qkv()), {}), "shape"), id="3-D"),
+    pytest.param(Case(lambda: (tuple(t[None] for t in qkv()), {}), "shape"), id="5-D"),
+    pytest.param(Case(nested_qkv, "shape"), id="nested",
+                 marks=pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")),
+    pytest.param(Case(lambda: ((qkv(batch=2)[0],) + qkv(batch=1)[1:], {}), "shape"), id="batch_2_vs_1"),
+    pytest.param(Case(lambda: (qkv()[:2] + (qkv(k_tokens=K_TOKENS + 8)[2],), {}), "shape", shape_only=True),
+                 id="key_value_lengths_differ"),
+    pytest.param(Case(lambda: (qkv(dtype=torch.float32), {}), "dtype"), id="float32"),
+    pytest.param(Case(lambda: (qkv(dtype=torch.float64), {}), "dtype"), id="float64"),
+    pytest.param(Case(mixed((torch.float16, torch.bfloat16, torch.float16)), "dtype"), id="mixed_fp16_bf16"),
+    pytest.param(Case(mixed((torch.float16, torch.float16, torch.float32)), "dtype"), id="value_float32"),
+    pytest.param(Case(lambda: (qkv(head_dim=96), {}), "head_dim"), id="head_dim=96"),
+    pytest.param(Case(lambda: (qkv(head_dim=32), {}), "head_dim"), id="head_dim=32"),
+    pytest.param(Case(lambda: (qkv(head_dim=256), {}), "head_dim"), id="head_dim=256"),
+    pytest.param(Case(lambda: (qkv()[:2] + (qkv(head_dim=128)[2],), {}), "head_dim"),
+                 id="value_head_dim_differs"),
+    pytest.param(Case(lambda: ((qkv()[0],) + qkv(head_dim=128)[1:], {}), "head_dim"),
+                 id="key_head_dim_differs"),
+    pytest.param(Case(lambda: (qkv(heads=4, kv_heads=2), {}), "heads"), id="heads_4/2_without_enable_gqa"),
+    pytest.param(Case(lambda: (qkv(heads=3, kv_heads=2), {"enable_gqa": True}), "heads"),
+                 id="heads_3/2_not_divisible"),
+    pytest.param(Case(strided_last_dim(0), "layout"), id="query_last_dim_stride_2"),
+    pytest.param(Case(strided_last_dim(1), "layout"), id="key_last_dim_stride_2"),
+    pytest.param(Case(strided_last_dim(2), "layout"), id="value_last_dim_stride_2"),
+    pytest.param(Case(requiring_grad(0), "grad"), id="query_requires_grad"),
+    pytest.param(Case(requiring_grad(2), "grad"), id="value_requires_grad"),
+    pytest.param(Case(lambda: (qkv(), {}), "autocast",
+                      context=lambda: torch.autocast("cpu", dtype=torch.bfloat16)), id="autocast"),
+    pytest.param(Case(lambda: (tuple(t.to("meta") for t in qkv()), {}), "device"), id="meta_tensors"),
+    pytest.param(Case(on_devices(0, 1, 1), "device", gpus=((9, 0), (9, 0))), id="query_on_other_gpu"),
+    pytest.param(Case(on_devices(0, 0, 1), "device", gpus=((9, 0), (9, 0))), id="value_on_other_gpu"),
+    pytest.param(Case(on_devices(0, 0, 0), "device", gpus=((8, 7), (9, 0))), id="gpu_without_kernel"),
+    pytest.param(Case(lambda: (qkv(), {}), "device", prepare=retire_device_0), id="retired_gpu"),
+]
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_refused_call_gives_torch_outcome_with_its_reason(case):
+    with wrapped(gpus=case.gpus) as (_, fake):
+        if case.prepare:
+            case.prepare(fake)
+        calls_before = len(fake.calls)
+        args, kwargs = case.make()
+        with case.context():
+            expected = outcome(TORCH_SDPA, args, kwargs)
+            with sage_qual.sage_attention_scope() as report:
+                got = outcome(F.scaled_dot_product_attention, args, kwargs)
+    assert dict(report.fallbacks) == {case.reason: 1}
+    assert (report.calls, report.served) == (1, 0)
+    assert len(fake.calls) == calls_before, "the kernel ran for a refused call"
+    same_outcome(got, expected, case.shape_only)
+
+
+def test_refused_for_memory_after_out_of_memory_in_the_scope():
+    with wrapped() as (_, fake):
+        fake.raise_error(torch.OutOfMemoryError("CUDA out of memory"), times=1)
+        args = qkv()
+        with sage_qual.sage_attention_scope() as report:
+            F.scaled_dot_product_attention(*args)
+            got = outcome(F.scaled_dot_product_attention, args, {})
+    assert dict(report.fallbacks) == {"memory": 2}
+    assert report.served == 0
+    assert len(fake.calls) == 1
+    same_outcome(got, outcome(TORCH_SDPA, args, {}))
+
+
+# Arguments torch does not take: torch's TypeError, counted as "arguments" ---------------------------
+
+ARGUMENTS = [
+    pytest.param(lambda: (qkv(), {"window": 128}), id="unknown_keyword"),
+    pytest.param(lambda: (qkv() + (None, 0.0, False, 0.3), {}), id="scale_positional"),
+    pytest.param(lambda: (qkv() + (None, 0.0, False, None, True), {}), id="enable_gqa_positional"),
+    pytest.param(lambda: (qkv()[:2], {}), id="value_missing"),
+    pytest.param(lambda: (qkv(), {"query": qkv()[0]}), id="query_twice"),
+]
+
+
+@pytest.mark.parametrize("make", ARGUMENTS)
+def test_arguments_torch_rejects_raise_torchs_type_error(make):
+    args, kwargs = make()
+    expected = outcome(TORCH_SDPA, args, kwargs)
+    assert expected[1] is not None and expected[1][0] is TypeError
+    with wrapped() as (_, fake):
+        with sage_qual.sage_attention_scope() as report:
+            got = outcome(F.scaled_dot_product_attention, args, kwargs)
+        outside = outcome(F.scaled_dot_product_attention, args, kwargs)
+    assert got[1] == expected[1]
+    assert outside[1] == expected[1]
+    assert dict(report.fallbacks) == {"arguments": 1}
+    assert fake.calls == []
+
+
+# The break-even thresholds, at their exact boundary --------------------------------------------------
+
+@pytest.mark.parametrize("q_tokens, k_tokens, served", [
+    pytest.param(1535, 512, False, id="query=1535_key=512"),
+    pytest.param(1536, 511, False, id="query=1536_key=511"),
+    pytest.param(1536, 512, True, id="query=1536_key=512"),
+    pytest.param(1535, 4096, False, id="query=1535_key=4096"),
+])
+def test_default_thresholds(q_tokens, k_tokens, served):
+    args = qkv(heads=1, q_tokens=q_tokens, k_tokens=k_tokens)
+    with wrapped(config=None) as (_, fake), sage_qual.sage_attention_scope() as report:
+        got = outcome(F.scaled_dot_product_attention, args, {})
+    assert report.calls == 1
+    if served:
+        assert (report.served, dict(report.fallbacks), len(fake.calls)) == (1, {}, 1)
+    else:
+        assert (report.served, dict(report.fallbacks), len(fake.calls)) == (0, {"short": 1}, 0)
+        same_outcome(got, outcome(TORCH_SDPA, args, {}))
+
+
+@pytest.mark.parametrize("q_tokens, k_tokens, served", [
+    pytest.param(31, 16, False, id="query=31"),
+    pytest.param(32, 15, False, id="key=15"),
+    pytest.param(32, 16, True, id="query=32_key=16"),
+])
+def test_configured_thresholds(q_tokens, k_tokens, served):
+    with wrapped(config=SMALL) as (_, fake), sage_qual.sage_attention_scope() as report:
+        F.scaled_dot_product_attention(*qkv(q_tokens=q_tokens, k_tokens=k_tokens))
+    assert report.served == int(served)
+    assert dict(report.fallbacks) == ({} if served else {"short": 1})
+
+
+def test_configured_head_dims():
+    config = sage_qual.WrapperConfig(min_query_tokens=32, min_key_tokens=16, check_rows=16, head_dims=(128,))
+    with wrapped(config=config) as (_, fake), sage_qual.sage_attention_scope() as report:
+        F.scaled_dot_product_attention(*qkv(head_dim=64))
+        F.scaled_dot_product_attention(*qkv(head_dim=128))
+    assert report.served == 1
+    assert dict(report.fallbacks) == {"head_dim": 1}
+    assert fake.calls[0].q.shape[-1] == 128

@@ -1,0 +1,296 @@
+"""install() / uninstall(): rebinding, idempotence, and every reason to keep torch's function."""
+
+import contextlib
+import logging
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sage_qual
+from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
+
+TORCH_SDPA = F.scaled_dot_product_attention  # torch's own function, read before any install
+SM90 = "sageattn_qk_int8_pv_fp8_cuda_sm90"
+BUILD_FROM_SOURCE = "github.com/thu-ml/SageAttention"
+
+
+def warnings_of(caplog):
+    return [r for r in caplog.records if r.name == "sage_qual" and r.levelno == logging.WARNING]
+
+
+def infos_of(caplog):
+    return [r for r in caplog.records if r.name == "sage_qual" and r.levelno == logging.INFO]
+
+
+@pytest.fixture(autouse=True)
+def _log_everything(caplog):
+    caplog.set_level(logging.DEBUG, logger="sage_qual")
+
+
+@contextlib.contextmanager
+def fake_box(gpus=((9, 0),), fake=None, **cuda_options):
+    fake = fake if fake is not None else FakeSageAttention()
+    with FakeCuda([FakeGpu(cap, f"GPU{i}") for i, cap in enumerate(gpus)], **cuda_options) as cuda, \
+            fake.installed():
+        yield cuda, fake
+
+
+def assert_refused(caplog, status, *words):
+    """torch's function kept, one WARNING naming every word, and the same reason for the caller."""
+    assert status.enabled is False
+    assert F.scaled_dot_product_attention is TORCH_SDPA
+    assert sage_qual.install_status() == status
+    warnings = warnings_of(caplog)
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    message = warnings[0].getMessage()
+    for word in words:
+        assert word in message, f"{word!r} not in WARNING {message!r}"
+        assert word in status.reason, f"{word!r} not in install_status().reason {status.reason!r}"
+    assert not [r for r in infos_of(caplog) if "enabled" in r.getMessage()]
+
+
+# Rebinding ------------------------------------------------------------------------------------------
+
+def test_install_rebinds_torch_function_and_uninstall_restores_the_exact_object():
+    with fake_box():
+        status = sage_qual.install()
+        assert status.enabled, status.reason
+        assert status.version == "2.2.0"
+        assert status.reason == ""
+        assert F.scaled_dot_product_attention is not TORCH_SDPA
+        assert torch.nn.functional.scaled_dot_product_attention is F.scaled_dot_product_attention
+        assert sage_qual.install_status().enabled
+        sage_qual.uninstall()
+    assert F.scaled_dot_product_attention is TORCH_SDPA
+    assert not sage_qual.install_status().enabled
+    assert sage_qual.install_status().reason
+
+
+def test_install_twice_rebinds_once(caplog):
+    with fake_box():
+        first = sage_qual.install()
+        wrapped = F.scaled_dot_product_attention
+        second = sage_qual.install()
+        assert second.enabled and second == first
+        assert F.scaled_dot_product_attention is wrapped
+        enabled_lines = [r for r in infos_of(caplog) if "enabled" in r.getMessage()]
+        assert len(enabled_lines) == 1
+        sage_qual.uninstall()
+        assert F.scaled_dot_product_attention is TORCH_SDPA
+
+
+def test_install_again_after_uninstall_works():
+    with fake_box():
+        assert sage_qual.install().enabled
+        sage_qual.uninstall()
+        assert sage_qual.install().enabled
+        assert F.scaled_dot_product_attention is not TORCH_SDPA
+        sage_qual.uninstall()
+    assert F.scaled_dot_product_attention is TORCH_SDPA
+
+
+def test_uninstall_without_install_keeps_torch_function():
+    sage_qual.uninstall()
+    sage_qual.uninstall()
+    assert F.scaled_dot_product_attention is TORCH_SDPA
+
+
+class SlowProbeCuda(FakeCuda):
+    """Probing takes a while, so two threads calling install() overlap."""
+
+    def device_count(self):
+        time.sleep(0.2)
+        return super().device_count()
+
+
+def test_concurrent_installs_rebind_once():
+    fake = FakeSageAttention()
+    with SlowProbeCuda([FakeGpu((9, 0))]), fake.installed():
+        statuses = []
+        threads = [threading.Thread(target=lambda: statuses.append(sage_qual.install())) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert [s.enabled for s in statuses] == [True, True]
+        q = torch.randn(1, 1, 8, 64)
+        # Outside a scope the call must reach torch once, not the wrapper wrapping itself.
+        assert torch.equal(F.scaled_dot_product_attention(q, q, q), TORCH_SDPA(q, q, q))
+        sage_qual.uninstall()
+    assert F.scaled_dot_product_attention is TORCH_SDPA
+
+
+def test_wrapper_held_by_reference_still_works_after_uninstall():
+    """`from torch.nn.functional import scaled_dot_product_attention` keeps the wrapper object."""
+    with fake_box():
+        sage_qual.install()
+        held = F.scaled_dot_product_attention
+        sage_qual.uninstall()
+        q = torch.randn(1, 1, 8, 64)
+        assert torch.equal(held(q, q, q), TORCH_SDPA(q, q, q))
+        with sage_qual.sage_attention_scope():
+            assert torch.equal(held(q, q, q), TORCH_SDPA(q, q, q))
+
+
+# Never raises -------------------------------------------------------------------------------------
+
+class BrokenCuda(FakeCuda):
+    def __init__(self, broken: str):
+        super().__init__([FakeGpu((9, 0))])
+        self.broken = broken
+
+    def device_count(self):
+        if self.broken == "device_count":
+            raise RuntimeError("CUDA driver initialization failed")
+        return super().device_count()
+
+    def capability(self, index):
+        if self.broken == "capability":
+            raise RuntimeError("CUDA error: unknown error")
+        return super().capability(index)
+
+    def device_name(self, index):
+        if self.broken == "device_name":
+            raise AssertionError("Torch not compiled with CUDA enabled")
+        return super().device_name(index)
+
+
+@pytest.mark.parametrize("broken", ["device_count", "capability", "device_name"])
+def test_install_never_raises(caplog, broken):
+    with BrokenCuda(broken), FakeSageAttention().installed():
+        status = sage_qual.install()
+    assert status.enabled is False
+    assert F.scaled_dot_product_attention is TORCH_SDPA
+    assert len(warnings_of(caplog)) == 1
+    assert "Error" in status.reason
+    assert status == sage_qual.install_status()
+
+
+def test_install_on_this_cpu_build_without_fakes(caplog):
+    """The real platform of a CPU-only torch: no GPU, one WARNING, torch kept."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU")
+    status = sage_qual.install()
+    assert_refused(caplog, status, "no CUDA GPU", "install a CUDA build of torch")
+
+
+# Every reason to keep torch's function, with its fix ----------------------------------------------
+
+@contextlib.contextmanager
+def sageattention_absent():
+    with FakeCuda([FakeGpu((9, 0))]), FakeSageAttention().installed():
+        sys.modules["sageattention"] = None  # find_spec answers None; the fake restores the entry
+        yield
+
+
+REFUSALS = [
+    pytest.param(lambda: fake_box(rocm=True), ("ROCm", "NVIDIA"), id="rocm_build"),
+    pytest.param(lambda: fake_box(gpus=()), ("no CUDA GPU", "install a CUDA build of torch"), id="no_gpu"),
+    pytest.param(lambda: fake_box(gpus=((7, 5), (6, 1))), ("8.0", "sm_75", "sm_61", "Ampere"),
+                 id="only_gpus_below_sm80"),
+    pytest.param(lambda: fake_box(gpus=((8, 7),)), ("sm_87", "no SageAttention kernel"),
+                 id="only_sm87_without_kernel"),
+    pytest.param(lambda: fake_box(gpus=((11, 0),)), ("sm_110", "no SageAttention kernel"),
+                 id="only_unknown_capability"),
+    pytest.param(sageattention_absent, ("sageattention is not installed", BUILD_FROM_SOURCE),
+                 id="sageattention_missing"),
+    pytest.param(lambda: fake_box(fake=FakeSageAttention(triton=False)),
+                 ("triton is not installed", "pip install triton"), id="triton_missing"),
+    pytest.param(lambda: fake_box(fake=FakeSageAttention(version=None)),
+                 ("no package metadata", BUILD_FROM_SOURCE), id="no_package_metadata"),
+    pytest.param(lambda: fake_box(fake=FakeSageAttention(import_error=OSError(
+        "[WinError 127] DLL load failed while importing _qattn_sm80")),
+    ), ("OSError", "DLL load failed", BUILD_FROM_SOURCE), id="import_dll_load_error"),
+    pytest.param(lambda: fake_box(fake=FakeSageAttention(import_error=ImportError(
+        "_qattn_sm90.so: undefined symbol: _ZN3c104cuda")),
+    ), ("ImportError", "undefined symbol", BUILD_FROM_SOURCE), id="import_abi_mismatch"),
+    pytest.param(lambda: fake_box(fake=FakeSageAttention(version="1.0.6")),
+                 ("1.0.6", "SageAttention 1, the release on PyPI", "uninstall it", BUILD_FROM_SOURCE),
+                 id="version=1.0.6"),
+    pytest.param(lambda: fake_box(fake=FakeSageAttention(version="2.1.1")),
+                 ("2.1.1", "older than 2.2.0", BUILD_FROM_SOURCE), id="version=2.1.1"),
+    pytest.param(lambda: fake_box(fake=FakeSageAttention(version="2.0.1")),
+                 ("2.0.1", "older than 2.2.0"), id="version=2.0.1"),
+    pytest.param(lambda: fake_box(fake=FakeSageAttention(version="2.1.1+cu130torch2.10.0andhigher.post6")),
+                 ("older than 2.2.0",), id="version=2.1.1+local_label"),
+    pytest.param(lambda: fake_box(fake=FakeSageAttention(version="not-a-version")),
+                 ("not a version number", BUILD_FROM_SOURCE), id="version_unparsable"),
+    pytest.param(lambda: fake_box(fake=FakeSageAttention(missing=(SM90,))),
+                 (SM90, BUILD_FROM_SOURCE), id="kernel_function_missing"),
+    pytest.param(lambda: fake_box(fake=FakeSageAttention(extensions=("_qattn_sm80", "_qattn_sm89", "_fused"))),
+                 ("_qattn_sm90",), id="extension_for_this_gpu_not_built"),
+]
+
+
+@pytest.mark.parametrize("make_box, words", REFUSALS)
+def test_install_refuses_with_one_warning_naming_cause_and_fix(caplog, make_box, words):
+    with make_box():
+        status = sage_qual.install()
+    assert_refused(caplog, status, *words)
+
+
+@pytest.mark.parametrize("keyword, capability", [
+    pytest.param("smooth_k", (9, 0), id="smooth_k"),
+    pytest.param("sm_scale", (9, 0), id="sm_scale"),
+    pytest.param("tensor_layout", (9, 0), id="tensor_layout"),
+    pytest.param("is_causal", (9, 0), id="is_causal"),
+    pytest.param("pv_accum_dtype", (9, 0), id="pv_accum_dtype"),
+    pytest.param("qk_quant_gran", (12, 0), id="qk_quant_gran_on_sm120"),
+    pytest.param("pv_accum_dtype", (8, 0), id="pv_accum_dtype_on_sm80"),
+    pytest.param("smooth_k", (8, 6), id="smooth_k_on_sm86_triton"),
+])
+def test_install_refuses_kernel_whose_signature_swallows_a_keyword(caplog, keyword, capability):
+    """Real kernels end in **kwargs: a keyword they stopped naming would be silently ignored."""
+    with fake_box(gpus=(capability,), fake=FakeSageAttention(signature_drops=(keyword,))):
+        status = sage_qual.install()
+    assert_refused(caplog, status, keyword, "**kwargs")
+
+
+def test_keyword_the_wrapper_does_not_pass_may_be_missing():
+    with fake_box(fake=FakeSageAttention(signature_drops=("return_lse", "qk_quant_gran"))):
+        status = sage_qual.install()
+    assert status.enabled, status.reason
+
+
+def test_kernel_function_of_another_gpu_may_be_missing():
+    with fake_box(gpus=((9, 0),), fake=FakeSageAttention(missing=("sageattn_qk_int8_pv_fp16_triton",))):
+        status = sage_qual.install()
+    assert status.enabled, status.reason
+
+
+@pytest.mark.parametrize("version", [
+    pytest.param("2.2.0", id="2.2.0"),
+    pytest.param("2.2.0.post3", id="2.2.0.post3"),
+    pytest.param("2.2.0+cu130torch2.10.0andhigher.post6", id="2.2.0+local_label"),
+    pytest.param("2.2.1", id="2.2.1"),
+    pytest.param("2.10.0", id="2.10.0_numeric_not_string_compare"),
+    pytest.param("2.3", id="2.3"),
+])
+def test_install_accepts_versions_from_2_2_0(version):
+    with fake_box(fake=FakeSageAttention(version=version)):
+        status = sage_qual.install()
+    assert status.enabled, status.reason
+    assert status.version == version
+    assert F.scaled_dot_product_attention is not TORCH_SDPA
+
+
+def test_install_enables_when_some_gpus_have_no_kernel():
+    with fake_box(gpus=((8, 7), (9, 0))):
+        status = sage_qual.install()
+    assert status.enabled, status.reason
+    by_index = {d.index: d for d in status.devices}
+    assert by_index[0].variant is None and "sm_87" in by_index[0].no_kernel_reason
+    assert by_index[1].variant is not None and by_index[1].variant.function == SM90
+
+
+def test_importing_sage_qual_imports_neither_sageattention_nor_triton():
+    code = ("import sage_qual, sage_qual.testing, sys; "
+            "bad = [m for m in ('sageattention', 'triton') if m in sys.modules]; "
+            "assert not bad, bad")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
