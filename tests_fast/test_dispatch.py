@@ -1,0 +1,323 @@
+"""Which kernel serves which GPU, with which keywords, on which device; and the fakes themselves."""
+
+import contextlib
+import functools
+import inspect
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sage_qual
+from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention, exact_attention, on_device
+
+TORCH_SDPA = F.scaled_dot_product_attention
+SMALL = sage_qual.WrapperConfig(min_query_tokens=32, min_key_tokens=16, check_rows=16)
+
+FP16_CUDA = "sageattn_qk_int8_pv_fp16_cuda"
+FP16_TRITON = "sageattn_qk_int8_pv_fp16_triton"
+FP8_CUDA = "sageattn_qk_int8_pv_fp8_cuda"
+FP8_SM90 = "sageattn_qk_int8_pv_fp8_cuda_sm90"
+KERNELS = (FP16_CUDA, FP16_TRITON, FP8_CUDA, FP8_SM90)
+
+
+@dataclass
+class RecordingSage(FakeSageAttention):
+    """The fake, also recording the keywords each kernel was called with explicitly (not its defaults)
+    and offering `sageattn`, which the wrapper must never call."""
+
+    explicit: list = field(default_factory=list)
+    sageattn_calls: list = field(default_factory=list)
+
+    def module(self):
+        module = super().module()
+        for name in KERNELS:
+            function = getattr(module, name, None)
+            if function is not None:
+                setattr(module, name, self._recording(function))
+
+        def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, return_lse=False, **kwargs):
+            self.sageattn_calls.append(kwargs)
+            return exact_attention(q, k, v, sm_scale or q.shape[-1] ** -0.5)
+
+        module.sageattn = sageattn
+        return module
+
+    def _recording(self, function):
+        @functools.wraps(function)
+        def kernel(*args, **kwargs):
+            self.explicit.append((function.__name__, len(args), dict(kwargs)))
+            return function(*args, **kwargs)
+        return kernel
+
+
+def rand(*shape, dtype=torch.float16, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def qkv(heads=2, kv_heads=None, q_tokens=48, k_tokens=24, head_dim=64, dtype=torch.float16):
+    kv_heads = kv_heads or heads
+    return (rand(1, heads, q_tokens, head_dim, dtype=dtype, seed=1),
+            rand(1, kv_heads, k_tokens, head_dim, dtype=dtype, seed=2),
+            rand(1, kv_heads, k_tokens, head_dim, dtype=dtype, seed=3))
+
+
+@contextlib.contextmanager
+def wrapped(gpus=((9, 0),), torch_cuda=(13, 0), config=SMALL, fake=None):
+    fake = fake if fake is not None else RecordingSage()
+    with FakeCuda([FakeGpu(cap, f"GPU{i}") for i, cap in enumerate(gpus)], torch_cuda=torch_cuda) as cuda, \
+            fake.installed():
+        status = sage_qual.install(config=config)
+        assert status.enabled, status.reason
+        yield cuda, fake
+
+
+@pytest.fixture
+def torch_spy():
+    """torch's SDPA behind a recorder, installed before the wrapper so the wrapper takes it as torch's."""
+    calls = []
+
+    def spy(*args, **kwargs):
+        cuda = sage_qual.platform.current()
+        calls.append((args, kwargs, getattr(cuda, "current_device", None)))
+        return TORCH_SDPA(*args, **kwargs)
+
+    F.scaled_dot_product_attention = spy
+    try:
+        yield calls
+    finally:
+        sage_qual.uninstall()
+        F.scaled_dot_product_attention = TORCH_SDPA
+
+
+# The kernel table ------------------------------------------------------------------------------------
+
+COMMON = {"tensor_layout": "HND", "is_causal": False, "smooth_k": False}
+TABLE = [
+    pytest.param((8, 0), (13, 0), FP16_CUDA, {"pv_accum_dtype": "fp32"}, id="sm80"),
+    pytest.param((8, 0), (12, 4), FP16_CUDA, {"pv_accum_dtype": "fp32"}, id="sm80_cuda12.4"),
+    pytest.param((8, 6), (13, 0), FP16_TRITON, {}, id="sm86"),
+    pytest.param((8, 9), (12, 8), FP8_CUDA, {"pv_accum_dtype": "fp32+fp16"}, id="sm89_cuda12.8"),
+    pytest.param((8, 9), (13, 0), FP8_CUDA, {"pv_accum_dtype": "fp32+fp16"}, id="sm89_cuda13.0"),
+    pytest.param((8, 9), (12, 6), FP8_CUDA, {"pv_accum_dtype": "fp32+fp32"}, id="sm89_cuda12.6"),
+    pytest.param((8, 9), (11, 8), FP8_CUDA, {"pv_accum_dtype": "fp32+fp32"}, id="sm89_cuda11.8"),
+    pytest.param((9, 0), (13, 0), FP8_SM90, {"pv_accum_dtype": "fp32+fp32"}, id="sm90"),
+    pytest.param((9, 0), (12, 4), FP8_SM90, {"pv_accum_dtype": "fp32+fp32"}, id="sm90_cuda12.4"),
+    pytest.param((10, 0), (12, 8), FP8_CUDA, {"qk_quant_gran": "per_warp", "pv_accum_dtype": "fp32+fp16"},
+                 id="sm100_cuda12.8"),
+    pytest.param((12, 0), (13, 0), FP8_CUDA, {"qk_quant_gran": "per_warp", "pv_accum_dtype": "fp32+fp16"},
+                 id="sm120_cuda13.0"),
+    pytest.param((12, 1), (12, 9), FP8_CUDA, {"qk_quant_gran": "per_warp", "pv_accum_dtype": "fp32+fp16"},
+                 id="sm121_cuda12.9"),
+    pytest.param((12, 0), (12, 6), FP8_CUDA, {"qk_quant_gran": "per_warp", "pv_accum_dtype": "fp32"},
+                 id="sm120_cuda12.6"),
+    pytest.param((10, 0), (12, 4), FP8_CUDA, {"qk_quant_gran": "per_warp", "pv_accum_dtype": "fp32"},
+                 id="sm100_cuda12.4"),
+]
+
+
+@pytest.mark.parametrize("capability, torch_cuda, function, options", TABLE)
+def test_kernel_and_exact_keywords_per_gpu(capability, torch_cuda, function, options):
+    q, k, v = qkv()
+    with wrapped(gpus=(capability,), torch_cuda=torch_cuda) as (_, fake):
+        with sage_qual.sage_attention_scope() as report:
+            out = F.scaled_dot_product_attention(q, k, v)
+    assert report.served == 1
+    assert [c.function for c in fake.calls] == [function]
+    name, positional, keywords = fake.explicit[0]
+    assert name == function
+    assert positional == 3
+    assert keywords == {**COMMON, "sm_scale": 64 ** -0.5, **options}
+    call = fake.calls[0]
+    assert call.q is q and call.k is k and call.v is v
+    assert out is not None and out.shape == q.shape
+    assert fake.sageattn_calls == []
+
+
+@pytest.mark.parametrize("capability", [
+    pytest.param((8, 7), id="sm87"),
+    pytest.param((8, 8), id="sm88_unknown"),
+    pytest.param((10, 3), id="sm103_unknown"),
+    pytest.param((11, 0), id="sm110_unknown"),
+    pytest.param((9, 1), id="sm91_unknown"),
+])
+def test_gpu_without_kernel_is_not_served(capability):
+    """A box whose other GPU has a kernel: install succeeds, this GPU's calls stay on torch."""
+    q, k, v = qkv()
+    with wrapped(gpus=(capability, (9, 0))) as (_, fake):
+        status = sage_qual.install_status()
+        assert status.devices[0].variant is None
+        assert "sm_%d%d" % capability in status.devices[0].no_kernel_reason
+        with sage_qual.sage_attention_scope() as report:
+            out = F.scaled_dot_product_attention(q, k, v)
+            F.scaled_dot_product_attention(*(on_device(t, 1) for t in qkv()))
+    assert dict(report.fallbacks) == {"device": 1}
+    assert [c.device for c in fake.calls] == [1]
+    assert torch.equal(out, TORCH_SDPA(q, k, v))
+
+
+def test_sm89_without_cuda_12_8_falls_to_the_fp32_accumulator_variant():
+    with wrapped(gpus=((8, 9),), torch_cuda=(12, 6)):
+        assert sage_qual.install_status().devices[0].variant.name == "sm89-fp8-cuda-fp32acc"
+
+
+# Scale and GQA ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("head_dim, kwargs, sm_scale", [
+    pytest.param(64, {}, 64 ** -0.5, id="head_dim=64_default_scale"),
+    pytest.param(128, {}, 128 ** -0.5, id="head_dim=128_default_scale"),
+    pytest.param(64, {"scale": 0.3}, 0.3, id="scale=0.3"),
+    pytest.param(128, {"scale": 1.0}, 1.0, id="head_dim=128_scale=1.0"),
+])
+def test_sm_scale(head_dim, kwargs, sm_scale):
+    q, k, v = qkv(head_dim=head_dim)
+    with wrapped() as (_, fake), sage_qual.sage_attention_scope() as report:
+        out = F.scaled_dot_product_attention(q, k, v, **kwargs)
+    assert report.served == 1
+    assert fake.explicit[0][2]["sm_scale"] == pytest.approx(sm_scale, rel=1e-12)
+    torch.testing.assert_close(out.float(), TORCH_SDPA(q, k, v, **kwargs).float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [
+    pytest.param(4, 2, id="heads=4/2"),
+    pytest.param(4, 1, id="heads=4/1"),
+    pytest.param(6, 3, id="heads=6/3"),
+])
+def test_gqa_key_value_passed_unexpanded(heads, kv_heads):
+    q, k, v = qkv(heads=heads, kv_heads=kv_heads)
+    with wrapped() as (_, fake), sage_qual.sage_attention_scope() as report:
+        out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    assert report.served == 1
+    call = fake.calls[0]
+    assert call.k is k and call.v is v
+    assert call.k.shape[1] == kv_heads and call.v.shape[1] == kv_heads
+    assert "enable_gqa" not in fake.explicit[0][2]
+    torch.testing.assert_close(out.float(), TORCH_SDPA(q, k, v, enable_gqa=True).float(),
+                               atol=2e-2, rtol=2e-2)
+
+
+# Device context -------------------------------------------------------------------------------------
+
+def test_kernel_and_check_run_with_the_tensors_device_current(torch_spy):
+    with wrapped(gpus=((9, 0), (9, 0))) as (cuda, fake):
+        assert cuda.current_device == 0
+        tensors = tuple(on_device(t, 1) for t in qkv())
+        with sage_qual.sage_attention_scope() as report:
+            F.scaled_dot_product_attention(*tensors)
+        assert report.served == 1
+        assert cuda.events == ["enter 1", f"kernel {FP8_SM90} on 1", "exit 1"]
+        assert fake.calls[0].device == 1
+        # The first-call check recomputed its slice with torch, with device 1 current too.
+        assert [device for _, _, device in torch_spy] == [1]
+        assert cuda.current_device == 0
+
+
+def test_each_device_runs_with_itself_current():
+    with wrapped(gpus=((9, 0), (8, 9))) as (cuda, fake):
+        with sage_qual.sage_attention_scope() as report:
+            F.scaled_dot_product_attention(*(on_device(t, 1) for t in qkv()))
+            F.scaled_dot_product_attention(*qkv())
+    assert report.served == 2
+    assert [(c.function, c.device) for c in fake.calls] == [(FP8_CUDA, 1), (FP8_SM90, 0)]
+    assert cuda.events == ["enter 1", f"kernel {FP8_CUDA} on 1", "exit 1",
+                           "enter 0", f"kernel {FP8_SM90} on 0", "exit 0"]
+
+
+def test_device_is_restored_when_the_kernel_raises():
+    fake = RecordingSage()
+    fake.raise_error(ValueError("broken"))
+    with wrapped(gpus=((9, 0), (9, 0)), fake=fake) as (cuda, _):
+        with sage_qual.sage_attention_scope():
+            F.scaled_dot_product_attention(*(on_device(t, 1) for t in qkv()))
+        assert cuda.events[0] == "enter 1" and cuda.events[-1] == "exit 1"
+        assert cuda.current_device == 0
+
+
+# The fakes themselves -------------------------------------------------------------------------------
+
+UPSTREAM_KEYWORDS = {
+    FP16_CUDA: ("tensor_layout", "is_causal", "qk_quant_gran", "sm_scale", "pv_accum_dtype", "smooth_k",
+                "smooth_v", "return_lse"),
+    FP16_TRITON: ("tensor_layout", "quantization_backend", "is_causal", "sm_scale", "smooth_k", "return_lse"),
+    FP8_CUDA: ("tensor_layout", "is_causal", "qk_quant_gran", "sm_scale", "pv_accum_dtype", "smooth_k",
+               "smooth_v", "return_lse"),
+    FP8_SM90: ("tensor_layout", "is_causal", "qk_quant_gran", "sm_scale", "pv_accum_dtype", "smooth_k",
+               "return_lse"),
+}
+
+
+@pytest.mark.parametrize("function", KERNELS)
+def test_fake_kernels_declare_the_upstream_keywords(function):
+    module = FakeSageAttention().module()
+    parameters = inspect.signature(getattr(module, function)).parameters
+    names = list(parameters)
+    assert names[:3] == ["q", "k", "v"]
+    for keyword in UPSTREAM_KEYWORDS[function]:
+        assert keyword in parameters, keyword
+    assert parameters["smooth_k"].default is True  # upstream's default, which the wrapper must override
+    assert parameters["tensor_layout"].default == "HND"
+    last = parameters[names[-1]]
+    assert last.kind is inspect.Parameter.VAR_KEYWORD
+
+
+def test_fake_signature_drops_and_missing():
+    module = FakeSageAttention(signature_drops=("smooth_k",), missing=(FP16_TRITON,)).module()
+    assert not hasattr(module, FP16_TRITON)
+    for function in (FP16_CUDA, FP8_CUDA, FP8_SM90):
+        parameters = inspect.signature(getattr(module, function)).parameters
+        assert "smooth_k" not in parameters and "sm_scale" in parameters
+
+
+@pytest.mark.parametrize("function", KERNELS)
+@pytest.mark.parametrize("heads, kv_heads, sm_scale", [
+    pytest.param(2, 2, None, id="mha_default_scale"),
+    pytest.param(4, 2, 0.2, id="gqa_scale=0.2"),
+])
+def test_fake_kernels_record_and_return_exact_attention(function, heads, kv_heads, sm_scale):
+    fake = FakeSageAttention()
+    kernel = getattr(fake.module(), function)
+    q, k, v = qkv(heads=heads, kv_heads=kv_heads, dtype=torch.bfloat16)
+    out = kernel(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=sm_scale, smooth_k=False)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    expected = TORCH_SDPA(q.float(), k.float(), v.float(), scale=sm_scale, enable_gqa=heads != kv_heads)
+    torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
+    [call] = fake.calls
+    assert call.function == function and call.q is q and call.k is k and call.v is v
+    assert call.keywords["smooth_k"] is False and call.keywords["sm_scale"] == sm_scale
+    assert call.keywords["tensor_layout"] == "HND"
+
+
+def test_fake_behaviours():
+    fake = FakeSageAttention()
+    kernel = getattr(fake.module(), FP8_SM90)
+    q, k, v = qkv()
+    fake.raise_error(OSError("cache"), times=2)
+    for _ in range(2):
+        with pytest.raises(OSError):
+            kernel(q, k, v)
+    exact = kernel(q, k, v)
+    fake.return_value(lambda out: out * 0)
+    assert torch.count_nonzero(kernel(q, k, v)) == 0
+    fake.behave()
+    assert torch.equal(kernel(q, k, v), exact)
+    assert len(fake.calls) == 5
+
+
+def test_fake_cuda_devices_and_events():
+    cuda = FakeCuda([FakeGpu((8, 9), "RTX 4090"), FakeGpu((9, 0), "H200")], torch_cuda=(12, 8))
+    t = torch.zeros(2)
+    assert cuda.tensor_device(t) == 0
+    assert cuda.tensor_device(on_device(torch.zeros(2), 1)) == 1
+    assert cuda.tensor_device(torch.zeros(2, device="meta")) is None
+    assert (cuda.device_count(), cuda.capability(1), cuda.device_name(0)) == (2, (9, 0), "RTX 4090")
+    assert cuda.torch_cuda() == (12, 8) and not cuda.is_rocm()
+    with cuda.device_guard(1):
+        assert cuda.current_device == 1
+    assert cuda.current_device == 0 and cuda.events == ["enter 1", "exit 1"]
+    assert not cuda.autocast_enabled()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert cuda.autocast_enabled()
+    with cuda:
+        assert sage_qual.platform.current() is cuda
+    assert sage_qual.platform.current() is not cuda
