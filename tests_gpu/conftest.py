@@ -1,0 +1,105 @@
+"""GPU qualification fixtures: the installed SageAttention, the box, forced variants, results.
+
+Collection needs no GPU: parameters come from the variant registry and the fixture files.
+Each run appends its measurements to a results table written at the end of the session to
+$SAGE_QUAL_RESULTS_DIR (default: no file) as gpu_results.json and gpu_results.md.
+"""
+
+import contextlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import sage_qual
+from sage_qual import sage_package
+from sage_qual.config import WrapperConfig
+from sage_qual.variants import VARIANTS, BoxFacts
+
+FIXTURE_DIR = Path(__file__).resolve().parent.parent / "fixtures"
+FIXTURE_PATHS = sorted(FIXTURE_DIR.glob("*.safetensors"))
+VARIANT_NAMES = list(VARIANTS)
+_results: list[dict] = []
+
+
+@pytest.fixture(scope="session")
+def sage():
+    try:
+        return sage_package.load()
+    except sage_package.SageUnavailable as why:
+        pytest.skip(f"sageattention unusable: {why}")
+
+
+@pytest.fixture(scope="session")
+def box(sage) -> BoxFacts:
+    capability = torch.cuda.get_device_capability(0)
+    cuda = tuple(int(x) for x in torch.version.cuda.split(".")[:2])
+    return BoxFacts(capability, cuda, sage.extensions, sage_package.has_triton())
+
+
+@pytest.fixture
+def runnable(box):
+    """Look up a variant by name; skip with its reasons when this box cannot run it."""
+
+    def get(name):
+        variant = VARIANTS[name]
+        reasons = variant.not_supported_reasons(box)
+        if reasons:
+            pytest.skip(f"{name} cannot run here: {'; '.join(reasons)}")
+        return variant
+
+    return get
+
+
+@pytest.fixture
+def wrapper_serving(box):
+    """install() with the kernel table forced to one variant and no size thresholds."""
+
+    @contextlib.contextmanager
+    def serving(variant, **overrides):
+        sage_qual.uninstall()
+        config = WrapperConfig(min_query_tokens=1, min_key_tokens=1,
+                               kernel_table={box.capability: (variant.name,)}, **overrides)
+        status = sage_qual.install(config=config)
+        assert status.enabled, status.reason
+        try:
+            yield status
+        finally:
+            sage_qual.uninstall()
+
+    return serving
+
+
+@pytest.fixture
+def record():
+    """Add one row to the session's results table."""
+    gpu = f"{torch.cuda.get_device_name(0)} sm_%d%d" % torch.cuda.get_device_capability(0)
+
+    def add(**row):
+        _results.append({"gpu": gpu, **row})
+
+    return add
+
+
+_FIRST = ["test", "variant", "fixture", "kind", "gpu"]
+
+
+def _markdown(rows: list[dict]) -> str:
+    seen = {key for row in rows for key in row}
+    columns = [c for c in _FIRST if c in seen] + sorted(seen - set(_FIRST))
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        cells = [f"{row[c]:.4g}" if isinstance(row.get(c), float) else str(row.get(c, "")) for c in columns]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    directory = os.environ.get("SAGE_QUAL_RESULTS_DIR")
+    if not directory or not _results:
+        return
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    Path(directory, "gpu_results.json").write_text(json.dumps(_results, indent=1))
+    Path(directory, "gpu_results.md").write_text(_markdown(_results))

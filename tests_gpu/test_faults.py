@@ -1,0 +1,98 @@
+"""Faults on the real GPU, each in a child process: out of memory, a kernel returning garbage,
+an unwritable Triton cache. The wrapper must keep every output correct (torch's where it falls
+back), classify the fault as specified, and keep the process alive."""
+
+import pytest
+
+from .child import run_child
+
+pytestmark = [pytest.mark.slow, pytest.mark.gpu]
+
+# Shared child preamble: a FLUX-like bf16 call and a log capture.
+PREAMBLE = """
+import json, logging, torch
+import torch.nn.functional as F
+import sage_qual
+from sage_qual import measure
+records = []
+handler = logging.Handler(); handler.emit = records.append
+logging.getLogger("sage_qual").addHandler(handler); logging.getLogger("sage_qual").setLevel(logging.DEBUG)
+def levels(name):
+    return [r.getMessage() for r in records if r.levelname == name]
+"""
+
+
+def test_out_of_memory_moves_the_rest_of_the_scope_to_torch():
+    """Cap the process so q, k, v, the output and SDPA fit but SageAttention's quantized copies
+    (1.67 bytes per element on the H200, notes/) do not."""
+    result = run_child(PREAMBLE + """
+    q, k, v = (torch.randn(1, 24, 32768, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    expected = measure.TORCH_SDPA(q, k, v)
+    torch.cuda.synchronize()
+    budget = torch.cuda.memory_allocated() + expected.numel() * 2 + 64 * 2**20
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(budget / torch.cuda.get_device_properties(0).total_memory)
+    assert sage_qual.install().enabled
+    reports, equal = [], []
+    for _ in range(2):  # two scopes: the second must try SageAttention again
+        with sage_qual.sage_attention_scope() as report:
+            for _ in range(2):
+                equal.append(torch.equal(F.scaled_dot_product_attention(q, k, v), expected))
+        reports.append(dict(report.fallbacks))
+    print(json.dumps({"reports": reports, "equal": equal, "infos": levels("INFO"),
+                      "warnings": levels("WARNING")}))
+    """)
+    assert all(result["equal"])
+    assert result["reports"] == [{"memory": 2}, {"memory": 2}]
+    assert sum("ran out of memory" in m for m in result["infos"]) == 2  # once per scope
+    assert result["warnings"] == []
+
+
+@pytest.mark.parametrize("garbage", ["nan", "uninitialized"])
+def test_kernel_returning_garbage_is_retired_by_the_first_call_check(garbage):
+    result = run_child(PREAMBLE + f"""
+    import functools, sageattention
+    status = sage_qual.install()
+    variant = status.devices[0].variant
+    real = getattr(sageattention, variant.function)
+    @functools.wraps(real)  # keep the real signature: install() checks its keywords
+    def broken(*args, **kwargs):
+        out = real(*args, **kwargs)
+        return out * float("nan") if "{garbage}" == "nan" else torch.empty_like(out)
+    sage_qual.uninstall()
+    setattr(sageattention, variant.function, broken)
+    assert sage_qual.install().enabled
+    q, k, v = (torch.randn(1, 24, 4608, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    with sage_qual.sage_attention_scope() as report:
+        outs = [F.scaled_dot_product_attention(q, k, v) for _ in range(3)]
+    expected = measure.TORCH_SDPA(q, k, v)
+    print(json.dumps({{"equal": [torch.equal(o, expected) for o in outs], "fallbacks": dict(report.fallbacks),
+                      "served": report.served, "warnings": levels("WARNING"),
+                      "retired": sage_qual.install_status().devices[0].retired}}))
+    """)
+    assert all(result["equal"])
+    assert result["served"] == 0
+    assert result["fallbacks"] == {"kernel_error": 1, "device": 2}
+    assert len(result["warnings"]) == 1 and "first-call check failed" in result["retired"]
+
+
+def test_unwritable_triton_cache_falls_back_per_call_then_retires(tmp_path):
+    """A cache directory under a regular file cannot be created, even by root; every fresh Triton
+    compile raises OSError. Three in a row retire the device."""
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    result = run_child(PREAMBLE + """
+    from sage_qual.config import WrapperConfig
+    cap = torch.cuda.get_device_capability(0)
+    status = sage_qual.install(WrapperConfig(kernel_table={cap: ("sm86-fp16-triton",)}))
+    assert status.enabled, status.reason
+    q, k, v = (torch.randn(1, 8, 2048, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    expected = measure.TORCH_SDPA(q, k, v)
+    with sage_qual.sage_attention_scope() as report:
+        equal = [torch.equal(F.scaled_dot_product_attention(q, k, v), expected) for _ in range(4)]
+    print(json.dumps({"equal": equal, "fallbacks": dict(report.fallbacks),
+                      "retired": sage_qual.install_status().devices[0].retired}))
+    """, env={"TRITON_CACHE_DIR": str(blocker / "cache")})
+    assert all(result["equal"])
+    assert result["fallbacks"] == {"cache_error": 3, "device": 1}
+    assert "3 Triton cache failures in a row" in result["retired"]

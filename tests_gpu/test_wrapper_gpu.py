@@ -1,0 +1,142 @@
+"""The wrapper on a real GPU: what it serves, what it leaves to torch, and what it costs in memory.
+
+Each test runs with every runnable variant forced into the kernel table (the GPU's own kernel
+among them), at real model shapes.
+"""
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sage_qual
+from sage_qual import measure
+
+from .conftest import VARIANT_NAMES
+
+pytestmark = [pytest.mark.slow, pytest.mark.gpu]
+
+MiB = 2**20
+# [B, Hq, Hkv, Nq, Nk, D], dtype; sources: seeds/001 and the families' public configs.
+SHAPES = {
+    "flux1-1024": ((1, 24, 24, 4608, 4608, 128), torch.bfloat16),
+    "sdxl-1024-level1": ((2, 10, 10, 4096, 4096, 64), torch.float16),
+    "krea2-gqa-48q-12kv": ((1, 48, 12, 4608, 4608, 128), torch.bfloat16),
+    "partial-tile-cross": ((1, 24, 24, 4429, 845, 128), torch.bfloat16),
+}
+
+
+def make_qkv(shape, dtype, seed=0):
+    b, hq, hkv, nq, nk, d = shape
+    gen = torch.Generator("cuda").manual_seed(seed)
+    q = torch.randn(b, hq, nq, d, device="cuda", dtype=dtype, generator=gen)
+    k = torch.randn(b, hkv, nk, d, device="cuda", dtype=dtype, generator=gen)
+    v = torch.randn(b, hkv, nk, d, device="cuda", dtype=dtype, generator=gen)
+    return q, k, v
+
+
+variants = pytest.mark.parametrize("variant_name", VARIANT_NAMES)
+shapes = pytest.mark.parametrize("shape_name", list(SHAPES))
+
+
+@variants
+@shapes
+def test_scope_output_is_the_kernels(variant_name, shape_name, sage, runnable, wrapper_serving, record):
+    variant = runnable(variant_name)
+    q, k, v = make_qkv(*SHAPES[shape_name])
+    gqa = q.shape[1] != k.shape[1]
+    direct = measure.call_kernel(sage, variant, q, k, v)
+    with wrapper_serving(variant), sage_qual.sage_attention_scope() as report:
+        routed = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+    assert report.served == 1, dict(report.fallbacks)
+    assert torch.equal(routed, direct)
+    accuracy = measure.accuracy(direct, q, k, v)
+    record(test="random-shape", variant=variant.name, fixture=shape_name, kind="random", **accuracy.as_dict())
+
+
+@variants
+def test_outside_scope_masked_and_autocast_calls_are_torchs(variant_name, runnable, wrapper_serving):
+    variant = runnable(variant_name)
+    q, k, v = make_qkv(*SHAPES["flux1-1024"])
+    expected = measure.TORCH_SDPA(q, k, v)
+    mask = torch.ones(q.shape[2], k.shape[2], device="cuda", dtype=torch.bool).tril()
+    with wrapper_serving(variant):
+        outside = F.scaled_dot_product_attention(q, k, v)
+        with sage_qual.sage_attention_scope() as report:
+            masked = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                autocast = F.scaled_dot_product_attention(q, k, v)
+    assert torch.equal(outside, expected)
+    assert torch.equal(masked, measure.TORCH_SDPA(q, k, v, attn_mask=mask))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        assert torch.equal(autocast, measure.TORCH_SDPA(q, k, v))
+    assert report.served == 0 and report.fallbacks == {"mask": 1, "autocast": 1}
+
+
+@variants
+def test_gqa_reaches_the_kernel_unexpanded(variant_name, sage, runnable, wrapper_serving, monkeypatch):
+    variant = runnable(variant_name)
+    seen = []
+    kernel = getattr(sage.module, variant.function)
+
+    @functools.wraps(kernel)  # keep the real signature: install() checks its keywords
+    def spy(q, k, v, **keywords):
+        seen.append((q.shape[1], k.shape[1], v.shape[1]))
+        return kernel(q, k, v, **keywords)
+
+    monkeypatch.setattr(sage.module, variant.function, spy)  # install() picks the spy up
+    q, k, v = make_qkv(*SHAPES["krea2-gqa-48q-12kv"])
+    with wrapper_serving(variant), sage_qual.sage_attention_scope() as report:
+        F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    assert report.served == 1, dict(report.fallbacks)
+    assert seen == [(48, 12, 12)]
+
+
+@variants
+@pytest.mark.parametrize("shape_name", ["flux1-1024", "krea2-gqa-48q-12kv"])
+def test_memory_of_first_and_later_calls(variant_name, shape_name, runnable, wrapper_serving, record):
+    """Extra peak allocation per call <= 2.5 bytes per element of q+k+v, the checked first call no
+    more than a later call + 1 MiB, and nothing left allocated after the scope."""
+    variant = runnable(variant_name)
+    q, k, v = make_qkv(*SHAPES[shape_name])
+    gqa = q.shape[1] != k.shape[1]
+    elements = measure.elements(q, k, v)
+    with wrapper_serving(variant):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        with sage_qual.sage_attention_scope() as report:
+            first, first_extra = measure.extra_peak_bytes(
+                lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa), 0)
+            del first
+            later, later_extra = measure.extra_peak_bytes(
+                lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa), 0)
+            del later
+        torch.cuda.synchronize()
+        left = torch.cuda.memory_allocated() - before
+    record(test="memory", variant=variant.name, fixture=shape_name, kind="random",
+           first_call_bytes_per_element=first_extra / elements, later_bytes_per_element=later_extra / elements)
+    assert report.served == 2, dict(report.fallbacks)
+    assert first_extra / elements <= 2.5
+    assert later_extra / elements <= 2.5
+    assert first_extra <= later_extra + MiB
+    assert left == 0
+
+
+def test_native_kernel_passes_first_call_check_on_flux(box, caplog):
+    """Issue 2 acceptance: the default table serves a FLUX.1 call on this GPU and logs the kernel."""
+    sage_qual.uninstall()
+    caplog.set_level("INFO", logger="sage_qual")
+    status = sage_qual.install()
+    try:
+        assert status.enabled, status.reason
+        q, k, v = make_qkv(*SHAPES["flux1-1024"])
+        with sage_qual.sage_attention_scope() as report:
+            F.scaled_dot_product_attention(q, k, v)
+        assert report.served == 1, dict(report.fallbacks)
+        device = status.devices[0]
+        assert not device.retired
+        assert any(device.variant.function in r.getMessage() and "serves attention" in r.getMessage()
+                   for r in caplog.records)
+    finally:
+        sage_qual.uninstall()
