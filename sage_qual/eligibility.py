@@ -6,8 +6,7 @@ device. Device state (retired, no kernel) and scope state (out of memory) are th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -20,10 +19,10 @@ REASONS = (
     "dropout",
     "causal",
     "shape",  # not 4-D tensors, nested, batch or key/value lengths mismatch
+    "short",  # fewer query or key tokens than the break-even
     "dtype",  # not fp16/bf16, or mixed
     "head_dim",  # not a supported size, or K/V differ from Q
     "heads",  # query heads differ from K/V heads without enable_gqa, or do not divide
-    "short",  # fewer query or key tokens than the break-even
     "layout",  # last dimension not contiguous
     "grad",
     "autocast",
@@ -34,8 +33,7 @@ REASONS = (
 )
 
 
-@dataclass(frozen=True)
-class SdpaCall:
+class SdpaCall(NamedTuple):  # a NamedTuple: built on every call in a scope, and cheap to build
     query: Any
     key: Any
     value: Any
@@ -57,6 +55,8 @@ def _bind(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, 
 
 def bind(args: tuple, kwargs: dict) -> tuple[SdpaCall | None, str | None]:
     """Arguments as torch's SDPA reads them, or a refusal for arguments it would not take."""
+    if not kwargs and len(args) == 3:  # the common call, bound without parsing
+        return SdpaCall(*args), None
     try:
         call, unknown = _bind(*args, **kwargs)
     except TypeError as error:
@@ -69,8 +69,12 @@ def bind(args: tuple, kwargs: dict) -> tuple[SdpaCall | None, str | None]:
 FP16_TYPES = (torch.float16, torch.bfloat16)
 
 
-def refusal(call: SdpaCall, config: WrapperConfig, autocast_enabled: bool) -> tuple[str, str] | None:
-    """(reason, detail) when SageAttention must not serve the call, None when it may."""
+def refusal(call: SdpaCall, config: WrapperConfig, cuda) -> tuple[str, str] | None:
+    """(reason, detail) when SageAttention must not serve the call, None when it may.
+
+    Runs on every call in a scope, so each property is read once and the detail text is built
+    only for the reason that applies (a fallback costs about 1 us, docs/benchmarks.md).
+    """
     q, k, v = call.query, call.key, call.value
     if call.attn_mask is not None:
         return "mask", "attn_mask given"
@@ -78,36 +82,39 @@ def refusal(call: SdpaCall, config: WrapperConfig, autocast_enabled: bool) -> tu
         return "dropout", f"dropout_p={call.dropout_p}"
     if call.is_causal:
         return "causal", "is_causal=True"
-    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
         return "shape", "query, key and value must be tensors"
-    if any(t.is_nested for t in (q, k, v)):
+    if q.is_nested or k.is_nested or v.is_nested:
         return "shape", "nested tensor"
-    if not q.dim() == k.dim() == v.dim() == 4:
-        return "shape", f"dims=({q.dim()}, {k.dim()}, {v.dim()}) (supported: 4)"
-    if not q.shape[0] == k.shape[0] == v.shape[0]:
-        return "shape", f"batch=({q.shape[0]}, {k.shape[0]}, {v.shape[0]}) (must match)"
-    if k.shape[1:3] != v.shape[1:3]:
-        return "shape", f"key {tuple(k.shape)} and value {tuple(v.shape)} differ in heads or length"
-    if q.dtype not in FP16_TYPES or not q.dtype == k.dtype == v.dtype:
-        return "dtype", f"dtype=({q.dtype}, {k.dtype}, {v.dtype}) (supported: one of float16, bfloat16)"
-    head_dim = q.shape[-1]
+    qs, ks, vs = q.shape, k.shape, v.shape
+    if not len(qs) == len(ks) == len(vs) == 4:
+        return "shape", f"dims=({len(qs)}, {len(ks)}, {len(vs)}) (supported: 4)"
+    # Tested early: it is the most common fallback inside a denoising loop.
+    if qs[2] < config.min_query_tokens or ks[2] < config.min_key_tokens:
+        return "short", (f"tokens={qs[2]}/{ks[2]} (needs >= "
+                         f"{config.min_query_tokens}/{config.min_key_tokens})")
+    if not qs[0] == ks[0] == vs[0]:
+        return "shape", f"batch=({qs[0]}, {ks[0]}, {vs[0]}) (must match)"
+    if ks[1] != vs[1] or ks[2] != vs[2]:
+        return "shape", f"key {tuple(ks)} and value {tuple(vs)} differ in heads or length"
+    dtype = q.dtype
+    if dtype not in FP16_TYPES or k.dtype != dtype or v.dtype != dtype:
+        return "dtype", f"dtype=({dtype}, {k.dtype}, {v.dtype}) (supported: one of float16, bfloat16)"
+    head_dim = qs[3]
     if head_dim not in config.head_dims:
         return "head_dim", f"head_dim={head_dim} (supported: {', '.join(map(str, config.head_dims))})"
-    if not k.shape[-1] == v.shape[-1] == head_dim:
-        return "head_dim", f"head_dim=({head_dim}, {k.shape[-1]}, {v.shape[-1]}) (must match)"
-    q_heads, kv_heads = q.shape[1], k.shape[1]
+    if ks[3] != head_dim or vs[3] != head_dim:
+        return "head_dim", f"head_dim=({head_dim}, {ks[3]}, {vs[3]}) (must match)"
+    q_heads, kv_heads = qs[1], ks[1]
     if q_heads != kv_heads:
         if not call.enable_gqa:
             return "heads", f"heads={q_heads}/{kv_heads} without enable_gqa"
         if kv_heads == 0 or q_heads % kv_heads:
             return "heads", f"heads={q_heads}/{kv_heads} (query heads must be a multiple)"
-    if q.shape[2] < config.min_query_tokens or k.shape[2] < config.min_key_tokens:
-        return "short", (f"tokens={q.shape[2]}/{k.shape[2]} (needs >= "
-                         f"{config.min_query_tokens}/{config.min_key_tokens})")
-    if any(t.stride(-1) != 1 for t in (q, k, v)):
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         return "layout", "last-dim stride != 1"
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+    if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
         return "grad", "an input requires grad (SageAttention has no backward)"
-    if autocast_enabled:
+    if cuda.autocast_enabled():
         return "autocast", "CUDA autocast is on"
     return None

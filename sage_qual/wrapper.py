@@ -63,25 +63,32 @@ class _Installed:
 _installed: _Installed | None = None
 _status = InstallStatus(False, "install() has not been called")
 _install_lock = threading.Lock()  # two threads installing at once must not wrap the wrapper
-# What a caller still holding the wrapper (`from torch.nn.functional import ...`) gets after uninstall().
-_last_original = torch.nn.functional.scaled_dot_product_attention
 
 
 def install_status() -> InstallStatus:
     return _status
 
 
-def install(config: WrapperConfig | None = None) -> InstallStatus:
-    """Rebind torch's SDPA to the wrapper once. Never raises; logs one WARNING when it cannot."""
+def install(config: WrapperConfig | None = None, profile=None, family: str | None = None) -> InstallStatus:
+    """Rebind torch's SDPA to the wrapper once. Never raises; logs one WARNING when it cannot.
+
+    profile: a `sage-qual certify` profile.json (path or dict). Its GPU then gets the variant and
+    thresholds certified for `family` (default: for all families), or no kernel; a profile made on
+    another GPU model, torch or sageattention is refused with the reason.
+    """
     with _install_lock:
-        return _install(config)
+        return _install(config, profile, family)
 
 
-def _install(config: WrapperConfig | None) -> InstallStatus:
-    global _installed, _status, _last_original
+def _install(config: WrapperConfig | None, profile=None, family: str | None = None) -> InstallStatus:
+    global _installed, _status
     if _installed is not None:
         return _status
     try:
+        if profile is not None:
+            from .profile import config_for_machine
+
+            config = config_for_machine(profile, family, config or DEFAULT_CONFIG)
         devices, package = _probe(config or DEFAULT_CONFIG)
     except sage_package.SageUnavailable as why:
         _status = InstallStatus(False, str(why))
@@ -93,8 +100,7 @@ def _install(config: WrapperConfig | None) -> InstallStatus:
         return _status
     _installed = _Installed(torch.nn.functional.scaled_dot_product_attention, package,
                             config or DEFAULT_CONFIG, devices)
-    _last_original = _installed.original
-    torch.nn.functional.scaled_dot_product_attention = _sdpa
+    torch.nn.functional.scaled_dot_product_attention = _make_sdpa(_installed)
     _status = InstallStatus(True, "", package.version, tuple(devices.values()))
     served = ", ".join(f"{d.label} -> {d.variant.name}" for d in devices.values() if d.variant)
     unserved = "; ".join(f"{d.label}: {d.no_kernel_reason}" for d in devices.values() if not d.variant)
@@ -144,17 +150,19 @@ def _probe(config: WrapperConfig) -> tuple[dict[int, DeviceState], sage_package.
     return devices, package
 
 
-def _sdpa(*args, **kwargs):
-    state = _installed  # read once: uninstall() may run in another thread
-    if state is None:  # uninstalled, but the caller kept a reference to this function
-        return _last_original(*args, **kwargs)
-    report = _active.get()
-    if report is None:  # the common case stays one ContextVar read away from torch
-        return state.original(*args, **kwargs)
-    return _serve(state, report, args, kwargs)
+def _make_sdpa(state: _Installed):
+    """The function torch gets. Outside a scope it is one ContextVar read away from torch's own
+    (the benchmark in tests_fast/test_overhead_benchmarks.py measures what that costs)."""
+    original, active = state.original, _active.get
 
+    def scaled_dot_product_attention(*args, **kwargs):
+        report = active()
+        if report is None or _installed is not state:  # no scope, or uninstalled while kept
+            return original(*args, **kwargs)
+        return _serve(state, report, args, kwargs)
 
-_sdpa.__doc__ = "SageAttention-aware scaled_dot_product_attention (installed by sage_qual)."
+    scaled_dot_product_attention.__doc__ = "SageAttention-aware SDPA (installed by sage_qual.install())."
+    return scaled_dot_product_attention
 
 
 def _serve(state: _Installed, report: ScopeReport, args: tuple, kwargs: dict):
@@ -164,7 +172,7 @@ def _serve(state: _Installed, report: ScopeReport, args: tuple, kwargs: dict):
         report.fell_back("arguments")
         return original(*args, **kwargs)
     cuda = platform.current()
-    refused = refusal(call, state.config, cuda.autocast_enabled())
+    refused = refusal(call, state.config, cuda)
     if refused is None:
         device = _device_refusal(state, call, cuda)
         refused = ("device", device) if isinstance(device, str) else None
