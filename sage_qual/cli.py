@@ -32,12 +32,12 @@ def _add_env(subparsers) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import fixtures_cli
+    from . import certify, fixtures_cli, gate
 
     parser = argparse.ArgumentParser(prog="sage-qual", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"sage-qual {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_env, fixtures_cli.add_parser):
+    for add in (_add_env, fixtures_cli.add_parser, certify.add_parser, gate.add_parser):
         add(subparsers)
     return parser
 

@@ -1,0 +1,410 @@
+"""`sage-qual certify`: every runnable variant on every fixture, and a speed sweep, on each GPU.
+
+This process never initializes CUDA. Every measurement runs in a worker process
+(`sage_qual.worker`) with its own Triton cache and a watchdog: per GPU one worker times the SDPA
+backends, then one worker per variant runs its fixtures and its speed sweep. A crash, a hang or
+an out-of-memory costs one result; GPUs run in parallel, one worker each at a time. report.json
+is rewritten after every result, so a killed run leaves a partial report that says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import families as families_mod
+from . import fixture_files, profile, report, worker
+from .cli import UsageError
+from .variants import VARIANTS
+
+# The generic sweep: self-attention of 24 heads from 1k to 32k tokens at both head sizes, and
+# cross-attention on short keys (text encoders give 77 to 1024 tokens).
+SELF_TOKENS = (1024, 2048, 4096, 8192, 16384, 32768)
+CROSS = [(q, k) for q in (4096, 16384) for k in (77, 256, 512, 1024)]
+QUICK_SELF_TOKENS = (1024, 4096, 16384)
+QUICK_CROSS = [(4096, 77), (4096, 512)]
+# Timing repeats: (warm-up, repeats); big shapes get fewer, so the full run fits in minutes.
+TIMING = {"quick": (2, 5), "small": (5, 20), "large": (3, 10)}
+LARGE_FLOPS = 1e12
+
+
+@dataclass
+class Options:
+    out: Path
+    devices: str = "all"
+    variants: list[str] | None = None
+    families: list[str] | None = None
+    fixture_dirs: list[str] | None = None
+    quick: bool = False
+    timeout: float = 90.0
+    command: str = "sage_qual.certify.run()"
+
+
+def _split(values: list[str] | None) -> list[str] | None:
+    """`--variants a b` and `--variants a,b` both work."""
+    if not values:
+        return None
+    return [item for value in values for item in value.split(",") if item]
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "certify", help="run every variant on every fixture and a speed sweep; write report and profile",
+        description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("sage-qual-report"), help="output directory")
+    parser.add_argument("--devices", default="all", help="GPU indices, e.g. 0,1, or all (default)")
+    parser.add_argument("--variants", nargs="+", help="variant names (default: all)")
+    parser.add_argument("--families", nargs="+", help="families to certify (default: all)")
+    parser.add_argument("--fixtures", nargs="+", metavar="DIR", help="fixture directories (default: shipped)")
+    parser.add_argument("--quick", action="store_true", help="smallest fixture per family, short sweep")
+    parser.add_argument("--timeout", type=float, default=90.0,
+                        help="seconds a task may run before its worker is killed (default 90)")
+    parser.set_defaults(func=_command)
+
+
+def _command(args: argparse.Namespace) -> int:
+    options = Options(args.out, args.devices, _split(args.variants), _split(args.families), args.fixtures,
+                      args.quick, args.timeout, "sage-qual " + shlex.join(sys.argv[1:]))
+
+    def terminate(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        data = run(options)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return 0 if data["complete"] else 130
+
+
+# Planning --------------------------------------------------------------------------------------
+def select_variants(names: list[str] | None) -> list[str]:
+    for name in names or ():
+        if name not in VARIANTS:
+            raise UsageError(f"unknown variant {name!r} (known: {', '.join(VARIANTS)})")
+    return list(dict.fromkeys(names)) if names else list(VARIANTS)
+
+
+def select_families(names: list[str] | None) -> list[families_mod.Family]:
+    try:
+        return [families_mod.find(n) for n in names] if names else list(families_mod.FAMILIES)
+    except KeyError as error:
+        raise UsageError(error.args[0]) from None
+
+
+def select_fixtures(directories: list[str] | None, chosen: list[families_mod.Family], all_families: bool,
+                    quick: bool) -> list[fixture_files.Fixture]:
+    """Fixtures of the chosen families (and family-less ones when no family was named);
+    with --quick the smallest per family."""
+    if directories is None:
+        shipped = fixture_files.shipped_dir()
+        directories = [str(shipped)] if shipped else []
+    fixtures, seen = [], {}
+    for directory in directories:
+        try:
+            paths = fixture_files.list_fixtures(directory)
+        except fixture_files.FixtureError as error:
+            raise UsageError(str(error)) from None
+        for path in paths:
+            try:
+                fixture = fixture_files.load_fixture(path)
+            except fixture_files.FixtureError as error:
+                raise UsageError(str(error)) from None
+            if fixture.name in seen:
+                raise UsageError(f"two fixtures named {fixture.name}: {seen[fixture.name]} and {path}")
+            seen[fixture.name] = path
+            owner = families_mod.family_of(fixture.family)
+            if (owner in chosen) or (owner is None and all_families):
+                fixtures.append(fixture)
+    if quick:
+        smallest = {}
+        for fixture in sorted(fixtures, key=lambda f: (f.q.numel() + 2 * f.k.numel(), f.name)):
+            smallest.setdefault(families_mod.normalize(fixture.family), fixture)
+        fixtures = sorted(smallest.values(), key=lambda f: f.name)
+    return fixtures
+
+
+def speed_shapes(chosen: list[families_mod.Family], quick: bool) -> dict[str, dict]:
+    """Timed shapes by key, each with the sweep points and family calls it stands for."""
+    uses = []
+    for tokens in QUICK_SELF_TOKENS if quick else SELF_TOKENS:
+        for head_dim in (128,) if quick else (128, 64):
+            uses.append((None, f"self {tokens}, head_dim {head_dim}",
+                         families_mod.self_attention(24, tokens, head_dim)))
+    for q_tokens, kv_tokens in QUICK_CROSS if quick else CROSS:
+        uses.append((None, f"cross {q_tokens} x {kv_tokens} keys", families_mod.cross_attention(24, q_tokens, kv_tokens)))
+    if not quick:
+        uses += [(family.name, label, shape) for family in chosen for label, shape in family.shapes]
+    shapes: dict[str, dict] = {}
+    for family, label, shape in uses:
+        entry = shapes.setdefault(shape.key, {"shape": shape.as_dict(), "uses": []})
+        entry["uses"].append({"family": family, "label": label})
+    return shapes
+
+
+def _timing(shape: dict, quick: bool) -> tuple[int, int]:
+    if quick:
+        return TIMING["quick"]
+    return TIMING["large" if families_mod.Shape(**shape).flops > LARGE_FLOPS else "small"]
+
+
+def _fixture_record(fixture: fixture_files.Fixture) -> dict:
+    return {"name": fixture.name, "family": fixture.family, "kind": fixture.kind,
+            "dtype": str(fixture.dtype).replace("torch.", ""), "q": list(fixture.q.shape),
+            "k": list(fixture.k.shape), "sha256": fixture.sha256, "bounds": fixture.bounds,
+            "provenance": fixture.provenance}
+
+
+def _memory_bound(fixture: fixture_files.Fixture) -> float:
+    owner = families_mod.family_of(fixture.family)
+    return owner.memory_bound if owner else families_mod.MEMORY_BOUND
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+# Running ---------------------------------------------------------------------------------------
+def run(options: Options) -> dict:
+    variants = select_variants(options.variants)
+    chosen = select_families(options.families)
+    fixtures = select_fixtures(options.fixture_dirs, chosen, options.families is None, options.quick)
+    out = Path(options.out)
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    try:
+        collected = worker.collect_environment(logs / "environment.log", max(120.0, options.timeout))
+    except worker.WorkerError as error:
+        raise UsageError(str(error)) from None
+    env = collected["environment"]
+    if not env["gpus"]:
+        raise UsageError("no CUDA GPU is visible here (CPU-only torch, no driver, or CUDA_VISIBLE_DEVICES "
+                         "empty): certify needs the GPU it certifies")
+    if env["sageattention_problem"]:
+        raise UsageError(f"sageattention cannot run here: {env['sageattention_problem']}")
+    devices = _device_indices(options.devices, len(env["gpus"]))
+    if not fixtures:
+        print("sage-qual certify: no fixtures selected: every family will be 'not certified'", file=sys.stderr)
+    shapes = speed_shapes(chosen, options.quick)
+    data = {
+        "kind": report.KIND, "schema_version": report.SCHEMA_VERSION, "complete": False, "stopped": "",
+        "started": _now(), "finished": None, "host": socket.gethostname(),
+        "command": options.command,
+        "options": {"devices": devices, "variants": variants, "families": [f.name for f in chosen],
+                    "fixture_dirs": [str(d) for d in options.fixture_dirs or [fixture_files.shipped_dir() or ""]],
+                    "quick": options.quick, "timeout_s": options.timeout},
+        "environment": env,
+        "fixtures": [_fixture_record(f) for f in fixtures],
+        "shapes": shapes,
+        "devices": [],
+        "gpus": [],
+    }
+    for index in devices:
+        gpu = env["gpus"][index]
+        not_supported = {v: r for v, r in collected["not_supported"].get(str(index), {}).items() if v in variants}
+        data["devices"].append({
+            "index": index, "name": gpu["name"], "capability": gpu["capability"], "memory_gib": gpu["memory_gib"],
+            "not_supported": not_supported,
+            "cells": [{"variant": v, "fixture": f.name, "outcome": "skip", "detail": "; ".join(not_supported[v])}
+                      for v in variants if v in not_supported for f in fixtures],
+            "speed": [],
+        })
+    writer = report.Writer(out / "report.json", data)
+    runs = [_DeviceRun(index, [v for v in variants if v not in data["devices"][n]["not_supported"]], fixtures,
+                       shapes, options, writer, logs, n) for n, index in enumerate(devices)]
+    progress = _Progress(sum(r.task_count for r in runs))
+    stop = threading.Event()
+    threads = [threading.Thread(target=r.run, args=(progress, stop), daemon=True) for r in runs]
+    for thread in threads:
+        thread.start()
+    try:
+        while any(t.is_alive() for t in threads):
+            for thread in threads:
+                thread.join(timeout=0.5)
+    except KeyboardInterrupt:
+        stop.set()
+        for thread in threads:
+            thread.join()
+        writer.update(lambda d: d.update(stopped="interrupted (SIGINT or SIGTERM)"))
+    progress.close()
+    errors = [r.error for r in runs if r.error]
+    if errors and not data["stopped"]:
+        writer.update(lambda d: d.update(stopped=f"internal error: {errors[0]!r}"))
+    if not data["stopped"]:
+        writer.update(_finish)
+        for path, gpu in _profile_paths(out, data["gpus"]):
+            profile.save(profile.build(data, gpu), path)
+    report.render(data, out)
+    _summary(data, out)
+    if errors:
+        raise errors[0]
+    return data
+
+
+def _finish(data: dict) -> None:
+    data["gpus"] = families_mod.analyze(data)
+    data["complete"] = True
+    data["finished"] = _now()
+
+
+def _device_indices(text: str, count: int) -> list[int]:
+    if text == "all":
+        return list(range(count))
+    try:
+        indices = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--devices takes GPU indices such as 0,1 or 'all', not {text!r}") from None
+    for index in indices:
+        if not 0 <= index < count:
+            raise UsageError(f"there is no cuda:{index}: this machine shows {count} GPU(s)")
+    if not indices:
+        raise UsageError("--devices names no GPU")
+    return list(dict.fromkeys(indices))
+
+
+def _profile_paths(out: Path, gpus: list[dict]) -> list[tuple[Path, dict]]:
+    if len(gpus) == 1:
+        return [(out / "profile.json", gpus[0])]
+    return [(out / f"profile-{re.sub(r'[^a-z0-9]+', '-', g['name'].lower()).strip('-')}.json", g) for g in gpus]
+
+
+class _DeviceRun:
+    """One GPU: the SDPA baseline, then each variant's fixtures and speed sweep, each in a worker."""
+
+    def __init__(self, index: int, variants: list[str], fixtures: list, shapes: dict, options: Options,
+                 writer: report.Writer, logs: Path, position: int):
+        self.index, self.writer, self.logs, self.position = index, writer, logs, position
+        self.timeout = options.timeout
+        self.error: BaseException | None = None
+        speed = {key: _timing(entry["shape"], options.quick) for key, entry in shapes.items()}
+        self.jobs = [[{"id": f"sdpa@{key}", "kind": "sdpa", "key": key, "shape": shapes[key]["shape"],
+                       "warmup": w, "repeats": r} for key, (w, r) in speed.items()]]
+        for variant in variants:
+            self.jobs.append(
+                [{"id": f"{variant}|{f.name}", "kind": "cell", "variant": variant, "fixture_name": f.name,
+                  "fixture": str(f.path), "memory_bound": _memory_bound(f)} for f in fixtures]
+                + [{"id": f"{variant}@{key}", "kind": "speed", "variant": variant, "key": key,
+                    "shape": shapes[key]["shape"], "warmup": w, "repeats": r} for key, (w, r) in speed.items()])
+        self.task_count = sum(len(job) for job in self.jobs)
+
+    def run(self, progress: "_Progress", stop: threading.Event) -> None:
+        parent_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        visible = parent_visible.split(",")[self.index] if parent_visible else str(self.index)
+        cache = tempfile.mkdtemp(prefix=f"sage-qual-triton-cuda{self.index}-")
+        # One Triton cache per GPU and run: no other process writes it at the same time, and the
+        # user's cache can neither serve a stale kernel nor be corrupted by a crashing worker.
+        env = worker.worker_env(visible, cache)
+        count = [0]
+        spare: list[worker.Process] = []
+
+        def spawn(prefetch: bool) -> worker.Process:
+            def new():
+                count[0] += 1
+                return worker.Process(env, self.logs / f"cuda{self.index}-{count[0]}.log")
+
+            process = spare.pop() if spare else new()
+            if prefetch:  # the next worker imports torch while this one works
+                spare.append(new())
+            return process
+
+        try:
+            for n, job in enumerate(self.jobs):
+                tasks = {task["id"]: task for task in job}
+                worker.run_tasks(job, lambda: spawn(n + 1 < len(self.jobs)), self.timeout,
+                                 max(120.0, self.timeout), lambda i, r: self._record(tasks[i], r, progress), stop)
+                if stop.is_set():
+                    break
+        except BaseException as error:  # surfaced by the main thread after the report is written
+            self.error = error
+        finally:
+            for process in spare:
+                process.close()
+            shutil.rmtree(cache, ignore_errors=True)
+
+    def _record(self, task: dict, result: dict, progress: "_Progress") -> None:
+        if task["kind"] == "cell":
+            record = {"variant": task["variant"], "fixture": task["fixture_name"], **result}
+            field = "cells"
+        elif task["kind"] == "sdpa":
+            timings = result.pop("ms", None) or {}
+            best = min(timings, key=timings.get) if timings else None
+            record = {"kernel": "sdpa", "shape": task["key"], **result,
+                      "outcome": result["outcome"] if result["outcome"] != "pass" or best else "skip",
+                      "ms": timings[best] if best else None}
+            if result["outcome"] == "pass":
+                record.update(best_backend=best or "", backends=timings)
+            field = "speed"
+        else:
+            record = {"kernel": task["variant"], "shape": task["key"], "ms": None, **result}
+            field = "speed"
+        self.writer.update(lambda d: d["devices"][self.position][field].append(record))
+        progress.tick(f"cuda:{self.index}", record)
+
+
+class _Progress:
+    """A tqdm bar on a terminal; one plain line per result in a CI log (or without tqdm)."""
+
+    def __init__(self, total: int):
+        self.total, self.done = total, 0
+        self.lock = threading.Lock()
+        self.bar = None
+        if sys.stderr.isatty():
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, unit="task", dynamic_ncols=True, file=sys.stderr)
+            except ImportError:
+                pass
+
+    def tick(self, device: str, record: dict) -> None:
+        line = f"{device} {_describe(record)}"
+        with self.lock:
+            self.done += 1
+            if self.bar is None:
+                print(f"[{self.done}/{self.total}] {line}", flush=True)
+                return
+            self.bar.update(1)
+            self.bar.set_postfix_str(line[:60])
+            if record["outcome"] not in ("pass", "skip"):
+                self.bar.write(line)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _describe(record: dict) -> str:
+    if "fixture" in record:
+        what = f"{record['variant']} x {record['fixture']}: {record['outcome']}"
+        if record.get("rel_l2") is not None:
+            what += f" (rel L2 {record['rel_l2']:.3g}, worst cos {record['worst_head_cosine']:.4g})"
+    else:
+        name = f"sdpa/{record['best_backend']}" if record.get("best_backend") else record["kernel"]
+        what = f"{name} @ {record['shape']}: " + (f"{record['ms']:.3g} ms" if record.get("ms") else record["outcome"])
+    detail = "; ".join(r["detail"] for r in record.get("reasons", [])) or record.get("detail", "")
+    return what + (f" -- {detail}" if detail and record["outcome"] != "pass" else "")
+
+
+def _summary(data: dict, out: Path) -> None:
+    print(f"sage-qual certify: {'complete' if data['complete'] else 'PARTIAL: ' + data['stopped']}; "
+          f"report in {out / 'report.md'}")
+    for gpu in data["gpus"]:
+        for verdict in gpu["families"] + [gpu["default"]]:
+            name = verdict["family"] or "default"
+            if verdict["verdict"] == "enable":
+                state = (f"enable {verdict['variant']} from {verdict['min_query_tokens']} query / "
+                         f"{verdict['min_key_tokens']} key tokens")
+            else:
+                state = f"keep off ({len(verdict['reasons'])} reason(s), first: {verdict['reasons'][0]['detail']})"
+            print("  %s sm_%d%d  %-12s %s" % (gpu["name"], *gpu["capability"], name, state))

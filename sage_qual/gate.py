@@ -1,0 +1,192 @@
+"""`sage-qual gate` and `sage-qual merge`: decisions and a fleet table from certify reports.
+
+gate exits 0 to enable a family on this machine, 1 to keep it off (every reason printed), 2 when
+it cannot decide: no report, a partial one, or a stale one (made on another GPU model, driver,
+torch, sageattention or other fixtures than this machine has). Without --require-speedup a
+family is enabled when a variant passed all its fixtures on every GPU model here: the profile's
+thresholds then keep calls that measured slower on PyTorch. With it, the variant must also have
+measured faster at one of the family's own shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+from . import fixture_files, report, worker
+from .cli import UsageError
+from .families import FAMILIES, SPEED, Family, find
+
+
+def add_parser(subparsers) -> None:
+    gate = subparsers.add_parser("gate", help="exit 0 to enable a family on this machine, 1 to keep it off, "
+                                              "2 when the report cannot decide")
+    gate.add_argument("--family", required=True, help=f"one of: {', '.join(f.name for f in FAMILIES)}")
+    gate.add_argument("--report", type=Path, default=Path("sage-qual-report/report.json"))
+    gate.add_argument("--require-speedup", action="store_true",
+                      help="also require a measured speedup at one of the family's shapes")
+    gate.add_argument("--fixtures", nargs="+", metavar="DIR", help="fixture directories (default: shipped)")
+    gate.set_defaults(func=_gate)
+    merge = subparsers.add_parser("merge", help="one table of verdicts across GPUs and hosts from reports")
+    merge.add_argument("reports", nargs="+", type=Path, metavar="REPORT")
+    merge.add_argument("--json", action="store_true", help="rows as JSON instead of a Markdown table")
+    merge.set_defaults(func=_merge)
+
+
+def _read(path: Path) -> dict:
+    try:
+        return report.load(path)
+    except report.ReportError as error:
+        raise UsageError(str(error)) from None
+
+
+def _family(name: str) -> Family:
+    try:
+        return find(name)
+    except KeyError as error:
+        raise UsageError(error.args[0]) from None
+
+
+def _gate(args: argparse.Namespace) -> int:
+    family = _family(args.family)
+    data = _read(args.report)
+    if not data["complete"]:
+        raise UsageError(f"{args.report} is a partial report ({report.status_line(data)}): run certify to the end")
+    local = local_fixtures(args.fixtures, family)
+    with tempfile.TemporaryDirectory(prefix="sage-qual-gate-") as logs:
+        try:
+            here = worker.collect_environment(Path(logs) / "environment.log", 120.0)["environment"]
+        except worker.WorkerError as error:
+            raise UsageError(str(error)) from None
+    if not here["gpus"]:
+        raise UsageError("no CUDA GPU is visible here, so no report can be matched to this machine")
+    if here["sageattention_problem"]:
+        raise UsageError(f"sageattention cannot run here: {here['sageattention_problem']}")
+    code, lines = decide(data, family, here, local, args.require_speedup)
+    if code == 2:
+        raise UsageError(lines[0])
+    print("\n".join(lines))
+    return code
+
+
+def local_fixtures(directories: list[str] | None, family: Family) -> dict[str, str]:
+    """This machine's fixtures of the family: name -> sha256."""
+    if directories is None:
+        shipped = fixture_files.shipped_dir()
+        directories = [str(shipped)] if shipped else []
+    found = {}
+    for directory in directories:
+        try:
+            for path in fixture_files.list_fixtures(directory):
+                fixture = fixture_files.load_fixture(path)
+                if family.owns(fixture.family):
+                    found[fixture.name] = fixture.sha256
+        except fixture_files.FixtureError as error:
+            raise UsageError(str(error)) from None
+    return found
+
+
+def _model(gpu: dict) -> str:
+    return "%s (sm_%d%d)" % (gpu["name"], *gpu["capability"])
+
+
+def stale(data: dict, family: Family, here: dict, local: dict[str, str]) -> list[str]:
+    """How the report's machine differs from this one, for this family; empty when it does not."""
+    made, differences = data["environment"], []
+    for key, label in (("driver", "NVIDIA driver"), ("torch", "torch"), ("sageattention", "sageattention")):
+        if made[key] != here[key]:
+            differences.append(f"{label} {made[key] or 'none'} in the report, {here[key] or 'none'} here")
+    certified = {_model(g) for g in data["gpus"]}
+    for model in sorted({_model(g) for g in here["gpus"]} - certified):
+        differences.append(f"{model} here is not in the report")
+    recorded = {f["name"]: f["sha256"] for f in data["fixtures"] if family.owns(f["family"])}
+    for name in sorted(set(recorded) | set(local)):
+        if name not in local:
+            differences.append(f"fixture {name} is in the report but not here")
+        elif name not in recorded:
+            differences.append(f"fixture {name} is here but not in the report")
+        elif recorded[name] != local[name]:
+            differences.append(f"fixture {name} changed (sha256 {local[name][:12]} here, {recorded[name][:12]} "
+                               "in the report)")
+    return differences
+
+
+def decide(data: dict, family: Family, here: dict, local: dict[str, str], require_speedup: bool) -> tuple[int, list[str]]:
+    """(exit code, lines to print); code 2 comes with one line saying why no decision is possible."""
+    if not data["complete"]:
+        return 2, [f"the report is partial: {report.status_line(data)}"]
+    if family.name not in data["options"]["families"]:
+        return 2, [f"the report did not certify {family.name} (it ran: {', '.join(data['options']['families'])})"]
+    differences = stale(data, family, here, local)
+    if differences:
+        return 2, ["stale report: " + "; ".join(differences) + ". Run `sage-qual certify` on this machine again"]
+    models_here = {_model(g) for g in here["gpus"]}
+    code, lines = 0, []
+    for gpu in data["gpus"]:
+        if _model(gpu) not in models_here:
+            continue
+        verdict = next(v for v in gpu["families"] if v["family"] == family.name)
+        reasons = [r for r in verdict["reasons"] if require_speedup or r["kind"] != SPEED]
+        where = f"{family.name} on {_model(gpu)}"
+        if reasons:
+            code = 1
+            lines.append(f"{where}: keep off")
+            lines += [f"  - {r['kind']}: {r['detail']}" for r in reasons]
+        elif verdict["variant"]:
+            lines.append(f"{where}: enable ({verdict['variant']} from {verdict['min_query_tokens']} query and "
+                         f"{verdict['min_key_tokens']} key tokens)")
+        else:  # safe, but it measured slower everywhere: the profile serves nothing
+            lines.append(f"{where}: enable (passes with {', '.join(verdict['certified'])}; no measured speedup, "
+                         "so the profile serves no call: --require-speedup would keep it off)")
+    return code, lines
+
+
+# merge -----------------------------------------------------------------------------------------
+def _merge(args: argparse.Namespace) -> int:
+    rows = merge_rows([(path, _read(path)) for path in args.reports])
+    print(json.dumps(rows, indent=1) if args.json else merge_markdown(rows))
+    return 0
+
+
+def merge_rows(reports: list[tuple[Path, dict]]) -> list[dict]:
+    rows = []
+    for path, data in reports:
+        env = data["environment"]
+        common = {"host": data["host"], "report": str(path), "complete": data["complete"],
+                  "driver": env["driver"], "torch": env["torch"], "sageattention": env["sageattention"]}
+        if not data["complete"]:
+            for device in data["devices"]:
+                rows.append({**common, "gpu": device["name"], "capability": device["capability"],
+                             "devices": [device["index"]], "families": {}})
+            continue
+        for gpu in data["gpus"]:
+            rows.append({**common, "gpu": gpu["name"], "capability": gpu["capability"], "devices": gpu["devices"],
+                         "families": {v["family"]: {"verdict": v["verdict"], "variant": v["variant"],
+                                                    "min_query_tokens": v["min_query_tokens"],
+                                                    "min_key_tokens": v["min_key_tokens"],
+                                                    "reasons": sorted({r["kind"] for r in v["reasons"]})}
+                                      for v in gpu["families"]}})
+    return rows
+
+
+def merge_markdown(rows: list[dict]) -> str:
+    names = [f.name for f in FAMILIES if any(f.name in row["families"] for row in rows)]
+    header = ["host", "GPU", "sm", "GPUs", "driver", "torch", "sageattention"] + names
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        cells = [row["host"], row["gpu"], "%d%d" % tuple(row["capability"]), str(len(row["devices"])),
+                 row["driver"] or "-", row["torch"], row["sageattention"] or "-"]
+        for name in names:
+            verdict = row["families"].get(name)
+            if not row["complete"]:
+                cells.append("partial report")
+            elif verdict is None:
+                cells.append("not run")
+            elif verdict["verdict"] == "enable":
+                cells.append(f"on: {verdict['variant']} >= {verdict['min_query_tokens']}/{verdict['min_key_tokens']}")
+            else:
+                cells.append("off: " + ", ".join(verdict["reasons"]))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

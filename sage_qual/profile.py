@@ -1,0 +1,162 @@
+"""The per-GPU profile certify writes, and the wrapper configuration it turns into.
+
+A profile belongs to one GPU model (name and compute capability) with one torch and one
+sageattention. Per family, and by default for all of them, it names the fastest variant that
+passed every fixture on that GPU, or none, with the query and key lengths from which that
+variant measured faster than the fastest SDPA backend. `config_from_profile()` turns an entry
+into a `WrapperConfig`, so a certified GPU never serves a call of a size that measured slower, nor
+a variant that failed; `install(profile=...)` refuses a profile made on other hardware or
+software, since nothing in it was measured there.
+
+    {"kind": "sage-qual-profile", "schema_version": 1, "created": ..., "host": ...,
+     "gpu": {"name": "NVIDIA H200", "capability": [9, 0]},
+     "environment": {"torch": ..., "torch_cuda": ..., "driver": ..., "sageattention": ..., "triton": ...},
+     "fixtures": {name: sha256},
+     "default": ENTRY, "families": {"FLUX.1": ENTRY, ...}}
+    ENTRY = {"variant": name or null, "min_query_tokens": int or null, "min_key_tokens": int or null,
+             "reasons": [{"kind", "detail"}]}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Mapping
+
+from . import platform, sage_package
+from .config import DEFAULT_CONFIG, WrapperConfig
+
+KIND = "sage-qual-profile"
+SCHEMA_VERSION = 1
+
+
+class ProfileError(ValueError):
+    """A profile that cannot be read or used; the message says why."""
+
+
+def break_even(points: list[tuple[int, int, float]], min_speedup: float = 1.0) -> dict | None:
+    """Thresholds (min query tokens, min key tokens) from measured (q, k, speedup) points.
+
+    Among the thresholds at measured lengths, the one that serves the most measured shapes such
+    that every shape it serves (q >= min_q and k >= min_k) was faster than `min_speedup`; ties
+    go to the larger thresholds. None when no measured shape was faster. A shape the variant
+    failed at counts with speedup 0.
+    """
+    best, best_key = None, None
+    for min_q in sorted({q for q, _, _ in points}):
+        for min_k in sorted({k for _, k, _ in points}):
+            served = [s for q, k, s in points if q >= min_q and k >= min_k]
+            if served and all(s > min_speedup for s in served):
+                key = (len(served), min_q, min_k)
+                if best_key is None or key > best_key:
+                    best_key = key
+                    best = {"min_query_tokens": min_q, "min_key_tokens": min_k,
+                            "served_shapes": len(served), "measured_shapes": len(points)}
+    return best
+
+
+def build(report: dict, gpu: dict) -> dict:
+    """The profile of one analysed GPU model of a complete report (see families.analyze)."""
+    env = report["environment"]
+    return {
+        "kind": KIND,
+        "schema_version": SCHEMA_VERSION,
+        "created": report["finished"],
+        "host": report["host"],
+        "gpu": {"name": gpu["name"], "capability": gpu["capability"]},
+        "environment": {key: env[key] for key in ("torch", "torch_cuda", "driver", "sageattention", "triton")},
+        "fixtures": {f["name"]: f["sha256"] for f in report["fixtures"]},
+        "default": _entry(gpu["default"]),
+        "families": {f["family"]: _entry(f) for f in gpu["families"]},
+    }
+
+
+def _entry(verdict: dict) -> dict:
+    return {key: verdict[key] for key in ("variant", "min_query_tokens", "min_key_tokens", "reasons")}
+
+
+def save(profile: dict, path: Path) -> None:
+    Path(path).write_text(json.dumps(profile, indent=1) + "\n")
+
+
+def load(source) -> dict:
+    """A profile from a path or an already parsed dict; ProfileError when it is not one."""
+    if isinstance(source, Mapping):
+        data, where = dict(source), "profile"
+    else:
+        where = str(source)
+        try:
+            data = json.loads(Path(source).read_text())
+        except OSError as error:
+            raise ProfileError(f"cannot read profile {where}: {error.strerror or error}") from None
+        except ValueError as error:
+            raise ProfileError(f"profile {where} is not JSON: {error}") from None
+    if not isinstance(data, dict) or data.get("kind") != KIND:
+        raise ProfileError(f"{where} is not a sage-qual profile (written by `sage-qual certify`)")
+    if data.get("schema_version") != SCHEMA_VERSION:
+        raise ProfileError(f"{where} has profile schema version {data.get('schema_version')!r}; this "
+                           f"sage-qual reads version {SCHEMA_VERSION}: certify again")
+    return data
+
+
+def entry(profile: dict, family: str | None = None) -> dict:
+    if family is None:
+        return profile["default"]
+    from .families import find
+
+    name = find(family).name  # KeyError for an unknown family
+    if name not in profile["families"]:
+        raise ProfileError(f"the profile has no entry for family {name} (certify did not run it)")
+    return profile["families"][name]
+
+
+def config_from_profile(profile, family: str | None = None, base: WrapperConfig = DEFAULT_CONFIG) -> WrapperConfig:
+    """`base` with the profile's GPU served by its certified variant (or none) and its thresholds."""
+    profile = load(profile)
+    chosen = entry(profile, family)
+    capability = tuple(profile["gpu"]["capability"])
+    table = dict(base.kernel_table)
+    table[capability] = (chosen["variant"],) if chosen["variant"] else ()
+    if not chosen["variant"]:
+        return dataclasses.replace(base, kernel_table=table)
+    return dataclasses.replace(base, kernel_table=table, min_query_tokens=chosen["min_query_tokens"],
+                               min_key_tokens=chosen["min_key_tokens"])
+
+
+def config_for_machine(profile, family: str | None = None, base: WrapperConfig = DEFAULT_CONFIG) -> WrapperConfig:
+    """config_from_profile() after checking that this process has what the profile was measured on.
+
+    Raises SageUnavailable (what install() reports) when the profile is unreadable, was made on a
+    GPU model not visible here or with another torch or sageattention, or certifies no variant
+    for the GPUs here.
+    """
+    import torch
+
+    try:
+        profile = load(profile)
+        chosen = entry(profile, family)
+    except (ProfileError, KeyError) as error:
+        raise sage_package.SageUnavailable(error.args[0]) from None
+    cuda = platform.current()
+    gpu = profile["gpu"]
+    certified = (gpu["name"], tuple(gpu["capability"]))
+    here = [(cuda.device_name(i), cuda.capability(i)) for i in range(cuda.device_count())]
+    label = "%s (sm_%d%d)" % (gpu["name"], *gpu["capability"])
+    if certified not in here:
+        have = ", ".join("%s (sm_%d%d)" % (name, *cap) for name, cap in here) or "no CUDA GPU"
+        raise sage_package.SageUnavailable(f"the profile was certified on {label}; this machine has {have}: "
+                                           "run `sage-qual certify` here")
+    env = profile["environment"]
+    if env["torch"] != torch.__version__:
+        raise sage_package.SageUnavailable(f"the profile was certified with torch {env['torch']}; this process "
+                                           f"runs torch {torch.__version__}: certify again")
+    version = sage_package.load().version
+    if env["sageattention"] != version:
+        raise sage_package.SageUnavailable(f"the profile was certified with sageattention {env['sageattention']}; "
+                                           f"this process has {version}: certify again")
+    if not chosen["variant"] and all(h == certified for h in here):
+        why = "; ".join(r["detail"] for r in chosen["reasons"]) or "no reason recorded"
+        scope = f" for family {family}" if family else ""
+        raise sage_package.SageUnavailable(f"the profile certifies no SageAttention variant on {label}{scope}: {why}")
+    return config_from_profile(profile, family, base)

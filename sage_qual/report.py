@@ -1,0 +1,340 @@
+"""The certify report: report.json (versioned schema), report.md and report.html with plots.
+
+report.json is rewritten after every result with "complete": false, and once more at the end
+with "complete": true and the analysis ("gpus"); a run killed halfway leaves a valid, partial
+report. The schema is sage_qual/report_schema.json (JSON Schema 2020-12; the tests validate
+against it). Reading needs no jsonschema: `load()` checks the kind and version, which is what
+separates a report from any other JSON.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+import os
+import threading
+from importlib import resources
+from pathlib import Path
+
+from . import environment
+
+KIND = "sage-qual-report"
+SCHEMA_VERSION = 1
+OUTCOMES = ("pass", "fail", "skip", "oom", "crash", "timeout")
+
+
+class ReportError(ValueError):
+    """A file that is not a readable sage-qual report; the message says why."""
+
+
+def schema() -> dict:
+    return json.loads(resources.files("sage_qual").joinpath("report_schema.json").read_text())
+
+
+def load(path) -> dict:
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ReportError(f"no report at {path}: run `sage-qual certify` first") from None
+    except OSError as error:
+        raise ReportError(f"cannot read {path}: {error.strerror or error}") from None
+    except ValueError as error:
+        raise ReportError(f"{path} is not JSON ({error})") from None
+    if not isinstance(data, dict) or data.get("kind") != KIND:
+        raise ReportError(f"{path} is not a sage-qual report (no \"kind\": \"{KIND}\")")
+    if data.get("schema_version") != SCHEMA_VERSION:
+        raise ReportError(f"{path} has report schema version {data.get('schema_version')!r}; this sage-qual "
+                          f"reads version {SCHEMA_VERSION}")
+    return data
+
+
+class Writer:
+    """Holds the report being built; every change is written to disk at once, atomically."""
+
+    def __init__(self, path: Path, data: dict):
+        self.path, self.data = Path(path), data
+        self.lock = threading.Lock()
+        self.write()
+
+    def update(self, change) -> None:
+        with self.lock:
+            change(self.data)
+            self.write()
+
+    def write(self) -> None:
+        text = json.dumps(self.data, indent=1, allow_nan=False)
+        temporary = self.path.with_name(self.path.name + ".tmp")
+        temporary.write_text(text + "\n")
+        os.replace(temporary, self.path)
+
+
+# Rendering -------------------------------------------------------------------------------------
+# A report is rendered as a list of blocks, each turned into Markdown or HTML:
+# ("h", level, text), ("p", text), ("pre", text), ("table", headers, rows), ("img", file, alt).
+
+def render(data: dict, out_dir: Path) -> list[Path]:
+    """Write report.md, report.html and the plots next to report.json; returns the files."""
+    out_dir = Path(out_dir)
+    images = _plots(data, out_dir)
+    blocks = _blocks(data, images)
+    (out_dir / "report.md").write_text(_markdown(blocks))
+    (out_dir / "report.html").write_text(_html(blocks, out_dir, data))
+    return [out_dir / "report.md", out_dir / "report.html"] + [out_dir / name for name in images.values()]
+
+
+def _number(x, digits: int = 3) -> str:
+    return "-" if x is None else f"{x:.{digits}g}"
+
+
+def status_line(data: dict) -> str:
+    if data["complete"]:
+        return f"Complete: started {data['started']}, finished {data['finished']}."
+    why = f" ({data['stopped']})" if data.get("stopped") else ""
+    return (f"PARTIAL REPORT{why}: the run started {data['started']} did not finish; what is below is what "
+            "it measured before it stopped. No verdicts are drawn from a partial run.")
+
+
+def _blocks(data: dict, images: dict) -> list[tuple]:
+    blocks = [("h", 1, f"SageAttention certification, {data['host']}"), ("p", status_line(data)),
+              ("p", f"Command: `{data['command']}`")]
+    if data.get("environment"):
+        blocks += [("h", 2, "Environment"),
+                   ("pre", environment.render_text(environment.from_dict(data["environment"])))]
+    blocks += [("h", 2, "Fixtures"), ("table", ["fixture", "family", "kind", "q", "k/v", "dtype", "sha256"],
+               [[f["name"], f["family"], f["kind"], "x".join(map(str, f["q"])), "x".join(map(str, f["k"])),
+                 f["dtype"], f["sha256"]] for f in data["fixtures"]])]
+    for gpu in data.get("gpus", []):
+        blocks += _gpu_blocks(gpu, images)
+    for device in data["devices"]:
+        blocks += _device_blocks(data, device, images)
+    return blocks
+
+
+def _reasons(verdict: dict) -> str:
+    return "; ".join(r["detail"] for r in verdict["reasons"]) or "-"
+
+
+def _gpu_blocks(gpu: dict, images: dict) -> list[tuple]:
+    title = "%s (sm_%d%d), " % (gpu["name"], *gpu["capability"]) + ", ".join(f"cuda:{i}" for i in gpu["devices"])
+    rows = []
+    for verdict in gpu["families"] + [gpu["default"]]:
+        thresholds = ("-" if verdict["min_query_tokens"] is None
+                      else f"{verdict['min_query_tokens']} / {verdict['min_key_tokens']}")
+        rows.append([verdict["family"] or "(default: all fixtures)", verdict["verdict"], verdict["variant"] or "-",
+                     thresholds, ", ".join(f"{k} {x:.2f}x" for k, x in verdict["speedups"].items()) or "-",
+                     _reasons(verdict)])
+    blocks = [("h", 2, title), ("h", 3, "Verdicts"),
+              ("table", ["family", "verdict", "variant", "min query / key tokens", "speedup at its shapes", "reasons"],
+               rows)]
+    blocks += [("h", 3, "Break-even per variant"),
+               ("p", "The query and key lengths from which each variant measured faster than the fastest SDPA "
+                     "backend at every measured shape; '-' where it was never faster (or does not run here)."),
+               ("table", ["variant", "runs here", "min query tokens", "min key tokens", "shapes served / measured"],
+                [[name, "yes" if v["runnable"] else "no: " + "; ".join(v["reasons"]),
+                  *(["-", "-", "-"] if not v["break_even"] else
+                    [v["break_even"]["min_query_tokens"], v["break_even"]["min_key_tokens"],
+                     f"{v['break_even']['served_shapes']} / {v['break_even']['measured_shapes']}"])]
+                 for name, v in gpu["variants"].items()])]
+    if gpu["name"] in images:
+        blocks.append(("img", images[gpu["name"]], "speedup against the fastest SDPA backend"))
+    return blocks
+
+
+def _device_blocks(data: dict, device: dict, images: dict) -> list[tuple]:
+    blocks = [("h", 2, "cuda:%d %s (sm_%d%d)" % (device["index"], device["name"], *device["capability"]))]
+    key = f"cuda:{device['index']}"
+    if key in images:
+        blocks.append(("img", images[key], "accuracy: relative L2 over its bound, per variant and fixture"))
+    rows = []
+    for c in device["cells"]:
+        bounds = c.get("bounds") or {}
+        smooth = c.get("smooth_k_on")
+        rows.append([c["variant"], c["fixture"], c["outcome"],
+                     f"{_number(c.get('rel_l2'))} (<= {_number(bounds.get('max_rel_l2'))})" if bounds else "-",
+                     f"{_number(c.get('worst_head_cosine'), 4)} (>= {_number(bounds.get('min_cosine'), 4)})"
+                     if bounds else "-",
+                     _number(c.get("error_vs_sdpa")), _number(c.get("extra_bytes_per_element")),
+                     f"{_number(smooth['rel_l2'])} / {_number(smooth['worst_head_cosine'], 4)}" if smooth else "-",
+                     "; ".join(r["detail"] for r in c.get("reasons", [])) or c.get("detail", "")])
+    blocks += [("h", 3, "Accuracy and memory per variant and fixture"),
+               ("p", "Against a float32 reference; 'x SDPA' is the error over that of PyTorch SDPA in the input "
+                     "precision; memory is the extra peak in bytes per q/k/v element; 'smooth_k on' gives "
+                     "relative L2 / worst cosine with K smoothing on (outlier fixtures; the wrapper runs it off)."),
+               ("table", ["variant", "fixture", "outcome", "relative L2", "worst head cosine", "x SDPA",
+                          "bytes/elem", "smooth_k on", "reasons"], rows)]
+    blocks += [("h", 3, "Speed"), ("table", *_speed_table(data, device))]
+    problems = [c for c in device["cells"] + device["speed"] if c.get("stderr_tail") or c.get("traceback")]
+    if problems:
+        blocks.append(("h", 3, "Crashes, hangs and errors"))
+        for c in problems:
+            what = f"{c.get('variant') or c.get('kernel')} on {c.get('fixture') or c.get('shape')}"
+            blocks += [("p", f"{what}: {c['outcome']}: {c.get('detail', '')}"),
+                       ("pre", (c.get("stderr_tail") or c.get("traceback"))[-2000:])]
+    return blocks
+
+
+def _speed_table(data: dict, device: dict) -> tuple[list, list]:
+    variants = [v for v in data["options"]["variants"] if v not in device["not_supported"]]
+    by = {(r["kernel"], r["shape"]): r for r in device["speed"]}
+    rows = []
+    for key, entry in data["shapes"].items():
+        sdpa = by.get(("sdpa", key))
+        if sdpa is None:
+            continue
+        row = [key, "; ".join((u["family"] + " " if u["family"] else "") + u["label"] for u in entry["uses"]),
+               f"{_number(sdpa['ms'])} ms ({sdpa.get('best_backend') or sdpa['outcome']})"]
+        for v in variants:
+            r = by.get((v, key))
+            if r is None:
+                row.append("")
+            elif r.get("ms") and sdpa["ms"]:
+                row.append(f"{r['ms']:.3g} ms ({sdpa['ms'] / r['ms']:.2f}x)")
+            else:
+                row.append(r["outcome"])
+        rows.append(row)
+    return ["shape", "used by", "fastest SDPA"] + variants, rows
+
+
+def _markdown(blocks: list[tuple]) -> str:
+    lines = []
+    for block in blocks:
+        if block[0] == "h":
+            lines += ["#" * block[1] + " " + block[2], ""]
+        elif block[0] == "p":
+            lines += [block[1], ""]
+        elif block[0] == "pre":
+            lines += ["```text", block[1].rstrip(), "```", ""]
+        elif block[0] == "img":
+            lines += [f"![{block[2]}]({block[1]})", ""]
+        elif block[0] == "table":
+            headers, rows = block[1], block[2]
+            cell = lambda x: str(x).replace("|", "\\|").replace("\n", " ")  # noqa: E731
+            lines += ["| " + " | ".join(map(cell, headers)) + " |", "|" + "---|" * len(headers)]
+            lines += ["| " + " | ".join(map(cell, row)) + " |" for row in rows] + [""]
+    return "\n".join(lines)
+
+
+def _html(blocks: list[tuple], out_dir: Path, data: dict) -> str:
+    parts = []
+    for block in blocks:
+        if block[0] == "h":
+            parts.append(f"<h{block[1]}>{html.escape(block[2])}</h{block[1]}>")
+        elif block[0] == "p":
+            parts.append(f"<p>{html.escape(block[1])}</p>")
+        elif block[0] == "pre":
+            parts.append(f"<pre>{html.escape(block[1])}</pre>")
+        elif block[0] == "img":  # embedded, so the page is one self-contained file
+            encoded = base64.b64encode((out_dir / block[1]).read_bytes()).decode()
+            parts.append(f'<img alt="{html.escape(block[2])}" src="data:image/png;base64,{encoded}">')
+        elif block[0] == "table":
+            head = "".join(f"<th>{html.escape(str(h))}</th>" for h in block[1])
+            body = "".join("<tr>" + "".join(f"<td>{html.escape(str(x))}</td>" for x in row) + "</tr>"
+                           for row in block[2])
+            parts.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+    style = ("body{font-family:sans-serif;margin:2em;max-width:110em}table{border-collapse:collapse;margin:1em 0}"
+             "td,th{border:1px solid #bbb;padding:.2em .5em;font-size:90%;text-align:left;vertical-align:top}"
+             "pre{background:#f4f4f4;padding:1em;overflow:auto}img{max-width:100%}"
+             ".partial{background:#fdd;padding:1em;font-weight:bold}")
+    banner = "" if data["complete"] else f'<p class="partial">{html.escape(status_line(data))}</p>'
+    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>sage-qual report {html.escape(data['host'])}"
+            f"</title><style>{style}</style></head><body>{banner}{''.join(parts)}</body></html>\n")
+
+
+# Plots -----------------------------------------------------------------------------------------
+def _plots(data: dict, out_dir: Path) -> dict[str, str]:
+    """Plot files by what they show ("cuda:N" heatmaps, GPU names for speedups); none without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return {}
+    images = {}
+    for device in data["devices"]:
+        if device["cells"]:
+            name = f"accuracy-cuda{device['index']}.png"
+            _heatmap(plt, device, out_dir / name)
+            images[f"cuda:{device['index']}"] = name
+    for n, gpu in enumerate(data.get("gpus", [])):
+        devices = [d for d in data["devices"] if d["index"] in gpu["devices"]]
+        name = f"speedup-{n}.png"
+        if _speedup_plot(plt, data, gpu, devices, out_dir / name):
+            images[gpu["name"]] = name
+    return images
+
+
+def _heatmap(plt, device: dict, path: Path) -> None:
+    import numpy as np
+
+    variants = list(dict.fromkeys(c["variant"] for c in device["cells"]))
+    fixtures = list(dict.fromkeys(c["fixture"] for c in device["cells"]))
+    values = np.full((len(variants), len(fixtures)), np.nan)
+    figure, axes = plt.subplots(figsize=(2 + 1.1 * len(fixtures), 1.5 + 0.45 * len(variants)))
+    for c in device["cells"]:
+        i, j = variants.index(c["variant"]), fixtures.index(c["fixture"])
+        ratio = None
+        if c.get("rel_l2") is not None and c.get("bounds"):
+            ratio = c["rel_l2"] / c["bounds"]["max_rel_l2"]
+            values[i, j] = math.log10(max(ratio, 1e-2))
+        text = c["outcome"] if ratio is None else f"{c['outcome']}\n{ratio:.2f}"
+        axes.text(j, i, text, ha="center", va="center", fontsize=7)
+    colours = plt.get_cmap("RdYlGn_r").copy()
+    colours.set_bad("#cccccc")
+    shown = axes.imshow(values, cmap=colours, vmin=-2, vmax=1, aspect="auto")
+    axes.set_xticks(range(len(fixtures)), fixtures, rotation=40, ha="right", fontsize=8)
+    axes.set_yticks(range(len(variants)), variants, fontsize=8)
+    figure.colorbar(shown, ax=axes, label="log10(rel. L2 / bound), >0 fails")
+    axes.set_title("cuda:%d %s: accuracy against float32 (grey: no number)" % (device["index"], device["name"]),
+                   fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def _speedup_plot(plt, data: dict, gpu: dict, devices: list[dict], path: Path) -> bool:
+    """Speedup over the fastest SDPA backend against tokens, generic self-attention, per head size."""
+    generic = {k: s["shape"] for k, s in data["shapes"].items()
+               if not any(u["family"] for u in s["uses"]) and s["shape"]["q_tokens"] == s["shape"]["kv_tokens"]}
+    head_dims = sorted({s["head_dim"] for s in generic.values()}, reverse=True)
+    if not head_dims:
+        return False
+    figure, axes = plt.subplots(1, len(head_dims), figsize=(6 * len(head_dims), 4.2), squeeze=False)
+    for ax, head_dim in zip(axes[0], head_dims):
+        keys = sorted((k for k, s in generic.items() if s["head_dim"] == head_dim), key=lambda k: generic[k]["q_tokens"])
+        for n, variant in enumerate(v for v, info in gpu["variants"].items() if info["runnable"]):
+            points = []
+            for key in keys:
+                x = _lowest_speedup(devices, variant, key)
+                if x is not None:
+                    points.append((generic[key]["q_tokens"], x))
+            if not points:
+                continue
+            line, = ax.plot(*zip(*points), marker="o", label=variant)
+            even = gpu["variants"][variant]["break_even"]
+            if even:
+                ax.axvline(even["min_query_tokens"], color=line.get_color(), linestyle=":", linewidth=1)
+        ax.axhline(1.0, color="black", linewidth=1)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens (self-attention, 24 heads)")
+        ax.set_ylabel("speedup over the fastest SDPA backend")
+        ax.set_title(f"{gpu['name']}, head_dim {head_dim} (dotted: break-even)", fontsize=9)
+        ax.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True
+
+
+def _lowest_speedup(devices: list[dict], variant: str, key: str) -> float | None:
+    values = []
+    for device in devices:
+        by = {(r["kernel"], r["shape"]): r for r in device["speed"]}
+        sdpa, ours = by.get(("sdpa", key)), by.get((variant, key))
+        if not sdpa or not ours or not sdpa.get("ms"):
+            return None
+        values.append(sdpa["ms"] / ours["ms"] if ours.get("ms") else 0.0)
+    return min(values) if values else None
+
