@@ -1,0 +1,110 @@
+"""`sage-qual fixtures list [DIR]` and `sage-qual fixtures show FILE [--json]`.
+
+Bad input (a missing directory, a file that is not a valid fixture) prints one line on stderr and
+returns exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import textwrap
+
+from .fixture_files import FixtureError, describe, list_fixtures, load_fixture, shipped_dir
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("fixtures", help="list and inspect activation fixtures")
+    commands = parser.add_subparsers(dest="fixtures_command", required=True)
+    listing = commands.add_parser("list", help="one line per fixture file in a directory")
+    listing.add_argument("directory", nargs="?", help="default: the repository's fixtures/ directory")
+    listing.set_defaults(func=_list)
+    show = commands.add_parser("show", help="shapes, channel statistics, bounds and provenance of a fixture")
+    show.add_argument("file")
+    show.add_argument("--json", action="store_true", help="machine-readable output")
+    show.set_defaults(func=_show)
+
+
+def _fail(message: str) -> int:
+    print(f"sage-qual fixtures: {message}", file=sys.stderr)
+    return 2
+
+
+def _shape(shape) -> str:
+    return "x".join(str(n) for n in shape)
+
+
+def _list(args: argparse.Namespace) -> int:
+    directory = args.directory or shipped_dir()
+    if directory is None:
+        return _fail("no fixtures/ directory next to the package; give a DIR")
+    try:
+        paths = list_fixtures(directory)
+    except FixtureError as error:
+        return _fail(str(error))
+    status = 0
+    for path in paths:
+        try:
+            f = load_fixture(path)
+        except FixtureError as error:
+            status = _fail(str(error))
+            continue
+        print(f"{f.name:<34} {f.family:<16} {f.kind:<9} q {_shape(f.q.shape):<15} kv {_shape(f.k.shape):<15} "
+              f"{str(f.dtype).replace('torch.', ''):<9} {path.stat().st_size / 1e6:.2f} MB")
+    return status
+
+
+def _show(args: argparse.Namespace) -> int:
+    try:
+        info = describe(load_fixture(args.file))
+    except FixtureError as error:
+        return _fail(str(error))
+    print(json.dumps(info, indent=2) if args.json else render(info))
+    return 0
+
+
+def _channels(stats: dict) -> str:
+    top = ", ".join(f"{c}: {m:.4g}" for c, m in stats["top_channels"])
+    outliers = ", ".join(f"{c} ({m:.4g})" for c, m in stats["outlier_channels"]) or "none"
+    return (f"max {stats['max_abs']:.4g}; top channels {top}; median channel max "
+            f"{stats['median_channel_max']:.4g}; outlier channels {outliers}")
+
+
+def _value(value) -> str:
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={json.dumps(v)}" for k, v in value.items())
+    return str(value)
+
+
+def render(info: dict) -> str:
+    """describe()'s dict as text for a terminal."""
+    lines = [
+        f"{info['name']}  ({info['kind']}, family {info['family']})",
+        f"  file         {info['path']}, {info['size_bytes']} bytes, sha256 {info['sha256']}",
+        f"  tensors      {info['dtype']} {info['layout']}: q {info['shapes']['q']}, k {info['shapes']['k']}, "
+        f"v {info['shapes']['v']}; query heads per K/V head: {info['gqa_group']}",
+        f"  source       {_value(info['source'])}",
+    ]
+    lines += [f"  |{name}|{' ' * 10} {_channels(info['channels'][name])}" for name in ("q", "k", "v")]
+    lines.append(f"  outliers     {info['outlier_rule']}")
+    v_mean = info["v_mean"]
+    lines.append(f"  V mean       overall {v_mean['overall']:.4g}; largest |channel mean| "
+                 f"{v_mean['max_abs_channel_mean']:.4g} (channel {v_mean['channel']})")
+    lines += [f"  bounds {cls:<5} relative L2 <= {b['max_rel_l2']}, cosine >= {b['min_cosine']}"
+              for cls, b in info["bounds"].items()]
+    if info["published"]:
+        lines.append(f"  published    {_value(info['published'])}")
+    calibration = info["calibration"]
+    if isinstance(calibration, dict):
+        lines.append(f"  calibration  {calibration.get('status', '')}")
+        for name, numbers in calibration.items():
+            if isinstance(numbers, dict) and name != "emulated":
+                lines.append(f"    {name}: {_value(numbers)}")
+        for variant, numbers in calibration.get("emulated", {}).items():
+            lines.append(f"    {variant}: {_value(numbers)}")
+    elif calibration:
+        lines.append(f"  calibration  {calibration}")
+    lines.append("  provenance")
+    lines += textwrap.wrap(info["provenance"], width=100, initial_indent="    ", subsequent_indent="    ")
+    return "\n".join(lines)
