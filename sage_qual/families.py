@@ -215,8 +215,9 @@ class _Context:
         self.speedup = {key: min(s[key] for s in speedups) for key in set.intersection(*map(set, speedups))}
         self.ms = {key: max(t[key] for t in times) for key in set.intersection(*map(set, times))}
 
-    def points(self, variant: str, keys: list[str]) -> list[tuple[int, int, float]]:
-        return [(self.shapes[k]["shape"]["q_tokens"], self.shapes[k]["shape"]["kv_tokens"],
+    def points(self, variant: str, keys: list[str]) -> list[tuple[int, int, int, float]]:
+        shapes = self.shapes
+        return [(shapes[k]["shape"]["q_tokens"], shapes[k]["shape"]["kv_tokens"], shapes[k]["shape"]["head_dim"],
                  self.speedup[(variant, k)]) for k in keys if (variant, k) in self.speedup]
 
     def break_even(self, variant: str, keys: list[str]) -> dict | None:
@@ -225,9 +226,11 @@ class _Context:
         return break_even(self.points(variant, keys)) if variant in self.runnable else None
 
     def verdict(self, family: Family | None) -> dict:
+        from .profile import serves
+
         fixtures = [f["name"] for f in self.report["fixtures"] if family is None or family.owns(f["family"])]
         result = {"family": family.name if family else None, "verdict": "keep off", "variant": None,
-                  "min_query_tokens": None, "min_key_tokens": None, "reasons": [], "certified": [],
+                  "min_query_tokens": None, "min_key_tokens": None, "head_dims": None, "reasons": [], "certified": [],
                   "rejected": {}, "speedups": {}}
         if not fixtures:
             label = family.name if family else "any family"
@@ -253,17 +256,15 @@ class _Context:
             head_dims = {shape.head_dim for _, shape in family.shapes}
             relevant = list(own) + [k for k, s in self.shapes.items() if s["shape"]["head_dim"] in head_dims
                                     and not any(u["family"] for u in s["uses"])]
-        chosen = self._fastest(result["certified"], list(own) or relevant)
-        thresholds = self.break_even(chosen, relevant)
+        chosen, thresholds = self._choose(result["certified"], list(own), relevant)
         result["speedups"] = {own[k]: self.speedup[(chosen, k)] for k in own if (chosen, k) in self.speedup}
         if thresholds is None:
             result["reasons"].append(_reason(SPEED, f"{chosen} was not faster than the fastest SDPA backend "
                                                     f"at any measured shape"))
         else:
             result.update(variant=chosen, min_query_tokens=thresholds["min_query_tokens"],
-                          min_key_tokens=thresholds["min_key_tokens"])
-            served = [q >= thresholds["min_query_tokens"] and k >= thresholds["min_key_tokens"]
-                      for q, k, _ in self.points(chosen, list(own))]
+                          min_key_tokens=thresholds["min_key_tokens"], head_dims=thresholds["head_dims"])
+            served = [serves(thresholds, q, k, d) for q, k, d, _ in self.points(chosen, list(own))]
             if family is not None and not served:
                 result["reasons"].append(_reason(SPEED, f"{family.name}'s own shapes were not measured (a "
                                                         "--quick run): speedup unknown"))
@@ -286,12 +287,22 @@ class _Context:
                 reasons.append(_reason(cell["outcome"], f"{where}: {cell.get('detail', '')}"))
         return reasons
 
-    def _fastest(self, candidates: list[str], keys: list[str]) -> str:
-        """The candidate with the least total time over the shapes; unmeasured ones rank last, in
-        the order of preference (the wrapper's kernel table first)."""
-        def total(variant):
+    def _choose(self, candidates: list[str], own: list[str], relevant: list[str]) -> tuple[str, dict | None]:
+        """The fastest candidate at the family's shapes (or all relevant ones) among those whose
+        break-even serves one of its shapes, else among those that pay anywhere, else the fastest."""
+        from .profile import serves
+
+        keys = own or relevant
+
+        def total(variant):  # unmeasured ones rank last, in the order of preference
             if keys and all((variant, k) in self.ms for k in keys):
                 return sum(self.ms[(variant, k)] for k in keys)
             return float("inf")
 
-        return min(candidates, key=lambda v: (total(v), candidates.index(v)))
+        ranked = sorted(candidates, key=lambda v: (total(v), candidates.index(v)))
+        thresholds = {v: self.break_even(v, relevant) for v in ranked}
+        serving = [v for v in ranked if thresholds[v] and any(
+            serves(thresholds[v], q, k, d) for q, k, d, _ in self.points(v, own))]
+        paying = [v for v in ranked if thresholds[v]]
+        chosen = (serving or paying or ranked)[0]
+        return chosen, thresholds[chosen]

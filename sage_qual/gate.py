@@ -136,7 +136,8 @@ def decide(data: dict, family: Family, here: dict, local: dict[str, str], requir
             lines += [f"  - {r['kind']}: {r['detail']}" for r in reasons]
         elif verdict["variant"]:
             lines.append(f"{where}: enable ({verdict['variant']} from {verdict['min_query_tokens']} query and "
-                         f"{verdict['min_key_tokens']} key tokens)")
+                         f"{verdict['min_key_tokens']} key tokens, head_dim "
+                         f"{'/'.join(map(str, verdict['head_dims']))})")
         else:  # safe, but it measured slower everywhere: the profile serves nothing
             lines.append(f"{where}: enable (passes with {', '.join(verdict['certified'])}; no measured speedup, "
                          "so the profile serves no call: --require-speedup would keep it off)")

@@ -2,8 +2,8 @@
 
 A profile belongs to one GPU model (name and compute capability) with one torch and one
 sageattention. Per family, and by default for all of them, it names the fastest variant that
-passed every fixture on that GPU, or none, with the query and key lengths from which that
-variant measured faster than the fastest SDPA backend. `config_from_profile()` turns an entry
+passed every fixture on that GPU, or none, with the head sizes and the query and key lengths
+at which that variant measured faster than the fastest SDPA backend. `config_from_profile()` turns an entry
 into a `WrapperConfig`, so a certified GPU never serves a call of a size that measured slower, nor
 a variant that failed; `install(profile=...)` refuses a profile made on other hardware or
 software, since nothing in it was measured there.
@@ -14,7 +14,7 @@ software, since nothing in it was measured there.
      "fixtures": {name: sha256},
      "default": ENTRY, "families": {"FLUX.1": ENTRY, ...}}
     ENTRY = {"variant": name or null, "min_query_tokens": int or null, "min_key_tokens": int or null,
-             "reasons": [{"kind", "detail"}]}
+             "head_dims": [int] or null, "reasons": [{"kind", "detail"}]}
 """
 
 from __future__ import annotations
@@ -35,25 +35,35 @@ class ProfileError(ValueError):
     """A profile that cannot be read or used; the message says why."""
 
 
-def break_even(points: list[tuple[int, int, float]], min_speedup: float = 1.0) -> dict | None:
-    """Thresholds (min query tokens, min key tokens) from measured (q, k, speedup) points.
+def break_even(points: list[tuple[int, int, int, float]], min_speedup: float = 1.0) -> dict | None:
+    """Where a variant pays, from measured (query tokens, key tokens, head_dim, speedup) points.
 
-    Among the thresholds at measured lengths, the one that serves the most measured shapes such
-    that every shape it serves (q >= min_q and k >= min_k) was faster than `min_speedup`; ties
-    go to the larger thresholds. None when no measured shape was faster. A shape the variant
+    The wrapper serves a call when its head_dim is in `head_dims` and it has at least
+    `min_query_tokens` and `min_key_tokens`. Chosen among head_dim sets and thresholds at measured
+    lengths: the one that serves the most measured shapes such that every shape it serves was
+    faster than `min_speedup`. Ties go to fewer head sizes, then larger thresholds: nothing is
+    served where nothing was measured. None when no measured shape was faster. A shape the variant
     failed at counts with speedup 0.
     """
+    dims = sorted({d for _, _, d, _ in points})
+    subsets = [[d for i, d in enumerate(dims) if mask >> i & 1] for mask in range(1, 2 ** len(dims))]
     best, best_key = None, None
-    for min_q in sorted({q for q, _, _ in points}):
-        for min_k in sorted({k for _, k, _ in points}):
-            served = [s for q, k, s in points if q >= min_q and k >= min_k]
-            if served and all(s > min_speedup for s in served):
-                key = (len(served), min_q, min_k)
-                if best_key is None or key > best_key:
-                    best_key = key
-                    best = {"min_query_tokens": min_q, "min_key_tokens": min_k,
-                            "served_shapes": len(served), "measured_shapes": len(points)}
+    for head_dims in subsets:
+        for min_q in sorted({q for q, _, _, _ in points}):
+            for min_k in sorted({k for _, k, _, _ in points}):
+                served = [s for q, k, d, s in points if q >= min_q and k >= min_k and d in head_dims]
+                if served and all(s > min_speedup for s in served):
+                    key = (len(served), -len(head_dims), min_q, min_k)
+                    if best_key is None or key > best_key:
+                        best_key = key
+                        best = {"min_query_tokens": min_q, "min_key_tokens": min_k, "head_dims": head_dims,
+                                "served_shapes": len(served), "measured_shapes": len(points)}
     return best
+
+
+def serves(thresholds: dict, q_tokens: int, kv_tokens: int, head_dim: int) -> bool:
+    return (q_tokens >= thresholds["min_query_tokens"] and kv_tokens >= thresholds["min_key_tokens"]
+            and head_dim in thresholds["head_dims"])
 
 
 def build(report: dict, gpu: dict) -> dict:
@@ -73,7 +83,7 @@ def build(report: dict, gpu: dict) -> dict:
 
 
 def _entry(verdict: dict) -> dict:
-    return {key: verdict[key] for key in ("variant", "min_query_tokens", "min_key_tokens", "reasons")}
+    return {key: verdict[key] for key in ("variant", "min_query_tokens", "min_key_tokens", "head_dims", "reasons")}
 
 
 def save(profile: dict, path: Path) -> None:
@@ -112,7 +122,8 @@ def entry(profile: dict, family: str | None = None) -> dict:
 
 
 def config_from_profile(profile, family: str | None = None, base: WrapperConfig = DEFAULT_CONFIG) -> WrapperConfig:
-    """`base` with the profile's GPU served by its certified variant (or none) and its thresholds."""
+    """`base` with the profile's GPU served by its certified variant (or none), its thresholds and
+    head sizes."""
     profile = load(profile)
     chosen = entry(profile, family)
     capability = tuple(profile["gpu"]["capability"])
@@ -121,7 +132,7 @@ def config_from_profile(profile, family: str | None = None, base: WrapperConfig 
     if not chosen["variant"]:
         return dataclasses.replace(base, kernel_table=table)
     return dataclasses.replace(base, kernel_table=table, min_query_tokens=chosen["min_query_tokens"],
-                               min_key_tokens=chosen["min_key_tokens"])
+                               min_key_tokens=chosen["min_key_tokens"], head_dims=tuple(chosen["head_dims"]))
 
 
 def config_for_machine(profile, family: str | None = None, base: WrapperConfig = DEFAULT_CONFIG) -> WrapperConfig:

@@ -120,21 +120,26 @@ def _gpu_blocks(gpu: dict, images: dict) -> list[tuple]:
     title = "%s (sm_%d%d), " % (gpu["name"], *gpu["capability"]) + ", ".join(f"cuda:{i}" for i in gpu["devices"])
     rows = []
     for verdict in gpu["families"] + [gpu["default"]]:
-        thresholds = ("-" if verdict["min_query_tokens"] is None
-                      else f"{verdict['min_query_tokens']} / {verdict['min_key_tokens']}")
+        thresholds = ("-" if verdict["min_query_tokens"] is None else
+                      f"{verdict['min_query_tokens']} / {verdict['min_key_tokens']}, head_dim "
+                      + "/".join(map(str, verdict["head_dims"])))
         rows.append([verdict["family"] or "(default: all fixtures)", verdict["verdict"], verdict["variant"] or "-",
                      thresholds, ", ".join(f"{k} {x:.2f}x" for k, x in verdict["speedups"].items()) or "-",
                      _reasons(verdict)])
     blocks = [("h", 2, title), ("h", 3, "Verdicts"),
-              ("table", ["family", "verdict", "variant", "min query / key tokens", "speedup at its shapes", "reasons"],
+              ("table", ["family", "verdict", "variant", "served from (query / key tokens)", "speedup at its shapes",
+                         "reasons"],
                rows)]
     blocks += [("h", 3, "Break-even per variant"),
-               ("p", "The query and key lengths from which each variant measured faster than the fastest SDPA "
-                     "backend at every measured shape; '-' where it was never faster (or does not run here)."),
-               ("table", ["variant", "runs here", "min query tokens", "min key tokens", "shapes served / measured"],
+               ("p", "The head sizes and the query and key lengths from which each variant measured faster than "
+                     "the fastest SDPA backend at every measured shape; '-' where it was never faster (or does "
+                     "not run here)."),
+               ("table", ["variant", "runs here", "head_dim", "min query tokens", "min key tokens",
+                          "shapes served / measured"],
                 [[name, "yes" if v["runnable"] else "no: " + "; ".join(v["reasons"]),
-                  *(["-", "-", "-"] if not v["break_even"] else
-                    [v["break_even"]["min_query_tokens"], v["break_even"]["min_key_tokens"],
+                  *(["-", "-", "-", "-"] if not v["break_even"] else
+                    ["/".join(map(str, v["break_even"]["head_dims"])), v["break_even"]["min_query_tokens"],
+                     v["break_even"]["min_key_tokens"],
                      f"{v['break_even']['served_shapes']} / {v['break_even']['measured_shapes']}"])]
                  for name, v in gpu["variants"].items()])]
     if gpu["name"] in images:
@@ -281,14 +286,13 @@ def _heatmap(plt, device: dict, path: Path) -> None:
             values[i, j] = math.log10(max(ratio, 1e-2))
         text = c["outcome"] if ratio is None else f"{c['outcome']}\n{ratio:.2f}"
         axes.text(j, i, text, ha="center", va="center", fontsize=7)
-    colours = plt.get_cmap("RdYlGn_r").copy()
-    colours.set_bad("#cccccc")
+    colours = plt.get_cmap("RdYlGn_r").with_extremes(bad="#cccccc")
     shown = axes.imshow(values, cmap=colours, vmin=-2, vmax=1, aspect="auto")
     axes.set_xticks(range(len(fixtures)), fixtures, rotation=40, ha="right", fontsize=8)
     axes.set_yticks(range(len(variants)), variants, fontsize=8)
-    figure.colorbar(shown, ax=axes, label="log10(rel. L2 / bound), >0 fails")
-    axes.set_title("cuda:%d %s: accuracy against float32 (grey: no number)" % (device["index"], device["name"]),
-                   fontsize=9)
+    figure.colorbar(shown, ax=axes, label="log10(rel. L2 / bound)")
+    axes.set_title("cuda:%d %s: relative L2 / bound against float32 (> 1 fails; grey: no number)"
+                   % (device["index"], device["name"]), fontsize=9)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -314,7 +318,7 @@ def _speedup_plot(plt, data: dict, gpu: dict, devices: list[dict], path: Path) -
                 continue
             line, = ax.plot(*zip(*points), marker="o", label=variant)
             even = gpu["variants"][variant]["break_even"]
-            if even:
+            if even and head_dim in even["head_dims"]:
                 ax.axvline(even["min_query_tokens"], color=line.get_color(), linestyle=":", linewidth=1)
         ax.axhline(1.0, color="black", linewidth=1)
         ax.set_xscale("log", base=2)

@@ -1,0 +1,239 @@
+"""Family verdicts, `sage-qual gate` (0 enable / 1 keep off / 2 cannot decide) and `sage-qual merge`,
+on the hand-made sample reports in tests_fast/data (synthetic numbers, certify's format)."""
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from sage_qual import cli, families, gate, worker
+
+DATA = Path(__file__).parent / "data"
+H200 = DATA / "sample_h200_2gpu.json"
+RTX4090 = DATA / "sample_rtx4090.json"
+PARTIAL = DATA / "sample_partial.json"
+
+
+def load(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def family_fixtures(data: dict, family: str) -> dict:
+    return {f["name"]: f["sha256"] for f in data["fixtures"] if families.find(family).owns(f["family"])}
+
+
+def decide(data, family, here=None, local=None, require_speedup=False):
+    here = here or copy.deepcopy(data["environment"])
+    local = family_fixtures(data, family) if local is None else local
+    return gate.decide(data, families.find(family), here, local, require_speedup)
+
+
+def verdict(data: dict, family: str, gpu: int = 0) -> dict:
+    return next(v for v in data["gpus"][gpu]["families"] if v["family"] == family)
+
+
+# Verdicts (families.analyze) -------------------------------------------------------------------
+def test_a_variant_failing_on_one_device_is_rejected_for_the_model():
+    data = load(H200)
+    data["gpus"] = families.analyze(data)
+    qwen = verdict(data, "Qwen-Image")
+    assert qwen["verdict"] == "enable" and qwen["variant"] == "sm89-fp8-cuda"
+    assert [r["detail"].split("): ")[0] for r in qwen["rejected"]["sm90-fp8-cuda"]] == \
+        ["sm90-fp8-cuda on qwen-image-block0-outlier (cuda:1"] * 2
+
+
+def test_fastest_passing_variant_is_chosen_with_its_break_even():
+    data = load(H200)
+    data["gpus"] = families.analyze(data)
+    flux = verdict(data, "FLUX.1")
+    assert flux["certified"] == ["sm90-fp8-cuda", "sm89-fp8-cuda", "sm80-fp16-cuda"]
+    assert (flux["variant"], flux["min_query_tokens"], flux["min_key_tokens"], flux["head_dims"]) == \
+        ("sm90-fp8-cuda", 4608, 512, [128])
+
+
+def test_slower_everywhere_keeps_the_family_off_for_speed_only():
+    data = load(H200)
+    data["gpus"] = families.analyze(data)
+    sdxl = verdict(data, "SDXL")
+    assert sdxl["verdict"] == "keep off" and sdxl["variant"] is None
+    assert {r["kind"] for r in sdxl["reasons"]} == {"speed"}
+    assert sdxl["certified"]  # accuracy passed
+
+
+def test_every_reason_is_listed_when_no_variant_passes():
+    data = load(H200)
+    data["gpus"] = families.analyze(data)
+    wan = verdict(data, "Wan 2.2")
+    assert [r["kind"] for r in wan["reasons"]] == ["crash", "timeout", "oom"]
+    assert "killed by SIGSEGV" in wan["reasons"][0]["detail"]
+
+
+def test_a_variant_that_failed_at_a_large_shape_serves_nothing_above_it():
+    data = load(H200)
+    for device in data["devices"]:
+        for record in device["speed"]:
+            if record["kernel"] == "sm90-fp8-cuda" and record["shape"] == "b1 h24 q32768 k32768 d128 bfloat16":
+                record.update(outcome="oom", ms=None, detail="OutOfMemoryError: CUDA out of memory (test)")
+    data["gpus"] = families.analyze(data)
+    # No threshold pair can leave out the largest shape, so sm90 serves nothing; FLUX.1 takes the
+    # fastest variant that still pays at its shapes.
+    assert data["gpus"][0]["variants"]["sm90-fp8-cuda"]["break_even"] is None
+    flux = verdict(data, "FLUX.1")
+    assert (flux["verdict"], flux["variant"], flux["min_query_tokens"]) == ("enable", "sm89-fp8-cuda", 4608)
+
+
+# gate.decide -----------------------------------------------------------------------------------
+def test_enable():
+    code, lines = decide(load(H200), "FLUX.1")
+    assert code == 0
+    assert lines == ["FLUX.1 on NVIDIA H200 (sm_90): enable (sm90-fp8-cuda from 4608 query and 512 key tokens, "
+                     "head_dim 128)"]
+
+
+def test_keep_off_prints_every_reason():
+    code, lines = decide(load(H200), "Wan 2.2")
+    assert code == 1
+    assert lines[0] == "Wan 2.2 on NVIDIA H200 (sm_90): keep off"
+    assert [line.split(":")[0].strip() for line in lines[1:]] == ["- crash", "- timeout", "- oom"]
+
+
+def test_speed_reasons_count_only_with_require_speedup():
+    data = load(H200)
+    code, lines = decide(data, "SDXL")
+    assert code == 0 and "no measured speedup" in lines[0]
+    code, lines = decide(data, "SDXL", require_speedup=True)
+    assert code == 1 and lines[1].startswith("  - speed: ")
+
+
+def test_family_without_fixtures_is_not_certified():
+    code, lines = decide(load(H200), "FLUX.2")
+    assert code == 1 and "not certified" in lines[1]
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda env: env.update(torch="2.12.0+cu130"), "torch 2.11.0+cu130 in the report, 2.12.0+cu130 here"),
+    (lambda env: env.update(driver="590.10"), "NVIDIA driver 580.159.04 in the report, 590.10 here"),
+    (lambda env: env.update(sageattention="2.2.1"), "sageattention 2.2.0 in the report, 2.2.1 here"),
+    (lambda env: env["gpus"].append({**env["gpus"][0], "index": 2, "name": "NVIDIA B200", "capability": [10, 0]}),
+     "NVIDIA B200 (sm_100) here is not in the report"),
+])
+def test_stale_environment_cannot_decide(change, message):
+    data = load(H200)
+    here = copy.deepcopy(data["environment"])
+    change(here)
+    code, lines = decide(data, "FLUX.1", here=here)
+    assert code == 2 and len(lines) == 1
+    assert message in lines[0] and "Run `sage-qual certify` on this machine again" in lines[0]
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda local: local.update({"flux1-block5": "0" * 64}), "fixture flux1-block5 changed"),
+    (lambda local: local.pop("flux1-block5"), "fixture flux1-block5 is in the report but not here"),
+    (lambda local: local.update({"flux1-new": "1" * 64}), "fixture flux1-new is here but not in the report"),
+])
+def test_other_fixtures_cannot_decide(change, message):
+    data = load(H200)
+    local = family_fixtures(data, "FLUX.1")
+    change(local)
+    code, lines = decide(data, "FLUX.1", local=local)
+    assert code == 2 and message in lines[0]
+
+
+def test_only_the_gpus_here_are_decided():
+    data = load(H200)
+    here = copy.deepcopy(data["environment"])
+    here["gpus"] = here["gpus"][:1]  # one of the two H200s: same model, same verdict
+    assert decide(data, "FLUX.1", here=here)[0] == 0
+
+
+def test_partial_or_uncertified_family_cannot_decide():
+    assert decide(load(PARTIAL), "FLUX.1")[0] == 2
+    data = load(H200)
+    data["options"]["families"] = ["SDXL"]
+    code, lines = decide(data, "FLUX.1")
+    assert code == 2 and "did not certify FLUX.1" in lines[0]
+
+
+# The command line ------------------------------------------------------------------------------
+@pytest.fixture
+def machine(monkeypatch):
+    """This machine's environment as collected in a worker, replaced by what a test sets."""
+    here = {"environment": load(H200)["environment"]}
+    monkeypatch.setattr(worker, "collect_environment", lambda *args, **kwargs: here)
+    return here
+
+
+@pytest.fixture
+def fixture_dir(tmp_path, monkeypatch):
+    """No fixture files: the sample's fixtures exist only as checksums, so staleness is decided
+    against `gate.local_fixtures`, patched to what the sample recorded."""
+    monkeypatch.setattr(gate, "local_fixtures", lambda dirs, family: family_fixtures(load(H200), family.name))
+
+
+def run_cli(capsys, *argv):
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_gate_enable_and_keep_off(capsys, machine, fixture_dir):
+    code, out, err = run_cli(capsys, "gate", "--family", "flux.1", "--report", str(H200))
+    assert (code, err) == (0, "") and out.startswith("FLUX.1 on NVIDIA H200 (sm_90): enable")
+    code, out, _ = run_cli(capsys, "gate", "--family", "Wan 2.2", "--report", str(H200))
+    assert code == 1 and "keep off" in out and "- oom:" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--family", "Nope"], "unknown family 'Nope'"),
+    (["--family", "FLUX.1", "--report", "/nonexistent/report.json"], "no report at /nonexistent/report.json"),
+    (["--family", "FLUX.1", "--report", str(PARTIAL)], "is a partial report"),
+])
+def test_cli_gate_bad_input_is_one_line_exit_2(capsys, machine, fixture_dir, argv, message):
+    code, out, err = run_cli(capsys, "gate", *argv)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("sage-qual gate: ") and message in err
+
+
+def test_cli_gate_foreign_report(capsys, tmp_path, machine, fixture_dir):
+    foreign = tmp_path / "foreign.json"
+    foreign.write_text('{"results": []}')
+    code, _, err = run_cli(capsys, "gate", "--family", "FLUX.1", "--report", str(foreign))
+    assert code == 2 and "is not a sage-qual report" in err
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda env: env.update(gpus=[]), "no CUDA GPU is visible here"),
+    (lambda env: env.update(sageattention_problem="sageattention is not installed: build it"),
+     "sageattention cannot run here: sageattention is not installed"),
+    (lambda env: env.update(torch="2.12.0"), "stale report: torch 2.11.0+cu130 in the report, 2.12.0 here"),
+])
+def test_cli_gate_cannot_decide_on_this_machine(capsys, machine, fixture_dir, change, message):
+    machine["environment"] = copy.deepcopy(machine["environment"])
+    change(machine["environment"])
+    code, _, err = run_cli(capsys, "gate", "--family", "FLUX.1", "--report", str(H200))
+    assert code == 2 and err.count("\n") == 1 and message in err
+
+
+def test_cli_merge_markdown_and_json(capsys):
+    code, out, err = run_cli(capsys, "merge", str(H200), str(RTX4090), str(PARTIAL))
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert lines[0].startswith("| host | GPU | sm | GPUs | driver | torch | sageattention | FLUX.1 |")
+    h200 = next(line for line in lines if line.startswith("| sample-h200-2gpu | NVIDIA H200 | 90 | 2 |"))
+    assert "on: sm90-fp8-cuda >= 4608/512" in h200 and "off: crash, oom, timeout" in h200
+    rtx = next(line for line in lines if "RTX 4090" in line)
+    assert "591.44" in rtx and "on: sm89-fp8-cuda >= 4608/1024" in rtx
+    assert sum("partial report" in line for line in lines) == 2  # the partial run's two devices
+    code, out, _ = run_cli(capsys, "merge", "--json", str(H200), str(RTX4090))
+    rows = json.loads(out)
+    assert [(r["host"], r["gpu"], r["devices"]) for r in rows] == [
+        ("sample-h200-2gpu", "NVIDIA H200", [0, 1]), ("sample-ws-4090", "NVIDIA GeForce RTX 4090", [0])]
+    assert rows[0]["families"]["Wan 2.2"]["reasons"] == ["crash", "oom", "timeout"]
+
+
+def test_cli_merge_refuses_a_foreign_file(capsys, tmp_path):
+    foreign = tmp_path / "x.json"
+    foreign.write_text("[]")
+    code, out, err = run_cli(capsys, "merge", str(H200), str(foreign))
+    assert code == 2 and out == "" and "is not a sage-qual report" in err
