@@ -119,7 +119,8 @@ def emulate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scheme: Scheme, *
     return ((p @ v_hat) / p.sum(-1, keepdim=True)).to(q.dtype)
 
 
-def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float | None = None) -> torch.Tensor:
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              sm_scale: float | None = None) -> torch.Tensor:
     """Exact attention in float32 (the yardstick every accuracy number here is measured against)."""
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
     group = q.shape[1] // k.shape[1]

@@ -168,7 +168,8 @@ def _check_metadata(path, metadata: Mapping[str, str], dtype: torch.dtype) -> di
         raise FixtureError(path, "dtype", f"metadata says {metadata.get('dtype')!r}, tensors are "
                            f"{dtype_name}", "make the dtype metadata match the tensors")
     if metadata.get("layout") != "HND":
-        raise FixtureError(path, "layout", f"is {metadata.get('layout')!r}", "store tensors as HND [B, H, N, D]")
+        raise FixtureError(path, "layout", f"is {metadata.get('layout')!r}",
+                           "store tensors as HND [B, H, N, D]")
     bounds = _json_field(path, metadata, "bounds", required=True)
     _check_bounds(path, bounds)
     calibration = metadata.get("calibration")
@@ -197,14 +198,16 @@ def _header(path, data: bytes) -> dict:
     try:
         header = json.loads(data[8:8 + length])
     except (UnicodeDecodeError, json.JSONDecodeError):
-        raise FixtureError(path, "file", "header is not JSON: not a safetensors file", not_safetensors) from None
+        raise FixtureError(path, "file", "header is not JSON: not a safetensors file",
+                           not_safetensors) from None
     if not isinstance(header, dict):
         raise FixtureError(path, "file", "header is not a JSON object", not_safetensors)
     try:
         end = max((int(entry["data_offsets"][1]) for name, entry in header.items() if name != "__metadata__"),
                   default=0)
     except (TypeError, KeyError, IndexError, ValueError):
-        raise FixtureError(path, "file", "header has a tensor entry without data_offsets", not_safetensors) from None
+        raise FixtureError(path, "file", "header has a tensor entry without data_offsets",
+                           not_safetensors) from None
     if 8 + length + end > len(data):
         raise FixtureError(path, "file", f"truncated: tensor data ends at byte {8 + length + end}, "
                            f"the file has {len(data)}", not_safetensors)
