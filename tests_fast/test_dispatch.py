@@ -37,7 +37,8 @@ class RecordingSage(FakeSageAttention):
             if function is not None:
                 setattr(module, name, self._recording(function))
 
-        def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, return_lse=False, **kwargs):
+        def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, return_lse=False,
+                     **kwargs):
             self.sageattn_calls.append(kwargs)
             return exact_attention(q, k, v, sm_scale or q.shape[-1] ** -0.5)
 

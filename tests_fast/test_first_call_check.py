@@ -139,7 +139,8 @@ def test_gqa_check_pairs_the_first_group_with_key_value_head_0():
         _, second = serve(q, k, v, enable_gqa=True)
     assert not retired()
     assert (report.served, second.served) == (1, 1)
-    torch.testing.assert_close(out.float(), TORCH_SDPA(q, k, v, enable_gqa=True).float(), atol=2e-2, rtol=2e-2)
+    expected = TORCH_SDPA(q, k, v, enable_gqa=True)
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 
 def test_gqa_check_covers_every_query_head_of_the_first_group():
@@ -158,7 +159,8 @@ def test_check_slice_is_first_sample_first_group_last_rows(torch_spy):
         _, report = serve(q, k, v, enable_gqa=True, scale=0.2)
     assert report.served == 1
     [(args, kwargs)] = torch_spy
-    q_slice, k_slice, v_slice = (kwargs.get(n, a) for n, a in zip(("query", "key", "value"), args + (None,) * 3))
+    q_slice, k_slice, v_slice = (args[i] if i < len(args) else kwargs[name]
+                                 for i, name in enumerate(("query", "key", "value")))
     assert torch.equal(q_slice, q[:1, :2, -1024:])
     assert torch.equal(k_slice, k[:1, :1]) and torch.equal(v_slice, v[:1, :1])
     assert kwargs.get("scale") == 0.2
@@ -225,20 +227,22 @@ def test_check_is_per_device():
     assert device0.served == 1
 
 
-def test_check_reads_its_verdict_once():
-    """Exactly one number comes back to the host: the relative L2 of the slice."""
+def test_only_the_check_reads_back_to_the_host():
+    """At most one number (the relative L2) comes back on a checked call, none on later calls."""
     reads = []
     original_item = torch.Tensor.item
 
     def item(self):
-        reads.append(self.shape)
+        reads.append(self.numel())
         return original_item(self)
 
     with wrapped() as (_, fake):
         torch.Tensor.item = item
         try:
             serve(*qkv())
+            first = list(reads)
             serve(*qkv())
         finally:
             torch.Tensor.item = original_item
-    assert reads == [torch.Size([])]
+    assert first in ([], [1])
+    assert reads == first

@@ -222,7 +222,7 @@ REFUSALS = [
                  ("not a version number", BUILD_FROM_SOURCE), id="version_unparsable"),
     pytest.param(lambda: fake_box(fake=FakeSageAttention(missing=(SM90,))),
                  (SM90, BUILD_FROM_SOURCE), id="kernel_function_missing"),
-    pytest.param(lambda: fake_box(fake=FakeSageAttention(extensions=("_qattn_sm80", "_qattn_sm89", "_fused"))),
+    pytest.param(lambda: fake_box(fake=FakeSageAttention(extensions=("_qattn_sm80", "_qattn_sm89"))),
                  ("_qattn_sm90",), id="extension_for_this_gpu_not_built"),
 ]
 

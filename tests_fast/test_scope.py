@@ -325,7 +325,8 @@ def test_scope_exit_logs_one_debug_summary(caplog):
         caplog.clear()
         with sage_qual.sage_attention_scope():
             F.scaled_dot_product_attention(*qkv())
-        assert records(caplog, logging.DEBUG) == ["1 attention calls, 1 on SageAttention; on PyTorch SDPA: none"]
+        assert records(caplog, logging.DEBUG) == [
+            "1 attention calls, 1 on SageAttention; on PyTorch SDPA: none"]
 
 
 def test_scope_exit_logs_also_when_the_block_raises(caplog):
@@ -334,4 +335,5 @@ def test_scope_exit_logs_also_when_the_block_raises(caplog):
         with pytest.raises(KeyError), sage_qual.sage_attention_scope():
             F.scaled_dot_product_attention(*qkv(), dropout_p=0.1)
             raise KeyError("x")
-    assert records(caplog, logging.DEBUG) == ["1 attention calls, 0 on SageAttention; on PyTorch SDPA: dropout=1"]
+    assert records(caplog, logging.DEBUG) == [
+        "1 attention calls, 0 on SageAttention; on PyTorch SDPA: dropout=1"]
