@@ -28,11 +28,13 @@ import hashlib
 import json
 import math
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
 from .variants import Variant
@@ -75,7 +77,7 @@ class Fixture:
     dtype: torch.dtype
     provenance: str = field(repr=False)
     bounds: dict
-    published: Optional[dict]
+    published: dict | None
     calibration: Any  # dict, text, or None
     sha256: str
 
@@ -84,7 +86,7 @@ class Fixture:
         return self.bounds[accuracy_class(variant)]
 
 
-def shipped_dir() -> Optional[Path]:
+def shipped_dir() -> Path | None:
     """The repository's fixtures/ directory next to the package, if this is a checkout that has one."""
     directory = Path(__file__).resolve().parent.parent / "fixtures"
     return directory if directory.is_dir() else None
@@ -224,13 +226,13 @@ def load_fixture(path, device="cpu") -> Fixture:
     header = _header(path, data)
     try:
         tensors = load_safetensors(data)
-    except Exception as error:  # the library's own error types vary between versions
+    except SafetensorError as error:
         raise FixtureError(path, "file", f"safetensors cannot read it ({error})",
                            "re-create it with save_fixture()") from None
     dtype = _check_tensors(path, tensors)
     meta = _check_metadata(path, header.get("__metadata__") or {}, dtype)
     return Fixture(
-        name=path.name[:-len(SUFFIX)] if path.name.endswith(SUFFIX) else path.name,
+        name=path.name.removesuffix(SUFFIX),
         path=path,
         q=tensors["q"].to(device), k=tensors["k"].to(device), v=tensors["v"].to(device),
         dtype=dtype,
@@ -261,7 +263,7 @@ def _dump(value) -> str:
 
 
 def save_fixture(path, q, k, v, *, family: str, kind: str, source: dict, provenance: str, bounds: dict,
-                 published: Optional[dict] = None, calibration=None) -> Path:
+                 published: dict | None = None, calibration=None) -> Path:
     """Validate and write a fixture; `calibration` may be a dict or a text. Returns the path."""
     path = Path(path)
     tensors = {"q": q, "k": k, "v": v}
@@ -286,9 +288,9 @@ def save_fixture(path, q, k, v, *, family: str, kind: str, source: dict, provena
 
 
 # Statistics ---------------------------------------------------------------------------------------
-def _channel_stats(x: torch.Tensor) -> dict:
+def channel_stats(x: torch.Tensor) -> dict:
     """Per-channel max |x| over batch, heads and tokens; outliers by the OUTLIER_FACTOR rule."""
-    channel_max = x.float().abs().amax(dim=(0, 1, 2))
+    channel_max = x.detach().abs().amax(dim=(0, 1, 2)).float().cpu()
     median = float(channel_max.median())
     order = torch.argsort(channel_max, descending=True).tolist()
     limit = OUTLIER_FACTOR * median
@@ -320,7 +322,7 @@ def describe(fixture: Fixture) -> dict:
         "size_bytes": fixture.path.stat().st_size,
         "sha256": fixture.sha256,
         "outlier_rule": f"channel max |x| > {OUTLIER_FACTOR:g} x median channel max |x|",
-        "channels": {n: _channel_stats(t) for n, t in (("q", fixture.q), ("k", fixture.k), ("v", fixture.v))},
+        "channels": {n: channel_stats(t) for n, t in (("q", fixture.q), ("k", fixture.k), ("v", fixture.v))},
         "v_mean": {"overall": float(fixture.v.float().mean()),
                    "max_abs_channel_mean": float(v_channel_mean[worst].abs()), "channel": worst},
         "source": fixture.source,

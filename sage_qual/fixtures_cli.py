@@ -82,8 +82,8 @@ def render(info: dict) -> str:
     lines = [
         f"{info['name']}  ({info['kind']}, family {info['family']})",
         f"  file         {info['path']}, {info['size_bytes']} bytes, sha256 {info['sha256']}",
-        f"  tensors      {info['dtype']} {info['layout']}: q {info['shapes']['q']}, k {info['shapes']['k']}, "
-        f"v {info['shapes']['v']}; query heads per K/V head: {info['gqa_group']}",
+        (f"  tensors      {info['dtype']} {info['layout']}: q {info['shapes']['q']}, "
+         f"k {info['shapes']['k']}, v {info['shapes']['v']}; query heads per K/V head: {info['gqa_group']}"),
         f"  source       {_value(info['source'])}",
     ]
     lines += [f"  |{name}|{' ' * 10} {_channels(info['channels'][name])}" for name in ("q", "k", "v")]

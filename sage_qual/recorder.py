@@ -12,8 +12,9 @@ calls made during its forward). Each chosen call is sliced to stay small and wri
 Slicing: `heads` are query heads; their K/V heads come along, so grouped-query pairs stay right
 (the kept query heads must take equally many heads from each kept K/V head). Query rows can be cut
 freely. Cutting key rows changes the softmax, so it changes the problem: keep all keys unless the
-file would be too large. The full call's shapes and max |q|, |k|, |v| are stored in `source`, so one
-can tell whether the slice kept the outliers.
+file would be too large. The full call's shapes and channel statistics (max |x|, top and outlier
+channels, as `fixture_files.describe` gives them) are stored in `source`, so one can tell whether
+the slice kept the outliers.
 
 Limits: torch's function is swapped on the module `torch.nn.functional`; code that imported the
 function by name before recording started is not seen. Not thread-safe: record from one thread.
@@ -24,21 +25,21 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Collection, Optional, Sequence, Union
 
 import torch
 
-from .fixture_files import DTYPES, save_fixture
+from .fixture_files import DTYPES, channel_stats, save_fixture
 
 # Until a GPU calibrates them: a few times the error of each class on random data on the H200
 # (FP16 P·V 0.011-0.013, FP8 P·V 0.038 relative L2).
 DEFAULT_BOUNDS = {"fp16": {"max_rel_l2": 0.05, "min_cosine": 0.998},
                   "fp8": {"max_rel_l2": 0.12, "min_cosine": 0.99}}
 
-Rows = Union[slice, Sequence[int], None]
-Select = Union[int, Collection[int], Callable[..., bool], torch.nn.Module]
+Rows = slice | Sequence[int] | None
+Select = int | Collection[int] | Callable[..., bool] | torch.nn.Module
 
 
 @dataclass
@@ -59,7 +60,7 @@ def _rows(rows: Rows, n: int) -> list[int]:
     return list(rows)
 
 
-def _heads(heads: Optional[Sequence[int]], q_heads: int, kv_heads: int) -> tuple[list[int], list[int]]:
+def _heads(heads: Sequence[int] | None, q_heads: int, kv_heads: int) -> tuple[list[int], list[int]]:
     """Query heads and the K/V heads they use; refuses choices that break the grouping."""
     group = q_heads // kv_heads
     chosen = sorted(set(range(group) if heads is None else heads))
@@ -94,8 +95,8 @@ def _slug(text: str) -> str:
 
 @contextlib.contextmanager
 def record_sdpa(out_dir, *, family: str, select: Select, model: str = "unnamed model",
-                heads: Optional[Sequence[int]] = None, query_rows: Rows = None, key_rows: Rows = None,
-                module_name: Optional[str] = None, bounds: Optional[dict] = None, note: str = ""):
+                heads: Sequence[int] | None = None, query_rows: Rows = None, key_rows: Rows = None,
+                module_name: str | None = None, bounds: dict | None = None, note: str = ""):
     """Record chosen SDPA calls while active; yields a Recording. See the module docstring.
 
     heads: query heads to keep (default: the first K/V head's group, i.e. head 0 without GQA).
@@ -122,7 +123,7 @@ def record_sdpa(out_dir, *, family: str, select: Select, model: str = "unnamed m
             "model": model, "call": index, "heads": q_heads, "kv_heads": kv_heads,
             "query_rows": _span(q_rows), "key_rows": _span(k_rows),
             "full_call": {"q": list(q.shape), "k": list(k.shape), "v": list(v.shape),
-                          "max_abs": {n: float(t.detach().abs().max()) for n, t in zip("qkv", (q, k, v))}},
+                          "channels": {n: channel_stats(t) for n, t in zip("qkv", (q, k, v))}},
         }
         if module_name is not None:
             source["module"] = module_name
@@ -190,7 +191,7 @@ class _Chooser:
             hook.remove()
 
 
-def _span(rows: list[int]) -> Union[list[int], str]:
+def _span(rows: list[int]) -> list[int] | str:
     """Rows as 'start:stop' when contiguous (short in metadata), else the list."""
     if rows and rows == list(range(rows[0], rows[-1] + 1)):
         return f"{rows[0]}:{rows[-1] + 1}"

@@ -20,9 +20,8 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Union
 
 import numpy as np
 import torch
@@ -108,7 +107,7 @@ class Generic:
     pad_keys: int = 0  # trailing key rows that are all the same (zero-padded text after its projection)
 
 
-Params = Union[OutlierHead, ValueSinks, Generic]
+Params = OutlierHead | ValueSinks | Generic
 
 
 @dataclass(frozen=True)
@@ -121,11 +120,6 @@ class Replica:
     max_rel_l2: dict  # per variant class; min_cosine follows from it (see bounds())
     published: dict | None = None
     smoothing_matters: bool = False  # also emulate smooth_k=True
-    build: Callable = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self):
-        builders = {OutlierHead: _outlier_head, ValueSinks: _value_sinks, Generic: _generic}
-        object.__setattr__(self, "build", builders[type(self.params)])
 
     def bounds(self) -> dict:
         # With equal norms cosine = 1 - rel_l2^2 / 2; the cosine bound is that, rounded down.
@@ -133,7 +127,8 @@ class Replica:
                 for cls, rel in self.max_rel_l2.items()}
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.build(self.params)
+        builders = {OutlierHead: _outlier_head, ValueSinks: _value_sinks, Generic: _generic}
+        return builders[type(self.params)](self.params)
 
 
 # Builders -----------------------------------------------------------------------------------------

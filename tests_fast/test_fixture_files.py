@@ -35,9 +35,9 @@ def write_raw(path, tensor_dict, meta):
 
 def test_round_trip_keeps_tensors_and_metadata_and_is_byte_stable(tmp_path):
     t = tensors()
-    kwargs = dict(family="krea-2", kind="replica", source={"model": "x", "heads": [0, 1]},
-                  provenance="made here", bounds=BOUNDS, published={"cosine": 0.5},
-                  calibration={"status": "none"})
+    kwargs = {"family": "krea-2", "kind": "replica", "source": {"model": "x", "heads": [0, 1]},
+              "provenance": "made here", "bounds": BOUNDS, "published": {"cosine": 0.5},
+              "calibration": {"status": "none"}}
     path = ff.save_fixture(tmp_path / "a.safetensors", t["q"], t["k"], t["v"], **kwargs)
     fixture = ff.load_fixture(path)
     assert all(torch.equal(getattr(fixture, n), t[n]) for n in "qkv")

@@ -54,9 +54,9 @@ def test_list_reports_a_bad_file_and_still_lists_the_rest(tmp_path, capsys):
     assert run("fixtures", "list", str(tmp_path)) == 2
     out, err = capsys.readouterr()
     assert len(out.splitlines()) == 2
-    assert err.splitlines() == [f"sage-qual fixtures: {tmp_path / 'zz_empty.safetensors'}: file: "
-                                "only 0 bytes: not a safetensors file; re-create it with save_fixture() "
-                                "(or fetch it again if it was copied)"]
+    expected = (f"sage-qual fixtures: {tmp_path / 'zz_empty.safetensors'}: file: only 0 bytes: not a "
+                "safetensors file; re-create it with save_fixture() (or fetch it again if it was copied)")
+    assert err.splitlines() == [expected]
 
 
 def test_list_missing_directory(tmp_path, capsys):

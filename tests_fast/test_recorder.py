@@ -114,9 +114,9 @@ def test_select_by_module(tmp_path, model, x, passed):
 
 
 def test_grouping_that_cannot_be_kept_is_refused(tmp_path, model, x):
-    with pytest.raises(ValueError, match="same number of query heads"):
-        with record_sdpa(tmp_path, family="test", select=1, heads=[0, 2, 3]), torch.no_grad():
-            model(x)
+    with (pytest.raises(ValueError, match="same number of query heads"),
+          record_sdpa(tmp_path, family="test", select=1, heads=[0, 2, 3]), torch.no_grad()):
+        model(x)
 
 
 def test_calls_that_cannot_be_fixtures_are_skipped_with_reason(tmp_path):
@@ -137,9 +137,9 @@ def test_torch_function_restored_after_exit_and_after_an_exception(tmp_path, mod
         assert F.scaled_dot_product_attention is not original
     assert F.scaled_dot_product_attention is original
     model.blocks[1].fail = True
-    with pytest.raises(RuntimeError, match="forward failed"):
-        with record_sdpa(tmp_path, family="test", select=model.blocks[1]), torch.no_grad():
-            model(x)
+    with (pytest.raises(RuntimeError, match="forward failed"),
+          record_sdpa(tmp_path, family="test", select=model.blocks[1]), torch.no_grad()):
+        model(x)
     assert F.scaled_dot_product_attention is original
     assert not model.blocks[1]._forward_hooks and not model.blocks[1]._forward_pre_hooks
 
