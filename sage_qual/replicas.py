@@ -10,6 +10,9 @@ with `published`, adjust the parameter, regenerate, and record the measurement i
 Until then `calibration` holds numbers from `sage_qual.emulation`, a CPU emulation of the
 quantization (not the kernel), and torch's own SDPA on the CPU in the fixture's dtype.
 
+The tensors depend only on the seeds and numpy's PCG64 generator; tests_fast/test_fixture_files.py
+checks that the shipped files still match what this module generates.
+
 Sizes: each file <= 2 MB, all <= 25 MB. A 4608-token head in bf16 needs 1.2 MB per tensor, so most
 fixtures keep one head, 1536 query rows (the wrapper's minimum) and 3072 key rows; `source` gives
 the real shape next to the shipped one.
@@ -67,8 +70,8 @@ class ValueSinks:
 
     The output is then dominated by p_sink * V_sink, so its relative error is the relative error of
     p_sink, which comes from the INT8 Q/K scores alone and is the same for every variant. Q carries
-    `q_outliers` channels of size `q_outlier` (zero in K): they set Q's INT8 scale, so they decide
-    how large the score errors are.
+    `q_outliers` channels of size `q_outlier` (near zero in K): they set Q's INT8 scale, so they
+    decide how large the score errors are.
     """
 
     seed: int
