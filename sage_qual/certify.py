@@ -183,8 +183,17 @@ def run(options: Options) -> dict:
     out = Path(options.out)
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    pool = worker.Pool(logs)
+    pool.prefetch()  # the first GPU's first worker imports torch while the environment is collected
     try:
-        collected = worker.collect_environment(logs / "environment.log", max(120.0, options.timeout))
+        return _run(options, variants, chosen, fixtures, out, pool)
+    finally:
+        pool.close()
+
+
+def _run(options: Options, variants: list[str], chosen: list, fixtures: list, out: Path, pool: worker.Pool) -> dict:
+    try:
+        collected = worker.collect_environment(out / "logs" / "environment.log", max(120.0, options.timeout))
     except worker.WorkerError as error:
         raise UsageError(str(error)) from None
     env = collected["environment"]
@@ -194,38 +203,17 @@ def run(options: Options) -> dict:
     if env["sageattention_problem"]:
         raise UsageError(f"sageattention cannot run here: {env['sageattention_problem']}")
     devices = _device_indices(options.devices, len(env["gpus"]))
+    pool.prefetch(len(devices) - 1)
     if not fixtures:
         print("sage-qual certify: no fixtures selected: every family will be 'not certified'", file=sys.stderr)
     shapes = speed_shapes(chosen, options.quick)
-    data = {
-        "kind": report.KIND, "schema_version": report.SCHEMA_VERSION, "complete": False, "stopped": "",
-        "started": _now(), "finished": None, "host": socket.gethostname(),
-        "command": options.command,
-        "options": {"devices": devices, "variants": variants, "families": [f.name for f in chosen],
-                    "fixture_dirs": [str(d) for d in options.fixture_dirs or [fixture_files.shipped_dir() or ""]],
-                    "quick": options.quick, "timeout_s": options.timeout},
-        "environment": env,
-        "fixtures": [_fixture_record(f) for f in fixtures],
-        "shapes": shapes,
-        "devices": [],
-        "gpus": [],
-    }
-    for index in devices:
-        gpu = env["gpus"][index]
-        not_supported = {v: r for v, r in collected["not_supported"].get(str(index), {}).items() if v in variants}
-        data["devices"].append({
-            "index": index, "name": gpu["name"], "capability": gpu["capability"], "memory_gib": gpu["memory_gib"],
-            "not_supported": not_supported,
-            "cells": [{"variant": v, "fixture": f.name, "outcome": "skip", "detail": "; ".join(not_supported[v])}
-                      for v in variants if v in not_supported for f in fixtures],
-            "speed": [],
-        })
+    data = _new_report(options, variants, chosen, fixtures, collected, devices, shapes)
     writer = report.Writer(out / "report.json", data)
-    runs = [_DeviceRun(index, [v for v in variants if v not in data["devices"][n]["not_supported"]], fixtures,
-                       shapes, options, writer, logs, n) for n, index in enumerate(devices)]
+    runs = [_DeviceRun(d["index"], [v for v in variants if v not in d["not_supported"]], fixtures, shapes, options,
+                       writer, n) for n, d in enumerate(data["devices"])]
     progress = _Progress(sum(r.task_count for r in runs))
     stop = threading.Event()
-    threads = [threading.Thread(target=r.run, args=(progress, stop), daemon=True) for r in runs]
+    threads = [threading.Thread(target=r.run, args=(pool, progress, stop), daemon=True) for r in runs]
     for thread in threads:
         thread.start()
     try:
@@ -249,6 +237,34 @@ def run(options: Options) -> dict:
     _summary(data, out)
     if errors:
         raise errors[0]
+    return data
+
+
+def _new_report(options: Options, variants: list[str], chosen: list, fixtures: list, collected: dict,
+                devices: list[int], shapes: dict) -> dict:
+    env = collected["environment"]
+    data = {
+        "kind": report.KIND, "schema_version": report.SCHEMA_VERSION, "complete": False, "stopped": "",
+        "started": _now(), "finished": None, "host": socket.gethostname(), "command": options.command,
+        "options": {"devices": devices, "variants": variants, "families": [f.name for f in chosen],
+                    "fixture_dirs": [str(d) for d in options.fixture_dirs or [fixture_files.shipped_dir() or ""]],
+                    "quick": options.quick, "timeout_s": options.timeout},
+        "environment": env,
+        "fixtures": [_fixture_record(f) for f in fixtures],
+        "shapes": shapes,
+        "devices": [],
+        "gpus": [],
+    }
+    for index in devices:
+        gpu = env["gpus"][index]
+        not_supported = {v: r for v, r in collected["not_supported"].get(str(index), {}).items() if v in variants}
+        data["devices"].append({
+            "index": index, "name": gpu["name"], "capability": gpu["capability"], "memory_gib": gpu["memory_gib"],
+            "not_supported": not_supported,
+            "cells": [{"variant": v, "fixture": f.name, "outcome": "skip", "detail": "; ".join(not_supported[v])}
+                      for v in variants if v in not_supported for f in fixtures],
+            "speed": [],
+        })
     return data
 
 
@@ -283,8 +299,8 @@ class _DeviceRun:
     """One GPU: the SDPA baseline, then each variant's fixtures and speed sweep, each in a worker."""
 
     def __init__(self, index: int, variants: list[str], fixtures: list, shapes: dict, options: Options,
-                 writer: report.Writer, logs: Path, position: int):
-        self.index, self.writer, self.logs, self.position = index, writer, logs, position
+                 writer: report.Writer, position: int):
+        self.index, self.writer, self.position = index, writer, position
         self.timeout = options.timeout
         self.error: BaseException | None = None
         speed = {key: _timing(entry["shape"], options.quick) for key, entry in shapes.items()}
@@ -298,38 +314,24 @@ class _DeviceRun:
                     "shape": shapes[key]["shape"], "warmup": w, "repeats": r} for key, (w, r) in speed.items()])
         self.task_count = sum(len(job) for job in self.jobs)
 
-    def run(self, progress: "_Progress", stop: threading.Event) -> None:
+    def run(self, pool: worker.Pool, progress: "_Progress", stop: threading.Event) -> None:
         parent_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         visible = parent_visible.split(",")[self.index] if parent_visible else str(self.index)
-        cache = tempfile.mkdtemp(prefix=f"sage-qual-triton-cuda{self.index}-")
         # One Triton cache per GPU and run: no other process writes it at the same time, and the
         # user's cache can neither serve a stale kernel nor be corrupted by a crashing worker.
-        env = worker.worker_env(visible, cache)
-        count = [0]
-        spare: list[worker.Process] = []
-
-        def spawn(prefetch: bool) -> worker.Process:
-            def new():
-                count[0] += 1
-                return worker.Process(env, self.logs / f"cuda{self.index}-{count[0]}.log")
-
-            process = spare.pop() if spare else new()
-            if prefetch:  # the next worker imports torch while this one works
-                spare.append(new())
-            return process
-
+        cache = tempfile.mkdtemp(prefix=f"sage-qual-triton-cuda{self.index}-")
+        env = {"CUDA_VISIBLE_DEVICES": visible, "TRITON_CACHE_DIR": cache}
         try:
             for n, job in enumerate(self.jobs):
                 tasks = {task["id"]: task for task in job}
-                worker.run_tasks(job, lambda: spawn(n + 1 < len(self.jobs)), self.timeout,
-                                 max(120.0, self.timeout), lambda i, r: self._record(tasks[i], r, progress), stop)
+                more = n + 1 < len(self.jobs)  # then the next worker imports torch while this one works
+                worker.run_tasks(job, lambda: pool.take(prefetch=more), self.timeout, max(120.0, self.timeout),
+                                 lambda i, r: self._record(tasks[i], r, progress), stop, env=env)
                 if stop.is_set():
                     break
         except BaseException as error:  # surfaced by the main thread after the report is written
             self.error = error
         finally:
-            for process in spare:
-                process.close()
             shutil.rmtree(cache, ignore_errors=True)
 
     def _record(self, task: dict, result: dict, progress: "_Progress") -> None:

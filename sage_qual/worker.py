@@ -74,7 +74,7 @@ class GpuBench:
 
 
 class FakeBench:
-    """Test-only: the fake CUDA and fake sageattention on CPU tensors, speed shapes cut 64-fold."""
+    """Test-only: the fake CUDA and fake sageattention on CPU tensors, speed shapes cut 256-fold."""
 
     device = "cpu"
 
@@ -91,7 +91,7 @@ class FakeBench:
         self._stack.enter_context(self.sage.installed())
 
     def tokens(self, n: int) -> int:
-        return max(16, n // 64)
+        return max(16, n // 256)
 
     def extra_peak_bytes(self, fn):
         return fn(), 0
@@ -291,9 +291,10 @@ class Process:
                 continue
         self.messages.put(None)
 
-    def start(self, tasks: list[dict]) -> None:
+    def start(self, tasks: list[dict], env: dict[str, str] | None = None) -> None:
+        """Send the job; `env` is applied in the worker before anything touches CUDA or Triton."""
         try:
-            self.proc.stdin.write((json.dumps({"tasks": tasks}) + "\n").encode())
+            self.proc.stdin.write((json.dumps({"tasks": tasks, "env": env or {}}) + "\n").encode())
             self.proc.stdin.flush()
         except OSError:  # it died before reading its job: the reader reports the end
             pass
@@ -333,7 +334,7 @@ class Process:
 
 def run_tasks(tasks: list[dict], spawn: Callable[[], Process], timeout: float, startup_timeout: float,
               on_result: Callable[[str, dict], None], stop: threading.Event | None = None,
-              max_failures: int = 2) -> None:
+              max_failures: int = 2, env: dict[str, str] | None = None) -> None:
     """Run tasks in workers until each has a result or the run is stopped.
 
     A task that kills its worker (signal, exit) gets "crash" with the stderr tail; one that sends
@@ -346,7 +347,7 @@ def run_tasks(tasks: list[dict], spawn: Callable[[], Process], timeout: float, s
     failures = 0
     while pending and not (stop and stop.is_set()):
         process = spawn()
-        process.start(list(pending.values()))
+        process.start(list(pending.values()), env)
         how, current, progressed = _follow(process, pending, timeout, startup_timeout, on_result, stop)
         if how in ("done", "stopped"):
             process.close()
@@ -422,13 +423,47 @@ def collect_environment(log_path: Path, timeout: float) -> dict:
     return result
 
 
-def worker_env(visible_device: str | None = None, triton_cache: str | None = None) -> dict:
-    """The environment of a worker: its GPU, its Triton cache, this copy of sage_qual importable."""
+class Pool:
+    """Workers started ahead of need: each spends seconds importing torch while others work.
+    They are all alike until their job (and its GPU and Triton cache) arrives."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = log_dir
+        self.count = 0
+        self.spares: list[Process] = []
+        self.lock = threading.Lock()
+
+    def _new(self) -> Process:
+        with self.lock:
+            self.count += 1
+            path = self.log_dir / f"worker-{self.count}.log"
+        return Process(worker_env(), path)
+
+    def prefetch(self, count: int = 1) -> None:
+        for _ in range(count):
+            process = self._new()
+            with self.lock:
+                self.spares.append(process)
+
+    def take(self, prefetch: bool = False) -> Process:
+        with self.lock:
+            process = self.spares.pop(0) if self.spares else None
+        if prefetch:
+            self.prefetch()
+        return process or self._new()
+
+    def close(self) -> None:
+        with self.lock:
+            spares, self.spares = self.spares, []
+        for process in spares:  # idle: no job, no GPU; no need to wait for their imports
+            process.kill()
+            if process.log_path.stat().st_size == 0:
+                process.log_path.unlink()
+
+
+def worker_env() -> dict:
+    """The environment a worker starts with: this one, with this copy of sage_qual importable."""
     env = dict(os.environ)
-    if visible_device is not None:
-        env["CUDA_VISIBLE_DEVICES"] = visible_device
-    if triton_cache is not None:
-        env["TRITON_CACHE_DIR"] = triton_cache
     package_root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     return env
@@ -452,6 +487,9 @@ def main() -> int:
     if not line:  # a spare worker the parent did not need
         return 0
     job = json.loads(line)
+    os.environ.update(job["env"])  # its GPU and Triton cache: before anything reads them
+    print(f"sage-qual worker {os.getpid()}: {len(job['tasks'])} task(s), first {job['tasks'][0]['id'] if job['tasks'] else '-'}, "
+          f"env {job['env']}", file=sys.stderr, flush=True)
     threading.Thread(target=_exit_when_orphaned, daemon=True).start()
 
     def send(message: dict) -> None:

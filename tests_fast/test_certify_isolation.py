@@ -1,0 +1,270 @@
+"""certify end to end on the CPU: real worker processes on the fake CUDA and fake sageattention
+(the worker's test hook), with cells made to crash, hang, run out of memory or return bad output.
+
+One run on two fake GPUs (an H200 and an RTX 4090, in parallel) is shared by most tests:
+  sm90-fp8-cuda: a-cross aborts its worker (SIGABRT), b-qwen-outlier passes in a fresh worker,
+                 c-flux hangs (timeout); after two such endings its speed sweep is skipped.
+                 On the RTX 4090 it is not supported: skip cells with the reasons.
+  sm89-fp8-cuda: a-cross passes, b-qwen-outlier returns noise (fails accuracy), c-flux raises
+                 out of memory; its speed sweep runs.
+"""
+
+import ast
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+
+from sage_qual import certify, report, worker
+from sage_qual.cli import UsageError
+from sage_qual.fixture_files import save_fixture
+
+H200 = {"name": "Fake H200", "capability": [9, 0]}
+RTX4090 = {"name": "Fake RTX 4090", "capability": [8, 9]}
+FAULTS = {"sm90-fp8-cuda|a-cross": "crash", "sm90-fp8-cuda|c-flux": "hang",
+          "sm89-fp8-cuda|b-qwen-outlier": "noise", "sm89-fp8-cuda|c-flux": "oom"}
+BOUNDS = {"fp16": {"max_rel_l2": 0.05, "min_cosine": 0.99}, "fp8": {"max_rel_l2": 0.08, "min_cosine": 0.99}}
+
+
+def write_fixtures(directory: Path) -> Path:
+    directory.mkdir()
+    g = torch.Generator().manual_seed(0)
+    for name, family, tokens in (("a-cross", "cross-attention", 48), ("b-qwen-outlier", "qwen-image", 64),
+                                 ("c-flux", "flux.1", 64)):
+        q, k, v = (torch.randn(1, 2, tokens, 64, generator=g).to(torch.bfloat16) for _ in range(3))
+        save_fixture(directory / f"{name}.safetensors", q, k, v, family=family, kind="replica",
+                     source={"test": name}, provenance="random test data", bounds=BOUNDS)
+    return directory
+
+
+def validate(data: dict) -> list[str]:
+    return [e.message for e in jsonschema.Draft202012Validator(report.schema()).iter_errors(data)]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """The shared two-GPU run, with the parent's CUDA entry points made to fail loudly."""
+    base = tmp_path_factory.mktemp("certify")
+    fixtures = write_fixtures(base / "fixtures")
+    out = base / "out"
+    snapshots = []
+    done = threading.Event()
+
+    def watch():  # what a kill at this moment would leave behind
+        while not done.is_set():
+            try:
+                data = json.loads((out / "report.json").read_text())
+            except (OSError, ValueError):
+                data = None
+            if data and any(d["cells"] for d in data["devices"]) and not snapshots:
+                snapshots.append(data)
+            time.sleep(0.05)
+
+    def no_cuda(*args, **kwargs):
+        raise AssertionError("the certify parent touched CUDA")
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(worker.TEST_HOOK, json.dumps({"gpus": [H200, RTX4090], "faults": FAULTS}))
+        for name in ("init", "_lazy_init", "is_available", "device_count", "get_device_capability",
+                     "get_device_name", "set_device", "synchronize"):
+            mp.setattr(torch.cuda, name, no_cuda)
+        watcher.start()
+        start = time.monotonic()
+        data = certify.run(certify.Options(out, devices="0,1", variants=["sm90-fp8-cuda", "sm89-fp8-cuda"],
+                                           fixture_dirs=[str(fixtures)], quick=True, timeout=3.0))
+        seconds = time.monotonic() - start
+        done.set()
+    return {"data": data, "out": out, "snapshot": snapshots[0] if snapshots else None, "seconds": seconds}
+
+
+def cells(data, device):
+    return {(c["variant"], c["fixture"]): c for c in data["devices"][device]["cells"]}
+
+
+def test_the_run_completes_with_a_valid_report(run):
+    data = run["data"]
+    assert data["complete"] and data["stopped"] == ""
+    assert validate(data) == []
+    assert json.loads((run["out"] / "report.json").read_text()) == data
+    assert {p.name for p in run["out"].iterdir()} >= {
+        "report.json", "report.md", "report.html", "accuracy-cuda0.png", "accuracy-cuda1.png", "logs",
+        "profile-fake-h200.json", "profile-fake-rtx-4090.json"}
+
+
+def test_a_crash_costs_its_cell_only(run):
+    h200 = cells(run["data"], 0)
+    crashed = h200[("sm90-fp8-cuda", "a-cross")]
+    assert crashed["outcome"] == "crash"
+    assert crashed["detail"] == "the worker ran this task when it died (killed by SIGABRT)"
+    assert "test fault: aborting the worker" in crashed["stderr_tail"]
+    passed = h200[("sm90-fp8-cuda", "b-qwen-outlier")]  # in a fresh worker
+    assert passed["outcome"] == "pass" and passed["rel_l2"] < 0.01 and passed["worst_head_cosine"] > 0.999
+    assert passed["smooth_k_on"]["finite"] and "smooth_k_on" not in h200[("sm89-fp8-cuda", "a-cross")]
+
+
+def test_a_hang_times_out_and_two_endings_skip_the_rest_of_the_variant(run):
+    h200 = cells(run["data"], 0)
+    hung = h200[("sm90-fp8-cuda", "c-flux")]
+    assert hung["outcome"] == "timeout"
+    assert hung["detail"] == "the worker ran this task when it sent nothing for 3 s and was killed"
+    speed = [r for r in run["data"]["devices"][0]["speed"] if r["kernel"] == "sm90-fp8-cuda"]
+    assert len(speed) == 5 and {r["outcome"] for r in speed} == {"skip"}
+    assert speed[0]["detail"] == "not run: workers of this job crashed or hung 2 times"
+
+
+@pytest.mark.parametrize("device", [0, 1])
+def test_fail_and_oom_are_reported_with_their_numbers_and_the_variant_goes_on(run, device):
+    got = cells(run["data"], device)
+    assert got[("sm89-fp8-cuda", "a-cross")]["outcome"] == "pass"
+    noisy = got[("sm89-fp8-cuda", "b-qwen-outlier")]
+    assert noisy["outcome"] == "fail" and noisy["rel_l2"] > 0.08
+    assert [r["kind"] for r in noisy["reasons"]] == ["accuracy", "accuracy"]
+    assert noisy["reasons"][0]["detail"].startswith(f"relative L2 {noisy['rel_l2']:.4g} > 0.08")
+    oom = got[("sm89-fp8-cuda", "c-flux")]
+    assert oom["outcome"] == "oom" and "OutOfMemoryError: CUDA out of memory" in oom["detail"]
+    speed = [r for r in run["data"]["devices"][device]["speed"] if r["kernel"] == "sm89-fp8-cuda"]
+    assert len(speed) == 5 and all(r["outcome"] == "pass" and r["ms"] > 0 for r in speed)
+
+
+def test_unsupported_variant_is_skipped_with_its_reasons(run):
+    rtx = run["data"]["devices"][1]
+    assert rtx["not_supported"] == {"sm90-fp8-cuda": ["capability=(8, 9) (needs >= (9, 0))"]}
+    skipped = [c for c in rtx["cells"] if c["variant"] == "sm90-fp8-cuda"]
+    assert len(skipped) == 3 and {c["outcome"] for c in skipped} == {"skip"}
+    assert skipped[0]["detail"] == "capability=(8, 9) (needs >= (9, 0))"
+    assert not [r for r in rtx["speed"] if r["kernel"] == "sm90-fp8-cuda"]
+
+
+def test_sdpa_backends_that_refuse_are_skipped(run):
+    sdpa = [r for r in run["data"]["devices"][0]["speed"] if r["kernel"] == "sdpa"]
+    assert len(sdpa) == 5
+    for record in sdpa:  # on the CPU, cuDNN and the memory-efficient kernel refuse
+        assert record["outcome"] == "pass" and record["ms"] == min(record["backends"].values())
+        assert set(record["refused"]) == {"cudnn", "efficient"}
+        assert record["best_backend"] in ("default", "flash")
+
+
+def test_verdicts_name_every_reason(run):
+    h200, rtx = run["data"]["gpus"]
+    flux = next(v for v in h200["families"] if v["family"] == "FLUX.1")
+    assert [r["kind"] for r in flux["reasons"]] == ["timeout", "oom"]
+    qwen = next(v for v in h200["families"] if v["family"] == "Qwen-Image")
+    assert qwen["certified"] == ["sm90-fp8-cuda"] and list(qwen["rejected"]) == ["sm89-fp8-cuda"]
+    qwen_rtx = next(v for v in rtx["families"] if v["family"] == "Qwen-Image")
+    assert qwen_rtx["verdict"] == "keep off" and {r["kind"] for r in qwen_rtx["reasons"]} == {"accuracy"}
+    assert rtx["variants"]["sm90-fp8-cuda"]["runnable"] is False
+
+
+def test_results_were_on_disk_as_they_arrived(run):
+    snapshot = run["snapshot"]
+    assert snapshot is not None and snapshot["complete"] is False and snapshot["gpus"] == []
+    assert validate(snapshot) == []
+
+
+def test_the_environment_was_collected_in_a_worker(run):
+    env = run["data"]["environment"]
+    assert [g["name"] for g in env["gpus"]] == ["Fake H200", "Fake RTX 4090"]
+    assert env["torch"] == torch.__version__ and env["sageattention"] == "2.2.0"
+
+
+def test_each_gpu_has_its_workers_and_its_own_triton_cache(run):
+    jobs = [line for log in (run["out"] / "logs").glob("worker-*.log")
+            for line in log.read_text().splitlines() if line.startswith("sage-qual worker ")]
+    envs = {}
+    for line in jobs:  # "... env {'CUDA_VISIBLE_DEVICES': '1', 'TRITON_CACHE_DIR': '...'}"
+        env = ast.literal_eval(line.split(" env ", 1)[1])
+        envs.setdefault(env["CUDA_VISIBLE_DEVICES"], set()).add(env["TRITON_CACHE_DIR"])
+    assert set(envs) == {"0", "1"} and all(len(caches) == 1 for caches in envs.values())
+    assert envs["0"] != envs["1"]
+    assert not any(Path(cache).exists() for caches in envs.values() for cache in caches)  # removed after
+    assert len(jobs) == 6  # cuda:0: sdpa, sm90 twice (the crash), sm89; cuda:1: sdpa, sm89
+
+
+# Bad input -------------------------------------------------------------------------------------
+@pytest.fixture
+def machine(monkeypatch):
+    here = {"environment": {"gpus": [{**H200, "index": 0, "memory_gib": 24.0}], "sageattention_problem": ""},
+            "not_supported": {"0": {}}}
+    monkeypatch.setattr(worker, "collect_environment", lambda *args, **kwargs: here)
+    return here
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"variants": ["sm91-nope"]}, "unknown variant 'sm91-nope'"),
+    ({"families": ["Nope"]}, "unknown family 'Nope'"),
+    ({"devices": "2"}, "there is no cuda:2: this machine shows 1 GPU(s)"),
+    ({"devices": "x"}, "--devices takes GPU indices"),
+    ({"fixture_dirs": ["/nonexistent"]}, "/nonexistent: directory: not found"),
+])
+def test_bad_input(tmp_path, machine, options, message):
+    with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        certify.run(certify.Options(tmp_path / "out", **options))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"gpus": []}, "no CUDA GPU is visible here"),
+    ({"sageattention_problem": "triton is not installed"}, "sageattention cannot run here: triton is not installed"),
+])
+def test_no_gpu_or_no_sageattention(tmp_path, machine, change, message):
+    machine["environment"].update(change)
+    with pytest.raises(UsageError, match=message):
+        certify.run(certify.Options(tmp_path / "out"))
+
+
+# A killed run ----------------------------------------------------------------------------------
+def worker_pids(marker: str) -> set[int]:
+    """Processes whose environment carries this test's marker."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker.encode() in (entry / "environ").read_bytes():
+                    found.add(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def test_a_killed_run_leaves_a_partial_report_and_no_workers(tmp_path):
+    """SIGKILL the certify process while its worker hangs in the second SDPA timing."""
+    fixtures = write_fixtures(tmp_path / "fixtures")
+    out = tmp_path / "out"
+    marker = f"kill-test-{uuid.uuid4()}"  # in every worker's environment, to find them
+    env = {**os.environ, worker.TEST_HOOK: json.dumps(
+        {"gpus": [H200], "faults": {"sdpa@b1 h24 q4096 k4096 d128 bfloat16": "hang", marker: "none"}})}
+    parent = subprocess.Popen([sys.executable, "-m", "sage_qual", "certify", "--out", str(out), "--quick",
+                               "--variants", "sm90-fp8-cuda", "--fixtures", str(fixtures), "--timeout", "60"],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # until the first result is on disk
+        try:
+            data = json.loads((out / "report.json").read_text())
+            if data["devices"][0]["speed"]:
+                break
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.05)
+    assert worker_pids(marker), "no worker running"
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    data = report.load(out / "report.json")
+    assert data["complete"] is False and data["finished"] is None and data["gpus"] == []
+    assert [(r["kernel"], r["shape"]) for r in data["devices"][0]["speed"]] == \
+        [("sdpa", "b1 h24 q1024 k1024 d128 bfloat16")]
+    assert validate(data) == []
+    assert "PARTIAL REPORT" in report.status_line(data)
+    # Orphaned workers see their stdin end and exit, the hung one included.
+    deadline = time.monotonic() + 10
+    while worker_pids(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not worker_pids(marker)
