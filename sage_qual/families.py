@@ -270,7 +270,10 @@ class _Context:
                                                         "--quick run): speedup unknown"))
             elif family is not None and not any(served):
                 listed = ", ".join(f"{label} {x:.2f}x" for label, x in result["speedups"].items())
-                result["reasons"].append(_reason(SPEED, f"no speedup at its shapes with {chosen}: {listed}"))
+                where = (f"{thresholds['min_query_tokens']} query / {thresholds['min_key_tokens']} key tokens, "
+                         f"head_dim {'/'.join(map(str, thresholds['head_dims']))}")
+                result["reasons"].append(_reason(SPEED, f"no speedup at its shapes: {chosen} pays only from "
+                                                        f"{where}, which none of them reaches ({listed})"))
         result["verdict"] = "keep off" if result["reasons"] else "enable"
         return result
 

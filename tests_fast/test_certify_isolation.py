@@ -27,6 +27,7 @@ import torch
 from sage_qual import certify, report, worker
 from sage_qual.cli import UsageError
 from sage_qual.fixture_files import save_fixture
+from sage_qual.measure import Accuracy
 
 H200 = {"name": "Fake H200", "capability": [9, 0]}
 RTX4090 = {"name": "Fake RTX 4090", "capability": [8, 9]}
@@ -188,6 +189,18 @@ def test_each_gpu_has_its_workers_and_its_own_triton_cache(run):
     assert envs["0"] != envs["1"]
     assert not any(Path(cache).exists() for caches in envs.values() for cache in caches)  # removed after
     assert len(jobs) == 6  # cuda:0: sdpa, sm90 twice (the crash), sm89; cuda:1: sdpa, sm89
+
+
+@pytest.mark.parametrize("acc, per_element, kinds", [
+    (Accuracy(0.04, 0.999, True, 0.002, 20.0), 1.67, []),
+    (Accuracy(0.04, 0.999, True, 0.002, 20.0), 2.6, ["memory"]),
+    (Accuracy(0.09, 0.999, True, 0.002, 45.0), 1.0, ["accuracy"]),
+    (Accuracy(0.04, 0.98, True, 0.002, 20.0), 1.0, ["accuracy"]),
+    (Accuracy(float("inf"), float("nan"), False, 0.002, float("inf")), 1.0, ["non_finite", "accuracy", "accuracy"]),
+])
+def test_cell_reasons(acc, per_element, kinds):
+    reasons = worker.cell_reasons(acc, per_element, BOUNDS["fp8"], 2.5)
+    assert [r["kind"] for r in reasons] == kinds
 
 
 # Bad input -------------------------------------------------------------------------------------
