@@ -10,7 +10,9 @@ is rewritten after every result, so a killed run leaves a partial report that sa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import functools
 import os
 import re
 import shlex
@@ -20,7 +22,6 @@ import socket
 import sys
 import tempfile
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 from . import families as families_mod
@@ -39,7 +40,7 @@ TIMING = {"quick": (2, 5), "small": (5, 20), "large": (3, 10)}
 LARGE_FLOPS = 1e12
 
 
-@dataclass
+@dataclasses.dataclass
 class Options:
     out: Path
     devices: str = "all"
@@ -103,13 +104,18 @@ def select_families(names: list[str] | None) -> list[families_mod.Family]:
         raise UsageError(error.args[0]) from None
 
 
-def select_fixtures(directories: list[str] | None, chosen: list[families_mod.Family], all_families: bool,
+def fixture_dirs(directories: list[str] | None) -> list[str]:
+    """The directories given, or the repository's fixtures/ when none were."""
+    if directories is not None:
+        return directories
+    shipped = fixture_files.shipped_dir()
+    return [str(shipped)] if shipped else []
+
+
+def select_fixtures(directories: list[str], chosen: list[families_mod.Family], all_families: bool,
                     quick: bool) -> list[fixture_files.Fixture]:
     """Fixtures of the chosen families (and family-less ones when no family was named);
     with --quick the smallest per family."""
-    if directories is None:
-        shipped = fixture_files.shipped_dir()
-        directories = [str(shipped)] if shipped else []
     fixtures, seen = [], {}
     for directory in directories:
         try:
@@ -143,7 +149,8 @@ def speed_shapes(chosen: list[families_mod.Family], quick: bool) -> dict[str, di
             uses.append((None, f"self {tokens}, head_dim {head_dim}",
                          families_mod.self_attention(24, tokens, head_dim)))
     for q_tokens, kv_tokens in QUICK_CROSS if quick else CROSS:
-        uses.append((None, f"cross {q_tokens} x {kv_tokens} keys", families_mod.cross_attention(24, q_tokens, kv_tokens)))
+        uses.append((None, f"cross {q_tokens} x {kv_tokens} keys",
+                     families_mod.cross_attention(24, q_tokens, kv_tokens)))
     if not quick:
         uses += [(family.name, label, shape) for family in chosen for label, shape in family.shapes]
     shapes: dict[str, dict] = {}
@@ -179,10 +186,14 @@ def _now() -> str:
 def run(options: Options) -> dict:
     variants = select_variants(options.variants)
     chosen = select_families(options.families)
+    options = dataclasses.replace(options, fixture_dirs=fixture_dirs(options.fixture_dirs))
     fixtures = select_fixtures(options.fixture_dirs, chosen, options.families is None, options.quick)
     out = Path(options.out)
     logs = out / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    try:
+        logs.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UsageError(f"cannot write to {out}: {error.strerror or error}") from None
     pool = worker.Pool(logs)
     pool.prefetch()  # the first GPU's first worker imports torch while the environment is collected
     try:
@@ -191,7 +202,8 @@ def run(options: Options) -> dict:
         pool.close()
 
 
-def _run(options: Options, variants: list[str], chosen: list, fixtures: list, out: Path, pool: worker.Pool) -> dict:
+def _run(options: Options, variants: list[str], chosen: list, fixtures: list, out: Path,
+         pool: worker.Pool) -> dict:
     try:
         collected = worker.collect_environment(out / "logs" / "environment.log", max(120.0, options.timeout))
     except worker.WorkerError as error:
@@ -205,12 +217,12 @@ def _run(options: Options, variants: list[str], chosen: list, fixtures: list, ou
     devices = _device_indices(options.devices, len(env["gpus"]))
     pool.prefetch(len(devices) - 1)
     if not fixtures:
-        print("sage-qual certify: no fixtures selected: every family will be 'not certified'", file=sys.stderr)
+        print("sage-qual certify: no fixtures selected: no family can be certified", file=sys.stderr)
     shapes = speed_shapes(chosen, options.quick)
     data = _new_report(options, variants, chosen, fixtures, collected, devices, shapes)
     writer = report.Writer(out / "report.json", data)
-    runs = [_DeviceRun(d["index"], [v for v in variants if v not in d["not_supported"]], fixtures, shapes, options,
-                       writer, n) for n, d in enumerate(data["devices"])]
+    runs = [_DeviceRun(d["index"], [v for v in variants if v not in d["not_supported"]], fixtures, shapes,
+                       options, writer, n) for n, d in enumerate(data["devices"])]
     progress = _Progress(sum(r.task_count for r in runs))
     stop = threading.Event()
     threads = [threading.Thread(target=r.run, args=(pool, progress, stop), daemon=True) for r in runs]
@@ -247,7 +259,7 @@ def _new_report(options: Options, variants: list[str], chosen: list, fixtures: l
         "kind": report.KIND, "schema_version": report.SCHEMA_VERSION, "complete": False, "stopped": "",
         "started": _now(), "finished": None, "host": socket.gethostname(), "command": options.command,
         "options": {"devices": devices, "variants": variants, "families": [f.name for f in chosen],
-                    "fixture_dirs": [str(d) for d in options.fixture_dirs or [fixture_files.shipped_dir() or ""]],
+                    "fixture_dirs": options.fixture_dirs,
                     "quick": options.quick, "timeout_s": options.timeout},
         "environment": env,
         "fixtures": [_fixture_record(f) for f in fixtures],
@@ -257,12 +269,13 @@ def _new_report(options: Options, variants: list[str], chosen: list, fixtures: l
     }
     for index in devices:
         gpu = env["gpus"][index]
-        not_supported = {v: r for v, r in collected["not_supported"].get(str(index), {}).items() if v in variants}
+        here = collected["not_supported"].get(str(index), {})
+        not_supported = {v: reasons for v, reasons in here.items() if v in variants}
         data["devices"].append({
-            "index": index, "name": gpu["name"], "capability": gpu["capability"], "memory_gib": gpu["memory_gib"],
-            "not_supported": not_supported,
-            "cells": [{"variant": v, "fixture": f.name, "outcome": "skip", "detail": "; ".join(not_supported[v])}
-                      for v in variants if v in not_supported for f in fixtures],
+            "index": index, "name": gpu["name"], "capability": gpu["capability"],
+            "memory_gib": gpu["memory_gib"], "not_supported": not_supported,
+            "cells": [{"variant": v, "fixture": f.name, "outcome": "skip", "detail": "; ".join(reasons)}
+                      for v, reasons in not_supported.items() for f in fixtures],
             "speed": [],
         })
     return data
@@ -292,7 +305,8 @@ def _device_indices(text: str, count: int) -> list[int]:
 def _profile_paths(out: Path, gpus: list[dict]) -> list[tuple[Path, dict]]:
     if len(gpus) == 1:
         return [(out / "profile.json", gpus[0])]
-    return [(out / f"profile-{re.sub(r'[^a-z0-9]+', '-', g['name'].lower()).strip('-')}.json", g) for g in gpus]
+    return [(out / f"profile-{re.sub(r'[^a-z0-9]+', '-', g['name'].lower()).strip('-')}.json", g)
+            for g in gpus]
 
 
 class _DeviceRun:
@@ -311,7 +325,8 @@ class _DeviceRun:
                 [{"id": f"{variant}|{f.name}", "kind": "cell", "variant": variant, "fixture_name": f.name,
                   "fixture": str(f.path), "memory_bound": _memory_bound(f)} for f in fixtures]
                 + [{"id": f"{variant}@{key}", "kind": "speed", "variant": variant, "key": key,
-                    "shape": shapes[key]["shape"], "warmup": w, "repeats": r} for key, (w, r) in speed.items()])
+                    "shape": shapes[key]["shape"], "warmup": w, "repeats": r}
+                   for key, (w, r) in speed.items()])
         self.task_count = sum(len(job) for job in self.jobs)
 
     def run(self, pool: worker.Pool, progress: "_Progress", stop: threading.Event) -> None:
@@ -323,10 +338,11 @@ class _DeviceRun:
         env = {"CUDA_VISIBLE_DEVICES": visible, "TRITON_CACHE_DIR": cache}
         try:
             for n, job in enumerate(self.jobs):
+                # While this worker runs, the next one imports torch (when there is a next job).
+                spawn = functools.partial(pool.take, prefetch=n + 1 < len(self.jobs))
                 tasks = {task["id"]: task for task in job}
-                more = n + 1 < len(self.jobs)  # then the next worker imports torch while this one works
-                worker.run_tasks(job, lambda: pool.take(prefetch=more), self.timeout, max(120.0, self.timeout),
-                                 lambda i, r: self._record(tasks[i], r, progress), stop, env=env)
+                record = functools.partial(self._record, tasks, progress=progress)
+                worker.run_tasks(job, spawn, self.timeout, max(120.0, self.timeout), record, stop, env=env)
                 if stop.is_set():
                     break
         except BaseException as error:  # surfaced by the main thread after the report is written
@@ -334,7 +350,8 @@ class _DeviceRun:
         finally:
             shutil.rmtree(cache, ignore_errors=True)
 
-    def _record(self, task: dict, result: dict, progress: "_Progress") -> None:
+    def _record(self, tasks: dict, task_id: str, result: dict, progress: "_Progress") -> None:
+        task = tasks[task_id]
         if task["kind"] == "cell":
             record = {"variant": task["variant"], "fixture": task["fixture_name"], **result}
             field = "cells"
@@ -393,7 +410,8 @@ def _describe(record: dict) -> str:
             what += f" (rel L2 {record['rel_l2']:.3g}, worst cos {record['worst_head_cosine']:.4g})"
     else:
         name = f"sdpa/{record['best_backend']}" if record.get("best_backend") else record["kernel"]
-        what = f"{name} @ {record['shape']}: " + (f"{record['ms']:.3g} ms" if record.get("ms") else record["outcome"])
+        timing = f"{record['ms']:.3g} ms" if record.get("ms") else record["outcome"]
+        what = f"{name} @ {record['shape']}: {timing}"
     detail = "; ".join(r["detail"] for r in record.get("reasons", [])) or record.get("detail", "")
     return what + (f" -- {detail}" if detail and record["outcome"] != "pass" else "")
 
@@ -408,5 +426,6 @@ def _summary(data: dict, out: Path) -> None:
                 state = (f"enable {verdict['variant']} from {verdict['min_query_tokens']} query / "
                          f"{verdict['min_key_tokens']} key tokens")
             else:
-                state = f"keep off ({len(verdict['reasons'])} reason(s), first: {verdict['reasons'][0]['detail']})"
+                reasons = verdict["reasons"]
+                state = f"keep off ({len(reasons)} reason(s), first: {reasons[0]['detail']})"
             print("  %s sm_%d%d  %-12s %s" % (gpu["name"], *gpu["capability"], name, state))

@@ -216,9 +216,9 @@ class _Context:
         self.ms = {key: max(t[key] for t in times) for key in set.intersection(*map(set, times))}
 
     def points(self, variant: str, keys: list[str]) -> list[tuple[int, int, int, float]]:
-        shapes = self.shapes
-        return [(shapes[k]["shape"]["q_tokens"], shapes[k]["shape"]["kv_tokens"], shapes[k]["shape"]["head_dim"],
-                 self.speedup[(variant, k)]) for k in keys if (variant, k) in self.speedup]
+        shapes = {k: self.shapes[k]["shape"] for k in keys if (variant, k) in self.speedup}
+        return [(s["q_tokens"], s["kv_tokens"], s["head_dim"], self.speedup[(variant, k)])
+                for k, s in shapes.items()]
 
     def break_even(self, variant: str, keys: list[str]) -> dict | None:
         from .profile import break_even
@@ -230,8 +230,8 @@ class _Context:
 
         fixtures = [f["name"] for f in self.report["fixtures"] if family is None or family.owns(f["family"])]
         result = {"family": family.name if family else None, "verdict": "keep off", "variant": None,
-                  "min_query_tokens": None, "min_key_tokens": None, "head_dims": None, "reasons": [], "certified": [],
-                  "rejected": {}, "speedups": {}}
+                  "min_query_tokens": None, "min_key_tokens": None, "head_dims": None, "reasons": [],
+                  "certified": [], "rejected": {}, "speedups": {}}
         if not fixtures:
             label = family.name if family else "any family"
             result["reasons"] = [_reason("no_fixtures", f"no fixtures of {label} in this run: not certified")]
@@ -270,8 +270,8 @@ class _Context:
                                                         "--quick run): speedup unknown"))
             elif family is not None and not any(served):
                 listed = ", ".join(f"{label} {x:.2f}x" for label, x in result["speedups"].items())
-                where = (f"{thresholds['min_query_tokens']} query / {thresholds['min_key_tokens']} key tokens, "
-                         f"head_dim {'/'.join(map(str, thresholds['head_dims']))}")
+                where = (f"{thresholds['min_query_tokens']} query / {thresholds['min_key_tokens']} key "
+                         f"tokens, head_dim {'/'.join(map(str, thresholds['head_dims']))}")
                 result["reasons"].append(_reason(SPEED, f"no speedup at its shapes: {chosen} pays only from "
                                                         f"{where}, which none of them reaches ({listed})"))
         result["verdict"] = "keep off" if result["reasons"] else "enable"

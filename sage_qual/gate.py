@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 from . import fixture_files, report, worker
+from .certify import fixture_dirs
 from .cli import UsageError
 from .families import FAMILIES, SPEED, Family, find
 
@@ -53,7 +54,8 @@ def _gate(args: argparse.Namespace) -> int:
     family = _family(args.family)
     data = _read(args.report)
     if not data["complete"]:
-        raise UsageError(f"{args.report} is a partial report ({report.status_line(data)}): run certify to the end")
+        raise UsageError(f"{args.report} is a partial report ({report.status_line(data)}): "
+                         "run certify to the end")
     local = local_fixtures(args.fixtures, family)
     with tempfile.TemporaryDirectory(prefix="sage-qual-gate-") as logs:
         try:
@@ -73,11 +75,8 @@ def _gate(args: argparse.Namespace) -> int:
 
 def local_fixtures(directories: list[str] | None, family: Family) -> dict[str, str]:
     """This machine's fixtures of the family: name -> sha256."""
-    if directories is None:
-        shipped = fixture_files.shipped_dir()
-        directories = [str(shipped)] if shipped else []
     found = {}
-    for directory in directories:
+    for directory in fixture_dirs(directories):
         try:
             for path in fixture_files.list_fixtures(directory):
                 fixture = fixture_files.load_fixture(path)
@@ -108,20 +107,22 @@ def stale(data: dict, family: Family, here: dict, local: dict[str, str]) -> list
         elif name not in recorded:
             differences.append(f"fixture {name} is here but not in the report")
         elif recorded[name] != local[name]:
-            differences.append(f"fixture {name} changed (sha256 {local[name][:12]} here, {recorded[name][:12]} "
-                               "in the report)")
+            differences.append(f"fixture {name} changed (sha256 {local[name][:12]} here, "
+                               f"{recorded[name][:12]} in the report)")
     return differences
 
 
-def decide(data: dict, family: Family, here: dict, local: dict[str, str], require_speedup: bool) -> tuple[int, list[str]]:
+def decide(data: dict, family: Family, here: dict, local: dict[str, str],
+           require_speedup: bool) -> tuple[int, list[str]]:
     """(exit code, lines to print); code 2 comes with one line saying why no decision is possible."""
     if not data["complete"]:
         return 2, [f"the report is partial: {report.status_line(data)}"]
     if family.name not in data["options"]["families"]:
-        return 2, [f"the report did not certify {family.name} (it ran: {', '.join(data['options']['families'])})"]
+        ran = ", ".join(data["options"]["families"])
+        return 2, [f"the report did not certify {family.name} (it ran: {ran})"]
     differences = stale(data, family, here, local)
     if differences:
-        return 2, ["stale report: " + "; ".join(differences) + ". Run `sage-qual certify` on this machine again"]
+        return 2, [f"stale report: {'; '.join(differences)}. Run `sage-qual certify` on this machine again"]
     models_here = {_model(g) for g in here["gpus"]}
     code, lines = 0, []
     for gpu in data["gpus"]:
@@ -135,12 +136,12 @@ def decide(data: dict, family: Family, here: dict, local: dict[str, str], requir
             lines.append(f"{where}: keep off")
             lines += [f"  - {r['kind']}: {r['detail']}" for r in reasons]
         elif verdict["variant"]:
-            lines.append(f"{where}: enable ({verdict['variant']} from {verdict['min_query_tokens']} query and "
-                         f"{verdict['min_key_tokens']} key tokens, head_dim "
+            lines.append(f"{where}: enable ({verdict['variant']} from {verdict['min_query_tokens']} query "
+                         f"and {verdict['min_key_tokens']} key tokens, head_dim "
                          f"{'/'.join(map(str, verdict['head_dims']))})")
         else:  # safe, but it measured slower everywhere: the profile serves nothing
-            lines.append(f"{where}: enable (passes with {', '.join(verdict['certified'])}; no measured speedup, "
-                         "so the profile serves no call: --require-speedup would keep it off)")
+            lines.append(f"{where}: enable (passes with {', '.join(verdict['certified'])}; no measured "
+                         "speedup, so the profile serves no call: --require-speedup would keep it off)")
     return code, lines
 
 
@@ -163,7 +164,8 @@ def merge_rows(reports: list[tuple[Path, dict]]) -> list[dict]:
                              "devices": [device["index"]], "families": {}})
             continue
         for gpu in data["gpus"]:
-            rows.append({**common, "gpu": gpu["name"], "capability": gpu["capability"], "devices": gpu["devices"],
+            rows.append({**common, "gpu": gpu["name"], "capability": gpu["capability"],
+                         "devices": gpu["devices"],
                          "families": {v["family"]: {"verdict": v["verdict"], "variant": v["variant"],
                                                     "min_query_tokens": v["min_query_tokens"],
                                                     "min_key_tokens": v["min_key_tokens"],
@@ -186,7 +188,8 @@ def merge_markdown(rows: list[dict]) -> str:
             elif verdict is None:
                 cells.append("not run")
             elif verdict["verdict"] == "enable":
-                cells.append(f"on: {verdict['variant']} >= {verdict['min_query_tokens']}/{verdict['min_key_tokens']}")
+                cells.append(f"on: {verdict['variant']} >= "
+                             f"{verdict['min_query_tokens']}/{verdict['min_key_tokens']}")
             else:
                 cells.append("off: " + ", ".join(verdict["reasons"]))
         lines.append("| " + " | ".join(cells) + " |")

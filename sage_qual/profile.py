@@ -29,6 +29,8 @@ from .config import DEFAULT_CONFIG, WrapperConfig
 
 KIND = "sage-qual-profile"
 SCHEMA_VERSION = 1
+ENVIRONMENT_KEYS = ("torch", "torch_cuda", "driver", "sageattention", "triton")
+ENTRY_KEYS = ("variant", "min_query_tokens", "min_key_tokens", "head_dims", "reasons")
 
 
 class ProfileError(ValueError):
@@ -75,7 +77,7 @@ def build(report: dict, gpu: dict) -> dict:
         "created": report["finished"],
         "host": report["host"],
         "gpu": {"name": gpu["name"], "capability": gpu["capability"]},
-        "environment": {key: env[key] for key in ("torch", "torch_cuda", "driver", "sageattention", "triton")},
+        "environment": {key: env[key] for key in ENVIRONMENT_KEYS},
         "fixtures": {f["name"]: f["sha256"] for f in report["fixtures"]},
         "default": _entry(gpu["default"]),
         "families": {f["family"]: _entry(f) for f in gpu["families"]},
@@ -83,7 +85,7 @@ def build(report: dict, gpu: dict) -> dict:
 
 
 def _entry(verdict: dict) -> dict:
-    return {key: verdict[key] for key in ("variant", "min_query_tokens", "min_key_tokens", "head_dims", "reasons")}
+    return {key: verdict[key] for key in ENTRY_KEYS}
 
 
 def save(profile: dict, path: Path) -> None:
@@ -121,7 +123,8 @@ def entry(profile: dict, family: str | None = None) -> dict:
     return profile["families"][name]
 
 
-def config_from_profile(profile, family: str | None = None, base: WrapperConfig = DEFAULT_CONFIG) -> WrapperConfig:
+def config_from_profile(profile, family: str | None = None,
+                        base: WrapperConfig = DEFAULT_CONFIG) -> WrapperConfig:
     """`base` with the profile's GPU served by its certified variant (or none), its thresholds and
     head sizes."""
     profile = load(profile)
@@ -135,7 +138,8 @@ def config_from_profile(profile, family: str | None = None, base: WrapperConfig 
                                min_key_tokens=chosen["min_key_tokens"], head_dims=tuple(chosen["head_dims"]))
 
 
-def config_for_machine(profile, family: str | None = None, base: WrapperConfig = DEFAULT_CONFIG) -> WrapperConfig:
+def config_for_machine(profile, family: str | None = None,
+                       base: WrapperConfig = DEFAULT_CONFIG) -> WrapperConfig:
     """config_from_profile() after checking that this process has what the profile was measured on.
 
     Raises SageUnavailable (what install() reports) when the profile is unreadable, was made on a
@@ -149,6 +153,7 @@ def config_for_machine(profile, family: str | None = None, base: WrapperConfig =
         chosen = entry(profile, family)
     except (ProfileError, KeyError) as error:
         raise sage_package.SageUnavailable(error.args[0]) from None
+    unavailable = sage_package.SageUnavailable
     cuda = platform.current()
     gpu = profile["gpu"]
     certified = (gpu["name"], tuple(gpu["capability"]))
@@ -156,18 +161,18 @@ def config_for_machine(profile, family: str | None = None, base: WrapperConfig =
     label = "%s (sm_%d%d)" % (gpu["name"], *gpu["capability"])
     if certified not in here:
         have = ", ".join("%s (sm_%d%d)" % (name, *cap) for name, cap in here) or "no CUDA GPU"
-        raise sage_package.SageUnavailable(f"the profile was certified on {label}; this machine has {have}: "
-                                           "run `sage-qual certify` here")
+        raise unavailable(f"the profile was certified on {label}; this machine has {have}: "
+                          "run `sage-qual certify` here")
     env = profile["environment"]
     if env["torch"] != torch.__version__:
-        raise sage_package.SageUnavailable(f"the profile was certified with torch {env['torch']}; this process "
-                                           f"runs torch {torch.__version__}: certify again")
+        raise unavailable(f"the profile was certified with torch {env['torch']}; this process runs torch "
+                          f"{torch.__version__}: certify again")
     version = sage_package.load().version
     if env["sageattention"] != version:
-        raise sage_package.SageUnavailable(f"the profile was certified with sageattention {env['sageattention']}; "
-                                           f"this process has {version}: certify again")
+        raise unavailable(f"the profile was certified with sageattention {env['sageattention']}; this "
+                          f"process has {version}: certify again")
     if not chosen["variant"] and all(h == certified for h in here):
         why = "; ".join(r["detail"] for r in chosen["reasons"]) or "no reason recorded"
         scope = f" for family {family}" if family else ""
-        raise sage_package.SageUnavailable(f"the profile certifies no SageAttention variant on {label}{scope}: {why}")
+        raise unavailable(f"the profile certifies no SageAttention variant on {label}{scope}: {why}")
     return config_from_profile(profile, family, base)

@@ -112,39 +112,51 @@ def _blocks(data: dict, images: dict) -> list[tuple]:
     return blocks
 
 
-def _reasons(verdict: dict) -> str:
-    return "; ".join(r["detail"] for r in verdict["reasons"]) or "-"
+def _served_from(entry: dict | None) -> str:
+    if not entry or entry.get("min_query_tokens") is None:
+        return "-"
+    dims = "/".join(map(str, entry["head_dims"]))
+    return f"{entry['min_query_tokens']} / {entry['min_key_tokens']}, head_dim {dims}"
 
 
 def _gpu_blocks(gpu: dict, images: dict) -> list[tuple]:
-    title = "%s (sm_%d%d), " % (gpu["name"], *gpu["capability"]) + ", ".join(f"cuda:{i}" for i in gpu["devices"])
-    rows = []
-    for verdict in gpu["families"] + [gpu["default"]]:
-        thresholds = ("-" if verdict["min_query_tokens"] is None else
-                      f"{verdict['min_query_tokens']} / {verdict['min_key_tokens']}, head_dim "
-                      + "/".join(map(str, verdict["head_dims"])))
-        rows.append([verdict["family"] or "(default: all fixtures)", verdict["verdict"], verdict["variant"] or "-",
-                     thresholds, ", ".join(f"{k} {x:.2f}x" for k, x in verdict["speedups"].items()) or "-",
-                     _reasons(verdict)])
-    blocks = [("h", 2, title), ("h", 3, "Verdicts"),
-              ("table", ["family", "verdict", "variant", "served from (query / key tokens)", "speedup at its shapes",
-                         "reasons"],
-               rows)]
-    blocks += [("h", 3, "Break-even per variant"),
-               ("p", "The head sizes and the query and key lengths from which each variant measured faster than "
-                     "the fastest SDPA backend at every measured shape; '-' where it was never faster (or does "
-                     "not run here)."),
-               ("table", ["variant", "runs here", "head_dim", "min query tokens", "min key tokens",
-                          "shapes served / measured"],
-                [[name, "yes" if v["runnable"] else "no: " + "; ".join(v["reasons"]),
-                  *(["-", "-", "-", "-"] if not v["break_even"] else
-                    ["/".join(map(str, v["break_even"]["head_dims"])), v["break_even"]["min_query_tokens"],
-                     v["break_even"]["min_key_tokens"],
-                     f"{v['break_even']['served_shapes']} / {v['break_even']['measured_shapes']}"])]
-                 for name, v in gpu["variants"].items()])]
+    devices = ", ".join(f"cuda:{i}" for i in gpu["devices"])
+    verdicts = [[v["family"] or "(default: all fixtures)", v["verdict"], v["variant"] or "-",
+                 _served_from(v),
+                 ", ".join(f"{k} {x:.2f}x" for k, x in v["speedups"].items()) or "-",
+                 "; ".join(r["detail"] for r in v["reasons"]) or "-"]
+                for v in gpu["families"] + [gpu["default"]]]
+    variants = []
+    for name, v in gpu["variants"].items():
+        even = v["break_even"]
+        runs = "yes" if v["runnable"] else "no: " + "; ".join(v["reasons"])
+        variants.append([name, runs, _served_from(even),
+                         f"{even['served_shapes']} / {even['measured_shapes']}" if even else "-"])
+    blocks = [("h", 2, "%s (sm_%d%d), %s" % (gpu["name"], *gpu["capability"], devices)),
+              ("h", 3, "Verdicts"),
+              ("table", ["family", "verdict", "variant", "served from (query / key tokens)",
+                         "speedup at its shapes", "reasons"], verdicts),
+              ("h", 3, "Break-even per variant"),
+              ("p", "The head sizes and the query and key lengths from which each variant measured faster "
+                    "than the fastest SDPA backend at every measured shape; '-' where it was never faster "
+                    "(or does not run here)."),
+              ("table", ["variant", "runs here", "served from (query / key tokens)",
+                         "shapes served / measured"], variants)]
     if gpu["name"] in images:
         blocks.append(("img", images[gpu["name"]], "speedup against the fastest SDPA backend"))
     return blocks
+
+
+def _cell_row(c: dict) -> list:
+    bounds, smooth = c.get("bounds"), c.get("smooth_k_on")
+    accuracy = ["-", "-"]
+    if bounds:
+        accuracy = [f"{_number(c.get('rel_l2'))} (<= {_number(bounds['max_rel_l2'])})",
+                    f"{_number(c.get('worst_head_cosine'), 4)} (>= {_number(bounds['min_cosine'], 4)})"]
+    return [c["variant"], c["fixture"], c["outcome"], *accuracy, _number(c.get("error_vs_sdpa")),
+            _number(c.get("extra_bytes_per_element")),
+            f"{_number(smooth['rel_l2'])} / {_number(smooth['worst_head_cosine'], 4)}" if smooth else "-",
+            "; ".join(r["detail"] for r in c.get("reasons", [])) or c.get("detail", "")]
 
 
 def _device_blocks(data: dict, device: dict, images: dict) -> list[tuple]:
@@ -152,23 +164,13 @@ def _device_blocks(data: dict, device: dict, images: dict) -> list[tuple]:
     key = f"cuda:{device['index']}"
     if key in images:
         blocks.append(("img", images[key], "accuracy: relative L2 over its bound, per variant and fixture"))
-    rows = []
-    for c in device["cells"]:
-        bounds = c.get("bounds") or {}
-        smooth = c.get("smooth_k_on")
-        rows.append([c["variant"], c["fixture"], c["outcome"],
-                     f"{_number(c.get('rel_l2'))} (<= {_number(bounds.get('max_rel_l2'))})" if bounds else "-",
-                     f"{_number(c.get('worst_head_cosine'), 4)} (>= {_number(bounds.get('min_cosine'), 4)})"
-                     if bounds else "-",
-                     _number(c.get("error_vs_sdpa")), _number(c.get("extra_bytes_per_element")),
-                     f"{_number(smooth['rel_l2'])} / {_number(smooth['worst_head_cosine'], 4)}" if smooth else "-",
-                     "; ".join(r["detail"] for r in c.get("reasons", [])) or c.get("detail", "")])
     blocks += [("h", 3, "Accuracy and memory per variant and fixture"),
-               ("p", "Against a float32 reference; 'x SDPA' is the error over that of PyTorch SDPA in the input "
-                     "precision; memory is the extra peak in bytes per q/k/v element; 'smooth_k on' gives "
-                     "relative L2 / worst cosine with K smoothing on (outlier fixtures; the wrapper runs it off)."),
+               ("p", "Against a float32 reference; 'x SDPA' is the error over that of PyTorch SDPA in the "
+                     "input precision; memory is the extra peak in bytes per q/k/v element; 'smooth_k on' "
+                     "gives relative L2 / worst cosine with K smoothing on (outlier fixtures; the wrapper "
+                     "runs it off)."),
                ("table", ["variant", "fixture", "outcome", "relative L2", "worst head cosine", "x SDPA",
-                          "bytes/elem", "smooth_k on", "reasons"], rows)]
+                          "bytes/elem", "smooth_k on", "reasons"], [_cell_row(c) for c in device["cells"]])]
     blocks += [("h", 3, "Speed"), ("table", *_speed_table(data, device))]
     problems = [c for c in device["cells"] + device["speed"] if c.get("stderr_tail") or c.get("traceback")]
     if problems:
@@ -238,13 +240,15 @@ def _html(blocks: list[tuple], out_dir: Path, data: dict) -> str:
             body = "".join("<tr>" + "".join(f"<td>{html.escape(str(x))}</td>" for x in row) + "</tr>"
                            for row in block[2])
             parts.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
-    style = ("body{font-family:sans-serif;margin:2em;max-width:110em}table{border-collapse:collapse;margin:1em 0}"
+    style = ("body{font-family:sans-serif;margin:2em;max-width:110em}"
+             "table{border-collapse:collapse;margin:1em 0}"
              "td,th{border:1px solid #bbb;padding:.2em .5em;font-size:90%;text-align:left;vertical-align:top}"
              "pre{background:#f4f4f4;padding:1em;overflow:auto}img{max-width:100%}"
              ".partial{background:#fdd;padding:1em;font-weight:bold}")
     banner = "" if data["complete"] else f'<p class="partial">{html.escape(status_line(data))}</p>'
-    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>sage-qual report {html.escape(data['host'])}"
-            f"</title><style>{style}</style></head><body>{banner}{''.join(parts)}</body></html>\n")
+    title = f"sage-qual report {html.escape(data['host'])}"
+    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{title}</title><style>{style}</style>"
+            f"</head><body>{banner}{''.join(parts)}</body></html>\n")
 
 
 # Plots -----------------------------------------------------------------------------------------
@@ -301,14 +305,16 @@ def _heatmap(plt, device: dict, path: Path) -> None:
 def _speedup_plot(plt, data: dict, gpu: dict, devices: list[dict], path: Path) -> bool:
     """Speedup over the fastest SDPA backend against tokens, generic self-attention, per head size."""
     generic = {k: s["shape"] for k, s in data["shapes"].items()
-               if not any(u["family"] for u in s["uses"]) and s["shape"]["q_tokens"] == s["shape"]["kv_tokens"]}
+               if not any(u["family"] for u in s["uses"])
+               and s["shape"]["q_tokens"] == s["shape"]["kv_tokens"]}
     head_dims = sorted({s["head_dim"] for s in generic.values()}, reverse=True)
     if not head_dims:
         return False
     figure, axes = plt.subplots(1, len(head_dims), figsize=(6 * len(head_dims), 4.2), squeeze=False)
-    for ax, head_dim in zip(axes[0], head_dims):
-        keys = sorted((k for k, s in generic.items() if s["head_dim"] == head_dim), key=lambda k: generic[k]["q_tokens"])
-        for n, variant in enumerate(v for v, info in gpu["variants"].items() if info["runnable"]):
+    for ax, head_dim in zip(axes[0], head_dims, strict=True):
+        keys = sorted((k for k, s in generic.items() if s["head_dim"] == head_dim),
+                      key=lambda k: generic[k]["q_tokens"])
+        for variant in (v for v, info in gpu["variants"].items() if info["runnable"]):
             points = []
             for key in keys:
                 x = _lowest_speedup(devices, variant, key)
@@ -316,7 +322,8 @@ def _speedup_plot(plt, data: dict, gpu: dict, devices: list[dict], path: Path) -
                     points.append((generic[key]["q_tokens"], x))
             if not points:
                 continue
-            line, = ax.plot(*zip(*points), marker="o", label=variant)
+            tokens, speedups = zip(*points, strict=True)
+            line, = ax.plot(tokens, speedups, marker="o", label=variant)
             even = gpu["variants"][variant]["break_even"]
             if even and head_dim in even["head_dims"]:
                 ax.axvline(even["min_query_tokens"], color=line.get_color(), linestyle=":", linewidth=1)

@@ -177,8 +177,9 @@ class Worker:
             "extra_bytes_per_element": per_element,
         }
         if is_outlier(fixture.name):  # the wrapper's smoothing-off choice, checked where it matters
-            on = measure.compare(measure.call_kernel(package, variant, q, k, v, smooth_k=True), ref)
-            result["smooth_k_on"] = _clean(dict(zip(("rel_l2", "worst_head_cosine", "finite"), on)))
+            rel_l2, cosine, finite = measure.compare(
+                measure.call_kernel(package, variant, q, k, v, smooth_k=True), ref)
+            result["smooth_k_on"] = _clean({"rel_l2": rel_l2, "worst_head_cosine": cosine, "finite": finite})
         return result
 
     def _sdpa(self, task: dict) -> dict:
@@ -240,8 +241,8 @@ def cell_reasons(acc: measure.Accuracy, per_element: float, bounds: dict, memory
                         "detail": f"relative L2 {acc.rel_l2:.4g} > {bounds['max_rel_l2']:g} "
                                   f"(SDPA in the input precision: {acc.sdpa_rel_l2:.3g})"})
     if not acc.worst_head_cosine >= bounds["min_cosine"]:
-        reasons.append({"kind": "accuracy",
-                        "detail": f"worst head cosine {acc.worst_head_cosine:.4g} < {bounds['min_cosine']:g}"})
+        reasons.append({"kind": "accuracy", "detail": f"worst head cosine {acc.worst_head_cosine:.4g} < "
+                                                      f"{bounds['min_cosine']:g}"})
     if per_element > memory_bound:
         reasons.append({"kind": "memory",
                         "detail": f"extra peak {per_element:.2f} bytes per q/k/v element > {memory_bound:g}"})
@@ -257,7 +258,8 @@ def _not_supported_here() -> dict[str, dict[str, list[str]]]:
         return {str(i): {name: [str(why)] for name in VARIANTS} for i in range(cuda.device_count())}
     answer = {}
     for index in range(cuda.device_count()):
-        box = BoxFacts(cuda.capability(index), cuda.torch_cuda(), package.extensions, sage_package.has_triton())
+        box = BoxFacts(cuda.capability(index), cuda.torch_cuda(), package.extensions,
+                       sage_package.has_triton())
         reasons = {}
         for variant in VARIANTS.values():
             why = variant.not_supported_reasons(box)
@@ -369,8 +371,8 @@ def run_tasks(tasks: list[dict], spawn: Callable[[], Process], timeout: float, s
         failures += 1
         if failures >= max_failures:
             for task_id in list(pending):
-                on_result(task_id, {"outcome": "skip",
-                                    "detail": f"not run: workers of this job crashed or hung {failures} times"})
+                on_result(task_id, {"outcome": "skip", "detail": f"not run: workers of this job crashed or "
+                                                                 f"hung {failures} times"})
             break
 
 
@@ -417,8 +419,9 @@ def collect_environment(log_path: Path, timeout: float) -> dict:
     result = results["env"]
     if result["outcome"] != "pass":
         tail = (result.get("stderr_tail") or result.get("traceback") or "").strip().splitlines()
+        last = f" (last stderr line: {tail[-1]})" if tail else ""
         raise WorkerError(f"collecting this machine's environment failed: {result['outcome']}: "
-                          f"{result.get('detail', '')}" + (f" (last stderr line: {tail[-1]})" if tail else ""))
+                          f"{result.get('detail', '')}{last}")
     return result
 
 
@@ -489,8 +492,9 @@ def main() -> int:
         return 0
     job = json.loads(line)
     os.environ.update(job["env"])  # its GPU and Triton cache: before anything reads them
-    print(f"sage-qual worker {os.getpid()}: {len(job['tasks'])} task(s), first {job['tasks'][0]['id'] if job['tasks'] else '-'}, "
-          f"env {job['env']}", file=sys.stderr, flush=True)
+    first = job["tasks"][0]["id"] if job["tasks"] else "-"
+    print(f"sage-qual worker {os.getpid()}: {len(job['tasks'])} task(s), first {first}, env {job['env']}",
+          file=sys.stderr, flush=True)
     threading.Thread(target=_exit_when_orphaned, daemon=True).start()
 
     def send(message: dict) -> None:

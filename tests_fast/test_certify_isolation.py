@@ -196,7 +196,8 @@ def test_each_gpu_has_its_workers_and_its_own_triton_cache(run):
     (Accuracy(0.04, 0.999, True, 0.002, 20.0), 2.6, ["memory"]),
     (Accuracy(0.09, 0.999, True, 0.002, 45.0), 1.0, ["accuracy"]),
     (Accuracy(0.04, 0.98, True, 0.002, 20.0), 1.0, ["accuracy"]),
-    (Accuracy(float("inf"), float("nan"), False, 0.002, float("inf")), 1.0, ["non_finite", "accuracy", "accuracy"]),
+    (Accuracy(float("inf"), float("nan"), False, 0.002, float("inf")), 1.0,
+     ["non_finite", "accuracy", "accuracy"]),
 ])
 def test_cell_reasons(acc, per_element, kinds):
     reasons = worker.cell_reasons(acc, per_element, BOUNDS["fp8"], 2.5)
@@ -226,7 +227,8 @@ def test_bad_input(tmp_path, machine, options, message):
 
 @pytest.mark.parametrize("change, message", [
     ({"gpus": []}, "no CUDA GPU is visible here"),
-    ({"sageattention_problem": "triton is not installed"}, "sageattention cannot run here: triton is not installed"),
+    ({"sageattention_problem": "triton is not installed"},
+     "sageattention cannot run here: triton is not installed"),
 ])
 def test_no_gpu_or_no_sageattention(tmp_path, machine, change, message):
     machine["environment"].update(change)

@@ -71,9 +71,10 @@ def test_every_reason_is_listed_when_no_variant_passes():
 
 def test_a_variant_that_failed_at_a_large_shape_serves_nothing_above_it():
     data = load(H200)
+    largest = "b1 h24 q32768 k32768 d128 bfloat16"
     for device in data["devices"]:
         for record in device["speed"]:
-            if record["kernel"] == "sm90-fp8-cuda" and record["shape"] == "b1 h24 q32768 k32768 d128 bfloat16":
+            if record["kernel"] == "sm90-fp8-cuda" and record["shape"] == largest:
                 record.update(outcome="oom", ms=None, detail="OutOfMemoryError: CUDA out of memory (test)")
     data["gpus"] = families.analyze(data)
     # No threshold pair can leave out the largest shape, so sm90 serves nothing; FLUX.1 takes the
@@ -87,8 +88,8 @@ def test_a_variant_that_failed_at_a_large_shape_serves_nothing_above_it():
 def test_enable():
     code, lines = decide(load(H200), "FLUX.1")
     assert code == 0
-    assert lines == ["FLUX.1 on NVIDIA H200 (sm_90): enable (sm90-fp8-cuda from 4608 query and 512 key tokens, "
-                     "head_dim 128)"]
+    assert lines == ["FLUX.1 on NVIDIA H200 (sm_90): enable (sm90-fp8-cuda from 4608 query and 512 key "
+                     "tokens, head_dim 128)"]
 
 
 def test_keep_off_prints_every_reason():
@@ -115,7 +116,8 @@ def test_family_without_fixtures_is_not_certified():
     (lambda env: env.update(torch="2.12.0+cu130"), "torch 2.11.0+cu130 in the report, 2.12.0+cu130 here"),
     (lambda env: env.update(driver="590.10"), "NVIDIA driver 580.159.04 in the report, 590.10 here"),
     (lambda env: env.update(sageattention="2.2.1"), "sageattention 2.2.0 in the report, 2.2.1 here"),
-    (lambda env: env["gpus"].append({**env["gpus"][0], "index": 2, "name": "NVIDIA B200", "capability": [10, 0]}),
+    (lambda env: env["gpus"].append({**env["gpus"][0], "index": 2, "name": "NVIDIA B200",
+                                      "capability": [10, 0]}),
      "NVIDIA B200 (sm_100) here is not in the report"),
 ])
 def test_stale_environment_cannot_decide(change, message):

@@ -45,7 +45,8 @@ def test_a_failure_at_the_largest_shape_serves_nothing():
 
 
 def test_a_head_size_that_is_slower_everywhere_is_left_out():
-    points = self_points({1024: 0.9, 4096: 1.3, 16384: 1.6}) + self_points({1024: 0.5, 4096: 0.8, 16384: 0.9}, 64)
+    points = (self_points({1024: 0.9, 4096: 1.3, 16384: 1.6})
+              + self_points({1024: 0.5, 4096: 0.8, 16384: 0.9}, head_dim=64))
     result = profile.break_even(points)
     assert (result["head_dims"], result["min_query_tokens"], result["served_shapes"]) == ([128], 4096, 2)
 
@@ -58,8 +59,8 @@ def make_profile(variant="sm89-fp8-cuda", min_q=2048, min_k=512, head_dims=(128,
              "reasons": list(reasons)}
     return {"kind": "sage-qual-profile", "schema_version": 1, "created": "2026-11-29T20:00:00+00:00",
             "host": "test", "gpu": {"name": gpu.name, "capability": list(gpu.capability)},
-            "environment": {"torch": torch_version or torch.__version__, "torch_cuda": "13.0", "driver": "580.159.04",
-                            "sageattention": sageattention, "triton": "3.6.0"},
+            "environment": {"torch": torch_version or torch.__version__, "torch_cuda": "13.0",
+                            "driver": "580.159.04", "sageattention": sageattention, "triton": "3.6.0"},
             "fixtures": {}, "default": entry, "families": families or {}}
 
 
@@ -142,13 +143,14 @@ def test_profile_from_a_file(fake, tmp_path):
 
 
 @pytest.mark.parametrize("bad, message", [
-    (make_profile(variant=None, reasons=[{"kind": "accuracy", "detail": "sm90-fp8-cuda on qwen: relative L2 0.3"}]),
-     "the profile certifies no SageAttention variant on Fake H200 (sm_90): sm90-fp8-cuda on qwen: relative L2 0.3"),
+    (make_profile(variant=None, reasons=[{"kind": "accuracy", "detail": "sm90-fp8-cuda on qwen: L2 0.3"}]),
+     "the profile certifies no SageAttention variant on Fake H200 (sm_90): sm90-fp8-cuda on qwen: L2 0.3"),
     (make_profile(gpu=FakeGpu((8, 9), "Fake RTX 4090")),
      "the profile was certified on Fake RTX 4090 (sm_89); this machine has Fake H200 (sm_90): run `sage-qual "
      "certify` here"),
     (make_profile(gpu=FakeGpu((9, 0), "Fake H100")), "certified on Fake H100 (sm_90)"),
-    (make_profile(torch_version="1.0.0"), f"certified with torch 1.0.0; this process runs torch {torch.__version__}"),
+    (make_profile(torch_version="1.0.0"),
+     f"certified with torch 1.0.0; this process runs torch {torch.__version__}"),
     (make_profile(sageattention="2.2.1"), "certified with sageattention 2.2.1; this process has 2.2.0"),
     ({"kind": "something"}, "is not a sage-qual profile"),
 ])

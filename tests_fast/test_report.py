@@ -11,7 +11,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from sage_qual import families, profile, report
+from sage_qual import profile, report
 
 DATA = Path(__file__).parent / "data"
 SAMPLES = sorted(DATA.glob("sample_*.json"))
@@ -61,7 +61,8 @@ def crash_without_detail(data):
     del cell["detail"]
 
 
-@pytest.mark.parametrize("damage", [broken_cell, unknown_field, unknown_outcome, missing_complete, crash_without_detail])
+@pytest.mark.parametrize("damage", [broken_cell, unknown_field, unknown_outcome, missing_complete,
+                                    crash_without_detail])
 def test_schema_rejects_damaged_reports(damage, validator):
     data = sample("sample_h200_2gpu.json")
     if damage is broken_cell:  # the fail cell of the sample sits on cuda:1
