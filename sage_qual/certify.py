@@ -98,8 +98,10 @@ def select_variants(names: list[str] | None) -> list[str]:
 
 
 def select_families(names: list[str] | None) -> list[families_mod.Family]:
+    if not names:
+        return list(families_mod.FAMILIES)
     try:
-        return [families_mod.find(n) for n in names] if names else list(families_mod.FAMILIES)
+        return list(dict.fromkeys(families_mod.find(n) for n in names))
     except KeyError as error:
         raise UsageError(error.args[0]) from None
 

@@ -15,6 +15,9 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass
 
+from .config import KERNEL_TABLE
+from .profile import break_even, serves
+
 # Extra peak memory per call, bytes per element of q+k+v. SageAttention's quantized copies cost
 # 1.33-1.67 on the H200 (notes/); 2.5 leaves room and still catches a kernel that copies twice.
 MEMORY_BOUND = 2.5
@@ -167,8 +170,6 @@ def analyze(report: dict) -> list[dict]:
     """Per GPU model of a complete report: each variant's break-even, a verdict per family, and a
     default verdict over all fixtures. Devices of one model count together: a variant passes a
     fixture only if it passed on each of them, and a shape's speedup is the lowest among them."""
-    from .config import KERNEL_TABLE
-
     groups: dict[tuple, list[dict]] = {}
     for device in report["devices"]:
         groups.setdefault((device["name"], tuple(device["capability"])), []).append(device)
@@ -221,13 +222,9 @@ class _Context:
                 for k, s in shapes.items()]
 
     def break_even(self, variant: str, keys: list[str]) -> dict | None:
-        from .profile import break_even
-
         return break_even(self.points(variant, keys)) if variant in self.runnable else None
 
     def verdict(self, family: Family | None) -> dict:
-        from .profile import serves
-
         fixtures = [f["name"] for f in self.report["fixtures"] if family is None or family.owns(f["family"])]
         result = {"family": family.name if family else None, "verdict": "keep off", "variant": None,
                   "min_query_tokens": None, "min_key_tokens": None, "head_dims": None, "reasons": [],
@@ -273,7 +270,7 @@ class _Context:
                 where = (f"{thresholds['min_query_tokens']} query / {thresholds['min_key_tokens']} key "
                          f"tokens, head_dim {'/'.join(map(str, thresholds['head_dims']))}")
                 result["reasons"].append(_reason(SPEED, f"no speedup at its shapes: {chosen} pays only from "
-                                                        f"{where}, which none of them reaches ({listed})"))
+                                                        f"{where}, which serves none of them ({listed})"))
         result["verdict"] = "keep off" if result["reasons"] else "enable"
         return result
 
@@ -293,8 +290,6 @@ class _Context:
     def _choose(self, candidates: list[str], own: list[str], relevant: list[str]) -> tuple[str, dict | None]:
         """The fastest candidate at the family's shapes (or all relevant ones) among those whose
         break-even serves one of its shapes, else among those that pay anywhere, else the fastest."""
-        from .profile import serves
-
         keys = own or relevant
 
         def total(variant):  # unmeasured ones rank last, in the order of preference
