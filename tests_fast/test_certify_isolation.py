@@ -204,6 +204,35 @@ def test_cell_reasons(acc, per_element, kinds):
     assert [r["kind"] for r in reasons] == kinds
 
 
+PASSED = {"variant": "sm90-fp8-cuda", "fixture": "f", "outcome": "pass", "rel_l2": 0.01,
+          "worst_head_cosine": 0.999}
+CRASHED = {"variant": "sm90-fp8-cuda", "fixture": "g", "outcome": "crash",
+           "detail": "the worker died (SIGSEGV)"}
+
+
+def test_progress_is_plain_lines_in_a_log(capsys):
+    progress = certify._Progress(2)
+    progress.tick("cuda:0", PASSED)
+    progress.tick("cuda:1", CRASHED)
+    progress.close()
+    out, err = capsys.readouterr()
+    assert out.splitlines() == [
+        "[1/2] cuda:0 sm90-fp8-cuda x f: pass (rel L2 0.01, worst cos 0.999)",
+        "[2/2] cuda:1 sm90-fp8-cuda x g: crash -- the worker died (SIGSEGV)"]
+    assert err == ""
+
+
+def test_progress_is_a_bar_on_a_terminal_with_problems_printed(capsys, monkeypatch):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    progress = certify._Progress(2)
+    progress.tick("cuda:0", PASSED)
+    progress.tick("cuda:1", CRASHED)
+    progress.close()
+    out, err = capsys.readouterr()
+    assert out.splitlines() == ["cuda:1 sm90-fp8-cuda x g: crash -- the worker died (SIGSEGV)"]
+    assert "2/2" in err and "[1/2]" not in out
+
+
 # Bad input -------------------------------------------------------------------------------------
 @pytest.fixture
 def machine(monkeypatch):
