@@ -349,14 +349,15 @@ def run_tasks(tasks: list[dict], spawn: Callable[[], Process], timeout: float, s
     while pending and not (stop and stop.is_set()):
         process = spawn()
         process.start(list(pending.values()), env)
-        how, current, progressed = _follow(process, pending, timeout, startup_timeout, on_result, stop)
+        how, current, progressed, waited = _follow(process, pending, timeout, startup_timeout, on_result,
+                                                   stop)
         if how in ("done", "stopped"):
             process.close()
             break
         process.kill()
         tail = process.stderr_tail()
-        ended = (f"it sent nothing for {timeout if progressed or current else startup_timeout:g} s and "
-                 f"was killed" if how == "timeout" else f"it died ({process.ended()})")
+        ended = (f"it sent nothing for {waited:g} s and was killed" if how == "timeout"
+                 else f"it died ({process.ended()})")
         if current is not None:
             pending.pop(current)
             on_result(current, {"outcome": "timeout" if how == "timeout" else "crash",
@@ -377,25 +378,29 @@ def run_tasks(tasks: list[dict], spawn: Callable[[], Process], timeout: float, s
 
 
 def _follow(process: Process, pending: dict, timeout: float, startup_timeout: float,
-            on_result: Callable, stop: threading.Event | None) -> tuple[str, str | None, bool]:
-    """Feed the worker's results to on_result: (how it ended, the task it was in, any result?)."""
-    current, progressed = None, False
-    deadline = time.monotonic() + startup_timeout
+            on_result: Callable, stop: threading.Event | None) -> tuple[str, str | None, bool, float]:
+    """Feed the worker's results to on_result.
+
+    Returns how it ended, the task it was in, whether it reported any result, and how long it
+    was given for its last message.
+    """
+    current, progressed, allowed = None, False, startup_timeout
+    deadline = time.monotonic() + allowed
     while True:
         if stop is not None and stop.is_set():
             process.kill()
-            return "stopped", current, progressed
+            return "stopped", current, progressed, allowed
         try:
             message = process.messages.get(timeout=min(0.5, max(0.0, deadline - time.monotonic())))
         except queue.Empty:
             if time.monotonic() >= deadline:
-                return "timeout", current, progressed
+                return "timeout", current, progressed, allowed
             continue
         if message is None:
-            return "exited", current, progressed
+            return "exited", current, progressed, allowed
         kind = message["type"]
-        first_task = kind in ("ready", "start") and not progressed
-        deadline = time.monotonic() + (startup_timeout if first_task else timeout)
+        allowed = startup_timeout if kind in ("ready", "start") and not progressed else timeout
+        deadline = time.monotonic() + allowed
         if kind == "start":
             current = message["id"]
         elif kind == "result":
@@ -403,7 +408,7 @@ def _follow(process: Process, pending: dict, timeout: float, startup_timeout: fl
             on_result(message["id"], {**message["result"], "seconds": message["seconds"]})
             current, progressed = None, True
         elif kind == "done":
-            return "done", None, progressed
+            return "done", None, progressed, allowed
 
 
 class WorkerError(RuntimeError):
