@@ -39,7 +39,8 @@ from .variants import VARIANTS, BoxFacts
 
 # Test hook, read only here: JSON {"gpus": [{"name", "capability"}...]} runs the job on the fake
 # CUDA and fake sageattention of sage_qual.testing with CPU tensors; {"faults": {task id: "crash" |
-# "hang" | "oom" | "noise"}} makes that task abort, hang, raise OOM or (fake only) return noise.
+# "hang" | "oom" | "noise" | "cuda-fault"}} makes that task abort, hang, raise OOM, (fake only)
+# return noise, or trip a real device-side assert that poisons the worker's CUDA context.
 TEST_HOOK = "SAGE_QUAL_TEST_WORKER"
 EXIT_POISONED = 70  # a CUDA error left the context unusable: the parent restarts the rest
 SDPA_BACKENDS = ("default", "cudnn", "flash", "efficient")
@@ -146,6 +147,9 @@ class Worker:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB (test fault)")
         elif fault == "noise":
             self.bench.noise()
+        elif fault == "cuda-fault":
+            torch._assert_async(torch.zeros((), dtype=torch.bool, device="cuda"))
+            torch.cuda.synchronize()
 
     # Tasks ---------------------------------------------------------------------------------
     def _env(self, task: dict) -> dict:

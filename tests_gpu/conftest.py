@@ -1,8 +1,9 @@
 """GPU qualification fixtures: the installed SageAttention, the box, forced variants, results.
 
 Collection needs no GPU: parameters come from the variant registry and the fixture files.
-Each run appends its measurements to a results table written at the end of the session to
-$SAGE_QUAL_RESULTS_DIR (default: no file) as gpu_results.json and gpu_results.md.
+Each run appends its measurements to a results table, rewritten after every row (so a run cut
+short keeps what it measured) in $SAGE_QUAL_RESULTS_DIR (default: no file) as gpu_results.json
+and gpu_results.md.
 """
 
 import contextlib
@@ -79,6 +80,7 @@ def record():
 
     def add(**row):
         _results.append({"gpu": gpu, **row})
+        _write(_results)
 
     return add
 
@@ -96,10 +98,10 @@ def _markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def pytest_sessionfinish(session, exitstatus):
+def _write(rows: list[dict]) -> None:
     directory = os.environ.get("SAGE_QUAL_RESULTS_DIR")
-    if not directory or not _results:
+    if not directory:
         return
     Path(directory).mkdir(parents=True, exist_ok=True)
-    Path(directory, "gpu_results.json").write_text(json.dumps(_results, indent=1))
-    Path(directory, "gpu_results.md").write_text(_markdown(_results))
+    Path(directory, "gpu_results.json").write_text(json.dumps(rows, indent=1))
+    Path(directory, "gpu_results.md").write_text(_markdown(rows))
