@@ -2,6 +2,8 @@
 an unwritable Triton cache. The wrapper must keep every output correct (torch's where it falls
 back), classify the fault as specified, and keep the process alive."""
 
+import textwrap
+
 import pytest
 
 from .child import run_child
@@ -22,10 +24,15 @@ def levels(name):
 """
 
 
+def scenario(body: str) -> str:
+    """The preamble, then the scenario's body at top level (dedented on its own)."""
+    return PREAMBLE + textwrap.dedent(body)
+
+
 def test_out_of_memory_moves_the_rest_of_the_scope_to_torch():
     """Cap the process so q, k, v, the output and SDPA fit but SageAttention's quantized copies
     (1.67 bytes per element on the H200, notes/) do not."""
-    result = run_child(PREAMBLE + """
+    result = run_child(scenario("""
     q, k, v = (torch.randn(1, 24, 32768, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     expected = measure.TORCH_SDPA(q, k, v)
     torch.cuda.synchronize()
@@ -41,7 +48,7 @@ def test_out_of_memory_moves_the_rest_of_the_scope_to_torch():
         reports.append(dict(report.fallbacks))
     print(json.dumps({"reports": reports, "equal": equal, "infos": levels("INFO"),
                       "warnings": levels("WARNING")}))
-    """)
+    """))
     assert all(result["equal"])
     assert result["reports"] == [{"memory": 2}, {"memory": 2}]
     assert sum("ran out of memory" in m for m in result["infos"]) == 2  # once per scope
@@ -50,7 +57,7 @@ def test_out_of_memory_moves_the_rest_of_the_scope_to_torch():
 
 @pytest.mark.parametrize("garbage", ["nan", "uninitialized"])
 def test_kernel_returning_garbage_is_retired_by_the_first_call_check(garbage):
-    result = run_child(PREAMBLE + f"""
+    result = run_child(scenario(f"""
     import functools, sageattention
     status = sage_qual.install()
     variant = status.devices[0].variant
@@ -69,7 +76,7 @@ def test_kernel_returning_garbage_is_retired_by_the_first_call_check(garbage):
     print(json.dumps({{"equal": [torch.equal(o, expected) for o in outs], "fallbacks": dict(report.fallbacks),
                       "served": report.served, "warnings": levels("WARNING"),
                       "retired": sage_qual.install_status().devices[0].retired}}))
-    """)
+    """))
     assert all(result["equal"])
     assert result["served"] == 0
     assert result["fallbacks"] == {"kernel_error": 1, "device": 2}
@@ -81,7 +88,7 @@ def test_unwritable_triton_cache_falls_back_per_call_then_retires(tmp_path):
     compile raises OSError. Three in a row retire the device."""
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("")
-    result = run_child(PREAMBLE + """
+    result = run_child(scenario("""
     from sage_qual.config import WrapperConfig
     cap = torch.cuda.get_device_capability(0)
     status = sage_qual.install(WrapperConfig(kernel_table={cap: ("sm86-fp16-triton",)}))
@@ -92,7 +99,7 @@ def test_unwritable_triton_cache_falls_back_per_call_then_retires(tmp_path):
         equal = [torch.equal(F.scaled_dot_product_attention(q, k, v), expected) for _ in range(4)]
     print(json.dumps({"equal": equal, "fallbacks": dict(report.fallbacks),
                       "retired": sage_qual.install_status().devices[0].retired}))
-    """, env={"TRITON_CACHE_DIR": str(blocker / "cache")})
+    """), env={"TRITON_CACHE_DIR": str(blocker / "cache")})
     assert all(result["equal"])
     assert result["fallbacks"] == {"cache_error": 3, "device": 1}
     assert "3 Triton cache failures in a row" in result["retired"]
