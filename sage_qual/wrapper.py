@@ -182,6 +182,7 @@ def _serve(state: _Installed, report: ScopeReport, args: tuple, kwargs: dict):
         report.fell_back(refused[0])
         return original(*args, **kwargs)
 
+    failed = False
     with cuda.device_guard(device.index):
         try:
             out = state.kernels[device.index](call.query, call.key, call.value,
@@ -192,11 +193,19 @@ def _serve(state: _Installed, report: ScopeReport, args: tuple, kwargs: dict):
                 if problem:
                     _retire(state, device, f"first-call check failed for {_describe(call)}: {problem}")
                     report.fell_back("kernel_error")
-                    return original(*args, **kwargs)
-                with state.lock:
-                    device.checked.add(check_key)
+                    failed = True
+                else:
+                    with state.lock:
+                        device.checked.add(check_key)
         except Exception as error:
-            return _handle_failure(state, report, device, call, error, args, kwargs)
+            _record_failure(state, report, device, call, error)
+            failed = True
+    if failed:
+        # Torch runs only now, outside the except block: the exception's traceback kept the kernel's
+        # frames alive, and with them its quantized copies. On the H200 (run 3) the out-of-memory
+        # fallback ran out of memory too while those were still held.
+        out = None
+        return original(*args, **kwargs)
     device.cache_errors = 0
     report.calls += 1
     report.served += 1
@@ -239,7 +248,8 @@ def _first_call_problem(state: _Installed, call: SdpaCall, out: torch.Tensor) ->
     return ""
 
 
-def _handle_failure(state, report, device, call, error, args, kwargs):
+def _record_failure(state, report, device, call, error) -> None:
+    """Count, log and act on a kernel error; keeps no reference to it."""
     kind = classify(error)
     if kind is Failure.OUT_OF_MEMORY:
         report.out_of_memory = True
@@ -257,7 +267,6 @@ def _handle_failure(state, report, device, call, error, args, kwargs):
         report.fell_back("kernel_error")
         _retire(state, device, f"{device.variant.function} raised on {_describe(call)}: "
                                f"{type(error).__name__}: {error}")
-    return state.original(*args, **kwargs)
 
 
 def _retire(state: _Installed, device: DeviceState, why: str) -> None:

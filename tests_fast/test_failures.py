@@ -2,6 +2,7 @@
 
 import contextlib
 import logging
+import weakref
 
 import pytest
 import torch
@@ -235,3 +236,55 @@ def test_keyboard_interrupt_is_not_swallowed():
         fake.raise_error(KeyboardInterrupt())
         with pytest.raises(KeyboardInterrupt), sage_qual.sage_attention_scope():
             F.scaled_dot_product_attention(*qkv())
+
+
+@pytest.mark.parametrize("make", OUT_OF_MEMORY + CACHE + [pytest.param(lambda: ValueError("bad"), id="broken")])
+def test_torch_runs_after_the_kernels_buffers_are_released(monkeypatch, make):
+    """A failed kernel's frames (its quantized copies) must be gone before torch's fallback runs:
+    on the H200 an out-of-memory fallback run inside the except block ran out of memory too."""
+    buffers = []
+
+    class KernelBuffer:  # stands for the int8/fp8 copies the kernel allocated before failing
+        pass
+
+    def failing_kernel_result(exact):
+        quantized = KernelBuffer()  # a local of the failing frame, reachable from the traceback
+        buffers.append(weakref.ref(quantized))
+        raise make()
+
+    alive_when_torch_ran = []
+
+    def torch_sdpa(*args, **kwargs):
+        alive_when_torch_ran.append([ref() is not None for ref in buffers])
+        return TORCH_SDPA(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", torch_sdpa)  # install() wraps this one
+    with wrapped() as (_, fake), sage_qual.sage_attention_scope() as report:
+        fake.return_value(failing_kernel_result)
+        F.scaled_dot_product_attention(*qkv())
+    assert report.served == 0 and buffers
+    assert alive_when_torch_ran == [[False]]
+
+
+@pytest.mark.parametrize("garbage", [pytest.param(lambda exact: exact * float("nan"), id="nan")])
+def test_torch_runs_after_a_rejected_output_is_dropped(monkeypatch, garbage):
+    """The kernel's output that failed the first-call check is released before torch runs."""
+    outputs = []
+
+    def keep_ref(exact):
+        out = garbage(exact)
+        outputs.append(weakref.ref(out))
+        return out
+
+    alive = []
+
+    def torch_sdpa(*args, **kwargs):
+        alive.append([ref() is not None for ref in outputs])
+        return TORCH_SDPA(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", torch_sdpa)
+    with wrapped() as (_, fake), sage_qual.sage_attention_scope() as report:
+        fake.return_value(keep_ref)
+        F.scaled_dot_product_attention(*qkv())
+    assert report.fallbacks == {"kernel_error": 1}
+    assert alive[-1] == [False]
