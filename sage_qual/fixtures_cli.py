@@ -98,11 +98,16 @@ def render(info: dict) -> str:
     calibration = info["calibration"]
     if isinstance(calibration, dict):
         lines.append(f"  calibration  {calibration.get('status', '')}")
-        for name, numbers in calibration.items():
-            if isinstance(numbers, dict) and name != "emulated":
-                lines.append(f"    {name}: {_value(numbers)}")
-        for variant, numbers in calibration.get("emulated", {}).items():
-            lines.append(f"    {variant}: {_value(numbers)}")
+        if calibration.get("reproduction"):
+            lines += textwrap.wrap("reproduction: " + calibration["reproduction"], width=100,
+                                   initial_indent="    ", subsequent_indent="      ")
+        for title in ("kernels", "emulated"):
+            if title == "emulated" and calibration.get("emulation"):
+                lines.append(f"    emulated by {calibration['emulation']}")
+            for variant, numbers in calibration.get(title, {}).items():
+                lines.append(f"    {title} {variant}: {_value(numbers)}")
+        if "torch_sdpa_cpu" in calibration:
+            lines.append(f"    torch SDPA on the CPU: {_value(calibration['torch_sdpa_cpu'])}")
     elif calibration:
         lines.append(f"  calibration  {calibration}")
     lines.append("  provenance")

@@ -31,7 +31,8 @@ def test_show_text_and_json(capsys):
     assert run("fixtures", "show", str(path)) == 0
     text = capsys.readouterr().out
     assert "qwen_image_b0_outlier_head" in text and "outlier channels 37 (600)" in text
-    assert "not the kernel" in text and "relative L2 <= 0.2" in text
+    assert "measured on the kernels: NVIDIA H200" in text and "reproduction: Partly reproduced" in text
+    assert "kernels sm90-fp8-cuda" in text and "not the kernel" in text and "relative L2 <= 0.2" in text
     assert run("fixtures", "show", str(path), "--json") == 0
     info = json.loads(capsys.readouterr().out)
     assert info["kind"] == "replica" and info["channels"]["k"]["outlier_channels"][0][0] == 37
