@@ -127,7 +127,8 @@ def render_text(env: Environment) -> str:
     if not env.gpus:
         lines.append("GPUs           none visible")
     for gpu in env.gpus:
-        lines.append("cuda:%d  %s  sm_%d%d  %.1f GiB" % (gpu.index, gpu.name, *gpu.capability, gpu.memory_gib))
+        lines.append("cuda:%d  %s  sm_%d%d  %.1f GiB"
+                     % (gpu.index, gpu.name, *gpu.capability, gpu.memory_gib))
         lines.append(f"  wrapper kernel   {gpu.kernel or 'none: ' + gpu.no_kernel_reason}")
         lines.append(f"  runnable here    {', '.join(gpu.runnable_variants) or 'none'}")
     return "\n".join(lines)

@@ -111,7 +111,8 @@ def _check_tensors(path, tensors: Mapping[str, torch.Tensor]) -> torch.dtype:
     q, k, v = tensors["q"], tensors["k"], tensors["v"]
     dtypes = {t.dtype for t in (q, k, v)}
     if len(dtypes) > 1 or q.dtype not in _SAFETENSORS_DTYPES:
-        have = ", ".join(f"{n}={str(t.dtype).replace('torch.', '')}" for n, t in zip("qkv", (q, k, v)))
+        have = ", ".join(f"{n}={str(t.dtype).replace('torch.', '')}"
+                         for n, t in zip("qkv", (q, k, v), strict=True))
         raise FixtureError(path, "dtype", f"unsupported or mixed ({have})",
                            "store q, k and v all as float16 or all as bfloat16")
     if k.shape != v.shape:

@@ -14,6 +14,19 @@ from typing import ContextManager
 import torch
 
 
+# Cached once per device index for the process (the set of visible devices cannot change once
+# CUDA is initialized). Module-level rather than functools.cache on the methods, which would also
+# keep every CudaPlatform instance alive (ruff B019); a call that raises is not cached.
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(index))
+
+
+@functools.cache
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
 class CudaPlatform:
     def is_rocm(self) -> bool:
         return torch.version.hip is not None
@@ -21,13 +34,11 @@ class CudaPlatform:
     def device_count(self) -> int:
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
-    @functools.lru_cache(maxsize=None)
     def capability(self, index: int) -> tuple[int, int]:
-        return tuple(torch.cuda.get_device_capability(index))
+        return _capability(index)
 
-    @functools.lru_cache(maxsize=None)
     def device_name(self, index: int) -> str:
-        return torch.cuda.get_device_name(index)
+        return _device_name(index)
 
     def total_memory(self, index: int) -> int:
         return torch.cuda.get_device_properties(index).total_memory

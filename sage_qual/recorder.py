@@ -123,7 +123,8 @@ def record_sdpa(out_dir, *, family: str, select: Select, model: str = "unnamed m
             "model": model, "call": index, "heads": q_heads, "kv_heads": kv_heads,
             "query_rows": _span(q_rows), "key_rows": _span(k_rows),
             "full_call": {"q": list(q.shape), "k": list(k.shape), "v": list(v.shape),
-                          "channels": {n: channel_stats(t) for n, t in zip("qkv", (q, k, v))}},
+                          "channels": {n: channel_stats(t)
+                                       for n, t in zip("qkv", (q, k, v), strict=True)}},
         }
         if module_name is not None:
             source["module"] = module_name

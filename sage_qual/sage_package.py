@@ -71,7 +71,8 @@ def load() -> SagePackage:
         version = importlib.metadata.version("sageattention")
     except importlib.metadata.PackageNotFoundError:
         raise SageUnavailable("sageattention imports but has no package metadata, so its version is "
-                              f"unknown (a source folder on sys.path?): install it properly: {BUILD_HINT}") from None
+                              "unknown (a source folder on sys.path?): install it properly: "
+                              f"{BUILD_HINT}") from None
     check_version(version)
     try:
         module = importlib.import_module("sageattention")

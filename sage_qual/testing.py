@@ -201,8 +201,9 @@ class FakeSageAttention:
             return fake._kernel("sageattn_qk_int8_pv_fp16_cuda", q, k, v, _keywords(keywords))
 
         def sageattn_qk_int8_pv_fp8_cuda(q, k, v, tensor_layout="HND", is_causal=False,
-                                         qk_quant_gran="per_thread", sm_scale=None, pv_accum_dtype="fp32+fp16",
-                                         smooth_k=True, smooth_v=False, return_lse=False, **kwargs):
+                                         qk_quant_gran="per_thread", sm_scale=None,
+                                         pv_accum_dtype="fp32+fp16", smooth_k=True, smooth_v=False,
+                                         return_lse=False, **kwargs):
             keywords = dict(locals(), **kwargs)
             return fake._kernel("sageattn_qk_int8_pv_fp8_cuda", q, k, v, _keywords(keywords))
 
@@ -268,6 +269,11 @@ class _FakeDistribution(importlib.metadata.Distribution):
         return path
 
 
+# The default query of `find_distributions` (all distributions), made once as the stdlib's own
+# default is; a module-level singleton rather than a call in the signature (ruff B008).
+_ANY_DISTRIBUTION = importlib.metadata.DistributionFinder.Context()
+
+
 class _FakeFinder(importlib.abc.MetaPathFinder):
     """Answers metadata queries for the fake, imports its extensions, or fails its import."""
 
@@ -281,7 +287,7 @@ class _FakeFinder(importlib.abc.MetaPathFinder):
             return importlib.machinery.ModuleSpec(name, _ExtensionLoader(self.fake.extensions))
         return None
 
-    def find_distributions(self, context=importlib.metadata.DistributionFinder.Context()):
+    def find_distributions(self, context=_ANY_DISTRIBUTION):
         if context.name in (None, "sageattention") and self.fake.version is not None:
             yield _FakeDistribution(self.fake.version)
         elif context.name == "sageattention":
