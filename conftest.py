@@ -29,7 +29,8 @@ def pytest_report_header(config):
         "cuda:%d %s sm_%d%d" % (i, torch.cuda.get_device_name(i), *torch.cuda.get_device_capability(i))
         for i in range(torch.cuda.device_count())
     )
-    return [f"torch {torch.__version__} (CUDA {torch.version.cuda}); sageattention {_sageattention_version()}",
+    return [f"torch {torch.__version__} (CUDA {torch.version.cuda}); "
+            f"sageattention {_sageattention_version()}",
             f"GPUs: {gpus}"]
 
 

@@ -86,7 +86,7 @@ SERVED = [
     pytest.param(lambda: (qkv(), {"attn_mask": None, "dropout_p": 0.0, "is_causal": False}),
                  id="defaults_spelled_out"),
     pytest.param(lambda: (qkv() + (None, 0.0, False), {}), id="defaults_positional"),
-    pytest.param(lambda: ((), dict(zip(("query", "key", "value"), qkv()))), id="all_keywords"),
+    pytest.param(lambda: ((), dict(zip(("query", "key", "value"), qkv(), strict=True))), id="all_keywords"),
     pytest.param(lambda: (tuple(t.transpose(1, 2).contiguous().transpose(1, 2) for t in qkv()), {}),
                  id="BNHD_storage_last_dim_contiguous"),
 ]
@@ -144,7 +144,7 @@ def requiring_grad(which):
 
 def on_devices(*indices):
     def make():
-        return tuple(on_device(t, i) for t, i in zip(qkv(), indices)), {}
+        return tuple(on_device(t, i) for t, i in zip(qkv(), indices, strict=False)), {}
     return make
 
 

@@ -238,7 +238,8 @@ def test_keyboard_interrupt_is_not_swallowed():
             F.scaled_dot_product_attention(*qkv())
 
 
-@pytest.mark.parametrize("make", OUT_OF_MEMORY + CACHE + [pytest.param(lambda: ValueError("bad"), id="broken")])
+@pytest.mark.parametrize("make", OUT_OF_MEMORY + CACHE
+                         + [pytest.param(lambda: ValueError("bad"), id="broken")])
 def test_torch_runs_after_the_kernels_buffers_are_released(monkeypatch, make):
     """A failed kernel's frames (its quantized copies) must be gone before torch's fallback runs:
     on the H200 an out-of-memory fallback run inside the except block ran out of memory too."""

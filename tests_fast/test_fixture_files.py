@@ -192,7 +192,7 @@ def test_shipped_fixtures_are_labelled_replicas_within_size(shipped):
 @pytest.mark.parametrize("replica", REPLICAS, ids=lambda r: r.name)
 def test_shipped_fixture_matches_generator(shipped, replica):
     fixture = shipped[replica.name]
-    for name, tensor in zip("qkv", replica.tensors()):
+    for name, tensor in zip("qkv", replica.tensors(), strict=True):
         assert torch.equal(getattr(fixture, name), tensor), f"{name} differs from the generator"
     assert (fixture.family, fixture.source, fixture.provenance, fixture.published) == (
         replica.family, replica.source, replica.provenance, replica.published)

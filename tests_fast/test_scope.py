@@ -36,7 +36,8 @@ def _log_everything(caplog):
 def wrapped(gpus=((9, 0),), config=SMALL, names=None, version="2.2.0"):
     fake = FakeSageAttention(version=version)
     names = names or [f"GPU{i}" for i in range(len(gpus))]
-    with FakeCuda([FakeGpu(cap, name) for cap, name in zip(gpus, names)]) as cuda, fake.installed():
+    with (FakeCuda([FakeGpu(cap, name) for cap, name in zip(gpus, names, strict=False)]) as cuda,
+          fake.installed()):
         status = sage_qual.install(config=config)
         assert status.enabled, status.reason
         yield cuda, fake
@@ -55,7 +56,7 @@ def mask():
 FORMS = [
     pytest.param(lambda: (qkv(), {}), id="eligible_plain"),
     pytest.param(lambda: (qkv(dtype=torch.bfloat16), {}), id="eligible_bf16"),
-    pytest.param(lambda: ((), dict(zip(("query", "key", "value"), qkv()))), id="keywords"),
+    pytest.param(lambda: ((), dict(zip(("query", "key", "value"), qkv(), strict=True))), id="keywords"),
     pytest.param(lambda: (qkv(), {"attn_mask": mask()}), id="mask"),
     pytest.param(lambda: (qkv() + (mask(),), {}), id="mask_positional"),
     pytest.param(lambda: (qkv(), {"attn_mask": torch.rand(48, 24) > 0.3}), id="bool_mask"),
@@ -112,7 +113,8 @@ def test_outside_a_scope_arguments_reach_torch_as_given():
     finally:
         F.scaled_dot_product_attention = TORCH_SDPA
     (args1, kwargs1), (args2, kwargs2) = seen
-    assert len(args1) == 4 and all(a is b for a, b in zip(args1, (q, k, v, m))) and kwargs1 == {"scale": 0.5}
+    assert (len(args1) == 4 and all(a is b for a, b in zip(args1, (q, k, v, m), strict=True))
+            and kwargs1 == {"scale": 0.5})
     assert args2 == () and kwargs2.keys() == {"query", "key", "value", "is_causal"}
     assert kwargs2["query"] is q and kwargs2["is_causal"] is True
 
@@ -136,7 +138,7 @@ def test_scope_closes_when_its_block_raises():
         with pytest.raises(ZeroDivisionError):
             with sage_qual.sage_attention_scope() as report:
                 F.scaled_dot_product_attention(*qkv())
-                1 / 0
+                raise ZeroDivisionError("division by zero")
         assert active() is None
         F.scaled_dot_product_attention(*qkv())
     assert report.served == 1 and len(fake.calls) == 1

@@ -39,7 +39,8 @@ def kernel_log(sage, monkeypatch):
 
 def qkv(device, seed):
     gen = torch.Generator(device).manual_seed(seed)
-    return [torch.randn(1, 24, 4608, 128, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(3)]
+    return [torch.randn(1, 24, 4608, 128, device=device, dtype=torch.bfloat16, generator=gen)
+            for _ in range(3)]
 
 
 @needs_two

@@ -115,7 +115,8 @@ def test_memory_of_first_and_later_calls(variant_name, shape_name, runnable, wra
         torch.cuda.synchronize()
         left = torch.cuda.memory_allocated() - before
     record(test="memory", variant=variant.name, fixture=shape_name, kind="random",
-           first_call_bytes_per_element=first_extra / elements, later_bytes_per_element=later_extra / elements)
+           first_call_bytes_per_element=first_extra / elements,
+           later_bytes_per_element=later_extra / elements)
     assert report.served == 2, dict(report.fallbacks)
     assert first_extra / elements <= 2.5
     assert later_extra / elements <= 2.5
