@@ -313,3 +313,14 @@ def test_a_killed_run_leaves_a_partial_report_and_no_workers(tmp_path):
     while worker_pids(marker) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not worker_pids(marker)
+
+
+def test_quick_without_variants_runs_each_gpus_own_kernel(tmp_path, monkeypatch):
+    """--quick is a pre-flight: only the kernel the wrapper would use on each GPU runs."""
+    fixtures = write_fixtures(tmp_path / "fixtures")
+    monkeypatch.setenv(worker.TEST_HOOK, json.dumps({"gpus": [H200, RTX4090], "faults": {}}))
+    data = certify.run(certify.Options(tmp_path / "out", devices="0,1", families=["FLUX.1"],
+                                       fixture_dirs=[str(fixtures)], quick=True, timeout=30.0))
+    ran = [{c["variant"] for c in device["cells"] if c["outcome"] != "skip"} for device in data["devices"]]
+    assert ran == [{"sm90-fp8-cuda"}, {"sm89-fp8-cuda"}]
+    assert validate(data) == []
