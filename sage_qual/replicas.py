@@ -236,13 +236,19 @@ REPLICAS: tuple[Replica, ...] = (
                 "real_shape": "[1, 24, 4096 image + prompt tokens, 128] bf16",
                 "shipped": _SLICE + " (image tokens; prompt tokens left out)"},
         provenance=(
-            "Replica, not a recording. Reproduces seeds/001 (InvokeAI PR #9657): in Qwen-Image block 0 "
-            "one Q/K channel sits near +600 for every image token; against float32, SageAttention gives "
-            "cosine 0.18 / relative L2 1.62 with K smoothing and 0.997 / 0.10 without (RTX 4090). Model: "
-            "the channel piles up at a bf16 ceiling (600) with an exponential tail below it (mean 7.5); "
-            "other channels N(0, 0.3); V N(0, 1). With smoothing the tail sets the K groups' scale and the "
+            "Replica, not a recording. Reproduces seeds/001 (InvokeAI PR #9657): in Qwen-Image "
+            "block 0 "
+            "one Q/K channel sits near +600 for every image token; against float32, SageAttention "
+            "gives "
+            "cosine 0.18 / relative L2 1.62 with K smoothing and 0.997 / 0.10 without (RTX 4090). "
+            "Model: "
+            "the channel piles up at a bf16 ceiling (600) with an exponential tail below it (mean "
+            "7.5); "
+            "other channels N(0, 0.3); V N(0, 1). With smoothing the tail sets the K groups' scale "
+            "and the "
             "ceiling tokens' residual rounds differently per group (see OutlierHead). The emulated "
-            "smoothing-on error depends on the bf16 rounding of K's mean and on the seed. Prompt tokens are left out: their statistics were not published. "
+            "smoothing-on error depends on the bf16 rounding of K's mean and on the seed. Prompt "
+            "tokens are left out: their statistics were not published. "
             "Bounds (smoothing off, as the wrapper runs): rel L2 0.2 and cosine 0.98, twice the "
             "published 0.10."),
         max_rel_l2={"fp16": 0.2, "fp8": 0.2},
@@ -251,7 +257,10 @@ REPLICAS: tuple[Replica, ...] = (
                    "measured_on": _measured_on("seeds/001, InvokeAI PR #9657")},
         smoothing_matters=True,
         reproduction=(
-            "Partly reproduced (NVIDIA H200, device run 3 of 2026-11-29, all 8 variants): smoothing off rel L2 0.093-0.097, cosine 0.995-0.996 (published 0.10 / 0.997); smoothing on rel L2 1.95-2.10 (published 1.62) but cosine 0.45-0.58: the published 0.18 was not reached by this generator (closest 0.45, sm90-fp8-cuda)."),
+            "Partly reproduced (NVIDIA H200, device run 3 of 2026-11-29, all 8 variants): smoothing"
+            " off rel L2 0.093-0.097, cosine 0.995-0.996 (published 0.10 / 0.997); smoothing on rel"
+            " L2 1.95-2.10 (published 1.62) but cosine 0.45-0.58: the published 0.18 was not "
+            "reached by this generator (closest 0.45, sm90-fp8-cuda)."),
     ),
     Replica(
         name="krea2_b0_outlier_gqa",
@@ -263,10 +272,14 @@ REPLICAS: tuple[Replica, ...] = (
                 "real_shape": "q [1, 48, 4608, 128], k/v [1, 12, 4608, 128] bf16",
                 "shipped": "4 query heads x 1536 rows, 1 K/V head x 768 rows"},
         provenance=(
-            "Replica, not a recording. Reproduces seeds/000 (InvokeAI PR #9662): Krea-2 block 0 has the "
-            "same Q/K channel outlier as Qwen-Image; cosine against float32 0.53 with K smoothing, 0.988 "
-            "without (RTX 4090). Grouped-query ratio 4 kept (48 query / 12 K/V heads in the model). Same "
-            "model as the Qwen-Image replica (ceiling 600, tail mean 6.0, other channels N(0, 0.38)); the "
+            "Replica, not a recording. Reproduces seeds/000 (InvokeAI PR #9662): Krea-2 block 0 has"
+            " the "
+            "same Q/K channel outlier as Qwen-Image; cosine against float32 0.53 with K smoothing, "
+            "0.988 "
+            "without (RTX 4090). Grouped-query ratio 4 kept (48 query / 12 K/V heads in the model)."
+            " Same "
+            "model as the Qwen-Image replica (ceiling 600, tail mean 6.0, other channels N(0, "
+            "0.38)); the "
             "key rows are cut to 768 to stay under 2 MB with four query heads. Bounds: rel L2 0.3 and "
             "cosine 0.955, about twice the error that cosine 0.988 implies (rel L2 ~0.15)."),
         max_rel_l2={"fp16": 0.3, "fp8": 0.3},
@@ -274,7 +287,9 @@ REPLICAS: tuple[Replica, ...] = (
                    "measured_on": _measured_on("seeds/000, InvokeAI PR #9662")},
         smoothing_matters=True,
         reproduction=(
-            "Reproduced (NVIDIA H200, device run 3 of 2026-11-29, all 8 variants): smoothing off cosine 0.988-0.989 (published 0.988), rel L2 0.150-0.153; smoothing on cosine 0.59-0.68 (published 0.53), rel L2 1.12-1.32."),
+            "Reproduced (NVIDIA H200, device run 3 of 2026-11-29, all 8 variants): smoothing off "
+            "cosine 0.988-0.989 (published 0.988), rel L2 0.150-0.153; smoothing on cosine "
+            "0.59-0.68 (published 0.53), rel L2 1.12-1.32."),
     ),
     Replica(
         name="qwen_image_b52_value_sinks",
@@ -285,12 +300,15 @@ REPLICAS: tuple[Replica, ...] = (
                 "heads": "one head", "resolution": "1024x1024",
                 "real_shape": "[1, 24, 4096 image + prompt tokens, 128] bf16", "shipped": _SLICE},
         provenance=(
-            "Replica, not a recording. Reproduces seeds/001 (InvokeAI PR #9657): in Qwen-Image block 52 V "
+            "Replica, not a recording. Reproduces seeds/001 (InvokeAI PR #9657): in Qwen-Image "
+            "block 52 V "
             "reaches about 3500 in every channel, which costs every SageAttention variant about 17 % "
-            "relative error per call (bf16 SDPA: 0.2 %). Read as: a few tokens carry |V| ~ 3500 in all "
+            "relative error per call (bf16 SDPA: 0.2 %). Read as: a few tokens carry |V| ~ 3500 in "
+            "all "
             "channels and take part of every query's attention, so the output's error is the relative "
             "error of their attention weight, which comes from the INT8 Q/K scores common to all "
-            "variants (an offset on every token would cancel in the softmax normalisation and would not "
+            "variants (an offset on every token would cancel in the softmax normalisation and would"
+            " not "
             "hit the FP16 kernels). Model: 4 sink keys (the first rows; which tokens they are was not "
             "published) with V = +-3500, K aligned with the queries' mean direction (length 6); two Q "
             "channels at 128 set Q's INT8 scale (this replica's choice, tuned to give ~17 %). Bounds: "
@@ -299,7 +317,8 @@ REPLICAS: tuple[Replica, ...] = (
         published={"rel_l2_every_variant": 0.17, "rel_l2_bf16_sdpa": 0.002,
                    "measured_on": _measured_on("seeds/001, InvokeAI PR #9657")},
         reproduction=(
-            "Reproduced (NVIDIA H200, device run 3 of 2026-11-29): rel L2 0.169-0.173 for every variant (published about 0.17); bf16 SDPA 0.0017 (published 0.002)."),
+            "Reproduced (NVIDIA H200, device run 3 of 2026-11-29): rel L2 0.169-0.173 for every "
+            "variant (published about 0.17); bf16 SDPA 0.0017 (published 0.002)."),
     ),
     Replica(
         name="qwen_image_b52_value_offset",
@@ -309,15 +328,20 @@ REPLICAS: tuple[Replica, ...] = (
                 "heads": "one head", "resolution": "1024x1024",
                 "real_shape": "[1, 24, 4096 image + prompt tokens, 128] bf16", "shipped": _SLICE},
         provenance=(
-            "Replica, not a recording: the literal reading of seeds/001 (InvokeAI PR #9657), 'in Qwen-Image "
-            "block 52 V reaches about 3500 in every channel': every token's V is 3500 + N(0, 30) in every "
-            "channel; Q and K N(0, 1). It does not reproduce the published 17 % (the offset cancels in the "
+            "Replica, not a recording: the literal reading of seeds/001 (InvokeAI PR #9657), 'in "
+            "Qwen-Image "
+            "block 52 V reaches about 3500 in every channel': every token's V is 3500 + N(0, 30) in"
+            " every "
+            "channel; Q and K N(0, 1). It does not reproduce the published 17 % (the offset cancels"
+            " in the "
             "softmax normalisation; see qwen_image_b52_value_sinks for the reading that does). It is "
             "shipped for what it shows on the kernels: on the H200 (device run 1, 2026-11-29, "
             "docs/runs/run1/probe.jsonl: [1, 4, 4096, 128] bf16, V = 3500 + N(0, sd), sd 1 to 3000) "
             "sageattn_qk_int8_pv_fp16_triton returned inf at every sd, the other kernels 0.0004-0.031 "
-            "and bf16 SDPA 0.0013; field reports of black or NaN Qwen-Image images on Ampere traced to "
-            "that Triton path (ComfyUI #9773). Bounds from those run-1 numbers with margin: rel L2 0.02 "
+            "and bf16 SDPA 0.0013; field reports of black or NaN Qwen-Image images on Ampere traced"
+            " to "
+            "that Triton path (ComfyUI #9773). Bounds from those run-1 numbers with margin: rel L2 "
+            "0.02 "
             "for fp16 kernels (measured 0.0012), 0.08 for fp8 (measured up to 0.031 at sd 30)."),
         max_rel_l2={"fp16": 0.02, "fp8": 0.08},
         published={"v_every_channel": 3500, "rel_l2_every_variant": 0.17, "rel_l2_bf16_sdpa": 0.002,
@@ -337,7 +361,8 @@ REPLICAS: tuple[Replica, ...] = (
                 "resolution": "1024x1024", "real_shape": "[1, 24, 4608, 128] bf16 (512 text + 4096 image)",
                 "shipped": _SLICE},
         provenance=(
-            "Replica, not a recording, of the shape SageAttention's FLUX.1 accuracy test ran on the RTX 4090 "
+            "Replica, not a recording, of the shape SageAttention's FLUX.1 accuracy test ran on the"
+            " RTX 4090 "
             "(seeds/001, InvokeAI PR #9657); no per-call error was published for it. Statistics: Q/K "
             "channels N(mean, 1.2 x lognormal(0.5)) with per-channel means N(0, 1) and 4 channels 4x "
             "wider; V N(0, 1) plus per-channel means N(0, 0.5). " + _BOUNDS_NOTE),
@@ -353,9 +378,12 @@ REPLICAS: tuple[Replica, ...] = (
                 "resolution": "1024x1024", "real_shape": "[2, 10, 4096, 64] fp16 (batch 2: CFG)",
                 "shipped": "batch 1, 1 head, all 4096 query and key rows"},
         provenance=(
-            "Replica, not a recording, of the shape SageAttention's SDXL accuracy test ran on the RTX 4090 "
-            "(seeds/001, InvokeAI PR #9657); no per-call error was published for it. fp16 with head dim 64. "
-            "SDXL has no QK norm, so Q/K channels are wider and more uneven: N(mean, 1.3 x lognormal(0.6)) "
+            "Replica, not a recording, of the shape SageAttention's SDXL accuracy test ran on the "
+            "RTX 4090 "
+            "(seeds/001, InvokeAI PR #9657); no per-call error was published for it. fp16 with head"
+            " dim 64. "
+            "SDXL has no QK norm, so Q/K channels are wider and more uneven: N(mean, 1.3 x "
+            "lognormal(0.6)) "
             "with means N(0, 1) and 2 channels 5x wider; V N(0, 1) plus means N(0, 0.5). " + _BOUNDS_NOTE),
         max_rel_l2={"fp16": 0.13, "fp8": 0.13},
     ),
@@ -370,17 +398,24 @@ REPLICAS: tuple[Replica, ...] = (
                 "real_shape": "q [1, 24, 27280, 128], k/v [1, 24, 512, 128] bf16",
                 "shipped": "2 heads, 1536 video-token query rows, all 512 text keys"},
         provenance=(
-            "Replica, not a recording. Reproduces seeds/004 (InvokeAI PR #9665): over every call of step 0 "
-            "of Wan 2.2 TI2V-5B the worst relative L2 against float32 was 0.076, in the text cross-attention "
-            "(RTX 4090). Wan pads the prompt with zeros to 512 tokens, so after the projection and the K "
-            "norm the padding keys and values are all one vector: here 48 prompt keys and 464 identical "
-            "padding keys. Q/K N(mean, 1.65 x lognormal(0.5)), means N(0, 1), 4 channels 5x wider; V N(0, 1) "
-            "plus means N(0, 0.1); spread tuned so the emulated FP8 error is near 0.076. Bounds: rel L2 "
+            "Replica, not a recording. Reproduces seeds/004 (InvokeAI PR #9665): over every call of"
+            " step 0 "
+            "of Wan 2.2 TI2V-5B the worst relative L2 against float32 was 0.076, in the text cross-"
+            "attention "
+            "(RTX 4090). Wan pads the prompt with zeros to 512 tokens, so after the projection and "
+            "the K "
+            "norm the padding keys and values are all one vector: here 48 prompt keys and 464 "
+            "identical "
+            "padding keys. Q/K N(mean, 1.65 x lognormal(0.5)), means N(0, 1), 4 channels 5x wider; "
+            "V N(0, 1) "
+            "plus means N(0, 0.1); spread tuned so the emulated FP8 error is near 0.076. Bounds: "
+            "rel L2 "
             "0.15 (cosine 0.988), twice the published worst."),
         max_rel_l2={"fp16": 0.15, "fp8": 0.15},
         published={"worst_rel_l2_step0": 0.076, "measured_on": _measured_on("seeds/004, InvokeAI PR #9665")},
         reproduction=(
-            "Reproduced (NVIDIA H200, device run 3 of 2026-11-29): rel L2 0.068-0.104 over the variants; sm89-fp8-cuda, the RTX 4090's kernel, 0.076 (published worst 0.076)."),
+            "Reproduced (NVIDIA H200, device run 3 of 2026-11-29): rel L2 0.068-0.104 over the "
+            "variants; sm89-fp8-cuda, the RTX 4090's kernel, 0.076 (published worst 0.076)."),
     ),
     Replica(
         name="cross_attention_partial_tiles",
@@ -392,10 +427,14 @@ REPLICAS: tuple[Replica, ...] = (
                 "heads": "one head", "real_shape": "q [1, 24, 4429, 128], k/v [1, 24, 845, 128] bf16",
                 "shipped": "1 head, all 4429 query and 845 key rows"},
         provenance=(
-            "Replica, not a recording, of the partial-tile cross-attention shape in SageAttention's accuracy "
-            "tests on the RTX 4090 (seeds/001, InvokeAI PR #9657): 4429 queries (34 tiles of 128 and 77 "
-            "rows) against 845 keys (13 blocks of 64 and 13 rows), so every kernel meets a partly filled "
-            "last tile; the real token counts are kept. Q/K N(mean, 1.1 x lognormal(0.5)), means N(0, 0.5), "
+            "Replica, not a recording, of the partial-tile cross-attention shape in SageAttention's"
+            " accuracy "
+            "tests on the RTX 4090 (seeds/001, InvokeAI PR #9657): 4429 queries (34 tiles of 128 "
+            "and 77 "
+            "rows) against 845 keys (13 blocks of 64 and 13 rows), so every kernel meets a partly "
+            "filled "
+            "last tile; the real token counts are kept. Q/K N(mean, 1.1 x lognormal(0.5)), means "
+            "N(0, 0.5), "
             "4 channels 4x wider; V N(0, 1) plus means N(0, 0.3). " + _BOUNDS_NOTE),
         max_rel_l2={"fp16": 0.11, "fp8": 0.11},
     ),
@@ -409,23 +448,31 @@ REPLICAS: tuple[Replica, ...] = (
                 "resolution": "1024x1024", "real_shape": "[1, 30, 4096 image + caption tokens, 128] bf16",
                 "shipped": _SLICE},
         provenance=(
-            "Replica, not a recording. Reproduces seeds/002 (InvokeAI PR #9660): over every call of step 0 "
+            "Replica, not a recording. Reproduces seeds/002 (InvokeAI PR #9660): over every call of"
+            " step 0 "
             "of Z-Image, worst cosine 0.9970 and worst relative L2 0.043 against float32 (RTX 4090). "
-            "Q/K N(mean, 1.1 x lognormal(0.5)), means N(0, 1), 4 channels 4x wider; V N(0, 1) plus means "
+            "Q/K N(mean, 1.1 x lognormal(0.5)), means N(0, 1), 4 channels 4x wider; V N(0, 1) plus "
+            "means "
             "N(0, 0.7); V's mean tuned so the emulated FP8 error is near 0.043. Bounds: rel L2 0.09 "
             "(cosine 0.995), twice the published worst."),
         max_rel_l2={"fp16": 0.09, "fp8": 0.09},
         published={"worst_cosine_step0": 0.997, "worst_rel_l2_step0": 0.043,
                    "measured_on": _measured_on("seeds/002, InvokeAI PR #9660")},
         reproduction=(
-            "Relative L2 reproduced (NVIDIA H200, device run 3 of 2026-11-29): sm89-fp8-cuda 0.043 (published worst 0.043), all variants 0.038-0.047; worst cosine 0.9989-0.9993, above the published worst 0.9970, which was the worst of 32 calls where this is one head."),
+            "Relative L2 reproduced (NVIDIA H200, device run 3 of 2026-11-29): sm89-fp8-cuda 0.043 "
+            "(published worst 0.043), all variants 0.038-0.047; worst cosine 0.9989-0.9993, above "
+            "the published worst 0.9970, which was the worst of 32 calls where this is one head."),
     ),
 )
 
 
 # Calibration and writing --------------------------------------------------------------------------
+def _round(value):
+    return float(f"{value:.4g}") if isinstance(value, float) else value
+
+
 def _rounded(numbers: dict) -> dict:
-    return {key: float(f"{value:.4g}") for key, value in numbers.items()}
+    return {key: _round(value) for key, value in numbers.items()}
 
 
 KERNEL_CALIBRATION = Path(__file__).with_name("replica_calibration_h200.json")
@@ -444,8 +491,7 @@ def kernel_measurements(results_path) -> dict:
             entry.update(smooth_k_on=_rounded({"rel_l2": row["rel_l2_smooth_on"],
                                                "cosine": row["cosine_smooth_on"]}))
     names = {replica.name for replica in REPLICAS}
-    return {name: {variant: {k: _rounded({k: v})[k] if isinstance(v, float) else v for k, v in numbers.items()}
-                   for variant, numbers in variants.items()}
+    return {name: {variant: _rounded(numbers) for variant, numbers in variants.items()}
             for name, variants in fixtures.items() if name in names}
 
 
