@@ -24,7 +24,7 @@ import json
 from pathlib import Path
 from typing import Mapping
 
-from . import platform, sage_package
+from . import jsonfile, platform, sage_package
 from .config import DEFAULT_CONFIG, WrapperConfig
 
 KIND = "sage-qual-profile"
@@ -98,18 +98,12 @@ def load(source) -> dict:
         data, where = dict(source), "profile"
     else:
         where = str(source)
-        try:
-            data = json.loads(Path(source).read_text())
-        except OSError as error:
-            raise ProfileError(f"cannot read profile {where}: {error.strerror or error}") from None
-        except ValueError as error:
-            raise ProfileError(f"profile {where} is not JSON: {error}") from None
-    if not isinstance(data, dict) or data.get("kind") != KIND:
-        raise ProfileError(f"{where} is not a sage-qual profile (written by `sage-qual certify`)")
-    if data.get("schema_version") != SCHEMA_VERSION:
-        raise ProfileError(f"{where} has profile schema version {data.get('schema_version')!r}; this "
-                           f"sage-qual reads version {SCHEMA_VERSION}: certify again")
-    return data
+        data = jsonfile.read(source, ProfileError, unreadable="cannot read profile {path}: {reason}",
+                             not_json="profile {path} is not JSON: {reason}")
+    return jsonfile.check(data, where, KIND, SCHEMA_VERSION, ProfileError,
+                          wrong_kind="{where} is not a sage-qual profile (written by `sage-qual certify`)",
+                          wrong_version="{where} has profile schema version {found!r}; this sage-qual reads "
+                                        "version {expected}: certify again")
 
 
 def entry(profile: dict, family: str | None = None) -> dict:

@@ -18,7 +18,7 @@ import threading
 from importlib import resources
 from pathlib import Path
 
-from . import environment
+from . import environment, jsonfile
 
 KIND = "sage-qual-report"
 SCHEMA_VERSION = 1
@@ -34,20 +34,12 @@ def schema() -> dict:
 
 
 def load(path) -> dict:
-    try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ReportError(f"no report at {path}: run `sage-qual certify` first") from None
-    except OSError as error:
-        raise ReportError(f"cannot read {path}: {error.strerror or error}") from None
-    except ValueError as error:
-        raise ReportError(f"{path} is not JSON ({error})") from None
-    if not isinstance(data, dict) or data.get("kind") != KIND:
-        raise ReportError(f"{path} is not a sage-qual report (no \"kind\": \"{KIND}\")")
-    if data.get("schema_version") != SCHEMA_VERSION:
-        raise ReportError(f"{path} has report schema version {data.get('schema_version')!r}; this sage-qual "
-                          f"reads version {SCHEMA_VERSION}")
-    return data
+    data = jsonfile.read(path, ReportError, missing="no report at {path}: run `sage-qual certify` first",
+                         unreadable="cannot read {path}: {reason}", not_json="{path} is not JSON ({reason})")
+    return jsonfile.check(data, path, KIND, SCHEMA_VERSION, ReportError,
+                          wrong_kind='{where} is not a sage-qual report (no "kind": "{kind}")',
+                          wrong_version="{where} has report schema version {found!r}; this sage-qual "
+                                        "reads version {expected}")
 
 
 class Writer:

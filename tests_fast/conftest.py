@@ -3,9 +3,12 @@
 import logging
 
 import pytest
+import torch.nn.functional as F
 
 import sage_qual
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
+
+from .helpers import TORCH_SDPA
 
 
 @pytest.fixture(autouse=True)
@@ -14,6 +17,31 @@ def _uninstalled():
     sage_qual.uninstall()
     yield
     sage_qual.uninstall()
+
+
+@pytest.fixture
+def log_everything(caplog):
+    """Every sage_qual record in caplog; modules use it with pytest.mark.usefixtures."""
+    caplog.set_level(logging.DEBUG, logger="sage_qual")
+
+
+@pytest.fixture
+def torch_spy():
+    """torch's SDPA behind a recorder of (args, kwargs, current device), in place before install so the
+    wrapper takes it as torch's."""
+    calls = []
+
+    def spy(*args, **kwargs):
+        cuda = sage_qual.platform.current()
+        calls.append((args, kwargs, getattr(cuda, "current_device", None)))
+        return TORCH_SDPA(*args, **kwargs)
+
+    F.scaled_dot_product_attention = spy
+    try:
+        yield calls
+    finally:
+        sage_qual.uninstall()
+        F.scaled_dot_product_attention = TORCH_SDPA
 
 
 @pytest.fixture

@@ -1,6 +1,5 @@
 """Which kernel serves which GPU, with which keywords, on which device; and the fakes themselves."""
 
-import contextlib
 import functools
 import inspect
 from dataclasses import dataclass, field
@@ -12,8 +11,7 @@ import torch.nn.functional as F
 import sage_qual
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention, exact_attention, on_device
 
-TORCH_SDPA = F.scaled_dot_product_attention
-SMALL = sage_qual.WrapperConfig(min_query_tokens=32, min_key_tokens=16, check_rows=16)
+from .helpers import TORCH_SDPA, qkv, wrapped
 
 FP16_CUDA = "sageattn_qk_int8_pv_fp16_cuda"
 FP16_TRITON = "sageattn_qk_int8_pv_fp16_triton"
@@ -53,45 +51,6 @@ class RecordingSage(FakeSageAttention):
         return kernel
 
 
-def rand(*shape, dtype=torch.float16, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
-
-
-def qkv(heads=2, kv_heads=None, q_tokens=48, k_tokens=24, head_dim=64, dtype=torch.float16):
-    kv_heads = kv_heads or heads
-    return (rand(1, heads, q_tokens, head_dim, dtype=dtype, seed=1),
-            rand(1, kv_heads, k_tokens, head_dim, dtype=dtype, seed=2),
-            rand(1, kv_heads, k_tokens, head_dim, dtype=dtype, seed=3))
-
-
-@contextlib.contextmanager
-def wrapped(gpus=((9, 0),), torch_cuda=(13, 0), config=SMALL, fake=None):
-    fake = fake if fake is not None else RecordingSage()
-    with FakeCuda([FakeGpu(cap, f"GPU{i}") for i, cap in enumerate(gpus)], torch_cuda=torch_cuda) as cuda, \
-            fake.installed():
-        status = sage_qual.install(config=config)
-        assert status.enabled, status.reason
-        yield cuda, fake
-
-
-@pytest.fixture
-def torch_spy():
-    """torch's SDPA behind a recorder, installed before the wrapper so the wrapper takes it as torch's."""
-    calls = []
-
-    def spy(*args, **kwargs):
-        cuda = sage_qual.platform.current()
-        calls.append((args, kwargs, getattr(cuda, "current_device", None)))
-        return TORCH_SDPA(*args, **kwargs)
-
-    F.scaled_dot_product_attention = spy
-    try:
-        yield calls
-    finally:
-        sage_qual.uninstall()
-        F.scaled_dot_product_attention = TORCH_SDPA
-
-
 # The kernel table ------------------------------------------------------------------------------------
 
 COMMON = {"tensor_layout": "HND", "is_causal": False, "smooth_k": False}
@@ -121,7 +80,7 @@ TABLE = [
 @pytest.mark.parametrize("capability, torch_cuda, function, options", TABLE)
 def test_kernel_and_exact_keywords_per_gpu(capability, torch_cuda, function, options):
     q, k, v = qkv()
-    with wrapped(gpus=(capability,), torch_cuda=torch_cuda) as (_, fake):
+    with wrapped(gpus=(capability,), torch_cuda=torch_cuda, fake=RecordingSage()) as (_, fake):
         with sage_qual.sage_attention_scope() as report:
             out = F.scaled_dot_product_attention(q, k, v)
     assert report.served == 1
@@ -146,7 +105,7 @@ def test_kernel_and_exact_keywords_per_gpu(capability, torch_cuda, function, opt
 def test_gpu_without_kernel_is_not_served(capability):
     """A box whose other GPU has a kernel: install succeeds, this GPU's calls stay on torch."""
     q, k, v = qkv()
-    with wrapped(gpus=(capability, (9, 0))) as (_, fake):
+    with wrapped(gpus=(capability, (9, 0)), fake=RecordingSage()) as (_, fake):
         status = sage_qual.install_status()
         assert status.devices[0].variant is None
         assert "sm_%d%d" % capability in status.devices[0].no_kernel_reason
@@ -159,7 +118,7 @@ def test_gpu_without_kernel_is_not_served(capability):
 
 
 def test_sm89_without_cuda_12_8_falls_to_the_fp32_accumulator_variant():
-    with wrapped(gpus=((8, 9),), torch_cuda=(12, 6)):
+    with wrapped(gpus=((8, 9),), torch_cuda=(12, 6), fake=RecordingSage()):
         assert sage_qual.install_status().devices[0].variant.name == "sm89-fp8-cuda-fp32acc"
 
 
@@ -173,7 +132,7 @@ def test_sm89_without_cuda_12_8_falls_to_the_fp32_accumulator_variant():
 ])
 def test_sm_scale(head_dim, kwargs, sm_scale):
     q, k, v = qkv(head_dim=head_dim)
-    with wrapped() as (_, fake), sage_qual.sage_attention_scope() as report:
+    with wrapped(fake=RecordingSage()) as (_, fake), sage_qual.sage_attention_scope() as report:
         out = F.scaled_dot_product_attention(q, k, v, **kwargs)
     assert report.served == 1
     assert fake.explicit[0][2]["sm_scale"] == pytest.approx(sm_scale, rel=1e-12)
@@ -187,7 +146,7 @@ def test_sm_scale(head_dim, kwargs, sm_scale):
 ])
 def test_gqa_key_value_passed_unexpanded(heads, kv_heads):
     q, k, v = qkv(heads=heads, kv_heads=kv_heads)
-    with wrapped() as (_, fake), sage_qual.sage_attention_scope() as report:
+    with wrapped(fake=RecordingSage()) as (_, fake), sage_qual.sage_attention_scope() as report:
         out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     assert report.served == 1
     call = fake.calls[0]
@@ -201,7 +160,7 @@ def test_gqa_key_value_passed_unexpanded(heads, kv_heads):
 # Device context -------------------------------------------------------------------------------------
 
 def test_kernel_and_check_run_with_the_tensors_device_current(torch_spy):
-    with wrapped(gpus=((9, 0), (9, 0))) as (cuda, fake):
+    with wrapped(gpus=((9, 0), (9, 0)), fake=RecordingSage()) as (cuda, fake):
         assert cuda.current_device == 0
         tensors = tuple(on_device(t, 1) for t in qkv())
         with sage_qual.sage_attention_scope() as report:
@@ -215,7 +174,7 @@ def test_kernel_and_check_run_with_the_tensors_device_current(torch_spy):
 
 
 def test_each_device_runs_with_itself_current():
-    with wrapped(gpus=((9, 0), (8, 9))) as (cuda, fake):
+    with wrapped(gpus=((9, 0), (8, 9)), fake=RecordingSage()) as (cuda, fake):
         with sage_qual.sage_attention_scope() as report:
             F.scaled_dot_product_attention(*(on_device(t, 1) for t in qkv()))
             F.scaled_dot_product_attention(*qkv())

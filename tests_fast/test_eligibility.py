@@ -13,33 +13,9 @@ import torch.nn.functional as F
 
 import sage_qual
 from sage_qual.eligibility import REASONS
-from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention, on_device
+from sage_qual.testing import on_device
 
-TORCH_SDPA = F.scaled_dot_product_attention
-# Low thresholds keep tensors small where the test is not about the thresholds.
-SMALL = sage_qual.WrapperConfig(min_query_tokens=32, min_key_tokens=16, check_rows=16)
-Q_TOKENS, K_TOKENS = 48, 24
-
-
-def rand(*shape, dtype=torch.float16, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
-
-
-def qkv(batch=1, heads=2, kv_heads=None, q_tokens=Q_TOKENS, k_tokens=K_TOKENS, head_dim=64,
-        dtype=torch.float16):
-    kv_heads = kv_heads or heads
-    return (rand(batch, heads, q_tokens, head_dim, dtype=dtype, seed=1),
-            rand(batch, kv_heads, k_tokens, head_dim, dtype=dtype, seed=2),
-            rand(batch, kv_heads, k_tokens, head_dim, dtype=dtype, seed=3))
-
-
-@contextlib.contextmanager
-def wrapped(gpus=((9, 0),), config=SMALL):
-    fake = FakeSageAttention()
-    with FakeCuda([FakeGpu(cap, f"GPU{i}") for i, cap in enumerate(gpus)]) as cuda, fake.installed():
-        status = sage_qual.install(config=config)
-        assert status.enabled, status.reason
-        yield cuda, fake
+from .helpers import K_TOKENS, Q_TOKENS, SMALL, TORCH_SDPA, qkv, rand, wrapped
 
 
 def outcome(function, args, kwargs, seed=0):

@@ -1,6 +1,5 @@
 """What a kernel's exception does: out of memory, Triton cache race, anything else."""
 
-import contextlib
 import logging
 import weakref
 
@@ -10,43 +9,11 @@ import torch.nn.functional as F
 
 import sage_qual
 from sage_qual.errors import Failure, classify
-from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention, on_device
+from sage_qual.testing import on_device
 
-TORCH_SDPA = F.scaled_dot_product_attention
-SMALL = sage_qual.WrapperConfig(min_query_tokens=32, min_key_tokens=16, check_rows=16)
+from .helpers import TORCH_SDPA, qkv, records, retired, wrapped
 
-
-def rand(*shape, dtype=torch.float16, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
-
-
-def qkv(heads=2, q_tokens=48, k_tokens=24, head_dim=64, dtype=torch.float16):
-    return (rand(1, heads, q_tokens, head_dim, dtype=dtype, seed=1),
-            rand(1, heads, k_tokens, head_dim, dtype=dtype, seed=2),
-            rand(1, heads, k_tokens, head_dim, dtype=dtype, seed=3))
-
-
-@pytest.fixture(autouse=True)
-def _log_everything(caplog):
-    caplog.set_level(logging.DEBUG, logger="sage_qual")
-
-
-@contextlib.contextmanager
-def wrapped(gpus=((9, 0),), config=SMALL):
-    fake = FakeSageAttention()
-    with FakeCuda([FakeGpu(cap, f"GPU{i}") for i, cap in enumerate(gpus)]) as cuda, fake.installed():
-        status = sage_qual.install(config=config)
-        assert status.enabled, status.reason
-        yield cuda, fake
-
-
-def records(caplog, level):
-    return [r.getMessage() for r in caplog.records if r.name == "sage_qual" and r.levelno == level]
-
-
-def retired(index=0):
-    return {d.index: d for d in sage_qual.install_status().devices}[index].retired
-
+pytestmark = pytest.mark.usefixtures("log_everything")
 
 OUT_OF_MEMORY = [
     pytest.param(lambda: torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),

@@ -1,6 +1,5 @@
 """The first-call check: once per (device, dtype, head_dim), a torch recompute of one slice."""
 
-import contextlib
 import logging
 
 import pytest
@@ -8,60 +7,11 @@ import torch
 import torch.nn.functional as F
 
 import sage_qual
-from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention, on_device
+from sage_qual.testing import on_device
 
-TORCH_SDPA = F.scaled_dot_product_attention
-SMALL = sage_qual.WrapperConfig(min_query_tokens=32, min_key_tokens=16, check_rows=16)
+from .helpers import TORCH_SDPA, qkv, records, retired, wrapped
 
-
-def rand(*shape, dtype=torch.float16, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
-
-
-def qkv(batch=1, heads=2, kv_heads=None, q_tokens=48, k_tokens=24, head_dim=64, dtype=torch.float16, seed=0):
-    kv_heads = kv_heads or heads
-    return (rand(batch, heads, q_tokens, head_dim, dtype=dtype, seed=seed + 1),
-            rand(batch, kv_heads, k_tokens, head_dim, dtype=dtype, seed=seed + 2),
-            rand(batch, kv_heads, k_tokens, head_dim, dtype=dtype, seed=seed + 3))
-
-
-@pytest.fixture(autouse=True)
-def _log_everything(caplog):
-    caplog.set_level(logging.DEBUG, logger="sage_qual")
-
-
-@contextlib.contextmanager
-def wrapped(gpus=((9, 0),), config=SMALL):
-    fake = FakeSageAttention()
-    with FakeCuda([FakeGpu(cap, f"GPU{i}") for i, cap in enumerate(gpus)]) as cuda, fake.installed():
-        status = sage_qual.install(config=config)
-        assert status.enabled, status.reason
-        yield cuda, fake
-
-
-@pytest.fixture
-def torch_spy():
-    """torch's SDPA behind a recorder, in place before install so the wrapper takes it as torch's."""
-    calls = []
-
-    def spy(*args, **kwargs):
-        calls.append((args, kwargs))
-        return TORCH_SDPA(*args, **kwargs)
-
-    F.scaled_dot_product_attention = spy
-    try:
-        yield calls
-    finally:
-        sage_qual.uninstall()
-        F.scaled_dot_product_attention = TORCH_SDPA
-
-
-def retired(index=0):
-    return {d.index: d for d in sage_qual.install_status().devices}[index].retired
-
-
-def warnings_of(caplog):
-    return [r.getMessage() for r in caplog.records if r.name == "sage_qual" and r.levelno == logging.WARNING]
+pytestmark = pytest.mark.usefixtures("log_everything")
 
 
 def serve(*tensors, **kwargs):
@@ -114,7 +64,7 @@ def test_check_verdict(caplog, make, passes):
     expected = TORCH_SDPA(*tensors)
     if passes:
         assert (report.served, again_report.served) == (1, 1)
-        assert not retired() and not warnings_of(caplog)
+        assert not retired() and not records(caplog, logging.WARNING)
         assert len(fake.calls) == 2
     else:
         # The failing call itself returns torch's result; the device serves no more.
@@ -124,7 +74,7 @@ def test_check_verdict(caplog, make, passes):
         assert torch.equal(again, expected)
         assert len(fake.calls) == 1
         assert "first-call check" in retired()
-        [warning] = warnings_of(caplog)
+        [warning] = records(caplog, logging.WARNING)
         assert "cuda:0" in warning and "first-call check" in warning and "float16" in warning
 
 
@@ -158,7 +108,7 @@ def test_check_slice_is_first_sample_first_group_last_rows(torch_spy):
     with wrapped(config=None) as (_, fake):
         _, report = serve(q, k, v, enable_gqa=True, scale=0.2)
     assert report.served == 1
-    [(args, kwargs)] = torch_spy
+    [(args, kwargs, _)] = torch_spy
     q_slice, k_slice, v_slice = (args[i] if i < len(args) else kwargs[name]
                                  for i, name in enumerate(("query", "key", "value")))
     assert torch.equal(q_slice, q[:1, :2, -1024:])

@@ -18,6 +18,8 @@ TORCH_SDPA = F.scaled_dot_product_attention  # torch's own function, read before
 SM90 = "sageattn_qk_int8_pv_fp8_cuda_sm90"
 BUILD_FROM_SOURCE = "github.com/thu-ml/SageAttention"
 
+pytestmark = pytest.mark.usefixtures("log_everything")
+
 
 def warnings_of(caplog):
     return [r for r in caplog.records if r.name == "sage_qual" and r.levelno == logging.WARNING]
@@ -25,11 +27,6 @@ def warnings_of(caplog):
 
 def infos_of(caplog):
     return [r for r in caplog.records if r.name == "sage_qual" and r.levelno == logging.INFO]
-
-
-@pytest.fixture(autouse=True)
-def _log_everything(caplog):
-    caplog.set_level(logging.DEBUG, logger="sage_qual")
 
 
 @contextlib.contextmanager

@@ -1,6 +1,5 @@
 """The scope: pass-through outside it, nesting, closing on errors, per-thread isolation, reports, logs."""
 
-import contextlib
 import logging
 import threading
 
@@ -10,41 +9,11 @@ import torch.nn.functional as F
 
 import sage_qual
 from sage_qual.scope import active
-from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention, on_device
+from sage_qual.testing import FakeSageAttention, on_device
 
-TORCH_SDPA = F.scaled_dot_product_attention
-SMALL = sage_qual.WrapperConfig(min_query_tokens=32, min_key_tokens=16, check_rows=16)
+from .helpers import TORCH_SDPA, qkv, rand, records, wrapped
 
-
-def rand(*shape, dtype=torch.float16, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
-
-
-def qkv(heads=2, kv_heads=None, q_tokens=48, k_tokens=24, head_dim=64, dtype=torch.float16):
-    kv_heads = kv_heads or heads
-    return (rand(1, heads, q_tokens, head_dim, dtype=dtype, seed=1),
-            rand(1, kv_heads, k_tokens, head_dim, dtype=dtype, seed=2),
-            rand(1, kv_heads, k_tokens, head_dim, dtype=dtype, seed=3))
-
-
-@pytest.fixture(autouse=True)
-def _log_everything(caplog):
-    caplog.set_level(logging.DEBUG, logger="sage_qual")
-
-
-@contextlib.contextmanager
-def wrapped(gpus=((9, 0),), config=SMALL, names=None, version="2.2.0"):
-    fake = FakeSageAttention(version=version)
-    names = names or [f"GPU{i}" for i in range(len(gpus))]
-    with (FakeCuda([FakeGpu(cap, name) for cap, name in zip(gpus, names, strict=False)]) as cuda,
-          fake.installed()):
-        status = sage_qual.install(config=config)
-        assert status.enabled, status.reason
-        yield cuda, fake
-
-
-def records(caplog, level):
-    return [r.getMessage() for r in caplog.records if r.name == "sage_qual" and r.levelno == level]
+pytestmark = pytest.mark.usefixtures("log_everything")
 
 
 # Outside any scope: torch, untouched ----------------------------------------------------------------
@@ -282,7 +251,8 @@ def test_a_new_thread_does_not_inherit_the_scope():
 # Logs ---------------------------------------------------------------------------------------------------
 
 def test_install_logs_one_info_with_version_and_gpus_without_kernel(caplog):
-    with wrapped(gpus=((8, 7), (9, 0)), names=["Jetson Orin", "H200"], version="2.2.0.post3"):
+    with wrapped(gpus=((8, 7), (9, 0)), names=["Jetson Orin", "H200"],
+                 fake=FakeSageAttention(version="2.2.0.post3")):
         pass
     infos = records(caplog, logging.INFO)
     assert len(infos) == 1

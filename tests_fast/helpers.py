@@ -1,0 +1,48 @@
+"""Helpers shared by the wrapper's tests: small attention inputs and an installed wrapper on fake GPUs."""
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+import sage_qual
+from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
+
+TORCH_SDPA = F.scaled_dot_product_attention  # torch's own function, read before any install
+# Low thresholds keep tensors small where the test is not about the thresholds.
+SMALL = sage_qual.WrapperConfig(min_query_tokens=32, min_key_tokens=16, check_rows=16)
+Q_TOKENS, K_TOKENS = 48, 24
+
+
+def rand(*shape, dtype=torch.float16, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def qkv(batch=1, heads=2, kv_heads=None, q_tokens=Q_TOKENS, k_tokens=K_TOKENS, head_dim=64,
+        dtype=torch.float16, seed=0):
+    kv_heads = kv_heads or heads
+    return (rand(batch, heads, q_tokens, head_dim, dtype=dtype, seed=seed + 1),
+            rand(batch, kv_heads, k_tokens, head_dim, dtype=dtype, seed=seed + 2),
+            rand(batch, kv_heads, k_tokens, head_dim, dtype=dtype, seed=seed + 3))
+
+
+@contextlib.contextmanager
+def wrapped(gpus=((9, 0),), config=SMALL, fake=None, names=None, torch_cuda=(13, 0)):
+    """The wrapper installed on fake GPUs of these capabilities (named GPU0, GPU1, ... unless `names`);
+    yields (fake cuda, fake sageattention)."""
+    fake = fake if fake is not None else FakeSageAttention()
+    names = names or [f"GPU{i}" for i in range(len(gpus))]
+    devices = [FakeGpu(cap, name) for cap, name in zip(gpus, names, strict=True)]
+    with FakeCuda(devices, torch_cuda=torch_cuda) as cuda, fake.installed():
+        status = sage_qual.install(config=config)
+        assert status.enabled, status.reason
+        yield cuda, fake
+
+
+def records(caplog, level):
+    """The messages sage_qual logged at this level."""
+    return [r.getMessage() for r in caplog.records if r.name == "sage_qual" and r.levelno == level]
+
+
+def retired(index=0):
+    return {d.index: d for d in sage_qual.install_status().devices}[index].retired
