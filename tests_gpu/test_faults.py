@@ -103,3 +103,31 @@ def test_unwritable_triton_cache_falls_back_per_call_then_retires(tmp_path):
     assert all(result["equal"])
     assert result["fallbacks"] == {"cache_error": 3, "device": 1}
     assert "3 Triton cache failures in a row" in result["retired"]
+
+
+def test_out_of_memory_fallback_fits_once_the_kernels_buffers_are_released():
+    """The fake kernel on the real GPU: it copies K (fits), then needs K in float32 (does not fit).
+    Torch's fallback has room only if that copy was released first (the bug run 3 found)."""
+    result = run_child(scenario("""
+    from sage_qual.testing import FakeSageAttention
+    q, k, v = (torch.randn(1, 24, 32768, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    expected = measure.TORCH_SDPA(q, k, v)
+    torch.cuda.synchronize()
+    budget = torch.cuda.memory_allocated() + expected.numel() * 2 + 64 * 2**20
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(budget / torch.cuda.get_device_properties(0).total_memory)
+    with FakeSageAttention().installed():
+        assert sage_qual.install().enabled
+        reports, equal = [], []
+        for _ in range(2):
+            with sage_qual.sage_attention_scope() as report:
+                for _ in range(2):
+                    equal.append(torch.equal(F.scaled_dot_product_attention(q, k, v), expected))
+            reports.append(dict(report.fallbacks))
+    print(json.dumps({"reports": reports, "equal": equal, "infos": levels("INFO"),
+                      "warnings": levels("WARNING")}))
+    """))
+    assert all(result["equal"])
+    assert result["reports"] == [{"memory": 2}, {"memory": 2}]
+    assert sum("ran out of memory" in m for m in result["infos"]) == 2
+    assert result["warnings"] == []
