@@ -29,30 +29,43 @@ def scenario(body: str) -> str:
     return PREAMBLE + textwrap.dedent(body)
 
 
-def test_out_of_memory_moves_the_rest_of_the_scope_to_torch():
-    """Cap the process so q, k, v, the output and SDPA fit but SageAttention's quantized copies
-    (1.67 bytes per element on the H200, notes/) do not."""
-    result = run_child(scenario("""
+# FLUX-like q, k, v at 32k tokens, the process capped so that they, torch's output and torch.equal
+# fit but SageAttention's quantized copies (1.67 bytes per element on the H200, notes/) do not.
+CAPPED = """
     q, k, v = (torch.randn(1, 24, 32768, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     expected = measure.TORCH_SDPA(q, k, v)
     torch.cuda.synchronize()
     budget = torch.cuda.memory_allocated() + expected.numel() * 2 + 128 * 2**20  # torch.equal needs 96 MiB
     torch.cuda.empty_cache()
     torch.cuda.set_per_process_memory_fraction(budget / torch.cuda.get_device_properties(0).total_memory)
+"""
+
+# Install, then two scopes of two calls each: the second scope must try SageAttention again.
+TWO_SCOPES = """
     assert sage_qual.install().enabled
     reports, equal = [], []
-    for _ in range(2):  # two scopes: the second must try SageAttention again
+    for _ in range(2):
         with sage_qual.sage_attention_scope() as report:
             for _ in range(2):
                 equal.append(torch.equal(F.scaled_dot_product_attention(q, k, v), expected))
         reports.append(dict(report.fallbacks))
     print(json.dumps({"reports": reports, "equal": equal, "infos": levels("INFO"),
                       "warnings": levels("WARNING")}))
-    """))
+"""
+
+
+def assert_rest_of_each_scope_ran_on_torch(result: dict) -> None:
     assert all(result["equal"])
     assert result["reports"] == [{"memory": 2}, {"memory": 2}]
     assert sum("ran out of memory" in m for m in result["infos"]) == 2  # once per scope
     assert result["warnings"] == []
+
+
+def test_out_of_memory_moves_the_rest_of_the_scope_to_torch():
+    """Cap the process so q, k, v, the output and SDPA fit but SageAttention's quantized copies
+    (1.67 bytes per element on the H200, notes/) do not."""
+    result = run_child(scenario(CAPPED + TWO_SCOPES))
+    assert_rest_of_each_scope_ran_on_torch(result)
 
 
 @pytest.mark.parametrize("garbage", ["nan", "uninitialized"])
@@ -109,36 +122,18 @@ def test_out_of_memory_fallback_fits_once_the_kernels_buffers_are_released():
     """A kernel on the real GPU that keeps a copy of K in a local (as the real kernels keep their
     quantized copies), then runs out of memory. Torch's fallback has room only if that copy was
     released first (the bug device run 3 found); no SageAttention build needed."""
-    result = run_child(scenario("""
+    result = run_child(scenario(CAPPED + """
     import functools
     from sage_qual.testing import FakeSageAttention
-    q, k, v = (torch.randn(1, 24, 32768, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    expected = measure.TORCH_SDPA(q, k, v)
-    torch.cuda.synchronize()
-    budget = torch.cuda.memory_allocated() + expected.numel() * 2 + 128 * 2**20  # torch.equal needs 96 MiB
-    torch.cuda.empty_cache()
-    torch.cuda.set_per_process_memory_fraction(budget / torch.cuda.get_device_properties(0).total_memory)
-    with FakeSageAttention().installed():
-        import sageattention
-        fake_kernel = sageattention.sageattn_qk_int8_pv_fp8_cuda_sm90
+    FakeSageAttention().installed().__enter__()  # for the rest of this child process
+    import sageattention
+    fake_kernel = sageattention.sageattn_qk_int8_pv_fp8_cuda_sm90
 
-        @functools.wraps(fake_kernel)  # keep the real signature: install() checks its keywords
-        def kernel(q, k, v, **keywords):
-            k_copy = k.clone()  # 192 MiB: fits, and stays referenced from the traceback
-            return k_copy.float()  # 384 MiB: does not fit
+    @functools.wraps(fake_kernel)  # keep the real signature: install() checks its keywords
+    def kernel(q, k, v, **keywords):
+        k_copy = k.clone()  # 192 MiB: fits, and stays referenced from the traceback
+        return k_copy.float()  # 384 MiB: does not fit
 
-        sageattention.sageattn_qk_int8_pv_fp8_cuda_sm90 = kernel
-        assert sage_qual.install().enabled
-        reports, equal = [], []
-        for _ in range(2):
-            with sage_qual.sage_attention_scope() as report:
-                for _ in range(2):
-                    equal.append(torch.equal(F.scaled_dot_product_attention(q, k, v), expected))
-            reports.append(dict(report.fallbacks))
-    print(json.dumps({"reports": reports, "equal": equal, "infos": levels("INFO"),
-                      "warnings": levels("WARNING")}))
-    """))
-    assert all(result["equal"])
-    assert result["reports"] == [{"memory": 2}, {"memory": 2}]
-    assert sum("ran out of memory" in m for m in result["infos"]) == 2
-    assert result["warnings"] == []
+    sageattention.sageattn_qk_int8_pv_fp8_cuda_sm90 = kernel
+    """ + TWO_SCOPES))
+    assert_rest_of_each_scope_ran_on_torch(result)
