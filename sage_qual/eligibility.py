@@ -48,6 +48,9 @@ class SdpaCall(NamedTuple):  # a NamedTuple: built on every call in a scope, and
         return self.scale if self.scale is not None else self.query.shape[-1] ** -0.5
 
 
+_DEFAULTS = SdpaCall(None, None, None)[3:]
+
+
 def _bind(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
           enable_gqa=False, **unknown):  # torch's signature: scale and enable_gqa are keyword-only
     return SdpaCall(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa), unknown
@@ -55,66 +58,72 @@ def _bind(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, 
 
 def bind(args: tuple, kwargs: dict) -> tuple[SdpaCall | None, str | None]:
     """Arguments as torch's SDPA reads them, or a refusal for arguments it would not take."""
-    if not kwargs and len(args) == 3:  # the common call, bound without parsing
-        return SdpaCall(*args), None
+    if not kwargs and len(args) == 3:  # the common call: tuple.__new__ skips the NamedTuple's
+        return tuple.__new__(SdpaCall, args + _DEFAULTS), None  # own __new__ (~120 ns of ~1.5 us)
     try:
         call, unknown = _bind(*args, **kwargs)
     except TypeError as error:
-        return None, f"arguments: {error}"
+        return None, str(error).replace("_bind()", "scaled_dot_product_attention()")
     if unknown:
-        return None, f"arguments: unknown keywords {', '.join(sorted(unknown))}"
+        return None, f"unknown keywords {', '.join(sorted(unknown))}"
     return call, None
 
 
 FP16_TYPES = (torch.float16, torch.bfloat16)
 
 
-def refusal(call: SdpaCall, config: WrapperConfig, cuda) -> tuple[str, str] | None:
-    """(reason, detail) when SageAttention must not serve the call, None when it may.
+# A refusal: (reason, detail template, values). The detail text is formatted only when a scope
+# sees the reason for the first time (`ScopeReport.fell_back`), never on the hot path.
+Refusal = tuple[str, str, tuple]
 
-    Runs on every call in a scope, so each property is read once and the detail text is built
-    only for the reason that applies (a fallback costs about 1 us, docs/benchmarks.md).
+
+def refusal(call: SdpaCall, config: WrapperConfig, cuda) -> Refusal | None:
+    """Why SageAttention must not serve the call (see `Refusal`), None when it may.
+
+    Runs on every call in a scope, so each property is read once and nothing is formatted
+    (what a fallback costs is in docs/benchmarks.md).
     """
-    q, k, v = call.query, call.key, call.value
-    if call.attn_mask is not None:
-        return "mask", "attn_mask given"
-    if call.dropout_p:
-        return "dropout", f"dropout_p={call.dropout_p}"
-    if call.is_causal:
-        return "causal", "is_causal=True"
+    q, k, v, attn_mask, dropout_p, is_causal, _, enable_gqa = call
+    if attn_mask is not None:
+        return "mask", "attn_mask given", ()
+    if dropout_p:
+        return "dropout", "dropout_p=%s", (dropout_p,)
+    if is_causal:
+        return "causal", "is_causal=True", ()
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
-        return "shape", "query, key and value must be tensors"
+        return "shape", "query, key and value must be tensors", ()
     if q.is_nested or k.is_nested or v.is_nested:
-        return "shape", "nested tensor"
-    qs, ks, vs = q.shape, k.shape, v.shape
-    if not len(qs) == len(ks) == len(vs) == 4:
-        return "shape", f"dims=({len(qs)}, {len(ks)}, {len(vs)}) (supported: 4)"
+        return "shape", "nested tensor", ()
+    qs, ks = q.shape, k.shape  # each .shape builds a torch.Size (~100 ns): v's waits until needed
+    if not len(qs) == len(ks) == v.dim() == 4:
+        return "shape", "dims=(%d, %d, %d) (supported: 4)", (len(qs), len(ks), v.dim())
     # Tested early: it is the most common fallback inside a denoising loop.
     if qs[2] < config.min_query_tokens or ks[2] < config.min_key_tokens:
-        return "short", (f"tokens={qs[2]}/{ks[2]} (needs >= "
-                         f"{config.min_query_tokens}/{config.min_key_tokens})")
+        return "short", "tokens=%d/%d (needs >= %d/%d)", (qs[2], ks[2], config.min_query_tokens,
+                                                            config.min_key_tokens)
+    vs = v.shape
     if not qs[0] == ks[0] == vs[0]:
-        return "shape", f"batch=({qs[0]}, {ks[0]}, {vs[0]}) (must match)"
+        return "shape", "batch=(%d, %d, %d) (must match)", (qs[0], ks[0], vs[0])
     if ks[1] != vs[1] or ks[2] != vs[2]:
-        return "shape", f"key {tuple(ks)} and value {tuple(vs)} differ in heads or length"
+        return "shape", "key %s and value %s differ in heads or length", (tuple(ks), tuple(vs))
     dtype = q.dtype
     if dtype not in FP16_TYPES or k.dtype != dtype or v.dtype != dtype:
-        return "dtype", f"dtype=({dtype}, {k.dtype}, {v.dtype}) (supported: one of float16, bfloat16)"
+        return "dtype", "dtype=(%s, %s, %s) (supported: one of float16, bfloat16)", (dtype, k.dtype, v.dtype)
     head_dim = qs[3]
     if head_dim not in config.head_dims:
-        return "head_dim", f"head_dim={head_dim} (supported: {', '.join(map(str, config.head_dims))})"
+        return "head_dim", "head_dim=%d (supported: %s)", (head_dim, ", ".join(map(str, config.head_dims)))
     if ks[3] != head_dim or vs[3] != head_dim:
-        return "head_dim", f"head_dim=({head_dim}, {ks[3]}, {vs[3]}) (must match)"
+        return "head_dim", "head_dim=(%d, %d, %d) (must match)", (head_dim, ks[3], vs[3])
     q_heads, kv_heads = qs[1], ks[1]
     if q_heads != kv_heads:
-        if not call.enable_gqa:
-            return "heads", f"heads={q_heads}/{kv_heads} without enable_gqa"
+        if not enable_gqa:
+            return "heads", "heads=%d/%d without enable_gqa", (q_heads, kv_heads)
         if kv_heads == 0 or q_heads % kv_heads:
-            return "heads", f"heads={q_heads}/{kv_heads} (query heads must be a multiple)"
+            return "heads", "heads=%d/%d (query heads must be a multiple)", (q_heads, kv_heads)
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-        return "layout", "last-dim stride != 1"
+        return "layout", "last-dim stride != 1", ()
     if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
-        return "grad", "an input requires grad (SageAttention has no backward)"
+        return "grad", "an input requires grad (SageAttention has no backward)", ()
     if cuda.autocast_enabled():
-        return "autocast", "CUDA autocast is on"
+        return "autocast", "CUDA autocast is on", ()
     return None

@@ -18,14 +18,19 @@ class ScopeReport:
     calls: int = 0
     served: int = 0
     fallbacks: collections.Counter = field(default_factory=collections.Counter)
+    details: dict[str, str] = field(default_factory=dict)  # per reason, its first call's detail
     out_of_memory: bool = False  # once set, the rest of the scope runs on PyTorch
 
-    def fell_back(self, reason: str) -> None:
+    def fell_back(self, reason: str, template: str = "", values: tuple = ()) -> None:
+        """Count a fallback; its detail (`template % values`) is formatted for a reason's first call."""
         self.calls += 1
         self.fallbacks[reason] += 1
+        if reason not in self.details:
+            self.details[reason] = template % values
 
     def summary(self) -> str:
-        reasons = ", ".join(f"{reason}={count}" for reason, count in self.fallbacks.most_common())
+        reasons = ", ".join(f"{reason}={count} [{self.details.get(reason, '')}]"
+                            for reason, count in self.fallbacks.most_common())
         return (f"{self.calls} attention calls, {self.served} on SageAttention; "
                 f"on PyTorch SDPA: {reasons or 'none'}")
 
@@ -55,5 +60,6 @@ def sage_attention_scope():
             outer.calls += report.calls
             outer.served += report.served
             outer.fallbacks.update(report.fallbacks)
+            outer.details = {**report.details, **outer.details}
             outer.out_of_memory |= report.out_of_memory
         log.debug(report.summary())

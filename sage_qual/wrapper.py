@@ -169,17 +169,17 @@ def _serve(state: _Installed, report: ScopeReport, args: tuple, kwargs: dict):
     original = state.original
     call, bad_arguments = bind(args, kwargs)
     if bad_arguments:
-        report.fell_back("arguments")
+        report.fell_back("arguments", "%s", (bad_arguments,))
         return original(*args, **kwargs)
     cuda = platform.current()
     refused = refusal(call, state.config, cuda)
     if refused is None:
         device = _device_refusal(state, call, cuda)
-        refused = ("device", device) if isinstance(device, str) else None
+        refused = ("device", "%s", (device,)) if isinstance(device, str) else None
     if refused is None and report.out_of_memory:
-        refused = ("memory", "this scope ran out of memory")
+        refused = ("memory", "this scope ran out of memory", ())
     if refused is not None:
-        report.fell_back(refused[0])
+        report.fell_back(*refused)
         return original(*args, **kwargs)
 
     failed = False
@@ -191,8 +191,9 @@ def _serve(state: _Installed, report: ScopeReport, args: tuple, kwargs: dict):
             if check_key not in device.checked:
                 problem = _first_call_problem(state, call, out)
                 if problem:
-                    _retire(state, device, f"first-call check failed for {_describe(call)}: {problem}")
-                    report.fell_back("kernel_error")
+                    why = f"first-call check failed for {_describe(call)}: {problem}"
+                    _retire(state, device, why)
+                    report.fell_back("kernel_error", "%s", (why,))
                     failed = True
                 else:
                     with state.lock:
@@ -251,22 +252,22 @@ def _first_call_problem(state: _Installed, call: SdpaCall, out: torch.Tensor) ->
 def _record_failure(state, report, device, call, error) -> None:
     """Count, log and act on a kernel error; keeps no reference to it."""
     kind = classify(error)
+    detail = f"{device.variant.function} on {_describe(call)}: {type(error).__name__}: {error}"
     if kind is Failure.OUT_OF_MEMORY:
         report.out_of_memory = True
-        report.fell_back("memory")
+        report.fell_back("memory", "%s", (detail,))
         log.info("SageAttention ran out of memory on %s (%s); the rest of this scope runs on PyTorch SDPA",
                  device.label, _describe(call))
     elif kind is Failure.CACHE:
-        report.fell_back("cache_error")
+        report.fell_back("cache_error", "%s", (detail,))
         with state.lock:
             device.cache_errors += 1
             streak = device.cache_errors
         if streak >= state.config.cache_error_limit:
             _retire(state, device, f"{streak} Triton cache failures in a row, last: {error}")
     else:
-        report.fell_back("kernel_error")
-        _retire(state, device, f"{device.variant.function} raised on {_describe(call)}: "
-                               f"{type(error).__name__}: {error}")
+        report.fell_back("kernel_error", "%s", (detail,))
+        _retire(state, device, f"raised: {detail}")
 
 
 def _retire(state: _Installed, device: DeviceState, why: str) -> None:

@@ -94,6 +94,7 @@ def test_grad_tensors_are_served_under_no_grad():
 class Case:
     make: Callable  # -> (args, kwargs), built inside the fake box
     reason: str
+    detail: str  # the report's detail for the reason contains this
     gpus: tuple = ((9, 0),)
     context: Callable = contextlib.nullcontext
     prepare: Callable | None = None  # run with the fake before the scope under test
@@ -146,51 +147,70 @@ def retire_device_0(fake):
 
 
 REFUSED = [
-    pytest.param(Case(lambda: (qkv(), {"attn_mask": torch.rand(Q_TOKENS, K_TOKENS) > 0.3}), "mask"),
-                 id="mask_bool"),
-    pytest.param(Case(lambda: (qkv(), {"attn_mask": rand(1, 1, Q_TOKENS, K_TOKENS, seed=5)}), "mask"),
-                 id="mask_additive"),
-    pytest.param(Case(lambda: (qkv() + (rand(1, 1, Q_TOKENS, K_TOKENS, seed=5),), {}), "mask"),
-                 id="mask_positional"),
-    pytest.param(Case(lambda: (qkv(), {"dropout_p": 0.1}), "dropout"), id="dropout=0.1"),
-    pytest.param(Case(lambda: (qkv() + (None, 0.5), {}), "dropout"), id="dropout_positional"),
-    pytest.param(Case(lambda: (qkv(), {"is_causal": True}), "causal"), id="causal"),
-    pytest.param(Case(lambda: (qkv() + (None, 0.0, True), {}), "causal"), id="causal_positional"),
-    pytest.param(Case(lambda: (tuple(t[0] for t in qkv()), {}), "shape"), id="3-D"),
-    pytest.param(Case(lambda: (tuple(t[None] for t in qkv()), {}), "shape"), id="5-D"),
-    pytest.param(Case(lambda: (qkv(batch=2)[:1] + tuple(t[:, 0] for t in qkv(batch=2)[1:]), {}), "shape"),
-                 id="query_4-D_key_value_3-D"),
-    pytest.param(Case(nested_qkv, "shape"), id="nested",
-                 marks=pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")),
-    pytest.param(Case(lambda: ((qkv(batch=2)[0],) + qkv(batch=1)[1:], {}), "shape"), id="batch_2_vs_1"),
-    pytest.param(Case(lambda: (qkv()[:2] + (qkv(k_tokens=K_TOKENS + 8)[2],), {}), "shape", shape_only=True),
-                 id="key_value_lengths_differ"),
-    pytest.param(Case(lambda: (qkv(dtype=torch.float32), {}), "dtype"), id="float32"),
-    pytest.param(Case(lambda: (qkv(dtype=torch.float64), {}), "dtype"), id="float64"),
-    pytest.param(Case(mixed((torch.float16, torch.bfloat16, torch.float16)), "dtype"), id="mixed_fp16_bf16"),
-    pytest.param(Case(mixed((torch.float16, torch.float16, torch.float32)), "dtype"), id="value_float32"),
-    pytest.param(Case(lambda: (qkv(head_dim=96), {}), "head_dim"), id="head_dim=96"),
-    pytest.param(Case(lambda: (qkv(head_dim=32), {}), "head_dim"), id="head_dim=32"),
-    pytest.param(Case(lambda: (qkv(head_dim=256), {}), "head_dim"), id="head_dim=256"),
-    pytest.param(Case(lambda: (qkv()[:2] + (qkv(head_dim=128)[2],), {}), "head_dim"),
-                 id="value_head_dim_differs"),
-    pytest.param(Case(lambda: ((qkv()[0],) + qkv(head_dim=128)[1:], {}), "head_dim"),
-                 id="key_head_dim_differs"),
-    pytest.param(Case(lambda: (qkv(heads=4, kv_heads=2), {}), "heads"), id="heads_4/2_without_enable_gqa"),
-    pytest.param(Case(lambda: (qkv(heads=3, kv_heads=2), {"enable_gqa": True}), "heads"),
-                 id="heads_3/2_not_divisible"),
-    pytest.param(Case(strided_last_dim(0), "layout"), id="query_last_dim_stride_2"),
-    pytest.param(Case(strided_last_dim(1), "layout"), id="key_last_dim_stride_2"),
-    pytest.param(Case(strided_last_dim(2), "layout"), id="value_last_dim_stride_2"),
-    pytest.param(Case(requiring_grad(0), "grad"), id="query_requires_grad"),
-    pytest.param(Case(requiring_grad(2), "grad"), id="value_requires_grad"),
-    pytest.param(Case(lambda: (qkv(), {}), "autocast",
+    pytest.param(Case(lambda: (qkv(), {"attn_mask": torch.rand(Q_TOKENS, K_TOKENS) > 0.3}),
+                      "mask", "attn_mask given"), id="mask_bool"),
+    pytest.param(Case(lambda: (qkv(), {"attn_mask": rand(1, 1, Q_TOKENS, K_TOKENS, seed=5)}),
+                      "mask", "attn_mask given"), id="mask_additive"),
+    pytest.param(Case(lambda: (qkv() + (rand(1, 1, Q_TOKENS, K_TOKENS, seed=5),), {}),
+                      "mask", "attn_mask given"), id="mask_positional"),
+    pytest.param(Case(lambda: (qkv(), {"dropout_p": 0.1}), "dropout", "dropout_p=0.1"), id="dropout=0.1"),
+    pytest.param(Case(lambda: (qkv() + (None, 0.5), {}),
+                      "dropout", "dropout_p=0.5"), id="dropout_positional"),
+    pytest.param(Case(lambda: (qkv(), {"is_causal": True}), "causal", "is_causal=True"), id="causal"),
+    pytest.param(Case(lambda: (qkv() + (None, 0.0, True), {}),
+                      "causal", "is_causal=True"), id="causal_positional"),
+    pytest.param(Case(lambda: (tuple(t[0] for t in qkv()), {}),
+                      "shape", "dims=(3, 3, 3) (supported: 4)"), id="3-D"),
+    pytest.param(Case(lambda: (tuple(t[None] for t in qkv()), {}),
+                      "shape", "dims=(5, 5, 5) (supported: 4)"), id="5-D"),
+    pytest.param(Case(lambda: (qkv(batch=2)[:1] + tuple(t[:, 0] for t in qkv(batch=2)[1:]), {}),
+                      "shape", "dims=(4, 3, 3) (supported: 4)"), id="query_4-D_key_value_3-D"),
+    pytest.param(Case(nested_qkv, "shape", "nested tensor"),
+                 id="nested", marks=pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")),
+    pytest.param(Case(lambda: ((qkv(batch=2)[0],) + qkv(batch=1)[1:], {}),
+                      "shape", "batch=(2, 1, 1) (must match)"), id="batch_2_vs_1"),
+    pytest.param(Case(lambda: (qkv()[:2] + (qkv(k_tokens=K_TOKENS + 8)[2],), {}),
+                      "shape", "differ in heads or length", shape_only=True), id="key_value_lengths_differ"),
+    pytest.param(Case(lambda: (qkv(dtype=torch.float32), {}),
+                      "dtype", "dtype=(torch.float32, torch.float32, torch.float32)"), id="float32"),
+    pytest.param(Case(lambda: (qkv(dtype=torch.float64), {}), "dtype", "torch.float64"), id="float64"),
+    pytest.param(Case(mixed((torch.float16, torch.bfloat16, torch.float16)),
+                      "dtype", "dtype=(torch.float16, torch.bfloat16, torch.float16)"), id="mixed_fp16_bf16"),
+    pytest.param(Case(mixed((torch.float16, torch.float16, torch.float32)),
+                      "dtype", "torch.float32)"), id="value_float32"),
+    pytest.param(Case(lambda: (qkv(head_dim=96), {}),
+                      "head_dim", "head_dim=96 (supported: 64, 128)"), id="head_dim=96"),
+    pytest.param(Case(lambda: (qkv(head_dim=32), {}),
+                      "head_dim", "head_dim=32 (supported: 64, 128)"), id="head_dim=32"),
+    pytest.param(Case(lambda: (qkv(head_dim=256), {}),
+                      "head_dim", "head_dim=256 (supported"), id="head_dim=256"),
+    pytest.param(Case(lambda: (qkv()[:2] + (qkv(head_dim=128)[2],), {}),
+                      "head_dim", "head_dim=(64, 64, 128) (must match)"), id="value_head_dim_differs"),
+    pytest.param(Case(lambda: ((qkv()[0],) + qkv(head_dim=128)[1:], {}),
+                      "head_dim", "head_dim=(64, 128, 128) (must match)"), id="key_head_dim_differs"),
+    pytest.param(Case(lambda: (qkv(heads=4, kv_heads=2), {}),
+                      "heads", "heads=4/2 without enable_gqa"), id="heads_4/2_without_enable_gqa"),
+    pytest.param(Case(lambda: (qkv(heads=3, kv_heads=2), {"enable_gqa": True}),
+                      "heads", "heads=3/2 (query heads must be a multiple)"), id="heads_3/2_not_divisible"),
+    pytest.param(Case(strided_last_dim(0), "layout", "last-dim stride != 1"), id="query_last_dim_stride_2"),
+    pytest.param(Case(strided_last_dim(1), "layout", "last-dim stride != 1"), id="key_last_dim_stride_2"),
+    pytest.param(Case(strided_last_dim(2), "layout", "last-dim stride != 1"), id="value_last_dim_stride_2"),
+    pytest.param(Case(requiring_grad(0), "grad", "requires grad"), id="query_requires_grad"),
+    pytest.param(Case(requiring_grad(2), "grad", "requires grad"), id="value_requires_grad"),
+    pytest.param(Case(lambda: (qkv(), {}), "autocast", "autocast is on",
                       context=lambda: torch.autocast("cpu", dtype=torch.bfloat16)), id="autocast"),
-    pytest.param(Case(lambda: (tuple(t.to("meta") for t in qkv()), {}), "device"), id="meta_tensors"),
-    pytest.param(Case(on_devices(0, 1, 1), "device", gpus=((9, 0), (9, 0))), id="query_on_other_gpu"),
-    pytest.param(Case(on_devices(0, 0, 1), "device", gpus=((9, 0), (9, 0))), id="value_on_other_gpu"),
-    pytest.param(Case(on_devices(0, 0, 0), "device", gpus=((8, 7), (9, 0))), id="gpu_without_kernel"),
-    pytest.param(Case(lambda: (qkv(), {}), "device", prepare=retire_device_0), id="retired_gpu"),
+    pytest.param(Case(lambda: (tuple(t.to("meta") for t in qkv()), {}),
+                      "device", "not all on one CUDA device"), id="meta_tensors"),
+    pytest.param(Case(on_devices(0, 1, 1),
+                      "device", "not all on one CUDA device", gpus=((9, 0), (9, 0))),
+                 id="query_on_other_gpu"),
+    pytest.param(Case(on_devices(0, 0, 1),
+                      "device", "not all on one CUDA device", gpus=((9, 0), (9, 0))),
+                 id="value_on_other_gpu"),
+    pytest.param(Case(on_devices(0, 0, 0),
+                      "device", "no SageAttention kernel for this GPU", gpus=((8, 7), (9, 0))),
+                 id="gpu_without_kernel"),
+    pytest.param(Case(lambda: (qkv(), {}), "device", "retired: ", prepare=retire_device_0), id="retired_gpu"),
 ]
 
 
@@ -206,6 +226,7 @@ def test_refused_call_gives_torch_outcome_with_its_reason(case):
             with sage_qual.sage_attention_scope() as report:
                 got = outcome(F.scaled_dot_product_attention, args, kwargs)
     assert dict(report.fallbacks) == {case.reason: 1}
+    assert case.detail in report.details[case.reason], report.details
     assert (report.calls, report.served) == (1, 0)
     assert len(fake.calls) == calls_before, "the kernel ran for a refused call"
     same_outcome(got, expected, case.shape_only)
@@ -219,6 +240,7 @@ def test_refused_for_memory_after_out_of_memory_in_the_scope():
             F.scaled_dot_product_attention(*args)
             got = outcome(F.scaled_dot_product_attention, args, {})
     assert dict(report.fallbacks) == {"memory": 2}
+    assert "OutOfMemoryError: CUDA out of memory" in report.details["memory"]  # the first call's detail
     assert report.served == 0
     assert len(fake.calls) == 1
     same_outcome(got, outcome(TORCH_SDPA, args, {}))
@@ -247,6 +269,7 @@ def test_arguments_torch_rejects_raise_torchs_type_error(make):
     assert got[1] == expected[1]
     assert outside[1] == expected[1]
     assert dict(report.fallbacks) == {"arguments": 1}
+    assert report.details["arguments"].startswith(("scaled_dot_product_attention() ", "unknown keywords"))
     assert fake.calls == []
 
 

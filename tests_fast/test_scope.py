@@ -123,10 +123,11 @@ def test_scopes_nest():
                 F.scaled_dot_product_attention(*qkv(), is_causal=True)
             assert active() is outer
             assert (inner.calls, inner.served, dict(inner.fallbacks)) == (2, 1, {"causal": 1})
-            F.scaled_dot_product_attention(*qkv())
+            F.scaled_dot_product_attention(*qkv(), dropout_p=0.5)
         assert active() is None
-    assert (outer.calls, outer.served, dict(outer.fallbacks)) == (4, 3, {"causal": 1})
-    assert len(fake.calls) == 3
+    assert (outer.calls, outer.served, dict(outer.fallbacks)) == (4, 2, {"causal": 1, "dropout": 1})
+    assert outer.details == {"causal": "is_causal=True", "dropout": "dropout_p=0.5"}
+    assert len(fake.calls) == 2
 
 
 def test_inner_scope_that_raises_hands_back_to_the_outer_scope():
@@ -155,8 +156,12 @@ def test_report_counts_fallbacks_by_reason():
             F.scaled_dot_product_attention(*qkv())
     assert (report.calls, report.served) == (7, 2)
     assert dict(report.fallbacks) == {"mask": 2, "short": 1, "dtype": 1, "device": 1}
-    assert report.summary() == ("7 attention calls, 2 on SageAttention; "
-                                "on PyTorch SDPA: mask=2, short=1, dtype=1, device=1")
+    assert report.summary() == (
+        "7 attention calls, 2 on SageAttention; on PyTorch SDPA: mask=2 [attn_mask given], "
+        "short=1 [tokens=8/24 (needs >= 32/16)], "
+        "dtype=1 [dtype=(torch.float32, torch.float32, torch.float32) (supported: one of float16, "
+        "bfloat16)], "
+        "device=1 [no SageAttention kernel for this GPU]")
 
 
 def test_a_scope_without_install_leaves_calls_to_torch():
@@ -293,7 +298,8 @@ def test_scope_exit_logs_one_debug_summary(caplog):
             F.scaled_dot_product_attention(*qkv(), is_causal=True)
             F.scaled_dot_product_attention(*qkv(head_dim=96))
         debugs = records(caplog, logging.DEBUG)
-        assert debugs == ["4 attention calls, 1 on SageAttention; on PyTorch SDPA: causal=2, head_dim=1"]
+        assert debugs == ["4 attention calls, 1 on SageAttention; on PyTorch SDPA: "
+                          "causal=2 [is_causal=True], head_dim=1 [head_dim=96 (supported: 64, 128)]"]
         caplog.clear()
         with sage_qual.sage_attention_scope():
             F.scaled_dot_product_attention(*qkv())
@@ -308,4 +314,4 @@ def test_scope_exit_logs_also_when_the_block_raises(caplog):
             F.scaled_dot_product_attention(*qkv(), dropout_p=0.1)
             raise KeyError("x")
     assert records(caplog, logging.DEBUG) == [
-        "1 attention calls, 0 on SageAttention; on PyTorch SDPA: dropout=1"]
+        "1 attention calls, 0 on SageAttention; on PyTorch SDPA: dropout=1 [dropout_p=0.1]"]
