@@ -120,9 +120,10 @@ def refusal(call: SdpaCall, config: WrapperConfig, cuda) -> Refusal | None:
             return "heads", "heads=%d/%d without enable_gqa", (q_heads, kv_heads)
         if kv_heads == 0 or q_heads % kv_heads:
             return "heads", "heads=%d/%d (query heads must be a multiple)", (q_heads, kv_heads)
-    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+    # stride()[-1]: stride(-1) parses its argument and costs twice as much (~220 vs ~110 ns).
+    if q.stride()[-1] != 1 or k.stride()[-1] != 1 or v.stride()[-1] != 1:
         return "layout", "last-dim stride != 1", ()
-    if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return "grad", "an input requires grad (SageAttention has no backward)", ()
     if cuda.autocast_enabled():
         return "autocast", "CUDA autocast is on", ()

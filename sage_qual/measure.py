@@ -8,6 +8,7 @@ error of PyTorch's SDPA in the input precision against the same reference.
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import asdict, dataclass
 from typing import Callable
 
@@ -85,6 +86,22 @@ def extra_peak_bytes(fn: Callable[[], torch.Tensor], device: int) -> tuple[torch
 
 def elements(*tensors) -> int:
     return sum(t.numel() for t in tensors)
+
+
+def pipelined_ms(fn: Callable[[], object], calls: int = 20) -> tuple[float, float]:
+    """(GPU ms per call, host us per call) for `calls` back-to-back calls with no synchronization
+    between them, as a pipeline issues them: the GPU time hides host time that fits under it."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    host_start = time.perf_counter()
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    host_us = (time.perf_counter() - host_start) * 1e6 / calls
+    end.synchronize()
+    return start.elapsed_time(end) / calls, host_us
 
 
 def median_ms(fn: Callable[[], object], warmup: int = 5, repeats: int = 20) -> float:

@@ -38,15 +38,13 @@ class Variant:
     min_torch_cuda: tuple[int, int] | None = None
     description: str = ""
 
+    def fixed_keywords(self) -> dict[str, Any]:
+        """The keywords every call of this variant passes: all of `call_keywords` but sm_scale."""
+        return {"tensor_layout": "HND", "is_causal": False, "smooth_k": False, **self.options}
+
     def call_keywords(self, sm_scale: float) -> dict[str, Any]:
         """Every keyword the wrapper passes; each must be a named parameter of the kernel."""
-        return {
-            "tensor_layout": "HND",
-            "is_causal": False,
-            "sm_scale": sm_scale,
-            "smooth_k": False,
-            **self.options,
-        }
+        return {**self.fixed_keywords(), "sm_scale": sm_scale}
 
     def not_supported_reasons(self, box: BoxFacts) -> list[str]:
         reasons = []

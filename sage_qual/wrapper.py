@@ -7,6 +7,7 @@ replacement hands every call to torch untouched. Inside a scope, a call that pas
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -56,7 +57,9 @@ class _Installed:
         self.package = package
         self.config = config
         self.devices = devices
-        self.kernels = {i: package.kernel(d.variant) for i, d in devices.items() if d.variant}
+        # Per device, its kernel with the variant's fixed keywords bound: a call adds only sm_scale.
+        self.kernels = {i: functools.partial(package.kernel(d.variant), **d.variant.fixed_keywords())
+                        for i, d in devices.items() if d.variant}
         self.lock = threading.Lock()
 
 
@@ -185,8 +188,7 @@ def _serve(state: _Installed, report: ScopeReport, args: tuple, kwargs: dict):
     failed = False
     with cuda.device_guard(device.index):
         try:
-            out = state.kernels[device.index](call.query, call.key, call.value,
-                                              **device.variant.call_keywords(call.sm_scale))
+            out = state.kernels[device.index](call.query, call.key, call.value, sm_scale=call.sm_scale)
             check_key = (call.query.dtype, call.query.shape[-1])
             if check_key not in device.checked:
                 problem = _first_call_problem(state, call, out)
@@ -218,10 +220,10 @@ def _serve(state: _Installed, report: ScopeReport, args: tuple, kwargs: dict):
 
 
 def _device_refusal(state: _Installed, call: SdpaCall, cuda) -> DeviceState | str:
-    indices = {cuda.tensor_device(t) for t in (call.query, call.key, call.value)}
-    if len(indices) != 1 or None in indices:
+    index = cuda.tensor_device(call.query)
+    if index is None or cuda.tensor_device(call.key) != index or cuda.tensor_device(call.value) != index:
         return "tensors not all on one CUDA device"
-    device = state.devices.get(indices.pop())
+    device = state.devices.get(index)
     if device is None or device.variant is None:
         return "no SageAttention kernel for this GPU"
     if device.retired:
