@@ -347,7 +347,7 @@ REPLICAS: tuple[Replica, ...] = (
         published={"v_every_channel": 3500, "rel_l2_every_variant": 0.17, "rel_l2_bf16_sdpa": 0.002,
                    "measured_on": _measured_on("seeds/001, InvokeAI PR #9657")},
         reproduction=(
-            "Run as this file in device run 5 (NVIDIA H200, 2026-11-29; numbers under 'kernels'): "
+            "Run as this file in device run 5 (NVIDIA H200, 2026-11-30; numbers under 'kernels'): "
             "fp16 PV with fp32 accumulation 0.0012 relative L2, fp8 kernels 0.017-0.030, "
             "sm86-fp16-triton inf, and sm80-fp16-cuda-fp16acc (fp16 accumulation) inf too. The "
             "published 17 % is not reproduced by this reading."),

@@ -13,7 +13,7 @@ KNOWN_DEFECTS: dict[tuple[str, str], str] = {
         "Triton path (ComfyUI #9773). The wrapper's first-call check retires such a GPU."),
     ("sm80-fp16-cuda-fp16acc", "qwen_image_b52_value_offset"): (
         "sageattn_qk_int8_pv_fp16_cuda with pv_accum_dtype='fp16+fp32' returns inf on this file: measured "
-        "on the H200 in device run 5 (2026-11-29, torch 2.11.0+cu130, SageAttention 2.2.0; "
+        "on the H200 in device run 5 (2026-11-30, torch 2.11.0+cu130, SageAttention 2.2.0; "
         "docs/results/run5-h200x2-pytest-slow/), where the same kernel with fp32 accumulation gave "
         "0.0012 relative L2. Likely the fp16 accumulator overflowing (V near 3500 times a block of "
         "softmax weights passes fp16's 65504), as upstream warns for this mode (thu-ml #93). No GPU's "
