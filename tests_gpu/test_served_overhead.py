@@ -5,13 +5,14 @@ time), plus the host time per call. Medians of interleaved repeats, reported in 
 extra_info and the results table; a benchmark, so it asserts no time."""
 
 import statistics
+import timeit
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import sage_qual
-from sage_qual import measure
+from sage_qual import eligibility, measure, platform, wrapper
 
 from .test_wrapper_gpu import SHAPES, make_qkv
 
@@ -55,3 +56,40 @@ def test_served_call_against_direct_kernel(benchmark, sage, box, record):
         pipelined_served_over_direct=numbers["served_pipelined_ms"] / numbers["direct_pipelined_ms"])
     benchmark.extra_info.update(variant=variant.name, **numbers)
     record(test="served-overhead", variant=variant.name, fixture="flux1-1024", kind="random", **numbers)
+
+
+def test_host_time_of_the_served_path_without_the_kernel(benchmark, sage, box, record):
+    """What the wrapper itself costs the host per served call on this machine, the kernel replaced
+    by a no-op after the first (checked) call; its parts timed alone with timeit."""
+    sage_qual.uninstall()
+    status = sage_qual.install()
+    assert status.enabled, status.reason
+    q, k, v = make_qkv(*SHAPES["flux1-1024"])
+    state = wrapper._installed
+    cuda = platform.current()
+    call, _ = eligibility.bind((q, k, v), {})
+    try:
+        with sage_qual.sage_attention_scope() as report:
+            F.scaled_dot_product_attention(q, k, v)
+            state.kernels[0] = lambda q, k, v, sm_scale: q
+            benchmark(F.scaled_dot_product_attention, q, k, v)
+        assert report.fallbacks == {} and report.served > 1, report.summary()
+    finally:
+        sage_qual.uninstall()
+
+    def per_call_us(fn, number=20000):
+        return min(timeit.repeat(fn, number=number, repeat=5)) / number * 1e6
+
+    def device_guard():
+        with cuda.device_guard(0):
+            pass
+
+    parts = dict(
+        wrapper_us=benchmark.stats.stats.median * 1e6,
+        rules_us=per_call_us(lambda: eligibility.refusal(call, state.config, cuda)),
+        device_check_us=per_call_us(lambda: wrapper._device_refusal(state, call, cuda)),
+        device_guard_us=per_call_us(device_guard),
+    )
+    benchmark.extra_info.update(parts)
+    record(test="served-host-time", variant=status.devices[0].variant.name, fixture="flux1-1024",
+           kind="random", **parts)
