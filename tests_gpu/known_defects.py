@@ -10,7 +10,8 @@ KNOWN_DEFECTS: dict[tuple[str, str], str] = {
         "the H200 in device run 1 (2026-11-29, torch 2.11.0+cu130, triton 3.6.0, SageAttention 2.2.0; "
         "docs/runs/run1/probe.jsonl) at every V spread from 1 to 3000, where the CUDA kernels stayed at "
         "0.0004-0.031 relative L2; matches the black/NaN Qwen-Image images on Ampere traced to this "
-        "Triton path (ComfyUI #9773). The wrapper's first-call check retires such a GPU."),
+        "Triton path (ComfyUI #9773). The wrapper's first-call check retires such a GPU if its first "
+        "call shows it; certify fails the Qwen-Image family on it."),
     ("sm80-fp16-cuda-fp16acc", "qwen_image_b52_value_offset"): (
         "sageattn_qk_int8_pv_fp16_cuda with pv_accum_dtype='fp16+fp32' returns inf on this file: measured "
         "on the H200 in device run 5 (2026-11-30, torch 2.11.0+cu130, SageAttention 2.2.0; "
