@@ -58,8 +58,8 @@ def _bind(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, 
 
 def bind(args: tuple, kwargs: dict) -> tuple[SdpaCall | None, str | None]:
     """Arguments as torch's SDPA reads them, or a refusal for arguments it would not take."""
-    if not kwargs and len(args) == 3:  # the common call: tuple.__new__ skips the NamedTuple's
-        return tuple.__new__(SdpaCall, args + _DEFAULTS), None  # own __new__ (~120 ns of ~1.5 us)
+    if not kwargs and len(args) == 3:  # the common call: tuple.__new__ skips the NamedTuple's own
+        return tuple.__new__(SdpaCall, args + _DEFAULTS), None  # __new__, ~120 ns of a 2.3 us fallback
     try:
         call, unknown = _bind(*args, **kwargs)
     except TypeError as error:
