@@ -9,12 +9,13 @@
 Importing this package imports neither sageattention nor triton.
 """
 
-from .config import DEFAULT_CONFIG, WrapperConfig
-from .scope import ScopeReport, sage_attention_scope
-from .wrapper import InstallStatus, install, install_status, uninstall
+from sage_qual.serving.config import DEFAULT_CONFIG, WrapperConfig
+from sage_qual.serving.scope import ScopeReport, sage_attention_scope
+from sage_qual.serving.wrapper import InstallStatus, install, install_status, uninstall
+from sage_qual.version import __version__
 
-__version__ = "0.1.0"
 __all__ = [
+    "__version__",
     "DEFAULT_CONFIG",
     "InstallStatus",
     "ScopeReport",

@@ -1,5 +1,5 @@
 import sys
 
-from .cli import main
+from sage_qual.cli import main
 
 sys.exit(main())

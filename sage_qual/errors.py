@@ -1,28 +1,22 @@
-"""Classify an exception raised by a SageAttention kernel call."""
+"""The errors a user sees and the exit codes of every `sage-qual` command, in one place.
+
+Every command exits with an `ExitCode`. Bad input (a missing or malformed file, an unknown name,
+an out-of-range number) is a `UsageError`: one line on stderr naming the problem and the fix,
+exit 2, never a traceback and never the code that means "keep off".
+"""
 
 from __future__ import annotations
 
 import enum
 
-import torch
+
+class ExitCode(enum.IntEnum):
+    OK = 0
+    ENABLE = 0  # gate: the family may be switched on here
+    KEEP_OFF = 1  # gate: the evidence says no; every reason is printed
+    USAGE = 2  # bad input, or the gate cannot decide from what it was given
+    INTERRUPTED = 130  # certify stopped by SIGINT/SIGTERM: the report on disk is partial
 
 
-class Failure(enum.Enum):
-    OUT_OF_MEMORY = "oom"  # transient: this scope moves to PyTorch, the next one tries again
-    CACHE = "cache"  # Triton cache write race (OSError): this call falls back
-    BROKEN = "broken"  # anything else: the device is retired
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    # Triton raises a plain RuntimeError("Triton Error [CUDA]: out of memory").
-    return isinstance(error, torch.OutOfMemoryError) or (
-        isinstance(error, RuntimeError) and "out of memory" in str(error)
-    )
-
-
-def classify(error: BaseException) -> Failure:
-    if is_out_of_memory(error):
-        return Failure.OUT_OF_MEMORY
-    if isinstance(error, OSError):
-        return Failure.CACHE
-    return Failure.BROKEN
+class UsageError(Exception):
+    """Bad input: printed as one line, exit code 2."""

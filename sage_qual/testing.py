@@ -29,8 +29,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import platform
-from .variants import EXTENSIONS
+from sage_qual.serving import platform
+from sage_qual.serving.variants import EXTENSIONS
 
 _FAKE_INDEX = "_sage_qual_fake_cuda_index"
 

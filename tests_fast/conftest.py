@@ -32,7 +32,7 @@ def torch_spy():
     calls = []
 
     def spy(*args, **kwargs):
-        cuda = sage_qual.platform.current()
+        cuda = sage_qual.serving.platform.current()
         calls.append((args, kwargs, getattr(cuda, "current_device", None)))
         return TORCH_SDPA(*args, **kwargs)
 

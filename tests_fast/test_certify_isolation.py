@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from sage_qual import certify, report, worker
 from sage_qual.cli import UsageError
-from sage_qual.fixture_files import save_fixture
-from sage_qual.measure import Accuracy
+from sage_qual.fixtures.fileformat import save_fixture
+from sage_qual.qualification import certify, report, worker
+from sage_qual.qualification.measure import Accuracy
 
 jsonschema = pytest.importorskip("jsonschema")  # a test dependency; the GPU box lacks it
 

@@ -279,5 +279,5 @@ def test_fake_cuda_devices_and_events():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert cuda.autocast_enabled()
     with cuda:
-        assert sage_qual.platform.current() is cuda
-    assert sage_qual.platform.current() is not cuda
+        assert sage_qual.serving.platform.current() is cuda
+    assert sage_qual.serving.platform.current() is not cuda

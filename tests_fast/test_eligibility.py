@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import sage_qual
-from sage_qual.eligibility import REASONS
+from sage_qual.serving.eligibility import REASONS
 from sage_qual.testing import on_device
 
 from .helpers import K_TOKENS, Q_TOKENS, SMALL, TORCH_SDPA, qkv, rand, wrapped

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from sage_qual import emulation
-from sage_qual.fixture_files import load_fixture, shipped_dir
-from sage_qual.variants import VARIANTS
+from sage_qual.fixtures import emulation
+from sage_qual.fixtures.fileformat import load_fixture, shipped_dir
+from sage_qual.serving.variants import VARIANTS
 
 
 def test_schemes_follow_upstream_block_sizes():

@@ -7,7 +7,9 @@ import sys
 
 import pytest
 
-from sage_qual import __version__, cli, environment
+from sage_qual import __version__, cli
+from sage_qual.cli import env as cli_env
+from sage_qual.serving import environment
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
 
 NOT_SM90 = ("_qattn_sm80", "_qattn_sm89", "_fused")
@@ -115,7 +117,7 @@ def test_json_round_trips():
 @pytest.mark.parametrize("as_json", [pytest.param(False, id="text"), pytest.param(True, id="json")])
 def test_env_command_prints_the_record(capsys, as_json):
     with box():
-        code = cli._env(argparse.Namespace(json=as_json))
+        code = cli_env._env(argparse.Namespace(json=as_json))
         expected = environment.collect()
     out = capsys.readouterr().out
     assert code == 0

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import sage_qual
-from sage_qual.errors import Failure, classify
+from sage_qual.serving.failures import Failure, classify
 from sage_qual.testing import on_device
 
 from .helpers import TORCH_SDPA, qkv, records, retired, wrapped

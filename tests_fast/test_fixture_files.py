@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from sage_qual import fixture_files as ff
-from sage_qual.replicas import MAX_FILE_BYTES, MAX_TOTAL_BYTES, REPLICAS
-from sage_qual.variants import VARIANTS
+from sage_qual.fixtures import fileformat as ff
+from sage_qual.fixtures.replicas import MAX_FILE_BYTES, MAX_TOTAL_BYTES, REPLICAS
+from sage_qual.serving.variants import VARIANTS
 
 BOUNDS = {"fp16": {"max_rel_l2": 0.05, "min_cosine": 0.998}, "fp8": {"max_rel_l2": 0.1, "min_cosine": 0.99}}
 

@@ -4,9 +4,9 @@ import argparse
 import json
 import shutil
 
-from sage_qual import fixtures_cli
-from sage_qual.fixture_files import list_fixtures, shipped_dir
-from sage_qual.replicas import REPLICAS
+from sage_qual.cli import fixtures as fixtures_cli
+from sage_qual.fixtures.fileformat import list_fixtures, shipped_dir
+from sage_qual.fixtures.replicas import REPLICAS
 
 
 def run(*argv):

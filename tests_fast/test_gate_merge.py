@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from sage_qual import cli, families, gate, worker
+from sage_qual import cli
+from sage_qual.qualification import families, gate, worker
 
 DATA = Path(__file__).parent / "data"
 H200 = DATA / "sample_h200_2gpu.json"

@@ -10,8 +10,10 @@ import torch
 import torch.nn.functional as F
 
 import sage_qual
-from sage_qual import profile
-from sage_qual.config import DEFAULT_CONFIG, KERNEL_TABLE
+from sage_qual.qualification import profile as building
+from sage_qual.qualification.speed import break_even
+from sage_qual.serving import profile
+from sage_qual.serving.config import DEFAULT_CONFIG, KERNEL_TABLE
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
 
 H200 = FakeGpu((9, 0), "Fake H200")
@@ -24,30 +26,30 @@ def self_points(speedups: dict[int, float], head_dim: int = 128):
 
 
 def test_break_even_is_the_first_length_from_which_every_shape_was_faster():
-    result = profile.break_even(self_points({1024: 0.8, 2048: 1.1, 4096: 1.3, 8192: 1.5}))
+    result = break_even(self_points({1024: 0.8, 2048: 1.1, 4096: 1.3, 8192: 1.5}))
     assert result == {"min_query_tokens": 2048, "min_key_tokens": 2048, "head_dims": [128],
                       "served_shapes": 3, "measured_shapes": 4}
 
 
 def test_break_even_keeps_short_keys_out_when_they_were_slower():
     points = self_points({1024: 0.8, 2048: 1.1, 4096: 1.3}) + [(4096, 77, 128, 0.7), (4096, 512, 128, 1.05)]
-    result = profile.break_even(points)
+    result = break_even(points)
     assert (result["min_query_tokens"], result["min_key_tokens"], result["served_shapes"]) == (2048, 512, 3)
 
 
 def test_break_even_none_when_never_faster_and_equal_is_not_faster():
-    assert profile.break_even(self_points({1024: 0.5, 4096: 0.9, 16384: 1.0})) is None
+    assert break_even(self_points({1024: 0.5, 4096: 0.9, 16384: 1.0})) is None
 
 
 def test_a_failure_at_the_largest_shape_serves_nothing():
     # The failed shape (speedup 0) is the largest: every threshold pair would serve it.
-    assert profile.break_even(self_points({2048: 1.2, 4096: 1.4, 8192: 0.0})) is None
+    assert break_even(self_points({2048: 1.2, 4096: 1.4, 8192: 0.0})) is None
 
 
 def test_a_head_size_that_is_slower_everywhere_is_left_out():
     points = (self_points({1024: 0.9, 4096: 1.3, 16384: 1.6})
               + self_points({1024: 0.5, 4096: 0.8, 16384: 0.9}, head_dim=64))
-    result = profile.break_even(points)
+    result = break_even(points)
     assert (result["head_dims"], result["min_query_tokens"], result["served_shapes"]) == ([128], 4096, 2)
 
 
@@ -85,7 +87,7 @@ def test_config_from_profile_takes_the_family_entry():
     assert config.kernel_table[(9, 0)] == ("sm90-fp8-cuda",) and config.min_query_tokens == 4608
     with pytest.raises(profile.ProfileError, match="no entry for family SDXL"):
         profile.config_from_profile(make_profile(families=families), family="SDXL")
-    with pytest.raises(KeyError, match="unknown family"):
+    with pytest.raises(profile.ProfileError, match="no entry for family nope"):
         profile.config_from_profile(make_profile(), family="nope")
 
 
@@ -136,7 +138,7 @@ def test_profile_thresholds_decide_which_calls_are_served(fake):
 
 def test_profile_from_a_file(fake, tmp_path):
     path = tmp_path / "profile.json"
-    profile.save(make_profile(variant="sm90-fp8-cuda", min_q=1024, min_k=64), path)
+    building.save(make_profile(variant="sm90-fp8-cuda", min_q=1024, min_k=64), path)
     status = sage_qual.install(profile=path)
     assert status.enabled and status.devices[0].variant.name == "sm90-fp8-cuda"
     assert attention(1024, kv_tokens=64).served == 1
@@ -170,7 +172,7 @@ def test_install_refuses_an_unreadable_profile_file(fake, tmp_path):
 def test_profile_built_by_certify_installs(fake, tmp_path):
     """A profile from a (sample) report, made to match this fake machine, selects its entry."""
     data = json.loads((Path(__file__).parent / "data" / "sample_rtx4090.json").read_text())
-    built = profile.build(data, data["gpus"][0])
+    built = building.build(data, data["gpus"][0])
     built["gpu"] = {"name": H200.name, "capability": list(H200.capability)}
     built["environment"].update(torch=torch.__version__, sageattention="2.2.0")
     status = sage_qual.install(profile=built, family="FLUX.1")

@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sage_qual.fixture_files import load_fixture
-from sage_qual.recorder import record_sdpa
+from sage_qual.fixtures.fileformat import load_fixture
+from sage_qual.fixtures.recorder import record_sdpa
 
 
 class Attention(torch.nn.Module):

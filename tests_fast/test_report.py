@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sage_qual import profile, report
+from sage_qual.qualification import profile, report
 
 jsonschema = pytest.importorskip("jsonschema")  # a test dependency; the GPU box lacks it
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import sage_qual
-from sage_qual.scope import active
+from sage_qual.serving.scope import active
 from sage_qual.testing import FakeSageAttention, on_device
 
 from .helpers import TORCH_SDPA, qkv, rand, records, wrapped

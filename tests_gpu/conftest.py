@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import sage_qual
-from sage_qual import sage_package
-from sage_qual.config import WrapperConfig
-from sage_qual.variants import VARIANTS, BoxFacts
+from sage_qual.serving import sage_package
+from sage_qual.serving.config import WrapperConfig
+from sage_qual.serving.variants import VARIANTS, BoxFacts
 
 FIXTURE_DIR = Path(__file__).resolve().parent.parent / "fixtures"
 FIXTURE_PATHS = sorted(FIXTURE_DIR.glob("*.safetensors"))

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 import sage_qual
-from sage_qual import measure
-from sage_qual.fixture_files import accuracy_class, load_fixture
+from sage_qual.fixtures.fileformat import accuracy_class, load_fixture
+from sage_qual.qualification import measure
 
 from .conftest import FIXTURE_PATHS, VARIANT_NAMES
 from .known_defects import marks

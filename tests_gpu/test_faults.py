@@ -15,7 +15,7 @@ PREAMBLE = """
 import json, logging, torch
 import torch.nn.functional as F
 import sage_qual
-from sage_qual import measure
+from sage_qual.qualification import measure
 records = []
 handler = logging.Handler(); handler.emit = records.append
 logging.getLogger("sage_qual").addHandler(handler); logging.getLogger("sage_qual").setLevel(logging.DEBUG)
@@ -102,7 +102,7 @@ def test_unwritable_triton_cache_falls_back_per_call_then_retires(tmp_path):
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("")
     result = run_child(scenario("""
-    from sage_qual.config import WrapperConfig
+    from sage_qual.serving.config import WrapperConfig
     cap = torch.cuda.get_device_capability(0)
     status = sage_qual.install(WrapperConfig(kernel_table={cap: ("sm86-fp16-triton",)}))
     assert status.enabled, status.reason

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 import sage_qual
-from sage_qual import eligibility, measure, platform, wrapper
+from sage_qual.qualification import measure
+from sage_qual.serving import eligibility, platform, wrapper
 
 from .test_wrapper_gpu import SHAPES, make_qkv
 

@@ -3,8 +3,8 @@ one wherever the fixture reproduces the published effect (smoothing on breaks it
 
 import pytest
 
-from sage_qual import measure
-from sage_qual.fixture_files import load_fixture
+from sage_qual.fixtures.fileformat import load_fixture
+from sage_qual.qualification import measure
 
 from .conftest import FIXTURE_PATHS, VARIANT_NAMES
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import sage_qual
-from sage_qual import measure
+from sage_qual.qualification import measure
 
 from .conftest import VARIANT_NAMES
 

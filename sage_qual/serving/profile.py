@@ -20,76 +20,21 @@ software, since nothing in it was measured there.
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
+import re
 from typing import Mapping
 
-from . import jsonfile, platform, sage_package
-from .config import DEFAULT_CONFIG, WrapperConfig
+import torch
+
+from sage_qual import jsonfile
+from sage_qual.serving import platform, sage_package
+from sage_qual.serving.config import DEFAULT_CONFIG, WrapperConfig
 
 KIND = "sage-qual-profile"
 SCHEMA_VERSION = 1
-ENVIRONMENT_KEYS = ("torch", "torch_cuda", "driver", "sageattention", "triton")
-ENTRY_KEYS = ("variant", "min_query_tokens", "min_key_tokens", "head_dims", "reasons")
 
 
 class ProfileError(ValueError):
     """A profile that cannot be read or used; the message says why."""
-
-
-def break_even(points: list[tuple[int, int, int, float]], min_speedup: float = 1.0) -> dict | None:
-    """Where a variant pays, from measured (query tokens, key tokens, head_dim, speedup) points.
-
-    The wrapper serves a call when its head_dim is in `head_dims` and it has at least
-    `min_query_tokens` and `min_key_tokens`. Chosen among head_dim sets and thresholds at measured
-    lengths: the one that serves the most measured shapes such that every shape it serves was
-    faster than `min_speedup`. Ties go to fewer head sizes, then larger thresholds: nothing is
-    served where nothing was measured. None when no measured shape was faster. A shape the variant
-    failed at counts with speedup 0.
-    """
-    dims = sorted({d for _, _, d, _ in points})
-    subsets = [[d for i, d in enumerate(dims) if mask >> i & 1] for mask in range(1, 2 ** len(dims))]
-    best, best_key = None, None
-    for head_dims in subsets:
-        for min_q in sorted({q for q, _, _, _ in points}):
-            for min_k in sorted({k for _, k, _, _ in points}):
-                served = [s for q, k, d, s in points if q >= min_q and k >= min_k and d in head_dims]
-                if served and all(s > min_speedup for s in served):
-                    key = (len(served), -len(head_dims), min_q, min_k)
-                    if best_key is None or key > best_key:
-                        best_key = key
-                        best = {"min_query_tokens": min_q, "min_key_tokens": min_k, "head_dims": head_dims,
-                                "served_shapes": len(served), "measured_shapes": len(points)}
-    return best
-
-
-def serves(thresholds: dict, q_tokens: int, kv_tokens: int, head_dim: int) -> bool:
-    return (q_tokens >= thresholds["min_query_tokens"] and kv_tokens >= thresholds["min_key_tokens"]
-            and head_dim in thresholds["head_dims"])
-
-
-def build(report: dict, gpu: dict) -> dict:
-    """The profile of one analysed GPU model of a complete report (see families.analyze)."""
-    env = report["environment"]
-    return {
-        "kind": KIND,
-        "schema_version": SCHEMA_VERSION,
-        "created": report["finished"],
-        "host": report["host"],
-        "gpu": {"name": gpu["name"], "capability": gpu["capability"]},
-        "environment": {key: env[key] for key in ENVIRONMENT_KEYS},
-        "fixtures": {f["name"]: f["sha256"] for f in report["fixtures"]},
-        "default": _entry(gpu["default"]),
-        "families": {f["family"]: _entry(f) for f in gpu["families"]},
-    }
-
-
-def _entry(verdict: dict) -> dict:
-    return {key: verdict[key] for key in ENTRY_KEYS}
-
-
-def save(profile: dict, path: Path) -> None:
-    Path(path).write_text(json.dumps(profile, indent=1) + "\n")
 
 
 def load(source) -> dict:
@@ -109,12 +54,15 @@ def load(source) -> dict:
 def entry(profile: dict, family: str | None = None) -> dict:
     if family is None:
         return profile["default"]
-    from .families import find
+    for name, chosen in profile["families"].items():
+        if _normalize(name) == _normalize(family):
+            return chosen
+    raise ProfileError(f"the profile has no entry for family {family} (it has: "
+                       f"{', '.join(profile['families']) or 'none'}): certify that family")
 
-    name = find(family).name  # KeyError for an unknown family
-    if name not in profile["families"]:
-        raise ProfileError(f"the profile has no entry for family {name} (certify did not run it)")
-    return profile["families"][name]
+
+def _normalize(name: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", name.lower())
 
 
 def config_from_profile(profile, family: str | None = None,
@@ -140,8 +88,6 @@ def config_for_machine(profile, family: str | None = None,
     GPU model not visible here or with another torch or sageattention, or certifies no variant
     for the GPUs here.
     """
-    import torch
-
     try:
         profile = load(profile)
         chosen = entry(profile, family)

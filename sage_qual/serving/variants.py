@@ -17,7 +17,7 @@ Capability = tuple[int, int]
 
 @dataclass(frozen=True)
 class BoxFacts:
-    """What decides whether a variant can run here (read by `sage_qual.platform`)."""
+    """What decides whether a variant can run here (read by `sage_qual.serving.platform`)."""
 
     capability: Capability
     torch_cuda: tuple[int, int] | None  # torch.version.cuda as numbers, None for CPU/ROCm builds

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from .variants import BLACKWELL, VARIANTS, BoxFacts, Capability, Variant
+from sage_qual.serving.variants import BLACKWELL, VARIANTS, BoxFacts, Capability, Variant
 
 # Preference order per compute capability; the first variant this box supports wins. Follows
 # upstream sageattn(): (8, 7) and unknown capabilities get no kernel.

@@ -1,7 +1,7 @@
 """`sage-qual certify`: every runnable variant on every fixture, and a speed sweep, on each GPU.
 
 This process never initializes CUDA. Every measurement runs in a worker process
-(`sage_qual.worker`) with its own Triton cache and a watchdog: per GPU one worker times the SDPA
+(`sage_qual.qualification.worker`) with its own Triton cache and a watchdog: per GPU one worker times the SDPA
 backends, then one worker per variant runs its fixtures and its speed sweep. A crash, a hang or
 an out-of-memory costs one result; GPUs run in parallel, one worker each at a time. report.json
 is rewritten after every result, so a killed run leaves a partial report that says so.
@@ -9,25 +9,23 @@ is rewritten after every result, so a killed run leaves a partial report that sa
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import functools
 import os
 import re
-import shlex
 import shutil
-import signal
 import socket
 import sys
 import tempfile
 import threading
 from pathlib import Path
 
-from . import families as families_mod
-from . import fixture_files, profile, report, worker
-from .cli import UsageError
-from .variants import VARIANTS
+from sage_qual.errors import UsageError
+from sage_qual.fixtures import fileformat
+from sage_qual.qualification import families as families_mod
+from sage_qual.qualification import profile, report, worker
+from sage_qual.serving.variants import VARIANTS
 
 # The generic sweep: self-attention of 24 heads from 1k to 32k tokens at both head sizes, and
 # cross-attention on short keys (text encoders give 77 to 1024 tokens).
@@ -49,44 +47,7 @@ class Options:
     fixture_dirs: list[str] | None = None
     quick: bool = False
     timeout: float = 90.0
-    command: str = "sage_qual.certify.run()"
-
-
-def _split(values: list[str] | None) -> list[str] | None:
-    """`--variants a b` and `--variants a,b` both work."""
-    if not values:
-        return None
-    return [item for value in values for item in value.split(",") if item]
-
-
-def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "certify", help="run every variant on every fixture and a speed sweep; write report and profile",
-        description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("sage-qual-report"), help="output directory")
-    parser.add_argument("--devices", default="all", help="GPU indices, e.g. 0,1, or all (default)")
-    parser.add_argument("--variants", nargs="+", help="variant names (default: all)")
-    parser.add_argument("--families", nargs="+", help="families to certify (default: all)")
-    parser.add_argument("--fixtures", nargs="+", metavar="DIR", help="fixture directories (default: shipped)")
-    parser.add_argument("--quick", action="store_true", help="smallest fixture per family, short sweep")
-    parser.add_argument("--timeout", type=float, default=90.0,
-                        help="seconds a task may run before its worker is killed (default 90)")
-    parser.set_defaults(func=_command)
-
-
-def _command(args: argparse.Namespace) -> int:
-    options = Options(args.out, args.devices, _split(args.variants), _split(args.families), args.fixtures,
-                      args.quick, args.timeout, "sage-qual " + shlex.join(sys.argv[1:]))
-
-    def terminate(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, terminate)
-    try:
-        data = run(options)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    return 0 if data["complete"] else 130
+    command: str = "sage_qual.qualification.certify.run()"
 
 
 # Planning --------------------------------------------------------------------------------------
@@ -110,24 +71,24 @@ def fixture_dirs(directories: list[str] | None) -> list[str]:
     """The directories given, or the repository's fixtures/ when none were."""
     if directories is not None:
         return directories
-    shipped = fixture_files.shipped_dir()
+    shipped = fileformat.shipped_dir()
     return [str(shipped)] if shipped else []
 
 
 def select_fixtures(directories: list[str], chosen: list[families_mod.Family], all_families: bool,
-                    quick: bool) -> list[fixture_files.Fixture]:
+                    quick: bool) -> list[fileformat.Fixture]:
     """Fixtures of the chosen families (and family-less ones when no family was named);
     with --quick the smallest per family."""
     fixtures, seen = [], {}
     for directory in directories:
         try:
-            paths = fixture_files.list_fixtures(directory)
-        except fixture_files.FixtureError as error:
+            paths = fileformat.list_fixtures(directory)
+        except fileformat.FixtureError as error:
             raise UsageError(str(error)) from None
         for path in paths:
             try:
-                fixture = fixture_files.load_fixture(path)
-            except fixture_files.FixtureError as error:
+                fixture = fileformat.load_fixture(path)
+            except fileformat.FixtureError as error:
                 raise UsageError(str(error)) from None
             if fixture.name in seen:
                 raise UsageError(f"two fixtures named {fixture.name}: {seen[fixture.name]} and {path}")
@@ -168,14 +129,14 @@ def _timing(shape: dict, quick: bool) -> tuple[int, int]:
     return TIMING["large" if families_mod.Shape(**shape).flops > LARGE_FLOPS else "small"]
 
 
-def _fixture_record(fixture: fixture_files.Fixture) -> dict:
+def _fixture_record(fixture: fileformat.Fixture) -> dict:
     return {"name": fixture.name, "family": fixture.family, "kind": fixture.kind,
             "dtype": str(fixture.dtype).replace("torch.", ""), "q": list(fixture.q.shape),
             "k": list(fixture.k.shape), "sha256": fixture.sha256, "bounds": fixture.bounds,
             "provenance": fixture.provenance}
 
 
-def _memory_bound(fixture: fixture_files.Fixture) -> float:
+def _memory_bound(fixture: fileformat.Fixture) -> float:
     owner = families_mod.family_of(fixture.family)
     return owner.memory_bound if owner else families_mod.MEMORY_BOUND
 

@@ -11,7 +11,8 @@ import json
 import sys
 import textwrap
 
-from .fixture_files import FixtureError, describe, list_fixtures, load_fixture, shipped_dir
+from sage_qual.errors import ExitCode
+from sage_qual.fixtures.fileformat import FixtureError, describe, list_fixtures, load_fixture, shipped_dir
 
 
 def add_parser(subparsers) -> None:
@@ -28,7 +29,7 @@ def add_parser(subparsers) -> None:
 
 def _fail(message: str) -> int:
     print(f"sage-qual fixtures: {message}", file=sys.stderr)
-    return 2
+    return ExitCode.USAGE
 
 
 def _shape(shape) -> str:
@@ -61,7 +62,7 @@ def _show(args: argparse.Namespace) -> int:
     except FixtureError as error:
         return _fail(str(error))
     print(json.dumps(info, indent=2) if args.json else render(info))
-    return 0
+    return ExitCode.OK
 
 
 def _channels(stats: dict) -> str:

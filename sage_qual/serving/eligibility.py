@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .config import WrapperConfig
+from sage_qual.serving.config import WrapperConfig
 
 # Every reason a call in a scope can fall back to PyTorch, in the order they are tested.
 REASONS = (

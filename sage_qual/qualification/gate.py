@@ -10,67 +10,13 @@ measured faster at one of the family's own shapes.
 
 from __future__ import annotations
 
-import argparse
-import json
-import tempfile
 from pathlib import Path
 
-from . import fixture_files, report, worker
-from .certify import fixture_dirs
-from .cli import UsageError
-from .families import FAMILIES, SPEED, Family, find
-
-
-def add_parser(subparsers) -> None:
-    gate = subparsers.add_parser("gate", help="exit 0 to enable a family on this machine, 1 to keep it off, "
-                                              "2 when the report cannot decide")
-    gate.add_argument("--family", required=True, help=f"one of: {', '.join(f.name for f in FAMILIES)}")
-    gate.add_argument("--report", type=Path, default=Path("sage-qual-report/report.json"))
-    gate.add_argument("--require-speedup", action="store_true",
-                      help="also require a measured speedup at one of the family's shapes")
-    gate.add_argument("--fixtures", nargs="+", metavar="DIR", help="fixture directories (default: shipped)")
-    gate.set_defaults(func=_gate)
-    merge = subparsers.add_parser("merge", help="one table of verdicts across GPUs and hosts from reports")
-    merge.add_argument("reports", nargs="+", type=Path, metavar="REPORT")
-    merge.add_argument("--json", action="store_true", help="rows as JSON instead of a Markdown table")
-    merge.set_defaults(func=_merge)
-
-
-def _read(path: Path) -> dict:
-    try:
-        return report.load(path)
-    except report.ReportError as error:
-        raise UsageError(str(error)) from None
-
-
-def _family(name: str) -> Family:
-    try:
-        return find(name)
-    except KeyError as error:
-        raise UsageError(error.args[0]) from None
-
-
-def _gate(args: argparse.Namespace) -> int:
-    family = _family(args.family)
-    data = _read(args.report)
-    if not data["complete"]:
-        raise UsageError(f"{args.report} is a partial report ({report.status_line(data)}): "
-                         "run certify to the end")
-    local = local_fixtures(args.fixtures, family)
-    with tempfile.TemporaryDirectory(prefix="sage-qual-gate-") as logs:
-        try:
-            here = worker.collect_environment(Path(logs) / "environment.log", 120.0)["environment"]
-        except worker.WorkerError as error:
-            raise UsageError(str(error)) from None
-    if not here["gpus"]:
-        raise UsageError("no CUDA GPU is visible here, so no report can be matched to this machine")
-    if here["sageattention_problem"]:
-        raise UsageError(f"sageattention cannot run here: {here['sageattention_problem']}")
-    code, lines = decide(data, family, here, local, args.require_speedup)
-    if code == 2:
-        raise UsageError(lines[0])
-    print("\n".join(lines))
-    return code
+from sage_qual.errors import UsageError
+from sage_qual.fixtures import fileformat
+from sage_qual.qualification import report
+from sage_qual.qualification.certify import fixture_dirs
+from sage_qual.qualification.families import FAMILIES, SPEED, Family
 
 
 def local_fixtures(directories: list[str] | None, family: Family) -> dict[str, str]:
@@ -78,11 +24,11 @@ def local_fixtures(directories: list[str] | None, family: Family) -> dict[str, s
     found = {}
     for directory in fixture_dirs(directories):
         try:
-            for path in fixture_files.list_fixtures(directory):
-                fixture = fixture_files.load_fixture(path)
+            for path in fileformat.list_fixtures(directory):
+                fixture = fileformat.load_fixture(path)
                 if family.owns(fixture.family):
                     found[fixture.name] = fixture.sha256
-        except fixture_files.FixtureError as error:
+        except fileformat.FixtureError as error:
             raise UsageError(str(error)) from None
     return found
 
@@ -145,13 +91,7 @@ def decide(data: dict, family: Family, here: dict, local: dict[str, str],
     return code, lines
 
 
-# merge -----------------------------------------------------------------------------------------
-def _merge(args: argparse.Namespace) -> int:
-    rows = merge_rows([(path, _read(path)) for path in args.reports])
-    print(json.dumps(rows, indent=1) if args.json else merge_markdown(rows))
-    return 0
-
-
+# merge -------------------------------------------------------------------------------------------------
 def merge_rows(reports: list[tuple[Path, dict]]) -> list[dict]:
     rows = []
     for path, data in reports:

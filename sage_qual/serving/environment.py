@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import __version__, platform, sage_package
-from .config import DEFAULT_CONFIG, WrapperConfig
-from .variants import VARIANTS, BoxFacts
+from sage_qual.serving import platform, sage_package
+from sage_qual.serving.config import DEFAULT_CONFIG, WrapperConfig
+from sage_qual.serving.variants import VARIANTS, BoxFacts
+from sage_qual.version import __version__
 
 
 @dataclass

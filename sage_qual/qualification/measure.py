@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .variants import Variant
+from sage_qual.serving.variants import Variant
 
 # The unpatched function, taken before any install(): references never go through the wrapper.
 TORCH_SDPA = F.scaled_dot_product_attention

@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import platform, sage_package
-from .config import DEFAULT_CONFIG, WrapperConfig
-from .eligibility import SdpaCall, bind, refusal
-from .errors import Failure, classify
-from .scope import ScopeReport, _active
-from .variants import BoxFacts, Variant
+from sage_qual.serving import platform, sage_package
+from sage_qual.serving.config import DEFAULT_CONFIG, WrapperConfig
+from sage_qual.serving.eligibility import SdpaCall, bind, refusal
+from sage_qual.serving.failures import Failure, classify
+from sage_qual.serving.scope import ScopeReport, _active
+from sage_qual.serving.variants import BoxFacts, Variant
 
 log = logging.getLogger("sage_qual")
 
@@ -89,7 +89,7 @@ def _install(config: WrapperConfig | None, profile=None, family: str | None = No
         return _status
     try:
         if profile is not None:
-            from .profile import config_for_machine
+            from sage_qual.serving.profile import config_for_machine
 
             config = config_for_machine(profile, family, config or DEFAULT_CONFIG)
         devices, package = _probe(config or DEFAULT_CONFIG)

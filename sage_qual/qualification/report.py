@@ -2,7 +2,7 @@
 
 report.json is rewritten after every result with "complete": false, and once more at the end
 with "complete": true and the analysis ("gpus"); a run killed halfway leaves a valid, partial
-report. The schema is sage_qual/report_schema.json (JSON Schema 2020-12; the tests validate
+report. The schema is sage_qual/qualification/report_schema.json (JSON Schema 2020-12; the tests validate
 against it). Reading needs no jsonschema: `load()` checks the kind and version, which is what
 separates a report from any other JSON.
 """
@@ -18,7 +18,8 @@ import threading
 from importlib import resources
 from pathlib import Path
 
-from . import environment, jsonfile
+from sage_qual import jsonfile
+from sage_qual.serving import environment
 
 KIND = "sage-qual-report"
 SCHEMA_VERSION = 1
@@ -30,7 +31,7 @@ class ReportError(ValueError):
 
 
 def schema() -> dict:
-    return json.loads(resources.files("sage_qual").joinpath("report_schema.json").read_text())
+    return json.loads(resources.files("sage_qual.qualification").joinpath("report_schema.json").read_text())
 
 
 def load(path) -> dict:

@@ -15,7 +15,7 @@ from types import ModuleType
 
 from packaging.version import InvalidVersion, Version
 
-from .variants import EXTENSIONS, Variant
+from sage_qual.serving.variants import EXTENSIONS, Variant
 
 MIN_VERSION = Version("2.2.0")
 BUILD_HINT = "build SageAttention 2.2 from source (github.com/thu-ml/SageAttention, see its README)"

@@ -1,6 +1,6 @@
 """A certify worker: one fresh process runs one job of tasks on one GPU and streams the results.
 
-`python -m sage_qual.worker` imports torch, then waits for one JSON job line on stdin (so the
+`python -m sage_qual.qualification.worker` imports torch, then waits for one JSON job line on stdin (so the
 parent can start it early, while another worker still runs). It keeps reading stdin: end of file
 means the parent died, and the worker exits. Results leave as JSON lines on the original stdout;
 file descriptor 1 is pointed at stderr first, so whatever Triton, CUDA or a print writes there
@@ -11,7 +11,7 @@ Messages: {"type": "ready"} once it has its job, then per task
 A task the worker survives always gets a result (oom and crash included); after a CUDA error that
 poisons the context it reports the task and exits, and the parent runs the rest in a new worker.
 
-All numbers come from `sage_qual.measure`, the functions `pytest -m slow` uses.
+All numbers come from `sage_qual.qualification.measure`, the functions `pytest -m slow` uses.
 """
 
 from __future__ import annotations
@@ -33,9 +33,11 @@ from typing import Callable
 
 import torch
 
-from . import environment, errors, fixture_files, measure, platform, sage_package
-from .families import MEMORY_BOUND, Shape
-from .variants import VARIANTS, BoxFacts
+from sage_qual.fixtures import fileformat
+from sage_qual.qualification import measure
+from sage_qual.qualification.families import MEMORY_BOUND, Shape
+from sage_qual.serving import environment, failures, platform, sage_package
+from sage_qual.serving.variants import VARIANTS, BoxFacts
 
 # Test hook, read only here: JSON {"gpus": [{"name", "capability"}...]} runs the job on the fake
 # CUDA and fake sageattention of sage_qual.testing with CPU tensors; {"faults": {task id: "crash" |
@@ -81,7 +83,7 @@ class FakeBench:
     device = "cpu"
 
     def __init__(self, gpus: list[dict]):
-        from .testing import FakeCuda, FakeGpu, FakeSageAttention
+        from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
 
         fakes = [FakeGpu(tuple(g["capability"]), g["name"]) for g in gpus]
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -131,7 +133,7 @@ class Worker:
         except Exception as error:
             first_line = (str(error).strip().splitlines() or [""])[0]
             detail = f"{type(error).__name__}: {first_line}"[:500]
-            if errors.is_out_of_memory(error):
+            if failures.is_out_of_memory(error):
                 return {"outcome": "oom", "detail": detail}
             return {"outcome": "crash", "detail": detail, "traceback": traceback.format_exc()[-3000:]}
         finally:
@@ -163,7 +165,7 @@ class Worker:
         problem = sage_package.kernel_problem(package, variant)
         if problem:
             return {"outcome": "skip", "detail": problem}
-        fixture = fixture_files.load_fixture(task["fixture"], device=self.bench.device)
+        fixture = fileformat.load_fixture(task["fixture"], device=self.bench.device)
         q, k, v = fixture.q, fixture.k, fixture.v
         ref = measure.reference(q, k, v)
         out, extra = self.bench.extra_peak_bytes(lambda: measure.call_kernel(package, variant, q, k, v))
@@ -175,7 +177,7 @@ class Worker:
         result = {
             "outcome": "fail" if reasons else "pass",
             "reasons": reasons,
-            "accuracy_class": fixture_files.accuracy_class(variant),
+            "accuracy_class": fileformat.accuracy_class(variant),
             "bounds": bounds,
             **_clean(acc.as_dict()),
             "extra_bytes_per_element": per_element,
@@ -283,8 +285,9 @@ class Process:
         with open(log_path, "wb") as log:
             # Own session: a signal meant for the parent's terminal does not hit the worker, and
             # killing its process group also ends what it started (compilers, nvidia-smi).
-            self.proc = subprocess.Popen([sys.executable, "-m", "sage_qual.worker"], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True)
+            self.proc = subprocess.Popen([sys.executable, "-m", "sage_qual.qualification.worker"],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
+                                         start_new_session=True)
         self.messages: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -475,7 +478,7 @@ class Pool:
 def worker_env() -> dict:
     """The environment a worker starts with: this one, with this copy of sage_qual importable."""
     env = dict(os.environ)
-    package_root = str(Path(__file__).resolve().parent.parent)
+    package_root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     return env
 

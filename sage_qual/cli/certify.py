@@ -1,0 +1,49 @@
+"""`sage-qual certify`: the command line of `sage_qual.qualification.certify`."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import signal
+import sys
+from pathlib import Path
+
+from sage_qual.errors import ExitCode
+from sage_qual.qualification.certify import Options, run
+
+
+def _split(values: list[str] | None) -> list[str] | None:
+    """`--variants a b` and `--variants a,b` both work."""
+    if not values:
+        return None
+    return [item for value in values for item in value.split(",") if item]
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "certify", help="run every variant on every fixture and a speed sweep; write report and profile",
+        description="Run every runnable variant on every fixture, and a speed sweep, on each GPU.")
+    parser.add_argument("--out", type=Path, default=Path("sage-qual-report"), help="output directory")
+    parser.add_argument("--devices", default="all", help="GPU indices, e.g. 0,1, or all (default)")
+    parser.add_argument("--variants", nargs="+", help="variant names (default: all)")
+    parser.add_argument("--families", nargs="+", help="families to certify (default: all)")
+    parser.add_argument("--fixtures", nargs="+", metavar="DIR", help="fixture directories (default: shipped)")
+    parser.add_argument("--quick", action="store_true", help="smallest fixture per family, short sweep")
+    parser.add_argument("--timeout", type=float, default=90.0,
+                        help="seconds a task may run before its worker is killed (default 90)")
+    parser.set_defaults(func=_command)
+
+
+def _command(args: argparse.Namespace) -> int:
+    options = Options(args.out, args.devices, _split(args.variants), _split(args.families), args.fixtures,
+                      args.quick, args.timeout, "sage-qual " + shlex.join(sys.argv[1:]))
+
+    def terminate(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        data = run(options)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return ExitCode.OK if data["complete"] else ExitCode.INTERRUPTED

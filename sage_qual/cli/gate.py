@@ -1,0 +1,72 @@
+"""`sage-qual gate` and `sage-qual merge`: the command line of `sage_qual.qualification.gate`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+from sage_qual.errors import ExitCode, UsageError
+from sage_qual.qualification import gate, report, worker
+from sage_qual.qualification.families import FAMILIES, Family, find
+
+
+def add_parser(subparsers) -> None:
+    command = subparsers.add_parser(
+        "gate", help="exit 0 to enable a family on this machine, 1 to keep it off, 2 when the report "
+                     "cannot decide")
+    command.add_argument("--family", required=True, help=f"one of: {', '.join(f.name for f in FAMILIES)}")
+    command.add_argument("--report", type=Path, default=Path("sage-qual-report/report.json"))
+    command.add_argument("--require-speedup", action="store_true",
+                         help="also require a measured speedup at one of the family's shapes")
+    command.add_argument("--fixtures", nargs="+", metavar="DIR",
+                         help="fixture directories (default: shipped)")
+    command.set_defaults(func=_gate)
+    merge = subparsers.add_parser("merge", help="one table of verdicts across GPUs and hosts from reports")
+    merge.add_argument("reports", nargs="+", type=Path, metavar="REPORT")
+    merge.add_argument("--json", action="store_true", help="rows as JSON instead of a Markdown table")
+    merge.set_defaults(func=_merge)
+
+
+def _read(path: Path) -> dict:
+    try:
+        return report.load(path)
+    except report.ReportError as error:
+        raise UsageError(str(error)) from None
+
+
+def _family(name: str) -> Family:
+    try:
+        return find(name)
+    except KeyError as error:
+        raise UsageError(error.args[0]) from None
+
+
+def _gate(args: argparse.Namespace) -> int:
+    family = _family(args.family)
+    data = _read(args.report)
+    if not data["complete"]:
+        raise UsageError(f"{args.report} is a partial report ({report.status_line(data)}): "
+                         "run certify to the end")
+    local = gate.local_fixtures(args.fixtures, family)
+    with tempfile.TemporaryDirectory(prefix="sage-qual-gate-") as logs:
+        try:
+            here = worker.collect_environment(Path(logs) / "environment.log", 120.0)["environment"]
+        except worker.WorkerError as error:
+            raise UsageError(str(error)) from None
+    if not here["gpus"]:
+        raise UsageError("no CUDA GPU is visible here, so no report can be matched to this machine")
+    if here["sageattention_problem"]:
+        raise UsageError(f"sageattention cannot run here: {here['sageattention_problem']}")
+    code, lines = gate.decide(data, family, here, local, args.require_speedup)
+    if code == ExitCode.USAGE:
+        raise UsageError(lines[0])
+    print("\n".join(lines))
+    return code
+
+
+def _merge(args: argparse.Namespace) -> int:
+    rows = gate.merge_rows([(path, _read(path)) for path in args.reports])
+    print(json.dumps(rows, indent=1) if args.json else gate.merge_markdown(rows))
+    return ExitCode.OK

@@ -1,0 +1,98 @@
+"""The package's layers import one way: base -> serving -> testing -> api -> fixtures -> qualification
+-> cli (base: errors, jsonfile, version; api: the package's own __init__).
+
+Read from the source (ast), so a lazy import inside a function counts as much as one at the top.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "sage_qual"
+# Each layer may import its own and the layers before it, never a later one.
+LAYERS = ("base", "serving", "testing", "api", "fixtures", "qualification", "cli")
+
+
+def layer_of(module: str) -> str:
+    parts = module.split(".")
+    if parts[0] != "sage_qual":
+        raise ValueError(module)
+    if len(parts) == 1:
+        return "api"  # the package's public names, re-exported from serving
+    if parts[1] in ("errors", "jsonfile", "version"):
+        return "base"
+    if parts[1] == "__main__":
+        return "cli"
+    return parts[1]
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imports_of(path: Path) -> set[str]:
+    found = set()
+    package = module_name(path).rsplit(".", 0 if path.name == "__init__.py" else 1)[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.startswith("sage_qual")}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            if base.startswith("sage_qual"):
+                # `from package import module` imports the module; any other name comes from `base`.
+                for alias in node.names:
+                    target = f"{base}.{alias.name}"
+                    found.add(target if target in MODULES else base)
+    return found
+
+
+GRAPH = {name: {m for m in imports_of(path) if m in MODULES and m != name} for name, path in MODULES.items()}
+
+
+def test_every_module_is_in_a_layer():
+    assert {layer_of(m) for m in MODULES} <= set(LAYERS)
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_flow_one_way(module):
+    rank = LAYERS.index(layer_of(module))
+    upward = sorted(m for m in GRAPH[module] if LAYERS.index(layer_of(m)) > rank)
+    assert not upward, f"{module} ({layer_of(module)}) imports a later layer: {upward}"
+
+
+def test_nothing_imports_the_cli():
+    importers = sorted(m for m, deps in GRAPH.items()
+                       if layer_of(m) != "cli" and any(layer_of(d) == "cli" for d in deps))
+    assert not importers
+
+
+def test_no_import_cycles():
+    # The package __init__ files re-export, so they are left out: a cycle through them is only a name.
+    graph = {m: {d for d in deps if not MODULES[d].name == "__init__.py"} for m, deps in GRAPH.items()
+             if MODULES[m].name != "__init__.py"}
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(node, stack):
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, f"import cycles: {cycles}"
