@@ -8,14 +8,23 @@ from sage_qual.fixtures.fileformat import load_fixture, shipped_dir
 from sage_qual.serving.variants import VARIANTS
 
 
-def test_schemes_follow_upstream_block_sizes():
-    assert emulation.scheme_for(VARIANTS["sm86-fp16-triton"]) == emulation.Scheme(128, 1, 64, 1, "fp16")
-    assert emulation.scheme_for(VARIANTS["sm80-fp16-cuda"]) == emulation.Scheme(32, 8, 64, 4, "fp16")
-    assert emulation.scheme_for(VARIANTS["sm80-fp16-cuda-fp16acc"]).q_tile == 16
-    assert emulation.scheme_for(VARIANTS["sm89-fp8-cuda"]) == emulation.Scheme(32, 8, 64, 4, "fp8", 2.25)
-    assert emulation.scheme_for(VARIANTS["sm89-fp8-cuda-fp32acc"]).v_scale_max == 448.0
-    assert emulation.scheme_for(VARIANTS["sm90-fp8-cuda"]) == emulation.Scheme(16, 8, 128, 4, "fp8", 448.0)
-    assert emulation.scheme_for(VARIANTS["sm120-fp8-perwarp"]) == emulation.Scheme(32, 1, 64, 1, "fp8", 2.25)
+def test_declared_numerics_follow_upstream_block_sizes():
+    # (Q tile, Q groups, K tile, K groups, P.V type, V scale max) at head_dim 128, from upstream quant.py
+    expected = {
+        "sm86-fp16-triton": (128, 1, 64, 1, "fp16", 448.0),
+        "sm80-fp16-cuda": (32, 8, 64, 4, "fp16", 448.0),
+        "sm80-fp16-cuda-fp16acc": (16, 8, 64, 4, "fp16", 448.0),
+        "sm89-fp8-cuda": (32, 8, 64, 4, "fp8", 2.25),
+        "sm89-fp8-cuda-fp32acc": (32, 8, 64, 4, "fp8", 448.0),
+        "sm90-fp8-cuda": (16, 8, 128, 4, "fp8", 448.0),
+        "sm120-fp8-perwarp": (32, 1, 64, 1, "fp8", 2.25),
+        "sm120-fp8-perwarp-fp32acc": (32, 1, 64, 1, "fp8", 448.0),
+    }
+    assert set(expected) == set(VARIANTS)
+    for name, values in expected.items():
+        n = VARIANTS[name].numerics.at_head_dim(128)
+        assert (n.q_tile, n.q_groups, n.k_tile, n.k_groups, n.pv, n.v_scale_max) == values, name
+    assert VARIANTS["sm80-fp16-cuda-fp16acc"].numerics.at_head_dim(64).q_tile == 32
 
 
 def test_int8_groups_share_one_scale():
@@ -33,9 +42,9 @@ def test_random_data_matches_the_h200_measurement():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 1, 2048, 128, generator=g).bfloat16() for _ in range(3))
     ref = emulation.reference(q, k, v)
-    fp16 = emulation.errors(emulation.emulate(q, k, v, emulation.scheme_for(VARIANTS["sm80-fp16-cuda"]),
+    fp16 = emulation.errors(emulation.emulate(q, k, v, VARIANTS["sm80-fp16-cuda"].numerics.at_head_dim(128),
                                               smooth_k=False), ref)
-    fp8 = emulation.errors(emulation.emulate(q, k, v, emulation.scheme_for(VARIANTS["sm90-fp8-cuda"]),
+    fp8 = emulation.errors(emulation.emulate(q, k, v, VARIANTS["sm90-fp8-cuda"].numerics.at_head_dim(128),
                                              smooth_k=False), ref)
     assert 0.008 < fp16["rel_l2"] < 0.016
     assert 0.03 < fp8["rel_l2"] < 0.046
@@ -44,7 +53,8 @@ def test_random_data_matches_the_h200_measurement():
 @pytest.mark.parametrize("name", ["qwen_image_b0_outlier_head", "krea2_b0_outlier_gqa"])
 def test_smoothing_breaks_the_outlier_replicas(name):
     fixture = load_fixture(shipped_dir() / f"{name}.safetensors")
-    scheme = emulation.scheme_for(VARIANTS["sm89-fp8-cuda"])  # the RTX 4090 kernel of the published numbers
+    # the RTX 4090 kernel of the published numbers
+    scheme = VARIANTS["sm89-fp8-cuda"].numerics.at_head_dim(128)
     ref = emulation.reference(fixture.q, fixture.k, fixture.v)
     off = emulation.errors(emulation.emulate(fixture.q, fixture.k, fixture.v, scheme, smooth_k=False), ref)
     on = emulation.errors(emulation.emulate(fixture.q, fixture.k, fixture.v, scheme, smooth_k=True), ref)

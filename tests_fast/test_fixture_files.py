@@ -61,7 +61,7 @@ def test_text_calibration_and_optional_fields(tmp_path):
 
 
 def test_accuracy_class():
-    classes = {name: ff.accuracy_class(v) for name, v in VARIANTS.items()}
+    classes = {name: v.accuracy_class for name, v in VARIANTS.items()}
     assert classes["sm80-fp16-cuda"] == classes["sm86-fp16-triton"] == "fp16"
     assert {classes[n] for n in classes if not n.startswith(("sm80", "sm86"))} == {"fp8"}
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import sage_qual
-from sage_qual.fixtures.fileformat import accuracy_class, load_fixture
+from sage_qual.fixtures.fileformat import load_fixture
 from sage_qual.qualification import measure
 
 from .conftest import FIXTURE_PATHS, VARIANT_NAMES
@@ -28,7 +28,7 @@ def test_variant_on_fixture(variant_name, fixture_path, sage, runnable, wrapper_
     q, k, v = fixture.q, fixture.k, fixture.v
     direct = measure.call_kernel(sage, variant, q, k, v)
     accuracy = measure.accuracy(direct, q, k, v)
-    bounds = fixture.bounds[accuracy_class(variant)]
+    bounds = fixture.bounds[variant.accuracy_class]
     record(test="accuracy", variant=variant.name, fixture=fixture.name, kind=fixture.kind,
            **accuracy.as_dict(), max_rel_l2=bounds["max_rel_l2"], min_cosine=bounds["min_cosine"])
     label = f"{variant.name} on {fixture.kind} fixture {fixture.name}"

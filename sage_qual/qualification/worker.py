@@ -177,7 +177,7 @@ class Worker:
         result = {
             "outcome": "fail" if reasons else "pass",
             "reasons": reasons,
-            "accuracy_class": fileformat.accuracy_class(variant),
+            "accuracy_class": variant.accuracy_class,
             "bounds": bounds,
             **_clean(acc.as_dict()),
             "extra_bytes_per_element": per_element,
