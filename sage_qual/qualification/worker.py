@@ -34,8 +34,10 @@ from typing import Callable
 import torch
 
 from sage_qual.fixtures import fileformat
+from sage_qual.limits import MAX_WORKER_FAILURES, MEMORY_BOUND
 from sage_qual.qualification import measure
-from sage_qual.qualification.families import MEMORY_BOUND, Shape
+from sage_qual.qualification.families import Shape
+from sage_qual.qualification.judge import cell_reasons
 from sage_qual.serving import environment, failures, platform, sage_package
 from sage_qual.serving.variants import VARIANTS, BoxFacts
 
@@ -237,24 +239,6 @@ def is_outlier(fixture_name: str) -> bool:
     return "outlier" in fixture_name
 
 
-def cell_reasons(acc: measure.Accuracy, per_element: float, bounds: dict, memory_bound: float) -> list[dict]:
-    """Why a cell fails, each reason with its numbers; empty when it passes."""
-    reasons = []
-    if not acc.finite:
-        reasons.append({"kind": "non_finite", "detail": "output not finite where the reference is"})
-    if not acc.rel_l2 <= bounds["max_rel_l2"]:
-        reasons.append({"kind": "accuracy",
-                        "detail": f"relative L2 {acc.rel_l2:.4g} > {bounds['max_rel_l2']:g} "
-                                  f"(SDPA in the input precision: {acc.sdpa_rel_l2:.3g})"})
-    if not acc.worst_head_cosine >= bounds["min_cosine"]:
-        reasons.append({"kind": "accuracy", "detail": f"worst head cosine {acc.worst_head_cosine:.4g} < "
-                                                      f"{bounds['min_cosine']:g}"})
-    if per_element > memory_bound:
-        reasons.append({"kind": "memory",
-                        "detail": f"extra peak {per_element:.2f} bytes per q/k/v element > {memory_bound:g}"})
-    return reasons
-
-
 def _not_supported_here() -> dict[str, dict[str, list[str]]]:
     """Per visible GPU, each variant that cannot run on it and why (the parent has no CUDA)."""
     cuda = platform.current()
@@ -342,7 +326,7 @@ class Process:
 
 def run_tasks(tasks: list[dict], spawn: Callable[[], Process], timeout: float, startup_timeout: float,
               on_result: Callable[[str, dict], None], stop: threading.Event | None = None,
-              max_failures: int = 2, env: dict[str, str] | None = None) -> None:
+              max_failures: int = MAX_WORKER_FAILURES, env: dict[str, str] | None = None) -> None:
     """Run tasks in workers until each has a result or the run is stopped.
 
     A task that kills its worker (signal, exit) gets "crash" with the stderr tail; one that sends
