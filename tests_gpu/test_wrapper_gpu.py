@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import sage_qual
+from sage_qual.limits import MEMORY_BOUND
 from sage_qual.qualification import measure
 
 from .conftest import VARIANT_NAMES
@@ -96,8 +97,8 @@ def test_gqa_reaches_the_kernel_unexpanded(variant_name, sage, runnable, wrapper
 @variants
 @pytest.mark.parametrize("shape_name", ["flux1-1024", "krea2-gqa-48q-12kv"])
 def test_memory_of_first_and_later_calls(variant_name, shape_name, runnable, wrapper_serving, record):
-    """Extra peak allocation per call <= 2.5 bytes per element of q+k+v, the checked first call no
-    more than a later call + 1 MiB, and nothing left allocated after the scope."""
+    """Extra peak allocation per call <= MEMORY_BOUND bytes per element of q+k+v, the checked first
+    call no more than a later call + 1 MiB, and nothing left allocated after the scope."""
     variant = runnable(variant_name)
     q, k, v = make_qkv(*SHAPES[shape_name])
     gqa = q.shape[1] != k.shape[1]
@@ -118,8 +119,8 @@ def test_memory_of_first_and_later_calls(variant_name, shape_name, runnable, wra
            first_call_bytes_per_element=first_extra / elements,
            later_bytes_per_element=later_extra / elements)
     assert report.served == 2, dict(report.fallbacks)
-    assert first_extra / elements <= 2.5
-    assert later_extra / elements <= 2.5
+    assert first_extra / elements <= MEMORY_BOUND
+    assert later_extra / elements <= MEMORY_BOUND
     assert first_extra <= later_extra + MiB
     assert left == 0
 

@@ -8,6 +8,7 @@ import signal
 import sys
 from pathlib import Path
 
+from sage_qual import limits
 from sage_qual.errors import ExitCode
 from sage_qual.qualification.certify import Options, run
 
@@ -29,8 +30,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--families", nargs="+", help="families to certify (default: all)")
     parser.add_argument("--fixtures", nargs="+", metavar="DIR", help="fixture directories (default: shipped)")
     parser.add_argument("--quick", action="store_true", help="smallest fixture per family, short sweep")
-    parser.add_argument("--timeout", type=float, default=90.0,
-                        help="seconds a task may run before its worker is killed (default 90)")
+    parser.add_argument("--timeout", type=float, default=limits.TASK_TIMEOUT,
+                        help="seconds a task may run before its worker is killed "
+                             f"(default {limits.TASK_TIMEOUT:g})")
     parser.set_defaults(func=_command)
 
 

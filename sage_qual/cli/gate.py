@@ -7,6 +7,7 @@ import json
 import tempfile
 from pathlib import Path
 
+from sage_qual import limits
 from sage_qual.errors import ExitCode, UsageError
 from sage_qual.qualification import gate, report, worker
 from sage_qual.qualification.families import FAMILIES, Family, find
@@ -52,7 +53,8 @@ def _gate(args: argparse.Namespace) -> int:
     local = gate.local_fixtures(args.fixtures, family)
     with tempfile.TemporaryDirectory(prefix="sage-qual-gate-") as logs:
         try:
-            here = worker.collect_environment(Path(logs) / "environment.log", 120.0)["environment"]
+            here = worker.collect_environment(Path(logs) / "environment.log",
+                                              limits.STARTUP_TIMEOUT)["environment"]
         except worker.WorkerError as error:
             raise UsageError(str(error)) from None
     if not here["gpus"]:

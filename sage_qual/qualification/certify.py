@@ -21,6 +21,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+from sage_qual import limits
 from sage_qual.errors import UsageError
 from sage_qual.fixtures import fileformat
 from sage_qual.qualification import families as families_mod
@@ -46,7 +47,7 @@ class Options:
     families: list[str] | None = None
     fixture_dirs: list[str] | None = None
     quick: bool = False
-    timeout: float = 90.0
+    timeout: float = limits.TASK_TIMEOUT
     command: str = "sage_qual.qualification.certify.run()"
 
 
@@ -168,7 +169,8 @@ def run(options: Options) -> dict:
 def _run(options: Options, variants: list[str], chosen: list, fixtures: list, out: Path,
          pool: worker.Pool) -> dict:
     try:
-        collected = worker.collect_environment(out / "logs" / "environment.log", max(120.0, options.timeout))
+        collected = worker.collect_environment(out / "logs" / "environment.log",
+                                               limits.startup_timeout(options.timeout))
     except worker.WorkerError as error:
         raise UsageError(str(error)) from None
     env = collected["environment"]
@@ -314,7 +316,8 @@ class _DeviceRun:
                 spawn = functools.partial(pool.take, prefetch=n + 1 < len(self.jobs))
                 tasks = {task["id"]: task for task in job}
                 record = functools.partial(self._record, tasks, progress=progress)
-                worker.run_tasks(job, spawn, self.timeout, max(120.0, self.timeout), record, stop, env=env)
+                worker.run_tasks(job, spawn, self.timeout, limits.startup_timeout(self.timeout), record, stop,
+                                 env=env)
                 if stop.is_set():
                     break
         except BaseException as error:  # surfaced by the main thread after the report is written

@@ -15,12 +15,9 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass
 
+from sage_qual.limits import MEMORY_BOUND
 from sage_qual.qualification.speed import break_even, serves
 from sage_qual.serving.config import KERNEL_TABLE
-
-# Extra peak memory per call, bytes per element of q+k+v. SageAttention's quantized copies cost
-# 1.33-1.67 on the H200 (notes/); 2.5 leaves room and still catches a kernel that copies twice.
-MEMORY_BOUND = 2.5
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The wrapper's thresholds and kernel table in one typed object.
 
 A per-GPU profile written by `sage-qual certify` replaces these values (`install(config=...)`);
-the defaults below are the ones the InvokeAI backend shipped, measured on an RTX 4090 (seeds/001).
+the default numbers, and where each was measured, are in `sage_qual.limits`.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from sage_qual import limits
 from sage_qual.serving.variants import BLACKWELL, VARIANTS, BoxFacts, Capability, Variant
 
 # Preference order per compute capability; the first variant this box supports wins. Follows
@@ -24,16 +25,12 @@ KERNEL_TABLE: Mapping[Capability, tuple[str, ...]] = {
 
 @dataclass(frozen=True)
 class WrapperConfig:
-    # Below these lengths quantizing costs more than the kernel saves (break-even on an RTX 4090).
-    min_query_tokens: int = 1536
-    min_key_tokens: int = 512
+    min_query_tokens: int = limits.MIN_QUERY_TOKENS
+    min_key_tokens: int = limits.MIN_KEY_TOKENS
     head_dims: tuple[int, ...] = (64, 128)
-    # First-call check: the last `check_rows` query rows of one sample and one K/V group.
-    check_rows: int = 1024
-    # Fp8 kernels land near 0.04 on random data (H200, notes/); 0.5 only catches broken kernels.
-    check_max_rel_l2: float = 0.5
-    # Consecutive Triton cache write failures (OSError) before a device is retired.
-    cache_error_limit: int = 3
+    check_rows: int = limits.CHECK_ROWS  # first-call check: query rows of one sample and K/V group
+    check_max_rel_l2: float = limits.CHECK_MAX_REL_L2
+    cache_error_limit: int = limits.CACHE_ERROR_LIMIT  # Triton cache failures in a row
     kernel_table: Mapping[Capability, tuple[str, ...]] = field(default_factory=lambda: dict(KERNEL_TABLE))
 
     def kernel_for(self, box: BoxFacts) -> tuple[Variant | None, str]:

@@ -1,0 +1,54 @@
+"""Every limit sage-qual applies, defined once, each with why and where its number comes from.
+
+Serving (the wrapper), qualification (certify's workers and verdicts) and the GPU tests import
+these names; nothing else writes the numbers. A number measured on a GPU cites the file of this
+repository that holds the measurement.
+"""
+
+from __future__ import annotations
+
+# --- The wrapper -------------------------------------------------------------------------------
+# Fewest query / key tokens a call needs before SageAttention serves it: below them quantizing
+# costs more than the kernel saves. The break-even the InvokeAI SageAttention backend shipped,
+# measured on an RTX 4090 (InvokeAI PR #9657); on an H200 the sm90 kernel only pays from about
+# 13.7k-16k tokens (docs/results/README.md, run 2), which a certified profile puts in their place.
+MIN_QUERY_TOKENS = 1536
+MIN_KEY_TOKENS = 512
+
+# First-call check: the last CHECK_ROWS query rows of one sample and one K/V group, recomputed with
+# torch (a few MiB at most, so the checked call costs no more memory than later ones:
+# docs/results/README.md, "Extra memory per call", first checked call and later calls equal).
+CHECK_ROWS = 1024
+# Largest relative L2 against torch the first-call check accepts. A served FLUX.1 call measured
+# 0.038 (docs/runs/run1/probe.log, H200) and the worst shipped fixture 0.17 with smoothing off
+# (README "Known limits"); 0.5 lets every working kernel through and catches a broken one.
+CHECK_MAX_REL_L2 = 0.5
+
+# Consecutive Triton cache write failures (OSError) before a GPU is retired. A policy, not a
+# measurement: one failure is a race between processes sharing a cache, three in a row a cache
+# that cannot be written.
+CACHE_ERROR_LIMIT = 3
+
+# --- Certify ----------------------------------------------------------------------------------
+# Extra peak memory per call, bytes per element of q+k+v. SageAttention's quantized copies cost
+# fp8 1.36-1.72 and fp16 1.19-1.39 on the H200 (docs/results/README.md, run 3); 2.5 leaves room
+# and still catches a kernel that copies its inputs twice.
+MEMORY_BOUND = 2.5
+
+# Seconds a worker may send nothing before it is killed (`certify --timeout`'s default). The
+# slowest task measured took 8.6 s (docs/results/run2-h200-certify-full/report.json, a first
+# fixture with kernel compilation): 90 s is ten times that, and a hung kernel still costs little.
+TASK_TIMEOUT = 90.0
+# The first task of a worker initializes CUDA and compiles kernels (Triton into an empty cache):
+# it gets at least this long. A margin over TASK_TIMEOUT for a cold cache on a slower host, not a
+# measurement.
+STARTUP_TIMEOUT = 120.0
+
+# Workers of one job that may crash or hang before the rest of its tasks are skipped, so one
+# broken variant cannot use up the time of the whole run. A policy, not a measurement.
+MAX_WORKER_FAILURES = 2
+
+
+def startup_timeout(task_timeout: float) -> float:
+    """What a worker's first task gets when tasks get `task_timeout`."""
+    return max(STARTUP_TIMEOUT, task_timeout)
