@@ -19,8 +19,9 @@ def upstream_sageattn(module):
     kernels' default (as sageattention/core.py does)."""
 
     def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, return_lse=False, **kwargs):
-        return module.sageattn_qk_int8_pv_fp8_cuda_sm90(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal,
-                                                        sm_scale=sm_scale, pv_accum_dtype="fp32+fp32")
+        return module.sageattn_qk_int8_pv_fp8_cuda_sm90(q, k, v, tensor_layout=tensor_layout,
+                                                        is_causal=is_causal, sm_scale=sm_scale,
+                                                        pv_accum_dtype="fp32+fp32")
 
     return sageattn
 
@@ -63,7 +64,8 @@ def test_claims_read_as_the_wrapper_words_them():
     assert target.not_supported_reasons(q, k, v) == ["head_dim=96 (supported: 64, 128)",
                                                      "dtype=float32 (supported: float16, bfloat16)"]
     q, k, v = qkv(head_dim=192)
-    assert targets.resolve("sageattn").not_supported_reasons(q, k, v) == ["head_dim=192 (supported: up to 128)"]
+    reasons = targets.resolve("sageattn").not_supported_reasons(q, k, v)
+    assert reasons == ["head_dim=192 (supported: up to 128)"]
 
 
 def test_machine_reasons_name_the_gpu_and_the_missing_package():
@@ -75,7 +77,8 @@ def test_machine_reasons_name_the_gpu_and_the_missing_package():
     assert targets.resolve("sageattn").machine_reasons(None) == [
         "no CUDA GPU visible: SageAttention integrations run on NVIDIA GPUs only"]
     turing = BoxFacts((7, 5), None, frozenset(), True)
-    assert targets.resolve("sageattn").machine_reasons(turing)[0].startswith("capability=sm_75 (supported: sm_80")
+    reasons = targets.resolve("sageattn").machine_reasons(turing)
+    assert reasons[0].startswith("capability=sm_75 (supported: sm_80")
 
 
 def test_sageattn_target_calls_upstream_with_its_defaults_and_counts_served_calls(h200):
