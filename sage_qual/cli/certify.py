@@ -33,10 +33,19 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--timeout", type=float, default=limits.TASK_TIMEOUT,
                         help="seconds a task may run before its worker is killed "
                              f"(default {limits.TASK_TIMEOUT:g})")
+    parser.add_argument("--emulate", action="store_true",
+                        help="no GPU: predict every variant on the fixtures with the CPU numerics model "
+                             "(report marked predicted, no speed; gate refuses it)")
     parser.set_defaults(func=_command)
 
 
 def _command(args: argparse.Namespace) -> int:
+    if args.emulate:
+        from sage_qual.qualification import emulate
+
+        emulate.run(emulate.Options(args.out, _split(args.variants), _split(args.families), args.fixtures,
+                                    args.quick, "sage-qual " + shlex.join(sys.argv[1:])))
+        return ExitCode.OK
     options = Options(args.out, args.devices, _split(args.variants), _split(args.families), args.fixtures,
                       args.quick, args.timeout, "sage-qual " + shlex.join(sys.argv[1:]))
 

@@ -190,6 +190,12 @@ class Worker:
             result["smooth_k_on"] = _clean({"rel_l2": rel_l2, "worst_head_cosine": cosine, "finite": finite})
         return result
 
+    def _target(self, task: dict) -> dict:
+        """`certify --target`: an integration instead of a variant (its module runs the task)."""
+        from sage_qual.qualification import target_cells
+
+        return target_cells.run_task(task, self.bench)
+
     def _sdpa(self, task: dict) -> dict:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 

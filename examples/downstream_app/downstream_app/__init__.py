@@ -1,0 +1,1 @@
+"""A stand-in for an application that uses SageAttention (see attention.py)."""

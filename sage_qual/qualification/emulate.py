@@ -1,0 +1,187 @@
+"""`sage-qual certify --emulate`: what every variant would do on the fixtures, predicted on the CPU.
+
+No GPU runs: each variant's numerics model (its INT8 Q/K groups, FP8 or FP16 P.V and V scaling,
+`sage_qual.fixtures.numerics`) computes its output on every selected fixture, and the same
+judgement as certify (`judge.cell_reasons`, the fixture's bounds for the variant's accuracy
+class) says whether it would pass. The report has certify's layout and is marked predicted
+everywhere: one pseudo-device, "numerics model (CPU)", no speed section, no memory figures (the
+model allocates nothing like the kernel), and `sage-qual gate` refuses it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import socket
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from sage_qual.errors import UsageError
+from sage_qual.fixtures import fileformat, numerics
+from sage_qual.qualification import certify, judge, measure, report
+from sage_qual.qualification import families as families_mod
+from sage_qual.serving import environment
+from sage_qual.serving.variants import VARIANTS, Variant
+
+PREDICTED = "predicted by the CPU numerics model (sage_qual.fixtures.numerics), not measured on a GPU"
+DEVICE_NAME = "numerics model (CPU, predicted)"
+
+
+@dataclass
+class Options:
+    out: Path
+    variants: list[str] | None = None
+    families: list[str] | None = None
+    fixture_dirs: list[str] | None = None
+    quick: bool = False
+    command: str = "sage_qual.qualification.emulate.run()"
+
+
+def predict_cell(variant: Variant, fixture: fileformat.Fixture, ref: torch.Tensor) -> dict:
+    """One (variant, fixture) cell in certify's record layout, judged like a measured one."""
+    start = time.monotonic()
+    out = numerics.predict(variant, fixture.q, fixture.k, fixture.v)  # K smoothing off, as served
+    acc = measure.accuracy(out, fixture.q, fixture.k, fixture.v, ref)
+    bounds = fixture.bound(variant)
+    # Peak memory is a GPU measurement the model cannot make: no memory figure is stored, and the
+    # judgement's memory term gets zero against no bound, so it cannot fire.
+    reasons = judge.cell_reasons(acc, 0.0, bounds, math.inf)
+    return {"variant": variant.name, "fixture": fixture.name, "outcome": "fail" if reasons else "pass",
+            "detail": PREDICTED, "reasons": reasons, "accuracy_class": variant.accuracy_class,
+            "bounds": bounds,
+            **_finite(acc.as_dict()), "extra_bytes_per_element": None,
+            "seconds": round(time.monotonic() - start, 3)}
+
+
+def run(options: Options) -> dict:
+    variants = certify.select_variants(options.variants)
+    chosen = certify.select_families(options.families)
+    directories = certify.fixture_dirs(options.fixture_dirs)
+    fixtures = certify.select_fixtures(directories, chosen, options.families is None, options.quick)
+    if not fixtures:
+        raise UsageError("no fixtures selected: give --fixtures DIR with *.safetensors fixtures, or other "
+                         "--families")
+    out = Path(options.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UsageError(f"cannot write to {out}: {error.strerror or error}") from None
+    data = _new_report(options, variants, chosen, fixtures, directories)
+    writer = report.Writer(out / "report.json", data)
+    cells = data["devices"][0]["cells"]
+    with _progress(len(variants) * len(fixtures)) as tick:
+        for fixture in fixtures:
+            ref = measure.reference(fixture.q, fixture.k, fixture.v)
+            for name in variants:
+                cell = predict_cell(VARIANTS[name], fixture, ref)
+                cells.append(cell)
+                tick(f"{name} x {fixture.name}: {cell['outcome']} (rel L2 {_number(cell['rel_l2'])})")
+    writer.update(_finish)
+    report.render(data, out)
+    print(summary(data), end="")
+    print(f"sage-qual certify --emulate: PREDICTED report in {out / 'report.md'} (`sage-qual gate` "
+          "refuses it: certify on the GPU to enable a family)")
+    return data
+
+
+def _new_report(options: Options, variants: list[str], chosen: list, fixtures: list,
+                directories: list) -> dict:
+    now = _now()
+    return {
+        "kind": report.KIND, "schema_version": report.SCHEMA_VERSION, "complete": False, "stopped": "",
+        "predicted": True, "started": now, "finished": None, "host": socket.gethostname(),
+        "command": options.command,
+        "options": {"devices": [0], "variants": variants, "families": [f.name for f in chosen],
+                    "fixture_dirs": directories, "quick": options.quick, "timeout_s": 0.0},
+        "environment": asdict(environment.collect()),
+        "fixtures": [certify._fixture_record(f) for f in fixtures],
+        "shapes": {},
+        "devices": [{"index": 0, "name": DEVICE_NAME, "capability": [0, 0], "memory_gib": 0.0,
+                     "not_supported": {}, "cells": [], "speed": []}],
+    }
+
+
+def _finish(data: dict) -> None:
+    data["complete"] = True
+    data["finished"] = _now()
+
+
+def family_matrix(data: dict) -> dict[str, dict[str, list[str]]]:
+    """Per family, per variant: the fixtures (with reasons) the variant would fail; [] = would pass.
+    A family's fixtures are its own and the generic ones."""
+    cells = {(c["variant"], c["fixture"]): c for c in data["devices"][0]["cells"]}
+    matrix: dict[str, dict[str, list[str]]] = {}
+    for family_name in data["options"]["families"]:
+        family = families_mod.find(family_name)
+        owned = [f["name"] for f in data["fixtures"]
+                 if family.owns(f["family"]) or families_mod.normalize(f["family"]) == "generic"]
+        if not owned:
+            continue
+        matrix[family.name] = {
+            variant: [f"{fixture}: " + "; ".join(r["detail"] for r in cells[(variant, fixture)]["reasons"])
+                      for fixture in owned if cells[(variant, fixture)]["outcome"] != "pass"]
+            for variant in data["options"]["variants"]}
+    return matrix
+
+
+def summary(data: dict) -> str:
+    """The terminal table: which variants would fail which families (predicted)."""
+    matrix = family_matrix(data)
+    variants = data["options"]["variants"]
+    lines = [f"PREDICTED (CPU numerics model, no GPU ran): {len(data['fixtures'])} fixture(s), "
+             f"{len(variants)} variant(s)"]
+    width = max(map(len, variants)) + 2
+    lines.append("family".ljust(14) + "".join(v.ljust(width) for v in variants))
+    for family, row in matrix.items():
+        lines.append(family.ljust(14) + "".join(("would fail" if row[v] else "would pass").ljust(width)
+                                                for v in variants))
+    failures = [(family, variant, reason) for family, row in matrix.items()
+                for variant, reasons in row.items() for reason in reasons]
+    for family, variant, reason in failures:
+        lines.append(f"  {variant} would fail {family}: {reason}")
+    skipped = sorted(set(data["options"]["families"]) - set(matrix))
+    if skipped:
+        lines.append(f"  no fixtures, not predicted: {', '.join(skipped)}")
+    return "\n".join(lines) + "\n"
+
+
+class _progress:
+    """A tqdm bar on a terminal; nothing per cell in a log (the summary follows)."""
+
+    def __init__(self, total: int):
+        self.bar = None
+        if sys.stderr.isatty():
+            try:
+                from tqdm import tqdm
+            except ImportError:  # tqdm comes with the [report] and [test] extras
+                return
+            self.bar = tqdm(total=total, unit="cell", desc="emulating", dynamic_ncols=True, file=sys.stderr)
+
+    def __enter__(self):
+        def tick(line: str) -> None:
+            if self.bar is not None:
+                self.bar.update(1)
+                self.bar.set_postfix_str(line[:60])
+
+        return tick
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _finite(values: dict) -> dict:
+    """JSON has no NaN or infinity: such numbers become null (`finite` says what happened)."""
+    return {k: (None if isinstance(x, float) and not math.isfinite(x) else x) for k, x in values.items()}
+
+
+def _number(x) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")

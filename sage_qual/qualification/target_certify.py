@@ -1,0 +1,184 @@
+"""`sage-qual certify --target NAME`: the fixtures, budgets and verdicts of certify, run on an
+integration (`targets.resolve(NAME)`) instead of on our variants.
+
+Each cell runs in certify's isolated workers (task kind "target", `target_cells.run_task`): the target is
+enabled as its app enables it, called on the fixture in SDPA's layout, and judged by the same
+`judge.cell_reasons` against the fixture's bounds for the kernel class the integration runs on
+that GPU. A call the integration claims not to take is a skip with its claim
+(`head_dim=96 (supported: 64, 128)`); a call it takes but does not serve on SageAttention is a skip
+with why, so a family is never enabled on a call SageAttention never saw. No speed sweep: the
+question is whether the integration is safe on this GPU, per family.
+
+In the report the target stands where a variant stands (`options.variants == [NAME]`, the cells'
+`variant`), and the report's `target` names it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import os
+import shutil
+import socket
+import tempfile
+import threading
+from pathlib import Path
+
+from sage_qual import limits
+from sage_qual.errors import UsageError
+from sage_qual.qualification import certify, pool, report, targets
+from sage_qual.qualification import families as families_mod
+
+
+@dataclasses.dataclass
+class Options:
+    out: Path
+    target: str
+    devices: str = "all"
+    families: list[str] | None = None
+    fixture_dirs: list[str] | None = None
+    quick: bool = False
+    timeout: float = limits.TASK_TIMEOUT
+    command: str = "sage_qual.qualification.target_certify.run()"
+
+
+# The parent's side ------------------------------------------------------------------------------
+def resolve(name: str) -> targets.Target:
+    try:
+        return targets.resolve(name)
+    except targets.TargetError as error:
+        raise UsageError(str(error)) from None
+
+
+def run(options: Options) -> dict:
+    target = resolve(options.target)
+    chosen = certify.select_families(options.families)
+    directories = certify.fixture_dirs(options.fixture_dirs)
+    fixtures = certify.select_fixtures(directories, chosen, options.families is None, options.quick)
+    out = Path(options.out)
+    logs = out / "logs"
+    try:
+        logs.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UsageError(f"cannot write to {out}: {error.strerror or error}") from None
+    workers = pool.Pool(logs)
+    try:
+        collected = pool.collect_environment(logs / "environment.log",
+                                               limits.startup_timeout(options.timeout))
+    except pool.WorkerError as error:
+        workers.close()
+        raise UsageError(str(error)) from None
+    try:
+        return _run(options, target, chosen, fixtures, directories, collected, out, workers)
+    finally:
+        workers.close()
+
+
+def _run(options: Options, target: targets.Target, chosen: list, fixtures: list, directories: list,
+         collected: dict, out: Path, workers: pool.Pool) -> dict:
+    env = collected["environment"]
+    if not env["gpus"]:
+        raise UsageError("no CUDA GPU is visible here (CPU-only torch, no driver, or CUDA_VISIBLE_DEVICES "
+                         "empty): certify --target needs the GPU it qualifies the integration on")
+    devices = certify._device_indices(options.devices, len(env["gpus"]))
+    data = {
+        "kind": report.KIND, "schema_version": report.SCHEMA_VERSION, "complete": False, "stopped": "",
+        "target": target.name, "started": _now(), "finished": None, "host": socket.gethostname(),
+        "command": options.command,
+        "options": {"devices": devices, "variants": [target.name], "families": [f.name for f in chosen],
+                    "fixture_dirs": directories, "quick": options.quick, "timeout_s": options.timeout},
+        "environment": env, "fixtures": [certify._fixture_record(f) for f in fixtures], "shapes": {},
+        "devices": [{"index": i, "name": env["gpus"][i]["name"], "capability": env["gpus"][i]["capability"],
+                     "memory_gib": env["gpus"][i]["memory_gib"], "not_supported": {}, "cells": [],
+                     "speed": []}
+                    for i in devices],
+    }
+    writer = report.Writer(out / "report.json", data)
+    threads = [threading.Thread(target=_device_run, args=(n, target, fixtures, options, writer, workers),
+                                daemon=True) for n in range(len(devices))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    writer.update(_finish)
+    report.render(data, out)
+    print(summary(data), end="")
+    return data
+
+
+def _device_run(position: int, target: targets.Target, fixtures: list, options: Options,
+                writer: report.Writer, workers: pool.Pool) -> None:
+    device = writer.data["devices"][position]
+    parent_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = parent_visible.split(",")[device["index"]] if parent_visible else str(device["index"])
+    cache = tempfile.mkdtemp(prefix=f"sage-qual-triton-cuda{device['index']}-")
+    env = {"CUDA_VISIBLE_DEVICES": visible, "TRITON_CACHE_DIR": cache}
+    results: dict[str, dict] = {}
+    try:
+        run = functools.partial(pool.run_tasks, spawn=workers.take, timeout=options.timeout,
+                                startup_timeout=limits.startup_timeout(options.timeout), env=env)
+        run([{"id": "machine", "kind": "target", "action": "machine", "target": target.name}],
+            on_result=results.__setitem__)
+        machine = results["machine"]
+        reasons = machine.get("reasons") if machine["outcome"] == "pass" else [machine.get("detail", "crash")]
+        if reasons:
+            def skip(d):
+                d["devices"][position]["not_supported"][target.name] = reasons
+                d["devices"][position]["cells"] += [
+                    {"variant": target.name, "fixture": f.name, "outcome": "skip",
+                     "detail": "; ".join(reasons)}
+                    for f in fixtures]
+
+            writer.update(skip)
+            return
+        tasks = [{"id": f.name, "kind": "target", "action": "cell", "target": target.name,
+                  "fixture": str(f.path), "capability": device["capability"],
+                  "memory_bound": certify._memory_bound(f)} for f in fixtures]
+
+        def record(task_id, result):
+            cell = {"variant": target.name, "fixture": task_id, **result}
+            writer.update(lambda d: d["devices"][position]["cells"].append(cell))
+            print(f"cuda:{device['index']} {target.name} x {task_id}: {result['outcome']}"
+                  + (f" -- {result.get('detail')}" if result.get("detail") else ""), flush=True)
+
+        run(tasks, on_result=record)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def _finish(data: dict) -> None:
+    data["complete"] = True
+    data["finished"] = _now()
+
+
+def summary(data: dict) -> str:
+    """Per GPU and family: safe (every fixture of the family passed) or not, with the reasons."""
+    lines = [f"sage-qual certify --target {data['target']}: report in report.md next to report.json"]
+    for device in data["devices"]:
+        cells = {c["fixture"]: c for c in device["cells"]}
+        for family_name in data["options"]["families"]:
+            family = families_mod.find(family_name)
+            owned = [f["name"] for f in data["fixtures"]
+                     if family.owns(f["family"]) or families_mod.normalize(f["family"]) == "generic"]
+            if not owned:
+                state = "not qualified: no fixtures of this family"
+            else:
+                bad = [(name, cells.get(name)) for name in owned
+                       if cells.get(name) is None or cells[name]["outcome"] != "pass"]
+                state = "safe" if not bad else "NOT SAFE: " + "; ".join(_why(n, c) for n, c in bad)
+            lines.append("  cuda:%d %s sm_%d%d  %-12s %s" % (device["index"], device["name"],
+                                                          *device["capability"], family.name, state))
+    return "\n".join(lines) + "\n"
+
+
+def _why(fixture: str, cell: dict | None) -> str:
+    if cell is None:
+        return f"{fixture}: not run"
+    if cell["outcome"] == "fail":
+        return f"{fixture}: " + ", ".join(r["detail"] for r in cell["reasons"])
+    return f"{fixture}: {cell['outcome']} ({cell.get('detail', '')})"
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")

@@ -1,0 +1,116 @@
+"""The pytest plugin, as a downstream project uses it: the example project's suite passes (its GPU
+tests skip with the reason here), fixtures are parametrized per family, bad options are usage errors,
+and the check a test calls serves, judges and explains exactly as certify's cell does."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sage_qual.fixtures import fileformat
+from sage_qual.qualification import target_cells, targets
+from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "downstream_app"
+
+
+def pytest_run(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_the_example_project_passes_and_says_why_its_gpu_tests_skip():
+    result = pytest_run(EXAMPLE, "-rs")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "sage-qual: target downstream_app.attention:attention; no CUDA GPU" in result.stdout
+    assert "2 passed, 5 skipped" in result.stdout
+    assert "sage-qual: no CUDA GPU visible to torch" in result.stdout
+
+
+def test_fixtures_are_one_test_each_for_the_marked_families(tmp_path):
+    (tmp_path / "test_app.py").write_text(
+        "import pytest\n"
+        "@pytest.mark.sage_qual(families=['qwen-image'])\n"
+        "def test_q(sage_qual_fixture):\n    pass\n"
+        "def test_all(sage_qual_fixture):\n    pass\n")
+    result = pytest_run(tmp_path, "--collect-only", "-q")
+    assert result.returncode == 0, result.stdout + result.stderr
+    collected = [line for line in result.stdout.splitlines() if "::" in line]
+    qwen = sorted(line.split("[")[1].rstrip("]") for line in collected if "test_q[" in line)
+    shipped = fileformat.list_fixtures(fileformat.shipped_dir())
+    owned = [fileformat.load_fixture(p) for p in shipped]
+    assert qwen == sorted(f.name for f in owned if f.family.lower() in ("qwen-image", "generic"))
+    assert qwen and any(name.startswith("qwen_image") for name in qwen)
+    assert len([line for line in collected if "test_all[" in line]) == len(shipped)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--sage-qual-target", "no_such_app_xyz:attention"], "cannot import no_such_app_xyz"),
+    (["--sage-qual-fixtures", "/nonexistent/fixtures"], "directory: not found"),
+])
+def test_bad_options_are_usage_errors_with_the_fix(tmp_path, args, message):
+    (tmp_path / "test_app.py").write_text(
+        "def test_x(sage_qual_target, sage_qual_fixture):\n    pass\n")
+    result = pytest_run(tmp_path, *args)
+    assert result.returncode == 4, result.stdout + result.stderr  # pytest's usage error
+    assert message in result.stderr
+
+
+@pytest.fixture
+def fake_h200():
+    fake = FakeSageAttention()
+    with FakeCuda([FakeGpu((9, 0), "Fake H200")]), fake.installed():
+        yield fake
+
+
+class _CpuBench:
+    device = "cpu"
+
+    def extra_peak_bytes(self, fn):
+        return fn(), 0
+
+
+def _fixture(name: str) -> fileformat.Fixture:
+    return fileformat.load_fixture(fileformat.shipped_dir() / f"{name}.safetensors")
+
+
+def test_a_served_call_within_budget_passes(fake_h200):
+    cell = target_cells.measure_cell(targets.resolve("wrapper:sm90-fp8-cuda"), _fixture("sdxl_1024_level1"),
+                                     (9, 0), _CpuBench())
+    assert cell["outcome"] == "pass" and cell["accuracy_class"] == "fp8"
+    assert fake_h200.calls and fake_h200.calls[0].function == "sageattn_qk_int8_pv_fp8_cuda_sm90"
+
+
+def test_a_result_out_of_budget_fails_with_the_numbers(fake_h200):
+    fake_h200.return_value(lambda exact: exact * 1.5)
+    cell = target_cells.measure_cell(targets.resolve("wrapper:sm90-fp8-cuda"), _fixture("flux1_1024"),
+                                     (9, 0), _CpuBench())
+    assert cell["outcome"] == "fail"
+    assert any(r["detail"].startswith("relative L2 ") for r in cell["reasons"]), cell["reasons"]
+
+
+def test_a_call_the_integration_leaves_to_torch_is_not_evidence(fake_h200):
+    # The wrapper as installed leaves calls under 1536/512 tokens to torch: no verdict from them.
+    fixture = _fixture("krea2_b0_outlier_gqa")
+    small = fileformat.Fixture(**{**fixture.__dict__, "q": fixture.q[:, :, :64], "k": fixture.k[:, :, :32],
+                                  "v": fixture.v[:, :, :32]})
+    cell = target_cells.measure_cell(targets.resolve("wrapper"), small, (9, 0), _CpuBench())
+    assert cell == {"outcome": "skip",
+                    "detail": "wrapper does not take this call: short: tokens=64/32 (needs >= 1536/512)"}
+    assert fake_h200.calls == []
+
+
+def test_a_function_that_claims_everything_but_runs_torch_is_a_skip_with_why(fake_h200, monkeypatch):
+    import types
+
+    app = types.ModuleType("plain_app_xyz")
+    app.attention = lambda q, k, v, **kw: torch.nn.functional.scaled_dot_product_attention(q, k, v, **kw)
+    monkeypatch.setitem(sys.modules, "plain_app_xyz", app)
+    cell = target_cells.measure_cell(targets.resolve("plain_app_xyz:attention"), _fixture("flux1_1024"),
+                                     (9, 0), _CpuBench())
+    assert cell["outcome"] == "skip"
+    assert "did not run SageAttention on this call: no SageAttention function was called" in cell["detail"]
