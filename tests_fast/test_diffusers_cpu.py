@@ -1,0 +1,140 @@
+"""Real model code: diffusers' FLUX, Qwen-Image and Wan transformers (tiny configs from the library's
+own config classes, random weights) with the wrapper installed on the fake CUDA and fake kernel.
+
+Which calls were served, why the others fell back, outputs identical to torch outside a scope, and
+the recorder writing fixtures from the same models. The models are untrained: the calls' shapes,
+layouts and arguments are diffusers' own, their statistics are not a real model's.
+"""
+
+import pytest
+import torch
+
+# diffusers (in the test extra) imports torch._dynamo, which must happen before the fake `triton`
+# is in sys.modules: imported here, at collection.
+from diffusers import FluxTransformer2DModel, QwenImageTransformer2DModel, WanTransformer3DModel
+
+import sage_qual
+from sage_qual.fixtures import fileformat
+from sage_qual.fixtures.recorder import record_sdpa
+from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
+
+DTYPE = torch.bfloat16
+TEXT_TOKENS = 16
+# Head size 64, the smaller one the kernels take; thresholds low enough for the tiny token counts
+# (FLUX: 64 image + 16 text tokens; Wan: 128 video tokens, 16 text keys).
+SMALL = sage_qual.WrapperConfig(min_query_tokens=64, min_key_tokens=16, check_rows=16)
+UNTRAINED = ("recorded from an untrained model with random weights (tiny config): shapes, layouts and "
+             "arguments are the library's own, the statistics are not a real model's")
+
+
+def _random(*shape, dtype=DTYPE):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(len(shape) * 7 + shape[-1])).to(dtype)
+
+
+def flux():
+    torch.manual_seed(0)
+    model = FluxTransformer2DModel(patch_size=1, in_channels=8, num_layers=1, num_single_layers=1,
+                                   attention_head_dim=64, num_attention_heads=2, joint_attention_dim=32,
+                                   pooled_projection_dim=16, axes_dims_rope=(16, 24, 24)).to(DTYPE).eval()
+    inputs = dict(hidden_states=_random(1, 64, 8), encoder_hidden_states=_random(1, TEXT_TOKENS, 32),
+                  pooled_projections=_random(1, 16), timestep=torch.tensor([0.5]),
+                  img_ids=torch.zeros(64, 3), txt_ids=torch.zeros(TEXT_TOKENS, 3))
+    return model, inputs
+
+
+def qwen_image(mask: bool):
+    torch.manual_seed(0)
+    model = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=2,
+                                        attention_head_dim=64, num_attention_heads=2, joint_attention_dim=32,
+                                        axes_dims_rope=(16, 24, 24)).to(DTYPE).eval()
+    inputs = dict(hidden_states=_random(1, 64, 16), encoder_hidden_states=_random(1, TEXT_TOKENS, 32),
+                  timestep=torch.tensor([0.5]), img_shapes=[(1, 8, 8)],
+                  encoder_hidden_states_mask=torch.ones(1, TEXT_TOKENS, dtype=torch.long) if mask else None)
+    return model, inputs
+
+
+def wan():
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=64,
+                                  in_channels=4, out_channels=4, text_dim=32, freq_dim=32, ffn_dim=64,
+                                  num_layers=1, rope_max_seq_len=64).to(DTYPE).eval()
+    inputs = dict(hidden_states=_random(1, 4, 2, 16, 16), timestep=torch.tensor([500]),
+                  encoder_hidden_states=_random(1, TEXT_TOKENS, 32))
+    return model, inputs
+
+
+def run(model, inputs) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**inputs).sample
+
+
+@pytest.fixture
+def fake_h200():
+    fake = FakeSageAttention()
+    with FakeCuda([FakeGpu((9, 0), "Fake H200")]), fake.installed():
+        yield fake
+
+
+# model, calls per forward pass, served of them, fallback reasons of the rest
+CASES = {
+    "flux": (flux, 2, 2, {}),  # one joint block, one single block: 80 tokens each
+    "wan": (wan, 2, 2, {}),  # self-attention (128 tokens) and text cross-attention (16 keys)
+    # Qwen-Image with its text mask: diffusers passes the (all-ones) mask on to SDPA, so the
+    # wrapper leaves every call to torch; without a mask both joint blocks are served.
+    "qwen-image masked": (lambda: qwen_image(mask=True), 2, 0, {"mask": 2}),
+    "qwen-image unmasked": (lambda: qwen_image(mask=False), 2, 2, {}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_served_calls_and_fallbacks_in_a_real_transformer(fake_h200, case):
+    build, calls, served, fallbacks = CASES[case]
+    model, inputs = build()
+    expected = run(model, inputs)
+    assert sage_qual.install(config=SMALL).enabled
+    assert torch.equal(run(model, inputs), expected)  # outside a scope: torch's own result, bit for bit
+    assert fake_h200.calls == []
+    with sage_qual.sage_attention_scope() as report:
+        out = run(model, inputs)
+    counts = (report.calls, report.served, dict(report.fallbacks))
+    assert counts == (calls, served, fallbacks), report.summary()
+    assert len(fake_h200.calls) == served
+    assert all(c.function == "sageattn_qk_int8_pv_fp8_cuda_sm90" and c.keywords["smooth_k"] is False
+               and c.keywords["tensor_layout"] == "HND" for c in fake_h200.calls)
+    # The fake kernel computes exact attention in float32: the served model stays within bf16 noise.
+    error = (out.float() - expected.float()).norm() / expected.float().norm()
+    assert error < 0.02, f"relative L2 {error:.3g} against torch"
+    if served:
+        assert not torch.equal(out, expected)  # the kernel's result, not torch's, reached the output
+
+
+def test_default_thresholds_leave_tiny_calls_to_torch_and_say_so(fake_h200):
+    model, inputs = flux()
+    assert sage_qual.install().enabled
+    with sage_qual.sage_attention_scope() as report:
+        run(model, inputs)
+    assert report.served == 0 and report.fallbacks == {"short": 2}
+    assert report.details["short"] == "tokens=80/80 (needs >= 1536/512)"
+
+
+def test_recorder_writes_fixtures_of_the_calls_of_one_block(tmp_path):
+    model, inputs = flux()
+    with record_sdpa(tmp_path, family="flux.1", model="FluxTransformer2DModel tiny random (diffusers 0.42.1)",
+                     select=model.transformer_blocks[0], heads=[1], note=UNTRAINED) as recording:
+        run(model, inputs)
+    assert recording.calls == 2 and len(recording.paths) == 1 and recording.skipped == []
+    fixture = fileformat.load_fixture(recording.paths[0])
+    assert fixture.kind == "recorded" and fixture.family == "flux.1"
+    assert "untrained model with random weights" in fixture.provenance
+    assert list(fixture.q.shape) == [1, 1, 64 + TEXT_TOKENS, 64]  # head 1 of the joint call, all tokens
+    assert fixture.source["full_call"]["q"] == [1, 2, 64 + TEXT_TOKENS, 64]
+    assert fixture.source["module"] == "FluxTransformerBlock"
+
+
+def test_recorder_skips_masked_calls_with_the_reason(tmp_path):
+    model, inputs = qwen_image(mask=True)
+    with record_sdpa(tmp_path, family="qwen-image", model="QwenImage tiny random", select=0,
+                     note=UNTRAINED) as recording:
+        run(model, inputs)
+    assert recording.paths == []
+    assert recording.skipped == [(0, "masked, causal or with dropout (fixtures hold plain attention)")]
