@@ -129,20 +129,21 @@ def family_matrix(data: dict) -> dict[str, dict[str, list[str]]]:
 
 
 def summary(data: dict) -> str:
-    """The terminal table: which variants would fail which families (predicted)."""
+    """The terminal table: per variant (and the GPUs that run it by default), which families it
+    would pass or fail (predicted), then every predicted failure with its reason."""
     matrix = family_matrix(data)
     variants = data["options"]["variants"]
     lines = [f"PREDICTED (CPU numerics model, no GPU ran): {len(data['fixtures'])} fixture(s), "
-             f"{len(variants)} variant(s)"]
+             f"{len(variants)} variant(s); FAIL = would fail at least one fixture of the family"]
     width = max(map(len, variants)) + 2
-    lines.append("family".ljust(14) + "".join(v.ljust(width) for v in variants))
+    lines.append("variant".ljust(width) + "default on".ljust(16) + " ".join(f.ljust(10) for f in matrix))
+    for variant in variants:
+        native = ",".join("sm_%d%d" % cap for cap in VARIANTS[variant].native_on) or "-"
+        row = " ".join(("FAIL" if matrix[f][variant] else "pass").ljust(10) for f in matrix)
+        lines.append(variant.ljust(width) + native[:15].ljust(16) + row)
     for family, row in matrix.items():
-        lines.append(family.ljust(14) + "".join(("would fail" if row[v] else "would pass").ljust(width)
-                                                for v in variants))
-    failures = [(family, variant, reason) for family, row in matrix.items()
-                for variant, reasons in row.items() for reason in reasons]
-    for family, variant, reason in failures:
-        lines.append(f"  {variant} would fail {family}: {reason}")
+        for variant, reasons in row.items():
+            lines += [f"  {variant} would fail {family}: {reason}" for reason in reasons]
     skipped = sorted(set(data["options"]["families"]) - set(matrix))
     if skipped:
         lines.append(f"  no fixtures, not predicted: {', '.join(skipped)}")
