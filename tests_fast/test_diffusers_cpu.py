@@ -16,7 +16,8 @@ from diffusers import FluxTransformer2DModel, QwenImageTransformer2DModel, WanTr
 import sage_qual
 from sage_qual.fixtures import fileformat
 from sage_qual.fixtures.recorder import record_sdpa
-from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
+from sage_qual.qualification import targets
+from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention, exact_attention
 
 DTYPE = torch.bfloat16
 TEXT_TOKENS = 16
@@ -138,3 +139,68 @@ def test_recorder_skips_masked_calls_with_the_reason(tmp_path):
         run(model, inputs)
     assert recording.paths == []
     assert recording.skipped == [(0, "masked, causal or with dropout (fixtures hold plain attention)")]
+
+
+# diffusers' own SageAttention backends ---------------------------------------------------------
+@pytest.fixture
+def diffusers_on_fake(fake_h200, monkeypatch):
+    """diffusers' attention_dispatch holding the fake kernels, as its import binds the real ones
+    (`from sageattention import ...` when a usable sageattention is installed)."""
+    import sys
+
+    from diffusers.models import attention_dispatch
+
+    module = sys.modules["sageattention"]
+
+    def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, return_lse=False, **kwargs):
+        # upstream sageattn() on sm_90: the Hopper kernel with fp32+fp32 accumulation.
+        return module.sageattn_qk_int8_pv_fp8_cuda_sm90(q, k, v, tensor_layout=tensor_layout,
+                                                        is_causal=is_causal, sm_scale=sm_scale,
+                                                        return_lse=return_lse, pv_accum_dtype="fp32+fp32")
+
+    monkeypatch.setattr(module, "sageattn", sageattn, raising=False)
+    monkeypatch.setattr(attention_dispatch, "_CAN_USE_SAGE_ATTN", True)
+    for name in targets.SAGE_FUNCTIONS:
+        if hasattr(module, name):
+            monkeypatch.setattr(attention_dispatch, name, getattr(module, name))
+    return fake_h200
+
+
+def test_every_local_sageattention_backend_of_diffusers_is_a_target():
+    assert targets.diffusers_backends() == ["sage", "sage_varlen", "_sage_qk_int8_pv_fp8_cuda",
+                                            "_sage_qk_int8_pv_fp8_cuda_sm90", "_sage_qk_int8_pv_fp16_cuda",
+                                            "_sage_qk_int8_pv_fp16_triton"]
+    with pytest.raises(targets.TargetError, match="downloads its kernel from the Hugging Face Hub"):
+        targets.resolve("diffusers:sage_hub")
+    with pytest.raises(targets.TargetError, match="no SageAttention backend 'flash'"):
+        targets.resolve("diffusers:flash")
+
+
+@pytest.mark.parametrize("backend, function", [
+    ("_sage_qk_int8_pv_fp8_cuda_sm90", "sageattn_qk_int8_pv_fp8_cuda_sm90"),
+    ("_sage_qk_int8_pv_fp16_cuda", "sageattn_qk_int8_pv_fp16_cuda"),
+    ("sage", "sageattn_qk_int8_pv_fp8_cuda_sm90"),
+])
+def test_a_diffusers_backend_calls_its_kernel_in_nhd_with_smoothing_on(diffusers_on_fake, backend, function):
+    q, k, v = (_random(1, 2, 96, 64) for _ in range(3))
+    target = targets.resolve(f"diffusers:{backend}")
+    with target.session() as session:
+        out, served = session.call(q, k, v)
+    assert served
+    call = diffusers_on_fake.calls[0]
+    assert call.function == function
+    assert call.keywords["tensor_layout"] == "NHD" and call.keywords["smooth_k"] is True
+    assert list(call.q.shape) == [1, 96, 2, 64]  # diffusers' [B, N, H, D]
+    assert torch.equal(out, exact_attention(q, k, v, 64 ** -0.5))
+
+
+def test_a_real_transformer_on_a_diffusers_backend_reaches_the_kernel_in_every_block(diffusers_on_fake):
+    model, inputs = flux()
+    expected = run(model, inputs)
+    target = targets.resolve("diffusers:_sage_qk_int8_pv_fp8_cuda_sm90")
+    with target.session() as session:
+        out = run(model, inputs)  # FLUX's processors call dispatch_attention_fn with the active backend
+    assert session.evidence.functions == {"sageattn_qk_int8_pv_fp8_cuda_sm90": 2}
+    assert len(diffusers_on_fake.calls) == 2
+    error = (out.float() - expected.float()).norm() / expected.float().norm()
+    assert 0 < error < 0.02
