@@ -10,9 +10,11 @@
     assert fake.calls[0].keywords["smooth_k"] is False
 
 CPU tensors count as CUDA tensors on fake device 0, or on the device `on_device()` gives them;
-meta tensors count as not on a GPU. The fake kernels declare the real keyword signatures of
-SageAttention 2.2, record every call, and return the exact attention computed in float32 (cast
-to the input dtype, as the real kernels return), unless told to raise or return something else.
+meta tensors count as not on a GPU. The fake kernels are made from the variant registry
+(`sage_qual.serving.variants.KERNEL_FUNCTIONS`): one per kernel function, with its keyword
+signature. Each records every call, refuses what the real kernel refuses (see `check_call`), and
+returns the exact attention computed in float32 (cast to the input dtype, as the real kernels
+return), unless told to raise or return something else.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from sage_qual.serving import platform
-from sage_qual.serving.variants import EXTENSIONS
+from sage_qual.serving.variants import EXTENSIONS, KERNEL_FUNCTIONS, KernelFunction
 
 _FAKE_INDEX = "_sage_qual_fake_cuda_index"
 
@@ -109,12 +111,63 @@ class FakeCuda(platform.CudaPlatform):
         return self._swap.__exit__(*exc)
 
 
-def exact_attention(q, k, v, sm_scale: float) -> torch.Tensor:
-    """Attention in float32 on [B, H, N, D] tensors (K/V may have fewer heads), in q's dtype."""
+def exact_attention(q, k, v, sm_scale: float, is_causal: bool = False, attn_mask=None,
+                    return_lse: bool = False):
+    """Attention in float32 on [B, H, N, D] tensors (K/V may have fewer heads), in q's dtype;
+    with `return_lse`, also the natural log of each row's softmax denominator, [B, H, N] float32."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1).float(), v.repeat_interleave(group, 1).float()
     scores = (q.float() @ k.transpose(-1, -2)) * sm_scale
-    return (scores.softmax(-1) @ v).to(q.dtype)
+    if is_causal:
+        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+    if attn_mask is not None:
+        mask = attn_mask.expand(scores.shape)
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    out = (scores.softmax(-1) @ v).to(q.dtype)
+    return (out, scores.logsumexp(-1)) if return_lse else out
+
+
+def _device_of(tensor: torch.Tensor) -> Optional[int]:
+    return getattr(tensor, _FAKE_INDEX, 0) if tensor.device.type == "cpu" else None
+
+
+def check_call(function: KernelFunction, q, k, v, keywords: dict[str, Any]) -> None:
+    """Raise what the real kernel raises for a call it refuses (upstream core.py's asserts and
+    ValueErrors, csrc/qattn's CHECK_DIMS / CHECK_SHAPE as RuntimeError); also refuse option values
+    upstream silently misreads (an unknown tensor_layout runs as "HND" in the CUDA kernels) and
+    shapes its Triton kernel would read out of bounds (a batch or head_dim mismatch)."""
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        raise TypeError("q, k and v must be tensors")
+    if _device_of(q) is None:
+        raise AssertionError("Input tensors must be on cuda.")
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise AssertionError("Input tensors must be in dtype of torch.float16 or torch.bfloat16")
+    if not _device_of(q) == _device_of(k) == _device_of(v):
+        raise AssertionError("All tensors must be on the same device.")
+    if not q.dtype == k.dtype == v.dtype:
+        raise AssertionError("All tensors must have the same dtype.")
+    for name, allowed in function.choices.items():
+        if name in keywords and keywords[name] not in allowed:
+            raise ValueError(f"Unsupported {name}: {keywords[name]!r} (upstream takes {', '.join(allowed)})")
+    for name, tensor in (("query", q), ("key", k), ("value", v)):
+        if tensor.dim() != 4:
+            raise RuntimeError(f"Tensor {name} must have dimension number (4)")
+    if q.shape[-1] > function.max_head_dim:
+        raise ValueError(f"Unsupported head_dim: {q.shape[-1]}")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise AssertionError("Last dim of qkv must be contiguous.")
+    nhd = keywords.get("tensor_layout", "HND") == "NHD"
+    batch, head_dim = q.shape[0], q.shape[3]
+    kv_len, kv_heads = (k.shape[1], k.shape[2]) if nhd else (k.shape[2], k.shape[1])
+    expected = (batch, kv_len, kv_heads, head_dim) if nhd else (batch, kv_heads, kv_len, head_dim)
+    for name, tensor in (("key", k), ("value", v)):
+        if tuple(tensor.shape) != expected:
+            raise RuntimeError(f"Tensor {name} must have shape {expected}, got {tuple(tensor.shape)}")
+    q_heads = q.shape[2] if nhd else q.shape[1]
+    if kv_heads == 0 or q_heads % kv_heads:
+        raise ValueError(f"num_qo_heads ({q_heads}) must be divisible by num_kv_heads ({kv_heads})")
+    if keywords.get("is_causal") and keywords.get("attn_mask") is not None:
+        raise AssertionError("Mask should be None for causal attention.")
 
 
 @dataclass
@@ -171,58 +224,56 @@ class FakeSageAttention:
         self._behaviour = None
 
     # The fake module ------------------------------------------------------------------------
-    def _kernel(self, name: str, q, k, v, keywords: dict[str, Any]):
+    def _kernel(self, function: KernelFunction, q, k, v, keywords: dict[str, Any]):
         cuda = platform.current()
         device = getattr(cuda, "current_device", None)
-        self.calls.append(KernelCall(name, q, k, v, keywords, device))
+        self.calls.append(KernelCall(function.name, q, k, v, keywords, device))
         if hasattr(cuda, "events"):
-            cuda.events.append(f"kernel {name} on {device}")
-        sm_scale = keywords.get("sm_scale") or q.shape[-1] ** -0.5
-        exact = exact_attention(q, k, v, sm_scale)
+            cuda.events.append(f"kernel {function.name} on {device}")
+        check_call(function, q, k, v, keywords)
+        nhd = keywords.get("tensor_layout") == "NHD"
+        if nhd:
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        sm_scale = keywords.get("sm_scale")
+        exact = exact_attention(q, k, v, q.shape[-1] ** -0.5 if sm_scale is None else sm_scale,
+                                bool(keywords.get("is_causal")), keywords.get("attn_mask"),
+                                bool(keywords.get("return_lse")))
+        if nhd:
+            exact = ((exact[0].transpose(1, 2), exact[1]) if isinstance(exact, tuple)
+                     else exact.transpose(1, 2))
         return exact if self._behaviour is None else self._behaviour(exact)
 
+    def _make_kernel(self, function: KernelFunction) -> Callable:
+        """A function named and signed like the real one: q, k, v, its keywords (less
+        `signature_drops`, which fall into **kwargs as a renamed keyword would), **kwargs."""
+        kind, keyword_kind = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.VAR_KEYWORD
+        signature = inspect.Signature(
+            [inspect.Parameter(name, kind) for name in ("q", "k", "v")]
+            + [inspect.Parameter(name, kind, default=default) for name, default in function.keywords
+               if name not in self.signature_drops]
+            + [inspect.Parameter("kwargs", keyword_kind)])
+
+        def kernel(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            arguments = bound.arguments
+            keywords = {name: value for name, value in arguments.items()
+                        if name not in ("q", "k", "v", "kwargs")}
+            return self._kernel(function, arguments["q"], arguments["k"], arguments["v"],
+                                {**keywords, **arguments["kwargs"]})
+
+        kernel.__name__ = kernel.__qualname__ = function.name
+        kernel.__signature__ = signature
+        return kernel
+
     def module(self) -> types.ModuleType:
-        fake = self
         module = types.ModuleType("sageattention")
         module.__spec__ = importlib.machinery.ModuleSpec("sageattention", None, is_package=True)
         module.__path__ = []
         module.__version__ = self.version
-
-        def sageattn_qk_int8_pv_fp16_triton(q, k, v, tensor_layout="HND", quantization_backend="triton",
-                                            is_causal=False, attn_mask=None, sm_scale=None, smooth_k=True,
-                                            return_lse=False, **kwargs):
-            keywords = dict(locals(), **kwargs)
-            return fake._kernel("sageattn_qk_int8_pv_fp16_triton", q, k, v, _keywords(keywords))
-
-        def sageattn_qk_int8_pv_fp16_cuda(q, k, v, tensor_layout="HND", is_causal=False,
-                                          qk_quant_gran="per_thread", sm_scale=None, pv_accum_dtype="fp32",
-                                          smooth_k=True, smooth_v=False, return_lse=False, **kwargs):
-            keywords = dict(locals(), **kwargs)
-            return fake._kernel("sageattn_qk_int8_pv_fp16_cuda", q, k, v, _keywords(keywords))
-
-        def sageattn_qk_int8_pv_fp8_cuda(q, k, v, tensor_layout="HND", is_causal=False,
-                                         qk_quant_gran="per_thread", sm_scale=None,
-                                         pv_accum_dtype="fp32+fp16", smooth_k=True, smooth_v=False,
-                                         return_lse=False, **kwargs):
-            keywords = dict(locals(), **kwargs)
-            return fake._kernel("sageattn_qk_int8_pv_fp8_cuda", q, k, v, _keywords(keywords))
-
-        def sageattn_qk_int8_pv_fp8_cuda_sm90(q, k, v, tensor_layout="HND", is_causal=False,
-                                              qk_quant_gran="per_thread", sm_scale=None,
-                                              pv_accum_dtype="fp32+fp32", smooth_k=True, return_lse=False,
-                                              **kwargs):
-            keywords = dict(locals(), **kwargs)
-            return fake._kernel("sageattn_qk_int8_pv_fp8_cuda_sm90", q, k, v, _keywords(keywords))
-
-        for function in (sageattn_qk_int8_pv_fp16_triton, sageattn_qk_int8_pv_fp16_cuda,
-                         sageattn_qk_int8_pv_fp8_cuda, sageattn_qk_int8_pv_fp8_cuda_sm90):
-            if function.__name__ in self.missing:
-                continue
-            if self.signature_drops:
-                signature = inspect.signature(function)
-                kept = [p for p in signature.parameters.values() if p.name not in self.signature_drops]
-                function.__signature__ = signature.replace(parameters=kept)
-            setattr(module, function.__name__, function)
+        for function in KERNEL_FUNCTIONS.values():
+            if function.name not in self.missing:
+                setattr(module, function.name, self._make_kernel(function))
         return module
 
     @contextlib.contextmanager
@@ -252,10 +303,6 @@ class FakeSageAttention:
                     sys.modules.pop(name, None)
                 else:
                     sys.modules[name] = module
-
-
-def _keywords(local_names: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in local_names.items() if k not in ("q", "k", "v", "kwargs", "fake")}
 
 
 class _FakeDistribution(importlib.metadata.Distribution):

@@ -25,7 +25,7 @@ import torch
 
 from sage_qual.cli import UsageError
 from sage_qual.fixtures.fileformat import save_fixture
-from sage_qual.qualification import certify, report, worker
+from sage_qual.qualification import certify, fault_hooks, judge, pool, report
 from sage_qual.qualification.measure import Accuracy
 
 jsonschema = pytest.importorskip("jsonschema")  # a test dependency; the GPU box lacks it
@@ -76,7 +76,7 @@ def run(tmp_path_factory):
 
     watcher = threading.Thread(target=watch, daemon=True)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(worker.TEST_HOOK, json.dumps({"gpus": [H200, RTX4090], "faults": FAULTS}))
+        mp.setenv(fault_hooks.TEST_HOOK, json.dumps({"gpus": [H200, RTX4090], "faults": FAULTS}))
         for name in ("init", "_lazy_init", "is_available", "device_count", "get_device_capability",
                      "get_device_name", "set_device", "synchronize"):
             mp.setattr(torch.cuda, name, no_cuda)
@@ -201,7 +201,7 @@ def test_each_gpu_has_its_workers_and_its_own_triton_cache(run):
      ["non_finite", "accuracy", "accuracy"]),
 ])
 def test_cell_reasons(acc, per_element, kinds):
-    reasons = worker.cell_reasons(acc, per_element, BOUNDS["fp8"], 2.5)
+    reasons = judge.cell_reasons(acc, per_element, BOUNDS["fp8"], 2.5)
     assert [r["kind"] for r in reasons] == kinds
 
 
@@ -239,7 +239,7 @@ def test_progress_is_a_bar_on_a_terminal_with_problems_printed(capsys, monkeypat
 def machine(monkeypatch):
     here = {"environment": {"gpus": [{**H200, "index": 0, "memory_gib": 24.0}], "sageattention_problem": ""},
             "not_supported": {"0": {}}}
-    monkeypatch.setattr(worker, "collect_environment", lambda *args, **kwargs: here)
+    monkeypatch.setattr(pool, "collect_environment", lambda *args, **kwargs: here)
     return here
 
 
@@ -285,7 +285,7 @@ def test_a_killed_run_leaves_a_partial_report_and_no_workers(tmp_path):
     fixtures = write_fixtures(tmp_path / "fixtures")
     out = tmp_path / "out"
     marker = f"kill-test-{uuid.uuid4()}"  # in every worker's environment, to find them
-    env = {**os.environ, worker.TEST_HOOK: json.dumps(
+    env = {**os.environ, fault_hooks.TEST_HOOK: json.dumps(
         {"gpus": [H200], "faults": {"sdpa@b1 h24 q4096 k4096 d128 bfloat16": "hang", marker: "none"}})}
     parent = subprocess.Popen([sys.executable, "-m", "sage_qual", "certify", "--out", str(out), "--quick",
                                "--variants", "sm90-fp8-cuda", "--fixtures", str(fixtures), "--timeout", "60"],
@@ -318,7 +318,7 @@ def test_a_killed_run_leaves_a_partial_report_and_no_workers(tmp_path):
 def test_quick_without_variants_runs_each_gpus_own_kernel(tmp_path, monkeypatch):
     """--quick is a pre-flight: only the kernel the wrapper would use on each GPU runs."""
     fixtures = write_fixtures(tmp_path / "fixtures")
-    monkeypatch.setenv(worker.TEST_HOOK, json.dumps({"gpus": [H200, RTX4090], "faults": {}}))
+    monkeypatch.setenv(fault_hooks.TEST_HOOK, json.dumps({"gpus": [H200, RTX4090], "faults": {}}))
     data = certify.run(certify.Options(tmp_path / "out", devices="0,1", families=["FLUX.1"],
                                        fixture_dirs=[str(fixtures)], quick=True, timeout=30.0))
     ran = [{c["variant"] for c in device["cells"] if c["outcome"] != "skip"} for device in data["devices"]]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from sage_qual import cli
-from sage_qual.qualification import families, gate, worker
+from sage_qual.qualification import families, gate, pool
 
 DATA = Path(__file__).parent / "data"
 H200 = DATA / "sample_h200_2gpu.json"
@@ -163,7 +163,7 @@ def test_partial_or_uncertified_family_cannot_decide():
 def machine(monkeypatch):
     """This machine's environment as collected in a worker, replaced by what a test sets."""
     here = {"environment": load(H200)["environment"]}
-    monkeypatch.setattr(worker, "collect_environment", lambda *args, **kwargs: here)
+    monkeypatch.setattr(pool, "collect_environment", lambda *args, **kwargs: here)
     return here
 
 

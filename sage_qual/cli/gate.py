@@ -9,7 +9,7 @@ from pathlib import Path
 
 from sage_qual import limits
 from sage_qual.errors import ExitCode, UsageError
-from sage_qual.qualification import gate, report, worker
+from sage_qual.qualification import gate, pool, report
 from sage_qual.qualification.families import FAMILIES, Family, find
 
 
@@ -53,9 +53,9 @@ def _gate(args: argparse.Namespace) -> int:
     local = gate.local_fixtures(args.fixtures, family)
     with tempfile.TemporaryDirectory(prefix="sage-qual-gate-") as logs:
         try:
-            here = worker.collect_environment(Path(logs) / "environment.log",
+            here = pool.collect_environment(Path(logs) / "environment.log",
                                               limits.STARTUP_TIMEOUT)["environment"]
-        except worker.WorkerError as error:
+        except pool.WorkerError as error:
             raise UsageError(str(error)) from None
     if not here["gpus"]:
         raise UsageError("no CUDA GPU is visible here, so no report can be matched to this machine")

@@ -25,7 +25,8 @@ from sage_qual import limits
 from sage_qual.errors import UsageError
 from sage_qual.fixtures import fileformat
 from sage_qual.qualification import families as families_mod
-from sage_qual.qualification import profile, report, worker
+from sage_qual.qualification import pool as workers
+from sage_qual.qualification import profile, report
 from sage_qual.serving.variants import VARIANTS
 
 # The generic sweep: self-attention of 24 heads from 1k to 32k tokens at both head sizes, and
@@ -158,7 +159,7 @@ def run(options: Options) -> dict:
         logs.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise UsageError(f"cannot write to {out}: {error.strerror or error}") from None
-    pool = worker.Pool(logs)
+    pool = workers.Pool(logs)
     pool.prefetch()  # the first GPU's first worker imports torch while the environment is collected
     try:
         return _run(options, variants, chosen, fixtures, out, pool)
@@ -167,11 +168,11 @@ def run(options: Options) -> dict:
 
 
 def _run(options: Options, variants: list[str], chosen: list, fixtures: list, out: Path,
-         pool: worker.Pool) -> dict:
+         pool: workers.Pool) -> dict:
     try:
-        collected = worker.collect_environment(out / "logs" / "environment.log",
-                                               limits.startup_timeout(options.timeout))
-    except worker.WorkerError as error:
+        collected = workers.collect_environment(out / "logs" / "environment.log",
+                                                limits.startup_timeout(options.timeout))
+    except workers.WorkerError as error:
         raise UsageError(str(error)) from None
     env = collected["environment"]
     if not env["gpus"]:
@@ -303,7 +304,7 @@ class _DeviceRun:
                    for key, (w, r) in speed.items()])
         self.task_count = sum(len(job) for job in self.jobs)
 
-    def run(self, pool: worker.Pool, progress: "_Progress", stop: threading.Event) -> None:
+    def run(self, pool: workers.Pool, progress: "_Progress", stop: threading.Event) -> None:
         parent_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         visible = parent_visible.split(",")[self.index] if parent_visible else str(self.index)
         # One Triton cache per GPU and run: no other process writes it at the same time, and the
@@ -316,8 +317,8 @@ class _DeviceRun:
                 spawn = functools.partial(pool.take, prefetch=n + 1 < len(self.jobs))
                 tasks = {task["id"]: task for task in job}
                 record = functools.partial(self._record, tasks, progress=progress)
-                worker.run_tasks(job, spawn, self.timeout, limits.startup_timeout(self.timeout), record, stop,
-                                 env=env)
+                workers.run_tasks(job, spawn, self.timeout, limits.startup_timeout(self.timeout), record,
+                                  stop, env=env)
                 if stop.is_set():
                     break
         except BaseException as error:  # surfaced by the main thread after the report is written

@@ -12,8 +12,10 @@ from typing import Mapping
 from sage_qual import limits
 from sage_qual.serving.variants import BLACKWELL, VARIANTS, BoxFacts, Capability, Variant
 
-# Preference order per compute capability; the first variant this box supports wins. Follows
-# upstream sageattn(): (8, 7) and unknown capabilities get no kernel.
+# Preference order per compute capability; the first variant this box can run wins. The first
+# choice is the kernel and options upstream sageattn() calls on that capability (core.py); where it
+# raises "Unsupported CUDA architecture" (8.7, 10.0, anything newer than 12.1) there is no kernel.
+# The second choice replaces fp32+fp16 accumulation where torch's CUDA is older than 12.8.
 KERNEL_TABLE: Mapping[Capability, tuple[str, ...]] = {
     (8, 0): ("sm80-fp16-cuda",),
     (8, 6): ("sm86-fp16-triton",),

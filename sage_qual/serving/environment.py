@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sage_qual.serving import platform, sage_package
+from sage_qual.serving import platform
+from sage_qual.serving.assess import MachineAssessment, assess_machine
 from sage_qual.serving.config import DEFAULT_CONFIG, WrapperConfig
-from sage_qual.serving.variants import VARIANTS, BoxFacts
 from sage_qual.version import __version__
 
 
@@ -67,14 +67,15 @@ def _driver_version() -> str:
     return result.stdout.strip().splitlines()[0] if result.returncode == 0 and result.stdout.strip() else ""
 
 
-def collect(config: WrapperConfig = DEFAULT_CONFIG) -> Environment:
+def collect(config: WrapperConfig = DEFAULT_CONFIG,
+            machine: MachineAssessment | None = None) -> Environment:
+    """This machine's record; `machine` (from `assess.assess_machine(config)`) when the caller has it."""
     cuda = platform.current()
-    try:
-        package = sage_package.load()
-        problem, extensions = "", {e: "ok" for e in package.extensions}
+    machine = machine if machine is not None else assess_machine(config)
+    package, problem, extensions = machine.package, machine.problem, {}
+    if package is not None:
+        extensions = {e: "ok" for e in package.extensions}
         extensions.update(package.extension_errors)
-    except sage_package.SageUnavailable as why:
-        package, problem, extensions = None, str(why), {}
     env = Environment(
         sage_qual=__version__,
         python=sys.version.split()[0],
@@ -88,18 +89,11 @@ def collect(config: WrapperConfig = DEFAULT_CONFIG) -> Environment:
         sageattention_problem=problem,
         extensions=extensions,
     )
-    for index in range(cuda.device_count()):
-        box = BoxFacts(cuda.capability(index), cuda.torch_cuda(),
-                       package.extensions if package else frozenset(), sage_package.has_triton())
-        variant, reason = config.kernel_for(box)
-        if package is None:
-            variant, reason = None, "sageattention unusable (see above)"
-        elif variant is not None and sage_package.kernel_problem(package, variant):
-            variant, reason = None, sage_package.kernel_problem(package, variant)
+    for gpu in machine.gpus:
         env.gpus.append(Gpu(
-            index, cuda.device_name(index), box.capability, round(cuda.total_memory(index) / 2**30, 1),
-            variant.name if variant else "", reason,
-            [v.name for v in VARIANTS.values() if package and not v.not_supported_reasons(box)],
+            gpu.index, cuda.device_name(gpu.index), gpu.box.capability,
+            round(cuda.total_memory(gpu.index) / 2**30, 1),
+            gpu.kernel.name if gpu.kernel else "", gpu.no_kernel_reason, gpu.runnable,
         ))
     return env
 

@@ -1,10 +1,14 @@
 """SageAttention kernel variants: one small object per kernel function and option set.
 
 This registry is the single source of truth for the wrapper's per-GPU kernel table
-(`config.KERNEL_TABLE` names variants from here) and for the GPU qualification suite, which runs
-every variant the box can execute. K smoothing is always off: with SageAttention's default
-`smooth_k=True`, block 0 of Qwen-Image / Krea-2 (one Q/K channel near +600) drops to cosine
-0.18 / 0.53 against float32, 0.997 / 0.988 with it off (RTX 4090, seeds/001).
+(`config.KERNEL_TABLE` names variants from here), for what a GPU can run (`assess`), for the fake
+kernels of `sage_qual.testing` (generated from `KERNEL_FUNCTIONS`) and for the GPU qualification
+suite, which runs every variant the box can execute. Everything upstream-specific is read from
+SageAttention 2.2's source (sageattention/core.py, setup.py, csrc/qattn) and cited where declared.
+
+K smoothing is always off: with SageAttention's default `smooth_k=True` the outlier replicas of
+Qwen-Image / Krea-2 block 0 (one Q/K channel near +600) land at relative L2 1.95-2.10 / cosine
+0.59-0.68, against 0.093-0.097 / 0.988-0.989 with it off (H200, docs/results/README.md, run 3).
 """
 
 from __future__ import annotations
@@ -59,6 +63,35 @@ class Numerics:
 
 
 @dataclass(frozen=True)
+class KernelFunction:
+    """One kernel function of the `sageattention` module and its keyword contract.
+
+    `keywords` are the parameters after q, k, v with upstream's defaults, in upstream's order; every
+    real kernel ends in **kwargs, which swallows a misspelled or renamed keyword silently, so the
+    wrapper requires each keyword it passes to be one of these by name in the installed function
+    (`sage_package.kernel_problem`). `choices` are the values upstream accepts for its string
+    options; anything else raises (or, for an unknown pv_accum_dtype of the fp8 kernels, fails on
+    an unset variable). Q/K/V are [B, H, N, D] ("HND") or [B, N, H, D] ("NHD") of one dtype, fp16
+    or bf16, on one CUDA device, last dimension contiguous, K and V of one shape with Q's batch and
+    head_dim, query heads a multiple of K/V heads, head_dim at most `max_head_dim` (smaller ones
+    are zero-padded to 64 or 128): upstream core.py's asserts and csrc/qattn's CHECK_SHAPE.
+    """
+
+    name: str
+    keywords: tuple[tuple[str, Any], ...]
+    choices: Mapping[str, tuple[Any, ...]]
+    max_head_dim: int = 128
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return dict(self.keywords)
+
+
+_LAYOUTS = ("HND", "NHD")
+_GRANULARITY = ("per_warp", "per_thread")
+
+
+@dataclass(frozen=True)
 class Variant:
     name: str
     function: str  # attribute of the `sageattention` module
@@ -84,8 +117,20 @@ class Variant:
         """Every keyword the wrapper passes; each must be a named parameter of the kernel."""
         return {**self.fixed_keywords(), "sm_scale": sm_scale}
 
+    @property
+    def kernel_function(self) -> KernelFunction:
+        return KERNEL_FUNCTIONS[self.function]
+
     def not_supported_reasons(self, box: BoxFacts) -> list[str]:
+        """Why this box cannot run the variant, from its facts alone (`assess` adds the package's)."""
         reasons = []
+        if self.extension is not None and not has_compiled_code(box.capability):
+            targets = ", ".join(BUILD_TARGETS.values())
+            reasons.append("capability=%s: SageAttention 2.2 builds no code that runs on sm_%d%d "
+                           "(builds for %s)" % (box.capability, *box.capability, targets))
+        if self.needs_triton and box.capability in TRITON_UNUSABLE:
+            reasons.append("capability=%s: upstream's Triton kernel is not usable there (sageattention "
+                           "core.py)" % (box.capability,))
         if box.capability < self.min_capability:
             reasons.append(f"capability={box.capability} (needs >= {self.min_capability})")
         if self.max_capability is not None and box.capability > self.max_capability:
@@ -105,9 +150,64 @@ FP16_CUDA = "sageattn_qk_int8_pv_fp16_cuda"
 FP16_TRITON = "sageattn_qk_int8_pv_fp16_triton"
 FP8_CUDA = "sageattn_qk_int8_pv_fp8_cuda"
 FP8_CUDA_SM90 = "sageattn_qk_int8_pv_fp8_cuda_sm90"
-KERNEL_FUNCTIONS = (FP16_CUDA, FP16_TRITON, FP8_CUDA, FP8_CUDA_SM90)
+# Signatures and accepted values as in upstream core.py (SageAttention 2.2.0).
+KERNEL_FUNCTIONS: dict[str, KernelFunction] = {
+    f.name: f
+    for f in (
+        KernelFunction(
+            FP16_TRITON,
+            (("tensor_layout", "HND"), ("quantization_backend", "triton"), ("is_causal", False),
+             ("attn_mask", None), ("sm_scale", None), ("smooth_k", True), ("return_lse", False)),
+            {"tensor_layout": _LAYOUTS, "quantization_backend": ("triton", "cuda")},
+        ),
+        KernelFunction(
+            FP16_CUDA,
+            (("tensor_layout", "HND"), ("is_causal", False), ("qk_quant_gran", "per_thread"),
+             ("sm_scale", None), ("pv_accum_dtype", "fp32"), ("smooth_k", True), ("smooth_v", False),
+             ("return_lse", False)),
+            {"tensor_layout": _LAYOUTS, "qk_quant_gran": _GRANULARITY,
+             "pv_accum_dtype": ("fp32", "fp16", "fp16+fp32")},
+        ),
+        KernelFunction(
+            FP8_CUDA,
+            (("tensor_layout", "HND"), ("is_causal", False), ("qk_quant_gran", "per_thread"),
+             ("sm_scale", None), ("pv_accum_dtype", "fp32+fp16"), ("smooth_k", True), ("smooth_v", False),
+             ("return_lse", False)),
+            {"tensor_layout": _LAYOUTS, "qk_quant_gran": _GRANULARITY,
+             "pv_accum_dtype": ("fp32", "fp32+fp32", "fp32+fp16")},
+        ),
+        KernelFunction(
+            FP8_CUDA_SM90,
+            (("tensor_layout", "HND"), ("is_causal", False), ("qk_quant_gran", "per_thread"),
+             ("sm_scale", None), ("pv_accum_dtype", "fp32+fp32"), ("smooth_k", True), ("return_lse", False)),
+            {"tensor_layout": _LAYOUTS, "qk_quant_gran": _GRANULARITY, "pv_accum_dtype": ("fp32+fp32",)},
+        ),
+    )
+}
 EXTENSIONS = ("_qattn_sm80", "_qattn_sm89", "_qattn_sm90", "_fused")
-BLACKWELL = ((10, 0), (12, 0), (12, 1))
+# The GPUs upstream's sageattn() gives the per-warp fp8 kernel (core.py: "sm120", "sm121"); for any
+# other capability outside 8.0/8.6/8.9/9.0 it raises "Unsupported CUDA architecture", sm100 included.
+BLACKWELL = ((12, 0), (12, 1))
+# What upstream setup.py compiles the CUDA extensions for, per capability. Code for 8.x is plain
+# sm_XY and also runs on a later 8.x GPU (sm_87 runs sm_80 code); from 9.0 on it is arch-specific
+# ("a") and runs on that capability only; a capability setup.py does not list gets no code.
+BUILD_TARGETS: Mapping[Capability, str] = {
+    (8, 0): "sm_80", (8, 6): "sm_86", (8, 9): "sm_89", (9, 0): "sm_90a", (10, 0): "sm_100a",
+    (12, 0): "sm_120a", (12, 1): "sm_121a",
+}
+# core.py, sageattn(): "triton kernel is currently not usable on sm120" (and on sm121).
+TRITON_UNUSABLE = ((12, 0), (12, 1))
+
+
+def has_compiled_code(capability: Capability) -> bool:
+    """Whether SageAttention 2.2's compiled kernels can run on a GPU of this capability."""
+    for target, arch in BUILD_TARGETS.items():
+        if target == capability:
+            return True
+        if not arch.endswith("a") and target[0] == capability[0] and target[1] <= capability[1]:
+            return True
+    return False
+
 # Upstream core.py: fp8 PV with fp16 accumulation ("fp32+fp16") only from CUDA 12.8 on.
 CUDA_FOR_FP16_ACCUM = (12, 8)
 # INT8 Q/K granularity per kernel family (upstream quant.py / triton quant_per_*.py):
@@ -134,7 +234,9 @@ VARIANTS: dict[str, Variant] = {
         Variant(
             "sm86-fp16-triton", FP16_TRITON, {}, ((8, 6),), (8, 0), needs_triton=True,
             description="INT8 QK, FP16 PV in Triton (RTX 30xx, A10, A40)",
-            numerics=Numerics(128, 1, 64, 1, pv="fp16", pv_accumulation="fp32"),
+            # triton/attn_qk_int8_per_block.py: `acc += tl.dot(p, v, out_dtype=tl.float16)`, each
+            # 64-key block summed in fp16 and added to an fp32 accumulator.
+            numerics=Numerics(128, 1, 64, 1, pv="fp16", pv_accumulation="fp16+fp32"),
         ),
         Variant(
             "sm89-fp8-cuda", FP8_CUDA, {"pv_accum_dtype": "fp32+fp16"}, ((8, 9),), (8, 9),

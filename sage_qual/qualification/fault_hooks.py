@@ -1,0 +1,86 @@
+"""Test hooks of the certify worker: fake GPUs and injected faults, read only in the worker.
+
+The environment variable `SAGE_QUAL_TEST_WORKER` holds JSON. {"gpus": [{"name", "capability"}...]}
+runs the job on the fake CUDA and fake sageattention of `sage_qual.testing` with CPU tensors
+(`FakeBench`); {"faults": {task id: fault}} makes that task misbehave (`FAULTS`). Without the
+variable the worker measures the real GPU and nothing here runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+
+import torch
+
+TEST_HOOK = "SAGE_QUAL_TEST_WORKER"
+FAULTS = {
+    "crash": "abort the worker process",
+    "hang": "sleep for an hour (the parent's timeout kills it)",
+    "oom": "raise torch.OutOfMemoryError",
+    "noise": "the fake kernel returns exact attention plus noise (fake GPUs only)",
+    "cuda-fault": "trip a real device-side assert, which poisons the worker's CUDA context",
+}
+
+
+def read() -> dict:
+    """The hook's settings; {} when the variable is not set."""
+    return json.loads(os.environ.get(TEST_HOOK) or "{}")
+
+
+class FakeBench:
+    """Test-only: the fake CUDA and fake sageattention on CPU tensors, speed shapes cut 256-fold."""
+
+    device = "cpu"
+
+    def __init__(self, gpus: list[dict]):
+        from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
+
+        fakes = [FakeGpu(tuple(g["capability"]), g["name"]) for g in gpus]
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible:
+            fakes = [fakes[int(i)] for i in visible.split(",")]
+        self.sage = FakeSageAttention()
+        self._stack = contextlib.ExitStack()
+        self._stack.enter_context(FakeCuda(fakes))
+        self._stack.enter_context(self.sage.installed())
+
+    def tokens(self, n: int) -> int:
+        return max(16, n // 256)
+
+    def extra_peak_bytes(self, fn):
+        return fn(), 0
+
+    def median_ms(self, fn, warmup: int, repeats: int) -> float:
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1000
+
+    def healthy(self) -> bool:
+        return True
+
+    def release(self) -> None:
+        self.sage.behave()
+
+
+def inject(fault: str | None, bench) -> None:
+    """Make the current task misbehave as `fault` says (None: behave)."""
+    if fault == "crash":
+        print("test fault: aborting the worker", file=sys.stderr, flush=True)
+        os.abort()
+    elif fault == "hang":
+        time.sleep(3600)
+    elif fault == "oom":
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB (test fault)")
+    elif fault == "noise":
+        if not isinstance(bench, FakeBench):
+            raise ValueError("the test fault 'noise' needs the fake kernel")
+        bench.sage.return_value(lambda exact: exact + torch.randn_like(exact))
+    elif fault == "cuda-fault":
+        torch._assert_async(torch.zeros((), dtype=torch.bool, device="cuda"))
+        torch.cuda.synchronize()
+    elif fault is not None:
+        raise ValueError(f"unknown test fault {fault!r} (known: {', '.join(FAULTS)})")

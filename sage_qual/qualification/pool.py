@@ -1,0 +1,233 @@
+"""The parent's side of certify's worker processes: start them, feed them a job, follow them.
+
+A worker (`sage_qual.qualification.worker`, its own process) runs one job of tasks on one GPU
+and streams JSON lines back; this module starts workers ahead of need (`Pool`), kills one that
+sends nothing for the task timeout, turns a death into a "crash" or "timeout" result for the task
+it was in, and runs the rest in a fresh worker (`run_tasks`). It never imports torch and never
+touches CUDA: a fault in a kernel can only take a worker down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from sage_qual.limits import MAX_WORKER_FAILURES
+
+WORKER_MODULE = "sage_qual.qualification.worker"
+EXIT_POISONED = 70  # a worker's exit code when a CUDA error left its context unusable
+
+
+class Process:
+    """The parent's handle on one worker process; its stderr goes to `log_path`."""
+
+    def __init__(self, env: dict, log_path: Path):
+        self.log_path = log_path
+        with open(log_path, "wb") as log:
+            # Own session: a signal meant for the parent's terminal does not hit the worker, and
+            # killing its process group also ends what it started (compilers, nvidia-smi).
+            self.proc = subprocess.Popen([sys.executable, "-m", WORKER_MODULE],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
+                                         start_new_session=True)
+        self.messages: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                self.messages.put(json.loads(line))
+            except ValueError:  # a line torn by a dying worker
+                continue
+        self.messages.put(None)
+
+    def start(self, tasks: list[dict], env: dict[str, str] | None = None) -> None:
+        """Send the job; `env` is applied in the worker before anything touches CUDA or Triton."""
+        try:
+            self.proc.stdin.write((json.dumps({"tasks": tasks, "env": env or {}}) + "\n").encode())
+            self.proc.stdin.flush()
+        except OSError:  # it died before reading its job: the reader reports the end
+            pass
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait()
+
+    def close(self) -> None:
+        """End the worker: closing stdin lets an idle one exit; a busy one is killed."""
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def ended(self) -> str:
+        code = self.proc.wait()
+        if code < 0:
+            return f"killed by {signal.Signals(-code).name}"
+        return f"exit code {code}" + (" (CUDA context unusable)" if code == EXIT_POISONED else "")
+
+    def stderr_tail(self, chars: int = 2500) -> str:
+        try:
+            with open(self.log_path, "rb") as log:
+                log.seek(0, os.SEEK_END)
+                log.seek(max(0, log.tell() - chars))
+                return log.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+
+def run_tasks(tasks: list[dict], spawn: Callable[[], Process], timeout: float, startup_timeout: float,
+              on_result: Callable[[str, dict], None], stop: threading.Event | None = None,
+              max_failures: int = MAX_WORKER_FAILURES, env: dict[str, str] | None = None) -> None:
+    """Run tasks in workers until each has a result or the run is stopped.
+
+    A task that kills its worker (signal, exit) gets "crash" with the stderr tail; one that sends
+    nothing for `timeout` seconds gets "timeout" and its worker is killed (the first task of a
+    worker, which sets up CUDA and compiles kernels, gets `startup_timeout`). The other tasks go
+    on in a fresh worker. After `max_failures` such endings the rest are skipped, so one broken
+    variant cannot eat the time budget of the whole run.
+    """
+    pending = {task["id"]: task for task in tasks}
+    failures = 0
+    while pending and not (stop and stop.is_set()):
+        process = spawn()
+        process.start(list(pending.values()), env)
+        how, current, progressed, waited = _follow(process, pending, timeout, startup_timeout, on_result,
+                                                   stop)
+        if how in ("done", "stopped"):
+            process.close()
+            break
+        process.kill()
+        tail = process.stderr_tail()
+        ended = (f"it sent nothing for {waited:g} s and was killed" if how == "timeout"
+                 else f"it died ({process.ended()})")
+        if current is not None:
+            pending.pop(current)
+            on_result(current, {"outcome": "timeout" if how == "timeout" else "crash",
+                                "detail": f"the worker ran this task when {ended}", "stderr_tail": tail})
+        elif progressed:  # it reported its last task, then exited (a poisoned CUDA context): go on
+            continue
+        else:  # it never started a task: the rest would fail the same way
+            for task_id in list(pending):
+                on_result(task_id, {"outcome": "crash", "detail": f"a worker failed to start: {ended}",
+                                    "stderr_tail": tail})
+            break
+        failures += 1
+        if failures >= max_failures:
+            for task_id in list(pending):
+                on_result(task_id, {"outcome": "skip", "detail": f"not run: workers of this job crashed or "
+                                                                 f"hung {failures} times"})
+            break
+
+
+def _follow(process: Process, pending: dict, timeout: float, startup_timeout: float,
+            on_result: Callable, stop: threading.Event | None) -> tuple[str, str | None, bool, float]:
+    """Feed the worker's results to on_result.
+
+    Returns how it ended, the task it was in, whether it reported any result, and how long it
+    was given for its last message.
+    """
+    current, progressed, allowed = None, False, startup_timeout
+    deadline = time.monotonic() + allowed
+    while True:
+        if stop is not None and stop.is_set():
+            process.kill()
+            return "stopped", current, progressed, allowed
+        try:
+            message = process.messages.get(timeout=min(0.5, max(0.0, deadline - time.monotonic())))
+        except queue.Empty:
+            if time.monotonic() >= deadline:
+                return "timeout", current, progressed, allowed
+            continue
+        if message is None:
+            return "exited", current, progressed, allowed
+        kind = message["type"]
+        allowed = startup_timeout if kind in ("ready", "start") and not progressed else timeout
+        deadline = time.monotonic() + allowed
+        if kind == "start":
+            current = message["id"]
+        elif kind == "result":
+            pending.pop(message["id"], None)
+            on_result(message["id"], {**message["result"], "seconds": message["seconds"]})
+            current, progressed = None, True
+        elif kind == "done":
+            return "done", None, progressed, allowed
+
+
+class WorkerError(RuntimeError):
+    """A worker could not do what the parent needs before any measurement (the environment)."""
+
+
+def collect_environment(log_path: Path, timeout: float) -> dict:
+    """This machine's environment and unsupported variants, collected in a worker: collecting
+    initializes CUDA, which the parent must not."""
+    results = {}
+    run_tasks([{"id": "env", "kind": "env"}], lambda: Process(worker_env(), log_path), timeout, timeout,
+              results.__setitem__)
+    result = results["env"]
+    if result["outcome"] != "pass":
+        tail = (result.get("stderr_tail") or result.get("traceback") or "").strip().splitlines()
+        last = f" (last stderr line: {tail[-1]})" if tail else ""
+        raise WorkerError(f"collecting this machine's environment failed: {result['outcome']}: "
+                          f"{result.get('detail', '')}{last}")
+    return result
+
+
+class Pool:
+    """Workers started ahead of need: each spends seconds importing torch while others work.
+    They are all alike until their job (and its GPU and Triton cache) arrives."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = log_dir
+        self.count = 0
+        self.spares: list[Process] = []
+        self.lock = threading.Lock()
+
+    def _new(self) -> Process:
+        with self.lock:
+            self.count += 1
+            path = self.log_dir / f"worker-{self.count}.log"
+        return Process(worker_env(), path)
+
+    def prefetch(self, count: int = 1) -> None:
+        for _ in range(count):
+            process = self._new()
+            with self.lock:
+                self.spares.append(process)
+
+    def take(self, prefetch: bool = False) -> Process:
+        with self.lock:
+            process = self.spares.pop(0) if self.spares else None
+        if prefetch:
+            self.prefetch()
+        return process or self._new()
+
+    def close(self) -> None:
+        with self.lock:
+            spares, self.spares = self.spares, []
+        for process in spares:  # idle: no job, no GPU; no need to wait for their imports
+            process.kill()
+            if process.log_path.stat().st_size == 0:
+                process.log_path.unlink()
+
+
+def worker_env() -> dict:
+    """The environment a worker starts with: this one, with this copy of sage_qual importable."""
+    env = dict(os.environ)
+    package_root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    return env

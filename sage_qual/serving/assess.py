@@ -1,0 +1,84 @@
+"""What each GPU of this machine can run: every variant, runnable or with its reasons, and the
+kernel the wrapper would give it.
+
+This is the one answer to "what can run here": `install()`, `sage-qual env`, certify's workers
+and the GPU tests all read it, so none of them can list a variant another one skips.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from sage_qual.serving import platform, sage_package
+from sage_qual.serving.config import DEFAULT_CONFIG, WrapperConfig
+from sage_qual.serving.variants import VARIANTS, BoxFacts, Variant
+
+UNUSABLE_PACKAGE = "sageattention unusable (see above)"
+
+
+@dataclass(frozen=True)
+class GpuAssessment:
+    index: int
+    box: BoxFacts
+    reasons: Mapping[str, tuple[str, ...]]  # every registered variant -> why not here; () when runnable
+    kernel: Variant | None  # the wrapper's kernel for this GPU under the config, None when none
+    no_kernel_reason: str  # why there is none; "" when there is one
+
+    @property
+    def runnable(self) -> list[str]:
+        return [name for name, why in self.reasons.items() if not why]
+
+    def not_supported(self) -> dict[str, list[str]]:
+        return {name: list(why) for name, why in self.reasons.items() if why}
+
+
+@dataclass(frozen=True)
+class MachineAssessment:
+    package: sage_package.SagePackage | None
+    problem: str  # why sageattention cannot serve at all; "" when it loads
+    gpus: list[GpuAssessment] = field(default_factory=list)
+
+
+def box_facts(cuda: platform.CudaPlatform, index: int, package: sage_package.SagePackage | None) -> BoxFacts:
+    extensions = package.extensions if package is not None else frozenset()
+    return BoxFacts(cuda.capability(index), cuda.torch_cuda(), extensions, sage_package.has_triton())
+
+
+def assess(index: int, box: BoxFacts, package: sage_package.SagePackage | None,
+           config: WrapperConfig = DEFAULT_CONFIG, problem: str = UNUSABLE_PACKAGE) -> GpuAssessment:
+    """One GPU: each variant's reasons (its box facts, then the installed function's signature)
+    and the first variant of the config's table for this capability that has none."""
+    reasons = {}
+    for name, variant in VARIANTS.items():
+        if package is None:
+            reasons[name] = (problem,)
+            continue
+        why = variant.not_supported_reasons(box)
+        kernel_problem = None if why else sage_package.kernel_problem(package, variant)
+        reasons[name] = tuple(why) if why else ((kernel_problem,) if kernel_problem else ())
+    candidates = config.kernel_table.get(box.capability)
+    if package is None:
+        return GpuAssessment(index, box, reasons, None, UNUSABLE_PACKAGE)
+    if not candidates:
+        known = ", ".join("sm_%d%d" % cap for cap in sorted(config.kernel_table))
+        why_none = "sm_%d%d has no SageAttention kernel (kernels for: %s)" % (*box.capability, known)
+        return GpuAssessment(index, box, reasons, None, why_none)
+    unknown = ("not a registered variant",)
+    for name in candidates:
+        if not reasons.get(name, unknown):
+            return GpuAssessment(index, box, reasons, VARIANTS[name], "")
+    why_none = " | ".join(f"{name}: {'; '.join(reasons.get(name, unknown))}" for name in candidates)
+    return GpuAssessment(index, box, reasons, None, why_none)
+
+
+def assess_machine(config: WrapperConfig = DEFAULT_CONFIG) -> MachineAssessment:
+    """Every visible GPU (through `platform`), with the installed sageattention or why it is unusable."""
+    cuda = platform.current()
+    try:
+        package, problem = sage_package.load(), ""
+    except sage_package.SageUnavailable as why:
+        package, problem = None, str(why)
+    gpus = [assess(index, box_facts(cuda, index, package), package, config, problem or UNUSABLE_PACKAGE)
+            for index in range(cuda.device_count())]
+    return MachineAssessment(package, problem, gpus)
