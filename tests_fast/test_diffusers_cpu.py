@@ -9,64 +9,19 @@ layouts and arguments are diffusers' own, their statistics are not a real model'
 import pytest
 import torch
 
-# diffusers (in the test extra) imports torch._dynamo, which must happen before the fake `triton`
-# is in sys.modules: imported here, at collection.
-from diffusers import FluxTransformer2DModel, QwenImageTransformer2DModel, WanTransformer3DModel
-
 import sage_qual
 from sage_qual.fixtures import fileformat
 from sage_qual.fixtures.recorder import record_sdpa
 from sage_qual.qualification import targets
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention, exact_attention
 
-DTYPE = torch.bfloat16
+# diffusers (in the test extra) is imported by this module, at collection: before any fake triton.
+from .diffusers_models import UNTRAINED, _random, flux, qwen_image, run, wan
+
 TEXT_TOKENS = 16
 # Head size 64, the smaller one the kernels take; thresholds low enough for the tiny token counts
 # (FLUX: 64 image + 16 text tokens; Wan: 128 video tokens, 16 text keys).
 SMALL = sage_qual.WrapperConfig(min_query_tokens=64, min_key_tokens=16, check_rows=16)
-UNTRAINED = ("recorded from an untrained model with random weights (tiny config): shapes, layouts and "
-             "arguments are the library's own, the statistics are not a real model's")
-
-
-def _random(*shape, dtype=DTYPE):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(len(shape) * 7 + shape[-1])).to(dtype)
-
-
-def flux():
-    torch.manual_seed(0)
-    model = FluxTransformer2DModel(patch_size=1, in_channels=8, num_layers=1, num_single_layers=1,
-                                   attention_head_dim=64, num_attention_heads=2, joint_attention_dim=32,
-                                   pooled_projection_dim=16, axes_dims_rope=(16, 24, 24)).to(DTYPE).eval()
-    inputs = dict(hidden_states=_random(1, 64, 8), encoder_hidden_states=_random(1, TEXT_TOKENS, 32),
-                  pooled_projections=_random(1, 16), timestep=torch.tensor([0.5]),
-                  img_ids=torch.zeros(64, 3), txt_ids=torch.zeros(TEXT_TOKENS, 3))
-    return model, inputs
-
-
-def qwen_image(mask: bool):
-    torch.manual_seed(0)
-    model = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=2,
-                                        attention_head_dim=64, num_attention_heads=2, joint_attention_dim=32,
-                                        axes_dims_rope=(16, 24, 24)).to(DTYPE).eval()
-    inputs = dict(hidden_states=_random(1, 64, 16), encoder_hidden_states=_random(1, TEXT_TOKENS, 32),
-                  timestep=torch.tensor([0.5]), img_shapes=[(1, 8, 8)],
-                  encoder_hidden_states_mask=torch.ones(1, TEXT_TOKENS, dtype=torch.long) if mask else None)
-    return model, inputs
-
-
-def wan():
-    torch.manual_seed(0)
-    model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=64,
-                                  in_channels=4, out_channels=4, text_dim=32, freq_dim=32, ffn_dim=64,
-                                  num_layers=1, rope_max_seq_len=64).to(DTYPE).eval()
-    inputs = dict(hidden_states=_random(1, 4, 2, 16, 16), timestep=torch.tensor([500]),
-                  encoder_hidden_states=_random(1, TEXT_TOKENS, 32))
-    return model, inputs
-
-
-def run(model, inputs) -> torch.Tensor:
-    with torch.no_grad():
-        return model(**inputs).sample
 
 
 @pytest.fixture
