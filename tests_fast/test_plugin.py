@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from sage_qual.fixtures import fileformat
+from sage_qual.qualification import families as families_mod
 from sage_qual.qualification import target_cells, targets
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
 
@@ -27,7 +28,12 @@ def test_the_example_project_passes_and_says_why_its_gpu_tests_skip():
     result = pytest_run(EXAMPLE, "-rs")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "sage-qual: target downstream_app.attention:attention; no CUDA GPU" in result.stdout
-    assert "2 passed, 5 skipped" in result.stdout
+    families = [families_mod.find(name) for name in ("FLUX.1", "Qwen-Image", "Wan 2.2")]
+    shipped = map(fileformat.load_fixture, fileformat.list_fixtures(fileformat.shipped_dir()))
+    owned = [f for f in shipped if any(family.owns(f.family) for family in families)
+             or families_mod.normalize(f.family) == "generic"]
+    assert len(owned) >= 3  # one per family at least
+    assert f"2 passed, {len(owned)} skipped" in result.stdout
     assert "sage-qual: no CUDA GPU visible to torch" in result.stdout
 
 
