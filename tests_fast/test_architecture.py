@@ -1,5 +1,5 @@
 """The package's layers import one way: base -> serving -> testing -> api -> fixtures -> qualification
--> cli (base: errors, jsonfile, limits, version; api: the package's own __init__).
+-> cli (base: errors, jsonfile, limits, records, version; api: the package's own __init__).
 
 Read from the source (ast), so a lazy import inside a function counts as much as one at the top.
 """
@@ -20,7 +20,7 @@ def layer_of(module: str) -> str:
         raise ValueError(module)
     if len(parts) == 1:
         return "api"  # the package's public names, re-exported from serving
-    if parts[1] in ("errors", "jsonfile", "limits", "version"):
+    if parts[1] in ("errors", "jsonfile", "limits", "records", "version"):
         return "base"
     if parts[1] == "__main__":
         return "cli"

@@ -1,14 +1,17 @@
-"""Family verdicts, `sage-qual gate` (0 enable / 1 keep off / 2 cannot decide) and `sage-qual merge`,
-on the hand-made sample reports in tests_fast/data (synthetic numbers, certify's format)."""
+"""Family verdicts (verdict.decide), `sage-qual gate` (0 enable / 1 keep off / 2 cannot decide) and
+`sage-qual merge`, on the hand-made sample reports in tests_fast/data (synthetic numbers,
+certify's format)."""
 
 import copy
 import json
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
 
 from sage_qual import cli
-from sage_qual.qualification import families, gate, pool
+from sage_qual.qualification import families, gate, pool, report, verdict
+from sage_qual.qualification.families import Family
 
 DATA = Path(__file__).parent / "data"
 H200 = DATA / "sample_h200_2gpu.json"
@@ -20,54 +23,63 @@ def load(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
+def typed(data: dict) -> report.Report:
+    return report.parse(copy.deepcopy(data), "report.json")
+
+
 def family_fixtures(data: dict, family: str) -> dict:
-    return {f["name"]: f["sha256"] for f in data["fixtures"] if families.find(family).owns(f["family"])}
+    chosen = families.find(family)
+    return {f["name"]: f["sha256"] for f in data["fixtures"] if gate.counts_for(chosen, f["family"])}
 
 
 def decide(data, family, here=None, local=None, require_speedup=False):
     here = here or copy.deepcopy(data["environment"])
     local = family_fixtures(data, family) if local is None else local
-    return gate.decide(data, families.find(family), here, local, require_speedup)
+    result = gate.decide(typed(data), families.find(family), here, local, require_speedup)
+    return result.code, result.lines(require_speedup)
 
 
-def verdict(data: dict, family: str, gpu: int = 0) -> dict:
-    return next(v for v in data["gpus"][gpu]["families"] if v["family"] == family)
+def decision(data: dict, family: str, gpu: int = 0) -> verdict.FamilyDecision:
+    return verdict.decide(typed(data))[gpu].family(family)
 
 
-# Verdicts (families.analyze) -------------------------------------------------------------------
+# Verdicts (verdict.decide) ---------------------------------------------------------------------
 def test_a_variant_failing_on_one_device_is_rejected_for_the_model():
-    data = load(H200)
-    data["gpus"] = families.analyze(data)
-    qwen = verdict(data, "Qwen-Image")
-    assert qwen["verdict"] == "enable" and qwen["variant"] == "sm89-fp8-cuda"
-    assert [r["detail"].split("): ")[0] for r in qwen["rejected"]["sm90-fp8-cuda"]] == \
+    qwen = decision(load(H200), "Qwen-Image")
+    assert qwen.verdict == verdict.Verdict.ENABLE and qwen.variant == "sm89-fp8-cuda"
+    assert [r.detail.split("): ")[0] for r in qwen.rejected["sm90-fp8-cuda"]] == \
         ["sm90-fp8-cuda on qwen-image-block0-outlier (cuda:1"] * 2
 
 
 def test_fastest_passing_variant_is_chosen_with_its_break_even():
-    data = load(H200)
-    data["gpus"] = families.analyze(data)
-    flux = verdict(data, "FLUX.1")
-    assert flux["certified"] == ["sm90-fp8-cuda", "sm89-fp8-cuda", "sm80-fp16-cuda"]
-    assert (flux["variant"], flux["min_query_tokens"], flux["min_key_tokens"], flux["head_dims"]) == \
+    flux = decision(load(H200), "FLUX.1")
+    assert flux.certified == ["sm90-fp8-cuda", "sm89-fp8-cuda", "sm80-fp16-cuda"]
+    assert (flux.variant, flux.min_query_tokens, flux.min_key_tokens, flux.head_dims) == \
         ("sm90-fp8-cuda", 4608, 512, [128])
 
 
-def test_slower_everywhere_keeps_the_family_off_for_speed_only():
-    data = load(H200)
-    data["gpus"] = families.analyze(data)
-    sdxl = verdict(data, "SDXL")
-    assert sdxl["verdict"] == "keep off" and sdxl["variant"] is None
-    assert {r["kind"] for r in sdxl["reasons"]} == {"speed"}
-    assert sdxl["certified"]  # accuracy passed
+def test_slower_everywhere_is_safe_but_no_speedup():
+    sdxl = decision(load(H200), "SDXL")
+    assert sdxl.verdict == verdict.Verdict.NO_SPEEDUP and sdxl.variant is None
+    assert {r.kind.value for r in sdxl.reasons} == {"speed"}
+    assert sdxl.certified  # accuracy passed
 
 
 def test_every_reason_is_listed_when_no_variant_passes():
+    wan = decision(load(H200), "Wan 2.2")
+    assert wan.verdict == verdict.Verdict.KEEP_OFF
+    assert [r.kind.value for r in wan.reasons] == ["crash", "timeout", "oom"]
+    assert "killed by SIGSEGV" in wan.reasons[0].detail
+
+
+def test_a_stored_pass_outcome_does_not_hide_failing_numbers():
     data = load(H200)
-    data["gpus"] = families.analyze(data)
-    wan = verdict(data, "Wan 2.2")
-    assert [r["kind"] for r in wan["reasons"]] == ["crash", "timeout", "oom"]
-    assert "killed by SIGSEGV" in wan["reasons"][0]["detail"]
+    for device in data["devices"]:  # the stored reasons and outcomes are what an edit would change
+        for cell in device["cells"]:
+            if cell["outcome"] == "fail":
+                cell["reasons"] = [{"kind": "accuracy", "detail": "stored"}]
+    qwen = decision(data, "Qwen-Image")
+    assert all("stored" not in r.detail for r in qwen.rejected["sm90-fp8-cuda"])  # judged again
 
 
 def test_a_variant_that_failed_at_a_large_shape_serves_nothing_above_it():
@@ -77,12 +89,71 @@ def test_a_variant_that_failed_at_a_large_shape_serves_nothing_above_it():
         for record in device["speed"]:
             if record["kernel"] == "sm90-fp8-cuda" and record["shape"] == largest:
                 record.update(outcome="oom", ms=None, detail="OutOfMemoryError: CUDA out of memory (test)")
-    data["gpus"] = families.analyze(data)
     # No threshold pair can leave out the largest shape, so sm90 serves nothing; FLUX.1 takes the
     # fastest variant that still pays at its shapes.
-    assert data["gpus"][0]["variants"]["sm90-fp8-cuda"]["break_even"] is None
-    flux = verdict(data, "FLUX.1")
-    assert (flux["verdict"], flux["variant"], flux["min_query_tokens"]) == ("enable", "sm89-fp8-cuda", 4608)
+    gpu = verdict.decide(typed(data))[0]
+    assert gpu.variants["sm90-fp8-cuda"].break_even is None
+    flux = gpu.family("FLUX.1")
+    assert (flux.verdict, flux.variant, flux.min_query_tokens) == \
+        (verdict.Verdict.ENABLE, "sm89-fp8-cuda", 4608)
+
+
+def test_family_min_speedup_is_honoured(monkeypatch):
+    data = load(H200)
+    flux = decision(data, "FLUX.1")
+    assert flux.verdict == verdict.Verdict.ENABLE and min(flux.speedups.values()) < 2.0
+    strict = Family("FLUX.1", families.find("FLUX.1").shapes, min_speedup=100.0)
+    monkeypatch.setattr(verdict, "FAMILIES",
+                        tuple(strict if f.name == "FLUX.1" else f for f in families.FAMILIES))
+    flux = decision(data, "FLUX.1")
+    assert flux.verdict == verdict.Verdict.NO_SPEEDUP and "100x" in flux.reasons[0].detail
+
+
+def test_generic_fixtures_count_for_every_family():
+    data = load(H200)
+    failing = next(c for c in data["devices"][1]["cells"] if c["outcome"] == "fail")
+    fixture = next(f for f in data["fixtures"] if f["name"] == failing["fixture"])
+    assert fixture["family"] != "flux.1"
+    assert "sm90-fp8-cuda" not in decision(data, "Qwen-Image").certified
+    assert decision(data, "FLUX.1").variant == "sm90-fp8-cuda"
+    fixture["family"] = "generic"  # the Qwen outlier fixture now counts for FLUX.1 too
+    assert "sm90-fp8-cuda" in decision(data, "FLUX.1").rejected
+
+
+def test_a_quick_run_does_not_list_variants_it_never_ran_as_incomplete():
+    data = load(H200)
+    data["options"]["variants"].append("sm120-fp8-perwarp")  # selected, never run (certify --quick)
+    gpu = verdict.decide(typed(data))[0]
+    assert gpu.variants["sm120-fp8-perwarp"].ran is False
+    assert not any(r.kind.value == "incomplete" for f in gpu.families for r in f.reasons)
+    assert "sm120-fp8-perwarp" not in gpu.family("FLUX.1").rejected
+
+
+def test_a_missing_cell_of_a_variant_that_ran_is_incomplete():
+    data = load(H200)
+    cells = data["devices"][0]["cells"]
+    cells.remove(next(c for c in cells if c["variant"] == "sm90-fp8-cuda" and c["fixture"] == "flux1-block5"))
+    flux = decision(data, "FLUX.1")
+    assert [r.kind.value for r in flux.rejected["sm90-fp8-cuda"]] == ["incomplete"]
+
+
+def test_the_lower_confidence_bound_decides():
+    data = as_v2_with_samples(load(H200), spread=0.0)
+    assert decision(data, "FLUX.1").min_query_tokens == 4608
+    noisy = decision(as_v2_with_samples(load(H200), spread=0.6), "FLUX.1")  # wide intervals: bounds sink
+    assert noisy.variant is None or noisy.min_query_tokens > 4608
+
+
+def as_v2_with_samples(data: dict, spread: float) -> dict:
+    """Version 2 with 20 timing samples per record around the stored median, +-spread relative."""
+    data = {k: v for k, v in data.items() if k != "gpus"}
+    data["schema_version"] = 2
+    for device in data["devices"]:
+        for record in device["speed"]:
+            if record["ms"]:
+                ms = record["ms"]
+                record["samples_ms"] = [ms * (1 + spread * (i - 9.5) / 9.5) for i in range(20)]
+    return data
 
 
 # gate.decide -----------------------------------------------------------------------------------
@@ -103,7 +174,7 @@ def test_keep_off_prints_every_reason():
 def test_speed_reasons_count_only_with_require_speedup():
     data = load(H200)
     code, lines = decide(data, "SDXL")
-    assert code == 0 and "no measured speedup" in lines[0]
+    assert code == 0 and lines[0].startswith("SDXL on NVIDIA H200 (sm_90): safe, no speedup")
     code, lines = decide(data, "SDXL", require_speedup=True)
     assert code == 1 and lines[1].startswith("  - speed: ")
 
@@ -187,9 +258,27 @@ def test_cli_gate_enable_and_keep_off(capsys, machine, fixture_dir):
     assert code == 1 and "keep off" in out and "- oom:" in out
 
 
+def test_cli_gate_json_and_junit(capsys, tmp_path, machine, fixture_dir):
+    junit = tmp_path / "gate.xml"
+    code, out, err = run_cli(capsys, "gate", "--family", "Wan 2.2", "--report", str(H200), "--json",
+                             "--junit-xml", str(junit))
+    answer = json.loads(out)
+    assert code == 1 and err == "" and answer["exit_code"] == 1 and answer["family"] == "Wan 2.2"
+    assert [(g["gpu"], g["verdict"]) for g in answer["gpus"]] == [("NVIDIA H200 (sm_90)", "keep off")]
+    assert [r["kind"] for r in answer["gpus"][0]["reasons"]] == ["crash", "timeout", "oom"]
+    cases = ET.parse(junit).getroot().findall("testsuite/testcase")
+    assert [(c.get("classname"), c.get("name")) for c in cases] == [("NVIDIA H200 (sm_90)", "Wan 2.2")]
+    assert cases[0].find("failure").get("message") == "keep off"
+    code, out, _ = run_cli(capsys, "gate", "--family", "FLUX.1", "--report", str(H200), "--json",
+                           "--junit-xml", str(junit))
+    assert code == 0 and json.loads(out)["gpus"][0]["verdict"] == "enable"
+    assert ET.parse(junit).getroot().find("testsuite/testcase").find("failure") is None
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--family", "Nope"], "unknown family 'Nope'"),
-    (["--family", "FLUX.1", "--report", "/nonexistent/report.json"], "no report at /nonexistent/report.json"),
+    (["--family", "FLUX.1", "--report", "/nonexistent/report.json"],
+     "/nonexistent/report.json: no report there"),
     (["--family", "FLUX.1", "--report", str(PARTIAL)], "is a partial report"),
 ])
 def test_cli_gate_bad_input_is_one_line_exit_2(capsys, machine, fixture_dir, argv, message):
@@ -202,7 +291,7 @@ def test_cli_gate_foreign_report(capsys, tmp_path, machine, fixture_dir):
     foreign = tmp_path / "foreign.json"
     foreign.write_text('{"results": []}')
     code, _, err = run_cli(capsys, "gate", "--family", "FLUX.1", "--report", str(foreign))
-    assert code == 2 and "is not a sage-qual report" in err
+    assert code == 2 and "not a sage-qual report" in err
 
 
 @pytest.mark.parametrize("change, message", [
@@ -224,9 +313,10 @@ def test_cli_merge_markdown_and_json(capsys):
     lines = out.splitlines()
     assert lines[0].startswith("| host | GPU | sm | GPUs | driver | torch | sageattention | FLUX.1 |")
     h200 = next(line for line in lines if line.startswith("| sample-h200-2gpu | NVIDIA H200 | 90 | 2 |"))
-    assert "on: sm90-fp8-cuda >= 4608/512" in h200 and "off: crash, oom, timeout" in h200
+    assert "enable: sm90-fp8-cuda >= 4608/512" in h200 and "keep off: crash, oom, timeout" in h200
+    assert "safe, no speedup: speed" in h200
     rtx = next(line for line in lines if "RTX 4090" in line)
-    assert "591.44" in rtx and "on: sm89-fp8-cuda >= 4608/1024" in rtx
+    assert "591.44" in rtx and "enable: sm89-fp8-cuda >= 4608/1024" in rtx
     assert sum("partial report" in line for line in lines) == 2  # the partial run's two devices
     code, out, _ = run_cli(capsys, "merge", "--json", str(H200), str(RTX4090))
     rows = json.loads(out)
@@ -239,4 +329,4 @@ def test_cli_merge_refuses_a_foreign_file(capsys, tmp_path):
     foreign = tmp_path / "x.json"
     foreign.write_text("[]")
     code, out, err = run_cli(capsys, "merge", str(H200), str(foreign))
-    assert code == 2 and out == "" and "is not a sage-qual report" in err
+    assert code == 2 and out == "" and "not a sage-qual report" in err

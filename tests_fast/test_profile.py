@@ -2,7 +2,6 @@
 changing which calls the wrapper serves (fake CUDA and fake sageattention on CPU tensors)."""
 
 import copy
-import json
 from pathlib import Path
 
 import pytest
@@ -11,12 +10,15 @@ import torch.nn.functional as F
 
 import sage_qual
 from sage_qual.qualification import profile as building
+from sage_qual.qualification import report, verdict
 from sage_qual.qualification.speed import break_even
 from sage_qual.serving import profile
 from sage_qual.serving.config import DEFAULT_CONFIG, KERNEL_TABLE
-from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
+from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention, on_device
 
-H200 = FakeGpu((9, 0), "Fake H200")
+H200 = FakeGpu((9, 0), "Fake H200", 141.0)
+H100 = FakeGpu((9, 0), "Fake H100", 80.0)
+RTX4090 = FakeGpu((8, 9), "Fake RTX 4090", 24.0)
 TORCH_SDPA = F.scaled_dot_product_attention  # torch's own, read before any install
 
 
@@ -53,54 +55,115 @@ def test_a_head_size_that_is_slower_everywhere_is_left_out():
     assert (result["head_dims"], result["min_query_tokens"], result["served_shapes"]) == ([128], 4096, 2)
 
 
-# config_from_profile ---------------------------------------------------------------------------
-def make_profile(variant="sm89-fp8-cuda", min_q=2048, min_k=512, head_dims=(128,), gpu=H200, families=None,
-                 torch_version=None, sageattention="2.2.0", reasons=()):
-    entry = {"variant": variant, "min_query_tokens": min_q if variant else None,
-             "min_key_tokens": min_k if variant else None, "head_dims": list(head_dims) if variant else None,
-             "reasons": list(reasons)}
-    return {"kind": "sage-qual-profile", "schema_version": 1, "created": "2026-11-29T20:00:00+00:00",
-            "host": "test", "gpu": {"name": gpu.name, "capability": list(gpu.capability)},
-            "environment": {"torch": torch_version or torch.__version__, "torch_cuda": "13.0",
+# Profiles: reading, validation, and each device's own configuration ---------------------------
+def make_entry(variant="sm89-fp8-cuda", min_q=2048, min_k=512, head_dims=(128,), reasons=()):
+    return {"variant": variant, "min_query_tokens": min_q if variant else None,
+            "min_key_tokens": min_k if variant else None, "head_dims": list(head_dims) if variant else None,
+            "reasons": list(reasons)}
+
+
+def make_gpu(gpu=H200, entry=None, families=None, torch_version=None, sageattention="2.2.0",
+             torch_cuda="13.0"):
+    return {"name": gpu.name, "capability": list(gpu.capability), "memory_gib": gpu.memory_gib,
+            "environment": {"torch": torch_version or torch.__version__, "torch_cuda": torch_cuda,
                             "driver": "580.159.04", "sageattention": sageattention, "triton": "3.6.0"},
-            "fixtures": {}, "default": entry, "families": families or {}}
+            "default": entry or make_entry(), "families": families or {}}
 
 
-def test_config_from_profile_replaces_this_gpus_entry_and_thresholds():
-    config = profile.config_from_profile(make_profile(min_q=4096, min_k=1024))
+def make_profile(*gpus, **one):
+    return {"kind": "sage-qual-profile", "schema_version": 2, "created": "2026-11-29T20:00:00+00:00",
+            "host": "test", "fixtures": {}, "gpus": list(gpus) or [make_gpu(**one)]}
+
+
+def test_a_matching_device_gets_the_entry_and_others_keep_the_table():
+    [only] = profile.device_configs(make_profile(entry=make_entry(min_q=4096, min_k=1024)),
+                                    [machine(H200)])
+    config = only.config
     assert config.kernel_table[(9, 0)] == ("sm89-fp8-cuda",)
     assert (config.min_query_tokens, config.min_key_tokens, config.head_dims) == (4096, 1024, (128,))
     assert {c: v for c, v in config.kernel_table.items() if c != (9, 0)} == \
         {c: v for c, v in KERNEL_TABLE.items() if c != (9, 0)}
+    assert only.note.startswith("profile entry Fake H200 (sm_90): sm89-fp8-cuda from 4096")
 
 
-def test_config_from_profile_without_a_variant_leaves_the_gpu_without_kernel():
-    config = profile.config_from_profile(make_profile(variant=None))
-    assert config.kernel_table[(9, 0)] == ()
-    assert config.min_query_tokens == DEFAULT_CONFIG.min_query_tokens
+def machine(gpu, torch_version=None, sageattention="2.2.0", torch_cuda="13.0"):
+    return profile.Machine(gpu.name, gpu.capability, gpu.memory_gib, torch_version or torch.__version__,
+                           torch_cuda, sageattention)
 
 
-def test_config_from_profile_takes_the_family_entry():
-    families = {"FLUX.1": {"variant": "sm90-fp8-cuda", "min_query_tokens": 4608, "min_key_tokens": 512,
-                           "head_dims": [128], "reasons": []}}
-    config = profile.config_from_profile(make_profile(families=families), family="flux.1")
-    assert config.kernel_table[(9, 0)] == ("sm90-fp8-cuda",) and config.min_query_tokens == 4608
+def test_an_entry_without_a_variant_leaves_the_gpu_without_kernel():
+    [only] = profile.device_configs(make_profile(entry=make_entry(variant=None)), [machine(H200)])
+    assert only.config.kernel_table[(9, 0)] == ()
+    assert only.config.min_query_tokens == DEFAULT_CONFIG.min_query_tokens
+
+
+def test_the_family_entry_is_taken():
+    families = {"FLUX.1": make_entry("sm90-fp8-cuda", 4608, 512)}
+    [only] = profile.device_configs(make_profile(families=families), [machine(H200)], family="flux.1")
+    assert only.config.kernel_table[(9, 0)] == ("sm90-fp8-cuda",) and only.config.min_query_tokens == 4608
     with pytest.raises(profile.ProfileError, match="no entry for family SDXL"):
-        profile.config_from_profile(make_profile(families=families), family="SDXL")
-    with pytest.raises(profile.ProfileError, match="no entry for family nope"):
-        profile.config_from_profile(make_profile(), family="nope")
+        profile.device_configs(make_profile(families=families), [machine(H200)], family="SDXL")
+
+
+@pytest.mark.parametrize("device, why", [
+    (machine(H100), "the profile has Fake H200 (sm_90)"),
+    (machine(FakeGpu((9, 0), "Fake H200", 80.0)),
+     "Fake H200 (sm_90) was certified with 141 GiB, this one has 80"),
+    (machine(H200, torch_version="1.0.0"),
+     f"certified with torch {torch.__version__}, this process has 1.0.0"),
+    (machine(H200, torch_cuda="12.8"), "certified with CUDA 13.0, this process has 12.8"),
+    (machine(H200, sageattention="2.2.1"), "certified with sageattention 2.2.0, this process has 2.2.1"),
+])
+def test_a_device_the_profile_does_not_describe_keeps_the_defaults_and_says_why(device, why):
+    [only] = profile.device_configs(make_profile(entry=make_entry(min_q=9999)), [device])
+    assert only.config == DEFAULT_CONFIG
+    assert why in only.note and "default kernel table and thresholds (1536/512 tokens)" in only.note
+
+
+BAD_ENTRIES = {
+    "unknown variant": (make_entry(variant="sm91-turbo"),
+                        "default.variant: 'sm91-turbo' is not a SageAttention"),
+    "negative threshold": (make_entry(min_q=-5), "default.min_query_tokens: is -5, expected a token count"),
+    "threshold a string": ({**make_entry(), "min_key_tokens": "512"},
+                           "default.min_key_tokens: is the string '512', expected an integer"),
+    "float threshold": ({**make_entry(), "min_key_tokens": 512.5}, "default.min_key_tokens: is a number"),
+    "head dim the kernels do not take": (make_entry(head_dims=(96,)),
+                                         "96 is not a head size the kernels take"),
+    "no head dims": (make_entry(head_dims=()), "default.head_dims: empty"),
+    "thresholds without variant": ({**make_entry(variant=None), "min_query_tokens": 4096},
+                                   "default.variant: null, but thresholds are given"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_ENTRIES)
+def test_a_profile_with_bad_values_is_refused(name):
+    entry, message = BAD_ENTRIES[name]
+    with pytest.raises(profile.ProfileError) as refused:
+        profile.load(make_profile(entry=entry))
+    assert message in str(refused.value) and "\n" not in str(refused.value)
 
 
 @pytest.mark.parametrize("content, message", [
     ('{"kind": "sage-qual-report"}', "is not a sage-qual profile"),
     ('{"kind": "sage-qual-profile", "schema_version": 7}', "schema version 7"),
     ("nope", "is not JSON"),
+    ('{"kind": "sage-qual-profile", "schema_version": 2, "gpus": []', "cut short"),
 ])
 def test_load_refuses_what_is_not_a_profile(tmp_path, content, message):
     path = tmp_path / "profile.json"
     path.write_text(content)
     with pytest.raises(profile.ProfileError, match=message):
         profile.load(path)
+
+
+def test_a_version_1_profile_still_reads():
+    old = {"kind": "sage-qual-profile", "schema_version": 1, "created": "2026-11-29T20:00:00+00:00",
+           "host": "h", "gpu": {"name": "Fake H200", "capability": [9, 0]},
+           "environment": make_gpu()["environment"], "fixtures": {}, "default": make_entry(), "families": {}}
+    loaded = profile.load(old)
+    assert loaded.gpus[0].memory_gib is None and loaded.gpus[0].default.variant == "sm89-fp8-cuda"
+    [only] = profile.device_configs(old, [machine(H200)])
+    assert only.config.min_query_tokens == 2048
 
 
 # install(profile=...) --------------------------------------------------------------------------
@@ -111,10 +174,12 @@ def fake():
         yield fake
 
 
-def attention(tokens: int, head_dim: int = 128, kv_tokens: int | None = None):
+def attention(tokens: int, head_dim: int = 128, kv_tokens: int | None = None, device: int = 0):
     g = torch.Generator().manual_seed(tokens)
     q = torch.randn(1, 1, tokens, head_dim, generator=g, dtype=torch.bfloat16)
     kv = torch.randn(1, 1, kv_tokens or tokens, head_dim, generator=g, dtype=torch.bfloat16)
+    if device:
+        q, kv = (on_device(t, device) for t in (q, kv))
     with sage_qual.sage_attention_scope() as report:
         F.scaled_dot_product_attention(q, kv, kv)
     return report
@@ -126,7 +191,7 @@ def test_without_profile_the_default_thresholds_serve_1536_tokens(fake):
 
 
 def test_profile_thresholds_decide_which_calls_are_served(fake):
-    status = sage_qual.install(profile=make_profile(variant="sm89-fp8-cuda", min_q=2048, min_k=512))
+    status = sage_qual.install(profile=make_profile(entry=make_entry("sm89-fp8-cuda", 2048, 512)))
     assert status.enabled, status.reason
     assert status.devices[0].variant.name == "sm89-fp8-cuda"
     assert dict(attention(1536).fallbacks) == {"short": 1}  # served without the profile
@@ -138,30 +203,46 @@ def test_profile_thresholds_decide_which_calls_are_served(fake):
 
 def test_profile_from_a_file(fake, tmp_path):
     path = tmp_path / "profile.json"
-    building.save(make_profile(variant="sm90-fp8-cuda", min_q=1024, min_k=64), path)
+    building.save(make_profile(entry=make_entry("sm90-fp8-cuda", 1024, 64)), path)
     status = sage_qual.install(profile=path)
     assert status.enabled and status.devices[0].variant.name == "sm90-fp8-cuda"
     assert attention(1024, kv_tokens=64).served == 1
 
 
+def test_a_mixed_box_applies_the_profile_per_device():
+    """H200 certified; an H100 (same capability) and an RTX 4090 in the same box keep the defaults."""
+    fake = FakeSageAttention()
+    with FakeCuda([H200, H100, RTX4090]), fake.installed():
+        status = sage_qual.install(profile=make_profile(entry=make_entry("sm89-fp8-cuda", 16384, 16384)))
+        assert status.enabled, status.reason
+        h200, h100, rtx = status.devices
+        assert h200.variant.name == "sm89-fp8-cuda"
+        assert h200.profile_note.startswith("profile entry Fake H200")
+        assert h100.variant.name == "sm90-fp8-cuda"  # the default table, not the H200's certified kernel
+        assert rtx.variant.name == "sm89-fp8-cuda"
+        for device in (h100, rtx):
+            assert "no profile entry matches" in device.profile_note
+            assert "default kernel table" in device.profile_note
+        # 4096 tokens: below the H200's certified 16,384, above the default 1536 elsewhere
+        assert dict(attention(4096, device=0).fallbacks) == {"short": 1}
+        assert attention(4096, device=1).served == 1
+        assert attention(4096, device=2).served == 1
+        assert [c.device for c in fake.calls] == [1, 2]
+
+
 @pytest.mark.parametrize("bad, message", [
-    (make_profile(variant=None, reasons=[{"kind": "accuracy", "detail": "sm90-fp8-cuda on qwen: L2 0.3"}]),
+    (make_profile(entry=make_entry(variant=None, reasons=[{"kind": "accuracy",
+                                                            "detail": "sm90-fp8-cuda on qwen: L2 0.3"}])),
      "the profile certifies no SageAttention variant on Fake H200 (sm_90): sm90-fp8-cuda on qwen: L2 0.3"),
-    (make_profile(gpu=FakeGpu((8, 9), "Fake RTX 4090")),
-     "the profile was certified on Fake RTX 4090 (sm_89); this machine has Fake H200 (sm_90): run `sage-qual "
-     "certify` here"),
-    (make_profile(gpu=FakeGpu((9, 0), "Fake H100")), "certified on Fake H100 (sm_90)"),
-    (make_profile(torch_version="1.0.0"),
-     f"certified with torch 1.0.0; this process runs torch {torch.__version__}"),
-    (make_profile(sageattention="2.2.1"), "certified with sageattention 2.2.1; this process has 2.2.0"),
     ({"kind": "something"}, "is not a sage-qual profile"),
+    (make_profile(entry=make_entry(variant="sm91-turbo")), "is not a SageAttention variant"),
+    (make_profile(entry=make_entry(min_q=-1)), "expected a token count of at least 1"),
 ])
-def test_install_refuses_a_profile_that_does_not_apply(fake, caplog, bad, message):
+def test_install_refuses_a_profile_that_cannot_be_used(fake, bad, message):
     status = sage_qual.install(profile=copy.deepcopy(bad))
     assert not status.enabled
-    assert message in status.reason
+    assert message in status.reason and "\n" not in status.reason
     assert F.scaled_dot_product_attention is TORCH_SDPA
-    assert attention(2048).served == 0
 
 
 def test_install_refuses_an_unreadable_profile_file(fake, tmp_path):
@@ -171,10 +252,18 @@ def test_install_refuses_an_unreadable_profile_file(fake, tmp_path):
 
 def test_profile_built_by_certify_installs(fake, tmp_path):
     """A profile from a (sample) report, made to match this fake machine, selects its entry."""
-    data = json.loads((Path(__file__).parent / "data" / "sample_rtx4090.json").read_text())
-    built = building.build(data, data["gpus"][0])
-    built["gpu"] = {"name": H200.name, "capability": list(H200.capability)}
-    built["environment"].update(torch=torch.__version__, sageattention="2.2.0")
+    data = report.load(Path(__file__).parent / "data" / "sample_rtx4090.json")
+    built = building.build(data, verdict.decide(data))
+    assert profile.load(built).gpus[0].name == "NVIDIA GeForce RTX 4090"
+    built["gpus"][0].update(name=H200.name, capability=list(H200.capability), memory_gib=H200.memory_gib)
+    built["gpus"][0]["environment"].update(torch=torch.__version__, sageattention="2.2.0", torch_cuda="13.0")
     status = sage_qual.install(profile=built, family="FLUX.1")
     assert status.enabled and status.devices[0].variant.name == "sm89-fp8-cuda"
     assert dict(attention(2048).fallbacks) == {"short": 1}  # sample break-even: 4608 query tokens
+
+
+def test_the_profile_schema_accepts_what_certify_builds():
+    jsonschema = pytest.importorskip("jsonschema")
+    data = report.load(Path(__file__).parent / "data" / "sample_h200_2gpu.json")
+    built = building.build(data, verdict.decide(data))
+    assert list(jsonschema.Draft202012Validator(profile.json_schema()).iter_errors(built)) == []

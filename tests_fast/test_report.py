@@ -1,7 +1,8 @@
-"""report.json schema, loading, atomic writing, and the Markdown/HTML rendering with plots.
+"""report.json: the typed model, its generated schema, strict loading, atomic writing, rendering.
 
 The JSON files in tests_fast/data are hand-made samples with synthetic numbers (see the README
-there), shaped exactly like certify's output.
+there) in schema version 1, the format certify wrote before version 2: they also prove that
+version 1 still reads.
 """
 
 import copy
@@ -10,12 +11,25 @@ from pathlib import Path
 
 import pytest
 
-from sage_qual.qualification import profile, report
+from sage_qual import cli
+from sage_qual.qualification import report, report_model
 
 jsonschema = pytest.importorskip("jsonschema")  # a test dependency; the GPU box lacks it
 
 DATA = Path(__file__).parent / "data"
 SAMPLES = sorted(DATA.glob("sample_*.json"))
+H200 = DATA / "sample_h200_2gpu.json"
+
+
+def sample(name: str = "sample_h200_2gpu.json") -> dict:
+    return json.loads((DATA / name).read_text())
+
+
+def as_version_2(data: dict) -> dict:
+    """A version 1 sample as certify writes version 2: the same evidence, no stored analysis."""
+    data = {k: v for k, v in data.items() if k != "gpus"}
+    data["schema_version"] = 2
+    return data
 
 
 @pytest.fixture(scope="module")
@@ -25,67 +39,104 @@ def validator():
     return jsonschema.Draft202012Validator(schema)
 
 
-def sample(name: str) -> dict:
-    return json.loads((DATA / name).read_text())
-
-
 def errors(validator, data) -> list[str]:
     return [f"{list(e.absolute_path)}: {e.message}" for e in validator.iter_errors(data)]
 
 
+def test_the_committed_schema_is_the_generated_one():
+    assert report.schema() == json.loads(json.dumps(report_model.json_schema())), \
+        "report_schema.json is stale: regenerate it with sage_qual.qualification.report.write_schema()"
+
+
 @pytest.mark.parametrize("path", SAMPLES, ids=lambda p: p.stem)
-def test_samples_validate_and_load(path, validator):
+def test_version_1_samples_read_and_their_evidence_validates_as_version_2(path, validator):
     data = json.loads(path.read_text())
-    assert errors(validator, data) == []
-    assert report.load(path) == data
+    loaded = report.load(path)
+    assert loaded.schema_version == 2 and loaded.host == data["host"]
+    assert len(loaded.devices) == len(data["devices"])
+    assert errors(validator, as_version_2(data)) == []
 
 
-def broken_cell(data):
-    cell = next(c for c in data["devices"][0]["cells"] if c["outcome"] == "fail")
-    cell["reasons"] = []
+COMMITTED = sorted(Path(__file__).resolve().parent.parent.glob("docs/results/*/report.json"))
 
 
-def unknown_field(data):
-    data["devices"][0]["cells"][0]["speedy"] = True
+@pytest.mark.parametrize("path", COMMITTED, ids=lambda p: p.parent.name)
+def test_committed_reports_still_read(path):
+    assert report.load(path).devices
 
 
-def unknown_outcome(data):
-    data["devices"][0]["speed"][0]["outcome"] = "slow"
+# Damage of every sort is refused with one line naming the file, the key and the fix. ------------
+def edit(change):
+    def damaged(tmp_path):
+        data = sample()
+        change(data)
+        path = tmp_path / "report.json"
+        path.write_text(json.dumps(data))
+        return path
+    return damaged
 
 
-def missing_complete(data):
-    del data["complete"]
+def first_cell(data, outcome):
+    return next(c for d in data["devices"] for c in d["cells"] if c["outcome"] == outcome)
 
 
-def crash_without_detail(data):
-    cell = next(c for c in data["devices"][0]["cells"] if c["outcome"] == "crash")
-    del cell["detail"]
+DAMAGE = {
+    "complete is a string": (edit(lambda d: d.update(complete="false")), "complete: is the string 'false', "
+                                                                          "expected true or false"),
+    "complete missing": (edit(lambda d: d.pop("complete")), "complete: missing"),
+    "environment missing": (edit(lambda d: d.pop("environment")), "environment: missing"),
+    "options missing": (edit(lambda d: d.pop("options")), "options: missing"),
+    "gpu name a number": (edit(lambda d: d["environment"]["gpus"][0].update(name=7)),
+                          "environment.gpus[0].name: is a number, expected a string"),
+    "families not a list": (edit(lambda d: d["options"].update(families="FLUX.1")),
+                            "options.families: is the string 'FLUX.1', expected a list"),
+    "unknown key": (edit(lambda d: d["devices"][0]["cells"][0].update(speedy=True)),
+                    "devices[0].cells[0].speedy: unknown key"),
+    "unknown outcome": (edit(lambda d: d["devices"][0]["speed"][0].update(outcome="slow")),
+                        "devices[0].speed[0].outcome: is the string 'slow', expected one of"),
+    "crash without detail": (edit(lambda d: first_cell(d, "crash").pop("detail")),
+                             "detail: empty for a cell"),
+    "NaN time": (edit(lambda d: d["devices"][0]["speed"][0].update(ms=float("nan"))),
+                 "devices[0].speed[0].ms: is nan, expected a finite number"),
+    "negative time": (edit(lambda d: d["devices"][0]["speed"][0].update(ms=-1.0)),
+                      "expected a positive time"),
+    "boolean index": (edit(lambda d: d["devices"][0].update(index=True)),
+                      "devices[0].index: is a boolean, expected an integer"),
+    "capability of three": (edit(lambda d: d["devices"][0].update(capability=[9, 0, 0])),
+                            "devices[0].capability: has 3 items, expected 2"),
+    "cell of an unknown fixture": (edit(lambda d: d["devices"][0]["cells"][0].update(fixture="ghost")),
+                                   "'ghost' is not in `fixtures`"),
+    "future schema": (edit(lambda d: d.update(schema_version=3)),
+                      "schema_version: 3 is newer than this sage-qual reads (1, 2); upgrade sage-qual"),
+    "complete without finish": (edit(lambda d: d.update(finished=None)), "finished: null in a report marked "
+                                                                          "complete"),
+}
 
 
-@pytest.mark.parametrize("damage", [broken_cell, unknown_field, unknown_outcome, missing_complete,
-                                    crash_without_detail])
-def test_schema_rejects_damaged_reports(damage, validator):
-    data = sample("sample_h200_2gpu.json")
-    if damage is broken_cell:  # the fail cell of the sample sits on cuda:1
-        data["devices"][0], data["devices"][1] = data["devices"][1], data["devices"][0]
-    damage(data)
-    assert errors(validator, data)
+@pytest.mark.parametrize("name", DAMAGE)
+def test_load_refuses_damage_naming_file_key_and_fix(tmp_path, name):
+    make, message = DAMAGE[name]
+    path = make(tmp_path)
+    with pytest.raises(report.ReportError) as refused:
+        report.load(path)
+    text = str(refused.value)
+    assert text.startswith(f"{path}: ") and message in text and "\n" not in text
+    assert "certify" in text or "upgrade" in text  # the fix
 
 
-def test_profile_built_from_a_report_validates(validator):
-    data = sample("sample_h200_2gpu.json")
-    built = profile.build(data, data["gpus"][0])
-    profile_schema = {"$defs": report.schema()["$defs"], "$ref": "#/$defs/profile"}
-    assert list(jsonschema.Draft202012Validator(profile_schema).iter_errors(built)) == []
-    assert built["families"]["FLUX.1"]["variant"] == "sm90-fp8-cuda"
-    assert built["default"]["variant"] is None
+def test_a_truncated_report_is_refused(tmp_path):
+    path = tmp_path / "report.json"
+    path.write_text(H200.read_text()[:5000])
+    with pytest.raises(report.ReportError, match="not JSON, or cut short"):
+        report.load(path)
 
 
 @pytest.mark.parametrize("content, message", [
-    ("[1, 2]", "is not a sage-qual report"),
-    ('{"kind": "something-else"}', "is not a sage-qual report"),
-    ('{"kind": "sage-qual-report", "schema_version": 99}', "schema version 99"),
-    ("{not json", "is not JSON"),
+    ("[1, 2]", "not a sage-qual report"),
+    ('{"kind": "something-else"}', "not a sage-qual report"),
+    ('{"kind": "sage-qual-report", "schema_version": "1"}',
+     "schema_version: '1' is not a report schema version"),
+    ("{not json", "not JSON"),
 ])
 def test_load_refuses_foreign_files(tmp_path, content, message):
     path = tmp_path / "report.json"
@@ -99,8 +150,59 @@ def test_load_missing_report_says_to_certify(tmp_path):
         report.load(tmp_path / "absent.json")
 
 
+# Cells whose stored outcome disagrees with their numbers --------------------------------------
+def pass_cell_with_failing_numbers(data):
+    cell = first_cell(data, "pass")
+    cell["rel_l2"] = cell["bounds"]["max_rel_l2"] * 3
+
+
+def fail_cell_edited_to_pass(data):
+    cell = first_cell(data, "fail")
+    cell.update(outcome="pass", reasons=[])
+
+
+def loosened_bound(data):
+    cell = first_cell(data, "pass")
+    cell["bounds"]["max_rel_l2"] = 10.0
+
+
+def every_cell_fails_but_says_pass(data):
+    for device in data["devices"]:
+        for cell in device["cells"]:
+            if cell["outcome"] == "pass":
+                cell["worst_head_cosine"] = 0.1
+
+
+@pytest.mark.parametrize("damage", [pass_cell_with_failing_numbers, fail_cell_edited_to_pass, loosened_bound,
+                                    every_cell_fails_but_says_pass])
+def test_cells_that_disagree_with_their_numbers_are_refused(tmp_path, damage):
+    path = edit(damage)(tmp_path)
+    with pytest.raises(report.ReportError, match=r"devices\[\d\]\.cells\[\d+\] .*(outcome|bounds)"):
+        report.load(path)
+
+
+@pytest.mark.parametrize("argv", [["gate", "--family", "FLUX.1", "--report"], ["merge"]],
+                         ids=["gate", "merge"])
+@pytest.mark.parametrize("name", ["complete is a string", "environment missing", "gpu name a number",
+                                  "future schema"])
+def test_gate_and_merge_refuse_damage_with_exit_2_and_one_line(tmp_path, capsys, argv, name):
+    path = DAMAGE[name][0](tmp_path)
+    code = cli.main(argv + [str(path)])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and err.count("\n") == 1 and "Traceback" not in err
+    assert str(path) in err
+
+
+def test_gate_refuses_a_report_whose_cells_were_edited_to_pass(tmp_path, capsys):
+    path = edit(every_cell_fails_but_says_pass)(tmp_path)
+    code = cli.main(["gate", "--family", "FLUX.1", "--report", str(path)])
+    _, err = capsys.readouterr()
+    assert code == 2 and "its numbers say 'fail'" in err
+
+
+# Writing and rendering -------------------------------------------------------------------------
 def test_writer_rewrites_the_file_after_each_change(tmp_path, validator):
-    data = sample("sample_partial.json")
+    data = as_version_2(sample("sample_partial.json"))
     writer = report.Writer(tmp_path / "report.json", data)
     cell = copy.deepcopy(data["devices"][0]["cells"][0])
     writer.update(lambda d: d["devices"][1]["cells"].append(cell))
@@ -118,13 +220,14 @@ def test_writer_refuses_non_finite_numbers(tmp_path):
 
 
 def test_render_complete_report(tmp_path):
-    data = sample("sample_h200_2gpu.json")
+    data = sample()
     files = report.render(data, tmp_path)
     names = {f.name for f in files}
     assert {"report.md", "report.html", "accuracy-cuda0.png", "accuracy-cuda1.png", "speedup-0.png"} <= names
     md = (tmp_path / "report.md").read_text()
     assert md.startswith("# SageAttention certification, sample-h200-2gpu")
     assert "| FLUX.1 | enable | sm90-fp8-cuda | 4608 / 512, head_dim 128 |" in md
+    assert "| SDXL | safe, no speedup | - |" in md
     assert "no fixtures of FLUX.2 in this run: not certified" in md
     assert "sm90-fp8-cuda on wan22-video-self (cuda:0): the worker ran this task when it died" in md
     assert "CUDA error: an illegal memory access was encountered" in md  # the crash's stderr tail
@@ -135,6 +238,15 @@ def test_render_complete_report(tmp_path):
     assert "PARTIAL" not in page
 
 
+def test_render_ignores_a_stored_verdict_section(tmp_path):
+    """A version 1 report's stored verdicts are dropped: what renders is decided from the cells."""
+    data = sample()
+    for verdict in data["gpus"][0]["families"]:
+        verdict["verdict"] = "enable"
+    report.render(data, tmp_path)
+    assert "| Wan 2.2 | keep off |" in (tmp_path / "report.md").read_text()
+
+
 def test_render_partial_report_says_so(tmp_path):
     data = sample("sample_partial.json")
     report.render(data, tmp_path)
@@ -142,3 +254,20 @@ def test_render_partial_report_says_so(tmp_path):
     assert "PARTIAL REPORT" in md and "No verdicts are drawn" in md
     assert "### Verdicts" not in md
     assert 'class="partial"' in (tmp_path / "report.html").read_text()
+
+
+def test_one_row_heatmap_is_not_squashed_and_avoids_red_green(tmp_path):
+    matplotlib = pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    data = sample()
+    device = data["devices"][0]
+    device["cells"] = [c for c in device["cells"] if c["variant"] == "sm90-fp8-cuda"]
+    report.render(data, tmp_path)
+    width, height = Image.open(tmp_path / "accuracy-cuda0.png").size
+    assert height >= report.MIN_HEIGHT_INCHES * 110 - 1  # dpi 110
+    assert matplotlib.colormaps["cividis"]  # the sequential, colour-blind-safe map the heatmap uses
+    pixels = list(Image.open(tmp_path / "accuracy-cuda0.png").convert("RGB").get_flattened_data())
+    # cividis has no saturated red or green: no pixel is strongly red- or green-dominant
+    assert not any(r > 150 and g < 100 and b < 100 for r, g, b in pixels)
+    assert not any(g > 130 and r < 100 and b < 110 for r, g, b in pixels)

@@ -14,12 +14,12 @@ from sage_qual.version import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from sage_qual.cli import certify, env, fixtures, gate
+    from sage_qual.cli import certify, compare, env, fixtures, gate
 
     parser = argparse.ArgumentParser(prog="sage-qual", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"sage-qual {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True)
-    for module in (env, fixtures, certify, gate):
+    for module in (env, fixtures, certify, gate, compare):
         module.add_parser(subparsers)
     return parser
 

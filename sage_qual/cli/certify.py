@@ -33,6 +33,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--timeout", type=float, default=limits.TASK_TIMEOUT,
                         help="seconds a task may run before its worker is killed "
                              f"(default {limits.TASK_TIMEOUT:g})")
+    parser.add_argument("--junit-xml", type=Path, metavar="FILE",
+                        help="also write JUnit XML: one test case per GPU model and family")
     parser.add_argument("--emulate", action="store_true",
                         help="no GPU: predict every variant on the fixtures with the CPU numerics model "
                              "(report marked predicted, no speed; gate refuses it)")
@@ -47,7 +49,7 @@ def _command(args: argparse.Namespace) -> int:
                                     args.quick, "sage-qual " + shlex.join(sys.argv[1:])))
         return ExitCode.OK
     options = Options(args.out, args.devices, _split(args.variants), _split(args.families), args.fixtures,
-                      args.quick, args.timeout, "sage-qual " + shlex.join(sys.argv[1:]))
+                      args.quick, args.timeout, "sage-qual " + shlex.join(sys.argv[1:]), args.junit_xml)
 
     def terminate(signum, frame):
         raise KeyboardInterrupt

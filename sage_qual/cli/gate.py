@@ -9,7 +9,7 @@ from pathlib import Path
 
 from sage_qual import limits
 from sage_qual.errors import ExitCode, UsageError
-from sage_qual.qualification import gate, pool, report
+from sage_qual.qualification import gate, junit, pool, report
 from sage_qual.qualification.families import FAMILIES, Family, find
 
 
@@ -20,9 +20,13 @@ def add_parser(subparsers) -> None:
     command.add_argument("--family", required=True, help=f"one of: {', '.join(f.name for f in FAMILIES)}")
     command.add_argument("--report", type=Path, default=Path("sage-qual-report/report.json"))
     command.add_argument("--require-speedup", action="store_true",
-                         help="also require a measured speedup at one of the family's shapes")
+                         help="keep off a family that passes accuracy but whose measured speed serves none "
+                              "of its shapes ('safe, no speedup')")
     command.add_argument("--fixtures", nargs="+", metavar="DIR",
                          help="fixture directories (default: shipped)")
+    command.add_argument("--json", action="store_true", help="the decision as one JSON object on stdout")
+    command.add_argument("--junit-xml", type=Path, metavar="FILE",
+                         help="also write JUnit XML: one test case per GPU model here")
     command.set_defaults(func=_gate)
     merge = subparsers.add_parser("merge", help="one table of verdicts across GPUs and hosts from reports")
     merge.add_argument("reports", nargs="+", type=Path, metavar="REPORT")
@@ -30,7 +34,7 @@ def add_parser(subparsers) -> None:
     merge.set_defaults(func=_merge)
 
 
-def _read(path: Path) -> dict:
+def _read(path: Path) -> report.Report:
     try:
         return report.load(path)
     except report.ReportError as error:
@@ -47,9 +51,9 @@ def _family(name: str) -> Family:
 def _gate(args: argparse.Namespace) -> int:
     family = _family(args.family)
     data = _read(args.report)
-    if not data["complete"]:
-        raise UsageError(f"{args.report} is a partial report ({report.status_line(data)}): "
-                         "run certify to the end")
+    if not data.complete:
+        line = report.status_line(data.complete, data.started, data.finished, data.stopped)
+        raise UsageError(f"{args.report} is a partial report ({line}): run certify to the end")
     local = gate.local_fixtures(args.fixtures, family)
     with tempfile.TemporaryDirectory(prefix="sage-qual-gate-") as logs:
         try:
@@ -61,11 +65,18 @@ def _gate(args: argparse.Namespace) -> int:
         raise UsageError("no CUDA GPU is visible here, so no report can be matched to this machine")
     if here["sageattention_problem"]:
         raise UsageError(f"sageattention cannot run here: {here['sageattention_problem']}")
-    code, lines = gate.decide(data, family, here, local, args.require_speedup)
-    if code == ExitCode.USAGE:
-        raise UsageError(lines[0])
-    print("\n".join(lines))
-    return code
+    decision = gate.decide(data, family, here, local, args.require_speedup)
+    if args.junit_xml:
+        cases = ([junit.Case("gate", family.name, "error", decision.problem)] if decision.problem else
+                 [junit.case(model, d, args.require_speedup) for model, d in decision.gpus])
+        junit.write(args.junit_xml, f"sage-qual gate {family.name}", cases)
+    if args.json:
+        print(json.dumps(decision.as_json(), indent=1))
+        return decision.code
+    if decision.code == ExitCode.USAGE:
+        raise UsageError(decision.problem)
+    print("\n".join(decision.lines(args.require_speedup)))
+    return decision.code
 
 
 def _merge(args: argparse.Namespace) -> int:

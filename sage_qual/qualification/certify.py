@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
+import math
 import os
-import re
 import shutil
 import socket
 import sys
@@ -21,12 +21,14 @@ import tempfile
 import threading
 from pathlib import Path
 
+import torch
+
 from sage_qual import limits
 from sage_qual.errors import UsageError
 from sage_qual.fixtures import fileformat
 from sage_qual.qualification import families as families_mod
+from sage_qual.qualification import junit, profile, report, verdict
 from sage_qual.qualification import pool as workers
-from sage_qual.qualification import profile, report
 from sage_qual.serving.variants import VARIANTS
 
 # The generic sweep: self-attention of 24 heads from 1k to 32k tokens at both head sizes, and
@@ -50,6 +52,12 @@ class Options:
     quick: bool = False
     timeout: float = limits.TASK_TIMEOUT
     command: str = "sage_qual.qualification.certify.run()"
+    junit_xml: Path | None = None  # also write JUnit XML, one test case per GPU model and family
+
+
+# The longest --timeout taken: an hour without a result is a hang by any measure (the slowest task
+# measured took 8.6 s, docs/results/run2-h200-certify-full/report.json).
+MAX_TIMEOUT_S = 3600.0
 
 
 # Planning --------------------------------------------------------------------------------------
@@ -92,11 +100,13 @@ def select_fixtures(directories: list[str], chosen: list[families_mod.Family], a
                 fixture = fileformat.load_fixture(path)
             except fileformat.FixtureError as error:
                 raise UsageError(str(error)) from None
+            _check_finite(fixture, path)
             if fixture.name in seen:
                 raise UsageError(f"two fixtures named {fixture.name}: {seen[fixture.name]} and {path}")
             seen[fixture.name] = path
             owner = families_mod.family_of(fixture.family)
-            if (owner in chosen) or (owner is None and all_families):
+            generic = families_mod.normalize(fixture.family) == verdict.GENERIC  # counts for every family
+            if (owner in chosen) or (owner is None and (all_families or generic)):
                 fixtures.append(fixture)
     if quick:
         smallest = {}
@@ -104,6 +114,17 @@ def select_fixtures(directories: list[str], chosen: list[families_mod.Family], a
             smallest.setdefault(families_mod.normalize(fixture.family), fixture)
         fixtures = sorted(smallest.values(), key=lambda f: f.name)
     return fixtures
+
+
+def _check_finite(fixture: fileformat.Fixture, path) -> None:
+    """The float32 reference needs finite q, k and v: with NaN or infinity in them, accuracy is
+    measured on the finite rows only and a broken kernel can pass on what is left."""
+    for name in ("q", "k", "v"):
+        tensor = getattr(fixture, name)
+        bad = int((~torch.isfinite(tensor)).sum())
+        if bad:
+            raise UsageError(f"{path}: tensor {name}: {bad} of {tensor.numel()} values are not finite; the "
+                             "reference needs finite inputs: re-create the fixture from finite activations")
 
 
 def speed_shapes(chosen: list[families_mod.Family], quick: bool) -> dict[str, dict]:
@@ -148,12 +169,23 @@ def _now() -> str:
 
 
 # Running ---------------------------------------------------------------------------------------
+def check_numbers(options: Options) -> None:
+    """UsageError for a number out of range, before any worker starts or any file is written."""
+    timeout = options.timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) \
+            or not 0 < timeout <= MAX_TIMEOUT_S:
+        raise UsageError(f"--timeout is {timeout!r}: give seconds above 0 and at most {MAX_TIMEOUT_S:g}")
+    _requested_devices(options.devices)
+
+
 def run(options: Options) -> dict:
+    check_numbers(options)
     variants = select_variants(options.variants)
     chosen = select_families(options.families)
     options = dataclasses.replace(options, fixture_dirs=fixture_dirs(options.fixture_dirs))
     fixtures = select_fixtures(options.fixture_dirs, chosen, options.families is None, options.quick)
     out = Path(options.out)
+    created = not out.exists()
     logs = out / "logs"
     try:
         logs.mkdir(parents=True, exist_ok=True)
@@ -163,6 +195,11 @@ def run(options: Options) -> dict:
     pool.prefetch()  # the first GPU's first worker imports torch while the environment is collected
     try:
         return _run(options, variants, chosen, fixtures, out, pool)
+    except UsageError:
+        pool.close()
+        if created and not (out / "report.json").exists():  # refused before measuring: leave nothing
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     finally:
         pool.close()
 
@@ -207,12 +244,17 @@ def _run(options: Options, variants: list[str], chosen: list, fixtures: list, ou
     errors = [r.error for r in runs if r.error]
     if errors and not data["stopped"]:
         writer.update(lambda d: d.update(stopped=f"internal error: {errors[0]!r}"))
+    decisions = []
     if not data["stopped"]:
         writer.update(_finish)
-        for path, gpu in _profile_paths(out, data["gpus"]):
-            profile.save(profile.build(data, gpu), path)
+        typed = report.parse(data, str(out / "report.json"))
+        decisions = verdict.decide(typed)
+        profile.save(profile.build(typed, decisions), out / "profile.json")
     report.render(data, out)
-    _summary(data, out)
+    _summary(data, decisions, out)
+    if options.junit_xml:
+        junit.write(options.junit_xml, f"sage-qual certify {data['host']}",
+                    [junit.case(gpu.model, decision) for gpu in decisions for decision in gpu.families])
     if errors:
         raise errors[0]
     return data
@@ -240,7 +282,6 @@ def _new_report(options: Options, variants: list[str], chosen: list, fixtures: l
         "fixtures": [_fixture_record(f) for f in fixtures],
         "shapes": shapes,
         "devices": [],
-        "gpus": [],
     }
     for index in devices:
         gpu = env["gpus"][index]
@@ -257,31 +298,35 @@ def _new_report(options: Options, variants: list[str], chosen: list, fixtures: l
 
 
 def _finish(data: dict) -> None:
-    data["gpus"] = families_mod.analyze(data)
     data["complete"] = True
     data["finished"] = _now()
 
 
-def _device_indices(text: str, count: int) -> list[int]:
+def _requested_devices(text: str) -> list[int] | None:
+    """The GPU indices --devices names (None: all), checked for form before anything runs."""
     if text == "all":
-        return list(range(count))
+        return None
     try:
         indices = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise UsageError(f"--devices takes GPU indices such as 0,1 or 'all', not {text!r}") from None
-    for index in indices:
-        if not 0 <= index < count:
-            raise UsageError(f"there is no cuda:{index}: this machine shows {count} GPU(s)")
+    negative = [i for i in indices if i < 0]
+    if negative:
+        raise UsageError(f"--devices: {negative[0]} is not a GPU index (they count from 0)")
     if not indices:
         raise UsageError("--devices names no GPU")
     return list(dict.fromkeys(indices))
 
 
-def _profile_paths(out: Path, gpus: list[dict]) -> list[tuple[Path, dict]]:
-    if len(gpus) == 1:
-        return [(out / "profile.json", gpus[0])]
-    return [(out / f"profile-{re.sub(r'[^a-z0-9]+', '-', g['name'].lower()).strip('-')}.json", g)
-            for g in gpus]
+def _device_indices(text: str, count: int) -> list[int]:
+    indices = _requested_devices(text)
+    if indices is None:
+        return list(range(count))
+    for index in indices:
+        if index >= count:
+            raise UsageError(f"there is no cuda:{index}: this machine shows {count} GPU(s) (cuda:0 to "
+                             f"cuda:{count - 1})")
+    return indices
 
 
 class _DeviceRun:
@@ -333,10 +378,11 @@ class _DeviceRun:
             field = "cells"
         elif task["kind"] == "sdpa":
             timings = result.pop("ms", None) or {}
+            samples = result.pop("samples_ms", None) or {}
             best = min(timings, key=timings.get) if timings else None
             record = {"kernel": "sdpa", "shape": task["key"], **result,
                       "outcome": result["outcome"] if result["outcome"] != "pass" or best else "skip",
-                      "ms": timings[best] if best else None}
+                      "ms": timings[best] if best else None, "samples_ms": samples.get(best, [])}
             if result["outcome"] == "pass":
                 record.update(best_backend=best or "", backends=timings)
             field = "speed"
@@ -392,16 +438,16 @@ def _describe(record: dict) -> str:
     return what + (f" -- {detail}" if detail and record["outcome"] != "pass" else "")
 
 
-def _summary(data: dict, out: Path) -> None:
+def _summary(data: dict, decisions: list, out: Path) -> None:
+    """What the run decided, one line per GPU model and family; the thresholds lines are what two
+    runs are compared on (`sage-qual compare`)."""
     print(f"sage-qual certify: {'complete' if data['complete'] else 'PARTIAL: ' + data['stopped']}; "
           f"report in {out / 'report.md'}")
-    for gpu in data["gpus"]:
-        for verdict in gpu["families"] + [gpu["default"]]:
-            name = verdict["family"] or "default"
-            if verdict["verdict"] == "enable":
-                state = (f"enable {verdict['variant']} from {verdict['min_query_tokens']} query / "
-                         f"{verdict['min_key_tokens']} key tokens")
+    for gpu in decisions:
+        for decision in gpu.families + [gpu.default]:
+            if decision.verdict == verdict.Verdict.ENABLE:
+                state = f"enable {decision.variant} from {decision.served_from()} (query / key tokens)"
             else:
-                reasons = verdict["reasons"]
-                state = f"keep off ({len(reasons)} reason(s), first: {reasons[0]['detail']})"
-            print("  %s sm_%d%d  %-12s %s" % (gpu["name"], *gpu["capability"], name, state))
+                reasons = decision.reasons
+                state = f"{decision.verdict.value} ({len(reasons)} reason(s), first: {reasons[0].detail})"
+            print(f"  {gpu.model}  {decision.label:<12} {state}")

@@ -1,8 +1,10 @@
-"""Model families: their attention shapes, their fixtures, their bounds, and their verdicts.
+"""Model families: their attention shapes, their fixtures, their bounds and their speed rule.
 
 A family's fixtures are the fixtures whose `family` metadata names it (compared without case or
 punctuation, so "Qwen-Image", "qwen_image" and "qwenimage" are one family). Accuracy bounds live
-in each fixture, next to its provenance; the family adds the memory bound and the speed rule.
+in each fixture, next to its provenance; the family adds the memory bound and the speed rule
+(`min_speedup`: the lower confidence bound of the speedup a shape must clear to be served).
+Verdicts are `sage_qual.qualification.verdict`'s.
 
 Shapes are [batch, heads, tokens, head_dim] of the model's own attention calls at the sizes the
 seeds measured (1024² and 2048² images, the video sizes of seeds/001 and seeds/004). Image token
@@ -16,8 +18,6 @@ import re
 from dataclasses import asdict, dataclass
 
 from sage_qual.limits import MEMORY_BOUND
-from sage_qual.qualification.speed import break_even, serves
-from sage_qual.serving.config import KERNEL_TABLE
 
 
 @dataclass(frozen=True)
@@ -156,148 +156,3 @@ def family_of(fixture_family: str) -> Family | None:
         if family.owns(fixture_family):
             return family
     return None
-
-
-# Verdicts --------------------------------------------------------------------------------------
-# The reason kind `sage-qual gate` leaves out unless --require-speedup.
-SPEED = "speed"
-
-
-def analyze(report: dict) -> list[dict]:
-    """Per GPU model of a complete report: each variant's break-even, a verdict per family, and a
-    default verdict over all fixtures. Devices of one model count together: a variant passes a
-    fixture only if it passed on each of them, and a shape's speedup is the lowest among them."""
-    groups: dict[tuple, list[dict]] = {}
-    for device in report["devices"]:
-        groups.setdefault((device["name"], tuple(device["capability"])), []).append(device)
-    selected = report["options"]["variants"]
-    analysed = []
-    for (name, capability), devices in groups.items():
-        table = KERNEL_TABLE.get(capability, ())
-        preference = [v for v in table if v in selected] + [v for v in selected if v not in table]
-        runnable = [v for v in preference if not any(v in d["not_supported"] for d in devices)]
-        context = _Context(report, devices, runnable)
-        analysed.append({
-            "name": name, "capability": list(capability), "devices": [d["index"] for d in devices],
-            "variants": {v: {"runnable": v in runnable,
-                             "reasons": sorted({r for d in devices for r in d["not_supported"].get(v, [])}),
-                             "break_even": context.break_even(v, list(report["shapes"]))}
-                         for v in selected},
-            "families": [context.verdict(f) for f in FAMILIES if f.name in report["options"]["families"]],
-            "default": context.verdict(None),
-        })
-    return analysed
-
-
-def _reason(kind: str, detail: str) -> dict:
-    return {"kind": kind, "detail": detail}
-
-
-class _Context:
-    """One GPU model's cells and speed, from all its devices."""
-
-    def __init__(self, report: dict, devices: list[dict], runnable: list[str]):
-        self.report, self.devices, self.runnable = report, devices, runnable
-        self.shapes = report["shapes"]
-        self.cells = {(c["variant"], c["fixture"], d["index"]): c for d in devices for c in d["cells"]}
-        speedups, times = [], []
-        for device in devices:
-            sdpa = {r["shape"]: r["ms"] for r in device["speed"]
-                    if r["kernel"] == "sdpa" and r["outcome"] == "pass" and r["ms"]}
-            ours = [r for r in device["speed"] if r["kernel"] != "sdpa" and r["shape"] in sdpa]
-            # A variant that crashed or ran out of memory at a shape counts as no speedup there.
-            speedups.append({(r["kernel"], r["shape"]): sdpa[r["shape"]] / r["ms"] if r.get("ms") else 0.0
-                             for r in ours})
-            times.append({(r["kernel"], r["shape"]): r["ms"] for r in ours if r.get("ms")})
-        # A shape counts only where every device measured it: the slowest device decides.
-        self.speedup = {key: min(s[key] for s in speedups) for key in set.intersection(*map(set, speedups))}
-        self.ms = {key: max(t[key] for t in times) for key in set.intersection(*map(set, times))}
-
-    def points(self, variant: str, keys: list[str]) -> list[tuple[int, int, int, float]]:
-        shapes = {k: self.shapes[k]["shape"] for k in keys if (variant, k) in self.speedup}
-        return [(s["q_tokens"], s["kv_tokens"], s["head_dim"], self.speedup[(variant, k)])
-                for k, s in shapes.items()]
-
-    def break_even(self, variant: str, keys: list[str]) -> dict | None:
-        return break_even(self.points(variant, keys)) if variant in self.runnable else None
-
-    def verdict(self, family: Family | None) -> dict:
-        fixtures = [f["name"] for f in self.report["fixtures"] if family is None or family.owns(f["family"])]
-        result = {"family": family.name if family else None, "verdict": "keep off", "variant": None,
-                  "min_query_tokens": None, "min_key_tokens": None, "head_dims": None, "reasons": [],
-                  "certified": [], "rejected": {}, "speedups": {}}
-        if not fixtures:
-            label = family.name if family else "any family"
-            result["reasons"] = [_reason("no_fixtures", f"no fixtures of {label} in this run: not certified")]
-            return result
-        if not self.runnable:
-            result["reasons"] = [_reason("skip", "no selected variant runs on this GPU")]
-            return result
-        for variant in self.runnable:
-            failures = [r for fixture in fixtures for r in self._failures(variant, fixture)]
-            if failures:
-                result["rejected"][variant] = failures
-            else:
-                result["certified"].append(variant)
-        if not result["certified"]:
-            result["reasons"] = [r for failures in result["rejected"].values() for r in failures]
-            return result
-        own = {k: u["label"] for k, s in self.shapes.items() for u in s["uses"]
-               if family is not None and u["family"] == family.name}
-        if family is None:
-            relevant = list(self.shapes)
-        else:  # its own calls, and the generic sweep at its head sizes
-            head_dims = {shape.head_dim for _, shape in family.shapes}
-            relevant = list(own) + [k for k, s in self.shapes.items() if s["shape"]["head_dim"] in head_dims
-                                    and not any(u["family"] for u in s["uses"])]
-        chosen, thresholds = self._choose(result["certified"], list(own), relevant)
-        result["speedups"] = {own[k]: self.speedup[(chosen, k)] for k in own if (chosen, k) in self.speedup}
-        if thresholds is None:
-            result["reasons"].append(_reason(SPEED, f"{chosen} was not faster than the fastest SDPA backend "
-                                                    f"at any measured shape"))
-        else:
-            result.update(variant=chosen, min_query_tokens=thresholds["min_query_tokens"],
-                          min_key_tokens=thresholds["min_key_tokens"], head_dims=thresholds["head_dims"])
-            served = [serves(thresholds, q, k, d) for q, k, d, _ in self.points(chosen, list(own))]
-            if family is not None and not served:
-                result["reasons"].append(_reason(SPEED, f"{family.name}'s own shapes were not measured (a "
-                                                        "--quick run): speedup unknown"))
-            elif family is not None and not any(served):
-                listed = ", ".join(f"{label} {x:.2f}x" for label, x in result["speedups"].items())
-                where = (f"{thresholds['min_query_tokens']} query / {thresholds['min_key_tokens']} key "
-                         f"tokens, head_dim {'/'.join(map(str, thresholds['head_dims']))}")
-                result["reasons"].append(_reason(SPEED, f"no speedup at its shapes: {chosen} pays only from "
-                                                        f"{where}, which serves none of them ({listed})"))
-        result["verdict"] = "keep off" if result["reasons"] else "enable"
-        return result
-
-    def _failures(self, variant: str, fixture: str) -> list[dict]:
-        reasons = []
-        for device in self.devices:
-            where = f"{variant} on {fixture} (cuda:{device['index']})"
-            cell = self.cells.get((variant, fixture, device["index"]))
-            if cell is None:
-                reasons.append(_reason("incomplete", f"{where}: not run"))
-            elif cell["outcome"] == "fail":
-                reasons += [_reason(r["kind"], f"{where}: {r['detail']}") for r in cell["reasons"]]
-            elif cell["outcome"] != "pass":
-                reasons.append(_reason(cell["outcome"], f"{where}: {cell.get('detail', '')}"))
-        return reasons
-
-    def _choose(self, candidates: list[str], own: list[str], relevant: list[str]) -> tuple[str, dict | None]:
-        """The fastest candidate at the family's shapes (or all relevant ones) among those whose
-        break-even serves one of its shapes, else among those that pay anywhere, else the fastest."""
-        keys = own or relevant
-
-        def total(variant):  # unmeasured ones rank last, in the order of preference
-            if keys and all((variant, k) in self.ms for k in keys):
-                return sum(self.ms[(variant, k)] for k in keys)
-            return float("inf")
-
-        ranked = sorted(candidates, key=lambda v: (total(v), candidates.index(v)))
-        thresholds = {v: self.break_even(v, relevant) for v in ranked}
-        serving = [v for v in ranked if thresholds[v] and any(
-            serves(thresholds[v], q, k, d) for q, k, d, _ in self.points(v, own))]
-        paying = [v for v in ranked if thresholds[v]]
-        chosen = (serving or paying or ranked)[0]
-        return chosen, thresholds[chosen]

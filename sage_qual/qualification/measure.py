@@ -106,6 +106,12 @@ def pipelined_ms(fn: Callable[[], object], calls: int = 20) -> tuple[float, floa
 
 def median_ms(fn: Callable[[], object], warmup: int = 5, repeats: int = 20) -> float:
     """Median time of fn in milliseconds, timed with CUDA events after warm-up."""
+    return statistics.median(timings_ms(fn, warmup, repeats))
+
+
+def timings_ms(fn: Callable[[], object], warmup: int = 5, repeats: int = 20) -> list[float]:
+    """Each of `repeats` calls of fn in milliseconds, timed with CUDA events after warm-up (certify
+    keeps them all, for a confidence interval of the median)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -117,4 +123,4 @@ def median_ms(fn: Callable[[], object], warmup: int = 5, repeats: int = 20) -> f
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return times

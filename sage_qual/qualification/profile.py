@@ -1,34 +1,38 @@
-"""Building the per-GPU profile (read by `sage_qual.serving.profile`) from an analysed report."""
+"""Building the profile (read by `sage_qual.serving.profile`) from a report and its decisions."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from sage_qual.qualification.report_model import Report
+from sage_qual.qualification.verdict import FamilyDecision, GpuDecision
 from sage_qual.serving.profile import KIND, SCHEMA_VERSION
 
 ENVIRONMENT_KEYS = ("torch", "torch_cuda", "driver", "sageattention", "triton")
-ENTRY_KEYS = ("variant", "min_query_tokens", "min_key_tokens", "head_dims", "reasons")
 
 
-def build(report: dict, gpu: dict) -> dict:
-    """The profile of one analysed GPU model of a complete report (see families.analyze)."""
-    env = report["environment"]
+def build(report: Report, decisions: list[GpuDecision]) -> dict:
+    """One entry per GPU model of a complete report, each with what defines its machine."""
+    env = report.environment
     return {
         "kind": KIND,
         "schema_version": SCHEMA_VERSION,
-        "created": report["finished"],
-        "host": report["host"],
-        "gpu": {"name": gpu["name"], "capability": gpu["capability"]},
-        "environment": {key: env[key] for key in ENVIRONMENT_KEYS},
-        "fixtures": {f["name"]: f["sha256"] for f in report["fixtures"]},
-        "default": _entry(gpu["default"]),
-        "families": {f["family"]: _entry(f) for f in gpu["families"]},
+        "created": report.finished,
+        "host": report.host,
+        "fixtures": {f.name: f.sha256 for f in report.fixtures},
+        "gpus": [{"name": gpu.name, "capability": list(gpu.capability), "memory_gib": gpu.memory_gib,
+                  "environment": {key: getattr(env, key) for key in ENVIRONMENT_KEYS},
+                  "default": _entry(gpu.default),
+                  "families": {f.family: _entry(f) for f in gpu.families}}
+                 for gpu in decisions],
     }
 
 
-def _entry(verdict: dict) -> dict:
-    return {key: verdict[key] for key in ENTRY_KEYS}
+def _entry(decision: FamilyDecision) -> dict:
+    return {"variant": decision.variant, "min_query_tokens": decision.min_query_tokens,
+            "min_key_tokens": decision.min_key_tokens, "head_dims": decision.head_dims,
+            "reasons": [{"kind": r.kind.value, "detail": r.detail} for r in decision.reasons]}
 
 
 def save(profile: dict, path: Path) -> None:

@@ -1,10 +1,9 @@
-"""The certify report: report.json (versioned schema), report.md and report.html with plots.
+"""The certify report: report.json (evidence, see report_model), report.md and report.html with plots.
 
 report.json is rewritten after every result with "complete": false, and once more at the end
-with "complete": true and the analysis ("gpus"); a run killed halfway leaves a valid, partial
-report. The schema is sage_qual/qualification/report_schema.json (JSON Schema 2020-12; the tests validate
-against it). Reading needs no jsonschema: `load()` checks the kind and version, which is what
-separates a report from any other JSON.
+with "complete": true; a run killed halfway leaves a valid, partial report. It holds evidence
+only: the verdicts in report.md and report.html are `verdict.decide()`'s, computed when rendered.
+report_schema.json is generated from `report_model` (`write_schema()`); `load()` reads strictly.
 """
 
 from __future__ import annotations
@@ -18,29 +17,39 @@ import threading
 from importlib import resources
 from pathlib import Path
 
-from sage_qual import jsonfile
+from sage_qual.qualification import report_model, verdict
+from sage_qual.qualification.report_model import KIND, SCHEMA_VERSION, Report, ReportError
 from sage_qual.serving import environment
 
-KIND = "sage-qual-report"
-SCHEMA_VERSION = 1
-OUTCOMES = ("pass", "fail", "skip", "oom", "crash", "timeout")
-
-
-class ReportError(ValueError):
-    """A file that is not a readable sage-qual report; the message says why."""
+__all__ = ["KIND", "SCHEMA_VERSION", "Report", "ReportError", "Writer", "load", "render", "schema"]
+SCHEMA_FILE = "report_schema.json"
 
 
 def schema() -> dict:
-    return json.loads(resources.files("sage_qual.qualification").joinpath("report_schema.json").read_text())
+    """The committed report_schema.json (a test checks it equals the generated one)."""
+    return json.loads(resources.files("sage_qual.qualification").joinpath(SCHEMA_FILE).read_text())
 
 
-def load(path) -> dict:
-    data = jsonfile.read(path, ReportError, missing="no report at {path}: run `sage-qual certify` first",
-                         unreadable="cannot read {path}: {reason}", not_json="{path} is not JSON ({reason})")
-    return jsonfile.check(data, path, KIND, SCHEMA_VERSION, ReportError,
-                          wrong_kind='{where} is not a sage-qual report (no "kind": "{kind}")',
-                          wrong_version="{where} has report schema version {found!r}; this sage-qual "
-                                        "reads version {expected}")
+def write_schema() -> Path:
+    """Regenerate report_schema.json from report_model."""
+    path = Path(__file__).with_name(SCHEMA_FILE)
+    path.write_text(json.dumps(report_model.json_schema(), indent=1) + "\n")
+    return path
+
+
+def load(path) -> Report:
+    """A report whose every key and type checked out and whose cells agree with their numbers;
+    ReportError (one line: file, key, fix) otherwise."""
+    data = report_model.load(path)
+    verdict.check_evidence(data, str(path))
+    return data
+
+
+def parse(data: dict, where: str) -> Report:
+    """The same checks as load() on a report already in memory."""
+    typed = report_model.from_dict(data, where)
+    verdict.check_evidence(typed, where)
+    return typed
 
 
 class Writer:
@@ -70,8 +79,9 @@ class Writer:
 def render(data: dict, out_dir: Path) -> list[Path]:
     """Write report.md, report.html and the plots next to report.json; returns the files."""
     out_dir = Path(out_dir)
-    images = _plots(data, out_dir)
-    blocks = _blocks(data, images)
+    decisions = verdict.decide(parse(data, str(out_dir / "report.json")))
+    images = _plots(data, decisions, out_dir)
+    blocks = _blocks(data, decisions, images)
     (out_dir / "report.md").write_text(_markdown(blocks))
     (out_dir / "report.html").write_text(_html(blocks, out_dir, data))
     return [out_dir / "report.md", out_dir / "report.html"] + [out_dir / name for name in images.values()]
@@ -81,16 +91,20 @@ def _number(x, digits: int = 3) -> str:
     return "-" if x is None else f"{x:.{digits}g}"
 
 
-def status_line(data: dict) -> str:
-    if data["complete"]:
-        return f"Complete: started {data['started']}, finished {data['finished']}."
-    why = f" ({data['stopped']})" if data.get("stopped") else ""
-    return (f"PARTIAL REPORT{why}: the run started {data['started']} did not finish; what is below is what "
+def status_line(complete: bool, started: str, finished: str | None, stopped: str) -> str:
+    if complete:
+        return f"Complete: started {started}, finished {finished}."
+    why = f" ({stopped})" if stopped else ""
+    return (f"PARTIAL REPORT{why}: the run started {started} did not finish; what is below is what "
             "it measured before it stopped. No verdicts are drawn from a partial run.")
 
 
-def _blocks(data: dict, images: dict) -> list[tuple]:
-    blocks = [("h", 1, f"SageAttention certification, {data['host']}"), ("p", status_line(data)),
+def _status(data: dict) -> str:
+    return status_line(data["complete"], data["started"], data["finished"], data["stopped"])
+
+
+def _blocks(data: dict, decisions: list[verdict.GpuDecision], images: dict) -> list[tuple]:
+    blocks = [("h", 1, f"SageAttention certification, {data['host']}"), ("p", _status(data)),
               ("p", f"Command: `{data['command']}`")]
     if data.get("environment"):
         blocks += [("h", 2, "Environment"),
@@ -98,45 +112,51 @@ def _blocks(data: dict, images: dict) -> list[tuple]:
     blocks += [("h", 2, "Fixtures"), ("table", ["fixture", "family", "kind", "q", "k/v", "dtype", "sha256"],
                [[f["name"], f["family"], f["kind"], "x".join(map(str, f["q"])), "x".join(map(str, f["k"])),
                  f["dtype"], f["sha256"]] for f in data["fixtures"]])]
-    for gpu in data.get("gpus", []):
+    if any(f["kind"] == "replica" for f in data["fixtures"]):
+        blocks.append(("p", "Fixtures of kind 'replica' are generated to reproduce published statistics, "
+                            "not recorded from a model: every verdict below rests on them as such."))
+    for gpu in decisions:
         blocks += _gpu_blocks(gpu, images)
     for device in data["devices"]:
         blocks += _device_blocks(data, device, images)
     return blocks
 
 
-def _served_from(entry: dict | None) -> str:
-    if not entry or entry.get("min_query_tokens") is None:
-        return "-"
-    dims = "/".join(map(str, entry["head_dims"]))
-    return f"{entry['min_query_tokens']} / {entry['min_key_tokens']}, head_dim {dims}"
+def verdict_rows(gpu: verdict.GpuDecision) -> list[list[str]]:
+    """The verdict table of one GPU model, as report.md and report.html show it."""
+    return [[v.family or "(default: all fixtures)", v.verdict.value, v.variant or "-", v.served_from(),
+             ", ".join(f"{k} {x:.2f}x" for k, x in v.speedups.items()) or "-",
+             "; ".join(r.detail for r in v.reasons) or "-"]
+            for v in gpu.families + [gpu.default]]
 
 
-def _gpu_blocks(gpu: dict, images: dict) -> list[tuple]:
-    devices = ", ".join(f"cuda:{i}" for i in gpu["devices"])
-    verdicts = [[v["family"] or "(default: all fixtures)", v["verdict"], v["variant"] or "-",
-                 _served_from(v),
-                 ", ".join(f"{k} {x:.2f}x" for k, x in v["speedups"].items()) or "-",
-                 "; ".join(r["detail"] for r in v["reasons"]) or "-"]
-                for v in gpu["families"] + [gpu["default"]]]
+def _gpu_blocks(gpu: verdict.GpuDecision, images: dict) -> list[tuple]:
+    devices = ", ".join(f"cuda:{i}" for i in gpu.devices)
     variants = []
-    for name, v in gpu["variants"].items():
-        even = v["break_even"]
-        runs = "yes" if v["runnable"] else "no: " + "; ".join(v["reasons"])
-        variants.append([name, runs, _served_from(even),
-                         f"{even['served_shapes']} / {even['measured_shapes']}" if even else "-"])
-    blocks = [("h", 2, "%s (sm_%d%d), %s" % (gpu["name"], *gpu["capability"], devices)),
+    for name, v in gpu.variants.items():
+        even = v.break_even
+        runs = ("not run" if not v.ran and not v.reasons else
+                "yes" if v.runnable else "no: " + "; ".join(v.reasons))
+        served = "-" if even is None else (f"{even.min_query_tokens} / {even.min_key_tokens}, head_dim "
+                                           f"{'/'.join(map(str, even.head_dims))}")
+        shapes = f"{even.served_shapes} / {even.measured_shapes}" if even else "-"
+        variants.append([name, runs, served, shapes])
+    blocks = [("h", 2, f"{gpu.model}, {devices}"),
               ("h", 3, "Verdicts"),
+              ("p", "enable: a variant passed every fixture and its measured speed serves some of the "
+                    "family's shapes; safe, no speedup: it passed, but its measured speed serves none of "
+                    "them (a profile serves nothing); keep off: no variant passed. Speedups are the lower "
+                    "end of a 95 % confidence interval."),
               ("table", ["family", "verdict", "variant", "served from (query / key tokens)",
-                         "speedup at its shapes", "reasons"], verdicts),
+                         "speedup at its shapes", "reasons"], verdict_rows(gpu)),
               ("h", 3, "Break-even per variant"),
               ("p", "The head sizes and the query and key lengths from which each variant measured faster "
-                    "than the fastest SDPA backend at every measured shape; '-' where it was never faster "
-                    "(or does not run here)."),
+                    "than the fastest SDPA backend (lower 95 % bound) at every measured shape; '-' where "
+                    "it never was (or does not run here)."),
               ("table", ["variant", "runs here", "served from (query / key tokens)",
                          "shapes served / measured"], variants)]
-    if gpu["name"] in images:
-        blocks.append(("img", images[gpu["name"]], "speedup against the fastest SDPA backend"))
+    if gpu.name in images:
+        blocks.append(("img", images[gpu.name], "speedup against the fastest SDPA backend"))
     return blocks
 
 
@@ -238,14 +258,14 @@ def _html(blocks: list[tuple], out_dir: Path, data: dict) -> str:
              "td,th{border:1px solid #bbb;padding:.2em .5em;font-size:90%;text-align:left;vertical-align:top}"
              "pre{background:#f4f4f4;padding:1em;overflow:auto}img{max-width:100%}"
              ".partial{background:#fdd;padding:1em;font-weight:bold}")
-    banner = "" if data["complete"] else f'<p class="partial">{html.escape(status_line(data))}</p>'
+    banner = "" if data["complete"] else f'<p class="partial">{html.escape(_status(data))}</p>'
     title = f"sage-qual report {html.escape(data['host'])}"
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{title}</title><style>{style}</style>"
             f"</head><body>{banner}{''.join(parts)}</body></html>\n")
 
 
 # Plots -----------------------------------------------------------------------------------------
-def _plots(data: dict, out_dir: Path) -> dict[str, str]:
+def _plots(data: dict, decisions: list[verdict.GpuDecision], out_dir: Path) -> dict[str, str]:
     """Plot files by what they show ("cuda:N" heatmaps, GPU names for speedups); none without matplotlib."""
     try:
         import matplotlib
@@ -260,12 +280,16 @@ def _plots(data: dict, out_dir: Path) -> dict[str, str]:
             name = f"accuracy-cuda{device['index']}.png"
             _heatmap(plt, device, out_dir / name)
             images[f"cuda:{device['index']}"] = name
-    for n, gpu in enumerate(data.get("gpus", [])):
-        devices = [d for d in data["devices"] if d["index"] in gpu["devices"]]
+    for n, gpu in enumerate(decisions):
         name = f"speedup-{n}.png"
-        if _speedup_plot(plt, data, gpu, devices, out_dir / name):
-            images[gpu["name"]] = name
+        if _speedup_plot(plt, data, gpu, out_dir / name):
+            images[gpu.name] = name
     return images
+
+
+# Heatmap geometry in inches: a row per variant, a column per fixture, and room for labels, title
+# and colour bar, so a one-variant run (certify --quick) is not squashed into a strip.
+ROW_INCHES, COLUMN_INCHES, MIN_HEIGHT_INCHES = 0.5, 1.1, 3.2
 
 
 def _heatmap(plt, device: dict, path: Path) -> None:
@@ -274,7 +298,11 @@ def _heatmap(plt, device: dict, path: Path) -> None:
     variants = list(dict.fromkeys(c["variant"] for c in device["cells"]))
     fixtures = list(dict.fromkeys(c["fixture"] for c in device["cells"]))
     values = np.full((len(variants), len(fixtures)), np.nan)
-    figure, axes = plt.subplots(figsize=(2 + 1.1 * len(fixtures), 1.5 + 0.45 * len(variants)))
+    height = max(MIN_HEIGHT_INCHES, 2.2 + ROW_INCHES * len(variants))
+    figure, axes = plt.subplots(figsize=(3 + COLUMN_INCHES * len(fixtures), height))
+    # Sequential and colour-blind safe (cividis: dark blue = far within the bound, yellow = over it);
+    # the outcome word is printed in every cell, so nothing rests on colour alone.
+    colours = plt.get_cmap("cividis").with_extremes(bad="#d9d9d9")
     for c in device["cells"]:
         i, j = variants.index(c["variant"]), fixtures.index(c["fixture"])
         ratio = None
@@ -282,8 +310,8 @@ def _heatmap(plt, device: dict, path: Path) -> None:
             ratio = c["rel_l2"] / c["bounds"]["max_rel_l2"]
             values[i, j] = math.log10(max(ratio, 1e-2))
         text = c["outcome"] if ratio is None else f"{c['outcome']}\n{ratio:.2f}"
-        axes.text(j, i, text, ha="center", va="center", fontsize=7)
-    colours = plt.get_cmap("RdYlGn_r").with_extremes(bad="#cccccc")
+        dark = ratio is not None and values[i, j] < -0.5
+        axes.text(j, i, text, ha="center", va="center", fontsize=7, color="white" if dark else "black")
     shown = axes.imshow(values, cmap=colours, vmin=-2, vmax=1, aspect="auto")
     axes.set_xticks(range(len(fixtures)), fixtures, rotation=40, ha="right", fontsize=8)
     axes.set_yticks(range(len(variants)), variants, fontsize=8)
@@ -295,8 +323,9 @@ def _heatmap(plt, device: dict, path: Path) -> None:
     plt.close(figure)
 
 
-def _speedup_plot(plt, data: dict, gpu: dict, devices: list[dict], path: Path) -> bool:
-    """Speedup over the fastest SDPA backend against tokens, generic self-attention, per head size."""
+def _speedup_plot(plt, data: dict, gpu: verdict.GpuDecision, path: Path) -> bool:
+    """Speedup over the fastest SDPA backend against tokens, generic self-attention, per head size:
+    the median ratio, with a bar down to the lower 95 % bound the decisions use."""
     generic = {k: s["shape"] for k, s in data["shapes"].items()
                if not any(u["family"] for u in s["uses"])
                and s["shape"]["q_tokens"] == s["shape"]["kv_tokens"]}
@@ -307,38 +336,27 @@ def _speedup_plot(plt, data: dict, gpu: dict, devices: list[dict], path: Path) -
     for ax, head_dim in zip(axes[0], head_dims, strict=True):
         keys = sorted((k for k, s in generic.items() if s["head_dim"] == head_dim),
                       key=lambda k: generic[k]["q_tokens"])
-        for variant in (v for v, info in gpu["variants"].items() if info["runnable"]):
-            points = []
-            for key in keys:
-                x = _lowest_speedup(devices, variant, key)
-                if x is not None:
-                    points.append((generic[key]["q_tokens"], x))
+        for variant in (v for v, info in gpu.variants.items() if info.runnable):
+            points = [(generic[k]["q_tokens"], *gpu.speedups[(variant, k)]) for k in keys
+                      if (variant, k) in gpu.speedups]
             if not points:
                 continue
-            tokens, speedups = zip(*points, strict=True)
-            line, = ax.plot(tokens, speedups, marker="o", label=variant)
-            even = gpu["variants"][variant]["break_even"]
-            if even and head_dim in even["head_dims"]:
-                ax.axvline(even["min_query_tokens"], color=line.get_color(), linestyle=":", linewidth=1)
+            tokens = [p[0] for p in points]
+            medians = [p[2] for p in points]
+            below = [max(0.0, p[2] - p[1]) for p in points]
+            line = ax.errorbar(tokens, medians, yerr=[below, [0.0] * len(points)], marker="o", capsize=2,
+                               label=variant).lines[0]
+            even = gpu.variants[variant].break_even
+            if even and head_dim in even.head_dims:
+                ax.axvline(even.min_query_tokens, color=line.get_color(), linestyle=":", linewidth=1)
         ax.axhline(1.0, color="black", linewidth=1)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens (self-attention, 24 heads)")
         ax.set_ylabel("speedup over the fastest SDPA backend")
-        ax.set_title(f"{gpu['name']}, head_dim {head_dim} (dotted: break-even)", fontsize=9)
+        ax.set_title(f"{gpu.name}, head_dim {head_dim} (bars: to the lower 95 % bound; dotted: "
+                     "break-even)", fontsize=9)
         ax.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return True
-
-
-def _lowest_speedup(devices: list[dict], variant: str, key: str) -> float | None:
-    values = []
-    for device in devices:
-        by = {(r["kernel"], r["shape"]): r for r in device["speed"]}
-        sdpa, ours = by.get(("sdpa", key)), by.get((variant, key))
-        if not sdpa or not ours or not sdpa.get("ms"):
-            return None
-        values.append(sdpa["ms"] / ours["ms"] if ours.get("ms") else 0.0)
-    return min(values) if values else None
-

@@ -24,6 +24,7 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 import sys
 import threading
 import time
@@ -55,8 +56,8 @@ class GpuBench:
     def extra_peak_bytes(self, fn):
         return measure.extra_peak_bytes(fn, 0)
 
-    def median_ms(self, fn, warmup: int, repeats: int) -> float:
-        return measure.median_ms(fn, warmup, repeats)
+    def timings_ms(self, fn, warmup: int, repeats: int) -> list[float]:
+        return measure.timings_ms(fn, warmup, repeats)
 
     def healthy(self) -> bool:
         try:
@@ -145,19 +146,20 @@ class Worker:
                   "efficient": SDPBackend.EFFICIENT_ATTENTION}
         q, k, v = self._tensors(task["shape"])
         gqa = q.shape[1] != k.shape[1]
-        timings, refused = {}, {}
+        timings, samples, refused = {}, {}, {}
         for name in SDPA_BACKENDS:
             context = sdpa_kernel([chosen[name]]) if name in chosen else contextlib.nullcontext()
             try:
                 with context:  # entered once, so its cost is not in the timed calls
-                    timings[name] = self.bench.median_ms(
+                    samples[name] = self.bench.timings_ms(
                         lambda: measure.TORCH_SDPA(q, k, v, enable_gqa=gqa), task["warmup"], task["repeats"])
+                    timings[name] = statistics.median(samples[name])
             except (RuntimeError, NotImplementedError) as error:  # it does not take the shape (or memory)
                 if not self.bench.healthy():
                     raise
                 refused[name] = (str(error).strip().splitlines() or [""])[0][:300]
                 self.bench.release()
-        return {"outcome": "pass", "ms": timings, "refused": refused}
+        return {"outcome": "pass", "ms": timings, "samples_ms": samples, "refused": refused}
 
     def _speed(self, task: dict) -> dict:
         variant = VARIANTS[task["variant"]]
@@ -166,9 +168,9 @@ class Worker:
         if problem:
             return {"outcome": "skip", "detail": problem}
         q, k, v = self._tensors(task["shape"])
-        ms = self.bench.median_ms(lambda: measure.call_kernel(package, variant, q, k, v),
-                                  task["warmup"], task["repeats"])
-        return {"outcome": "pass", "ms": ms}
+        samples = self.bench.timings_ms(lambda: measure.call_kernel(package, variant, q, k, v),
+                                        task["warmup"], task["repeats"])
+        return {"outcome": "pass", "ms": statistics.median(samples), "samples_ms": samples}
 
     def _tensors(self, shape: dict):
         s = Shape(**shape)

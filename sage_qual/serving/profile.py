@@ -1,118 +1,262 @@
-"""The per-GPU profile certify writes, and the wrapper configuration it turns into.
+"""The per-GPU profile certify writes, and the wrapper configuration it gives each device.
 
-A profile belongs to one GPU model (name and compute capability) with one torch and one
-sageattention. Per family, and by default for all of them, it names the fastest variant that
-passed every fixture on that GPU, or none, with the head sizes and the query and key lengths
-at which that variant measured faster than the fastest SDPA backend. `config_from_profile()` turns an entry
-into a `WrapperConfig`, so a certified GPU never serves a call of a size that measured slower, nor
-a variant that failed; `install(profile=...)` refuses a profile made on other hardware or
-software, since nothing in it was measured there.
+A profile holds one entry per certified GPU model, each with what defines the machine it was
+measured on (GPU name, compute capability, memory, torch with its CUDA, sageattention) and, per
+family and by default for all of them, the fastest variant that passed every fixture there (or
+none), with the head sizes and the query and key lengths from which it measured faster than the
+fastest SDPA backend. `device_configs()` gives every visible device its own `WrapperConfig`: a
+device whose model and software match an entry gets that entry's variant and thresholds; any
+other device keeps the default table and thresholds, and its note says why (nothing in the
+profile was measured on it).
 
-    {"kind": "sage-qual-profile", "schema_version": 1, "created": ..., "host": ...,
-     "gpu": {"name": "NVIDIA H200", "capability": [9, 0]},
-     "environment": {"torch": ..., "torch_cuda": ..., "driver": ..., "sageattention": ..., "triton": ...},
+    {"kind": "sage-qual-profile", "schema_version": 2, "created": ..., "host": ...,
      "fixtures": {name: sha256},
-     "default": ENTRY, "families": {"FLUX.1": ENTRY, ...}}
+     "gpus": [{"name": "NVIDIA H200", "capability": [9, 0], "memory_gib": 139.8,
+               "environment": {"torch": ..., "torch_cuda": ..., "driver": ..., "sageattention": ...,
+                               "triton": ...},
+               "default": ENTRY, "families": {"FLUX.1": ENTRY, ...}}]}
     ENTRY = {"variant": name or null, "min_query_tokens": int or null, "min_key_tokens": int or null,
              "head_dims": [int] or null, "reasons": [{"kind", "detail"}]}
+
+Schema version 1 (one GPU model at the top level, no memory) still reads.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Mapping
+from dataclasses import dataclass, field
+from typing import Literal, Mapping
 
 import torch
 
-from sage_qual import jsonfile
+from sage_qual import jsonfile, records
 from sage_qual.serving import platform, sage_package
 from sage_qual.serving.config import DEFAULT_CONFIG, WrapperConfig
+from sage_qual.serving.variants import VARIANTS
 
 KIND = "sage-qual-profile"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# Head sizes the kernels take (the wrapper's default; upstream pads others, which it refuses).
+KERNEL_HEAD_DIMS = DEFAULT_CONFIG.head_dims
+# Memory as nvidia-smi and torch report it differs by driver reservations; within this many GiB
+# it is the same card (an H200 shows 139.8, an H100 79.6 or 93.1 GiB: far apart).
+MEMORY_TOLERANCE_GIB = 1.0
+FIX = "use the profile.json `sage-qual certify` wrote, or certify again"
 
 
 class ProfileError(ValueError):
     """A profile that cannot be read or used; the message says why."""
 
 
-def load(source) -> dict:
-    """A profile from a path or an already parsed dict; ProfileError when it is not one."""
+@dataclass(frozen=True)
+class EntryReason:
+    kind: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class Entry:
+    """What the wrapper serves on a certified GPU model: a variant from these lengths, or nothing."""
+    variant: str | None
+    min_query_tokens: int | None
+    min_key_tokens: int | None
+    head_dims: list[int] | None
+    reasons: list[EntryReason] = field(default_factory=list)
+
+    def check(self) -> list[tuple[str, str]]:
+        thresholds = (self.min_query_tokens, self.min_key_tokens, self.head_dims)
+        if self.variant is None:
+            if any(x is not None for x in thresholds):
+                return [("variant", "null, but thresholds are given: a profile serves nothing without a "
+                                    "variant")]
+            return []
+        if self.variant not in VARIANTS:
+            return [("variant", f"{self.variant!r} is not a SageAttention variant sage-qual knows "
+                                f"({', '.join(VARIANTS)})")]
+        for name in ("min_query_tokens", "min_key_tokens"):
+            value = getattr(self, name)
+            if value is None or value < 1:
+                return [(name, f"is {value!r}, expected a token count of at least 1")]
+        if not self.head_dims:
+            return [("head_dims", "empty or null: name the head sizes served")]
+        wrong = [d for d in self.head_dims if d not in KERNEL_HEAD_DIMS]
+        if wrong:
+            return [("head_dims", f"{wrong[0]} is not a head size the kernels take "
+                                  f"({', '.join(map(str, KERNEL_HEAD_DIMS))})")]
+        return []
+
+
+@dataclass(frozen=True)
+class ProfileEnvironment:
+    torch: str
+    torch_cuda: str
+    driver: str
+    sageattention: str
+    triton: str
+
+
+@dataclass(frozen=True)
+class ProfileGpu:
+    """One certified GPU model and the software it was measured with."""
+    name: str
+    capability: list[int] = field(metadata={"length": 2, "minimum": 0})
+    memory_gib: float | None = field(metadata={"description": "null: any (schema version 1 profiles)"})
+    environment: ProfileEnvironment
+    default: Entry
+    families: dict[str, Entry]
+
+    @property
+    def label(self) -> str:
+        return "%s (sm_%d%d)" % (self.name, *self.capability)
+
+
+@dataclass(frozen=True)
+class Profile:
+    kind: Literal["sage-qual-profile"]
+    schema_version: Literal[2]
+    created: str
+    host: str
+    fixtures: dict[str, str]
+    gpus: list[ProfileGpu]
+
+    def check(self) -> list[tuple[str, str]]:
+        return [] if self.gpus else [("gpus", "empty: a profile certifies at least one GPU model")]
+
+
+def json_schema() -> dict:
+    return records.schema(Profile, f"sage-qual profile, schema version {SCHEMA_VERSION}",
+                          "profile.json, written by `sage-qual certify` and read by install(profile=...)",
+                          f"https://sage-qual.invalid/profile/{SCHEMA_VERSION}")
+
+
+def _upgrade(data: dict) -> dict:
+    """A version 1 profile (one GPU model, no memory) as version 2."""
+    gpu = data.get("gpu") if isinstance(data.get("gpu"), dict) else {}
+    entry = {**gpu, "memory_gib": None, "environment": data.get("environment"),
+             "default": data.get("default"), "families": data.get("families")}
+    return {"kind": KIND, "schema_version": SCHEMA_VERSION, "created": data.get("created"),
+            "host": data.get("host"), "fixtures": data.get("fixtures"), "gpus": [entry]}
+
+
+def load(source) -> Profile:
+    """A profile from a path or an already parsed dict; ProfileError (one line: where, key, fix)."""
+    if isinstance(source, Profile):
+        return source
     if isinstance(source, Mapping):
         data, where = dict(source), "profile"
     else:
         where = str(source)
         data = jsonfile.read(source, ProfileError, unreadable="cannot read profile {path}: {reason}",
-                             not_json="profile {path} is not JSON: {reason}")
-    return jsonfile.check(data, where, KIND, SCHEMA_VERSION, ProfileError,
-                          wrong_kind="{where} is not a sage-qual profile (written by `sage-qual certify`)",
-                          wrong_version="{where} has profile schema version {found!r}; this sage-qual reads "
-                                        "version {expected}: certify again")
-
-
-def entry(profile: dict, family: str | None = None) -> dict:
-    if family is None:
-        return profile["default"]
-    for name, chosen in profile["families"].items():
-        if _normalize(name) == _normalize(family):
-            return chosen
-    raise ProfileError(f"the profile has no entry for family {family} (it has: "
-                       f"{', '.join(profile['families']) or 'none'}): certify that family")
+                             not_json="profile {path} is not JSON, or cut short: {reason}; " + FIX)
+    if not isinstance(data, dict) or data.get("kind") != KIND:
+        raise ProfileError(f"{where} is not a sage-qual profile (written by `sage-qual certify`)")
+    version = data.get("schema_version")
+    if version == 1:
+        data = _upgrade(data)
+    elif version != SCHEMA_VERSION or isinstance(version, bool):
+        raise ProfileError(f"{where} has profile schema version {version!r}; this sage-qual reads versions 1 "
+                           f"and {SCHEMA_VERSION}: certify again (or upgrade sage-qual)")
+    try:
+        return records.parse(Profile, data, where, FIX)
+    except records.RecordError as error:
+        raise ProfileError(str(error)) from None
 
 
 def _normalize(name: str) -> str:
     return re.sub(r"[^a-z0-9]", "", name.lower())
 
 
-def config_from_profile(profile, family: str | None = None,
-                        base: WrapperConfig = DEFAULT_CONFIG) -> WrapperConfig:
-    """`base` with the profile's GPU served by its certified variant (or none), its thresholds and
-    head sizes."""
-    profile = load(profile)
-    chosen = entry(profile, family)
-    capability = tuple(profile["gpu"]["capability"])
+def entry(gpu: ProfileGpu, family: str | None = None) -> Entry:
+    if family is None:
+        return gpu.default
+    for name, chosen in gpu.families.items():
+        if _normalize(name) == _normalize(family):
+            return chosen
+    raise ProfileError(f"the profile has no entry for family {family} on {gpu.label} (it has: "
+                       f"{', '.join(gpu.families) or 'none'}): certify that family")
+
+
+def apply(base: WrapperConfig, capability: tuple[int, int], chosen: Entry) -> WrapperConfig:
+    """`base` with this capability served by the entry's variant (or none), its thresholds and head sizes."""
     table = dict(base.kernel_table)
-    table[capability] = (chosen["variant"],) if chosen["variant"] else ()
-    if not chosen["variant"]:
+    table[capability] = (chosen.variant,) if chosen.variant else ()
+    if not chosen.variant:
         return dataclasses.replace(base, kernel_table=table)
-    return dataclasses.replace(base, kernel_table=table, min_query_tokens=chosen["min_query_tokens"],
-                               min_key_tokens=chosen["min_key_tokens"], head_dims=tuple(chosen["head_dims"]))
+    return dataclasses.replace(base, kernel_table=table, min_query_tokens=chosen.min_query_tokens,
+                               min_key_tokens=chosen.min_key_tokens, head_dims=tuple(chosen.head_dims))
 
 
-def config_for_machine(profile, family: str | None = None,
-                       base: WrapperConfig = DEFAULT_CONFIG) -> WrapperConfig:
-    """config_from_profile() after checking that this process has what the profile was measured on.
+@dataclass(frozen=True)
+class Machine:
+    """What defines one visible device, as a profile entry must match it."""
+    name: str
+    capability: tuple[int, int]
+    memory_gib: float
+    torch: str
+    torch_cuda: str
+    sageattention: str
 
-    Raises SageUnavailable (what install() reports) when the profile is unreadable, was made on a
-    GPU model not visible here or with another torch or sageattention, or certifies no variant
-    for the GPUs here.
-    """
-    try:
-        profile = load(profile)
-        chosen = entry(profile, family)
-    except (ProfileError, KeyError) as error:
-        raise sage_package.SageUnavailable(error.args[0]) from None
-    unavailable = sage_package.SageUnavailable
+
+def mismatch(gpu: ProfileGpu, device: Machine) -> str:
+    """Why the entry does not describe this device; empty when it does."""
+    if (gpu.name, tuple(gpu.capability)) != (device.name, device.capability):
+        return f"the profile has {gpu.label}"
+    if gpu.memory_gib is not None and abs(gpu.memory_gib - device.memory_gib) > MEMORY_TOLERANCE_GIB:
+        return f"{gpu.label} was certified with {gpu.memory_gib:g} GiB, this one has {device.memory_gib:g}"
+    env = gpu.environment
+    for label, certified, here in (("torch", env.torch, device.torch),
+                                   ("CUDA", env.torch_cuda, device.torch_cuda),
+                                   ("sageattention", env.sageattention, device.sageattention)):
+        if certified != here:
+            return (f"{gpu.label} was certified with {label} {certified or 'none'}, this process has "
+                    f"{here or 'none'}")
+    return ""
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    config: WrapperConfig
+    note: str  # which profile entry applies, or why none does
+
+
+def device_configs(profile, machines: list[Machine], family: str | None = None,
+                   base: WrapperConfig = DEFAULT_CONFIG) -> list[DeviceConfig]:
+    """Each device's configuration: its matching entry applied to `base`, or `base` with the reason.
+    ProfileError when the profile cannot be read or a matching entry lacks the family."""
+    profile = load(profile)
+    configs = []
+    for device in machines:
+        why_not = []
+        for gpu in profile.gpus:
+            problem = mismatch(gpu, device)
+            if problem:
+                why_not.append(problem)
+                continue
+            chosen = entry(gpu, family)
+            scope = f", family {family}" if family else ""
+            if chosen.variant:
+                note = (f"profile entry {gpu.label}{scope}: {chosen.variant} from {chosen.min_query_tokens} "
+                        f"query / {chosen.min_key_tokens} key tokens, head_dim "
+                        f"{'/'.join(map(str, chosen.head_dims))}")
+            else:
+                why = "; ".join(r.detail for r in chosen.reasons) or "no reason recorded"
+                note = f"the profile certifies no SageAttention variant on {gpu.label}{scope}: {why}"
+            configs.append(DeviceConfig(apply(base, device.capability, chosen), note))
+            break
+        else:
+            defaults = f"{base.min_query_tokens}/{base.min_key_tokens} tokens"
+            configs.append(DeviceConfig(base, f"no profile entry matches ({'; '.join(why_not)}): default "
+                                              f"kernel table and thresholds ({defaults})"))
+    return configs
+
+
+def this_machine() -> list[Machine]:
+    """Every visible device as a profile entry must match it. Raises SageUnavailable without a
+    usable sageattention (its version is part of the match)."""
     cuda = platform.current()
-    gpu = profile["gpu"]
-    certified = (gpu["name"], tuple(gpu["capability"]))
-    here = [(cuda.device_name(i), cuda.capability(i)) for i in range(cuda.device_count())]
-    label = "%s (sm_%d%d)" % (gpu["name"], *gpu["capability"])
-    if certified not in here:
-        have = ", ".join("%s (sm_%d%d)" % (name, *cap) for name, cap in here) or "no CUDA GPU"
-        raise unavailable(f"the profile was certified on {label}; this machine has {have}: "
-                          "run `sage-qual certify` here")
-    env = profile["environment"]
-    if env["torch"] != torch.__version__:
-        raise unavailable(f"the profile was certified with torch {env['torch']}; this process runs torch "
-                          f"{torch.__version__}: certify again")
     version = sage_package.load().version
-    if env["sageattention"] != version:
-        raise unavailable(f"the profile was certified with sageattention {env['sageattention']}; this "
-                          f"process has {version}: certify again")
-    if not chosen["variant"] and all(h == certified for h in here):
-        why = "; ".join(r["detail"] for r in chosen["reasons"]) or "no reason recorded"
-        scope = f" for family {family}" if family else ""
-        raise unavailable(f"the profile certifies no SageAttention variant on {label}{scope}: {why}")
-    return config_from_profile(profile, family, base)
+    cuda_version = cuda.torch_cuda()
+    torch_cuda = "%d.%d" % cuda_version if cuda_version else ""
+    return [Machine(cuda.device_name(i), cuda.capability(i), round(cuda.total_memory(i) / 2**30, 1),
+                    torch.__version__, torch_cuda, version) for i in range(cuda.device_count())]

@@ -35,6 +35,9 @@ class DeviceState:
     checked: set = field(default_factory=set)  # (dtype, head_dim) that passed the first-call check
     cache_errors: int = 0  # consecutive Triton cache failures
     announced: bool = False
+    # Its own thresholds and kernel table: a profile entry that matches this device, else the default.
+    config: WrapperConfig = field(default=DEFAULT_CONFIG, repr=False)
+    profile_note: str = ""  # which profile entry applies, or why none does ("" without a profile)
 
     @property
     def label(self) -> str:
@@ -88,11 +91,15 @@ def _install(config: WrapperConfig | None, profile=None, family: str | None = No
     if _installed is not None:
         return _status
     try:
+        per_device = None
         if profile is not None:
-            from sage_qual.serving.profile import config_for_machine
+            from sage_qual.serving.profile import ProfileError, device_configs, this_machine
 
-            config = config_for_machine(profile, family, config or DEFAULT_CONFIG)
-        devices, package = _probe(config or DEFAULT_CONFIG)
+            try:
+                per_device = device_configs(profile, this_machine(), family, config or DEFAULT_CONFIG)
+            except ProfileError as error:
+                raise sage_package.SageUnavailable(str(error)) from None
+        devices, package = _probe(config or DEFAULT_CONFIG, per_device)
     except sage_package.SageUnavailable as why:
         _status = InstallStatus(False, str(why))
         log.warning("SageAttention not enabled, attention stays on PyTorch SDPA: %s", why)
@@ -122,7 +129,8 @@ def uninstall() -> None:
         _status = InstallStatus(False, "uninstall() was called")
 
 
-def _probe(config: WrapperConfig) -> tuple[dict[int, DeviceState], sage_package.SagePackage]:
+def _probe(config: WrapperConfig, per_device=None) -> tuple[dict[int, DeviceState], sage_package.SagePackage]:
+    """Each device's state; `per_device` (from a profile) gives each its own config and note."""
     cuda = platform.current()
     if cuda.is_rocm():
         raise sage_package.SageUnavailable("this is a ROCm build of torch; SageAttention runs on NVIDIA "
@@ -141,12 +149,17 @@ def _probe(config: WrapperConfig) -> tuple[dict[int, DeviceState], sage_package.
     devices = {}
     for index, capability in capabilities.items():
         box = BoxFacts(capability, cuda.torch_cuda(), package.extensions, triton)
-        variant, reason = config.kernel_for(box)
+        own = per_device[index] if per_device else None
+        device_config = own.config if own else config
+        variant, reason = device_config.kernel_for(box)
+        if own and not variant and device_config.kernel_table.get(capability) == ():
+            reason = own.note  # the profile certifies no variant here: say why
         if variant is not None:
             problem = sage_package.kernel_problem(package, variant)
             if problem:
                 raise sage_package.SageUnavailable(problem)
-        devices[index] = DeviceState(index, cuda.device_name(index), capability, variant, reason)
+        devices[index] = DeviceState(index, cuda.device_name(index), capability, variant, reason,
+                                     config=device_config, profile_note=own.note if own else "")
     if not any(d.variant for d in devices.values()):
         reasons = "; ".join(f"{d.label}: {d.no_kernel_reason}" for d in devices.values())
         raise sage_package.SageUnavailable(f"no GPU here has a usable SageAttention kernel ({reasons})")
@@ -175,7 +188,8 @@ def _serve(state: _Installed, report: ScopeReport, args: tuple, kwargs: dict):
         report.fell_back("arguments", "%s", (bad_arguments,))
         return original(*args, **kwargs)
     cuda = platform.current()
-    refused = refusal(call, state.config, cuda)
+    target = state.devices.get(cuda.tensor_device(call.query))
+    refused = refusal(call, target.config if target else state.config, cuda)
     if refused is None:
         device = _device_refusal(state, call, cuda)
         refused = ("device", "%s", (device,)) if isinstance(device, str) else None

@@ -1,0 +1,83 @@
+"""`sage-qual compare A B`: do two certify reports of one machine give the same thresholds?
+
+Both reports are decided afresh (`verdict.decide`); per GPU model in both, and per family and the
+default entry, the verdicts must match and the query and key thresholds lie within --tolerance
+of each other (relative to the larger). Exit 0 when they do, 1 when not (each difference
+printed), 2 on unreadable input.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from sage_qual.errors import ExitCode, UsageError
+from sage_qual.qualification import report, verdict
+
+DEFAULT_TOLERANCE = 0.10
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("compare", help="whether two certify reports give the same verdicts and "
+                                                   "thresholds (within a tolerance)")
+    parser.add_argument("first", type=Path, metavar="REPORT")
+    parser.add_argument("second", type=Path, metavar="REPORT")
+    parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
+                        help=f"largest relative threshold difference (default {DEFAULT_TOLERANCE:g})")
+    parser.set_defaults(func=_compare)
+
+
+def _decide(path: Path) -> dict[str, verdict.GpuDecision]:
+    try:
+        data = report.load(path)
+    except report.ReportError as error:
+        raise UsageError(str(error)) from None
+    if not data.complete:
+        raise UsageError(f"{path}: complete: false: a partial report has no thresholds; run certify to "
+                         "the end")
+    return {gpu.model: gpu for gpu in verdict.decide(data)}
+
+
+def _apart(a: int | None, b: int | None, tolerance: float) -> bool:
+    if a is None or b is None:
+        return a != b
+    return abs(a - b) > tolerance * max(a, b)
+
+
+def differences(first: dict[str, verdict.GpuDecision], second: dict[str, verdict.GpuDecision],
+                tolerance: float) -> tuple[list[str], list[str]]:
+    """(one line per entry compared, the differences)."""
+    lines, found = [], []
+    for model in sorted(set(first) | set(second)):
+        if model not in first or model not in second:
+            found.append(f"{model}: in only one report")
+            continue
+        a_gpu, b_gpu = first[model], second[model]
+        b_entries = {d.label: d for d in b_gpu.families + [b_gpu.default]}
+        for a in a_gpu.families + [a_gpu.default]:
+            b = b_entries.get(a.label)
+            if b is None:
+                found.append(f"{model} {a.label}: in only one report")
+                continue
+            line = (f"{model} {a.label}: {a.verdict.value} {a.variant or '-'} "
+                    f"{a.min_query_tokens}/{a.min_key_tokens} vs {b.verdict.value} {b.variant or '-'} "
+                    f"{b.min_query_tokens}/{b.min_key_tokens}")
+            lines.append(line)
+            if (a.verdict, a.variant) != (b.verdict, b.variant) or \
+                    _apart(a.min_query_tokens, b.min_query_tokens, tolerance) or \
+                    _apart(a.min_key_tokens, b.min_key_tokens, tolerance):
+                found.append(line)
+    return lines, found
+
+
+def _compare(args: argparse.Namespace) -> int:
+    if not 0 <= args.tolerance < 1:
+        raise UsageError(f"--tolerance is {args.tolerance:g}: give a fraction from 0 to below 1 (0.1 = 10 %)")
+    lines, found = differences(_decide(args.first), _decide(args.second), args.tolerance)
+    print("\n".join(lines))
+    if found:
+        print(f"{len(found)} difference(s) beyond {args.tolerance:.0%}:")
+        print("\n".join(f"  {line}" for line in found))
+        return ExitCode.KEEP_OFF
+    print(f"same verdicts, thresholds within {args.tolerance:.0%}")
+    return ExitCode.OK

@@ -1,0 +1,333 @@
+"""What report.json holds, as typed records: the evidence of a certify run, never its verdicts.
+
+A report stores what was measured (cells: a variant on a fixture; speed: a kernel at a shape,
+with every timed repeat) and where; `sage_qual.qualification.verdict.decide()` draws every verdict
+from it. `load()` reads a file strictly: anything missing, mistyped, out of range, truncated or
+from a newer schema is a `ReportError` naming the file, the key and the fix. Schema version 1
+(written up to sage-qual 0.1: the same evidence plus a stored analysis, `gpus`, and no timing
+samples) still reads; its stored analysis is dropped unread. `json_schema()` generates
+report_schema.json from these classes.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from sage_qual import jsonfile, records
+
+KIND = "sage-qual-report"
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+FIX = "the file was edited, damaged or written by another tool: run `sage-qual certify` again"
+
+
+class ReportError(ValueError):
+    """A file that is not a readable sage-qual report; the message says why and what to do."""
+
+
+class Outcome(str, enum.Enum):
+    PASS = "pass"
+    FAIL = "fail"
+    SKIP = "skip"
+    OOM = "oom"
+    CRASH = "crash"
+    TIMEOUT = "timeout"
+
+
+class ReasonKind(str, enum.Enum):
+    ACCURACY = "accuracy"
+    NON_FINITE = "non_finite"
+    MEMORY = "memory"
+    SPEED = "speed"
+    CRASH = "crash"
+    OOM = "oom"
+    TIMEOUT = "timeout"
+    SKIP = "skip"
+    NO_FIXTURES = "no_fixtures"
+    INCOMPLETE = "incomplete"
+
+
+class DType(str, enum.Enum):
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+
+
+class FixtureKind(str, enum.Enum):
+    RECORDED = "recorded"
+    REPLICA = "replica"
+
+
+class AccuracyClass(str, enum.Enum):
+    FP16 = "fp16"
+    FP8 = "fp8"
+
+
+@dataclass(frozen=True)
+class Reason:
+    kind: ReasonKind
+    detail: str
+
+
+@dataclass(frozen=True)
+class SmoothK:
+    """The same kernel with K smoothing on (outlier fixtures only)."""
+    rel_l2: float | None
+    worst_head_cosine: float | None
+    finite: bool
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One variant on one fixture; the numbers only when it ran to the end (null: not finite)."""
+    variant: str
+    fixture: str
+    outcome: Outcome
+    detail: str = ""
+    reasons: list[Reason] = field(default_factory=list)
+    accuracy_class: AccuracyClass | None = None
+    bounds: dict[str, float] | None = field(default=None, metadata={
+        "description": "the budget the cell was judged against: limit name (max_rel_l2, min_cosine, ...) -> "
+                       "bound"})
+    rel_l2: float | None = None
+    worst_head_cosine: float | None = None
+    finite: bool | None = None
+    sdpa_rel_l2: float | None = None
+    error_vs_sdpa: float | None = None
+    worst_head_rel_l2: float | None = None
+    worst_batch_rel_l2: float | None = None
+    worst_block_rel_l2: float | None = None
+    norm_ratio: float | None = None
+    extra_bytes_per_element: float | None = None
+    smooth_k_on: SmoothK | None = None
+    seconds: float | None = None
+    stderr_tail: str = ""
+    traceback: str = ""
+
+    @property
+    def measured(self) -> bool:
+        return self.outcome in (Outcome.PASS, Outcome.FAIL)
+
+    def check(self) -> list[tuple[str, str]]:
+        if self.measured:  # memory is measured on a GPU only (Report.check: not for predictions)
+            missing = [name for name in ("bounds", "finite") if getattr(self, name) is None]
+            if missing:
+                return [(missing[0], f"missing for a cell whose outcome is {self.outcome.value!r}")]
+        elif not self.detail:
+            return [("detail", f"empty for a cell whose outcome is {self.outcome.value!r} (it says why)")]
+        return []
+
+
+@dataclass(frozen=True)
+class Speed:
+    """One kernel at one shape: the median of the timed calls (CUDA events, after warm-up), with
+    every timed call in `samples_ms`; kernel 'sdpa' is the fastest SDPA backend."""
+    kernel: str
+    shape: str
+    outcome: Outcome
+    ms: float | None = field(metadata={"description": "median ms; null when it did not run"})
+    samples_ms: list[float] = field(default_factory=list, metadata={
+        "minimum": 0, "description": "every timed call in ms (empty in schema version 1 reports)"})
+    best_backend: str = ""
+    backends: dict[str, float] = field(default_factory=dict)
+    refused: dict[str, str] = field(default_factory=dict)
+    detail: str = ""
+    seconds: float | None = None
+    stderr_tail: str = ""
+    traceback: str = ""
+
+    def check(self) -> list[tuple[str, str]]:
+        if self.ms is not None and self.ms <= 0:
+            return [("ms", f"is {self.ms}, expected a positive time")]
+        if self.outcome == Outcome.PASS and self.ms is None:
+            return [("ms", "null for a timing whose outcome is 'pass'")]
+        return []
+
+
+@dataclass(frozen=True)
+class ShapeSpec:
+    heads: int = field(metadata={"minimum": 1})
+    kv_heads: int = field(metadata={"minimum": 1})
+    q_tokens: int = field(metadata={"minimum": 1})
+    kv_tokens: int = field(metadata={"minimum": 1})
+    head_dim: int = field(metadata={"minimum": 1})
+    dtype: DType
+    batch: int = field(metadata={"minimum": 1})
+
+
+@dataclass(frozen=True)
+class ShapeUse:
+    family: str | None = field(metadata={"description": "null: a point of the generic sweep"})
+    label: str
+
+
+@dataclass(frozen=True)
+class ShapeEntry:
+    """A timed shape and which sweep points or family calls it stands for."""
+    shape: ShapeSpec
+    uses: list[ShapeUse]
+
+    def check(self) -> list[tuple[str, str]]:
+        return [] if self.uses else [("uses", "empty: a timed shape stands for at least one call")]
+
+
+@dataclass(frozen=True)
+class FixtureRecord:
+    name: str
+    family: str
+    kind: FixtureKind
+    dtype: DType
+    q: list[int] = field(metadata={"length": 4, "minimum": 1})
+    k: list[int] = field(metadata={"length": 4, "minimum": 1})
+    sha256: str = field(metadata={"pattern": "[0-9a-f]{64}"})
+    bounds: dict[str, dict[str, float]] = field(metadata={
+        "description": "accuracy class (fp16, fp8) -> limit name -> bound"})
+    provenance: str
+
+
+@dataclass(frozen=True)
+class Options:
+    devices: list[int] = field(metadata={"minimum": 0})
+    variants: list[str]
+    families: list[str]
+    fixture_dirs: list[str]
+    quick: bool
+    timeout_s: float = field(metadata={"minimum": 0})
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    index: int = field(metadata={"minimum": 0})
+    name: str
+    capability: list[int] = field(metadata={"length": 2, "minimum": 0})
+    memory_gib: float = field(metadata={"minimum": 0})
+    kernel: str = ""
+    no_kernel_reason: str = ""
+    runnable_variants: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class EnvironmentRecord:
+    """sage_qual.serving.environment.Environment, collected in a worker."""
+    sage_qual: str
+    python: str
+    os: str
+    torch: str
+    torch_cuda: str
+    cudnn: str
+    driver: str
+    triton: str
+    sageattention: str
+    sageattention_problem: str
+    extensions: dict[str, str]
+    gpus: list[GpuInfo]
+
+
+@dataclass(frozen=True)
+class Device:
+    index: int = field(metadata={"minimum": 0})
+    name: str
+    capability: list[int] = field(metadata={"length": 2, "minimum": 0})
+    memory_gib: float = field(metadata={"minimum": 0})
+    not_supported: dict[str, list[str]] = field(metadata={"description": "variant -> why it cannot run here"})
+    cells: list[Cell]
+    speed: list[Speed]
+
+    @property
+    def model(self) -> tuple[str, tuple[int, int]]:
+        return self.name, (self.capability[0], self.capability[1])
+
+
+@dataclass(frozen=True)
+class Report:
+    """Written by `sage-qual certify` as report.json: rewritten after every result with
+    complete=false, and with complete=true when the run finished. Holds evidence only: every
+    verdict is computed from it when it is read."""
+    kind: Literal["sage-qual-report"]
+    schema_version: Literal[2]
+    complete: bool
+    stopped: str = field(metadata={"description": "why the run stopped before the end ('' when it did not)"})
+    started: str
+    finished: str | None
+    host: str
+    command: str
+    options: Options
+    environment: EnvironmentRecord
+    fixtures: list[FixtureRecord]
+    shapes: dict[str, ShapeEntry]
+    devices: list[Device]
+    predicted: bool = field(default=False, metadata={
+        "description": "true: cells predicted by the CPU numerics model (certify --emulate), nothing "
+                       "measured on a GPU; gate refuses such a report"})
+
+    def check(self) -> list[tuple[str, str]]:
+        if self.complete and not self.finished:
+            return [("finished", "null in a report marked complete")]
+        if not self.predicted:
+            for n, device in enumerate(self.devices):
+                for m, cell in enumerate(device.cells):
+                    if cell.measured and cell.extra_bytes_per_element is None:
+                        return [(f"devices[{n}].cells[{m}].extra_bytes_per_element",
+                                 f"missing for a measured cell whose outcome is {cell.outcome.value!r}")]
+        names = [f.name for f in self.fixtures]
+        if len(set(names)) != len(names):
+            return [("fixtures", "two fixtures share a name")]
+        indices = [d.index for d in self.devices]
+        if len(set(indices)) != len(indices):
+            return [("devices", "two entries for one GPU index")]
+        for n, device in enumerate(self.devices):
+            for m, cell in enumerate(device.cells):
+                if cell.fixture not in names:
+                    return [(f"devices[{n}].cells[{m}].fixture", f"{cell.fixture!r} is not in `fixtures`")]
+                if cell.variant not in self.options.variants:
+                    return [(f"devices[{n}].cells[{m}].variant",
+                             f"{cell.variant!r} is not in options.variants")]
+            for m, timing in enumerate(device.speed):
+                if timing.shape not in self.shapes:
+                    return [(f"devices[{n}].speed[{m}].shape", f"{timing.shape!r} is not in `shapes`")]
+        return []
+
+
+def json_schema() -> dict:
+    """report_schema.json, generated from the classes above."""
+    return records.schema(
+        Report, f"sage-qual certify report, schema version {SCHEMA_VERSION}",
+        "Written by `sage-qual certify` as report.json (generated from "
+        "sage_qual/qualification/report_model.py; do not edit by hand). Evidence only: verdicts are "
+        "computed from the cells and timings when the report is read. Non-finite numbers are stored "
+        "as null.",
+        f"https://sage-qual.invalid/report/{SCHEMA_VERSION}")
+
+
+def _upgrade(data: dict) -> dict:
+    """A version 1 report as version 2: the same evidence; its stored analysis is dropped."""
+    data = {k: v for k, v in data.items() if k != "gpus"}
+    data["schema_version"] = SCHEMA_VERSION
+    return data
+
+
+def from_dict(data: Any, where: str) -> Report:
+    if not isinstance(data, dict) or data.get("kind") != KIND:
+        raise ReportError(f'{where}: kind: not a sage-qual report (no "kind": "{KIND}"); give the '
+                          "report.json that `sage-qual certify` wrote")
+    version = data.get("schema_version")
+    if isinstance(version, int) and not isinstance(version, bool) and version > SCHEMA_VERSION:
+        raise ReportError(f"{where}: schema_version: {version} is newer than this sage-qual reads "
+                          f"({', '.join(map(str, READABLE_VERSIONS))}); upgrade sage-qual")
+    if version not in READABLE_VERSIONS or isinstance(version, bool):
+        raise ReportError(f"{where}: schema_version: {version!r} is not a report schema version "
+                          f"({', '.join(map(str, READABLE_VERSIONS))}); {FIX}")
+    if version == 1:
+        data = _upgrade(data)
+    try:
+        return records.parse(Report, data, where, FIX)
+    except records.RecordError as error:
+        raise ReportError(str(error)) from None
+
+
+def load(path) -> Report:
+    data = jsonfile.read(path, ReportError, missing="{path}: no report there: run `sage-qual certify` first",
+                         unreadable="{path}: cannot be read ({reason}); give a readable report.json",
+                         not_json="{path}: not JSON, or cut short ({reason}); " + FIX)
+    return from_dict(data, str(path))

@@ -1,0 +1,335 @@
+"""Every verdict, drawn from a report's evidence by one function, `decide()`.
+
+gate, report.md/html, merge, certify's summary and the profile all call it; nothing reads a
+verdict or a cell's stored outcome as the truth. Each measured cell is judged again from its
+stored numbers (`judge.cell_reasons`), and a report whose cells' outcomes disagree with their
+numbers is refused (`check_evidence`). A speed comparison trusts the lower end of its 95 %
+confidence interval.
+
+Per GPU model (devices of one model count together: a variant passes a fixture only if it
+passed on each of them; a shape's speedup is the lowest among them) and family, one of:
+
+- enable: a variant passed every fixture of the family (and the generic ones), and its measured
+  break-even serves at least one of the family's own shapes;
+- safe, no speedup: a variant passed every fixture, but the measured speed serves none of the
+  family's shapes (or they were not timed: a --quick run), so a profile serves nothing;
+- keep off: no variant passed, with every reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from dataclasses import dataclass, field
+
+from sage_qual.limits import MEMORY_BOUND
+from sage_qual.qualification import judge, measure
+from sage_qual.qualification.families import FAMILIES, Family, family_of, normalize
+from sage_qual.qualification.report_model import (
+    Cell,
+    Device,
+    Outcome,
+    Reason,
+    ReasonKind,
+    Report,
+    ReportError,
+)
+from sage_qual.qualification.speed import break_even, serves, speedup_bounds
+from sage_qual.serving.config import KERNEL_TABLE
+from sage_qual.serving.variants import VARIANTS
+
+# Fixtures of this family count for every family's verdict (stress fixtures; contract with the
+# fixtures' owners).
+GENERIC = "generic"
+
+
+class Verdict(str, enum.Enum):
+    ENABLE = "enable"
+    NO_SPEEDUP = "safe, no speedup"
+    KEEP_OFF = "keep off"
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    min_query_tokens: int
+    min_key_tokens: int
+    head_dims: list[int]
+    served_shapes: int
+    measured_shapes: int
+
+
+@dataclass
+class FamilyDecision:
+    family: str | None  # None: the default entry, over all fixtures
+    verdict: Verdict = Verdict.KEEP_OFF
+    variant: str | None = None  # what a profile serves (None: nothing)
+    min_query_tokens: int | None = None
+    min_key_tokens: int | None = None
+    head_dims: list[int] | None = None
+    reasons: list[Reason] = field(default_factory=list)
+    certified: list[str] = field(default_factory=list)  # variants that passed every fixture
+    rejected: dict[str, list[Reason]] = field(default_factory=dict)
+    speedups: dict[str, float] = field(default_factory=dict)  # own shape label -> lower bound
+
+    @property
+    def label(self) -> str:
+        return self.family or "default"
+
+    def served_from(self) -> str:
+        if self.min_query_tokens is None:
+            return "-"
+        return (f"{self.min_query_tokens} / {self.min_key_tokens}, head_dim "
+                f"{'/'.join(map(str, self.head_dims))}")
+
+
+@dataclass
+class VariantStatus:
+    ran: bool  # any result on this model (a --quick run leaves most variants out)
+    runnable: bool
+    reasons: list[str]
+    break_even: Thresholds | None
+
+
+@dataclass
+class GpuDecision:
+    name: str
+    capability: tuple[int, int]
+    memory_gib: float
+    devices: list[int]
+    variants: dict[str, VariantStatus]
+    families: list[FamilyDecision]
+    default: FamilyDecision
+    # (variant, shape key) -> (lower 95 % bound, median ratio) of the speedup over SDPA
+    speedups: dict[tuple[str, str], tuple[float, float]] = field(default_factory=dict)
+
+    @property
+    def model(self) -> str:
+        return "%s (sm_%d%d)" % (self.name, *self.capability)
+
+    def family(self, name: str) -> FamilyDecision:
+        return next(v for v in self.families if normalize(v.family) == normalize(name))
+
+
+# The evidence ------------------------------------------------------------------------------------
+def _memory_bound(fixture_family: str) -> float:
+    owner = family_of(fixture_family)
+    return owner.memory_bound if owner else MEMORY_BOUND
+
+
+# A stored budget may be tighter than its fixture's bound for the kernel's accuracy class, never looser.
+_LOOSER = {"max": lambda cell, fixture: cell > fixture, "min": lambda cell, fixture: cell < fixture}
+
+
+def judged(report: Report, cell: Cell) -> list[Reason]:
+    """Why a cell fails, recomputed from its stored numbers and budget (`judge.cell_reasons`)."""
+    if not cell.measured:
+        return [Reason(ReasonKind(cell.outcome.value), cell.detail)]
+    fixture = next(f for f in report.fixtures if f.name == cell.fixture)
+    metrics = {f.name: (math.nan if getattr(cell, f.name, None) is None else getattr(cell, f.name))
+               for f in dataclasses.fields(measure.Accuracy)}
+    metrics["finite"] = bool(cell.finite)
+    # A predicted cell (certify --emulate) has no memory number: only its accuracy is judged.
+    extra = 0.0 if cell.extra_bytes_per_element is None and report.predicted else cell.extra_bytes_per_element
+    reasons = judge.cell_reasons(measure.Accuracy(**metrics), extra, dict(cell.bounds),
+                                 _memory_bound(fixture.family))
+    return [Reason(ReasonKind(r["kind"]), r["detail"]) for r in reasons]
+
+
+def check_evidence(report: Report, where: str) -> None:
+    """ReportError when a cell's stored outcome disagrees with what it measured, or its budget is
+    looser than its fixture's bound for the variant's accuracy class."""
+    fixtures = {f.name: f for f in report.fixtures}
+    for n, device in enumerate(report.devices):
+        for m, cell in enumerate(device.cells):
+            if not cell.measured:
+                continue
+            key = f"{where}: devices[{n}].cells[{m}] ({cell.variant} on {cell.fixture})"
+            variant = VARIANTS.get(cell.variant)
+            if variant is None:
+                raise ReportError(f"{key}: variant: unknown to this sage-qual; certify again with this "
+                                  "version")
+            expected = fixtures[cell.fixture].bounds.get(variant.accuracy_class, {})
+            for limit, bound in expected.items():
+                side = limit.split("_", 1)[0]
+                stored = cell.bounds.get(limit)
+                if side in _LOOSER and (stored is None or _LOOSER[side](stored, bound)):
+                    raise ReportError(f"{key}: bounds.{limit}: {stored!r} is looser than the fixture's "
+                                      f"{bound:g} for {variant.accuracy_class} kernels; the report was "
+                                      "edited: certify again")
+            reasons = judged(report, cell)
+            outcome = Outcome.FAIL if reasons else Outcome.PASS
+            if cell.outcome != outcome:
+                why = "; ".join(r.detail for r in reasons) or "every number within its bound"
+                raise ReportError(f"{key}: outcome: {cell.outcome.value!r} but its numbers say "
+                                  f"{outcome.value!r} ({why}); the report was edited: certify again")
+
+
+def _speedups(devices: list[Device], report: Report) -> dict[tuple[str, str], tuple[float, float]]:
+    """(variant, shape) -> (lower bound, median ratio) of the speedup over the fastest SDPA
+    backend; a shape counts only where every device measured it, the slowest device deciding. A
+    variant that failed at a shape counts as no speedup there."""
+    per_device = []
+    for device in devices:
+        sdpa = {r.shape: r for r in device.speed if r.kernel == "sdpa" and r.outcome == Outcome.PASS and r.ms}
+        found = {}
+        for r in device.speed:
+            if r.kernel == "sdpa" or r.shape not in sdpa:
+                continue
+            if r.outcome == Outcome.PASS and r.ms:
+                base = sdpa[r.shape]
+                low, median, _ = speedup_bounds(base.ms, base.samples_ms, r.ms, r.samples_ms)
+                found[(r.kernel, r.shape)] = (low, median)
+            else:
+                found[(r.kernel, r.shape)] = (0.0, 0.0)
+        per_device.append(found)
+    common = set.intersection(*map(set, per_device)) if per_device else set()
+    return {key: (min(d[key][0] for d in per_device), min(d[key][1] for d in per_device)) for key in common}
+
+
+class _Model:
+    """One GPU model's cells and speed, from all its devices."""
+
+    def __init__(self, report: Report, devices: list[Device], runnable: list[str]):
+        self.report, self.devices, self.runnable = report, devices, runnable
+        self.shapes = {key: entry.shape for key, entry in report.shapes.items()}
+        self.uses = {key: entry.uses for key, entry in report.shapes.items()}
+        self.cells = {(c.variant, c.fixture, d.index): c for d in devices for c in d.cells}
+        self.speedup = _speedups(devices, report)
+        self.ms = {}
+        for device in devices:
+            for r in device.speed:
+                if r.kernel != "sdpa" and r.ms:
+                    key = (r.kernel, r.shape)
+                    self.ms[key] = max(self.ms.get(key, 0.0), r.ms)
+
+    def points(self, variant: str, keys: list[str]) -> list[tuple[int, int, int, float]]:
+        return [(self.shapes[k].q_tokens, self.shapes[k].kv_tokens, self.shapes[k].head_dim,
+                 self.speedup[(variant, k)][0]) for k in keys if (variant, k) in self.speedup]
+
+    def break_even(self, variant: str, keys: list[str], min_speedup: float = 1.0) -> Thresholds | None:
+        found = break_even(self.points(variant, keys), min_speedup) if variant in self.runnable else None
+        return Thresholds(**found) if found else None
+
+    def verdict(self, family: Family | None) -> FamilyDecision:
+        result = FamilyDecision(family.name if family else None)
+        fixtures = [f.name for f in self.report.fixtures
+                    if family is None or family.owns(f.family) or normalize(f.family) == GENERIC]
+        if not any(family is None or family.owns(f.family) for f in self.report.fixtures):
+            label = family.name if family else "any family"
+            result.reasons = [Reason(ReasonKind.NO_FIXTURES,
+                                     f"no fixtures of {label} in this run: not certified")]
+            return result
+        if not self.runnable:
+            result.reasons = [Reason(ReasonKind.SKIP, "no selected variant ran on this GPU")]
+            return result
+        for variant in self.runnable:
+            failures = [r for fixture in fixtures for r in self._failures(variant, fixture)]
+            if failures:
+                result.rejected[variant] = failures
+            else:
+                result.certified.append(variant)
+        if not result.certified:
+            result.reasons = [r for failures in result.rejected.values() for r in failures]
+            return result
+        min_speedup = family.min_speedup if family else 1.0
+        own = {k: u.label for k, uses in self.uses.items() for u in uses
+               if family is not None and u.family is not None and family.owns(u.family)}
+        if family is None:
+            relevant = list(self.shapes)
+        else:  # its own calls, and the generic sweep at its head sizes
+            head_dims = {shape.head_dim for _, shape in family.shapes}
+            relevant = list(own) + [k for k, s in self.shapes.items() if s.head_dim in head_dims
+                                    and all(u.family is None for u in self.uses[k])]
+        chosen, thresholds = self._choose(result.certified, list(own), relevant, min_speedup)
+        result.variant = chosen
+        result.speedups = {own[k]: self.speedup[(chosen, k)][0] for k in own if (chosen, k) in self.speedup}
+        served = [serves(vars(thresholds), q, k, d) for q, k, d, _ in self.points(chosen, list(own))] \
+            if thresholds else []
+        if thresholds is None:
+            result.reasons.append(Reason(ReasonKind.SPEED, f"{chosen} never measured faster than "
+                                                           f"{min_speedup:g}x the fastest SDPA backend "
+                                                           "(lower 95 % bound)"))
+        elif family is not None and not self.points(chosen, list(own)):
+            result.reasons.append(Reason(ReasonKind.SPEED, f"{family.name}'s own shapes were not timed (a "
+                                                           "--quick run): speedup unknown"))
+        elif family is not None and not any(served):
+            listed = ", ".join(f"{label} {x:.2f}x" for label, x in result.speedups.items())
+            result.reasons.append(Reason(ReasonKind.SPEED, f"no speedup at its shapes: {chosen} pays only "
+                                                           f"from {_where(thresholds)}, which serves none of "
+                                                           f"them ({listed})"))
+        if result.reasons:
+            result.verdict, result.variant = Verdict.NO_SPEEDUP, None
+            return result
+        result.verdict = Verdict.ENABLE
+        result.min_query_tokens = thresholds.min_query_tokens
+        result.min_key_tokens = thresholds.min_key_tokens
+        result.head_dims = list(thresholds.head_dims)
+        return result
+
+    def _failures(self, variant: str, fixture: str) -> list[Reason]:
+        reasons = []
+        for device in self.devices:
+            where = f"{variant} on {fixture} (cuda:{device.index})"
+            cell = self.cells.get((variant, fixture, device.index))
+            if cell is None:
+                reasons.append(Reason(ReasonKind.INCOMPLETE, f"{where}: not run"))
+            else:
+                reasons += [Reason(r.kind, f"{where}: {r.detail}") for r in judged(self.report, cell)]
+        return reasons
+
+    def _choose(self, candidates: list[str], own: list[str], relevant: list[str],
+                min_speedup: float) -> tuple[str, Thresholds | None]:
+        """The fastest candidate at the family's shapes (or all relevant ones) among those whose
+        break-even serves one of its shapes, else among those that pay anywhere, else the fastest."""
+        keys = own or relevant
+
+        def total(variant):  # unmeasured ones rank last, in the order of preference
+            if keys and all((variant, k) in self.ms for k in keys):
+                return sum(self.ms[(variant, k)] for k in keys)
+            return math.inf
+
+        ranked = sorted(candidates, key=lambda v: (total(v), candidates.index(v)))
+        thresholds = {v: self.break_even(v, relevant, min_speedup) for v in ranked}
+        serving = [v for v in ranked if thresholds[v] and any(
+            serves(vars(thresholds[v]), q, k, d) for q, k, d, _ in self.points(v, own))]
+        paying = [v for v in ranked if thresholds[v]]
+        chosen = (serving or paying or ranked)[0]
+        return chosen, thresholds[chosen]
+
+
+def _where(t: Thresholds) -> str:
+    return (f"{t.min_query_tokens} query / {t.min_key_tokens} key tokens, head_dim "
+            f"{'/'.join(map(str, t.head_dims))}")
+
+
+def decide(report: Report) -> list[GpuDecision]:
+    """Per GPU model of a complete report: each variant's break-even, a verdict per certified
+    family and a default verdict over all fixtures. Empty for a partial report: no verdict is
+    drawn from a run that did not finish."""
+    if not report.complete:
+        return []
+    groups: dict[tuple, list[Device]] = {}
+    for device in report.devices:
+        groups.setdefault(device.model, []).append(device)
+    selected = report.options.variants
+    decided = []
+    for (name, capability), devices in groups.items():
+        table = KERNEL_TABLE.get(capability, ())
+        preference = [v for v in table if v in selected] + [v for v in selected if v not in table]
+        ran = {v for d in devices for v in [c.variant for c in d.cells] + [r.kernel for r in d.speed]}
+        unsupported = {v for d in devices for v in d.not_supported}
+        runnable = [v for v in preference if v in ran and v not in unsupported]
+        model = _Model(report, devices, runnable)
+        chosen = [f for f in FAMILIES if f.name in report.options.families]
+        decided.append(GpuDecision(
+            name=name, capability=capability, memory_gib=min(d.memory_gib for d in devices),
+            devices=[d.index for d in devices],
+            variants={v: VariantStatus(
+                ran=v in ran, runnable=v in runnable,
+                reasons=sorted({r for d in devices for r in d.not_supported.get(v, [])}),
+                break_even=model.break_even(v, list(report.shapes)))
+                      for v in selected},
+            families=[model.verdict(f) for f in chosen],
+            default=model.verdict(None), speedups=model.speedup))
+    return decided
