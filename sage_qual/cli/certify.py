@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from sage_qual import limits
-from sage_qual.errors import ExitCode
+from sage_qual.errors import ExitCode, UsageError
 from sage_qual.qualification.certify import Options, run
 
 
@@ -38,10 +38,22 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--emulate", action="store_true",
                         help="no GPU: predict every variant on the fixtures with the CPU numerics model "
                              "(report marked predicted, no speed; gate refuses it)")
+    parser.add_argument("--target", metavar="NAME",
+                        help="qualify an integration instead of the variants: wrapper, wrapper:VARIANT, "
+                             "sageattn, diffusers:BACKEND or module:function (docs/targets.md)")
     parser.set_defaults(func=_command)
 
 
 def _command(args: argparse.Namespace) -> int:
+    if args.target is not None:
+        from sage_qual.qualification import target_certify
+
+        if args.emulate or args.variants:
+            raise UsageError("--target qualifies one integration: leave out --emulate and --variants")
+        data = target_certify.run(target_certify.Options(
+            args.out, args.target, args.devices, _split(args.families), args.fixtures, args.quick,
+            args.timeout, "sage-qual " + shlex.join(sys.argv[1:])))
+        return ExitCode.OK if data["complete"] else ExitCode.INTERRUPTED
     if args.emulate:
         from sage_qual.qualification import emulate
 

@@ -104,8 +104,16 @@ def _status(data: dict) -> str:
 
 
 def _blocks(data: dict, decisions: list[verdict.GpuDecision], images: dict) -> list[tuple]:
-    blocks = [("h", 1, f"SageAttention certification, {data['host']}"), ("p", _status(data)),
+    predicted = "PREDICTED " if data.get("predicted") else ""
+    blocks = [("h", 1, f"{predicted}SageAttention certification, {data['host']}"), ("p", _status(data)),
               ("p", f"Command: `{data['command']}`")]
+    if predicted:
+        blocks.append(("p", "PREDICTED: every cell below was computed by the CPU numerics model of its "
+                            "variant (certify --emulate); no GPU ran and nothing here was measured. "
+                            "`sage-qual gate` refuses this report: certify on the GPU to enable a family."))
+    if data.get("target"):
+        blocks.append(("p", f"Target: `{data['target']}` (certify --target): this integration stands where a "
+                            "variant stands in every table below."))
     if data.get("environment"):
         blocks += [("h", 2, "Environment"),
                    ("pre", environment.render_text(environment.from_dict(data["environment"])))]

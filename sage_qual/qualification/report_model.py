@@ -260,6 +260,10 @@ class Report:
     predicted: bool = field(default=False, metadata={
         "description": "true: cells predicted by the CPU numerics model (certify --emulate), nothing "
                        "measured on a GPU; gate refuses such a report"})
+    target: str = field(default="", metadata={
+        "description": "certify --target: the integration qualified instead of the variants (wrapper, "
+                       "sageattn, diffusers:BACKEND, module:function); it stands where a variant stands "
+                       "(options.variants, cells' variant) and each cell stores its kernel class"})
 
     def check(self) -> list[tuple[str, str]]:
         if self.complete and not self.finished:
