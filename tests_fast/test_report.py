@@ -65,6 +65,27 @@ def test_committed_reports_still_read(path):
     assert report.load(path).devices
 
 
+CURRENT = Path(__file__).resolve().parent.parent / "docs" / "results" / "current"
+
+
+def test_current_reports_were_made_on_the_shipped_fixtures():
+    """Reports that claim to be current (docs/results/current/) name the shipped fixtures' hashes,
+    so `gate` on them is not stale. The older runs' folders are history and may differ."""
+    from sage_qual.fixtures import fileformat
+
+    reports = sorted(CURRENT.rglob("report.json"))
+    if not reports:
+        pytest.skip(f"no {CURRENT.relative_to(CURRENT.parents[2])}/**/report.json yet: the final GPU run "
+                    "fills it")
+    shipped = {p.name.removesuffix(".safetensors"): fileformat.load_fixture(p).sha256
+               for p in fileformat.list_fixtures(fileformat.shipped_dir())}
+    for path in reports:
+        recorded = {f.name: f.sha256 for f in report.load(path).fixtures}
+        assert recorded, f"{path} names no fixtures"
+        stale = sorted(name for name, sha in recorded.items() if shipped.get(name) != sha)
+        assert not stale, f"{path}: fixtures changed or missing since the run: {stale}"
+
+
 # Damage of every sort is refused with one line naming the file, the key and the fix. ------------
 def edit(change):
     def damaged(tmp_path):

@@ -185,7 +185,7 @@ def run(options: Options) -> dict:
     options = dataclasses.replace(options, fixture_dirs=fixture_dirs(options.fixture_dirs))
     fixtures = select_fixtures(options.fixture_dirs, chosen, options.families is None, options.quick)
     out = Path(options.out)
-    created = not out.exists()
+    new = None if out.exists() else _first_missing(out)
     logs = out / "logs"
     try:
         logs.mkdir(parents=True, exist_ok=True)
@@ -196,12 +196,19 @@ def run(options: Options) -> dict:
     try:
         return _run(options, variants, chosen, fixtures, out, pool)
     except UsageError:
-        pool.close()
-        if created and not (out / "report.json").exists():  # refused before measuring: leave nothing
-            shutil.rmtree(out, ignore_errors=True)
+        pool.close()  # its workers write their logs under `out`
+        if new is not None and not (out / "report.json").exists():  # refused before measuring: leave nothing
+            shutil.rmtree(new, ignore_errors=True)
         raise
     finally:
         pool.close()
+
+
+def _first_missing(path: Path) -> Path:
+    """The outermost directory of `path` that does not exist yet (what mkdir(parents=True) creates)."""
+    while not path.parent.exists():
+        path = path.parent
+    return path
 
 
 def _run(options: Options, variants: list[str], chosen: list, fixtures: list, out: Path,
@@ -244,15 +251,14 @@ def _run(options: Options, variants: list[str], chosen: list, fixtures: list, ou
     errors = [r.error for r in runs if r.error]
     if errors and not data["stopped"]:
         writer.update(lambda d: d.update(stopped=f"internal error: {errors[0]!r}"))
-    decisions = []
     if not data["stopped"]:
         writer.update(_finish)
         typed = report.parse(data, str(out / "report.json"))
-        decisions = verdict.decide(typed)
-        profile.save(profile.build(typed, decisions), out / "profile.json")
+        profile.save(profile.build(typed, verdict.decide(typed)), out / "profile.json")
     report.render(data, out)
-    _summary(data, decisions, out)
+    print(summary(data, out))
     if options.junit_xml:
+        decisions = verdict.decide(report.parse(data, str(out / "report.json")))
         junit.write(options.junit_xml, f"sage-qual certify {data['host']}",
                     [junit.case(gpu.model, decision) for gpu in decisions for decision in gpu.families])
     if errors:
@@ -438,16 +444,17 @@ def _describe(record: dict) -> str:
     return what + (f" -- {detail}" if detail and record["outcome"] != "pass" else "")
 
 
-def _summary(data: dict, decisions: list, out: Path) -> None:
-    """What the run decided, one line per GPU model and family; the thresholds lines are what two
-    runs are compared on (`sage-qual compare`)."""
-    print(f"sage-qual certify: {'complete' if data['complete'] else 'PARTIAL: ' + data['stopped']}; "
-          f"report in {out / 'report.md'}")
-    for gpu in decisions:
+def summary(data: dict, out: Path) -> str:
+    """What the run decided (verdict.decide on the report as written), one line per GPU model and
+    family: the lines two runs are compared on (`sage-qual compare` does it for the files)."""
+    lines = [f"sage-qual certify: {'complete' if data['complete'] else 'PARTIAL: ' + data['stopped']}; "
+             f"report in {out / 'report.md'}"]
+    for gpu in verdict.decide(report.parse(data, str(out / "report.json"))):
         for decision in gpu.families + [gpu.default]:
             if decision.verdict == verdict.Verdict.ENABLE:
                 state = f"enable {decision.variant} from {decision.served_from()} (query / key tokens)"
             else:
                 reasons = decision.reasons
                 state = f"{decision.verdict.value} ({len(reasons)} reason(s), first: {reasons[0].detail})"
-            print(f"  {gpu.model}  {decision.label:<12} {state}")
+            lines.append(f"  {gpu.model}  {decision.label:<12} {state}")
+    return "\n".join(lines)

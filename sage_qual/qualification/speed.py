@@ -43,10 +43,13 @@ def break_even(points: list[tuple[int, int, int, float]], min_speedup: float = 1
     dims = sorted({d for _, _, d, _ in points})
     subsets = [[d for i, d in enumerate(dims) if mask >> i & 1] for mask in range(1, 2 ** len(dims))]
     best, best_key = None, None
+    query_lengths, key_lengths = sorted({q for q, _, _, _ in points}), sorted({k for _, k, _, _ in points})
     for head_dims in subsets:
-        for min_q in sorted({q for q, _, _, _ in points}):
-            for min_k in sorted({k for _, k, _, _ in points}):
-                served = [s for q, k, d, s in points if q >= min_q and k >= min_k and d in head_dims]
+        at_dims = [(q, k, s) for q, k, d, s in points if d in head_dims]
+        for min_q in query_lengths:
+            long_enough = [(k, s) for q, k, s in at_dims if q >= min_q]
+            for min_k in key_lengths:
+                served = [s for k, s in long_enough if k >= min_k]
                 if served and all(s > min_speedup for s in served):
                     key = (len(served), -len(head_dims), min_q, min_k)
                     if best_key is None or key > best_key:

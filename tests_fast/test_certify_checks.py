@@ -1,0 +1,133 @@
+"""certify refuses what it cannot trust before it measures: numbers out of range (before any worker
+starts), fixtures with non-finite values, GPU indices this machine lacks; and it leaves no output
+directory behind. With --junit-xml it writes one test case per GPU model and family."""
+
+import json
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+import torch
+
+from sage_qual import cli
+from sage_qual.errors import UsageError
+from sage_qual.fixtures.fileformat import save_fixture
+from sage_qual.qualification import certify, fault_hooks
+from sage_qual.qualification import pool as workers
+
+BOUNDS = {"fp16": {"max_rel_l2": 0.05, "min_cosine": 0.99}, "fp8": {"max_rel_l2": 0.08, "min_cosine": 0.99}}
+
+
+@pytest.fixture
+def no_workers(monkeypatch):
+    """Any worker start fails the test: the checks must come first."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a worker started before the input was checked")
+
+    monkeypatch.setattr(workers, "Pool", refuse)
+    monkeypatch.setattr(workers, "collect_environment", refuse)
+
+
+@pytest.mark.parametrize("timeout", [0.0, -5.0, float("nan"), float("inf"), 1e9])
+def test_a_timeout_out_of_range_is_refused_before_any_worker(tmp_path, no_workers, timeout):
+    out = tmp_path / "a" / "out"
+    with pytest.raises(UsageError, match=r"--timeout is .*: give seconds above 0 and at most 3600"):
+        certify.run(certify.Options(out, timeout=timeout))
+    assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize(
+    "devices, message", [("-1", "-1 is not a GPU index"), ("0,x", "takes GPU indices"), (",", "names no GPU")]
+)
+def test_bad_device_indices_are_refused_before_any_worker(tmp_path, no_workers, devices, message):
+    with pytest.raises(UsageError, match=message):
+        certify.run(certify.Options(tmp_path / "out", devices=devices))
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--timeout", "0"], "--timeout is 0.0"),
+        (["--timeout", "nan"], "--timeout is nan"),
+        (["--devices", "-2"], "-2 is not a GPU index"),
+    ],
+)
+def test_cli_refusals_are_one_line_exit_2(tmp_path, capsys, no_workers, argv, message):
+    code = cli.main(["certify", "--out", str(tmp_path / "out"), *argv])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and err.count("\n") == 1 and message in err
+    assert not (tmp_path / "out").exists()
+
+
+def fixture_dir(tmp_path: Path, poison=None) -> Path:
+    directory = tmp_path / "fixtures"
+    directory.mkdir()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 64, 64, generator=g).to(torch.bfloat16) for _ in range(3))
+    if poison:
+        poison(q)
+    save_fixture(
+        directory / "f.safetensors",
+        q,
+        k,
+        v,
+        family="flux.1",
+        kind="replica",
+        source={"test": 1},
+        provenance="random test data",
+        bounds=BOUNDS,
+    )
+    return directory
+
+
+@pytest.mark.parametrize(
+    "poison, count",
+    [
+        (lambda q: q[:, :, :16].fill_(float("nan")), 2 * 16 * 64),  # a quarter of the query rows
+        (lambda q: q[0, 0, 0, 0].fill_(float("inf")), 1),
+    ],
+)
+def test_a_fixture_with_non_finite_values_is_refused(tmp_path, no_workers, poison, count):
+    directory = fixture_dir(tmp_path, poison)
+    with pytest.raises(UsageError) as refused:
+        certify.run(certify.Options(tmp_path / "out", fixture_dirs=[str(directory)]))
+    assert str(refused.value).startswith(f"{directory / 'f.safetensors'}: tensor q: {count} of 8192 values")
+    assert "reference needs finite inputs" in str(refused.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_gpu_index_is_refused_and_leaves_no_output(tmp_path, monkeypatch):
+    monkeypatch.setenv(
+        fault_hooks.TEST_HOOK, json.dumps({"gpus": [{"name": "Fake H200", "capability": [9, 0]}]})
+    )
+    out = tmp_path / "new" / "out"
+    with pytest.raises(UsageError, match=r"there is no cuda:3: this machine shows 1 GPU\(s\)"):
+        certify.run(certify.Options(out, devices="3", fixture_dirs=[str(fixture_dir(tmp_path))]))
+    assert not (tmp_path / "new").exists()
+
+
+def test_junit_xml_has_a_case_per_gpu_model_and_family(tmp_path, monkeypatch):
+    monkeypatch.setenv(
+        fault_hooks.TEST_HOOK, json.dumps({"gpus": [{"name": "Fake H200", "capability": [9, 0]}]})
+    )
+    junit = tmp_path / "certify.xml"
+    data = certify.run(
+        certify.Options(
+            tmp_path / "out",
+            variants=["sm90-fp8-cuda"],
+            families=["FLUX.1", "SDXL"],
+            fixture_dirs=[str(fixture_dir(tmp_path))],
+            quick=True,
+            junit_xml=junit,
+        )
+    )
+    assert data["complete"]
+    cases = ET.parse(junit).getroot().findall("testsuite/testcase")
+    assert [(c.get("classname"), c.get("name")) for c in cases] == [
+        ("Fake H200 (sm_90)", "FLUX.1"),
+        ("Fake H200 (sm_90)", "SDXL"),
+    ]
+    sdxl = cases[1].find("failure")
+    assert sdxl is not None and sdxl.get("message") == "keep off" and "no fixtures of SDXL" in sdxl.text

@@ -1,0 +1,65 @@
+"""`pytest -m slow --require-gpu` (or SAGE_QUAL_REQUIRE_GPU=1) fails where the GPU tests would skip
+for want of a GPU or of SageAttention: a CI runner that lost its GPU goes red, not green.
+
+Runs the repository's root conftest.py on a two-test project in a subprocess (this CPU machine has
+neither a GPU nor SageAttention).
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PROJECT_TEST = '''
+import pytest
+import torch
+
+
+@pytest.mark.slow
+def test_needs_the_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(reason="a known defect", strict=False)
+def test_known_defect():
+    raise AssertionError("expected")
+'''
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("project")
+    shutil.copy(ROOT / "conftest.py", directory / "conftest.py")
+    (directory / "test_gpu.py").write_text(PROJECT_TEST)
+    return directory
+
+
+def run(project: Path, *args: str, require: str | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "SAGE_QUAL_REQUIRE_GPU"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    if require is not None:
+        env["SAGE_QUAL_REQUIRE_GPU"] = require
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rA", *args],
+                          cwd=project, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_without_the_option_gpu_tests_skip(project):
+    result = run(project, "-m", "slow")
+    assert result.returncode == 0, result.stdout
+    assert "1 skipped, 1 xfailed" in result.stdout
+
+
+@pytest.mark.parametrize("how", ["option", "variable"])
+def test_required_gpu_tests_fail_with_the_reason(project, how):
+    result = run(project, "-m", "slow", *(["--require-gpu"] if how == "option" else []),
+                 require="1" if how == "variable" else None)
+    assert result.returncode == 1, result.stdout
+    assert "--require-gpu: no CUDA GPU visible to torch" in result.stdout
+    assert "1 failed, 1 xfailed" in result.stdout  # the expected failure stays one
+

@@ -1,0 +1,283 @@
+"""gate, report.md, merge and certify's summary say the same verdict for every (GPU model, family).
+
+Reports are generated from a seeded random model of a certify run: GPU models with one or two
+devices, variants that pass, fail (with numbers beyond the fixture's bounds), crash, run out of
+memory, time out or never ran, fixtures of real, generic and unknown families, and timings
+around the break-even with repeat samples. Each output is read back the way its user reads it
+(the Markdown table, the merge rows, gate's JSON, the summary's lines), not from the decision
+objects.
+"""
+
+import copy
+import io
+import json
+import random
+import re
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import pytest
+
+from sage_qual.qualification import certify, gate, judge, report, verdict
+from sage_qual.qualification.families import FAMILIES, find
+from sage_qual.serving.variants import VARIANTS
+
+MODELS = [
+    ("NVIDIA H200", [9, 0], 139.8),
+    ("NVIDIA H100 80GB HBM3", [9, 0], 79.6),
+    ("NVIDIA GeForce RTX 4090", [8, 9], 23.6),
+    ("NVIDIA A100-SXM4-80GB", [8, 0], 79.3),
+]
+FIXTURE_FAMILIES = ["flux.1", "qwen-image", "sdxl", "wan-2.2", "z-image", "generic", "cross-attention"]
+BOUNDS = {"fp16": {"max_rel_l2": 0.05, "min_cosine": 0.99}, "fp8": {"max_rel_l2": 0.12, "min_cosine": 0.98}}
+REPORTS = 30
+
+
+def _environment(models: list) -> dict:
+    gpus = [
+        {
+            "index": i,
+            "name": name,
+            "capability": cap,
+            "memory_gib": memory,
+            "kernel": "",
+            "no_kernel_reason": "",
+            "runnable_variants": list(VARIANTS),
+        }
+        for i, (name, cap, memory) in enumerate(models)
+    ]
+    return {
+        "sage_qual": "0.1.0",
+        "python": "3.11",
+        "os": "Linux",
+        "torch": "2.11.0+cu130",
+        "torch_cuda": "13.0",
+        "cudnn": "91900",
+        "driver": "580.159.04",
+        "triton": "3.6.0",
+        "sageattention": "2.2.0",
+        "sageattention_problem": "",
+        "extensions": {},
+        "gpus": gpus,
+    }
+
+
+def _cell(rng: random.Random, variant: str, fixture: dict) -> dict | None:
+    roll = rng.random()
+    if roll < 0.04:
+        return None  # never recorded: the variant is incomplete on this device
+    if roll < 0.12:
+        outcome = rng.choice(["crash", "oom", "timeout", "skip"])
+        return {
+            "variant": variant,
+            "fixture": fixture["name"],
+            "outcome": outcome,
+            "detail": f"test {outcome}",
+        }
+    bounds = dict(fixture["bounds"][VARIANTS[variant].accuracy_class])
+    failing = roll < 0.25
+    rel_l2 = bounds["max_rel_l2"] * (rng.uniform(1.1, 4) if failing else rng.uniform(0.2, 0.95))
+    metrics = {
+        "rel_l2": rel_l2,
+        "worst_head_cosine": rng.uniform(max(bounds["min_cosine"], 0.9), 1.0),
+        "finite": True,
+        "sdpa_rel_l2": 0.002,
+        "error_vs_sdpa": rel_l2 / 0.002,
+    }
+    extra = rng.uniform(1.2, 1.8)
+    reasons = judge.cell_reasons(metrics, extra, bounds, 2.5)
+    return {
+        "variant": variant,
+        "fixture": fixture["name"],
+        "outcome": "fail" if reasons else "pass",
+        "reasons": reasons,
+        "accuracy_class": VARIANTS[variant].accuracy_class,
+        "bounds": bounds,
+        **metrics,
+        "extra_bytes_per_element": extra,
+    }
+
+
+def _timing(rng: random.Random, kernel: str, key: str, ms: float) -> dict:
+    samples = [ms * rng.uniform(0.97, 1.03) for _ in range(rng.choice([5, 10, 20]))]
+    return {
+        "kernel": kernel,
+        "shape": key,
+        "outcome": "pass",
+        "ms": sorted(samples)[len(samples) // 2],
+        "samples_ms": samples,
+    }
+
+
+def make_report(seed: int) -> dict:
+    rng = random.Random(seed)
+    models = [rng.choice(MODELS) for _ in range(rng.randint(1, 2))]
+    devices_models = [m for m in models for _ in range(rng.randint(1, 2))]
+    variants = rng.sample(
+        ["sm90-fp8-cuda", "sm89-fp8-cuda", "sm80-fp16-cuda", "sm89-fp8-cuda-fp32acc"], rng.randint(1, 3)
+    )
+    chosen = rng.sample(FAMILIES, rng.randint(1, len(FAMILIES)))
+    fixtures = [
+        {
+            "name": f"fx{n}",
+            "family": rng.choice(FIXTURE_FAMILIES),
+            "kind": "replica",
+            "dtype": "bfloat16",
+            "q": [1, 2, 256, 128],
+            "k": [1, 2, 256, 128],
+            "sha256": f"{n:064x}",
+            "bounds": BOUNDS,
+            "provenance": "generated for the agreement test",
+        }
+        for n in range(rng.randint(1, 5))
+    ]
+    shapes = certify.speed_shapes(chosen, quick=rng.random() < 0.3)
+    # Each variant pays from its own crossover, scaled per GPU model: some pay nowhere.
+    crossover = {(v, m[0]): rng.choice([1e9, 1e10, 3e10, 1e11, 1e12, 1e14]) for v in variants for m in models}
+    devices = []
+    for index, (name, cap, memory) in enumerate(devices_models):
+        cells = [c for v in variants for f in fixtures if (c := _cell(rng, v, f)) is not None]
+        speed = []
+        for key, entry in shapes.items():
+            s = entry["shape"]
+            flops = 4.0 * s["batch"] * s["heads"] * s["head_dim"] * s["q_tokens"] * s["kv_tokens"]
+            sdpa_ms = flops / 4.5e11 + 0.02
+            speed.append(_timing(rng, "sdpa", key, sdpa_ms))
+            for v in variants:
+                if rng.random() < 0.03:
+                    speed.append(
+                        {"kernel": v, "shape": key, "outcome": "oom", "ms": None, "detail": "test oom"}
+                    )
+                    continue
+                factor = 1.6 if flops > crossover[(v, name)] else 0.7
+                speed.append(_timing(rng, v, key, sdpa_ms / factor))
+        devices.append(
+            {
+                "index": index,
+                "name": name,
+                "capability": cap,
+                "memory_gib": memory,
+                "not_supported": {},
+                "cells": cells,
+                "speed": speed,
+            }
+        )
+    return {
+        "kind": "sage-qual-report",
+        "schema_version": 2,
+        "complete": True,
+        "stopped": "",
+        "started": "2026-11-30T10:00:00+00:00",
+        "finished": "2026-11-30T10:05:00+00:00",
+        "host": f"generated-{seed}",
+        "command": "generated for the agreement test",
+        "options": {
+            "devices": list(range(len(devices))),
+            "variants": variants,
+            "families": [f.name for f in chosen],
+            "fixture_dirs": [],
+            "quick": False,
+            "timeout_s": 90.0,
+        },
+        "environment": _environment(devices_models),
+        "fixtures": fixtures,
+        "shapes": shapes,
+        "devices": devices,
+    }
+
+
+# Each output, read back as its user reads it ----------------------------------------------------
+def from_markdown(data: dict, tmp_path: Path, monkeypatch) -> dict:
+    monkeypatch.setattr(report, "_plots", lambda *args: {})  # the tables are what is compared
+    report.render(data, tmp_path)
+    found, model, in_verdicts = {}, None, False
+    for line in (tmp_path / "report.md").read_text().splitlines():
+        if line.startswith("## "):
+            model = line[3:].split(", cuda:")[0]
+        elif line.startswith("### "):
+            in_verdicts = line == "### Verdicts"
+        elif in_verdicts and line.startswith("| ") and not line.startswith("| family"):
+            family, word, variant, served = [c.strip() for c in line.strip("|").split(" | ")][:4]
+            if family != "(default: all fixtures)":
+                found[(model, family)] = (
+                    word,
+                    variant if variant != "-" else None,
+                    served.split(",")[0] if served != "-" else None,
+                )
+    return found
+
+
+def from_merge(data: dict) -> dict:
+    rows = gate.merge_rows([(Path("r.json"), report.parse(copy.deepcopy(data), "r.json"))])
+    found = {}
+    for row in json.loads(json.dumps(rows)):
+        model = "%s (sm_%d%d)" % (row["gpu"], *row["capability"])
+        for family, v in row["families"].items():
+            served = (
+                None if v["min_query_tokens"] is None else f"{v['min_query_tokens']} / {v['min_key_tokens']}"
+            )
+            found[(model, family)] = (v["verdict"], v["variant"], served)
+    return found
+
+
+def from_gate(data: dict) -> dict:
+    found = {}
+    typed = report.parse(copy.deepcopy(data), "r.json")
+    for family_name in data["options"]["families"]:
+        family = find(family_name)
+        local = {f["name"]: f["sha256"] for f in data["fixtures"] if gate.counts_for(family, f["family"])}
+        answer = gate.decide(typed, family, data["environment"], local, require_speedup=False).as_json()
+        assert answer["exit_code"] in (0, 1), answer["problem"]
+        for g in json.loads(json.dumps(answer))["gpus"]:
+            served = (
+                None if g["min_query_tokens"] is None else f"{g['min_query_tokens']} / {g['min_key_tokens']}"
+            )
+            found[(g["gpu"], family.name)] = (g["verdict"], g["variant"], served)
+    return found
+
+
+SUMMARY_LINE = re.compile(
+    r"^  (?P<model>.+ \(sm_\d+\))  (?P<family>\S.*?)\s+(?P<state>enable .+|keep off .+|"
+    r"safe, no speedup .+)$"
+)
+
+
+def from_summary(data: dict, tmp_path: Path) -> dict:
+    with redirect_stdout(io.StringIO()) as text:
+        print(certify.summary(data, tmp_path))
+    found = {}
+    for line in text.getvalue().splitlines()[1:]:
+        match = SUMMARY_LINE.match(line)
+        assert match, line
+        if match["family"] == "default":
+            continue
+        state = match["state"]
+        if state.startswith("enable "):
+            variant, served = re.match(r"enable (\S+) from (\d+ / \d+)", state).groups()
+            found[(match["model"], match["family"])] = ("enable", variant, served)
+        else:
+            found[(match["model"], match["family"])] = (state.split(" (")[0], None, None)
+    return found
+
+
+@pytest.mark.parametrize("seed", range(REPORTS))
+def test_gate_report_merge_and_summary_agree(seed, tmp_path, monkeypatch):
+    data = make_report(seed)
+    markdown = from_markdown(data, tmp_path, monkeypatch)
+    merged, gated, summed = from_merge(data), from_gate(data), from_summary(data, tmp_path)
+    assert markdown, "no verdicts rendered"
+    assert merged == markdown
+    assert summed == markdown
+    # gate answers for the GPU models of this machine: here, all of the report's
+    assert gated == markdown
+
+
+def test_the_generated_reports_cover_every_verdict():
+    """The generator is only a test if it produces every verdict (and several variants win)."""
+    words, variants = set(), set()
+    for seed in range(REPORTS):
+        for gpu in verdict.decide(report.parse(make_report(seed), "r.json")):
+            words |= {d.verdict.value for d in gpu.families}
+            variants |= {d.variant for d in gpu.families if d.variant}
+    assert words == {v.value for v in verdict.Verdict}
+    assert len(variants) >= 2
