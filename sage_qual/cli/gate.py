@@ -54,6 +54,9 @@ def _gate(args: argparse.Namespace) -> int:
     if not data.complete:
         line = report.status_line(data.complete, data.started, data.finished, data.stopped)
         raise UsageError(f"{args.report} is a partial report ({line}): run certify to the end")
+    if data.predicted:  # said before anything looks for a GPU: no GPU can make it measured
+        raise UsageError(f"{args.report} is a predicted report (certify --emulate: the CPU numerics model, "
+                         "no GPU ran), so it cannot enable a family: run `sage-qual certify` on the GPU")
     local = gate.local_fixtures(args.fixtures, family)
     with tempfile.TemporaryDirectory(prefix="sage-qual-gate-") as logs:
         try:

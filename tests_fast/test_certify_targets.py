@@ -1,0 +1,122 @@
+"""`certify --target` end to end in real worker processes on the fake CUDA and fake kernel, and
+`certify --emulate` on the CPU: the same report, loaded strictly, with the target or the
+prediction named, and `gate` refusing a predicted report."""
+
+import json
+
+import pytest
+import torch
+
+from sage_qual.cli import main
+from sage_qual.fixtures.fileformat import load_fixture, save_fixture, shipped_dir
+from sage_qual.qualification import emulate, fault_hooks, report, target_certify
+
+H200 = {"name": "Fake H200", "capability": [9, 0]}
+A100 = {"name": "Fake A100", "capability": [8, 0]}
+BOUNDS = {"fp16": {"max_rel_l2": 0.05, "min_cosine": 0.99}, "fp8": {"max_rel_l2": 0.08, "min_cosine": 0.99}}
+
+
+def fixtures_dir(directory, tight_family: str | None = None):
+    """Two small fixtures (FLUX.1 and Qwen-Image); `tight_family`'s bounds no kernel can meet."""
+    directory.mkdir()
+    g = torch.Generator().manual_seed(0)
+    for name, family in (("flux", "flux.1"), ("qwen", "qwen-image")):
+        q, k, v = (torch.randn(1, 2, 64, 64, generator=g).to(torch.bfloat16) for _ in range(3))
+        tight = {c: {"max_rel_l2": 1e-6, "min_cosine": 1.0} for c in BOUNDS}
+        save_fixture(directory / f"{name}.safetensors", q, k, v, family=family, kind="replica",
+                     source={"test": name}, provenance="random test data",
+                     bounds=tight if family == tight_family else BOUNDS)
+    return directory
+
+
+@pytest.fixture
+def fake_gpus(monkeypatch):
+    def use(*gpus):
+        monkeypatch.setenv(fault_hooks.TEST_HOOK, json.dumps({"gpus": list(gpus)}))
+
+    return use
+
+
+def test_a_target_is_certified_per_family_in_workers(tmp_path, fake_gpus, capsys):
+    fake_gpus(H200)
+    out = tmp_path / "out"
+    directory = fixtures_dir(tmp_path / "f")
+    code = main(["certify", "--target", "wrapper:sm90-fp8-cuda", "--fixtures", str(directory),
+                 "--families", "FLUX.1", "Qwen-Image", "--out", str(out)])
+    assert code == 0
+    data = report.load(out / "report.json")  # strict: every key, type and cell's outcome checked
+    assert data.target == "wrapper:sm90-fp8-cuda" and data.options.variants == ["wrapper:sm90-fp8-cuda"]
+    cells = {c.fixture: c for c in data.devices[0].cells}
+    assert {c.outcome.value for c in cells.values()} == {"pass"}
+    assert cells["flux"].accuracy_class.value == "fp8"
+    printed = capsys.readouterr().out
+    assert "Fake H200 sm_90  FLUX.1       safe" in printed
+    assert "Target: `wrapper:sm90-fp8-cuda`" in (out / "report.md").read_text()
+
+
+def test_a_target_that_cannot_run_on_the_gpu_gets_skips_with_the_reason(tmp_path, fake_gpus, capsys):
+    fake_gpus(A100)
+    out = tmp_path / "out"
+    directory = fixtures_dir(tmp_path / "f")
+    assert main(["certify", "--target", "wrapper:sm90-fp8-cuda", "--fixtures", str(directory),
+                 "--out", str(out)]) == 0
+    device = json.loads((out / "report.json").read_text())["devices"][0]
+    reasons = device["not_supported"]["wrapper:sm90-fp8-cuda"]
+    assert any("(needs >= (9, 0))" in r for r in reasons), reasons
+    assert {c["outcome"] for c in device["cells"]} == {"skip"}
+    assert "NOT SAFE" in capsys.readouterr().out
+
+
+def test_a_failing_fixture_keeps_its_family_unsafe_and_no_other(tmp_path, fake_gpus):
+    fake_gpus(H200)
+    directory = fixtures_dir(tmp_path / "f", "qwen-image")
+    data = target_certify.run(target_certify.Options(
+        tmp_path / "out", "wrapper:sm90-fp8-cuda", fixture_dirs=[str(directory)],
+        families=["FLUX.1", "Qwen-Image"]))
+    lines = target_certify.summary(data).splitlines()
+    assert any("FLUX.1" in line and line.endswith("safe") for line in lines), lines
+    qwen = next(line for line in lines if "Qwen-Image" in line)
+    assert "NOT SAFE: qwen: relative L2" in qwen
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--target", "nonsense"], "unknown target 'nonsense'"),
+    (["--target", "wrapper", "--variants", "sm90-fp8-cuda"], "leave out --emulate and --variants"),
+    (["--target", "wrapper", "--emulate"], "leave out --emulate and --variants"),
+])
+def test_bad_target_arguments_are_one_line_and_exit_2(tmp_path, args, message, capsys):
+    assert main(["certify", *args, "--out", str(tmp_path / "out")]) == 2
+    error = capsys.readouterr().err.strip()
+    assert message in error and "\n" not in error
+
+
+def test_emulate_predicts_each_variant_and_gate_refuses_the_report(tmp_path, capsys):
+    out = tmp_path / "out"
+    directory = fixtures_dir(tmp_path / "f", tight_family="qwen-image")
+    assert main(["certify", "--emulate", "--fixtures", str(directory), "--variants", "sm90-fp8-cuda",
+                 "sm80-fp16-cuda", "--families", "FLUX.1", "Qwen-Image", "--out", str(out)]) == 0
+    data = report.load(out / "report.json")
+    assert data.predicted and data.complete and data.devices[0].speed == []
+    cells = data.devices[0].cells
+    assert len(cells) == 4 and all(c.extra_bytes_per_element is None for c in cells)
+    printed = capsys.readouterr().out
+    assert "sm90-fp8-cuda would fail Qwen-Image: qwen: relative L2" in printed
+    assert "would fail FLUX.1" not in printed
+    assert (out / "report.md").read_text().startswith("# PREDICTED SageAttention certification")
+    assert main(["gate", "--family", "FLUX.1", "--report", str(out / "report.json")]) == 2
+    assert "is a predicted report" in capsys.readouterr().err
+
+
+def test_the_prediction_is_the_numerics_models_output_judged_against_the_fixture():
+    from sage_qual.fixtures import numerics
+    from sage_qual.qualification import measure
+    from sage_qual.serving.variants import VARIANTS
+
+    fixture = load_fixture(sorted(shipped_dir().glob("*.safetensors"))[0])
+    variant = VARIANTS["sm90-fp8-cuda"]
+    cell = emulate.predict_cell(variant, fixture, measure.reference(fixture.q, fixture.k, fixture.v))
+    out = numerics.predict(variant, fixture.q, fixture.k, fixture.v)
+    expected = measure.accuracy(out, fixture.q, fixture.k, fixture.v)
+    assert cell["rel_l2"] == pytest.approx(expected.rel_l2) and cell["accuracy_class"] == "fp8"
+    assert cell["outcome"] == ("pass" if expected.rel_l2 <= cell["bounds"]["max_rel_l2"]
+                               and expected.worst_head_cosine >= cell["bounds"]["min_cosine"] else "fail")
