@@ -40,13 +40,18 @@ def flux(heads=2, head_dim=64, image_tokens=64, text_tokens=16, device="cpu"):
 
 
 def qwen_image(mask: bool, heads=2, head_dim=64, side=8, text_tokens=16, device="cpu"):
-    """Qwen-Image: two joint blocks over side x side image tokens and the text; `mask` passes the
-    text mask the pipeline passes (all ones here)."""
+    """Qwen-Image: two joint blocks over side x side image tokens and the text. `mask` passes a text
+    mask with padding (the last quarter of the text tokens), as a batch of prompts of different
+    lengths gets it; the pipeline drops an all-ones mask (pipeline_qwenimage.py, `if
+    prompt_embeds_mask.all(): prompt_embeds_mask = None`), so a single prompt runs unmasked."""
     torch.manual_seed(0)
     model = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=2,
                                         attention_head_dim=head_dim, num_attention_heads=heads,
                                         joint_attention_dim=32, axes_dims_rope=ROPE_AXES[head_dim])
-    text_mask = torch.ones(1, text_tokens, dtype=torch.long, device=device) if mask else None
+    text_mask = None
+    if mask:
+        text_mask = torch.ones(1, text_tokens, dtype=torch.long, device=device)
+        text_mask[:, text_tokens * 3 // 4:] = 0
     inputs = dict(hidden_states=_random(1, side * side, 16, device=device),
                   encoder_hidden_states=_random(1, text_tokens, 32, device=device),
                   timestep=torch.tensor([0.5], device=device), img_shapes=[(1, side, side)],

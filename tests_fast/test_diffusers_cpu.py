@@ -35,8 +35,9 @@ def fake_h200():
 CASES = {
     "flux": (flux, 2, 2, {}),  # one joint block, one single block: 80 tokens each
     "wan": (wan, 2, 2, {}),  # self-attention (128 tokens) and text cross-attention (16 keys)
-    # Qwen-Image with its text mask: diffusers passes the (all-ones) mask on to SDPA, so the
-    # wrapper leaves every call to torch; without a mask both joint blocks are served.
+    # Qwen-Image with a padded text mask (prompts of different lengths in one batch): diffusers passes
+    # the joint mask on to SDPA, so the wrapper leaves every call to torch; unmasked (one prompt: the
+    # pipeline drops an all-ones mask) both joint blocks are served.
     "qwen-image masked": (lambda: qwen_image(mask=True), 2, 0, {"mask": 2}),
     "qwen-image unmasked": (lambda: qwen_image(mask=False), 2, 2, {}),
 }

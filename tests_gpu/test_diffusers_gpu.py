@@ -80,7 +80,7 @@ def test_every_block_is_served_and_close_to_sdpa(model_name, variant_name, runna
     assert len(errors) == calls and all(e <= bound for e in errors), errors
 
 
-def test_qwen_image_text_mask_leaves_every_call_to_torch(runnable, wrapper_serving, box):
+def test_qwen_image_padded_text_mask_leaves_every_call_to_torch(runnable, wrapper_serving, box):
     from sage_qual.serving.config import KERNEL_TABLE
 
     variant = runnable(KERNEL_TABLE[box.capability][0])
