@@ -6,7 +6,7 @@ import shutil
 
 from sage_qual.cli import fixtures as fixtures_cli
 from sage_qual.fixtures.fileformat import list_fixtures, shipped_dir
-from sage_qual.fixtures.replicas import REPLICAS
+from sage_qual.fixtures.replicas import FIXTURES
 
 
 def run(*argv):
@@ -20,7 +20,7 @@ def test_list_shipped_directory_by_default(capsys):
     assert run("fixtures", "list") == 0
     out, err = capsys.readouterr()
     lines = out.splitlines()
-    assert err == "" and len(lines) == len(REPLICAS)
+    assert err == "" and len(lines) == len(FIXTURES)
     krea = next(line for line in lines if line.startswith("krea2_b0_outlier_gqa"))
     assert krea.split()[1:3] == ["krea-2", "replica"]
     assert "q 1x4x1536x128" in krea and "kv 1x1x768x128" in krea and "bfloat16" in krea and "MB" in krea

@@ -29,6 +29,7 @@ from sage_qual.fixtures import fileformat
 from sage_qual.qualification import families as families_mod
 from sage_qual.qualification import junit, profile, report, verdict
 from sage_qual.qualification import pool as workers
+from sage_qual.qualification.speed import speedup_bounds
 from sage_qual.serving.variants import VARIANTS
 
 # The generic sweep: self-attention of 24 heads from 1k to 32k tokens at both head sizes, and
@@ -37,6 +38,12 @@ SELF_TOKENS = (1024, 2048, 4096, 8192, 16384, 32768)
 CROSS = [(q, k) for q in (4096, 16384) for k in (77, 256, 512, 1024)]
 QUICK_SELF_TOKENS = (1024, 4096, 16384)
 QUICK_CROSS = [(4096, 77), (4096, 512)]
+# Refinement: between the last sweep length at which a variant's lower 95 % bound was no faster
+# than SDPA and the first at which it was, REFINE_POINTS more lengths, evenly spaced on a log scale
+# and rounded to TOKEN_GRANULE, so the break-even moves in steps of about 2^(1/4) = 1.19x instead of
+# the sweep's 2x (seven H200 runs of the 2x sweep gave 8,192 to 16,384 tokens, issue 10's log).
+REFINE_POINTS = 3
+TOKEN_GRANULE = 128
 # Timing repeats: (warm-up, repeats); big shapes get fewer, so the full run fits in minutes.
 TIMING = {"quick": (2, 5), "small": (5, 20), "large": (3, 10)}
 LARGE_FLOPS = 1e12
@@ -144,6 +151,21 @@ def speed_shapes(chosen: list[families_mod.Family], quick: bool) -> dict[str, di
         entry = shapes.setdefault(shape.key, {"shape": shape.as_dict(), "uses": []})
         entry["uses"].append({"family": family, "label": label})
     return shapes
+
+
+def refined_lengths(points: list[tuple[int, float]], min_speedup: float = 1.0) -> list[int]:
+    """Token counts to time between neighbouring sweep lengths where the speedup's lower bound
+    crosses `min_speedup`; `points` are (tokens, lower bound) of one variant at one head size."""
+    ordered = sorted(points)
+    lengths = set()
+    for (low, low_speedup), (high, high_speedup) in zip(ordered, ordered[1:], strict=False):
+        if low_speedup <= min_speedup < high_speedup:
+            step = (high / low) ** (1 / (REFINE_POINTS + 1))
+            for i in range(1, REFINE_POINTS + 1):
+                tokens = round(low * step ** i / TOKEN_GRANULE) * TOKEN_GRANULE
+                if low < tokens < high:
+                    lengths.add(tokens)
+    return sorted(lengths)
 
 
 def _timing(shape: dict, quick: bool) -> tuple[int, int]:
@@ -341,7 +363,7 @@ class _DeviceRun:
     def __init__(self, index: int, variants: list[str], fixtures: list, shapes: dict, options: Options,
                  writer: report.Writer, position: int):
         self.index, self.writer, self.position = index, writer, position
-        self.timeout = options.timeout
+        self.timeout, self.quick = options.timeout, options.quick
         self.error: BaseException | None = None
         speed = {key: _timing(entry["shape"], options.quick) for key, entry in shapes.items()}
         self.jobs = [[{"id": f"sdpa@{key}", "kind": "sdpa", "key": key, "shape": shapes[key]["shape"],
@@ -364,18 +386,67 @@ class _DeviceRun:
         env = {"CUDA_VISIBLE_DEVICES": visible, "TRITON_CACHE_DIR": cache}
         try:
             for n, job in enumerate(self.jobs):
-                # While this worker runs, the next one imports torch (when there is a next job).
-                spawn = functools.partial(pool.take, prefetch=n + 1 < len(self.jobs))
-                tasks = {task["id"]: task for task in job}
-                record = functools.partial(self._record, tasks, progress=progress)
-                workers.run_tasks(job, spawn, self.timeout, limits.startup_timeout(self.timeout), record,
-                                  stop, env=env)
-                if stop.is_set():
-                    break
+                for part, tasks in enumerate((job, None)):
+                    if tasks is None:  # after a variant's sweep: time more lengths around its crossover
+                        tasks = self._refinement(job)
+                        progress.grow(len(tasks))
+                    if not tasks:
+                        continue
+                    # While this worker runs, the next one imports torch (when there is a next job).
+                    spawn = functools.partial(pool.take, prefetch=n + 1 < len(self.jobs) or part == 0)
+                    by_id = {task["id"]: task for task in tasks}
+                    record = functools.partial(self._record, by_id, progress=progress)
+                    workers.run_tasks(tasks, spawn, self.timeout, limits.startup_timeout(self.timeout),
+                                      record, stop, env=env)
+                    if stop.is_set():
+                        return
         except BaseException as error:  # surfaced by the main thread after the report is written
             self.error = error
         finally:
             shutil.rmtree(cache, ignore_errors=True)
+
+    def _refinement(self, job: list[dict]) -> list[dict]:
+        """Timing tasks at refined lengths of generic self-attention around the crossover of the
+        variant this job swept, with SDPA at those lengths where this GPU has not timed it yet."""
+        variants = {task["variant"] for task in job if task["kind"] == "speed"}
+        if not variants:
+            return []
+        (variant,) = variants
+        with self.writer.lock:
+            shapes = self.writer.data["shapes"]
+            speed = list(self.writer.data["devices"][self.position]["speed"])
+        by = {(r["kernel"], r["shape"]): r for r in speed}
+        by_dim: dict[int, list[tuple[int, float]]] = {}
+        for key, entry in shapes.items():
+            shape = entry["shape"]
+            base, ours = by.get(("sdpa", key)), by.get((variant, key))
+            if any(u["family"] for u in entry["uses"]) or shape["q_tokens"] != shape["kv_tokens"] \
+                    or not base or not base.get("ms") or not ours:
+                continue
+            lower = speedup_bounds(base["ms"], base.get("samples_ms", []), ours["ms"],
+                                   ours.get("samples_ms", []))[0] if ours.get("ms") else 0.0
+            by_dim.setdefault(shape["head_dim"], []).append((shape["q_tokens"], lower))
+        new = {}
+        for head_dim, points in by_dim.items():
+            for tokens in refined_lengths(points):
+                shape = families_mod.self_attention(24, tokens, head_dim)
+                label = f"refined self {tokens}, head_dim {head_dim}"
+                new[shape.key] = {"shape": shape.as_dict(), "uses": [{"family": None, "label": label}]}
+
+        def add(data: dict) -> None:
+            for key, entry in new.items():
+                data["shapes"].setdefault(key, entry)
+
+        self.writer.update(add)
+        tasks = []
+        for key, entry in new.items():
+            warmup, repeats = _timing(entry["shape"], self.quick)
+            common = {"key": key, "shape": entry["shape"], "warmup": warmup, "repeats": repeats}
+            if ("sdpa", key) not in by:
+                tasks.append({"id": f"sdpa@{key}", "kind": "sdpa", **common})
+            if (variant, key) not in by:
+                tasks.append({"id": f"{variant}@{key}", "kind": "speed", "variant": variant, **common})
+        return tasks
 
     def _record(self, tasks: dict, task_id: str, result: dict, progress: "_Progress") -> None:
         task = tasks[task_id]
@@ -413,6 +484,13 @@ class _Progress:
                 self.bar = tqdm(total=total, unit="task", dynamic_ncols=True, file=sys.stderr)
             except ImportError:
                 pass
+
+    def grow(self, tasks: int) -> None:
+        with self.lock:
+            self.total += tasks
+            if self.bar is not None:
+                self.bar.total = self.total
+                self.bar.refresh()
 
     def tick(self, device: str, record: dict) -> None:
         line = f"{device} {_describe(record)}"
