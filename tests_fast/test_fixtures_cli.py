@@ -64,3 +64,19 @@ def test_list_missing_directory(tmp_path, capsys):
     assert run("fixtures", "list", str(tmp_path / "nope")) == 2
     out, err = capsys.readouterr()
     assert out == "" and len(err.splitlines()) == 1 and "directory" in err
+
+
+def test_show_takes_the_name_that_list_prints(capsys):
+    assert run("fixtures", "list") == 0
+    name = capsys.readouterr().out.splitlines()[0].split()[0]
+    assert run("fixtures", "show", name, "--json") == 0
+    assert json.loads(capsys.readouterr().out)["name"] == name
+
+
+def test_show_an_unknown_name_lists_the_known_ones(capsys):
+    assert run("fixtures", "show", "flux9_4096") == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1
+    assert "flux9_4096: name: no such file, and no shipped fixture of that name; give a path or one of: " \
+        in err
+    assert "flux1_1024" in err

@@ -1,4 +1,4 @@
-"""`sage-qual fixtures list [DIR]` and `sage-qual fixtures show FILE [--json]`.
+"""`sage-qual fixtures list [DIR]` and `sage-qual fixtures show FILE|NAME [--json]`.
 
 Bad input (a missing directory, a file that is not a valid fixture) prints one line on stderr and
 returns exit code 2.
@@ -10,9 +10,17 @@ import argparse
 import json
 import sys
 import textwrap
+from pathlib import Path
 
 from sage_qual.errors import ExitCode
-from sage_qual.fixtures.fileformat import FixtureError, describe, list_fixtures, load_fixture, shipped_dir
+from sage_qual.fixtures.fileformat import (
+    SUFFIX,
+    FixtureError,
+    describe,
+    list_fixtures,
+    load_fixture,
+    shipped_dir,
+)
 
 
 def add_parser(subparsers) -> None:
@@ -22,7 +30,8 @@ def add_parser(subparsers) -> None:
     listing.add_argument("directory", nargs="?", help="default: the repository's fixtures/ directory")
     listing.set_defaults(func=_list)
     show = commands.add_parser("show", help="shapes, channel statistics, bounds and provenance of a fixture")
-    show.add_argument("file")
+    show.add_argument("file", help="a fixture file, or a name as `fixtures list` prints it (from the "
+                                   "repository's fixtures/ directory)")
     show.add_argument("--json", action="store_true", help="machine-readable output")
     show.set_defaults(func=_show)
 
@@ -56,9 +65,24 @@ def _list(args: argparse.Namespace) -> int:
     return status
 
 
+def resolve(name: str) -> Path:
+    """The file a `fixtures show` argument names: a path as given, or a bare fixture name (as
+    `fixtures list` prints it) in the repository's fixtures/ directory."""
+    path = Path(name)
+    if path.exists() or path.suffix == SUFFIX or len(path.parts) > 1:
+        return path
+    shipped = shipped_dir()
+    candidate = shipped / (name + SUFFIX) if shipped else None
+    if candidate is None or not candidate.exists():
+        known = ", ".join(p.name.removesuffix(SUFFIX) for p in list_fixtures(shipped)) if shipped else ""
+        raise FixtureError(name, "name", "no such file, and no shipped fixture of that name",
+                           f"give a path or one of: {known}" if known else "give the path of a fixture file")
+    return candidate
+
+
 def _show(args: argparse.Namespace) -> int:
     try:
-        info = describe(load_fixture(args.file))
+        info = describe(load_fixture(resolve(args.file)))
     except FixtureError as error:
         return _fail(str(error))
     print(json.dumps(info, indent=2) if args.json else render(info))
