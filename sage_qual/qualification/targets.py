@@ -32,16 +32,7 @@ from sage_qual.serving import platform, sage_package
 from sage_qual.serving.config import DEFAULT_CONFIG, KERNEL_TABLE, WrapperConfig
 from sage_qual.serving.eligibility import SdpaCall, refusal
 from sage_qual.serving.scope import ScopeReport
-from sage_qual.serving.variants import (
-    FP8_CUDA,
-    FP8_CUDA_SM90,
-    FP16_CUDA,
-    FP16_TRITON,
-    KERNEL_FUNCTIONS,
-    VARIANTS,
-    BoxFacts,
-    Capability,
-)
+from sage_qual.serving.variants import KERNEL_FUNCTIONS, VARIANTS, BoxFacts, Capability, Variant
 
 FP16_TYPES = (torch.float16, torch.bfloat16)
 # Every sageattention function an integration may call; `Evidence` counts calls to these.
@@ -150,9 +141,9 @@ class Target:
     attention: Callable[..., torch.Tensor]
     enable: Callable[[], ContextManager[Evidence]]
     claims: Claims = field(default_factory=Claims)
-    # The kernel class (fixtures' "fp16"/"fp8" bounds) the integration runs on a GPU of this
-    # capability; None when it has no kernel there.
-    accuracy_class_for: Callable[[Capability], str | None] = field(default=lambda capability: None)
+    # The registry variant whose kernel and numerics the integration runs on a GPU of this
+    # capability (its budgets and accuracy class); None when it has no kernel there.
+    variant_for: Callable[[Capability], Variant | None] = field(default=lambda capability: None)
     # Extra reasons the machine cannot run it (a package missing, the backend not usable).
     requirements: Callable[[BoxFacts], list[str]] = field(default=lambda box: [])
     # Reasons for one call beyond the claims (the wrapper's own eligibility rules).
@@ -175,8 +166,12 @@ class Target:
             return ["no CUDA GPU visible: SageAttention integrations run on NVIDIA GPUs only"]
         return self.claims.machine_reasons(box.capability) + self.requirements(box)
 
+    def variant(self, capability: Capability) -> Variant | None:
+        return self.variant_for(tuple(capability))
+
     def accuracy_class(self, capability: Capability) -> str | None:
-        return self.accuracy_class_for(tuple(capability))
+        variant = self.variant(capability)
+        return variant.accuracy_class if variant else None
 
 
 # Counting calls into sageattention ------------------------------------------------------------
@@ -255,9 +250,9 @@ def wrapper_target(variant: str | None = None) -> Target:
             if installed_here:
                 sage_qual.uninstall()
 
-    def accuracy_class_for(capability: Capability) -> str | None:
+    def variant_for(capability: Capability) -> Variant | None:
         names = config.kernel_table.get(capability, ())
-        return VARIANTS[names[0]].accuracy_class if names else None
+        return VARIANTS[names[0]] if names else None
 
     def requirements(box: BoxFacts) -> list[str]:
         chosen, why = config.kernel_for(box)
@@ -273,7 +268,7 @@ def wrapper_target(variant: str | None = None) -> Target:
 
     return Target(name, description, _sdpa, enable,
                   Claims(head_dims=config.head_dims, capabilities=tuple(config.kernel_table)),
-                  accuracy_class_for, requirements, call_rules)
+                  variant_for, requirements, call_rules)
 
 
 # Upstream sageattn() --------------------------------------------------------------------------
@@ -285,11 +280,11 @@ def _sageattention_problem() -> list[str]:
     return []
 
 
-def _native_class(capability: Capability) -> str | None:
-    """The class of the kernel upstream sageattn() picks on this GPU (variants' `native_on`)."""
+def _native_variant(capability: Capability) -> Variant | None:
+    """The kernel upstream sageattn() picks on this GPU (the variants' `native_on`)."""
     for variant in VARIANTS.values():
         if tuple(capability) in variant.native_on:
-            return variant.accuracy_class
+            return variant
     return None
 
 
@@ -314,21 +309,26 @@ def sageattn_target() -> Target:
     return Target("sageattn", "upstream sageattention.sageattn(), HND, its default K smoothing on",
                   attention, enable,
                   Claims(max_head_dim=128, capabilities=_native_capabilities()),
-                  _native_class, lambda box: _sageattention_problem())
+                  _native_variant, lambda box: _sageattention_problem())
 
 
 # diffusers' backends --------------------------------------------------------------------------
-# The kernel each backend calls, for its accuracy class; `sage` and `sage_varlen` dispatch per GPU
-# like sageattn() (varlen always runs the Triton FP16 kernel).
+# The variant whose kernel and options each backend runs: it passes no pv_accum_dtype or
+# qk_quant_gran, so the kernel's defaults (upstream core.py: fp8 CUDA "fp32+fp16", sm90
+# "fp32+fp32", fp16 CUDA "fp32", per-thread groups); `sage` dispatches per GPU like sageattn(),
+# `sage_varlen` runs the Triton per-block kernel.
 DIFFUSERS_KERNELS = {
     "sage": None,
-    "sage_varlen": FP16_TRITON,
-    "_sage_qk_int8_pv_fp8_cuda": FP8_CUDA,
-    "_sage_qk_int8_pv_fp8_cuda_sm90": FP8_CUDA_SM90,
-    "_sage_qk_int8_pv_fp16_cuda": FP16_CUDA,
-    "_sage_qk_int8_pv_fp16_triton": FP16_TRITON,
+    "sage_varlen": "sm86-fp16-triton",
+    "_sage_qk_int8_pv_fp8_cuda": "sm89-fp8-cuda",
+    "_sage_qk_int8_pv_fp8_cuda_sm90": "sm90-fp8-cuda",
+    "_sage_qk_int8_pv_fp16_cuda": "sm80-fp16-cuda",
+    "_sage_qk_int8_pv_fp16_triton": "sm86-fp16-triton",
 }
-_FUNCTION_CLASS = {FP16_CUDA: "fp16", FP16_TRITON: "fp16", FP8_CUDA: "fp8", FP8_CUDA_SM90: "fp8"}
+# The capability each backend's registered constraint checks (`_check_device_cuda_atleast_smXY`):
+# diffusers' own claim, which the kernels' real bounds need not match.
+DIFFUSERS_MIN_CAPABILITY = {"_sage_qk_int8_pv_fp8_cuda": (9, 0), "_sage_qk_int8_pv_fp8_cuda_sm90": (9, 0),
+                            "_sage_qk_int8_pv_fp16_cuda": (8, 0), "_sage_qk_int8_pv_fp16_triton": (8, 0)}
 
 
 def diffusers_backends() -> list[str]:
@@ -371,13 +371,11 @@ def diffusers_target(backend: str) -> Target:
         with dispatch.attention_backend(backend), counting_sage_calls(Evidence(), (dispatch,)) as evidence:
             yield evidence
 
-    def accuracy_class_for(capability: Capability) -> str | None:
-        return _native_class(capability) if kernel is None else _FUNCTION_CLASS[kernel]
+    def variant_for(capability: Capability) -> Variant | None:
+        return _native_variant(capability) if kernel is None else VARIANTS[kernel]
 
-    # The capability each backend's registered constraint checks (diffusers' own claim).
-    minimum = {FP8_CUDA: (9, 0), FP8_CUDA_SM90: (9, 0), FP16_CUDA: (8, 0), FP16_TRITON: (8, 0)}
     claims = Claims(max_head_dim=128, dtypes=FP16_TYPES,
-                    min_capability=minimum.get(kernel) if backend != "sage_varlen" else None,
+                    min_capability=DIFFUSERS_MIN_CAPABILITY.get(backend),
                     capabilities=_native_capabilities() if backend == "sage" else None)
 
     def requirements(box: BoxFacts | None) -> list[str]:
@@ -387,7 +385,7 @@ def diffusers_target(backend: str) -> Target:
         return problems
 
     return Target(f"diffusers:{backend}", f"diffusers backend {backend!r} through dispatch_attention_fn",
-                  attention, enable, claims, accuracy_class_for, requirements)
+                  attention, enable, claims, variant_for, requirements)
 
 
 # Any app's function -----------------------------------------------------------------------------
@@ -421,7 +419,7 @@ def function_target(spec: str) -> Target:
     # No claims stated: every call is tried, and the kernel class is the one upstream sageattn()
     # picks on the GPU (what an app that calls SageAttention gets by default).
     return Target(spec, f"{spec} (an application's attention function)", value, enable,
-                  Claims(dtypes=None, masks=True), _native_class, lambda box: _sageattention_problem())
+                  Claims(dtypes=None, masks=True), _native_variant, lambda box: _sageattention_problem())
 
 
 # Resolving names --------------------------------------------------------------------------------
