@@ -54,7 +54,8 @@ def measure_cell(target: targets.Target, fixture: fileformat.Fixture, capability
     per_element = extra / measure.elements(q, k, v)
     reasons = judge.cell_reasons(acc, per_element, bounds, memory_bound)
     return {"outcome": "fail" if reasons else "pass", "reasons": reasons,
-            "accuracy_class": variant.accuracy_class, "bounds": bounds, **_json_numbers(acc.as_dict()), "extra_bytes_per_element": per_element}
+            "accuracy_class": variant.accuracy_class, "bounds": bounds, **_json_numbers(acc.as_dict()),
+            "extra_bytes_per_element": per_element}
 
 
 def _json_numbers(values: dict) -> dict:
