@@ -8,8 +8,10 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+import torch
 
 from sage_qual import cli
+from sage_qual.errors import UsageError
 from sage_qual.qualification import families, gate, pool, report, verdict
 from sage_qual.qualification.families import Family
 
@@ -330,3 +332,34 @@ def test_cli_merge_refuses_a_foreign_file(capsys, tmp_path):
     foreign.write_text("[]")
     code, out, err = run_cli(capsys, "merge", str(H200), str(foreign))
     assert code == 2 and out == "" and "not a sage-qual report" in err
+
+
+def test_gate_refuses_a_local_fixture_with_non_finite_values(tmp_path):
+    from sage_qual.fixtures.fileformat import save_fixture
+
+    q, k, v = (torch.randn(1, 1, 64, 64).to(torch.bfloat16) for _ in range(3))
+    q[:, :, :16] = float("nan")  # a quarter of the query rows
+    bounds = {"fp16": {"max_rel_l2": 0.05, "min_cosine": 0.99},
+              "fp8": {"max_rel_l2": 0.1, "min_cosine": 0.99}}
+    save_fixture(tmp_path / "f.safetensors", q, k, v, family="flux.1", kind="replica", source={"t": 1},
+                 provenance="test", bounds=bounds)
+    with pytest.raises(UsageError, match="tensor q: 1024 of 4096 values are not finite"):
+        gate.local_fixtures([str(tmp_path)], families.find("FLUX.1"))
+
+
+# compare ---------------------------------------------------------------------------------------
+def test_compare_same_report_and_moved_thresholds(capsys, tmp_path):
+    code, out, _ = run_cli(capsys, "compare", str(H200), str(H200))
+    assert code == 0 and out.strip().endswith("same verdicts, thresholds within 10%")
+    moved = load(H200)
+    for device in moved["devices"]:  # sm90 now slower at 4608 tokens: FLUX.1's threshold moves up
+        for record in device["speed"]:
+            if record["kernel"] == "sm90-fp8-cuda" and " q4608 " in record["shape"]:
+                record["ms"] *= 3
+    path = tmp_path / "moved.json"
+    path.write_text(json.dumps(moved))
+    code, out, _ = run_cli(capsys, "compare", str(H200), str(path))
+    assert code == 1 and out.split("1 difference(s) beyond 10%:\n")[1].strip() == \
+        "NVIDIA H200 (sm_90) FLUX.1: enable sm90-fp8-cuda 4608/512 vs enable sm90-fp8-cuda 8192/512"
+    code, _, err = run_cli(capsys, "compare", str(H200), str(path), "--tolerance", "2")
+    assert code == 2 and "--tolerance is 2" in err

@@ -1,5 +1,14 @@
-"""Every runnable variant against every activation fixture: accuracy, finiteness, and proof that
-the variant served the call when routed through the wrapper."""
+"""Every runnable variant against every activation fixture, judged as certify judges it (the budget
+the numerics model derives for the cell, `judge.cell_reasons`), and proof that the variant served
+the call when routed through the wrapper.
+
+Where the numerics model predicts a non-finite output (an fp16 accumulator overflowing, a zero V
+channel under FP8), the kernel must be non-finite too: then the cell is an expected failure, a
+kernel defect the model foresaw (a finite kernel there fails the test: the model is wrong). A
+defect measured on a GPU is also listed with its numbers in known_defects.py.
+"""
+
+import math
 
 import pytest
 import torch
@@ -7,7 +16,7 @@ import torch.nn.functional as F
 
 import sage_qual
 from sage_qual.fixtures.fileformat import load_fixture
-from sage_qual.qualification import measure
+from sage_qual.qualification import budgets, judge, measure
 
 from .conftest import FIXTURE_PATHS, VARIANT_NAMES
 from .known_defects import marks
@@ -28,13 +37,19 @@ def test_variant_on_fixture(variant_name, fixture_path, sage, runnable, wrapper_
     q, k, v = fixture.q, fixture.k, fixture.v
     direct = measure.call_kernel(sage, variant, q, k, v)
     accuracy = measure.accuracy(direct, q, k, v)
-    bounds = fixture.bounds[variant.accuracy_class]
+    budget = budgets.budget(variant, fixture)
+    expected = budgets.expectation(variant, fixture)
+    reasons = judge.cell_reasons(accuracy, 0.0, budget, math.inf)
     record(test="accuracy", variant=variant.name, fixture=fixture.name, kind=fixture.kind,
-           **accuracy.as_dict(), max_rel_l2=bounds["max_rel_l2"], min_cosine=bounds["min_cosine"])
+           family=fixture.family, **accuracy.as_dict(), model_rel_l2=expected["rel_l2"],
+           model_finite=expected["model_finite"], **{f"budget_{key}": x for key, x in budget.items()},
+           reasons="; ".join(r["detail"] for r in reasons))
     label = f"{variant.name} on {fixture.kind} fixture {fixture.name}"
-    assert accuracy.finite, f"{label}: non-finite output where the float32 reference is finite"
-    assert accuracy.rel_l2 <= bounds["max_rel_l2"], f"{label}: {accuracy}"
-    assert accuracy.worst_head_cosine >= bounds["min_cosine"], f"{label}: {accuracy}"
+    if not expected["model_finite"]:
+        assert not accuracy.finite, (f"{label}: the numerics model predicts a non-finite output, the kernel's "
+                                     f"is finite ({accuracy.rel_l2:.4g}): the model is wrong here")
+        pytest.xfail(f"{label}: non-finite output, as the numerics model predicts (a kernel defect)")
+    assert not reasons, f"{label}: " + "; ".join(r["detail"] for r in reasons)
 
     # Through the wrapper, forced to this variant: served, and bit-identical to the direct call.
     with wrapper_serving(variant), sage_qual.sage_attention_scope() as report:

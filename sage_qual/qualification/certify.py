@@ -107,7 +107,7 @@ def select_fixtures(directories: list[str], chosen: list[families_mod.Family], a
                 fixture = fileformat.load_fixture(path)
             except fileformat.FixtureError as error:
                 raise UsageError(str(error)) from None
-            _check_finite(fixture, path)
+            check_finite(fixture, path)
             if fixture.name in seen:
                 raise UsageError(f"two fixtures named {fixture.name}: {seen[fixture.name]} and {path}")
             seen[fixture.name] = path
@@ -123,7 +123,7 @@ def select_fixtures(directories: list[str], chosen: list[families_mod.Family], a
     return fixtures
 
 
-def _check_finite(fixture: fileformat.Fixture, path) -> None:
+def check_finite(fixture: fileformat.Fixture, path) -> None:
     """The float32 reference needs finite q, k and v: with NaN or infinity in them, accuracy is
     measured on the finite rows only and a broken kernel can pass on what is left."""
     for name in ("q", "k", "v"):

@@ -16,7 +16,7 @@ from pathlib import Path
 from sage_qual.errors import ExitCode, UsageError
 from sage_qual.fixtures import fileformat
 from sage_qual.qualification import report, verdict
-from sage_qual.qualification.certify import fixture_dirs
+from sage_qual.qualification.certify import check_finite, fixture_dirs
 from sage_qual.qualification.families import FAMILIES, Family, normalize
 from sage_qual.qualification.report_model import Report
 from sage_qual.qualification.verdict import GENERIC, FamilyDecision, Verdict
@@ -35,6 +35,7 @@ def local_fixtures(directories: list[str] | None, family: Family) -> dict[str, s
             for path in fileformat.list_fixtures(directory):
                 fixture = fileformat.load_fixture(path)
                 if counts_for(family, fixture.family):
+                    check_finite(fixture, path)
                     found[fixture.name] = fixture.sha256
         except fileformat.FixtureError as error:
             raise UsageError(str(error)) from None

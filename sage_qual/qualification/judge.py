@@ -2,26 +2,65 @@
 
 certify's worker calls it as it measures, the verdict recomputes it from the stored metrics, and the
 GPU tests assert with it, so a cell cannot pass in one place and fail in another.
+
+A budget is a mapping of limits (fixture metadata "budgets", per variant, derived from the numerics
+model: `sage_qual.fixtures.budgets`). Every limit present is checked against its metric; a metric
+that is missing or not a number for a limit that is present is a reason too, so a report stripped
+of a number cannot pass. Finiteness is always checked.
 """
 
 from __future__ import annotations
 
-from sage_qual.qualification import measure
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, is_dataclass
+
+# limit -> (metric, "max" or "min", what it says)
+LIMITS = {
+    "max_rel_l2": ("rel_l2", "max", "relative L2"),
+    "max_head_rel_l2": ("worst_head_rel_l2", "max", "worst query head's relative L2"),
+    "max_batch_rel_l2": ("worst_batch_rel_l2", "max", "worst batch item's relative L2"),
+    "max_block_rel_l2": ("worst_block_rel_l2", "max", "worst query-row block's relative L2"),
+    "min_norm_ratio": ("norm_ratio", "min", "output norm / reference norm"),
+    "max_norm_ratio": ("norm_ratio", "max", "output norm / reference norm"),
+    "min_cosine": ("worst_head_cosine", "min", "worst head cosine"),
+}
 
 
-def cell_reasons(acc: measure.Accuracy, per_element: float, bounds: dict, memory_bound: float) -> list[dict]:
-    """Why a cell fails, each reason with its numbers; empty when it passes."""
+def _number(value) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def cell_reasons(metrics, per_element: float | None, budget: Mapping, memory_bound: float) -> list[dict]:
+    """Why a cell fails, each reason with its numbers; empty when it passes.
+
+    `metrics`: a `measure.Accuracy` or a mapping with its field names (a stored cell).
+    """
+    found = asdict(metrics) if is_dataclass(metrics) else dict(metrics)
     reasons = []
-    if not acc.finite:
+    if found.get("finite") is not True:
         reasons.append({"kind": "non_finite", "detail": "output not finite where the reference is"})
-    if not acc.rel_l2 <= bounds["max_rel_l2"]:
-        reasons.append({"kind": "accuracy",
-                        "detail": f"relative L2 {acc.rel_l2:.4g} > {bounds['max_rel_l2']:g} "
-                                  f"(SDPA in the input precision: {acc.sdpa_rel_l2:.3g})"})
-    if not acc.worst_head_cosine >= bounds["min_cosine"]:
-        reasons.append({"kind": "accuracy", "detail": f"worst head cosine {acc.worst_head_cosine:.4g} < "
-                                                      f"{bounds['min_cosine']:g}"})
-    if per_element > memory_bound:
+    for limit, (metric, side, label) in LIMITS.items():
+        if limit not in budget:
+            continue
+        bound, value = _number(budget[limit]), _number(found.get(metric))
+        if bound is None:
+            reasons.append({"kind": "accuracy",
+                            "detail": f"budget {limit} is not a number: {budget[limit]!r}"})
+        elif value is None or math.isnan(value):
+            reasons.append({"kind": "accuracy", "detail": f"{label} ({metric}) not measured"})
+        elif (side == "max" and not value <= bound) or (side == "min" and not value >= bound):
+            relation = ">" if side == "max" else "<"
+            extra = ""
+            if metric == "rel_l2" and _number(found.get("sdpa_rel_l2")) is not None:
+                extra = f" (SDPA in the input precision: {found['sdpa_rel_l2']:.3g})"
+            reasons.append({"kind": "accuracy",
+                            "detail": f"{label} {value:.4g} {relation} {bound:.4g}{extra}"})
+    if per_element is None:
+        reasons.append({"kind": "memory", "detail": "extra peak memory not measured"})
+    elif per_element > memory_bound:
         reasons.append({"kind": "memory",
                         "detail": f"extra peak {per_element:.2f} bytes per q/k/v element > {memory_bound:g}"})
     return reasons

@@ -15,10 +15,12 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from sage_qual.serving.torch_sdpa import TORCH_SDPA  # torch's own, whatever is bound over it
 from sage_qual.serving.variants import Variant
 
-# The unpatched function, taken before any install(): references never go through the wrapper.
-TORCH_SDPA = F.scaled_dot_product_attention
+# Query rows per block of the per-block error: the smallest Q tile of any variant's CTA (sm90: 64),
+# so a defect confined to one kernel tile shows in at least one block.
+ROW_BLOCK = 64
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,14 @@ class Accuracy:
     finite: bool  # output finite wherever the reference is
     sdpa_rel_l2: float  # the same for PyTorch SDPA in the input precision
     error_vs_sdpa: float  # rel_l2 / sdpa_rel_l2
+    # The worst slice: per query head, per batch item, per block of ROW_BLOCK query rows of one
+    # (item, head). A slice's error is against its own reference norm, or the norm a slice of its
+    # size has at the tensor's mean energy when that is larger (a slice whose reference is near
+    # zero, e.g. attention over zero values, is not divided by nothing).
+    worst_head_rel_l2: float = float("nan")
+    worst_batch_rel_l2: float = float("nan")
+    worst_block_rel_l2: float = float("nan")
+    norm_ratio: float = float("nan")  # ||out|| / ||ref||: a scale error shows here, not in cosine
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -44,17 +54,57 @@ def reference(q, k, v, scale: float | None = None) -> torch.Tensor:
 
 def compare(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, bool]:
     """(relative L2, worst per-head cosine, finite where ref is) of `out` against `ref`."""
-    out, ref = out.float(), ref.float()
+    found = errors(out, ref)
+    return found["rel_l2"], found["worst_head_cosine"], found["finite"]
+
+
+def _slice_errors(diff: torch.Tensor, ref: torch.Tensor, dims: tuple[int, ...]) -> float:
+    """Worst relative L2 over the slices that keep `dims` (the rest summed), see Accuracy."""
+    others = tuple(d for d in range(diff.dim()) if d not in dims)
+    diff_sq = diff.square().sum(others)
+    ref_sq = ref.square().sum(others)
+    share = ref.square().sum() / ref_sq.numel()
+    return (diff_sq / torch.maximum(ref_sq, share).clamp_min(1e-30)).sqrt().max().item()
+
+
+def errors(out: torch.Tensor, ref: torch.Tensor) -> dict:
+    """Every error number of Accuracy but SDPA's, of `out` [B, H, N, D] against `ref`."""
+    out, ref = out.double(), ref.double()
     valid = torch.isfinite(ref)
     finite = bool(torch.isfinite(out)[valid].all())
+    ref0 = torch.where(valid, ref, 0.0)
     diff = torch.where(valid, out - ref, 0.0).nan_to_num(nan=float("inf"))
-    rel_l2 = (torch.linalg.vector_norm(diff) / torch.linalg.vector_norm(ref[valid]).clamp_min(1e-30)).item()
+    ref_norm = torch.linalg.vector_norm(ref0).clamp_min(1e-30)
+    rel_l2 = (torch.linalg.vector_norm(diff) / ref_norm).item()
     flat_out = out.flatten(2).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
     flat_ref = ref.flatten(2).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
     cosine = F.cosine_similarity(flat_out, flat_ref, dim=-1, eps=1e-30).min().item()
     if not finite:
         cosine = float("nan")
-    return rel_l2, cosine, finite
+    b, h, n, d = diff.shape
+    pad = -n % ROW_BLOCK
+    blocks = F.pad(diff, (0, 0, 0, pad)).view(b, h, -1, ROW_BLOCK, d)
+    ref_blocks = F.pad(ref0, (0, 0, 0, pad)).view(b, h, -1, ROW_BLOCK, d)
+    return {
+        "rel_l2": rel_l2,
+        "worst_head_cosine": cosine,
+        "finite": finite,
+        "worst_head_rel_l2": _slice_errors(diff, ref0, (1,)),
+        "worst_batch_rel_l2": _slice_errors(diff, ref0, (0,)),
+        "worst_block_rel_l2": _block_errors(blocks, ref_blocks, n),
+        "norm_ratio": (torch.linalg.vector_norm(torch.where(valid, out, 0.0)) / ref_norm).item(),
+    }
+
+
+def _block_errors(blocks: torch.Tensor, ref_blocks: torch.Tensor, rows: int) -> float:
+    """Worst relative L2 over the (item, head, row block) slices; a last, partial block's
+    mean-energy share is scaled to the rows it holds."""
+    diff_sq = blocks.square().sum((-1, -2))
+    ref_sq = ref_blocks.square().sum((-1, -2))
+    sizes = torch.full(diff_sq.shape[-1:], float(ROW_BLOCK), dtype=diff_sq.dtype)
+    sizes[-1] = rows - ROW_BLOCK * (sizes.numel() - 1)
+    share = ref_blocks.square().sum() * sizes / (rows * diff_sq.shape[0] * diff_sq.shape[1])
+    return (diff_sq / torch.maximum(ref_sq, share).clamp_min(1e-30)).sqrt().max().item()
 
 
 def call_kernel(package, variant: Variant, q, k, v, scale: float | None = None, smooth_k: bool = False):
@@ -66,11 +116,11 @@ def call_kernel(package, variant: Variant, q, k, v, scale: float | None = None, 
 
 def accuracy(out, q, k, v, ref=None, scale: float | None = None) -> Accuracy:
     ref = reference(q, k, v, scale) if ref is None else ref
-    rel_l2, cosine, finite = compare(out, ref)
+    found = errors(out, ref)
     sdpa = TORCH_SDPA(q, k, v, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-    sdpa_rel_l2, _, _ = compare(sdpa, ref)
-    ratio = rel_l2 / sdpa_rel_l2 if sdpa_rel_l2 > 0 else float("inf")
-    return Accuracy(rel_l2, cosine, finite, sdpa_rel_l2, ratio)
+    sdpa_rel_l2 = errors(sdpa, ref)["rel_l2"]
+    ratio = found["rel_l2"] / sdpa_rel_l2 if sdpa_rel_l2 > 0 else float("inf")
+    return Accuracy(sdpa_rel_l2=sdpa_rel_l2, error_vs_sdpa=ratio, **found)
 
 
 def extra_peak_bytes(fn: Callable[[], torch.Tensor], device: int) -> tuple[torch.Tensor, int]:

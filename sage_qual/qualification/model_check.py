@@ -1,0 +1,101 @@
+"""The numerics model against the kernels: per (variant, fixture), the model's relative L2 next to the
+kernel's, their ratio, and whether both agree on finiteness.
+
+`python -m sage_qual.qualification.model_check GPU_RESULTS_JSON [FIXTURE_DIR]` prints the markdown
+table of docs/numerics.md from a `pytest -m slow` results table (its "accuracy" rows); the GPU test
+tests_gpu/test_numerics_vs_kernel.py builds the same table from the kernels it runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from sage_qual.fixtures.fileformat import list_fixtures, load_fixture, shipped_dir
+from sage_qual.qualification import budgets
+from sage_qual.serving.variants import VARIANTS
+
+# Acceptance: the model's relative L2 within 10 % of the kernel's on every cell (issue 9).
+TOLERANCE = 0.10
+
+
+@dataclass(frozen=True)
+class Row:
+    variant: str
+    fixture: str
+    kernel_rel_l2: float  # inf where the kernel's output was not finite
+    kernel_finite: bool
+    model_rel_l2: float  # of the model's finite elements (budgets.expected)
+    model_finite: bool
+
+    @property
+    def ratio(self) -> float:
+        if not (self.kernel_finite and self.model_finite) or self.kernel_rel_l2 <= 0:
+            return math.nan
+        return self.model_rel_l2 / self.kernel_rel_l2
+
+    @property
+    def agrees(self) -> bool:
+        """Finite on both sides and within TOLERANCE, or non-finite on both sides."""
+        if self.kernel_finite != self.model_finite:
+            return False
+        return not self.kernel_finite or abs(self.ratio - 1.0) <= TOLERANCE
+
+
+def row(variant: str, fixture, kernel_rel_l2: float, kernel_finite: bool) -> Row:
+    found = budgets.expectation(VARIANTS[variant], fixture)
+    return Row(variant, fixture.name, kernel_rel_l2, kernel_finite, found["rel_l2"], found["model_finite"])
+
+
+def from_results(results_path, fixture_dir) -> list[Row]:
+    """Rows for every accuracy cell of a results table whose fixture is in `fixture_dir`."""
+    fixtures = {p.name.removesuffix(".safetensors"): p for p in list_fixtures(fixture_dir)}
+    rows, loaded = [], {}
+    for entry in json.loads(Path(results_path).read_text()):
+        if entry.get("test") != "accuracy" or entry.get("fixture") not in fixtures:
+            continue
+        name = entry["fixture"]
+        if name not in loaded:
+            loaded[name] = load_fixture(fixtures[name])
+        rel = entry["rel_l2"] if isinstance(entry["rel_l2"], (int, float)) else math.inf
+        rows.append(row(entry["variant"], loaded[name], float(rel), bool(entry["finite"])))
+    return sorted(rows, key=lambda r: (r.fixture, r.variant))
+
+
+def markdown(rows: list[Row]) -> str:
+    def number(x: float) -> str:
+        return "inf" if math.isinf(x) else "-" if math.isnan(x) else f"{x:.5f}"
+
+    lines = ["| fixture | variant | kernel rel L2 | model rel L2 | model / kernel | within 10 % |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        kernel = number(r.kernel_rel_l2) if r.kernel_finite else "non-finite"
+        model = number(r.model_rel_l2) if r.model_finite else "non-finite"
+        ratio = "-" if math.isnan(r.ratio) else f"{r.ratio:.3f}"
+        both_non_finite = r.agrees and not r.kernel_finite
+        verdict = ("yes" if r.agrees else "NO") + (" (both non-finite)" if both_non_finite else "")
+        lines.append(f"| {r.fixture} | {r.variant} | {kernel} | {model} | {ratio} | {verdict} |")
+    finite = [r for r in rows if not math.isnan(r.ratio)]
+    worst = max((abs(r.ratio - 1) for r in finite), default=math.nan)
+    lines.append("")
+    lines.append(f"{len(rows)} cells, {sum(r.agrees for r in rows)} agree; worst |model / kernel - 1| over "
+                 f"the {len(finite)} cells finite on both sides: {worst:.4f}.")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or len(argv) > 2:
+        print("usage: python -m sage_qual.qualification.model_check GPU_RESULTS_JSON [FIXTURE_DIR]",
+              file=sys.stderr)
+        return 2
+    directory = argv[1] if len(argv) > 1 else shipped_dir()
+    print(markdown(from_results(argv[0], directory)), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
