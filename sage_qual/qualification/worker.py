@@ -34,7 +34,7 @@ import torch
 
 from sage_qual.fixtures import fileformat
 from sage_qual.limits import MEMORY_BOUND
-from sage_qual.qualification import fault_hooks, measure
+from sage_qual.qualification import budgets, fault_hooks, measure
 from sage_qual.qualification.families import Shape
 from sage_qual.qualification.judge import cell_reasons
 from sage_qual.qualification.pool import EXIT_POISONED
@@ -69,7 +69,6 @@ class GpuBench:
     def release(self) -> None:
         with contextlib.suppress(Exception):  # a poisoned context fails here too; healthy() says so
             torch.cuda.empty_cache()
-
 
 
 class Worker:
@@ -116,7 +115,7 @@ class Worker:
         out, extra = self.bench.extra_peak_bytes(lambda: measure.call_kernel(package, variant, q, k, v))
         acc = measure.accuracy(out, q, k, v, ref)
         del out
-        bounds = fixture.bound(variant)
+        bounds = budgets.budget(variant, fixture)  # derived from the numerics model
         per_element = extra / measure.elements(q, k, v)
         reasons = cell_reasons(acc, per_element, bounds, task.get("memory_bound", MEMORY_BOUND))
         result = {
