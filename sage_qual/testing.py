@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from sage_qual.serving import platform
-from sage_qual.serving.variants import EXTENSIONS, KERNEL_FUNCTIONS, KernelFunction
+from sage_qual.serving.variants import EXTENSIONS, KERNEL_FUNCTIONS, VARIANTS, KernelFunction
 
 _FAKE_INDEX = "_sage_qual_fake_cuda_index"
 
@@ -274,7 +274,29 @@ class FakeSageAttention:
         for function in KERNEL_FUNCTIONS.values():
             if function.name not in self.missing:
                 setattr(module, function.name, self._make_kernel(function))
+        module.sageattn = self._make_dispatcher(module)
         return module
+
+    def _make_dispatcher(self, module: types.ModuleType) -> Callable:
+        """Upstream's `sageattn()`: the kernel and options core.py picks for the GPU of `q` (the
+        variant whose `native_on` names its capability); other keywords, smooth_k included, are
+        swallowed by its **kwargs, so the kernel runs with upstream's defaults."""
+
+        def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, return_lse=False,
+                     **kwargs):
+            cuda = platform.current()
+            index = cuda.tensor_device(q)
+            if index is None:
+                raise AssertionError("Input tensors must be on cuda.")
+            capability = cuda.capability(index)
+            variant = next((v for v in VARIANTS.values() if capability in v.native_on), None)
+            if variant is None:
+                raise ValueError("Unsupported CUDA architecture: sm%d%d" % capability)
+            kernel = getattr(module, variant.function)
+            return kernel(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal, sm_scale=sm_scale,
+                          return_lse=return_lse, **variant.options)
+
+        return sageattn
 
     @contextlib.contextmanager
     def installed(self):

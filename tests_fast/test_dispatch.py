@@ -1,5 +1,6 @@
 """Which kernel serves which GPU, with which keywords, on which device; and the fakes themselves."""
 
+import contextlib
 import functools
 import inspect
 from dataclasses import dataclass, field
@@ -9,15 +10,17 @@ import torch
 import torch.nn.functional as F
 
 import sage_qual
+from sage_qual.serving.variants import KERNEL_FUNCTIONS, VARIANTS
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention, exact_attention, on_device
 
 from .helpers import TORCH_SDPA, qkv, wrapped
 
+KERNELS = tuple(KERNEL_FUNCTIONS)
+# Names of upstream's kernel functions, as the expectations below use them.
 FP16_CUDA = "sageattn_qk_int8_pv_fp16_cuda"
 FP16_TRITON = "sageattn_qk_int8_pv_fp16_triton"
 FP8_CUDA = "sageattn_qk_int8_pv_fp8_cuda"
 FP8_SM90 = "sageattn_qk_int8_pv_fp8_cuda_sm90"
-KERNELS = (FP16_CUDA, FP16_TRITON, FP8_CUDA, FP8_SM90)
 
 
 @dataclass
@@ -198,29 +201,25 @@ def test_device_is_restored_when_the_kernel_raises():
 
 # The fakes themselves -------------------------------------------------------------------------------
 
-UPSTREAM_KEYWORDS = {
-    FP16_CUDA: ("tensor_layout", "is_causal", "qk_quant_gran", "sm_scale", "pv_accum_dtype", "smooth_k",
-                "smooth_v", "return_lse"),
-    FP16_TRITON: ("tensor_layout", "quantization_backend", "is_causal", "sm_scale", "smooth_k", "return_lse"),
-    FP8_CUDA: ("tensor_layout", "is_causal", "qk_quant_gran", "sm_scale", "pv_accum_dtype", "smooth_k",
-               "smooth_v", "return_lse"),
-    FP8_SM90: ("tensor_layout", "is_causal", "qk_quant_gran", "sm_scale", "pv_accum_dtype", "smooth_k",
-               "return_lse"),
-}
-
-
 @pytest.mark.parametrize("function", KERNELS)
-def test_fake_kernels_declare_the_upstream_keywords(function):
+def test_fake_kernels_are_signed_as_the_registry_declares(function):
     module = FakeSageAttention().module()
-    parameters = inspect.signature(getattr(module, function)).parameters
-    names = list(parameters)
-    assert names[:3] == ["q", "k", "v"]
-    for keyword in UPSTREAM_KEYWORDS[function]:
-        assert keyword in parameters, keyword
-    assert parameters["smooth_k"].default is True  # upstream's default, which the wrapper must override
-    assert parameters["tensor_layout"].default == "HND"
-    last = parameters[names[-1]]
-    assert last.kind is inspect.Parameter.VAR_KEYWORD
+    parameters = list(inspect.signature(getattr(module, function)).parameters.values())
+    assert [p.name for p in parameters[:3]] == ["q", "k", "v"]
+    keywords = [(p.name, p.default) for p in parameters[3:-1]]
+    assert keywords == list(KERNEL_FUNCTIONS[function].keywords)
+    assert parameters[-1].kind is inspect.Parameter.VAR_KEYWORD
+    assert dict(keywords)["smooth_k"] is True  # upstream's default, which the wrapper must override
+
+
+@pytest.mark.parametrize("variant", VARIANTS.values(), ids=VARIANTS)
+def test_every_keyword_a_variant_passes_is_in_its_kernels_contract(variant):
+    contract = variant.kernel_function
+    passed = variant.call_keywords(0.125)
+    assert set(passed) <= set(contract.defaults), set(passed) - set(contract.defaults)
+    for name, value in passed.items():
+        assert value in contract.choices.get(name, (value,)), (name, value)
+    assert passed["smooth_k"] is False and passed["is_causal"] is False and passed["tensor_layout"] == "HND"
 
 
 def test_fake_signature_drops_and_missing():
@@ -283,3 +282,111 @@ def test_fake_cuda_devices_and_events():
     with cuda:
         assert sage_qual.serving.platform.current() is cuda
     assert sage_qual.serving.platform.current() is not cuda
+
+
+# The fakes refuse what the real kernels refuse ------------------------------------------------------
+# Each case is a call upstream's kernels reject (core.py asserts and ValueErrors, csrc/qattn's
+# CHECK_SHAPE) or would read out of bounds; a wrapper rule that let such a call through must fail.
+
+def _bad(**changes):
+    """q, k, v (fp16, [1, 4, 48, 64] / [1, 2, 24, 64]) with one of them replaced."""
+    q, k, v = qkv(heads=4, kv_heads=2)
+    tensors = {"q": q, "k": k, "v": v, **changes}
+    return tensors["q"], tensors["k"], tensors["v"]
+
+
+MALFORMED = [
+    pytest.param(lambda: _bad(k=qkv(batch=2, heads=4, kv_heads=2)[1]), RuntimeError, id="batch_mismatch"),
+    pytest.param(lambda: _bad(v=qkv(heads=4, kv_heads=2, k_tokens=12)[2]), RuntimeError,
+                 id="kv_len_mismatch"),
+    pytest.param(lambda: _bad(k=qkv(heads=4, kv_heads=2, head_dim=128)[1]), RuntimeError,
+                 id="head_dim_mismatch"),
+    pytest.param(lambda: _bad(k=qkv(heads=3)[1], v=qkv(heads=3)[2]), ValueError, id="heads_not_a_multiple"),
+    pytest.param(lambda: _bad(v=qkv(heads=4, kv_heads=4)[2]), RuntimeError, id="value_heads_differ"),
+    pytest.param(lambda: _bad(q=qkv(heads=4, head_dim=256)[0], k=qkv(kv_heads=2, heads=4, head_dim=256)[1],
+                              v=qkv(kv_heads=2, heads=4, head_dim=256)[2]), ValueError, id="head_dim=256"),
+    pytest.param(lambda: _bad(q=qkv(heads=4)[0][0]), RuntimeError, id="3-D_query"),
+    pytest.param(lambda: _bad(q=qkv(heads=4, dtype=torch.float32)[0]), AssertionError, id="float32"),
+    pytest.param(lambda: _bad(k=qkv(heads=4, kv_heads=2, dtype=torch.bfloat16)[1]), AssertionError,
+                 id="mixed_dtypes"),
+    pytest.param(lambda: _bad(q=qkv(heads=4)[0].transpose(2, 3).contiguous().transpose(2, 3)), AssertionError,
+                 id="last_dim_not_contiguous"),
+    pytest.param(lambda: _bad(q=qkv(heads=4)[0].to("meta")), AssertionError, id="not_on_a_gpu"),
+    pytest.param(lambda: _bad(k=on_device(qkv(heads=4, kv_heads=2)[1], 1)), AssertionError,
+                 id="two_devices"),
+]
+
+
+@pytest.mark.parametrize("function", KERNELS)
+@pytest.mark.parametrize("make, error", MALFORMED)
+def test_fake_kernels_refuse_malformed_calls(function, make, error):
+    kernel = getattr(FakeSageAttention().module(), function)
+    with pytest.raises(error):
+        kernel(*make())
+
+
+@pytest.mark.parametrize("function, keyword, value", [
+    pytest.param(function, name, "no-such-value", id=f"{function}-{name}")
+    for function, contract in KERNEL_FUNCTIONS.items() for name in contract.choices
+])
+def test_fake_kernels_refuse_option_values_upstream_does_not_take(function, keyword, value):
+    kernel = getattr(FakeSageAttention().module(), function)
+    with pytest.raises(ValueError, match=keyword):
+        kernel(*qkv(), **{keyword: value})
+
+
+def test_fake_kernels_take_nhd_layout_causal_and_lse():
+    q, k, v = qkv(heads=4, kv_heads=2, dtype=torch.bfloat16)
+    kernel = getattr(FakeSageAttention().module(), FP8_CUDA)
+    nhd = kernel(*(t.transpose(1, 2).contiguous() for t in (q, k[:, :, :24], v)), tensor_layout="NHD")
+    torch.testing.assert_close(nhd.transpose(1, 2).float(), kernel(q, k, v).float())
+    square = qkv(q_tokens=24, k_tokens=24)
+    out, lse = kernel(*square, is_causal=True, return_lse=True)
+    expected = TORCH_SDPA(*(t.float() for t in square), is_causal=True)
+    torch.testing.assert_close(out.float(), expected, atol=2e-3, rtol=2e-3)
+    assert lse.shape == (1, 2, 24) and lse.dtype == torch.float32
+
+
+@pytest.mark.parametrize("make, error", MALFORMED)
+def test_malformed_calls_never_reach_the_kernel_through_the_wrapper(make, error):
+    """What the kernels refuse, the rules refuse first: torch gets the call, the GPU stays in service."""
+    q, k, v = make()
+    with wrapped(gpus=((9, 0), (9, 0))) as (_, fake):
+        with sage_qual.sage_attention_scope() as report:
+            with contextlib.suppress(Exception):  # torch may refuse the call too: its own error
+                F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        status = sage_qual.install_status()
+    assert fake.calls == [] and report.served == 0 and report.calls == 1
+    assert not any(d.retired for d in status.devices)
+
+
+# Upstream's sageattn() as the fake gives it --------------------------------------------------------
+
+@pytest.mark.parametrize("capability, function, options", [
+    pytest.param(cap, function, options, id="sm%d%d" % cap) for cap, function, options in [
+        ((8, 0), FP16_CUDA, {"pv_accum_dtype": "fp32"}),
+        ((8, 6), FP16_TRITON, {}),
+        ((8, 9), FP8_CUDA, {"pv_accum_dtype": "fp32+fp16"}),
+        ((9, 0), FP8_SM90, {"pv_accum_dtype": "fp32+fp32"}),
+        ((12, 0), FP8_CUDA, {"qk_quant_gran": "per_warp", "pv_accum_dtype": "fp32+fp16"}),
+        ((12, 1), FP8_CUDA, {"qk_quant_gran": "per_warp", "pv_accum_dtype": "fp32+fp16"}),
+    ]])
+def test_fake_sageattn_dispatches_as_upstream_and_swallows_smooth_k(capability, function, options):
+    fake = FakeSageAttention()
+    with FakeCuda([FakeGpu(capability)]), fake.installed():
+        import sageattention
+
+        sageattention.sageattn(*qkv(), smooth_k=False)
+    [call] = fake.calls
+    assert call.function == function
+    assert call.keywords["smooth_k"] is True  # swallowed by sageattn's **kwargs, as upstream does
+    assert {name: call.keywords[name] for name in options} == options
+
+
+@pytest.mark.parametrize("capability", [(8, 7), (10, 0), (13, 0)], ids=["sm87", "sm100", "sm130"])
+def test_fake_sageattn_refuses_architectures_upstream_does_not_know(capability):
+    with FakeCuda([FakeGpu(capability)]), FakeSageAttention().installed():
+        import sageattention
+
+        with pytest.raises(ValueError, match="Unsupported CUDA architecture: sm%d%d" % capability):
+            sageattention.sageattn(*qkv())

@@ -7,6 +7,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -271,6 +272,72 @@ def test_arguments_torch_rejects_raise_torchs_type_error(make):
     assert dict(report.fallbacks) == {"arguments": 1}
     assert report.details["arguments"].startswith(("scaled_dot_product_attention() ", "unknown keywords"))
     assert fake.calls == []
+
+
+# Values torch's parser refuses or the kernel cannot take: never the kernel, never a retired GPU ---------
+
+BAD_VALUES = [
+    pytest.param({"dropout_p": None}, id="dropout_p=None"),
+    pytest.param({"dropout_p": "0"}, id="dropout_p=str"),
+    pytest.param({"is_causal": 0}, id="is_causal=0"),
+    pytest.param({"is_causal": None}, id="is_causal=None"),
+    pytest.param({"is_causal": 1}, id="is_causal=1"),
+    pytest.param({"enable_gqa": None}, id="enable_gqa=None"),
+    pytest.param({"enable_gqa": 0}, id="enable_gqa=0"),
+    pytest.param({"scale": "0.125"}, id="scale=str"),
+    pytest.param({"scale": 1j}, id="scale=complex"),
+    pytest.param({"attn_mask": 0}, id="attn_mask=int"),
+    pytest.param({"attn_mask": False}, id="attn_mask=False"),
+]
+
+
+@pytest.mark.parametrize("kwargs", BAD_VALUES)
+def test_values_torch_refuses_get_torchs_error_and_never_reach_the_kernel(kwargs):
+    args = qkv()
+    expected = outcome(TORCH_SDPA, args, kwargs)
+    assert expected[1] is not None  # torch refuses each of these
+    with wrapped() as (_, fake):
+        with sage_qual.sage_attention_scope() as report:
+            got = outcome(F.scaled_dot_product_attention, args, kwargs)
+            served = F.scaled_dot_product_attention(*qkv())
+        status = sage_qual.install_status()
+    assert got[1] == expected[1]
+    assert [c.q.shape for c in fake.calls] == [served.shape]  # only the good call reached the kernel
+    assert not status.devices[0].retired
+    assert report.served == 1 and sum(report.fallbacks.values()) == 1
+
+
+@pytest.mark.parametrize("scale", [
+    pytest.param(float("nan"), id="nan"),
+    pytest.param(float("inf"), id="inf"),
+    pytest.param(0.0, id="zero"),
+    pytest.param(-0.125, id="negative"),
+    pytest.param(torch.tensor(0.125), id="tensor"),
+])
+def test_scales_torch_takes_but_the_kernel_cannot_go_to_torch(scale):
+    args = qkv()
+    with wrapped() as (_, fake):
+        with sage_qual.sage_attention_scope() as report:
+            got = outcome(F.scaled_dot_product_attention, args, {"scale": scale})
+        status = sage_qual.install_status()
+    (result, error), (expected, _) = got, outcome(TORCH_SDPA, args, {"scale": scale})
+    assert error is None and torch.equal(result.nan_to_num(), expected.nan_to_num())
+    assert fake.calls == [] and not status.devices[0].retired
+    assert dict(report.fallbacks) == {"arguments": 1}
+
+
+@pytest.mark.parametrize("scale", [
+    pytest.param(0.125, id="float"),
+    pytest.param(1, id="int"),
+    pytest.param(np.float32(0.125), id="numpy_float32"),
+])
+def test_real_scales_are_served_as_python_floats(scale):
+    with wrapped() as (_, fake):
+        with sage_qual.sage_attention_scope() as report:
+            F.scaled_dot_product_attention(*qkv(), scale=scale)
+    assert report.served == 1
+    [call] = fake.calls
+    assert type(call.keywords["sm_scale"]) is float and call.keywords["sm_scale"] == float(scale)
 
 
 # The break-even thresholds, at their exact boundary --------------------------------------------------

@@ -291,3 +291,18 @@ def test_importing_sage_qual_imports_neither_sageattention_nor_triton():
             "assert not bad, bad")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_measure_imported_after_install_times_torch_own_sdpa(monkeypatch):
+    """The qualification suite's SDPA is torch's own, whatever was bound over it before its import."""
+    import importlib
+
+    import sage_qual.qualification
+
+    monkeypatch.setattr(sage_qual.qualification, "measure", sage_qual.qualification.measure, raising=False)
+    with fake_box():
+        assert sage_qual.install().enabled
+        assert F.scaled_dot_product_attention is not TORCH_SDPA
+        monkeypatch.delitem(sys.modules, "sage_qual.qualification.measure")
+        measure = importlib.import_module("sage_qual.qualification.measure")
+    assert measure.TORCH_SDPA is TORCH_SDPA

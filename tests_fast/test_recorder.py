@@ -161,3 +161,40 @@ def test_recording_does_not_change_the_model_output(tmp_path, model, x):
     with record_sdpa(tmp_path, family="test", select=[0, 1, 2]) as rec:
         got = model(x)
     assert torch.equal(got, expected) and len(rec.paths) == 3
+
+
+# Recording and the wrapper, bound over each other --------------------------------------------------
+
+@pytest.fixture
+def wrapper_box():
+    """A fake GPU and fake sageattention under which install() succeeds."""
+    from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
+
+    with FakeCuda([FakeGpu((9, 0))]), FakeSageAttention().installed():
+        yield
+
+
+def test_uninstall_while_recording_gives_torch_its_function_back(tmp_path, model, x, wrapper_box):
+    import sage_qual
+
+    torch_own = F.scaled_dot_product_attention
+    assert sage_qual.install().enabled
+    with record_sdpa(tmp_path, family="test", select=lambda q, k, v: True) as recording:
+        model(x)
+        sage_qual.uninstall()
+        model(x)  # still recorded: the recorder now calls torch directly
+    assert F.scaled_dot_product_attention is torch_own
+    assert recording.calls == 6 and len(recording.paths) == 6
+
+
+def test_recording_that_ends_under_the_wrapper_is_taken_out_of_the_chain(tmp_path, model, x, wrapper_box):
+    import sage_qual
+
+    torch_own = F.scaled_dot_product_attention
+    with record_sdpa(tmp_path, family="test", select=lambda q, k, v: True) as recording:
+        assert sage_qual.install().enabled
+        model(x)
+    model(x)  # through the wrapper to torch; the ended recording sees nothing
+    assert recording.calls == 3
+    sage_qual.uninstall()
+    assert F.scaled_dot_product_attention is torch_own

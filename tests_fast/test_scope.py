@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import sage_qual
 from sage_qual.serving.scope import active
-from sage_qual.testing import FakeSageAttention, on_device
+from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention, on_device
 
 from .helpers import TORCH_SDPA, qkv, rand, records, wrapped
 
@@ -170,6 +170,69 @@ def test_a_scope_without_install_leaves_calls_to_torch():
         out = F.scaled_dot_product_attention(q, k, v)
     assert torch.equal(out, TORCH_SDPA(q, k, v))
     assert report.calls == 0
+
+
+
+def test_a_scope_whose_install_was_refused_says_so_instead_of_counting_zero_calls():
+    with FakeCuda([FakeGpu((7, 5), "T4")]), FakeSageAttention().installed():
+        status = sage_qual.install()
+        assert not status.enabled
+        with sage_qual.sage_attention_scope() as report:
+            for _ in range(3):
+                F.scaled_dot_product_attention(*qkv())
+    assert report.not_installed == status.reason
+    assert report.summary() == ("attention calls not counted: SageAttention is not installed "
+                                f"({status.reason}); every call runs on PyTorch SDPA")
+
+
+def test_a_scope_that_began_while_installed_counts_its_calls():
+    with wrapped():
+        with sage_qual.sage_attention_scope() as report:
+            F.scaled_dot_product_attention(*qkv())
+    assert report.not_installed == ""
+    assert report.summary().startswith("1 attention calls, 1 on SageAttention")
+
+
+# Out of memory and nested scopes ----------------------------------------------------------------------
+
+OOM = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+def test_a_scope_nested_after_out_of_memory_stays_on_torch_and_hands_it_back():
+    with wrapped() as (_, fake):
+        fake.raise_error(OOM, times=1)
+        with sage_qual.sage_attention_scope() as outer:
+            F.scaled_dot_product_attention(*qkv())  # out of memory: the rest of the scope on torch
+            with sage_qual.sage_attention_scope() as inner:
+                assert inner.out_of_memory
+                q, k, v = qkv()
+                assert torch.equal(F.scaled_dot_product_attention(q, k, v), TORCH_SDPA(q, k, v))
+            F.scaled_dot_product_attention(*qkv())
+        with sage_qual.sage_attention_scope() as later:  # a new top-level scope serves again
+            F.scaled_dot_product_attention(*qkv())
+    assert (inner.calls, inner.served, dict(inner.fallbacks)) == (1, 0, {"memory": 1})
+    assert (outer.calls, outer.served, dict(outer.fallbacks)) == (3, 0, {"memory": 3})
+    assert outer.out_of_memory and not later.out_of_memory
+    assert (later.calls, later.served) == (1, 1)
+    assert len(fake.calls) == 2  # the call that ran out of memory, and the later scope's
+
+
+def test_out_of_memory_in_an_inner_scope_reaches_the_outer_one():
+    with wrapped() as (_, fake):
+        with sage_qual.sage_attention_scope() as outer:
+            F.scaled_dot_product_attention(*qkv())
+            with sage_qual.sage_attention_scope() as inner:
+                fake.raise_error(OOM, times=1)
+                F.scaled_dot_product_attention(*qkv())
+                F.scaled_dot_product_attention(*qkv())
+            F.scaled_dot_product_attention(*qkv())
+            with sage_qual.sage_attention_scope() as sibling:
+                F.scaled_dot_product_attention(*qkv())
+    assert inner.out_of_memory and outer.out_of_memory and sibling.out_of_memory
+    assert dict(inner.fallbacks) == {"memory": 2}
+    assert (outer.calls, outer.served, dict(outer.fallbacks)) == (5, 1, {"memory": 4})
+    assert sibling.served == 0
+    assert not sage_qual.install_status().devices[0].retired
 
 
 # Threads ----------------------------------------------------------------------------------------------

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import sage_qual
-from sage_qual.serving import sage_package
+from sage_qual.serving import platform, sage_package
+from sage_qual.serving.assess import GpuAssessment, assess, box_facts
 from sage_qual.serving.config import WrapperConfig
 from sage_qual.serving.variants import VARIANTS, BoxFacts
 
@@ -33,23 +34,30 @@ def sage():
         pytest.skip(f"sageattention unusable: {why}")
 
 
+def assess_device(sage: sage_package.SagePackage, index: int = 0) -> GpuAssessment:
+    """What cuda:`index` can run: the one `assess()` that install(), `sage-qual env` and certify use."""
+    return assess(index, box_facts(platform.current(), index, sage), sage)
+
+
 @pytest.fixture(scope="session")
-def box(sage) -> BoxFacts:
-    capability = torch.cuda.get_device_capability(0)
-    cuda = tuple(int(x) for x in torch.version.cuda.split(".")[:2])
-    return BoxFacts(capability, cuda, sage.extensions, sage_package.has_triton())
+def gpu0(sage) -> GpuAssessment:
+    return assess_device(sage, 0)
+
+
+@pytest.fixture(scope="session")
+def box(gpu0) -> BoxFacts:
+    return gpu0.box
 
 
 @pytest.fixture
-def runnable(box):
+def runnable(gpu0):
     """Look up a variant by name; skip with its reasons when this box cannot run it."""
 
     def get(name):
-        variant = VARIANTS[name]
-        reasons = variant.not_supported_reasons(box)
+        reasons = gpu0.reasons[name]
         if reasons:
             pytest.skip(f"{name} cannot run here: {'; '.join(reasons)}")
-        return variant
+        return VARIANTS[name]
 
     return get
 

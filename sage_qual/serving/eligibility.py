@@ -6,6 +6,8 @@ device. Device state (retired, no kernel) and scope state (out of memory) are th
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any, NamedTuple
 
 import torch
@@ -14,7 +16,7 @@ from sage_qual.serving.config import WrapperConfig
 
 # Every reason a call in a scope can fall back to PyTorch, in the order they are tested.
 REASONS = (
-    "arguments",  # positional/keyword arguments torch's SDPA does not have
+    "arguments",  # arguments torch's SDPA does not have or refuses, or a scale the kernel cannot use
     "mask",
     "dropout",
     "causal",
@@ -45,7 +47,7 @@ class SdpaCall(NamedTuple):  # a NamedTuple: built on every call in a scope, and
 
     @property
     def sm_scale(self) -> float:
-        return self.scale if self.scale is not None else self.query.shape[-1] ** -0.5
+        return float(self.scale) if self.scale is not None else self.query.shape[-1] ** -0.5
 
 
 _DEFAULTS = SdpaCall(None, None, None)[3:]
@@ -66,7 +68,31 @@ def bind(args: tuple, kwargs: dict) -> tuple[SdpaCall | None, str | None]:
         return None, str(error).replace("_bind()", "scaled_dot_product_attention()")
     if unknown:
         return None, f"unknown keywords {', '.join(sorted(unknown))}"
-    return call, None
+    return call, _refused_types(call)
+
+
+def _refused_types(call: SdpaCall) -> str | None:
+    """What torch's argument parser would refuse, or a scale the kernel cannot use; None if neither.
+
+    Torch takes exactly a bool for the flags (not 0, None or a numpy bool) and a real number for
+    dropout_p and scale (a 0-dim tensor too, which the kernel cannot take). A falsy value that
+    torch refuses (dropout_p=None, is_causal=0) must not pass the rules as "off": the call goes
+    to torch, which raises its own error, and never reaches the kernel.
+    """
+    _, _, _, attn_mask, dropout_p, is_causal, scale, enable_gqa = call
+    if attn_mask is not None and not isinstance(attn_mask, torch.Tensor):
+        return f"attn_mask is a {type(attn_mask).__name__} (torch takes a tensor or None)"
+    for name, flag in (("is_causal", is_causal), ("enable_gqa", enable_gqa)):
+        if flag.__class__ is not bool:
+            return f"{name}={flag!r} (torch takes a bool)"
+    if not isinstance(dropout_p, numbers.Real):
+        return f"dropout_p={dropout_p!r} (torch takes a float)"
+    if scale is not None:
+        if not isinstance(scale, numbers.Real):
+            return f"scale={scale!r} (the kernel takes a float)"
+        if not (math.isfinite(scale) and scale > 0):
+            return f"scale={scale!r} (the kernel needs a finite scale > 0)"
+    return None
 
 
 FP16_TYPES = (torch.float16, torch.bfloat16)

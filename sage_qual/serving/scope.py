@@ -20,6 +20,7 @@ class ScopeReport:
     fallbacks: collections.Counter = field(default_factory=collections.Counter)
     details: dict[str, str] = field(default_factory=dict)  # per reason, its first call's detail
     out_of_memory: bool = False  # once set, the rest of the scope runs on PyTorch
+    not_installed: str = ""  # why install() left torch's function in place when the scope began
 
     def fell_back(self, reason: str, template: str = "", values: tuple = ()) -> None:
         """Count a fallback; its detail (`template % values`) is formatted for a reason's first call."""
@@ -29,6 +30,9 @@ class ScopeReport:
             self.details[reason] = template % values
 
     def summary(self) -> str:
+        if self.not_installed and not self.calls:
+            return (f"attention calls not counted: SageAttention is not installed ({self.not_installed}); "
+                    "every call runs on PyTorch SDPA")
         reasons = ", ".join(f"{reason}={count} [{self.details.get(reason, '')}]"
                             for reason, count in self.fallbacks.most_common())
         return (f"{self.calls} attention calls, {self.served} on SageAttention; "
@@ -36,6 +40,17 @@ class ScopeReport:
 
 
 _active: contextvars.ContextVar[ScopeReport | None] = contextvars.ContextVar("sage_qual_scope", default=None)
+
+
+def _not_installed() -> str:
+    """Why no SDPA call reaches the wrapper ("" when it is installed); the wrapper replaces this."""
+    return "install() has not been called"
+
+
+def report_installs_with(check) -> None:
+    """Set the function a new scope asks why the wrapper is not installed (called by the wrapper)."""
+    global _not_installed
+    _not_installed = check
 
 
 def active() -> ScopeReport | None:
@@ -50,7 +65,8 @@ def sage_attention_scope():
     also when its block raises. Other threads are not affected.
     """
     outer = _active.get()
-    report = ScopeReport(out_of_memory=outer.out_of_memory if outer else False)
+    report = ScopeReport(out_of_memory=outer.out_of_memory if outer else False,
+                         not_installed=_not_installed())
     token = _active.set(report)
     try:
         yield report

@@ -14,12 +14,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sage_qual.serving import platform, sage_package
+from sage_qual.serving import platform, sage_package, scope, torch_sdpa
+from sage_qual.serving.assess import assess, box_facts
 from sage_qual.serving.config import DEFAULT_CONFIG, WrapperConfig
 from sage_qual.serving.eligibility import SdpaCall, bind, refusal
 from sage_qual.serving.failures import Failure, classify
 from sage_qual.serving.scope import ScopeReport, _active
-from sage_qual.serving.variants import BoxFacts, Variant
+from sage_qual.serving.variants import Variant
 
 log = logging.getLogger("sage_qual")
 
@@ -64,6 +65,8 @@ class _Installed:
         self.kernels = {i: functools.partial(package.kernel(d.variant), **d.variant.fixed_keywords())
                         for i, d in devices.items() if d.variant}
         self.lock = threading.Lock()
+        self.function = None  # the function bound over torch's (see `_make_sdpa`)
+        self.one_config = all(d.config is config for d in devices.values())
 
 
 _installed: _Installed | None = None
@@ -73,6 +76,10 @@ _install_lock = threading.Lock()  # two threads installing at once must not wrap
 
 def install_status() -> InstallStatus:
     return _status
+
+
+# A scope that begins while nothing is installed says so instead of reporting "0 attention calls".
+scope.report_installs_with(lambda: "" if _installed is not None else _status.reason)
 
 
 def install(config: WrapperConfig | None = None, profile=None, family: str | None = None) -> InstallStatus:
@@ -110,7 +117,8 @@ def _install(config: WrapperConfig | None, profile=None, family: str | None = No
         return _status
     _installed = _Installed(torch.nn.functional.scaled_dot_product_attention, package,
                             config or DEFAULT_CONFIG, devices)
-    torch.nn.functional.scaled_dot_product_attention = _make_sdpa(_installed)
+    _installed.function = _make_sdpa(_installed)
+    torch_sdpa.bind(_installed.function, _installed.original)
     _status = InstallStatus(True, "", package.version, tuple(devices.values()))
     served = ", ".join(f"{d.label} -> {d.variant.name}" for d in devices.values() if d.variant)
     unserved = "; ".join(f"{d.label}: {d.no_kernel_reason}" for d in devices.values() if not d.variant)
@@ -120,11 +128,13 @@ def _install(config: WrapperConfig | None, profile=None, family: str | None = No
 
 
 def uninstall() -> None:
-    """Give torch back its own function (a no-op when not installed)."""
+    """Give torch back its own function (a no-op when not installed). When something bound its own
+    function over the wrapper since (the fixture recorder), that one now calls what the wrapper
+    called, and torch's name gets torch's function back when it is removed."""
     global _installed, _status
     with _install_lock:
         if _installed is not None:
-            torch.nn.functional.scaled_dot_product_attention = _installed.original
+            torch_sdpa.unbind(_installed.function)
             _installed = None
         _status = InstallStatus(False, "uninstall() was called")
 
@@ -145,19 +155,14 @@ def _probe(config: WrapperConfig, per_device=None) -> tuple[dict[int, DeviceStat
         raise sage_package.SageUnavailable(f"no GPU of compute capability 8.0 or newer ({found}); "
                                            "SageAttention 2 needs Ampere or newer")
     package = sage_package.load()
-    triton = sage_package.has_triton()
     devices = {}
     for index, capability in capabilities.items():
-        box = BoxFacts(capability, cuda.torch_cuda(), package.extensions, triton)
         own = per_device[index] if per_device else None
         device_config = own.config if own else config
-        variant, reason = device_config.kernel_for(box)
+        gpu = assess(index, box_facts(cuda, index, package), package, device_config)
+        variant, reason = gpu.kernel, gpu.no_kernel_reason
         if own and not variant and device_config.kernel_table.get(capability) == ():
             reason = own.note  # the profile certifies no variant here: say why
-        if variant is not None:
-            problem = sage_package.kernel_problem(package, variant)
-            if problem:
-                raise sage_package.SageUnavailable(problem)
         devices[index] = DeviceState(index, cuda.device_name(index), capability, variant, reason,
                                      config=device_config, profile_note=own.note if own else "")
     if not any(d.variant for d in devices.values()):
@@ -188,10 +193,15 @@ def _serve(state: _Installed, report: ScopeReport, args: tuple, kwargs: dict):
         report.fell_back("arguments", "%s", (bad_arguments,))
         return original(*args, **kwargs)
     cuda = platform.current()
-    target = state.devices.get(cuda.tensor_device(call.query))
-    refused = refusal(call, target.config if target else state.config, cuda)
+    if state.one_config:  # every GPU has the same rules: the query's GPU is read only if they pass
+        index = device = None
+        refused = refusal(call, state.config, cuda)
+    else:  # a profile gave GPUs their own rules: read the query's GPU once, for both checks
+        index = cuda.tensor_device(call.query) if isinstance(call.query, torch.Tensor) else None
+        device = state.devices.get(index)
+        refused = refusal(call, state.config if device is None else device.config, cuda)
     if refused is None:
-        device = _device_refusal(state, call, cuda)
+        device = _device_refusal(state, call, cuda, index, device)
         refused = ("device", "%s", (device,)) if isinstance(device, str) else None
     if refused is None and report.out_of_memory:
         refused = ("memory", "this scope ran out of memory", ())
@@ -233,11 +243,15 @@ def _serve(state: _Installed, report: ScopeReport, args: tuple, kwargs: dict):
     return out
 
 
-def _device_refusal(state: _Installed, call: SdpaCall, cuda) -> DeviceState | str:
-    index = cuda.tensor_device(call.query)
+def _device_refusal(state: _Installed, call: SdpaCall, cuda, index: int | None,
+                    device: DeviceState | None) -> DeviceState | str:
+    """The query's device when the call may run there, else why not (`index` and `device`: the
+    query's GPU and its state when the caller read them already)."""
+    if device is None:
+        index = cuda.tensor_device(call.query)
+        device = state.devices.get(index)
     if index is None or cuda.tensor_device(call.key) != index or cuda.tensor_device(call.value) != index:
         return "tensors not all on one CUDA device"
-    device = state.devices.get(index)
     if device is None or device.variant is None:
         return "no SageAttention kernel for this GPU"
     if device.retired:
