@@ -50,7 +50,7 @@ def test_a_target_is_certified_per_family_in_workers(tmp_path, fake_gpus, capsys
     assert {c.outcome.value for c in cells.values()} == {"pass"}
     assert cells["flux"].accuracy_class.value == "fp8"
     printed = capsys.readouterr().out
-    assert "Fake H200 sm_90  FLUX.1       safe" in printed
+    assert "Fake H200 (sm_90)  FLUX.1       safe: every fixture of the family passed" in printed
     assert "Target: `wrapper:sm90-fp8-cuda`" in (out / "report.md").read_text()
 
 
@@ -73,10 +73,11 @@ def test_a_failing_fixture_keeps_its_family_unsafe_and_no_other(tmp_path, fake_g
     data = target_certify.run(target_certify.Options(
         tmp_path / "out", "wrapper:sm90-fp8-cuda", fixture_dirs=[str(directory)],
         families=["FLUX.1", "Qwen-Image"]))
-    lines = target_certify.summary(data).splitlines()
-    assert any("FLUX.1" in line and line.endswith("safe") for line in lines), lines
+    lines = target_certify.summary(data, tmp_path / "out").splitlines()
+    assert any("FLUX.1" in line and line.endswith("safe: every fixture of the family passed")
+               for line in lines), lines
     qwen = next(line for line in lines if "Qwen-Image" in line)
-    assert "NOT SAFE: qwen: relative L2" in qwen
+    assert "NOT SAFE: wrapper:sm90-fp8-cuda on qwen (cuda:0): relative L2" in qwen
 
 
 @pytest.mark.parametrize("args, message", [
@@ -100,7 +101,8 @@ def test_emulate_predicts_each_variant_and_gate_refuses_the_report(tmp_path, cap
     cells = data.devices[0].cells
     assert len(cells) == 4 and all(c.extra_bytes_per_element is None for c in cells)
     printed = capsys.readouterr().out
-    assert "sm90-fp8-cuda would fail Qwen-Image: qwen: relative L2" in printed
+    assert "would fail Qwen-Image: sm90-fp8-cuda on qwen (cuda:0): relative L2" in printed
+    assert "would fail Qwen-Image: sm80-fp16-cuda on qwen (cuda:0): relative L2" in printed
     assert "would fail FLUX.1" not in printed
     assert (out / "report.md").read_text().startswith("# PREDICTED SageAttention certification")
     assert main(["gate", "--family", "FLUX.1", "--report", str(out / "report.json")]) == 2

@@ -22,8 +22,8 @@ import torch
 
 from sage_qual.errors import UsageError
 from sage_qual.fixtures import fileformat, numerics
-from sage_qual.qualification import certify, judge, measure, report
-from sage_qual.qualification import families as families_mod
+from sage_qual.qualification import certify, judge, measure, report, verdict
+from sage_qual.qualification.report_model import ReasonKind
 from sage_qual.serving import environment
 from sage_qual.serving.variants import VARIANTS, Variant
 
@@ -111,20 +111,15 @@ def _finish(data: dict) -> None:
 
 
 def family_matrix(data: dict) -> dict[str, dict[str, list[str]]]:
-    """Per family, per variant: the fixtures (with reasons) the variant would fail; [] = would pass.
-    A family's fixtures are its own and the generic ones."""
-    cells = {(c["variant"], c["fixture"]): c for c in data["devices"][0]["cells"]}
+    """Per family with fixtures in the run, per variant: why it would fail (from `verdict.decide()`,
+    the verdict gate and report.md give; [] = would pass every fixture of the family)."""
     matrix: dict[str, dict[str, list[str]]] = {}
-    for family_name in data["options"]["families"]:
-        family = families_mod.find(family_name)
-        owned = [f["name"] for f in data["fixtures"]
-                 if family.owns(f["family"]) or families_mod.normalize(f["family"]) == "generic"]
-        if not owned:
-            continue
-        matrix[family.name] = {
-            variant: [f"{fixture}: " + "; ".join(r["detail"] for r in cells[(variant, fixture)]["reasons"])
-                      for fixture in owned if cells[(variant, fixture)]["outcome"] != "pass"]
-            for variant in data["options"]["variants"]}
+    for gpu in verdict.decide(report.parse(data, "predicted report")):
+        for family in gpu.families:
+            if all(r.kind == ReasonKind.NO_FIXTURES for r in family.reasons) and family.reasons:
+                continue
+            matrix[family.label] = {v: [r.detail for r in family.rejected.get(v, [])]
+                                    for v in data["options"]["variants"]}
     return matrix
 
 
@@ -142,8 +137,7 @@ def summary(data: dict) -> str:
         row = " ".join(("FAIL" if matrix[f][variant] else "pass").ljust(10) for f in matrix)
         lines.append(variant.ljust(width) + native[:15].ljust(16) + row)
     for family, row in matrix.items():
-        for variant, reasons in row.items():
-            lines += [f"  {variant} would fail {family}: {reason}" for reason in reasons]
+        lines += [f"  would fail {family}: {reason}" for reasons in row.values() for reason in reasons]
     skipped = sorted(set(data["options"]["families"]) - set(matrix))
     if skipped:
         lines.append(f"  no fixtures, not predicted: {', '.join(skipped)}")

@@ -27,8 +27,8 @@ from pathlib import Path
 
 from sage_qual import limits
 from sage_qual.errors import UsageError
-from sage_qual.qualification import certify, pool, report, targets
-from sage_qual.qualification import families as families_mod
+from sage_qual.qualification import certify, pool, report, targets, verdict
+from sage_qual.qualification.report_model import ReasonKind
 
 
 @dataclasses.dataclass
@@ -103,7 +103,7 @@ def _run(options: Options, target: targets.Target, chosen: list, fixtures: list,
         thread.join()
     writer.update(_finish)
     report.render(data, out)
-    print(summary(data), end="")
+    print(summary(data, out), end="")
     return data
 
 
@@ -152,32 +152,22 @@ def _finish(data: dict) -> None:
     data["finished"] = _now()
 
 
-def summary(data: dict) -> str:
-    """Per GPU and family: safe (every fixture of the family passed) or not, with the reasons."""
-    lines = [f"sage-qual certify --target {data['target']}: report in report.md next to report.json"]
-    for device in data["devices"]:
-        cells = {c["fixture"]: c for c in device["cells"]}
-        for family_name in data["options"]["families"]:
-            family = families_mod.find(family_name)
-            owned = [f["name"] for f in data["fixtures"]
-                     if family.owns(f["family"]) or families_mod.normalize(f["family"]) == "generic"]
-            if not owned:
-                state = "not qualified: no fixtures of this family"
+def summary(data: dict, out: Path) -> str:
+    """Per GPU and family, from `verdict.decide()` (the verdict gate and report.md give): safe when
+    the integration passed every fixture of the family, else NOT SAFE with every reason."""
+    name = data["target"]
+    lines = [f"sage-qual certify --target {name}: report in {out / 'report.md'}"]
+    for gpu in verdict.decide(report.parse(data, str(out / "report.json"))):
+        for family in gpu.families:
+            if name in family.certified:
+                state = "safe: every fixture of the family passed"
+            elif all(r.kind == ReasonKind.NO_FIXTURES for r in family.reasons):
+                state = "not qualified: " + "; ".join(r.detail for r in family.reasons)
             else:
-                bad = [(name, cells.get(name)) for name in owned
-                       if cells.get(name) is None or cells[name]["outcome"] != "pass"]
-                state = "safe" if not bad else "NOT SAFE: " + "; ".join(_why(n, c) for n, c in bad)
-            lines.append("  cuda:%d %s sm_%d%d  %-12s %s" % (device["index"], device["name"],
-                                                          *device["capability"], family.name, state))
+                reasons = family.rejected.get(name) or family.reasons
+                state = "NOT SAFE: " + "; ".join(r.detail for r in reasons)
+            lines.append("  %s  %-12s %s" % (gpu.model, family.label, state))
     return "\n".join(lines) + "\n"
-
-
-def _why(fixture: str, cell: dict | None) -> str:
-    if cell is None:
-        return f"{fixture}: not run"
-    if cell["outcome"] == "fail":
-        return f"{fixture}: " + ", ".join(r["detail"] for r in cell["reasons"])
-    return f"{fixture}: {cell['outcome']} ({cell.get('detail', '')})"
 
 
 def _now() -> str:
