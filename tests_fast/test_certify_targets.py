@@ -52,6 +52,9 @@ def test_a_target_is_certified_per_family_in_workers(tmp_path, fake_gpus, capsys
     printed = capsys.readouterr().out
     assert "Fake H200 (sm_90)  FLUX.1       safe: every fixture of the family passed" in printed
     assert "Target: `wrapper:sm90-fp8-cuda`" in (out / "report.md").read_text()
+    assert main(["merge", str(out / "report.json")]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert "| target |" in table[0] and "| wrapper:sm90-fp8-cuda |" in table[2]
 
 
 def test_a_target_that_cannot_run_on_the_gpu_gets_skips_with_the_reason(tmp_path, fake_gpus, capsys):

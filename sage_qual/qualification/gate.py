@@ -141,7 +141,7 @@ def merge_rows(reports: list[tuple[Path, Report]]) -> list[dict]:
     for path, data in reports:
         env = data.environment
         common = {"host": data.host, "report": str(path), "complete": data.complete,
-                  "predicted": data.predicted,
+                  "predicted": data.predicted, "target": data.target,
                   "driver": env.driver, "torch": env.torch, "sageattention": env.sageattention}
         if not data.complete:
             for device in data.devices:
@@ -161,11 +161,14 @@ def merge_rows(reports: list[tuple[Path, Report]]) -> list[dict]:
 
 def merge_markdown(rows: list[dict]) -> str:
     names = [f.name for f in FAMILIES if any(f.name in row["families"] for row in rows)]
-    header = ["host", "GPU", "sm", "GPUs", "driver", "torch", "sageattention"] + names
+    targets = any(row["target"] for row in rows)  # certify --target reports: which integration
+    header = ["host", "GPU", "sm", "GPUs", "driver", "torch", "sageattention"] + ["target"] * targets + names
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         cells = [row["host"], row["gpu"], "%d%d" % tuple(row["capability"]), str(len(row["devices"])),
                  row["driver"] or "-", row["torch"], row["sageattention"] or "-"]
+        if targets:
+            cells.append(row["target"] or "(variants)")
         for name in names:
             verdict = row["families"].get(name)
             if not row["complete"]:
