@@ -209,7 +209,8 @@ def test_keyboard_interrupt_is_not_swallowed():
                          + [pytest.param(lambda: ValueError("bad"), id="broken")])
 def test_torch_runs_after_the_kernels_buffers_are_released(monkeypatch, make):
     """A failed kernel's frames (its quantized copies) must be gone before torch's fallback runs:
-    on the H200 an out-of-memory fallback run inside the except block ran out of memory too."""
+    an out-of-memory fallback inside the except block runs out of memory too (H200,
+    docs/results/README.md, "Out-of-memory fallback")."""
     buffers = []
 
     class KernelBuffer:  # stands for the int8/fp8 copies the kernel allocated before failing

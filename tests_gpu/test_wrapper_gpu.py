@@ -19,7 +19,8 @@ from .conftest import VARIANT_NAMES
 pytestmark = [pytest.mark.slow, pytest.mark.gpu]
 
 MiB = 2**20
-# [B, Hq, Hkv, Nq, Nk, D], dtype; sources: seeds/001 and the families' public configs.
+# [B, Hq, Hkv, Nq, Nk, D], dtype: the shapes SageAttention's accuracy tests used (InvokeAI PR #9657)
+# and the families' own (sage_qual/qualification/families.py).
 SHAPES = {
     "flux1-1024": ((1, 24, 24, 4608, 4608, 128), torch.bfloat16),
     "sdxl-1024-level1": ((2, 10, 10, 4096, 4096, 64), torch.float16),
@@ -126,7 +127,7 @@ def test_memory_of_first_and_later_calls(variant_name, shape_name, runnable, wra
 
 
 def test_native_kernel_passes_first_call_check_on_flux(box, caplog):
-    """Issue 2 acceptance: the default table serves a FLUX.1 call on this GPU and logs the kernel."""
+    """The default table serves a FLUX.1 call on this GPU and logs the kernel."""
     sage_qual.uninstall()
     caplog.set_level("INFO", logger="sage_qual")
     status = sage_qual.install()

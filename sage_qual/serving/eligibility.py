@@ -61,7 +61,7 @@ def _bind(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, 
 def bind(args: tuple, kwargs: dict) -> tuple[SdpaCall | None, str | None]:
     """Arguments as torch's SDPA reads them, or a refusal for arguments it would not take."""
     if not kwargs and len(args) == 3:  # the common call: tuple.__new__ skips the NamedTuple's own
-        return tuple.__new__(SdpaCall, args + _DEFAULTS), None  # __new__, ~120 ns of a 2.3 us fallback
+        return tuple.__new__(SdpaCall, args + _DEFAULTS), None  # __new__ (docs/benchmarks.md)
     try:
         call, unknown = _bind(*args, **kwargs)
     except TypeError as error:
@@ -120,7 +120,7 @@ def refusal(call: SdpaCall, config: WrapperConfig, cuda) -> Refusal | None:
         return "shape", "query, key and value must be tensors", ()
     if q.is_nested or k.is_nested or v.is_nested:
         return "shape", "nested tensor", ()
-    qs, ks = q.shape, k.shape  # each .shape builds a torch.Size (~100 ns): v's waits until needed
+    qs, ks = q.shape, k.shape  # each .shape builds a torch.Size (docs/benchmarks.md): v's waits
     if not len(qs) == len(ks) == v.dim() == 4:
         return "shape", "dims=(%d, %d, %d) (supported: 4)", (len(qs), len(ks), v.dim())
     # Tested early: it is the most common fallback inside a denoising loop.
@@ -146,7 +146,7 @@ def refusal(call: SdpaCall, config: WrapperConfig, cuda) -> Refusal | None:
             return "heads", "heads=%d/%d without enable_gqa", (q_heads, kv_heads)
         if kv_heads == 0 or q_heads % kv_heads:
             return "heads", "heads=%d/%d (query heads must be a multiple)", (q_heads, kv_heads)
-    # stride()[-1]: stride(-1) parses its argument and costs twice as much (~220 vs ~110 ns).
+    # stride()[-1]: stride(-1) parses its argument and costs more (docs/benchmarks.md).
     if q.stride()[-1] != 1 or k.stride()[-1] != 1 or v.stride()[-1] != 1:
         return "layout", "last-dim stride != 1", ()
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):

@@ -228,9 +228,9 @@ def _serve(state: _Installed, report: ScopeReport, args: tuple, kwargs: dict):
             _record_failure(state, report, device, call, error)
             failed = True
     if failed:
-        # Torch runs only now, outside the except block: the exception's traceback kept the kernel's
-        # frames alive, and with them its quantized copies. On the H200 (run 3) the out-of-memory
-        # fallback ran out of memory too while those were still held.
+        # Torch runs only now, outside the except block: the exception's traceback keeps the kernel's
+        # frames alive, and with them its quantized copies; an out-of-memory fallback inside the
+        # block runs out of memory too (H200, docs/results/README.md, "Out-of-memory fallback").
         out = None
         return original(*args, **kwargs)
     device.cache_errors = 0
