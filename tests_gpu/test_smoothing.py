@@ -11,7 +11,8 @@ from .conftest import FIXTURE_PATHS, VARIANT_NAMES
 pytestmark = [pytest.mark.slow, pytest.mark.gpu]
 
 # A fixture reproduces "smoothing on breaks it" when its smoothing-on cosine is at most this; the
-# published values are 0.18 (Qwen-Image block 0) and 0.53 (Krea-2 block 0), RTX 4090 (seeds/000, 001).
+# published values are 0.18 (Qwen-Image block 0, InvokeAI PR #9657) and 0.53 (Krea-2 block 0,
+# InvokeAI PR #9662), RTX 4090.
 BROKEN_COSINE = 0.9
 
 OUTLIER_PATHS = [p for p in FIXTURE_PATHS if "outlier" in p.stem]

@@ -7,7 +7,8 @@ in each fixture, next to its provenance; the family adds the memory bound and th
 Verdicts are `sage_qual.qualification.verdict`'s.
 
 Shapes are [batch, heads, tokens, head_dim] of the model's own attention calls at the sizes the
-seeds measured (1024² and 2048² images, the video sizes of seeds/001 and seeds/004). Image token
+InvokeAI SageAttention PRs measured (1024² and 2048² images; the video sizes of InvokeAI PRs #9657
+and #9665). Image token
 counts follow from the VAE's 8x downsampling and 2x2 patches: (1024 / 16)² = 4096 image tokens;
 joint models add their text tokens. Where each number comes from is cited next to it.
 """
@@ -81,7 +82,7 @@ FAMILIES: tuple[Family, ...] = (
         ("1024² joint", self_attention(24, 4096 + 512)),
         ("2048² joint", self_attention(24, 16384 + 512)),
     )),
-    # FLUX.2 Klein 9B (the model seeds/001 measured): 32 heads x 128, Qwen3 text up to 512 tokens
+    # FLUX.2 Klein 9B (the model InvokeAI PR #9657 measured): 32 heads x 128, Qwen3 text up to 512 tokens
     # (InvokeAI invokeai/backend/flux2/util.py: Klein9B hidden_size 4096, num_attention_heads 32,
     # attention_head_dim 128; _flux2_max_seq_lengths 512). Latents: 32 channels, 2x2 patches.
     Family("FLUX.2", (
@@ -104,7 +105,7 @@ FAMILIES: tuple[Family, ...] = (
         ("2048² joint", self_attention(24, 16384 + 512)),
     )),
     # Krea-2: grouped-query attention, 48 query and 12 K/V heads x 128, 4608 tokens at 1024²
-    # (seeds/003: "the real shape ([1, 48q/12kv, 4608, 128], bf16)"; seeds/000: 1024² and 2048²).
+    # (4096 image + 512 text tokens; 1024² and 2048² as InvokeAI PR #9662 measured).
     Family("Krea-2", (
         ("1024² joint", self_attention(48, 4608, kv_heads=12)),
         ("2048² joint", self_attention(48, 16384 + 512, kv_heads=12)),
@@ -124,7 +125,7 @@ FAMILIES: tuple[Family, ...] = (
     )),
     # LTX-2 video stream: 32 heads x 128 (sglang LTX2ArchConfig: num_attention_heads 32,
     # attention_head_dim 128); VAE 32x spatial, 8x temporal, patch 1; Gemma text padded to 1024
-    # tokens (diffusers pipeline_ltx2.py). 1248x704, 121 frames (seeds/001):
+    # tokens (diffusers pipeline_ltx2.py). 1248x704, 121 frames (InvokeAI PR #9657):
     # 39 * 22 * (120 / 8 + 1) = 13728 tokens.
     Family("LTX-2", (
         ("1248x704x121 self", self_attention(32, 13728)),
@@ -132,9 +133,9 @@ FAMILIES: tuple[Family, ...] = (
     )),
     # Wan 2.2 TI2V-5B: 24 heads x 128, VAE stride (4, 16, 16), patch (1, 2, 2), text_len 512
     # (ml-explore/mlx-examples video/Wan2.2/wan/configs/wan_ti2v_5B.py and shared_config.py).
-    # 1280x704, 121 frames (seeds/001, 004): 40 * 22 * 31 = 27280 tokens; one 1280x704 image is
-    # 880 tokens (seeds/004). A14B: 40 heads x 128, VAE stride (4, 8, 8) (wan_t2v_14B.py);
-    # 832x480, 81 frames (seeds/004): 52 * 30 * 21 = 32760 tokens.
+    # 1280x704, 121 frames (InvokeAI PRs #9657, #9665): 40 * 22 * 31 = 27280 tokens; one 1280x704
+    # image is 880 tokens (InvokeAI PR #9665). A14B: 40 heads x 128, VAE stride (4, 8, 8)
+    # (wan_t2v_14B.py); 832x480, 81 frames (InvokeAI PR #9665): 52 * 30 * 21 = 32760 tokens.
     Family("Wan 2.2", (
         ("5B 1280x704x121 self", self_attention(24, 27280)),
         ("5B 1280x704x121 text cross", cross_attention(24, 27280, 512)),
