@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 import re
 import types
@@ -73,6 +74,13 @@ def _describe(tp) -> str:
     if origin in (Union, types.UnionType):
         return " or ".join(_describe(a) for a in typing.get_args(tp))
     return str(tp)
+
+
+@functools.cache
+def _fields(cls) -> tuple[tuple[dataclasses.Field, Any], ...]:
+    """Each field of the dataclass with its resolved type (resolving is slow: done once per class)."""
+    hints = typing.get_type_hints(cls)
+    return tuple((f, hints[f.name]) for f in dataclasses.fields(cls))
 
 
 class _Reader:
@@ -143,19 +151,19 @@ class _Reader:
     def record(self, cls, data, key: str):
         if not isinstance(data, dict):
             self.fail(key, f"is {_json_type_name(data)}, expected an object")
-        hints = typing.get_type_hints(cls)
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - set(fields))
+        fields = _fields(cls)
+        unknown = sorted(set(data) - {f.name for f, _ in fields})
         if unknown:
             self.fail(f"{key}.{unknown[0]}" if key else unknown[0], "unknown key")
         values = {}
-        for name, f in fields.items():
+        for f, hint in fields:
+            name = f.name
             path = f"{key}.{name}" if key else name
             if name not in data:
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                     self.fail(path, "missing")
                 continue
-            values[name] = self.value(hints[name], data[name], path)
+            values[name] = self.value(hint, data[name], path)
             self._constraints(f, values[name], path)
         built = cls(**values)
         for sub, problem in getattr(built, "check", lambda: [])():

@@ -292,3 +292,47 @@ def test_one_row_heatmap_is_not_squashed_and_avoids_red_green(tmp_path):
     # cividis has no saturated red or green: no pixel is strongly red- or green-dominant
     assert not any(r > 150 and g < 100 and b < 100 for r, g, b in pixels)
     assert not any(g > 130 and r < 100 and b < 110 for r, g, b in pixels)
+
+
+def _paths(value, prefix=()):
+    yield prefix
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _paths(item, (*prefix, key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _paths(item, (*prefix, index))
+
+
+REPLACEMENTS = [None, True, 0, -1, 1.5, float("nan"), "", "x", [], {}, [1, "a"], {"k": 1}]
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_any_damage_is_a_report_error_or_reads(tmp_path, capsys, seed):
+    """Replace or delete random keys of a sample (75 damaged copies per seed): reading, deciding
+    and merging either work or refuse with ReportError / exit 2, never anything else."""
+    import random
+
+    from sage_qual.qualification import verdict
+
+    rng = random.Random(seed)
+    original = sample()
+    paths = [p for p in _paths(original) if p]
+    for _ in range(75):
+        data = copy.deepcopy(original)
+        path = rng.choice(paths)
+        parent = data
+        for step in path[:-1]:
+            parent = parent[step]
+        if rng.random() < 0.3 and isinstance(parent, dict):
+            del parent[path[-1]]
+        else:
+            parent[path[-1]] = copy.deepcopy(rng.choice(REPLACEMENTS))
+        try:
+            verdict.decide(report.parse(data, "damaged.json"))
+        except report.ReportError as error:
+            assert "\n" not in str(error) and str(error).startswith("damaged.json: ")
+        target = tmp_path / "damaged.json"
+        target.write_text(json.dumps(data))
+        assert cli.main(["merge", str(target)]) in (0, 2)
+        capsys.readouterr()
