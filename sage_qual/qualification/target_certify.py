@@ -154,18 +154,22 @@ def _finish(data: dict) -> None:
 
 def summary(data: dict, out: Path) -> str:
     """Per GPU and family, from `verdict.decide()` (the verdict gate and report.md give): safe when
-    the integration passed every fixture of the family, else NOT SAFE with every reason."""
+    the integration passed every fixture of the family, NOT SAFE with every reason when one failed,
+    crashed or ran out of time or memory, not qualified when it has no evidence (no fixtures, or
+    calls it does not take or did not serve)."""
     name = data["target"]
     lines = [f"sage-qual certify --target {name}: report in {out / 'report.md'}"]
     for gpu in verdict.decide(report.parse(data, str(out / "report.json"))):
         for family in gpu.families:
             if name in family.certified:
                 state = "safe: every fixture of the family passed"
-            elif all(r.kind == ReasonKind.NO_FIXTURES for r in family.reasons):
-                state = "not qualified: " + "; ".join(r.detail for r in family.reasons)
             else:
                 reasons = family.rejected.get(name) or family.reasons
-                state = "NOT SAFE: " + "; ".join(r.detail for r in reasons)
+                # Skips (calls the integration does not take or did not serve) and missing fixtures
+                # are no evidence either way; anything measured or crashed is.
+                unproven = all(r.kind in (ReasonKind.NO_FIXTURES, ReasonKind.SKIP) for r in reasons)
+                verdict_word = "not qualified: " if unproven else "NOT SAFE: "
+                state = verdict_word + "; ".join(r.detail for r in reasons)
             lines.append("  %s  %-12s %s" % (gpu.model, family.label, state))
     return "\n".join(lines) + "\n"
 
