@@ -57,19 +57,10 @@ def assess(index: int, box: BoxFacts, package: sage_package.SagePackage | None,
         why = variant.not_supported_reasons(box)
         kernel_problem = None if why else sage_package.kernel_problem(package, variant)
         reasons[name] = tuple(why) if why else ((kernel_problem,) if kernel_problem else ())
-    candidates = config.kernel_table.get(box.capability)
     if package is None:
         return GpuAssessment(index, box, reasons, None, UNUSABLE_PACKAGE)
-    if not candidates:
-        known = ", ".join("sm_%d%d" % cap for cap in sorted(config.kernel_table))
-        why_none = "sm_%d%d has no SageAttention kernel (kernels for: %s)" % (*box.capability, known)
-        return GpuAssessment(index, box, reasons, None, why_none)
-    unknown = ("not a registered variant",)
-    for name in candidates:
-        if not reasons.get(name, unknown):
-            return GpuAssessment(index, box, reasons, VARIANTS[name], "")
-    why_none = " | ".join(f"{name}: {'; '.join(reasons.get(name, unknown))}" for name in candidates)
-    return GpuAssessment(index, box, reasons, None, why_none)
+    kernel, why_none = config.choose(box.capability, reasons)
+    return GpuAssessment(index, box, reasons, kernel, why_none)
 
 
 def assess_machine(config: WrapperConfig = DEFAULT_CONFIG) -> MachineAssessment:

@@ -7,7 +7,7 @@ the default numbers, and where each was measured, are in `sage_qual.limits`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from sage_qual import limits
 from sage_qual.serving.variants import BLACKWELL, VARIANTS, BoxFacts, Capability, Variant
@@ -35,19 +35,24 @@ class WrapperConfig:
     cache_error_limit: int = limits.CACHE_ERROR_LIMIT  # Triton cache failures in a row
     kernel_table: Mapping[Capability, tuple[str, ...]] = field(default_factory=lambda: dict(KERNEL_TABLE))
 
-    def kernel_for(self, box: BoxFacts) -> tuple[Variant | None, str]:
-        """The variant serving a GPU, or None with the reason it gets none."""
-        candidates = self.kernel_table.get(box.capability)
+    def choose(self, capability: Capability,
+               reasons: Mapping[str, Sequence[str]]) -> tuple[Variant | None, str]:
+        """The first variant of this capability's table without `reasons` not to run, or None with
+        why there is none (`assess` gives the reasons of a GPU and its installed package)."""
+        candidates = self.kernel_table.get(capability)
         if not candidates:
             known = ", ".join("sm_%d%d" % cap for cap in sorted(self.kernel_table))
-            return None, "sm_%d%d has no SageAttention kernel (kernels for: %s)" % (*box.capability, known)
-        reasons = []
+            return None, "sm_%d%d has no SageAttention kernel (kernels for: %s)" % (*capability, known)
+        unknown = ("not a registered variant",)
         for name in candidates:
-            why_not = VARIANTS[name].not_supported_reasons(box)
-            if not why_not:
+            if not reasons.get(name, unknown):
                 return VARIANTS[name], ""
-            reasons.append(f"{name}: {'; '.join(why_not)}")
-        return None, " | ".join(reasons)
+        return None, " | ".join(f"{name}: {'; '.join(reasons.get(name, unknown))}" for name in candidates)
+
+    def kernel_for(self, box: BoxFacts) -> tuple[Variant | None, str]:
+        """The variant serving a GPU judged by its facts alone, or None with why it gets none."""
+        reasons = {name: v.not_supported_reasons(box) for name, v in VARIANTS.items()}
+        return self.choose(box.capability, reasons)
 
 
 DEFAULT_CONFIG = WrapperConfig()
