@@ -5,15 +5,18 @@ pays (`speed.break_even`, `speed.serves`) and where each wrapper rule starts ref
 Examples are derandomized so that CI and `tox -e mutate` see the same cases on every run.
 """
 
+import collections
 import itertools
 
+import pytest
 import torch
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from sage_qual.qualification import speed
 from sage_qual.serving.config import WrapperConfig
-from sage_qual.serving.eligibility import SdpaCall, refusal
+from sage_qual.serving.eligibility import SdpaCall, bind, refusal
+from sage_qual.serving.scope import ScopeReport
 
 PROPERTY = settings(max_examples=60, deadline=None, derandomize=True, database=None)
 
@@ -171,13 +174,24 @@ def served_calls(draw):
 
 
 def reason(call, config, autocast=False):
+    """(reason, the detail a scope report shows) of a refused call, None for a served one."""
     found = refusal(call, config, NoAutocast(autocast))
-    return found and found[0]
+    return found and (found[0], found[1] % found[2])
 
 
 def dims(call):
     q, k, _ = call[:3]
     return (q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], q.dtype)
+
+
+def replaced(call, which, make):
+    """The call with `which` (query, key or value) replaced by make(batch, heads, tokens, head_dim, dtype)."""
+    b, h, kvh, nq, nk, d, dtype = dims(call)
+    heads, tokens = (h, nq) if which == "query" else (kvh, nk)
+    return call._replace(**{which: make(b, heads, tokens, d, dtype)})
+
+
+QKV = st.sampled_from(["query", "key", "value"])
 
 
 @PROPERTY
@@ -199,20 +213,28 @@ def test_one_token_below_a_threshold_is_short(case, which):
         assume(config.min_key_tokens > 1)
         shorter = tensor(b, kvh, config.min_key_tokens - 1, d, dtype)
         call = call._replace(key=shorter, value=shorter)
-    found = refusal(call, config, NoAutocast())
-    assert found[0] == "short"
-    assert found[1] % found[2] == "tokens=%d/%d (needs >= %d/%d)" % (
-        call.query.shape[2], call.key.shape[2], config.min_query_tokens, config.min_key_tokens)
+    assert reason(call, config) == ("short", "tokens=%d/%d (needs >= %d/%d)" % (
+        call.query.shape[2], call.key.shape[2], config.min_query_tokens, config.min_key_tokens))
 
 
 @PROPERTY
 @given(served_calls(), st.sampled_from([32, 48, 64, 80, 96, 128, 160, 256]))
 def test_head_dim_is_served_exactly_when_listed(case, head_dim):
     config, call = case
-    b, h, kvh, nq, nk, _, dtype = dims(call)
-    call = call._replace(query=tensor(b, h, nq, head_dim, dtype), key=tensor(b, kvh, nk, head_dim, dtype),
-                         value=tensor(b, kvh, nk, head_dim, dtype))
-    assert reason(call, config) == (None if head_dim in config.head_dims else "head_dim")
+    for which in ("query", "key", "value"):
+        call = replaced(call, which, lambda b, h, n, d, dtype: tensor(b, h, n, head_dim, dtype))
+    listed = ", ".join(map(str, config.head_dims))
+    assert reason(call, config) == (None if head_dim in config.head_dims else
+                                    ("head_dim", f"head_dim={head_dim} (supported: {listed})"))
+
+
+@PROPERTY
+@given(served_calls(), st.sampled_from(["key", "value"]), st.sampled_from([-32, 32]))
+def test_key_and_value_need_the_query_head_dim(case, which, change):
+    config, call = case
+    call = replaced(call, which, lambda b, h, n, d, dtype: tensor(b, h, n, d + change, dtype))
+    head_dims = tuple(t.shape[3] for t in call[:3])
+    assert reason(call, config) == ("head_dim", "head_dim=(%d, %d, %d) (must match)" % head_dims)
 
 
 @PROPERTY
@@ -222,76 +244,133 @@ def test_grouped_heads_need_enable_gqa_and_a_whole_multiple(case, kv_heads, enab
     b, h, _, nq, nk, d, dtype = dims(call)
     kv = tensor(b, kv_heads, nk, d, dtype)
     call = call._replace(key=kv, value=kv, enable_gqa=enable_gqa)
-    ok = h == kv_heads or (enable_gqa and h % kv_heads == 0)
-    assert reason(call, config) == (None if ok else "heads")
+    if h == kv_heads or (enable_gqa and h % kv_heads == 0):
+        assert reason(call, config) is None
+    elif not enable_gqa:
+        assert reason(call, config) == ("heads", f"heads={h}/{kv_heads} without enable_gqa")
+    else:
+        assert reason(call, config) == ("heads", f"heads={h}/{kv_heads} (query heads must be a multiple)")
 
 
 @PROPERTY
-@given(served_calls(), st.sampled_from(["query", "key", "value"]), st.integers(1, 2))
+@given(served_calls(), QKV, st.integers(1, 2))
 def test_batch_must_match_across_query_key_value(case, which, extra):
     config, call = case
-    b, h, kvh, nq, nk, d, dtype = dims(call)
-    heads, tokens = (h, nq) if which == "query" else (kvh, nk)
-    call = call._replace(**{which: tensor(b + extra, heads, tokens, d, dtype)})
-    assert reason(call, config) == "shape"
+    call = replaced(call, which, lambda b, h, n, d, dtype: tensor(b + extra, h, n, d, dtype))
+    batches = tuple(t.shape[0] for t in call[:3])
+    assert reason(call, config) == ("shape", "batch=(%d, %d, %d) (must match)" % batches)
 
 
 @PROPERTY
 @given(served_calls(), st.sampled_from(["key", "value"]), st.sampled_from([(1, 0), (0, 1), (1, 1)]))
 def test_key_and_value_must_agree_in_heads_and_length(case, which, change):
     config, call = case
-    b, h, kvh, nq, nk, d, dtype = dims(call)
-    call = call._replace(**{which: tensor(b, kvh + change[0], nk + change[1], d, dtype)})
-    assert reason(call, config) == "shape"
+    call = replaced(call, which, lambda b, h, n, d, dtype: tensor(b, h + change[0], n + change[1], d, dtype))
+    assert reason(call, config) == ("shape", "key %s and value %s differ in heads or length" % (
+        tuple(call.key.shape), tuple(call.value.shape)))
 
 
 @PROPERTY
-@given(served_calls(), st.sampled_from(["query", "key", "value"]),
-       st.sampled_from([torch.float32, torch.float64, torch.float16, torch.bfloat16]))
+@given(served_calls(), QKV, st.sampled_from([torch.float32, torch.float64, torch.float16, torch.bfloat16]))
 def test_all_three_must_share_one_half_precision_dtype(case, which, dtype):
     config, call = case
-    b, h, kvh, nq, nk, d, own = dims(call)
-    heads, tokens = (h, nq) if which == "query" else (kvh, nk)
-    call = call._replace(**{which: tensor(b, heads, tokens, d, dtype)})
-    assert reason(call, config) == (None if dtype == own else "dtype")
+    own = call.query.dtype
+    call = replaced(call, which, lambda b, h, n, d, _: tensor(b, h, n, d, dtype))
+    dtypes = tuple(t.dtype for t in call[:3])
+    assert reason(call, config) == (None if dtype == own else (
+        "dtype", "dtype=(%s, %s, %s) (supported: one of float16, bfloat16)" % dtypes))
 
 
 @PROPERTY
-@given(served_calls(), st.sampled_from(["query", "key", "value"]), st.sampled_from([2, 3]))
+@given(served_calls(), QKV, st.sampled_from([2, 3]))
 def test_a_strided_last_dimension_is_layout(case, which, stride):
     config, call = case
-    b, h, kvh, nq, nk, d, dtype = dims(call)
-    heads, tokens = (h, nq) if which == "query" else (kvh, nk)
-    call = call._replace(**{which: tensor(b, heads, tokens, d, dtype, stride_last=stride)})
-    assert reason(call, config) == "layout"
+    call = replaced(call, which, lambda b, h, n, d, dtype: tensor(b, h, n, d, dtype, stride_last=stride))
+    assert reason(call, config) == ("layout", "last-dim stride != 1")
 
 
 @PROPERTY
 @given(served_calls(), st.sampled_from([1e-9, 0.1, 1.0]))
 def test_any_dropout_or_causal_or_mask_or_autocast_is_refused(case, dropout):
     config, call = case
-    assert reason(call._replace(dropout_p=dropout), config) == "dropout"
+    assert reason(call._replace(dropout_p=dropout), config) == ("dropout", f"dropout_p={dropout}")
     assert reason(call._replace(dropout_p=0.0), config) is None
-    assert reason(call._replace(is_causal=True), config) == "causal"
-    assert reason(call._replace(attn_mask=call.query), config) == "mask"
-    assert reason(call, config, autocast=True) == "autocast"
+    assert reason(call._replace(is_causal=True), config) == ("causal", "is_causal=True")
+    assert reason(call._replace(attn_mask=call.query), config) == ("mask", "attn_mask given")
+    assert reason(call, config, autocast=True) == ("autocast", "CUDA autocast is on")
 
 
 @PROPERTY
-@given(served_calls(), st.sampled_from(["query", "key", "value"]), st.sampled_from([3, 5]))
+@given(served_calls(), QKV, st.sampled_from([3, 5]))
 def test_anything_but_four_dimensions_is_shape(case, which, rank):
     config, call = case
     original = getattr(call, which)
     reshaped = original.reshape(original.shape[0] * original.shape[1], *original.shape[2:]) if rank == 3 \
         else original[None]
-    assert reason(call._replace(**{which: reshaped}), config) == "shape"
+    call = call._replace(**{which: reshaped})
+    ranks = tuple(t.dim() for t in call[:3])
+    assert reason(call, config) == ("shape", "dims=(%d, %d, %d) (supported: 4)" % ranks)
 
 
 @PROPERTY
-@given(served_calls(), st.sampled_from(["query", "key", "value"]))
+@given(served_calls(), QKV, st.sampled_from([None, 1.0, "tensor", [[1.0]]]))
+def test_any_of_query_key_value_not_a_tensor_is_shape(case, which, other):
+    config, call = case
+    call = call._replace(**{which: other})
+    assert reason(call, config) == ("shape", "query, key and value must be tensors")
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+@pytest.mark.parametrize("which", ["query", "key", "value"])
+def test_any_nested_input_is_shape(which):
+    flat = SdpaCall(*(torch.zeros(1, 2, 64, 64, dtype=torch.float16) for _ in range(3)))
+    nested = torch.nested.nested_tensor([torch.zeros(2, 64, 64), torch.zeros(2, 32, 64)],
+                                        dtype=torch.float16)
+    call = flat._replace(**{which: nested})
+    assert reason(call, WrapperConfig(min_query_tokens=1, min_key_tokens=1)) == ("shape", "nested tensor")
+
+
+@PROPERTY
+@given(served_calls(), QKV)
 def test_an_input_requiring_grad_is_refused_only_while_grad_is_enabled(case, which):
     config, call = case
     call = call._replace(**{which: getattr(call, which).detach().requires_grad_()})
-    assert reason(call, config) == "grad"
+    assert reason(call, config) == ("grad", "an input requires grad (SageAttention has no backward)")
     with torch.no_grad():
         assert reason(call, config) is None
+
+
+@pytest.mark.parametrize("keywords", [{"mystery": 1}, {"zeta": 1, "alpha": 2, "mid": 3}])
+def test_unknown_keywords_are_named_in_order(keywords):
+    q = tensor(1, 2, 64, 64)
+    call, why = bind((q, q, q), keywords)
+    assert call is None and why == "unknown keywords " + ", ".join(sorted(keywords))
+
+
+# The scope report ------------------------------------------------------------------------------------
+REASON_COUNTS = st.dictionaries(st.sampled_from(["short", "dtype", "device", "memory", "kernel_error"]),
+                                st.tuples(st.integers(1, 4), st.booleans()), max_size=4)
+
+
+@PROPERTY
+@given(REASON_COUNTS)
+def test_summary_lists_every_reason_with_its_count_and_first_detail(fallbacks):
+    """A reason counted without a detail template shows an empty detail."""
+    report = ScopeReport()
+    for reason, (count, with_detail) in fallbacks.items():
+        for n in range(count):
+            if with_detail:
+                report.fell_back(reason, "call %d of %s", (n, reason))
+            else:
+                report.fell_back(reason)
+    assert report.calls == sum(count for count, _ in fallbacks.values())
+    listed = ", ".join(f"{reason}={count} [{f'call 0 of {reason}' if with_detail else ''}]"
+                       for reason, (count, with_detail) in sorted(fallbacks.items(), key=lambda r: -r[1][0]))
+    assert report.summary() == f"{report.calls} attention calls, 0 on SageAttention; " \
+                               f"on PyTorch SDPA: {listed or 'none'}"
+
+
+def test_summary_of_counts_set_without_details_shows_them_empty():
+    report = ScopeReport(calls=3, fallbacks=collections.Counter(device=2, memory=1))
+    assert report.summary() == ("3 attention calls, 0 on SageAttention; "
+                                "on PyTorch SDPA: device=2 [], memory=1 []")

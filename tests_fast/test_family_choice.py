@@ -1,0 +1,195 @@
+"""Which variant a family gets on a GPU model (verdict.decide), as properties over timings (hypothesis):
+the fastest variant that pays at the family's own shapes, ties in the preference order, the slowest
+device of a model deciding, and shapes the family never uses changing nothing.
+
+Reports are built from the H200 sample (certify's format, synthetic numbers): every cell passes and
+the timings are the test's. FLUX.1's own calls are its two joint shapes; its break-even also sees
+the sweep at head_dim 128. SDPA takes 1 ms everywhere, so a variant's speedup at a shape is 1 / ms.
+"""
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sage_qual.qualification import families, report, speed, verdict
+from sage_qual.serving.variants import VARIANTS as REGISTRY
+
+# Each example parses and decides whole reports (~0.1 s): few examples, chosen to tie often.
+PROPERTY = settings(max_examples=10, deadline=None, derandomize=True, database=None)
+SAMPLE = Path(__file__).parent / "data" / "sample_h200_2gpu.json"
+FAMILY = families.find("FLUX.1")
+VARIANTS = ("sm90-fp8-cuda", "sm89-fp8-cuda", "sm80-fp16-cuda")
+SLOWER = 2.0  # a variant's time where the test sets none: half SDPA's speed
+MS = st.sampled_from([0.25, 0.5, 0.8, 1.0, 1.5, 3.0])  # 1.0: exactly SDPA's time, no speedup
+
+
+def sample() -> dict:
+    return json.loads(SAMPLE.read_text())
+
+
+def shape_keys(data, family=FAMILY):
+    """(the family's own shapes, the sweep at its head sizes, every other shape)."""
+    own = [k for k, s in data["shapes"].items() if any(u["family"] == family.name for u in s["uses"])]
+    head_dims = {shape.head_dim for _, shape in family.shapes}
+    sweep = [k for k, s in data["shapes"].items() if not any(u["family"] for u in s["uses"])
+             and s["shape"]["head_dim"] in head_dims]
+    foreign = [k for k in data["shapes"] if k not in own and k not in sweep]
+    return own, sweep, foreign
+
+
+def passing_cell(template: dict, fixture: dict, variant: str) -> dict:
+    """A cell whose numbers sit inside the fixture's bounds for the variant's accuracy class."""
+    bounds = fixture["bounds"][REGISTRY[variant].accuracy_class]
+    return {**template, "variant": variant, "fixture": fixture["name"], "outcome": "pass", "reasons": [],
+            "accuracy_class": REGISTRY[variant].accuracy_class, "bounds": bounds, "finite": True,
+            "rel_l2": bounds["max_rel_l2"] / 2, "worst_head_cosine": (1 + bounds["min_cosine"]) / 2,
+            "extra_bytes_per_element": 1.5}
+
+
+def timed_report(ms_per_device: list[dict], variants=VARIANTS, every_shape=False) -> dict:
+    """A complete report with one H200 per entry of `ms_per_device`, each passing every cell and
+    taking ms[(variant, shape key)] (SLOWER where not given). FLUX.1's shapes only, unless
+    `every_shape`."""
+    data = sample()
+    data["options"]["families"] = [FAMILY.name, "SDXL"]
+    if not every_shape:
+        own, sweep, _ = shape_keys(data)
+        data["shapes"] = {k: data["shapes"][k] for k in own + sweep}
+    template = data["devices"][0]
+    sdpa = next(r for r in template["speed"] if r["kernel"] == "sdpa")
+    data["options"]["variants"] = list(variants)
+    devices = []
+    for index, ms in enumerate(ms_per_device):
+        device = copy.deepcopy(template)
+        device.update(index=index, not_supported={})
+        device["cells"] = [passing_cell(template["cells"][0], f, v) for v in variants
+                           for f in data["fixtures"]]
+        device["speed"] = []
+        for key in data["shapes"]:
+            device["speed"].append({**sdpa, "shape": key, "ms": 1.0})
+            device["speed"] += [{"kernel": v, "shape": key, "outcome": "pass", "ms": ms.get((v, key), SLOWER),
+                                 "seconds": 0.1} for v in variants]
+        devices.append(device)
+    data["devices"] = devices
+    data["environment"]["gpus"] = [{**data["environment"]["gpus"][0], "index": d["index"]} for d in devices]
+    return data
+
+
+def family_verdict(data: dict, family=FAMILY) -> dict:
+    (gpu,) = verdict.decide(report.parse(data, "test report"))
+    decision = gpu.family(family.name)
+    return {"verdict": decision.verdict.value, "variant": decision.variant,
+            "min_query_tokens": decision.min_query_tokens, "min_key_tokens": decision.min_key_tokens,
+            "head_dims": decision.head_dims, "speedups": decision.speedups,
+            "reasons": [(r.kind.value, r.detail) for r in decision.reasons]}
+
+
+@st.composite
+def timings(draw, keys, variants=VARIANTS):
+    return {(v, k): draw(MS) for v in variants for k in keys}
+
+
+def expected_choice(data, ms_by_device):
+    """The documented rule from the timings alone: the variant with the least time at the family's
+    own shapes (on the slowest device) among those whose break-even serves one of them; ties in
+    preference order (the GPU's own kernel first, then the order given). None when none serves."""
+    own, sweep, _ = shape_keys(data)
+    slowest = {key: max(ms.get(key, SLOWER) for ms in ms_by_device) for key in ms_by_device[0]}
+
+    def points(v, keys):
+        shapes = [data["shapes"][k]["shape"] for k in keys]
+        return [(s["q_tokens"], s["kv_tokens"], s["head_dim"], 1.0 / slowest.get((v, k), SLOWER))
+                for s, k in zip(shapes, keys, strict=True)]
+
+    def total(v):
+        return sum(slowest.get((v, k), SLOWER) for k in own)
+
+    ranked = sorted(VARIANTS, key=lambda v: (total(v), VARIANTS.index(v)))
+    for v in ranked:
+        thresholds = speed.break_even(points(v, own + sweep))
+        if thresholds and any(speed.serves(thresholds, q, k, d) for q, k, d, _ in points(v, own)):
+            return v, thresholds
+    return None, None
+
+
+@PROPERTY
+@given(st.data())
+def test_the_family_gets_the_fastest_variant_that_pays_at_its_shapes(draw):
+    own, sweep, _ = shape_keys(sample())
+    ms = draw.draw(timings(own + sweep))
+    data = timed_report([ms])
+    found = family_verdict(data)
+    chosen, thresholds = expected_choice(data, [ms])
+    if chosen is None:
+        assert (found["verdict"], found["variant"]) == ("safe, no speedup", None)
+        assert found["reasons"] and {kind for kind, _ in found["reasons"]} == {"speed"}
+    else:
+        assert (found["verdict"], found["variant"]) == ("enable", chosen)
+        assert (found["min_query_tokens"], found["min_key_tokens"], found["head_dims"]) == \
+            (thresholds["min_query_tokens"], thresholds["min_key_tokens"], thresholds["head_dims"])
+        assert found["speedups"] == {u["label"]: 1.0 / ms[(chosen, k)] for k in own
+                                     for u in data["shapes"][k]["uses"] if u["family"] == FAMILY.name}
+
+
+@pytest.mark.parametrize("order", [VARIANTS, VARIANTS[::-1], (VARIANTS[1], VARIANTS[0], VARIANTS[2])],
+                         ids=["table_order", "reversed", "sm89_first"])
+def test_equal_timings_go_to_the_gpus_own_kernel_then_the_order_given(order):
+    own, sweep, _ = shape_keys(sample())
+    same = {(v, k): 0.5 for v in order for k in own + sweep}
+    assert family_verdict(timed_report([same], variants=order))["variant"] == "sm90-fp8-cuda"  # H200's own
+    others = [v for v in order if v != "sm90-fp8-cuda"]
+    same = {(v, k): 0.5 for v in others for k in own + sweep}
+    assert family_verdict(timed_report([same], variants=order))["variant"] == others[0]
+
+
+def test_a_faster_variant_that_does_not_pay_at_the_family_shapes_is_passed_over():
+    """sm90 takes less time in total at FLUX.1's shapes, but it is slower than SDPA at the larger one
+    and so pays only above both (at the sweep's longest shape); sm89 pays at both: FLUX.1 gets sm89."""
+    data = sample()
+    own, sweep, _ = shape_keys(data)
+    small, large = sorted(own, key=lambda k: data["shapes"][k]["shape"]["q_tokens"])
+    longest = max(sweep, key=lambda k: data["shapes"][k]["shape"]["q_tokens"])
+    ms = {("sm90-fp8-cuda", small): 0.2, ("sm90-fp8-cuda", large): 1.5, ("sm90-fp8-cuda", longest): 0.1,
+          **{("sm89-fp8-cuda", k): 0.95 for k in own + sweep}}
+    found = family_verdict(timed_report([ms]))
+    assert (found["verdict"], found["variant"]) == ("enable", "sm89-fp8-cuda")
+    only_sm90 = family_verdict(timed_report([ms], variants=("sm90-fp8-cuda",)))
+    assert (only_sm90["verdict"], only_sm90["variant"]) == ("safe, no speedup", None)
+
+
+@PROPERTY
+@given(st.data(), st.sampled_from([1.0, 1.5, 2.5, 5.0]))
+def test_the_slowest_device_of_a_model_decides(draw, factor):
+    """A second device of the model, slower by `factor` everywhere, gives the verdict that device
+    alone gives, in either order; a faster second device changes nothing."""
+    own, sweep, _ = shape_keys(sample())
+    ms = draw.draw(timings(own + sweep))
+    slow = {key: value * factor for key, value in ms.items()}
+    alone = family_verdict(timed_report([slow]))
+    assert family_verdict(timed_report([ms, slow])) == alone
+    assert family_verdict(timed_report([slow, ms])) == alone
+
+
+@PROPERTY
+@given(st.data())
+def test_shapes_the_family_never_uses_do_not_change_its_verdict(draw):
+    own, sweep, foreign = shape_keys(sample())
+    ms = draw.draw(timings(own + sweep))
+    noise = draw.draw(timings(foreign))
+    quiet = family_verdict(timed_report([ms], every_shape=True))
+    assert family_verdict(timed_report([{**ms, **noise}], every_shape=True)) == quiet
+
+
+def test_the_shapes_left_out_above_decide_other_families():
+    """The invariance above is not empty: the sample holds other families' shapes and sweep
+    shapes of other head sizes, and timings there decide those families."""
+    own, sweep, foreign = shape_keys(sample())
+    assert own and sweep and len(foreign) > 10
+    sdxl = families.find("SDXL")
+    fast_foreign = {(v, k): 0.25 for v in VARIANTS for k in foreign}
+    assert family_verdict(timed_report([{}], every_shape=True), sdxl)["variant"] is None
+    assert family_verdict(timed_report([fast_foreign], every_shape=True), sdxl)["variant"] == "sm90-fp8-cuda"
