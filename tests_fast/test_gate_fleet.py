@@ -1,0 +1,312 @@
+"""`sage-qual gate` and `merge` on fleets: reports holding several GPU models (an H200, an H100 and an
+RTX 4090 in one report, and across reports), decided against fixture files on disk through the real
+local fixture filter (`gate.local_fixtures`), never a patched one.
+
+The fleet report is built from the hand-made samples in tests_fast/data (certify's format, synthetic
+numbers): the H200 sample's cuda:0 stays an H200, its cuda:1 becomes an H100 (so the Qwen-Image
+accuracy failure built into cuda:1 is the H100's alone, and the Wan 2.2 crash, timeout and
+out-of-memory on cuda:0 the H200's alone), and the RTX 4090 sample's device joins as cuda:2. Each
+fixture the report names is written as a real file; the report records those files' checksums.
+"""
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from sage_qual import cli
+from sage_qual.fixtures import fileformat
+from sage_qual.qualification import pool
+from sage_qual.serving.variants import VARIANTS
+
+DATA = Path(__file__).parent / "data"
+H200, H100, RTX4090 = "NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA GeForce RTX 4090"
+L40S, H200_NVL = "NVIDIA L40S", "NVIDIA H200 NVL"  # not in the fleet report
+CAPABILITY = {H200: [9, 0], H100: [9, 0], RTX4090: [8, 9], L40S: [8, 9], H200_NVL: [9, 0]}
+
+
+def load(name: str) -> dict:
+    return json.loads((DATA / name).read_text())
+
+
+def write_fixture(directory: Path, name: str, family: str, bounds: dict, seed: int = 0) -> str:
+    """A small valid fixture file; returns its sha256 as gate reads it."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, 2, 32, 64, generator=g).to(torch.bfloat16) for _ in range(3))
+    path = fileformat.save_fixture(directory / f"{name}{fileformat.SUFFIX}", q, k, v, family=family,
+                                   kind="replica", source={"test": name},
+                                   provenance="tests_fast/test_gate_fleet.py: random data", bounds=bounds)
+    return fileformat.load_fixture(path).sha256
+
+
+def passing_cell(template: dict, fixture: dict, variant: str) -> dict:
+    bounds = fixture["bounds"][VARIANTS[variant].accuracy_class]
+    return {**template, "variant": variant, "fixture": fixture["name"], "outcome": "pass", "reasons": [],
+            "accuracy_class": VARIANTS[variant].accuracy_class, "bounds": bounds, "finite": True,
+            "rel_l2": bounds["max_rel_l2"] / 2, "worst_head_cosine": (1 + bounds["min_cosine"]) / 2,
+            "extra_bytes_per_element": 1.5}
+
+
+def gpu_entry(template: dict, index: int, name: str) -> dict:
+    return {**template, "index": index, "name": name, "capability": CAPABILITY[name]}
+
+
+def fleet_report() -> dict:
+    """One complete report: cuda:0 H200, cuda:1 H100, cuda:2 RTX 4090."""
+    data, rtx = load("sample_h200_2gpu.json"), load("sample_rtx4090.json")
+    data.pop("gpus", None)  # the stored analysis of version 1: verdicts come from the evidence
+    data["host"] = "fleet-box"
+    selected = data["options"]["variants"]
+    selected += [v for v in rtx["options"]["variants"] if v not in selected]
+    data["options"]["devices"] = [0, 1, 2]
+    h200, h100 = data["devices"]
+    h100["name"] = H100
+    device = copy.deepcopy(rtx["devices"][0])
+    device["index"] = 2
+    template = next(c for c in device["cells"] if c["outcome"] == "pass")
+    skip = next(c for c in device["cells"] if c["outcome"] == "skip")
+    for fixture in data["fixtures"]:  # the RTX sample ran three of the five fixtures
+        if not any(c["fixture"] == fixture["name"] for c in device["cells"]):
+            device["cells"] += [passing_cell(template, fixture, v)
+                                for v in ("sm89-fp8-cuda", "sm86-fp16-triton")]
+            device["cells"].append({**skip, "fixture": fixture["name"]})
+    data["devices"].append(device)
+    gpu = data["environment"]["gpus"][0]
+    data["environment"]["gpus"] = [gpu_entry(gpu, 0, H200), gpu_entry(gpu, 1, H100),
+                                   {**rtx["environment"]["gpus"][0], "index": 2}]
+    return data
+
+
+def write_fleet(directory: Path, data: dict) -> tuple[Path, Path, dict]:
+    """(report path, fixture directory, report) with every fixture of the report written to disk."""
+    fixtures = directory / "fixtures"
+    fixtures.mkdir()
+    for seed, f in enumerate(data["fixtures"]):
+        f["sha256"] = write_fixture(fixtures, f["name"], f["family"], f["bounds"], seed)
+    path = directory / "report.json"
+    path.write_text(json.dumps(data))
+    return path, fixtures, data
+
+
+@pytest.fixture
+def fleet(tmp_path):
+    return write_fleet(tmp_path, fleet_report())
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """Sets the GPUs this machine has (by model name); the rest of its environment is the report's."""
+    environment = fleet_report()["environment"]
+
+    def here(*models):
+        gpus = [gpu_entry(environment["gpus"][0], i, name) for i, name in enumerate(models)]
+        monkeypatch.setattr(pool, "collect_environment",
+                            lambda *args, **kwargs: {"environment": {**environment, "gpus": gpus}})
+    return here
+
+
+def gate(capsys, path: Path, fixtures: Path, family: str, *options: str):
+    code = cli.main(["gate", "--family", family, "--report", str(path), "--fixtures", str(fixtures),
+                     *options])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def verdicts(capsys, path, fixtures, family, *options) -> tuple[int, dict]:
+    """Exit code and {GPU model: (verdict, variant)} from `gate --json`."""
+    code, out, err = gate(capsys, path, fixtures, family, "--json", *options)
+    assert err == ""
+    decision = json.loads(out)
+    return code, {g["gpu"]: (g["verdict"], g["variant"]) for g in decision["gpus"]}
+
+
+def model(name: str) -> str:
+    return "%s (sm_%d%d)" % (name, *CAPABILITY[name])
+
+
+# One report, several GPU models ---------------------------------------------------------------------
+def test_each_model_of_a_mixed_box_gets_its_own_variant(capsys, fleet, machine):
+    """The H100 alone failed sm90 on the Qwen-Image outlier fixture: the H200 keeps sm90, the H100
+    takes sm89, and two models of one compute capability are not merged."""
+    path, fixtures, _ = fleet
+    machine(H200, H100)
+    code, out, err = gate(capsys, path, fixtures, "Qwen-Image")
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert [line.split(": ")[0] for line in lines] == [f"Qwen-Image on {model(m)}" for m in (H200, H100)]
+    assert lines[0].startswith(f"Qwen-Image on {model(H200)}: enable (sm90-fp8-cuda from ")
+    assert lines[1].startswith(f"Qwen-Image on {model(H100)}: enable (sm89-fp8-cuda from ")
+
+
+@pytest.mark.parametrize("models, code", [
+    ((H200,), 1), ((H100,), 0), ((H200, H100), 1), ((H100, H200), 1), ((H100, RTX4090), 0),
+    ((H200, H100, RTX4090), 1),
+])
+def test_one_model_that_keeps_a_family_off_keeps_the_machine_off(capsys, fleet, machine, models, code):
+    """Wan 2.2 crashed, timed out and ran out of memory on the H200 only."""
+    path, fixtures, _ = fleet
+    machine(*models)
+    found_code, found = verdicts(capsys, path, fixtures, "Wan 2.2")
+    assert found_code == code
+    assert set(found) == {model(m) for m in models}
+    if H200 in models:
+        assert found[model(H200)] == ("keep off", None)
+    assert all(verdict != "keep off" for m, (verdict, _) in found.items() if m != model(H200))
+
+
+def test_keep_off_names_the_model_and_every_reason(capsys, fleet, machine):
+    path, fixtures, _ = fleet
+    machine(H100, H200)
+    code, out, _ = gate(capsys, path, fixtures, "Wan 2.2")
+    assert code == 1
+    lines = out.splitlines()
+    start = lines.index(f"Wan 2.2 on {model(H200)}: keep off")
+    reasons = lines[start + 1:start + 4]
+    assert [line.split(":")[0].strip() for line in reasons] == ["- crash", "- timeout", "- oom"]
+    assert all("(cuda:0)" in line for line in reasons)
+    assert not any(line.startswith(f"Wan 2.2 on {model(H100)}: keep off") for line in lines)
+
+
+def test_only_the_models_here_are_decided(capsys, fleet, machine):
+    path, fixtures, _ = fleet
+    machine(RTX4090)
+    code, found = verdicts(capsys, path, fixtures, "FLUX.1")
+    assert (code, list(found)) == (0, [model(RTX4090)])
+    assert found[model(RTX4090)][1] in {"sm89-fp8-cuda", "sm86-fp16-triton"}  # never the H200's sm90
+
+
+def test_the_rtx_4090_never_gets_a_kernel_it_cannot_run(capsys, fleet, machine):
+    path, fixtures, _ = fleet
+    machine(H200, H100, RTX4090)
+    for family in ("FLUX.1", "Qwen-Image", "SDXL", "Wan 2.2"):
+        _, found = verdicts(capsys, path, fixtures, family)
+        assert found[model(RTX4090)][1] != "sm90-fp8-cuda"
+        assert found[model(H200)][1] in {None, "sm90-fp8-cuda", "sm89-fp8-cuda", "sm80-fp16-cuda"}
+
+
+@pytest.mark.parametrize("models, missing", [
+    ((H200, L40S), L40S), ((L40S,), L40S), ((H200_NVL,), H200_NVL),
+])
+def test_a_model_here_that_the_report_lacks_cannot_be_decided(capsys, fleet, machine, models, missing):
+    path, fixtures, _ = fleet
+    machine(*models)
+    code, out, err = gate(capsys, path, fixtures, "FLUX.1")
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert f"{model(missing)} here is not in the report" in err
+
+
+def test_require_speedup_applies_to_each_model(capsys, fleet, machine):
+    """SDXL (head_dim 64) measured slower than SDPA on the H200 sample: safe, no speedup there."""
+    path, fixtures, _ = fleet
+    machine(H200, H100)
+    code, found = verdicts(capsys, path, fixtures, "SDXL")
+    assert code == 0 and {v for v, _ in found.values()} == {"safe, no speedup"}
+    code, found = verdicts(capsys, path, fixtures, "SDXL", "--require-speedup")
+    assert code == 1 and {v for v, _ in found.values()} == {"safe, no speedup"}
+
+
+# The local fixture filter, on real files -------------------------------------------------------------
+def test_matching_fixture_files_decide(capsys, fleet, machine):
+    path, fixtures, _ = fleet
+    machine(H200)
+    assert gate(capsys, path, fixtures, "FLUX.1")[0] == 0
+
+
+def test_a_changed_fixture_of_the_family_cannot_decide(capsys, fleet, machine):
+    path, fixtures, data = fleet
+    machine(H200, H100)
+    qwen = next(f for f in data["fixtures"] if f["name"].startswith("qwen"))
+    changed = write_fixture(fixtures, qwen["name"], qwen["family"], qwen["bounds"], seed=99)
+    code, out, err = gate(capsys, path, fixtures, "Qwen-Image")
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert f"fixture {qwen['name']} changed (sha256 {changed[:12]} here, {qwen['sha256'][:12]}" in err
+    assert gate(capsys, path, fixtures, "FLUX.1")[0] == 0  # another family's fixture changed
+
+
+def test_a_missing_fixture_file_of_the_family_cannot_decide(capsys, fleet, machine):
+    path, fixtures, data = fleet
+    machine(H100)
+    flux = next(f for f in data["fixtures"] if f["family"] == "flux.1")
+    (fixtures / f"{flux['name']}{fileformat.SUFFIX}").unlink()
+    code, _, err = gate(capsys, path, fixtures, "FLUX.1")
+    assert code == 2 and f"fixture {flux['name']} is in the report but not here" in err
+    assert gate(capsys, path, fixtures, "Qwen-Image")[0] == 0
+
+
+@pytest.mark.parametrize("family, spelled", [("SDXL", "sdxl"), ("Qwen-Image", "Qwen_Image"),
+                                             ("Wan 2.2", "WAN-2.2")])
+def test_a_new_fixture_counts_for_its_family_however_spelled(capsys, fleet, machine, family, spelled):
+    path, fixtures, data = fleet
+    machine(H100)
+    write_fixture(fixtures, "new-fixture", spelled, data["fixtures"][0]["bounds"], seed=7)
+    code, _, err = gate(capsys, path, fixtures, family)
+    assert code == 2 and "fixture new-fixture is here but not in the report" in err
+    assert gate(capsys, path, fixtures, "FLUX.1")[0] == 0  # not FLUX.1's
+
+
+def test_a_new_generic_fixture_counts_for_every_family(capsys, fleet, machine):
+    path, fixtures, data = fleet
+    machine(H100)
+    write_fixture(fixtures, "stress-generic", "generic", data["fixtures"][0]["bounds"], seed=8)
+    for family in ("FLUX.1", "Qwen-Image", "SDXL"):
+        code, _, err = gate(capsys, path, fixtures, family)
+        assert code == 2 and "fixture stress-generic is here but not in the report" in err
+
+
+def test_a_generic_fixture_in_the_report_judges_every_family(capsys, tmp_path, machine):
+    """The Qwen-Image outlier fixture made generic: the H100's sm90 failure on it now also moves
+    FLUX.1 on the H100 off sm90, and not on the H200."""
+    data = fleet_report()
+    next(f for f in data["fixtures"] if f["name"].startswith("qwen"))["family"] = "generic"
+    path, fixtures, _ = write_fleet(tmp_path, data)
+    machine(H200, H100)
+    code, found = verdicts(capsys, path, fixtures, "FLUX.1")
+    assert code == 0
+    assert found[model(H200)] == ("enable", "sm90-fp8-cuda")
+    assert found[model(H100)][1] != "sm90-fp8-cuda"
+
+
+def test_a_damaged_fixture_file_is_one_line_naming_it(capsys, fleet, machine):
+    path, fixtures, _ = fleet
+    machine(H200)
+    damaged = fixtures / f"zz-damaged{fileformat.SUFFIX}"
+    damaged.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    code, out, err = gate(capsys, path, fixtures, "FLUX.1")
+    assert code == 2 and out == "" and err.count("\n") == 1 and str(damaged) in err
+
+
+# Across reports: merge --------------------------------------------------------------------------------
+def test_merge_gives_one_row_per_model_and_report(capsys, fleet):
+    path, _, _ = fleet
+    code = cli.main(["merge", "--json", str(path), str(DATA / "sample_rtx4090.json"),
+                     str(DATA / "sample_partial.json")])
+    out, err = capsys.readouterr()
+    assert (code, err) == (0, "")
+    rows = json.loads(out)
+    assert [(r["host"], r["gpu"], r["devices"]) for r in rows[:4]] == [
+        ("fleet-box", H200, [0]), ("fleet-box", H100, [1]), ("fleet-box", RTX4090, [2]),
+        ("sample-ws-4090", RTX4090, [0])]
+    assert all(not r["complete"] and r["families"] == {} for r in rows[4:]) and len(rows) == 6
+    qwen = {(r["host"], r["gpu"]): tuple(r["families"]["Qwen-Image"][k] for k in ("verdict", "variant"))
+            for r in rows[:4]}
+    assert qwen[("fleet-box", H200)] == ("enable", "sm90-fp8-cuda")
+    assert qwen[("fleet-box", H100)] == ("enable", "sm89-fp8-cuda")
+    wan = {r["gpu"]: r["families"]["Wan 2.2"] for r in rows[:3]}
+    assert wan[H200]["verdict"] == "keep off" and wan[H200]["reasons"] == ["crash", "oom", "timeout"]
+    assert wan[H100]["verdict"] != "keep off" and wan[RTX4090]["verdict"] != "keep off"
+
+
+def test_merge_markdown_has_a_line_per_model(capsys, fleet):
+    path, _, _ = fleet
+    assert cli.main(["merge", str(path), str(DATA / "sample_rtx4090.json")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = {tuple(c.strip() for c in line.strip("|").split("|")[:4]): line for line in lines[2:]}
+    assert set(rows) == {("fleet-box", H200, "90", "1"), ("fleet-box", H100, "90", "1"),
+                         ("fleet-box", RTX4090, "89", "1"), ("sample-ws-4090", RTX4090, "89", "1")}
+    qwen = header.index("Qwen-Image")
+    cell = {key: [c.strip() for c in line.strip("|").split("|")][qwen] for key, line in rows.items()}
+    assert cell[("fleet-box", H200, "90", "1")].startswith("enable: sm90-fp8-cuda >= ")
+    assert cell[("fleet-box", H100, "90", "1")].startswith("enable: sm89-fp8-cuda >= ")
