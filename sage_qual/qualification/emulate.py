@@ -137,7 +137,15 @@ def summary(data: dict) -> str:
         row = " ".join(("FAIL" if matrix[f][variant] else "pass").ljust(10) for f in matrix)
         lines.append(variant.ljust(width) + native[:15].ljust(16) + row)
     for family, row in matrix.items():
-        lines += [f"  would fail {family}: {reason}" for reasons in row.values() for reason in reasons]
+        for reasons in row.values():
+            # One line per variant and fixture: its reasons share the "VARIANT on FIXTURE (...): " prefix.
+            grouped: dict[str, list[str]] = {}
+            for reason in reasons:
+                where, _, what = reason.partition("): ")
+                # The one pseudo-device is the model, not a GPU: its "(cuda:0)" says nothing.
+                grouped.setdefault(where.removesuffix(" (cuda:0") if what else "", []).append(what or reason)
+            lines += [f"  would fail {family}: {where}: {'; '.join(whats)}" if where else
+                      f"  would fail {family}: {'; '.join(whats)}" for where, whats in grouped.items()]
     skipped = sorted(set(data["options"]["families"]) - set(matrix))
     if skipped:
         lines.append(f"  no fixtures, not predicted: {', '.join(skipped)}")
