@@ -107,14 +107,6 @@ def diffusers_on_fake(fake_h200, monkeypatch):
     from diffusers.models import attention_dispatch
 
     module = sys.modules["sageattention"]
-
-    def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, return_lse=False, **kwargs):
-        # upstream sageattn() on sm_90: the Hopper kernel with fp32+fp32 accumulation.
-        return module.sageattn_qk_int8_pv_fp8_cuda_sm90(q, k, v, tensor_layout=tensor_layout,
-                                                        is_causal=is_causal, sm_scale=sm_scale,
-                                                        return_lse=return_lse, pv_accum_dtype="fp32+fp32")
-
-    monkeypatch.setattr(module, "sageattn", sageattn, raising=False)
     monkeypatch.setattr(attention_dispatch, "_CAN_USE_SAGE_ATTN", True)
     for name in targets.SAGE_FUNCTIONS:
         if hasattr(module, name):

@@ -14,24 +14,10 @@ from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
 from .helpers import TORCH_SDPA, qkv
 
 
-def upstream_sageattn(module):
-    """upstream sageattn(): per-GPU dispatch to the kernel `native_on` names, smooth_k left at the
-    kernels' default (as sageattention/core.py does)."""
-
-    def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, return_lse=False, **kwargs):
-        return module.sageattn_qk_int8_pv_fp8_cuda_sm90(q, k, v, tensor_layout=tensor_layout,
-                                                        is_causal=is_causal, sm_scale=sm_scale,
-                                                        pv_accum_dtype="fp32+fp32")
-
-    return sageattn
-
-
 @pytest.fixture
 def h200():
     fake = FakeSageAttention()
     with FakeCuda([FakeGpu((9, 0), "Fake H200")]), fake.installed():
-        module = sys.modules["sageattention"]
-        module.sageattn = upstream_sageattn(module)
         yield fake
 
 
