@@ -162,7 +162,7 @@ def test_after_a_sweep_the_lengths_around_its_crossover_are_queued(tmp_path):
         )
     data = {"shapes": shapes, "devices": [{"speed": speed}]}
     writer = report.Writer(tmp_path / "report.json", data)
-    run = certify._DeviceRun(0, [], [], {}, certify.Options(tmp_path), writer, 0)
+    run = certify._DeviceRun(0, [], [], {}, certify.Options(tmp_path), writer, 0)  # a full run, not --quick
     tasks = run._refinement([{"kind": "speed", "variant": "sm90-fp8-cuda"}])
     keys = [
         "b1 h24 q4864 k4864 d128 bfloat16",
@@ -172,3 +172,5 @@ def test_after_a_sweep_the_lengths_around_its_crossover_are_queued(tmp_path):
     assert [t["id"] for t in tasks] == [f"{kernel}@{k}" for k in keys for kernel in ("sdpa", "sm90-fp8-cuda")]
     assert all(data["shapes"][k]["uses"][0]["family"] is None for k in keys)
     assert run._refinement([{"kind": "cell", "variant": "sm90-fp8-cuda"}]) == []
+    quick = certify._DeviceRun(0, [], [], {}, certify.Options(tmp_path, quick=True), writer, 0)
+    assert quick._refinement([{"kind": "speed", "variant": "sm89-fp8-cuda"}]) == []  # a pre-flight

@@ -38,10 +38,10 @@ SELF_TOKENS = (1024, 2048, 4096, 8192, 16384, 32768)
 CROSS = [(q, k) for q in (4096, 16384) for k in (77, 256, 512, 1024)]
 QUICK_SELF_TOKENS = (1024, 4096, 16384)
 QUICK_CROSS = [(4096, 77), (4096, 512)]
-# Refinement: between the last sweep length at which a variant's lower 95 % bound was no faster
-# than SDPA and the first at which it was, REFINE_POINTS more lengths, evenly spaced on a log scale
-# and rounded to TOKEN_GRANULE, so the break-even moves in steps of about 2^(1/4) = 1.19x instead of
-# the sweep's 2x (seven H200 runs of the 2x sweep gave 8,192 to 16,384 tokens, issue 10's log).
+# Refinement (full runs): between the last sweep length at which a variant's lower 95 % bound was
+# no faster than SDPA and the first at which it was, REFINE_POINTS more lengths, evenly spaced on a
+# log scale and rounded to TOKEN_GRANULE, so a threshold moves in steps of about 2^(1/4) = 1.19x
+# instead of the sweep's 2x.
 REFINE_POINTS = 3
 TOKEN_GRANULE = 128
 # Timing repeats: (warm-up, repeats); big shapes get fewer, so the full run fits in minutes.
@@ -409,7 +409,7 @@ class _DeviceRun:
         """Timing tasks at refined lengths of generic self-attention around the crossover of the
         variant this job swept, with SDPA at those lengths where this GPU has not timed it yet."""
         variants = {task["variant"] for task in job if task["kind"] == "speed"}
-        if not variants:
+        if not variants or self.quick:  # a pre-flight's thresholds are not the ones a profile keeps
             return []
         (variant,) = variants
         with self.writer.lock:
