@@ -46,8 +46,8 @@ def test_variant_on_fixture(variant_name, fixture_path, sage, runnable, wrapper_
            reasons="; ".join(r["detail"] for r in reasons))
     label = f"{variant.name} on {fixture.kind} fixture {fixture.name}"
     if not expected["model_finite"]:
-        assert not accuracy.finite, (f"{label}: the numerics model predicts a non-finite output, the kernel's "
-                                     f"is finite ({accuracy.rel_l2:.4g}): the model is wrong here")
+        assert not accuracy.finite, (f"{label}: the numerics model predicts a non-finite output, the "
+                                     f"kernel's is finite ({accuracy.rel_l2:.4g}): the model is wrong here")
         pytest.xfail(f"{label}: non-finite output, as the numerics model predicts (a kernel defect)")
     assert not reasons, f"{label}: " + "; ".join(r["detail"] for r in reasons)
 

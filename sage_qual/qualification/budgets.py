@@ -40,7 +40,11 @@ ERRORS = {"max_rel_l2": "rel_l2", "max_head_rel_l2": "worst_head_rel_l2",
 def expected(variant: Variant, q, k, v, ref: torch.Tensor | None = None) -> dict:
     """The model's metrics for `variant` on q, k, v (see the module docstring for non-finite)."""
     ref = measure.reference(q, k, v) if ref is None else ref
-    predicted = numerics.predict(variant, q, k, v).float()
+    return _metrics(numerics.predict(variant, q, k, v), ref)
+
+
+def _metrics(predicted: torch.Tensor, ref: torch.Tensor) -> dict:
+    predicted = predicted.float()
     finite = bool(torch.isfinite(predicted).all())
     if not finite:
         predicted = torch.where(torch.isfinite(predicted), predicted, ref)
@@ -70,19 +74,20 @@ def _round_down(x: float) -> float:
     return math.floor(x * 1e6 + 1e-9) / 1e6
 
 
-_CACHE: dict[tuple[str, str, str], tuple[dict, dict]] = {}
+_CACHE: dict[tuple[str, str, str], tuple[dict, dict, torch.Tensor]] = {}
 _REFERENCES: dict[tuple[str, str], torch.Tensor] = {}
 
 
-def _cached(variant: Variant, fixture: Fixture) -> tuple[dict, dict]:
+def _cached(variant: Variant, fixture: Fixture) -> tuple[dict, dict, torch.Tensor]:
     device = str(fixture.q.device)
     key = (fixture.sha256, variant.name, device)
     if key not in _CACHE:
         if (fixture.sha256, device) not in _REFERENCES:
             _REFERENCES.clear()  # one fixture's reference at a time: certify walks fixture by fixture
             _REFERENCES[(fixture.sha256, device)] = measure.reference(fixture.q, fixture.k, fixture.v)
-        found = expected(variant, fixture.q, fixture.k, fixture.v, _REFERENCES[(fixture.sha256, device)])
-        _CACHE[key] = (found, from_expected(found))
+        predicted = numerics.predict(variant, fixture.q, fixture.k, fixture.v)
+        found = _metrics(predicted, _REFERENCES[(fixture.sha256, device)])
+        _CACHE[key] = (found, from_expected(found), predicted)
     return _CACHE[key]
 
 
@@ -94,3 +99,9 @@ def budget(variant: Variant, fixture: Fixture) -> dict:
 def expectation(variant: Variant, fixture: Fixture) -> dict:
     """The model's metrics behind `budget` (for reports and the model-versus-kernel table)."""
     return dict(_cached(variant, fixture)[0])
+
+
+def prediction(variant: Variant, fixture: Fixture) -> torch.Tensor:
+    """The model's output behind `budget`, in the fixture's dtype (what the fake kernel of the
+    detection tests returns)."""
+    return _cached(variant, fixture)[2]

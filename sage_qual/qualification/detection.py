@@ -1,0 +1,221 @@
+"""The suite's detection power: kernel defects a broken build or a regression could have, injected
+into a kernel's output, and which families certify's judgement then keeps off.
+
+A defect is a function of one call (q, k, v, the kernel's output, the softmax scale) that returns the
+defective output; it fires only on the calls its trigger describes (grouped-query calls, head_dim
+64, a partial last key block, ...). Each carries the families whose real calls can trigger it, from
+the families' own shapes (families.py) and the situations every family creates (generic fixtures),
+stated by hand: the test compares that statement with what the judgement keeps off.
+
+A family is kept off by a defect when one of its fixtures (its own or a generic one) passes its
+budget with the clean kernel and fails it with the defect: a cell that fails without the defect
+(a kernel defect of the clean kernel, e.g. NaN on a zero V channel) cannot show another one.
+tests_fast/test_detection.py runs this on the fake kernel (the numerics model's output);
+tests_gpu/test_detection.py on a real kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from sage_qual.fixtures import numerics
+from sage_qual.fixtures.fileformat import Fixture
+from sage_qual.qualification import budgets, judge, measure
+from sage_qual.qualification.families import FAMILIES, normalize
+from sage_qual.serving.variants import Numerics, Variant
+
+GENERIC = "generic"
+ALL = frozenset(f.name for f in FAMILIES)
+_KEY_BLOCK = 64  # the K tile of every kernel but sm90's (128): a multiple of 128 is one of 64 too
+_QUERY_TILE = 128  # the CTA Q tile of the CUDA kernels but sm90's (64)
+
+
+@dataclass(frozen=True)
+class Call:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor  # the kernel's output
+    sm_scale: float
+
+
+@dataclass(frozen=True)
+class Defect:
+    name: str
+    description: str
+    reaches: frozenset[str]  # families whose real calls trigger it
+    apply: Callable[[Call], torch.Tensor]
+
+
+def _exact(q, k, v, sm_scale: float) -> torch.Tensor:
+    return numerics.reference(q, k, v, sm_scale)
+
+
+def _gqa_half_swap(c: Call) -> torch.Tensor:
+    half = c.q.shape[1] // 2
+    if c.q.shape[1] == c.k.shape[1]:
+        return c.out
+    out = c.out.clone()
+    out[:, half:2 * half] = out[:, :half]
+    return out
+
+
+def _scale_head_dim_64(c: Call) -> torch.Tensor:
+    return c.out * 1.10 if c.q.shape[-1] == 64 else c.out
+
+
+def _nan_last_row_partial_keys(c: Call) -> torch.Tensor:
+    if c.k.shape[2] % _KEY_BLOCK == 0:
+        return c.out
+    out = c.out.clone()
+    out[:, :, -1] = float("nan")
+    return out
+
+
+def _heads_past_four_zero(c: Call) -> torch.Tensor:
+    if c.q.shape[1] <= 4:
+        return c.out
+    out = c.out.clone()
+    out[:, 4:] = 0
+    return out
+
+
+def _softmax_scale_fixed_for_128(c: Call) -> torch.Tensor:
+    """The kernel applies 1/sqrt(128) whatever the head size: the change exact attention sees."""
+    wrong = 128 ** -0.5
+    if math.isclose(c.sm_scale, wrong):
+        return c.out
+    delta = _exact(c.q, c.k, c.v, wrong) - _exact(c.q, c.k, c.v, c.sm_scale)
+    return (c.out.float() + delta).to(c.out.dtype)
+
+
+def _stale_last_query_tile(c: Call) -> torch.Tensor:
+    rows = c.q.shape[2]
+    start = rows - rows % _QUERY_TILE
+    if rows % _QUERY_TILE == 0 or start == 0:
+        return c.out
+    out = c.out.clone()
+    out[:, :, start:] = out[:, :, start - _QUERY_TILE:start - _QUERY_TILE + (rows - start)]
+    return out
+
+
+def _fp16_partial_sums(c: Call) -> torch.Tensor:
+    """P.V summed in float16 per 64-key block: inf where a block's sum passes 65504. With P <= 1
+    that needs max |V| > 65504 / 64, so smaller V is left as it is."""
+    if c.v.float().abs().max() * _KEY_BLOCK <= numerics.FP16_MAX:
+        return c.out
+    scheme = Numerics(32, 8, 64, 4, pv="fp16", pv_accumulation="fp16+fp32")
+    overflowed = ~torch.isfinite(numerics.attention(c.q, c.k, c.v, scheme, sm_scale=c.sm_scale))
+    return torch.where(overflowed, torch.full_like(c.out, float("inf")), c.out)
+
+
+def _last_partial_key_block_dropped(c: Call) -> torch.Tensor:
+    """The key blocks counted with floor division: the keys of a partial last block never seen."""
+    keys = c.k.shape[2]
+    kept = keys - keys % _KEY_BLOCK
+    if kept == keys:
+        return c.out
+    if kept == 0:
+        return torch.full_like(c.out, float("nan"))  # no block at all: 0 / 0
+    delta = _exact(c.q, c.k[:, :, :kept], c.v[:, :, :kept], c.sm_scale) - _exact(c.q, c.k, c.v, c.sm_scale)
+    return (c.out.float() + delta).to(c.out.dtype)
+
+
+def _batch_items_swapped(c: Call) -> torch.Tensor:
+    if c.q.shape[0] < 2:
+        return c.out
+    return c.out.roll(1, dims=0)
+
+
+def _noise(c: Call) -> torch.Tensor:
+    g = torch.Generator(device=c.out.device).manual_seed(0)
+    noise = torch.randn(c.out.shape, generator=g, device=c.out.device)
+    rms = c.out.float().square().mean().sqrt()
+    return (c.out.float() + 0.15 * rms * noise).to(c.out.dtype)
+
+
+# Which families' calls trigger each defect, from families.py's shapes: only Krea-2 calls
+# grouped-query attention (48 query / 12 K/V heads) and has more than four query heads per call in
+# the fixtures; only SDXL runs head_dim 64; only Qwen-Image's V reaches ~3500 (block 52); SDXL and
+# FLUX.1 run IP-Adapters, whose classifier-free-guidance batch has two items; partial key and query
+# tiles come with every family's prompt lengths or resolutions (the generic fixtures).
+DEFECTS: tuple[Defect, ...] = (
+    Defect("gqa_second_half_gets_first",
+           "GQA: the second half of the query heads get the first half's output",
+           frozenset({"Krea-2"}), _gqa_half_swap),
+    Defect("head_dim_64_scaled_1.10", "every head_dim-64 call's output scaled by 1.10",
+           frozenset({"SDXL"}), _scale_head_dim_64),
+    Defect("nan_last_row_partial_keys", "NaN in the last query row when the key count is no multiple of 64",
+           ALL, _nan_last_row_partial_keys),
+    Defect("heads_past_four_zero", "query heads past the fourth get zeros (a launch grid too small)",
+           frozenset({"Krea-2"}), _heads_past_four_zero),
+    Defect("softmax_scale_fixed", "softmax scale 1/sqrt(128) whatever the head size",
+           frozenset({"SDXL"}), _softmax_scale_fixed_for_128),
+    Defect("stale_last_query_tile", "a partial last query tile returns the previous tile's rows",
+           ALL, _stale_last_query_tile),
+    Defect("fp16_overflow_large_v", "P.V summed in fp16 per 64-key block: inf when V is large",
+           frozenset({"Qwen-Image"}), _fp16_partial_sums),
+    Defect("last_partial_key_block_dropped", "keys of a partial last key block ignored (floor division)",
+           ALL, _last_partial_key_block_dropped),
+    Defect("batch_items_swapped", "batch items get each other's output (a batch stride bug)",
+           frozenset({"SDXL", "FLUX.1"}), _batch_items_swapped),
+    Defect("noise_15_percent", "Gaussian noise of 15 % of the output's RMS everywhere",
+           ALL, _noise),
+)
+
+
+def owners(fixture: Fixture) -> frozenset[str]:
+    """The families whose verdict reads this fixture."""
+    if normalize(fixture.family) == GENERIC:
+        return ALL
+    return frozenset(f.name for f in FAMILIES if f.owns(fixture.family))
+
+
+def fails(variant: Variant, fixture: Fixture, out: torch.Tensor, ref: torch.Tensor) -> list[dict]:
+    """certify's judgement of one output against the float32 reference (memory not measured here)."""
+    return judge.cell_reasons(measure.errors(out, ref), 0.0, budgets.budget(variant, fixture), math.inf)
+
+
+def failing(variant: Variant, fixtures: list[Fixture], clean: dict[str, torch.Tensor],
+            references: dict[str, torch.Tensor]) -> frozenset[str]:
+    """The fixtures whose cell fails with the clean kernel (a kernel defect without injection)."""
+    return frozenset(f.name for f in fixtures if fails(variant, f, clean[f.name], references[f.name]))
+
+
+def kept_off(variant: Variant, fixtures: list[Fixture], clean: dict[str, torch.Tensor],
+             references: dict[str, torch.Tensor], defect: Defect,
+             already_failing: frozenset[str]) -> tuple[frozenset[str], dict[str, list[dict]]]:
+    """(families a fixture that passed with the clean kernel now keeps off, those fixtures with their
+    reasons). `clean`: the kernel's output per fixture name; `references`: float32 attention;
+    `already_failing`: `failing(...)` (such a cell cannot show another defect)."""
+    caught = {}
+    for fixture in fixtures:
+        if fixture.name in already_failing:
+            continue
+        call = Call(fixture.q, fixture.k, fixture.v, clean[fixture.name], fixture.q.shape[-1] ** -0.5)
+        reasons = fails(variant, fixture, defect.apply(call), references[fixture.name])
+        if reasons:
+            caught[fixture.name] = reasons
+    families = frozenset().union(*(owners(f) for f in fixtures if f.name in caught))
+    return families, caught
+
+
+def matrix_markdown(newly: dict[str, frozenset[str]], baseline: frozenset[str], title: str) -> str:
+    """defect x family: caught (reached and newly kept off), MISSED (reached, still enabled), FALSE
+    ALARM (kept off, not reached), "off already" (the clean kernel keeps the family off), "-"."""
+    names = [f.name for f in FAMILIES]
+    lines = [f"### {title}", "", "| defect | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for defect in DEFECTS:
+        if defect.name not in newly:
+            continue
+        cells = []
+        for family in names:
+            reached, stopped = family in defect.reaches, family in newly[defect.name]
+            cells.append("caught" if reached and stopped else "FALSE ALARM" if stopped else
+                         "off already" if family in baseline else "MISSED" if reached else "-")
+        lines.append(f"| {defect.name}: {defect.description} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

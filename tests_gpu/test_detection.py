@@ -1,0 +1,75 @@
+"""Detection power on a real kernel: the kernel the wrapper picks for this GPU, wrapped with each
+defect of `sage_qual.qualification.detection`, judged as certify judges (the numerics model's
+budgets, `judge.cell_reasons`) on every shipped fixture; each defect must keep off exactly the
+families it reaches (a family the clean kernel already keeps off stays off).
+
+Writes the detection matrix (defect x family: caught / MISSED / FALSE ALARM / off already) to
+$SAGE_QUAL_RESULTS_DIR/detection_matrix.md, and the fixtures that caught each defect to
+detection_matrix.json.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from sage_qual.fixtures.fileformat import load_fixture
+from sage_qual.qualification import budgets, detection, measure
+from sage_qual.serving.config import KERNEL_TABLE
+
+from .conftest import FIXTURE_PATHS
+
+pytestmark = [pytest.mark.slow, pytest.mark.gpu]
+
+_newly: dict[str, frozenset[str]] = {}
+_caught: dict[str, list[str]] = {}
+
+
+@pytest.fixture(scope="module")
+def kernel(sage, box, runnable):
+    """The wrapper's kernel for this GPU, its clean output on every fixture, the references."""
+    table = KERNEL_TABLE.get(box.capability) or ()
+    if not table:
+        pytest.skip(f"no kernel for capability {box.capability}")
+    variant = runnable(table[0])
+    fixtures = [load_fixture(p, device="cuda") for p in FIXTURE_PATHS]
+    clean = {f.name: measure.call_kernel(sage, variant, f.q, f.k, f.v) for f in fixtures}
+    references = {f.name: measure.reference(f.q, f.k, f.v) for f in fixtures}
+    failing = detection.failing(variant, fixtures, clean, references)
+    baseline = frozenset().union(*(detection.owners(f) for f in fixtures if f.name in failing))
+    return variant, fixtures, clean, references, failing, baseline
+
+
+def _write(variant_name: str, baseline: frozenset[str], failing: frozenset[str]) -> None:
+    directory = os.environ.get("SAGE_QUAL_RESULTS_DIR")
+    if not directory:
+        return
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    gpu = torch.cuda.get_device_name(0)
+    title = f"{variant_name} on {gpu} (real kernel, defects injected into its output)"
+    text = detection.matrix_markdown(_newly, baseline, title)
+    text += f"\nClean kernel fails: {', '.join(sorted(failing)) or 'nothing'}.\n"
+    Path(directory, "detection_matrix.md").write_text(text)
+    defects = {name: {"kept_off": sorted(_newly[name]), "caught_by": _caught[name]} for name in _newly}
+    Path(directory, "detection_matrix.json").write_text(json.dumps(
+        {"variant": variant_name, "gpu": gpu, "clean_failing": sorted(failing),
+         "baseline_off": sorted(baseline), "defects": defects}, indent=1))
+
+
+@pytest.mark.parametrize("defect", detection.DEFECTS, ids=lambda d: d.name)
+def test_defect_keeps_off_exactly_the_families_it_reaches(kernel, defect, record):
+    variant, fixtures, clean, references, failing, baseline = kernel
+    newly, caught = detection.kept_off(variant, fixtures, clean, references, defect, failing)
+    _newly[defect.name], _caught[defect.name] = newly, sorted(caught)
+    _write(variant.name, baseline, failing)
+    record(test="detection", variant=variant.name, defect=defect.name, reaches=sorted(defect.reaches),
+           kept_off=sorted(newly), already_off=sorted(baseline), caught_by=sorted(caught))
+    assert defect.reaches - baseline <= newly <= defect.reaches, f"caught on {sorted(caught)}"
+
+
+def test_the_unmodified_kernel_keeps_off_only_what_the_model_predicts(kernel):
+    variant, fixtures, clean, references, failing, _ = kernel
+    predicted = {f.name for f in fixtures if not budgets.expectation(variant, f)["model_finite"]}
+    assert failing == predicted, "the clean kernel fails other fixtures than the numerics model predicts"
