@@ -135,16 +135,17 @@ def test_junit_xml_has_a_case_per_gpu_model_and_family(tmp_path, monkeypatch):
 
 def test_refined_lengths_fall_between_the_crossing_sweep_points():
     points = [(1024, 0.5), (2048, 0.8), (4096, 0.95), (8192, 1.3), (16384, 1.6)]
-    assert certify.refined_lengths(points) == [4864, 5760, 6912]  # 4096 * 2^(i/4), to 128 tokens
+    # 4096 * 2^(i/8), to 128 tokens: neighbours within 10 % of each other
+    assert certify.refined_lengths(points) == [4480, 4864, 5248, 5760, 6272, 6912, 7552]
     assert certify.refined_lengths([(1024, 1.2), (4096, 1.5)]) == []  # pays everywhere: nothing to refine
     assert certify.refined_lengths([(1024, 0.2), (4096, 0.5)]) == []  # pays nowhere
     # a dip back below 1 gives a second crossing
-    assert len(certify.refined_lengths([(1024, 1.1), (2048, 0.9), (4096, 1.2)])) == 3
+    assert len(certify.refined_lengths([(1024, 1.1), (2048, 0.9), (4096, 1.2)])) == 7
 
 
 def test_after_a_sweep_the_lengths_around_its_crossover_are_queued(tmp_path):
     """A variant whose lower bound crosses SDPA between 4096 and 8192 tokens at head_dim 128 gets
-    three refined lengths, each with SDPA (not yet timed there) and the variant."""
+    seven refined lengths, each with SDPA (not yet timed there) and the variant."""
     shapes = certify.speed_shapes([], quick=False)
     speed = []
     for key, entry in shapes.items():
@@ -164,11 +165,7 @@ def test_after_a_sweep_the_lengths_around_its_crossover_are_queued(tmp_path):
     writer = report.Writer(tmp_path / "report.json", data)
     run = certify._DeviceRun(0, [], [], {}, certify.Options(tmp_path), writer, 0)  # a full run, not --quick
     tasks = run._refinement([{"kind": "speed", "variant": "sm90-fp8-cuda"}])
-    keys = [
-        "b1 h24 q4864 k4864 d128 bfloat16",
-        "b1 h24 q5760 k5760 d128 bfloat16",
-        "b1 h24 q6912 k6912 d128 bfloat16",
-    ]
+    keys = [f"b1 h24 q{n} k{n} d128 bfloat16" for n in (4480, 4864, 5248, 5760, 6272, 6912, 7552)]
     assert [t["id"] for t in tasks] == [f"{kernel}@{k}" for k in keys for kernel in ("sdpa", "sm90-fp8-cuda")]
     assert all(data["shapes"][k]["uses"][0]["family"] is None for k in keys)
     assert run._refinement([{"kind": "cell", "variant": "sm90-fp8-cuda"}]) == []

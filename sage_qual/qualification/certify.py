@@ -40,9 +40,9 @@ QUICK_SELF_TOKENS = (1024, 4096, 16384)
 QUICK_CROSS = [(4096, 77), (4096, 512)]
 # Refinement (full runs): between the last sweep length at which a variant's lower 95 % bound was
 # no faster than SDPA and the first at which it was, REFINE_POINTS more lengths, evenly spaced on a
-# log scale and rounded to TOKEN_GRANULE, so a threshold moves in steps of about 2^(1/4) = 1.19x
-# instead of the sweep's 2x.
-REFINE_POINTS = 3
+# log scale and rounded to TOKEN_GRANULE, so a threshold moves in steps of about 2^(1/8) = 1.09x
+# instead of the sweep's 2x: two runs that land one step apart still agree within 10 %.
+REFINE_POINTS = 7
 TOKEN_GRANULE = 128
 # Timing repeats: (warm-up, repeats); big shapes get fewer, so the full run fits in minutes.
 TIMING = {"quick": (2, 5), "small": (5, 20), "large": (3, 10)}
