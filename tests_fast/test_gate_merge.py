@@ -363,3 +363,13 @@ def test_compare_same_report_and_moved_thresholds(capsys, tmp_path):
         "NVIDIA H200 (sm_90) FLUX.1: enable sm90-fp8-cuda 4608/512 vs enable sm90-fp8-cuda 8192/512"
     code, _, err = run_cli(capsys, "compare", str(H200), str(path), "--tolerance", "2")
     assert code == 2 and "--tolerance is 2" in err
+
+
+def test_a_stored_verdict_section_edited_to_enable_changes_nothing():
+    """Version 1 reports stored verdicts; the gate never reads them."""
+    data = load(H200)
+    for stored in data["gpus"][0]["families"]:
+        stored.update(verdict="enable", reasons=[], variant="sm90-fp8-cuda", min_query_tokens=1,
+                      min_key_tokens=1, head_dims=[64, 128])
+    code, lines = decide(data, "Wan 2.2")
+    assert code == 1 and lines[0] == "Wan 2.2 on NVIDIA H200 (sm_90): keep off"
