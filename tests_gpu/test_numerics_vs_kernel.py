@@ -58,9 +58,31 @@ def test_model_matches_kernel_at_padded_head_dims(variant_name, head_dim, sage, 
     _check(sage, variant, f"random_head_dim_{head_dim}", q, k, v, expected, record)
 
 
+# Long sequences: the field report of noise past about 160k tokens (ComfyUI #15263, sm120) and the
+# long videos of Wan 2.2 and LTX-2. Generated in memory (160k tokens are 40 MB per tensor); the
+# comparison reads eight whole 128-row query tiles spread over the sequence, each against all keys.
+@pytest.mark.parametrize("tokens", [32768 + 16, 163840 + 16])
+@pytest.mark.parametrize("variant_name", VARIANT_NAMES)
+def test_model_matches_kernel_on_long_sequences(variant_name, tokens, sage, runnable, record):
+    variant = runnable(variant_name)
+    g = torch.Generator("cuda").manual_seed(tokens)
+    q, k, v = (torch.randn(1, 1, tokens, 128, generator=g, device="cuda").bfloat16() for _ in range(3))
+    tiles = torch.linspace(0, tokens // 128 - 1, 8, device="cuda").long()
+    rows = (tiles[:, None] * 128 + torch.arange(128, device="cuda")).flatten()
+    q_rows = q[:, :, rows].contiguous()  # whole tiles: each row keeps its INT8 group
+    ref = measure.reference(q_rows, k, v)
+    found = measure.errors(measure.call_kernel(sage, variant, q, k, v)[:, :, rows], ref)
+    expected = budgets.metrics_of(numerics.predict(variant, q_rows, k, v), ref)
+    _report(variant, f"random_{tokens}_tokens", found, expected, record)
+
+
 def _check(sage, variant, name, q, k, v, expected, record) -> None:
     ref = measure.reference(q, k, v)
     found = measure.errors(measure.call_kernel(sage, variant, q, k, v), ref)
+    _report(variant, name, found, expected, record)
+
+
+def _report(variant, name, found, expected, record) -> None:
     rel = found["rel_l2"] if found["finite"] else math.inf
     row = model_check.Row(variant.name, name, rel, found["finite"], expected["rel_l2"],
                           expected["model_finite"])

@@ -40,10 +40,11 @@ ERRORS = {"max_rel_l2": "rel_l2", "max_head_rel_l2": "worst_head_rel_l2",
 def expected(variant: Variant, q, k, v, ref: torch.Tensor | None = None) -> dict:
     """The model's metrics for `variant` on q, k, v (see the module docstring for non-finite)."""
     ref = measure.reference(q, k, v) if ref is None else ref
-    return _metrics(numerics.predict(variant, q, k, v), ref)
+    return metrics_of(numerics.predict(variant, q, k, v), ref)
 
 
-def _metrics(predicted: torch.Tensor, ref: torch.Tensor) -> dict:
+def metrics_of(predicted: torch.Tensor, ref: torch.Tensor) -> dict:
+    """`measure.errors` of a model output, over its finite elements, with `model_finite`."""
     predicted = predicted.float()
     finite = bool(torch.isfinite(predicted).all())
     if not finite:
@@ -86,7 +87,7 @@ def _cached(variant: Variant, fixture: Fixture) -> tuple[dict, dict, torch.Tenso
             _REFERENCES.clear()  # one fixture's reference at a time: certify walks fixture by fixture
             _REFERENCES[(fixture.sha256, device)] = measure.reference(fixture.q, fixture.k, fixture.v)
         predicted = numerics.predict(variant, fixture.q, fixture.k, fixture.v)
-        found = _metrics(predicted, _REFERENCES[(fixture.sha256, device)])
+        found = metrics_of(predicted, _REFERENCES[(fixture.sha256, device)])
         _CACHE[key] = (found, from_expected(found), predicted)
     return _CACHE[key]
 
