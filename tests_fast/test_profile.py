@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import sage_qual
 from sage_qual.qualification import profile as building
-from sage_qual.qualification import report, verdict
+from sage_qual.qualification import report, speed, verdict
 from sage_qual.qualification.speed import break_even
 from sage_qual.serving import profile
 from sage_qual.serving.config import DEFAULT_CONFIG, KERNEL_TABLE
@@ -267,3 +267,20 @@ def test_the_profile_schema_accepts_what_certify_builds():
     data = report.load(Path(__file__).parent / "data" / "sample_h200_2gpu.json")
     built = building.build(data, verdict.decide(data))
     assert list(jsonschema.Draft202012Validator(profile.json_schema()).iter_errors(built)) == []
+
+
+# Confidence bounds -----------------------------------------------------------------------------
+def test_median_interval_uses_order_statistics():
+    samples = [float(x) for x in range(1, 21)]  # 20 calls: ranks 5 and 16 (95 %, binomial normal approx.)
+    assert speed.median_interval(list(reversed(samples))) == (5.0, 16.0)
+    assert speed.median_interval([3.0]) == (3.0, 3.0)
+    assert speed.median_interval([1.0, 2.0, 3.0, 4.0, 5.0]) == (1.0, 5.0)  # five calls: the extremes
+    with pytest.raises(ValueError):
+        speed.median_interval([])
+
+
+def test_speedup_bounds_take_the_pessimistic_ends():
+    sdpa, ours = [float(x) for x in range(10, 30)], [float(x) for x in range(5, 25)]
+    low, median, high = speed.speedup_bounds(19.5, sdpa, 14.5, ours)
+    assert (low, high) == (14.0 / 20.0, 25.0 / 9.0) and median == 19.5 / 14.5
+    assert speed.speedup_bounds(2.0, [], 1.0, []) == (2.0, 2.0, 2.0)  # version 1: medians only
