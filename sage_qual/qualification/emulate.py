@@ -2,10 +2,12 @@
 
 No GPU runs: each variant's numerics model (its INT8 Q/K groups, FP8 or FP16 P.V and V scaling,
 `sage_qual.fixtures.numerics`) computes its output on every selected fixture, and the same
-judgement as certify (`judge.cell_reasons`, the fixture's bounds for the variant's accuracy
-class) says whether it would pass. The report has certify's layout and is marked predicted
-everywhere: one pseudo-device, "numerics model (CPU)", no speed section, no memory figures (the
-model allocates nothing like the kernel), and `sage-qual gate` refuses it.
+judgement as certify (`judge.cell_reasons` against the cell's budget, `budgets.budget`) says
+whether it would pass. The budget is derived from this same model with the suite's margin, so a
+prediction fails where the model's own output does: non-finite (an fp16 accumulator overflowing,
+a zero V channel under FP8). The report has certify's layout and is marked predicted everywhere:
+one pseudo-device, "numerics model (CPU)", no speed section, no memory figures (the model
+allocates nothing like the kernel), and `sage-qual gate` refuses it.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 
 from sage_qual.errors import UsageError
 from sage_qual.fixtures import fileformat, numerics
-from sage_qual.qualification import certify, judge, measure, report, verdict
+from sage_qual.qualification import budgets, certify, judge, measure, report, verdict
 from sage_qual.qualification.report_model import ReasonKind
 from sage_qual.serving import environment
 from sage_qual.serving.variants import VARIANTS, Variant
@@ -46,7 +48,7 @@ def predict_cell(variant: Variant, fixture: fileformat.Fixture, ref: torch.Tenso
     start = time.monotonic()
     out = numerics.predict(variant, fixture.q, fixture.k, fixture.v)  # K smoothing off, as served
     acc = measure.accuracy(out, fixture.q, fixture.k, fixture.v, ref)
-    bounds = fixture.bound(variant)
+    bounds = budgets.budget(variant, fixture)  # the budget certify gives the kernel
     # Peak memory is a GPU measurement the model cannot make: no memory figure is stored, and the
     # judgement's memory term gets zero against no bound, so it cannot fire.
     reasons = judge.cell_reasons(acc, 0.0, bounds, math.inf)

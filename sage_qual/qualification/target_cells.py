@@ -11,7 +11,7 @@ import math
 
 from sage_qual import limits
 from sage_qual.fixtures import fileformat
-from sage_qual.qualification import judge, measure, targets
+from sage_qual.qualification import budgets, judge, measure, targets
 
 
 def run_task(task: dict, bench) -> dict:
@@ -50,7 +50,7 @@ def measure_cell(target: targets.Target, fixture: fileformat.Fixture, capability
         return {"outcome": "skip", "detail": f"{target.name} did not run SageAttention on this call: "
                                              f"{session.evidence.not_served_detail()}"}
     acc = measure.accuracy(out, q, k, v, ref)
-    bounds = fixture.bound(variant)  # the budget certify gives the kernel the integration runs
+    bounds = budgets.budget(variant, fixture)  # the budget certify gives the kernel it runs
     per_element = extra / measure.elements(q, k, v)
     reasons = judge.cell_reasons(acc, per_element, bounds, memory_bound)
     return {"outcome": "fail" if reasons else "pass", "reasons": reasons,
