@@ -336,3 +336,14 @@ def test_any_damage_is_a_report_error_or_reads(tmp_path, capsys, seed):
         target.write_text(json.dumps(data))
         assert cli.main(["merge", str(target)]) in (0, 2)
         capsys.readouterr()
+
+
+def test_a_cell_holds_every_accuracy_metric_the_worker_measures():
+    """The worker stores measure.Accuracy's fields in each cell; the model must know them all, or
+    a GPU run's own report would not read back."""
+    import dataclasses
+
+    from sage_qual.qualification import measure
+
+    cell_fields = {f.name for f in dataclasses.fields(report_model.Cell)}
+    assert {f.name for f in dataclasses.fields(measure.Accuracy)} <= cell_fields

@@ -275,17 +275,27 @@ def _run(options: Options, variants: list[str], chosen: list, fixtures: list, ou
         writer.update(lambda d: d.update(stopped=f"internal error: {errors[0]!r}"))
     if not data["stopped"]:
         writer.update(_finish)
-        typed = report.parse(data, str(out / "report.json"))
-        profile.save(profile.build(typed, verdict.decide(typed)), out / "profile.json")
-    report.render(data, out)
-    print(summary(data, out))
-    if options.junit_xml:
-        decisions = verdict.decide(report.parse(data, str(out / "report.json")))
-        junit.write(options.junit_xml, f"sage-qual certify {data['host']}",
-                    [junit.case(gpu.model, decision) for gpu in decisions for decision in gpu.families])
+    try:
+        _conclude(data, out, options)
+    except report.ReportError as error:  # what this run wrote must read back: a bug, said in one line
+        raise UsageError(f"the run's own report does not read back, a sage-qual bug ({error}); report.json "
+                         "keeps every measurement") from None
     if errors:
         raise errors[0]
     return data
+
+
+def _conclude(data: dict, out: Path, options: Options) -> None:
+    """The profile (of a finished run), report.md/html, the summary and the JUnit XML."""
+    decisions = verdict.decide(report.parse(data, str(out / "report.json")))
+    if data["complete"]:
+        profile.save(profile.build(report.parse(data, str(out / "report.json")), decisions),
+                     out / "profile.json")
+    report.render(data, out)
+    print(summary(data, out))
+    if options.junit_xml:
+        junit.write(options.junit_xml, f"sage-qual certify {data['host']}",
+                    [junit.case(gpu.model, decision) for gpu in decisions for decision in gpu.families])
 
 
 def _variants_to_run(device: dict, gpu: dict, variants: list[str], options: Options) -> list[str]:
