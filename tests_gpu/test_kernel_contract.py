@@ -37,7 +37,9 @@ def tensors(heads=4, kv_heads=2, q_tokens=256, kv_tokens=128, head_dim=64, dtype
 
 # Checked before launch by every kernel (core.py's asserts and ValueErrors) or by the CUDA kernels'
 # C++ (CHECK_SHAPE, num_qo_heads % num_kv_heads): the Triton kernel does not check shapes and would
-# read out of bounds, so it is not called with those here (the fake refuses them for it too).
+# read out of bounds, so it is not called with those here (the fake refuses them for it too). Q has
+# the smaller batch and head_dim: upstream's per-thread quantization (triton/quant_per_thread.py)
+# sizes K's grid from Q's batch and head_dim, so the other way round it would read past K first.
 MALFORMED = {
     "float32": (lambda: tensors(dtype=torch.float32), False),
     "head_dim=256": (lambda: tensors(head_dim=256), False),
