@@ -169,7 +169,7 @@ def check_evidence(report: Report, where: str) -> None:
                                   f"{outcome.value!r} ({why}); the report was edited: certify again")
 
 
-def _speedups(devices: list[Device], report: Report) -> dict[tuple[str, str], tuple[float, float]]:
+def _speedups(devices: list[Device]) -> dict[tuple[str, str], tuple[float, float]]:
     """(variant, shape) -> (lower bound, median ratio) of the speedup over the fastest SDPA
     backend; a shape counts only where every device measured it, the slowest device deciding. A
     variant that failed at a shape counts as no speedup there."""
@@ -199,7 +199,7 @@ class _Model:
         self.shapes = {key: entry.shape for key, entry in report.shapes.items()}
         self.uses = {key: entry.uses for key, entry in report.shapes.items()}
         self.cells = {(c.variant, c.fixture, d.index): c for d in devices for c in d.cells}
-        self.speedup = _speedups(devices, report)
+        self.speedup = _speedups(devices)
         self.ms = {}
         for device in devices:
             for r in device.speed:
