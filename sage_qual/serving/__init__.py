@@ -1,8 +1,10 @@
 """Serving: the production wrapper around SageAttention.
 
 SDPA rebinding and dispatch (`wrapper`), the fallback rules (`eligibility`), the per-thread scope
-(`scope`), thresholds and the kernel table (`config`), the kernel variants (`variants`), the
-installed package's checks (`sage_package`), torch.cuda behind one seam (`platform`), kernel error
-classes (`failures`) and the machine record of `sage-qual env` (`environment`). Nothing here
-imports the fixture or qualification layers.
+(`scope`), thresholds and the kernel table (`config`), the kernel variants and their kernels'
+contracts (`variants`), what each GPU can run (`assess`), the installed package's checks
+(`sage_package`), torch's own SDPA and binding over it (`torch_sdpa`), torch.cuda behind one seam
+(`platform`), kernel error classes (`failures`), reading a certified profile (`profile`) and the
+machine record of `sage-qual env` (`environment`). Nothing here imports the fixture or
+qualification layers.
 """
