@@ -127,16 +127,19 @@ def test_emulate_predicts_each_variant_and_gate_refuses_the_report(tmp_path, cap
     assert "is a predicted report" in capsys.readouterr().err
 
 
-def test_the_prediction_is_the_numerics_models_output_judged_against_the_fixture():
+def test_the_prediction_is_the_numerics_models_output_judged_against_its_budget():
+    import math
+
     from sage_qual.fixtures import numerics
-    from sage_qual.qualification import measure
+    from sage_qual.qualification import budgets, judge, measure
     from sage_qual.serving.variants import VARIANTS
 
     fixture = load_fixture(sorted(shipped_dir().glob("*.safetensors"))[0])
     variant = VARIANTS["sm90-fp8-cuda"]
     cell = emulate.predict_cell(variant, fixture, measure.reference(fixture.q, fixture.k, fixture.v))
-    out = numerics.predict(variant, fixture.q, fixture.k, fixture.v)
-    expected = measure.accuracy(out, fixture.q, fixture.k, fixture.v)
+    expected = measure.accuracy(numerics.predict(variant, fixture.q, fixture.k, fixture.v),
+                                fixture.q, fixture.k, fixture.v)
     assert cell["rel_l2"] == pytest.approx(expected.rel_l2) and cell["accuracy_class"] == "fp8"
-    assert cell["outcome"] == ("pass" if expected.rel_l2 <= cell["bounds"]["max_rel_l2"]
-                               and expected.worst_head_cosine >= cell["bounds"]["min_cosine"] else "fail")
+    assert cell["bounds"] == budgets.budget(variant, fixture)
+    reasons = judge.cell_reasons(expected, 0.0, cell["bounds"], math.inf)
+    assert cell["outcome"] == ("fail" if reasons else "pass")

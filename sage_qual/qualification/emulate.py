@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from sage_qual.errors import UsageError
-from sage_qual.fixtures import fileformat, numerics
+from sage_qual.fixtures import fileformat
 from sage_qual.qualification import budgets, certify, judge, measure, report, verdict
 from sage_qual.qualification.report_model import ReasonKind
 from sage_qual.serving import environment
@@ -46,9 +46,10 @@ class Options:
 def predict_cell(variant: Variant, fixture: fileformat.Fixture, ref: torch.Tensor) -> dict:
     """One (variant, fixture) cell in certify's record layout, judged like a measured one."""
     start = time.monotonic()
-    out = numerics.predict(variant, fixture.q, fixture.k, fixture.v)  # K smoothing off, as served
+    # The model's output (K smoothing off, as served) and the budget derived from it, computed once.
+    out = budgets.prediction(variant, fixture)
     acc = measure.accuracy(out, fixture.q, fixture.k, fixture.v, ref)
-    bounds = budgets.budget(variant, fixture)  # the budget certify gives the kernel
+    bounds = budgets.budget(variant, fixture)
     # Peak memory is a GPU measurement the model cannot make: no memory figure is stored, and the
     # judgement's memory term gets zero against no bound, so it cannot fire.
     reasons = judge.cell_reasons(acc, 0.0, bounds, math.inf)
