@@ -1,0 +1,92 @@
+"""The exact text gate and merge print, from hand-made decisions and rows: a CI log or a fleet
+table read by people and scripts must say what the verdicts say, in every branch."""
+
+from sage_qual.qualification import gate
+from sage_qual.qualification.report_model import Reason, ReasonKind
+from sage_qual.qualification.verdict import FamilyDecision, Verdict
+
+
+def enabled(variant="sm90-fp8-cuda", head_dims=(64, 128)):
+    return FamilyDecision("FLUX.1", Verdict.ENABLE, variant, 4608, 512, list(head_dims),
+                          certified=[variant, "sm80-fp16-cuda"])
+
+
+def no_speedup():
+    return FamilyDecision("FLUX.1", Verdict.NO_SPEEDUP, None, certified=["sm90-fp8-cuda", "sm89-fp8-cuda"],
+                          reasons=[Reason(ReasonKind.SPEED, "sm90-fp8-cuda never measured faster")])
+
+
+def kept_off():
+    return FamilyDecision("FLUX.1", Verdict.KEEP_OFF, reasons=[
+        Reason(ReasonKind.CRASH, "sm90-fp8-cuda on flux (cuda:0): killed by SIGSEGV"),
+        Reason(ReasonKind.ACCURACY, "sm89-fp8-cuda on flux (cuda:1): relative L2 0.2 > 0.08")])
+
+
+def test_gate_lines_for_each_verdict():
+    decision = gate.GateDecision("FLUX.1", 1, gpus=[("H200 (sm_90)", enabled()),
+                                                    ("H100 (sm_90)", no_speedup()),
+                                                    ("RTX 4090 (sm_89)", kept_off())])
+    assert decision.lines(require_speedup=False) == [
+        "FLUX.1 on H200 (sm_90): enable (sm90-fp8-cuda from 4608 query and 512 key tokens, head_dim 64/128)",
+        "FLUX.1 on H100 (sm_90): safe, no speedup (passes with sm90-fp8-cuda, sm89-fp8-cuda; a profile "
+        "serves no call; --require-speedup would keep it off)",
+        "  - speed: sm90-fp8-cuda never measured faster",
+        "FLUX.1 on RTX 4090 (sm_89): keep off",
+        "  - crash: sm90-fp8-cuda on flux (cuda:0): killed by SIGSEGV",
+        "  - accuracy: sm89-fp8-cuda on flux (cuda:1): relative L2 0.2 > 0.08",
+    ]
+    assert decision.lines(require_speedup=True)[1] == (
+        "FLUX.1 on H100 (sm_90): safe, no speedup (passes with sm90-fp8-cuda, sm89-fp8-cuda; a profile "
+        "serves no call)")
+
+
+def test_gate_line_for_one_head_size_and_a_problem():
+    one_size = gate.GateDecision("FLUX.1", 0, gpus=[("H200 (sm_90)", enabled(head_dims=(128,)))])
+    assert one_size.lines(False) == [
+        "FLUX.1 on H200 (sm_90): enable (sm90-fp8-cuda from 4608 query and 512 key tokens, head_dim 128)"]
+    assert gate.GateDecision("FLUX.1", 2, problem="stale report: torch differs").lines(True) == [
+        "stale report: torch differs"]
+
+
+def row(**changes):
+    base = {"host": "box-a", "gpu": "NVIDIA H200", "capability": [9, 0], "devices": [0, 1],
+            "complete": True, "predicted": False, "target": None,
+            "driver": "580.1", "torch": "2.11.0", "sageattention": "2.2.0",
+            "families": {"FLUX.1": {"verdict": "enable", "variant": "sm90-fp8-cuda", "min_query_tokens": 4608,
+                                    "min_key_tokens": 512, "reasons": []},
+                         "SDXL": {"verdict": "safe, no speedup", "variant": None, "min_query_tokens": None,
+                                  "min_key_tokens": None, "reasons": ["speed"]},
+                         "Wan 2.2": {"verdict": "keep off", "variant": None, "min_query_tokens": None,
+                                     "min_key_tokens": None, "reasons": ["crash", "oom"]}}}
+    return {**base, **changes}
+
+
+def test_merge_table_for_every_kind_of_row():
+    rows = [row(),
+            row(host="box-b", gpu="NVIDIA GeForce RTX 4090", capability=[8, 9], devices=[0], driver=None,
+                sageattention=None, families={"FLUX.1": row()["families"]["FLUX.1"]}),
+            row(host="box-c", complete=False, families={}),
+            row(host="box-d", predicted=True)]
+    assert gate.merge_markdown(rows).splitlines() == [
+        "| host | GPU | sm | GPUs | driver | torch | sageattention | FLUX.1 | SDXL | Wan 2.2 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        "| box-a | NVIDIA H200 | 90 | 2 | 580.1 | 2.11.0 | 2.2.0 | enable: sm90-fp8-cuda >= 4608/512 | "
+        "safe, no speedup: speed | keep off: crash, oom |",
+        "| box-b | NVIDIA GeForce RTX 4090 | 89 | 1 | - | 2.11.0 | - | enable: sm90-fp8-cuda >= 4608/512 | "
+        "not run | not run |",
+        "| box-c | NVIDIA H200 | 90 | 2 | 580.1 | 2.11.0 | 2.2.0 | partial report | partial report | "
+        "partial report |",
+        "| box-d | NVIDIA H200 | 90 | 2 | 580.1 | 2.11.0 | 2.2.0 | predicted, not measured | "
+        "predicted, not measured | predicted, not measured |",
+    ]
+
+
+def test_merge_table_names_the_target_only_when_a_report_has_one():
+    rows = [row(families={}), row(host="box-t", target="diffusers:sage_hub", families={})]
+    assert gate.merge_markdown(rows).splitlines() == [
+        "| host | GPU | sm | GPUs | driver | torch | sageattention | target |",
+        "|---|---|---|---|---|---|---|---|",
+        "| box-a | NVIDIA H200 | 90 | 2 | 580.1 | 2.11.0 | 2.2.0 | (variants) |",
+        "| box-t | NVIDIA H200 | 90 | 2 | 580.1 | 2.11.0 | 2.2.0 | diffusers:sage_hub |",
+    ]
+    assert "target" not in gate.merge_markdown([row(families={})]).splitlines()[0]
