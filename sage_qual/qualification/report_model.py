@@ -12,6 +12,8 @@ report_schema.json from these classes.
 from __future__ import annotations
 
 import enum
+import math
+import statistics
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -142,6 +144,17 @@ class Speed:
             return [("ms", f"is {self.ms}, expected a positive time")]
         if self.outcome == Outcome.PASS and self.ms is None:
             return [("ms", "null for a timing whose outcome is 'pass'")]
+        # The decisions use both the median and the samples: an edit to one shows against the other.
+        if self.samples_ms and self.ms is not None:
+            median = statistics.median(self.samples_ms)
+            if not math.isclose(median, self.ms):
+                return [("ms", f"{self.ms:.6g} is not the median of samples_ms ({median:.6g})")]
+        if self.backends and self.ms is not None:
+            fastest = min(self.backends.values())
+            if not math.isclose(fastest, self.ms):
+                return [("ms", f"{self.ms:.6g} is not the fastest of backends ({fastest:.6g})")]
+        if self.best_backend and self.best_backend not in self.backends:
+            return [("best_backend", f"{self.best_backend!r} is not in backends")]
         return []
 
 
