@@ -373,3 +373,14 @@ def test_a_stored_verdict_section_edited_to_enable_changes_nothing():
                       min_key_tokens=1, head_dims=[64, 128])
     code, lines = decide(data, "Wan 2.2")
     assert code == 1 and lines[0] == "Wan 2.2 on NVIDIA H200 (sm_90): keep off"
+
+
+def test_a_predicted_report_cannot_decide_and_merges_as_such(capsys, tmp_path):
+    data = load(H200)
+    data["predicted"] = True  # certify --emulate: the CPU numerics model, nothing measured
+    code, lines = decide(data, "FLUX.1")
+    assert code == 2 and "predicted by the CPU numerics model" in lines[0]
+    path = tmp_path / "predicted.json"
+    path.write_text(json.dumps(data))
+    code, out, _ = run_cli(capsys, "merge", str(path))
+    assert code == 0 and "predicted, not measured" in out and "enable:" not in out
