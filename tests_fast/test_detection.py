@@ -1,16 +1,25 @@
 """The suite catches kernel defects, and only where they reach: the fake kernel (sage_qual.testing),
 returning what the numerics model says the H200's kernel returns, wrapped with each defect of
-`sage_qual.qualification.detection`; certify's judgement on every shipped fixture must keep off
-exactly the families the defect reaches. docs/detection.md holds the matrix."""
+`sage_qual.qualification.detection`; the cells certify would write for every shipped fixture, read
+by the gate's `verdict.decide()`, must keep off exactly the families the defect reaches (and those
+the clean kernel keeps off already). docs/detection.md holds the matrix."""
+
+import json
+import math
+from pathlib import Path
 
 import pytest
 
 from sage_qual.fixtures.fileformat import list_fixtures, load_fixture, shipped_dir
-from sage_qual.qualification import budgets, detection, measure
+from sage_qual.limits import MEMORY_BOUND
+from sage_qual.qualification import budgets, detection, judge, measure, report_model, verdict
 from sage_qual.serving.variants import VARIANTS
 from sage_qual.testing import FakeSageAttention
 
 VARIANT = VARIANTS["sm90-fp8-cuda"]  # the kernel the field reports were tried with (H200)
+# A complete two-H200 report (B's test data): its speed evidence, our fixtures and cells.
+SAMPLE = Path(__file__).resolve().parent / "data" / "sample_h200_2gpu.json"
+EXTRA_BYTES = 1.5  # per q/k/v element, within the memory bound: memory is not what is tested here
 
 
 class _Package:
@@ -68,13 +77,48 @@ def baseline(bench, failing):
     return frozenset().union(*(detection.owners(f) for f in fixtures if f.name in failing))
 
 
+def _cell(fixture, metrics: dict) -> dict:
+    budget = budgets.budget(VARIANT, fixture)
+    reasons = judge.cell_reasons(metrics, EXTRA_BYTES, budget, MEMORY_BOUND)
+    numbers = {k: (None if isinstance(x, float) and not math.isfinite(x) else x) for k, x in metrics.items()}
+    return {"variant": VARIANT.name, "fixture": fixture.name, "outcome": "fail" if reasons else "pass",
+            "reasons": reasons, "accuracy_class": VARIANT.accuracy_class, "bounds": budget, **numbers,
+            "extra_bytes_per_element": EXTRA_BYTES, "seconds": 0.1}
+
+
+def kept_off_by_the_gate(fixtures, outputs, references) -> frozenset[str]:
+    """The families `verdict.decide()` keeps off for a report holding these outputs' cells."""
+    data = json.loads(SAMPLE.read_text())
+    data["options"]["variants"] = [VARIANT.name]
+    data["fixtures"] = [{"name": f.name, "family": f.family, "kind": f.kind,
+                         "dtype": str(f.dtype).removeprefix("torch."), "q": list(f.q.shape),
+                         "k": list(f.k.shape), "sha256": f.sha256, "bounds": f.bounds,
+                         "provenance": f.provenance} for f in fixtures]
+    cells = [_cell(f, measure.errors(outputs[f.name], references[f.name])) for f in fixtures]
+    for device in data["devices"]:
+        device["cells"] = cells
+    gpu = verdict.decide(report_model.from_dict(data, "detection test"))[0]
+    return frozenset(d.family for d in gpu.families if d.verdict == verdict.Verdict.KEEP_OFF)
+
+
+@pytest.fixture(scope="module")
+def gate_baseline(bench):
+    return kept_off_by_the_gate(*bench)
+
+
 @pytest.mark.parametrize("defect", detection.DEFECTS, ids=lambda d: d.name)
-def test_defect_keeps_off_exactly_the_families_it_reaches(bench, failing, baseline, defect):
-    newly, caught = detection.kept_off(VARIANT, *bench, defect, failing)
-    # Caught by a fixture that passed before wherever the family was not off already, and never
-    # on a family the defect cannot reach; with the defect the gate keeps off exactly these.
-    assert defect.reaches - baseline <= newly <= defect.reaches, f"caught on {sorted(caught)}"
-    assert newly | baseline == defect.reaches | baseline
+def test_defect_keeps_off_exactly_the_families_it_reaches(bench, gate_baseline, defect):
+    fixtures, clean, references = bench
+    defective = {f.name: defect.apply(detection.Call(f.q, f.k, f.v, clean[f.name], f.q.shape[-1] ** -0.5))
+                 for f in fixtures}
+    off = kept_off_by_the_gate(fixtures, defective, references)
+    # Every family it reaches is kept off; any other family keeps the verdict it had without it.
+    assert off == defect.reaches | gate_baseline, f"kept off {sorted(off)}, baseline {sorted(gate_baseline)}"
+
+
+def test_the_gate_keeps_off_without_a_defect_only_what_the_model_predicts_and_the_uncertified(gate_baseline):
+    # SDXL, FLUX.1: NaN on the IP-Adapter zero V; FLUX.2 and LTX-2 have no fixtures (not certified).
+    assert gate_baseline == {"SDXL", "FLUX.1", "FLUX.2", "LTX-2"}
 
 
 def test_a_defect_that_changes_nothing_keeps_nothing_off(bench, failing):
