@@ -284,3 +284,10 @@ def test_speedup_bounds_take_the_pessimistic_ends():
     low, median, high = speed.speedup_bounds(19.5, sdpa, 14.5, ours)
     assert (low, high) == (14.0 / 20.0, 25.0 / 9.0) and median == 19.5 / 14.5
     assert speed.speedup_bounds(2.0, [], 1.0, []) == (2.0, 2.0, 2.0)  # version 1: medians only
+
+
+def test_each_devices_profile_note_is_logged(fake, caplog):
+    caplog.set_level("INFO", logger="sage_qual")
+    sage_qual.install(profile=make_profile(gpu=H100))
+    assert any("cuda:0 (Fake H200, sm_90): no profile entry matches (the profile has Fake H100 (sm_90))"
+               in r.getMessage() for r in caplog.records)

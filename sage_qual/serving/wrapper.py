@@ -124,6 +124,9 @@ def _install(config: WrapperConfig | None, profile=None, family: str | None = No
     unserved = "; ".join(f"{d.label}: {d.no_kernel_reason}" for d in devices.values() if not d.variant)
     log.info("SageAttention %s enabled for SDPA calls inside sage_attention_scope(): %s%s",
              package.version, served, f"; no kernel for {unserved}" if unserved else "")
+    for device in devices.values():
+        if device.profile_note:
+            log.info("%s: %s", device.label, device.profile_note)
     return _status
 
 
