@@ -57,6 +57,19 @@ def test_version_1_samples_read_and_their_evidence_validates_as_version_2(path, 
     assert errors(validator, as_version_2(data)) == []
 
 
+@pytest.mark.parametrize("damage", [lambda d: d.update(complete="false"), lambda d: d.pop("environment"),
+                                    lambda d: d["devices"][0]["cells"][0].update(speedy=True),
+                                    lambda d: d["devices"][0]["speed"][0].update(outcome="slow"),
+                                    lambda d: d["devices"][0].update(capability=[9]),
+                                    lambda d: d["fixtures"][0].update(sha256="not-a-hash")],
+                         ids=["string complete", "no environment", "unknown key", "unknown outcome",
+                              "short capability", "bad sha256"])
+def test_the_schema_rejects_what_load_refuses(validator, damage):
+    data = as_version_2(sample())
+    damage(data)
+    assert errors(validator, data)
+
+
 COMMITTED = sorted(Path(__file__).resolve().parent.parent.glob("docs/results/*/report.json"))
 
 
