@@ -54,7 +54,10 @@ def from_results(results_path, fixture_dir) -> list[Row]:
     """Rows for every accuracy cell of a results table whose fixture is in `fixture_dir`."""
     fixtures = {p.name.removesuffix(".safetensors"): p for p in list_fixtures(fixture_dir)}
     rows, loaded = [], {}
-    for entry in json.loads(Path(results_path).read_text()):
+    table = json.loads(Path(results_path).read_text())
+    if not isinstance(table, list) or not all(isinstance(entry, dict) for entry in table):
+        raise ValueError("not a list of result rows")
+    for entry in table:
         if entry.get("test") != "accuracy" or entry.get("fixture") not in fixtures:
             continue
         name = entry["fixture"]
@@ -93,7 +96,13 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     directory = argv[1] if len(argv) > 1 else shipped_dir()
-    print(markdown(from_results(argv[0], directory)), end="")
+    try:
+        rows = from_results(argv[0], directory)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        print(f"model_check: {argv[0]}: cannot read it as a `pytest -m slow` results table ({error}); give "
+              "the gpu_results.json that tests_gpu wrote", file=sys.stderr)
+        return 2
+    print(markdown(rows), end="")
     return 0
 
 

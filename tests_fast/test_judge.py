@@ -1,0 +1,89 @@
+"""The cell judgement: every limit of a budget against its metric, whether the metrics come as
+measure.Accuracy or as a stored cell; a missing number never passes; the slice metrics see a defect
+confined to one head, one item or one block of rows, and the norm ratio sees a scale."""
+
+import math
+
+import pytest
+import torch
+
+from sage_qual.qualification import judge, measure
+
+BUDGET = {"max_rel_l2": 0.055, "max_head_rel_l2": 0.06, "max_batch_rel_l2": 0.06, "max_block_rel_l2": 0.08,
+          "min_norm_ratio": 0.99, "max_norm_ratio": 1.01, "min_cosine": 0.998}
+GOOD = {"rel_l2": 0.05, "worst_head_rel_l2": 0.055, "worst_batch_rel_l2": 0.05, "worst_block_rel_l2": 0.07,
+        "norm_ratio": 1.0, "worst_head_cosine": 0.999, "finite": True, "sdpa_rel_l2": 0.002}
+
+
+def kinds(metrics, per_element=1.0, budget=BUDGET):
+    return [r["kind"] for r in judge.cell_reasons(metrics, per_element, budget, 2.5)]
+
+
+def test_a_cell_within_every_limit_passes():
+    assert kinds(GOOD) == []
+
+
+@pytest.mark.parametrize("metric, value, says", [
+    ("rel_l2", 0.06, "relative L2 0.06 > 0.055"),
+    ("worst_head_rel_l2", 0.2, "worst query head's relative L2"),
+    ("worst_batch_rel_l2", 0.2, "worst batch item's relative L2"),
+    ("worst_block_rel_l2", 0.2, "worst query-row block's relative L2"),
+    ("norm_ratio", 1.1, "output norm / reference norm 1.1 > 1.01"),
+    ("norm_ratio", 0.9, "output norm / reference norm 0.9 < 0.99"),
+    ("worst_head_cosine", 0.99, "worst head cosine 0.99 < 0.998"),
+])
+def test_each_limit_fails_alone(metric, value, says):
+    reasons = judge.cell_reasons({**GOOD, metric: value}, 1.0, BUDGET, 2.5)
+    assert len(reasons) == 1 and reasons[0]["kind"] == "accuracy" and says in reasons[0]["detail"]
+
+
+@pytest.mark.parametrize("value", [None, math.nan, "0.01", True])
+def test_a_missing_or_non_numeric_metric_fails(value):
+    assert kinds({**GOOD, "worst_block_rel_l2": value}) == ["accuracy"]
+
+
+def test_non_finite_output_and_memory_are_reasons_of_their_own():
+    assert kinds({**GOOD, "finite": False}) == ["non_finite"]
+    assert kinds({k: v for k, v in GOOD.items() if k != "finite"}) == ["non_finite"]
+    assert kinds(GOOD, per_element=2.6) == ["memory"]
+    assert kinds(GOOD, per_element=None) == ["memory"]
+
+
+def test_a_limit_that_is_not_a_number_fails_the_cell():
+    assert kinds(GOOD, budget={**BUDGET, "max_rel_l2": "0.1"}) == ["accuracy"]
+
+
+def test_old_class_bounds_judge_as_before():
+    assert kinds(GOOD, budget={"max_rel_l2": 0.08, "min_cosine": 0.99}) == []
+
+
+def _pair(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ref = torch.randn(2, 4, 256, 64, generator=g)
+    return ref, ref + 0.05 * torch.randn(ref.shape, generator=g)
+
+
+@pytest.mark.parametrize("defect, metric", [
+    (lambda out: out.index_fill(1, torch.tensor([2]), 0.0), "worst_head_rel_l2"),
+    (lambda out: torch.cat([out[:1], out[1:] * 1.5]), "worst_batch_rel_l2"),
+    (lambda out: torch.cat([out[..., :64, :].flip(2), out[..., 64:, :]], 2), "worst_block_rel_l2"),
+])
+def test_a_defect_confined_to_one_slice_shows_in_that_slice(defect, metric):
+    ref, out = _pair()
+    clean, broken = measure.errors(out, ref), measure.errors(defect(out), ref)
+    assert broken[metric] > 10 * clean[metric]
+    assert broken[metric] > 1.3 * broken["rel_l2"]  # more than the whole tensor's error shows
+
+
+def test_a_scale_error_shows_in_the_norm_ratio_not_in_the_cosine():
+    ref, out = _pair(1)
+    clean, scaled = measure.errors(out, ref), measure.errors(out * 1.10, ref)
+    assert scaled["norm_ratio"] == pytest.approx(clean["norm_ratio"] * 1.10, rel=1e-5)
+    assert scaled["worst_head_cosine"] == pytest.approx(clean["worst_head_cosine"], abs=1e-6)
+
+
+def test_a_slice_whose_reference_is_zero_is_measured_against_the_mean_energy():
+    ref, out = _pair(2)
+    ref[1], out[1] = 0.0, 1e-3  # a batch item attending over zero values
+    found = measure.errors(out, ref)
+    assert math.isfinite(found["worst_batch_rel_l2"]) and found["worst_batch_rel_l2"] < 0.1
