@@ -17,7 +17,6 @@ import torch
 
 from sage_qual.fixtures.fileformat import load_fixture
 from sage_qual.qualification import budgets, detection, measure
-from sage_qual.serving.config import KERNEL_TABLE
 
 from .conftest import FIXTURE_PATHS
 
@@ -28,12 +27,11 @@ _caught: dict[str, list[str]] = {}
 
 
 @pytest.fixture(scope="module")
-def kernel(sage, box, runnable):
+def kernel(sage, gpu0):
     """The wrapper's kernel for this GPU, its clean output on every fixture, the references."""
-    table = KERNEL_TABLE.get(box.capability) or ()
-    if not table:
-        pytest.skip(f"no kernel for capability {box.capability}")
-    variant = runnable(table[0])
+    if gpu0.kernel is None:
+        pytest.skip(f"no kernel for this GPU: {gpu0.no_kernel_reason}")
+    variant = gpu0.kernel
     fixtures = [load_fixture(p, device="cuda") for p in FIXTURE_PATHS]
     clean = {f.name: measure.call_kernel(sage, variant, f.q, f.k, f.v) for f in fixtures}
     references = {f.name: measure.reference(f.q, f.k, f.v) for f in fixtures}
