@@ -70,7 +70,7 @@ def timed_report(ms_per_device: list[dict], variants=VARIANTS, every_shape=False
                            for f in data["fixtures"]]
         device["speed"] = []
         for key in data["shapes"]:
-            device["speed"].append({**sdpa, "shape": key, "ms": 1.0})
+            device["speed"].append({**sdpa, "shape": key, "ms": 1.0, "backends": {sdpa["best_backend"]: 1.0}})
             device["speed"] += [{"kernel": v, "shape": key, "outcome": "pass", "ms": ms.get((v, key), SLOWER),
                                  "seconds": 0.1} for v in variants]
         devices.append(device)
