@@ -88,7 +88,7 @@ def test_host_time_of_the_served_path_without_the_kernel(benchmark, sage, box, r
     parts = dict(
         wrapper_us=benchmark.stats.stats.median * 1e6,
         rules_us=per_call_us(lambda: eligibility.refusal(call, state.config, cuda)),
-        device_check_us=per_call_us(lambda: wrapper._device_refusal(state, call, cuda)),
+        device_check_us=per_call_us(lambda: wrapper._device_refusal(state, call, cuda, None, None)),
         device_guard_us=per_call_us(device_guard),
     )
     benchmark.extra_info.update(parts)

@@ -101,7 +101,7 @@ def _block_errors(blocks: torch.Tensor, ref_blocks: torch.Tensor, rows: int) -> 
     mean-energy share is scaled to the rows it holds."""
     diff_sq = blocks.square().sum((-1, -2))
     ref_sq = ref_blocks.square().sum((-1, -2))
-    sizes = torch.full(diff_sq.shape[-1:], float(ROW_BLOCK), dtype=diff_sq.dtype)
+    sizes = torch.full(diff_sq.shape[-1:], float(ROW_BLOCK), dtype=diff_sq.dtype, device=diff_sq.device)
     sizes[-1] = rows - ROW_BLOCK * (sizes.numel() - 1)
     share = ref_blocks.square().sum() * sizes / (rows * diff_sq.shape[0] * diff_sq.shape[1])
     return (diff_sq / torch.maximum(ref_sq, share).clamp_min(1e-30)).sqrt().max().item()
