@@ -280,15 +280,18 @@ def test_a_damaged_fixture_file_is_one_line_naming_it(capsys, fleet, machine):
 # Across reports: merge --------------------------------------------------------------------------------
 def test_merge_gives_one_row_per_model_and_report(capsys, fleet):
     path, _, _ = fleet
-    code = cli.main(["merge", "--json", str(path), str(DATA / "sample_rtx4090.json"),
-                     str(DATA / "sample_partial.json")])
+    reports = [path, DATA / "sample_partial.json", DATA / "sample_rtx4090.json"]
+    code = cli.main(["merge", "--json", *map(str, reports)])
     out, err = capsys.readouterr()
     assert (code, err) == (0, "")
     rows = json.loads(out)
-    assert [(r["host"], r["gpu"], r["devices"]) for r in rows[:4]] == [
-        ("fleet-box", H200, [0]), ("fleet-box", H100, [1]), ("fleet-box", RTX4090, [2]),
-        ("sample-ws-4090", RTX4090, [0])]
-    assert all(not r["complete"] and r["families"] == {} for r in rows[4:]) and len(rows) == 6
+    assert [(r["host"], r["gpu"], r["devices"], r["report"]) for r in rows[:3] + rows[5:]] == [
+        ("fleet-box", H200, [0], str(path)), ("fleet-box", H100, [1], str(path)),
+        ("fleet-box", RTX4090, [2], str(path)), ("sample-ws-4090", RTX4090, [0], str(reports[2]))]
+    partial = rows[3:5]  # one row per device of the partial run, no verdicts
+    assert [(r["devices"], r["complete"], r["families"], r["report"]) for r in partial] == [
+        ([0], False, {}, str(reports[1])), ([1], False, {}, str(reports[1]))]
+    rows = rows[:3] + rows[5:]
     qwen = {(r["host"], r["gpu"]): tuple(r["families"]["Qwen-Image"][k] for k in ("verdict", "variant"))
             for r in rows[:4]}
     assert qwen[("fleet-box", H200)] == ("enable", "sm90-fp8-cuda")
@@ -310,3 +313,17 @@ def test_merge_markdown_has_a_line_per_model(capsys, fleet):
     cell = {key: [c.strip() for c in line.strip("|").split("|")][qwen] for key, line in rows.items()}
     assert cell[("fleet-box", H200, "90", "1")].startswith("enable: sm90-fp8-cuda >= ")
     assert cell[("fleet-box", H100, "90", "1")].startswith("enable: sm89-fp8-cuda >= ")
+
+
+def test_a_fixture_file_with_non_finite_values_is_one_line_naming_it(capsys, fleet, machine):
+    path, fixtures, data = fleet
+    machine(H200)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 32, 64, generator=g).to(torch.bfloat16) for _ in range(3))
+    q[0, 0, 0, 0] = float("inf")
+    bad = fixtures / f"zz-inf{fileformat.SUFFIX}"
+    fileformat.save_fixture(bad, q, k, v, family="flux.1", kind="replica", source={"test": "inf"},
+                            provenance="tests_fast/test_gate_fleet.py: one inf",
+                            bounds=data["fixtures"][0]["bounds"])
+    code, out, err = gate(capsys, path, fixtures, "FLUX.1")
+    assert code == 2 and out == "" and err.count("\n") == 1 and str(bad) in err

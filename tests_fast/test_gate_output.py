@@ -1,7 +1,7 @@
 """The exact text gate and merge print, from hand-made decisions and rows: a CI log or a fleet
 table read by people and scripts must say what the verdicts say, in every branch."""
 
-from sage_qual.qualification import gate
+from sage_qual.qualification import gate, verdict
 from sage_qual.qualification.report_model import Reason, ReasonKind
 from sage_qual.qualification.verdict import FamilyDecision, Verdict
 
@@ -90,3 +90,10 @@ def test_merge_table_names_the_target_only_when_a_report_has_one():
         "| box-t | NVIDIA H200 | 90 | 2 | 580.1 | 2.11.0 | 2.2.0 | diffusers:sage_hub |",
     ]
     assert "target" not in gate.merge_markdown([row(families={})]).splitlines()[0]
+
+
+def test_where_a_variant_pays_names_every_head_size():
+    thresholds = verdict.Thresholds(4608, 512, [64, 128], served_shapes=3, measured_shapes=5)
+    assert verdict._where(thresholds) == "4608 query / 512 key tokens, head_dim 64/128"
+    assert enabled().served_from() == "4608 / 512, head_dim 64/128"
+    assert FamilyDecision("FLUX.1").served_from() == "-"

@@ -14,6 +14,7 @@ from sage_qual.serving import scope
 from sage_qual.serving.config import KERNEL_TABLE, WrapperConfig
 from sage_qual.serving.eligibility import bind
 from sage_qual.serving.variants import EXTENSIONS, VARIANTS, BoxFacts
+from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention, on_device
 
 from .helpers import SMALL, TORCH_SDPA, qkv, records, retired, wrapped
 
@@ -120,7 +121,6 @@ def test_kernel_error_detail_and_retirement(caplog):
 
 
 def test_tensors_on_two_gpus_are_named():
-    from sage_qual.testing import on_device
     q, k, v = qkv()
     with wrapped(gpus=((9, 0), (9, 0))), sage_qual.sage_attention_scope() as report:
         F.scaled_dot_product_attention(on_device(q, 0), on_device(k, 1), on_device(v, 0))
@@ -181,3 +181,101 @@ def test_a_smaller_query_tile_applies_above_64_only_where_declared(name, head_di
     assert scheme.q_tile_at_head_dim_128 is None or head_dim <= 64
     assert (scheme.k_tile, scheme.pv, scheme.pv_accumulation) == (numerics.k_tile, numerics.pv,
                                                                   numerics.pv_accumulation)
+
+
+# Why install() keeps torch's function: the exact reason a user reads ------------------------------------
+@pytest.mark.parametrize("gpus, rocm, reason", [
+    ([], False, "no CUDA GPU is visible (CPU-only torch build, no driver, or CUDA_VISIBLE_DEVICES empty): "
+                "install a CUDA build of torch"),
+    ([(9, 0)], True, "this is a ROCm build of torch; SageAttention runs on NVIDIA CUDA GPUs only"),
+    ([(7, 5), (7, 0)], False, "no GPU of compute capability 8.0 or newer (cuda:0 sm_75, cuda:1 sm_70); "
+                              "SageAttention 2 needs Ampere or newer"),
+])
+def test_install_names_why_this_box_gets_no_kernel(gpus, rocm, reason):
+    with FakeCuda([FakeGpu(cap) for cap in gpus], rocm=rocm), FakeSageAttention().installed():
+        status = sage_qual.install()
+    assert not status.enabled and status.reason.endswith(reason)
+
+
+def test_install_lists_every_gpus_reason_when_none_has_a_kernel():
+    with FakeCuda([FakeGpu((8, 7), "Orin"), FakeGpu((8, 7), "Orin")]), FakeSageAttention().installed():
+        status = sage_qual.install()
+    why = WrapperConfig().choose((8, 7), {})[1]
+    reasons = [f"cuda:{i} (Orin, sm_87): {why}" for i in (0, 1)]
+    assert not status.enabled
+    assert status.reason.endswith(f"no GPU here has a usable SageAttention kernel ({'; '.join(reasons)})")
+
+
+def test_the_first_served_call_announces_the_kernel(caplog):
+    with wrapped() as (_, fake), sage_qual.sage_attention_scope():
+        F.scaled_dot_product_attention(*qkv())
+        F.scaled_dot_product_attention(*qkv())
+        where, doc = label(), F.scaled_dot_product_attention.__doc__
+    variant = VARIANTS["sm90-fp8-cuda"]
+    announced = [m for m in records(caplog, logging.INFO) if " serves attention on " in m]
+    assert announced == [f"SageAttention 2.2.0 serves attention on {where} with {variant.function} "
+                         f"(variant {variant.name})"]
+    assert doc == "SageAttention-aware SDPA (installed by sage_qual.install())."
+
+
+# What a GPU cannot run, in the words `sage-qual env` and install() print -----------------------------
+def facts_of(capability, torch_cuda=(13, 0), extensions=EXTENSIONS, triton=True):
+    return BoxFacts(capability, torch_cuda, frozenset(extensions), triton)
+
+
+@pytest.mark.parametrize("name, facts, reasons", [
+    ("sm90-fp8-cuda", facts_of((9, 1)), [
+        "capability=(9, 1): SageAttention 2.2 builds no code that runs on sm_91 (builds for sm_80, sm_86, "
+        "sm_89, sm_90a, sm_100a, sm_120a, sm_121a)", "capability=(9, 1) (needs <= (9, 0))"]),
+    ("sm86-fp16-triton", facts_of((12, 0), triton=False), [
+        "capability=(12, 0): upstream's Triton kernel is not usable there (sageattention core.py)",
+        "triton not installed"]),
+    ("sm89-fp8-cuda", facts_of((8, 6), torch_cuda=None, extensions=()), [
+        "capability=(8, 6) (needs >= (8, 9))",
+        "extension sageattention._qattn_sm89 not built or does not import",
+        "torch CUDA=none (needs >= 12.8)"]),
+    ("sm89-fp8-cuda", facts_of((8, 9), torch_cuda=(12, 4)), ["torch CUDA=12.4 (needs >= 12.8)"]),
+    ("sm89-fp8-cuda", facts_of((8, 9), torch_cuda=(12, 8)), []),
+])
+def test_not_supported_reasons_are_exact(name, facts, reasons):
+    assert VARIANTS[name].not_supported_reasons(facts) == reasons
+
+
+def test_choose_names_a_capability_without_kernels_and_the_known_ones():
+    config = WrapperConfig(kernel_table={(9, 0): ("sm90-fp8-cuda",), (8, 0): ("sm80-fp16-cuda",)})
+    assert config.choose((8, 7), {}) == (None,
+                                         "sm_87 has no SageAttention kernel (kernels for: sm_80, sm_90)")
+
+
+def test_choose_skips_a_table_entry_that_is_not_a_registered_variant():
+    config = WrapperConfig(kernel_table={(9, 0): ("sm90-typo", "sm90-fp8-cuda")})
+    assert config.choose((9, 0), {"sm90-fp8-cuda": []}) == (VARIANTS["sm90-fp8-cuda"], "")
+    assert config.choose((9, 0), {"sm90-fp8-cuda": ["a", "b"]}) == (
+        None, "sm90-typo: not a registered variant | sm90-fp8-cuda: a; b")
+
+
+# What install() logs -----------------------------------------------------------------------------------
+def test_install_logs_each_gpus_kernel_or_why_none(caplog):
+    gpus = [FakeGpu((9, 0), "H200"), FakeGpu((8, 7), "Orin")]
+    with FakeCuda(gpus), FakeSageAttention().installed():
+        assert sage_qual.install().enabled
+    why = WrapperConfig().choose((8, 7), {})[1]
+    assert records(caplog, logging.INFO)[-1] == (
+        "SageAttention 2.2.0 enabled for SDPA calls inside sage_attention_scope(): cuda:0 (H200, sm_90) -> "
+        f"sm90-fp8-cuda; no kernel for cuda:1 (Orin, sm_87): {why}")
+
+
+def test_install_logs_the_kernels_of_a_box_where_every_gpu_has_one(caplog):
+    gpus = [FakeGpu((9, 0), "H200"), FakeGpu((8, 9), "L40S")]
+    with FakeCuda(gpus, torch_cuda=(13, 0)), FakeSageAttention().installed():
+        assert sage_qual.install().enabled
+    assert records(caplog, logging.INFO)[-1] == (
+        "SageAttention 2.2.0 enabled for SDPA calls inside sage_attention_scope(): cuda:0 (H200, sm_90) -> "
+        "sm90-fp8-cuda, cuda:1 (L40S, sm_89) -> sm89-fp8-cuda")
+
+
+def test_install_warns_once_with_the_reason(caplog):
+    with FakeCuda([FakeGpu((7, 5))]), FakeSageAttention().installed():
+        status = sage_qual.install()
+    assert records(caplog, logging.WARNING) == [
+        f"SageAttention not enabled, attention stays on PyTorch SDPA: {status.reason}"]
