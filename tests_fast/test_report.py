@@ -199,11 +199,6 @@ def fail_cell_edited_to_pass(data):
     cell.update(outcome="pass", reasons=[])
 
 
-def loosened_bound(data):
-    cell = first_cell(data, "pass")
-    cell["bounds"]["max_rel_l2"] = 10.0
-
-
 def every_cell_fails_but_says_pass(data):
     for device in data["devices"]:
         for cell in device["cells"]:
@@ -211,7 +206,10 @@ def every_cell_fails_but_says_pass(data):
                 cell["worst_head_cosine"] = 0.1
 
 
-@pytest.mark.parametrize("damage", [pass_cell_with_failing_numbers, fail_cell_edited_to_pass, loosened_bound,
+# A loosened budget is not among them: budgets are derived from the numerics model per cell
+# (qualification/budgets.py), which a report alone cannot recompute; the fixture's class bounds are
+# provenance only and may be tighter than a cell's budget (flux1_ip_adapter_zero_uncond).
+@pytest.mark.parametrize("damage", [pass_cell_with_failing_numbers, fail_cell_edited_to_pass,
                                     every_cell_fails_but_says_pass])
 def test_cells_that_disagree_with_their_numbers_are_refused(tmp_path, damage):
     path = edit(damage)(tmp_path)
