@@ -143,6 +143,8 @@ def summary(data: dict) -> str:
         for reasons in row.values():
             # One line per variant and fixture: its reasons share the "VARIANT on FIXTURE (...): " prefix.
             grouped: dict[str, list[str]] = {}
+            # A non-finite output leaves every metric "not measured": the first reason says it all.
+            reasons = [r for r in reasons if not r.endswith("not measured")] or reasons
             for reason in reasons:
                 where, _, what = reason.partition("): ")
                 # The one pseudo-device is the model, not a GPU: its "(cuda:0)" says nothing.

@@ -9,7 +9,7 @@ in the app's own test suite, on sage-qual's activation fixtures and budgets.
   name `sage_qual.qualification.targets.resolve` takes; default `wrapper` (sage_qual as installed).
 - `--sage-qual-fixtures DIR`: fixtures to use (default: the ones shipped with sage-qual).
 - `sage_qual_fixture`: one test per fixture (of the marker's families, else all), on the GPU;
-  `sage_qual_budget`: that fixture's bounds for the kernel class the target runs on this GPU;
+  `sage_qual_budget`: the budget certify gives that fixture for the kernel the target runs here;
   `sage_qual_target`: the resolved `Target`; `sage_qual_check(fixture)`: runs the target on it as
   certify does and fails with the reasons unless SageAttention served the call within budget.
 - Without a CUDA GPU, or when the target cannot run on this one, these tests skip with the reason.
@@ -23,8 +23,8 @@ import torch
 
 from sage_qual.fixtures import fileformat
 from sage_qual.limits import MEMORY_BOUND
+from sage_qual.qualification import budgets, target_cells, targets
 from sage_qual.qualification import families as families_mod
-from sage_qual.qualification import target_cells, targets
 
 DEFAULT_TARGET = "wrapper"
 NO_GPU = "sage-qual: no CUDA GPU visible to torch; SageAttention integrations are qualified on the GPU"
@@ -137,11 +137,12 @@ def sage_qual_fixture(request) -> fileformat.Fixture:
 
 @pytest.fixture
 def sage_qual_budget(sage_qual_fixture, sage_qual_target) -> dict:
-    """{"max_rel_l2", "min_cosine"} of this fixture for the kernel class the target runs here."""
-    accuracy_class = sage_qual_target.accuracy_class(_capability())
-    if accuracy_class is None:
+    """The budget certify gives this fixture for the kernel the target runs here (`budgets.budget`:
+    max_rel_l2, min_cosine, per-head/item/block and norm-ratio limits)."""
+    variant = sage_qual_target.variant(_capability())
+    if variant is None:
         pytest.skip(f"sage-qual: {sage_qual_target.name} has no kernel for this GPU")
-    return sage_qual_fixture.bounds[accuracy_class]
+    return budgets.budget(variant, sage_qual_fixture)
 
 
 class _CudaBench:
