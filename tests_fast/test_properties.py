@@ -13,7 +13,7 @@ import torch
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
-from sage_qual.qualification import speed
+from sage_qual.qualification import families, speed
 from sage_qual.serving.config import WrapperConfig
 from sage_qual.serving.eligibility import SdpaCall, bind, refusal
 from sage_qual.serving.scope import ScopeReport
@@ -374,3 +374,43 @@ def test_summary_of_counts_set_without_details_shows_them_empty():
     report = ScopeReport(calls=3, fallbacks=collections.Counter(device=2, memory=1))
     assert report.summary() == ("3 attention calls, 0 on SageAttention; "
                                 "on PyTorch SDPA: device=2 [], memory=1 []")
+
+
+# Confidence bounds of timings ------------------------------------------------------------------------
+@pytest.mark.parametrize("n, ranks", [(1, (1, 1)), (2, (1, 2)), (5, (1, 5)), (20, (5, 16)), (100, (40, 61))])
+def test_median_interval_takes_the_order_statistics_of_its_docstring(n, ranks):
+    """Ranks floor(n/2 - 1.96 sqrt(n)/2) and ceil(1 + n/2 + 1.96 sqrt(n)/2), 1-based, clipped to
+    1..n; worked out by hand for each n."""
+    samples = [float(i) for i in range(n, 0, -1)]  # rank r holds the value r, given in reverse
+    assert speed.median_interval(samples) == (float(ranks[0]), float(ranks[1]))
+
+
+def test_median_interval_of_nothing_is_an_error():
+    with pytest.raises(ValueError, match="^no samples$"):
+        speed.median_interval([])
+
+
+@PROPERTY
+@given(st.lists(st.floats(0.01, 100.0), min_size=1, max_size=60))
+def test_median_interval_holds_the_median(samples):
+    low, high = speed.median_interval(samples)
+    ordered = sorted(samples)
+    median = (ordered[(len(ordered) - 1) // 2] + ordered[len(ordered) // 2]) / 2
+    assert low <= median <= high and low in samples and high in samples
+
+
+def test_speedup_bounds_pair_the_opposite_ends():
+    sdpa, ours = [float(v) for v in range(10, 30)], [float(v) for v in range(5, 25)]
+    sdpa_low, sdpa_high = speed.median_interval(sdpa)
+    ours_low, ours_high = speed.median_interval(ours)
+    assert speed.speedup_bounds(20.0, sdpa, 10.0, ours) == (sdpa_low / ours_high, 2.0, sdpa_high / ours_low)
+    assert speed.speedup_bounds(3.0, [], 2.0, []) == (1.5, 1.5, 1.5)
+
+
+# Family shapes -------------------------------------------------------------------------------------------
+def test_shape_helpers_default_to_bf16_head_dim_128_and_equal_heads():
+    assert families.self_attention(24, 4096) == families.Shape(24, 24, 4096, 4096, 128, "bfloat16")
+    assert families.self_attention(48, 4608, kv_heads=12, dtype="float16") == \
+        families.Shape(48, 12, 4608, 4608, 128, "float16")
+    assert families.cross_attention(10, 4096, 77) == families.Shape(10, 10, 4096, 77, 128, "bfloat16")
+    assert families.cross_attention(10, 4096, 77, 64, dtype="float16").dtype == "float16"

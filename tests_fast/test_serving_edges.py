@@ -3,6 +3,7 @@ first-call check's bound and its grouped-query slice, what each failure writes i
 report and the log, nested scopes after an out-of-memory fallback, torch's argument types, the
 kernel choice from box facts, the scope's install seam and the variants' per-head-size numerics."""
 
+import copy
 import logging
 
 import pytest
@@ -17,6 +18,9 @@ from sage_qual.serving.variants import EXTENSIONS, VARIANTS, BoxFacts
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention, on_device
 
 from .helpers import SMALL, TORCH_SDPA, qkv, records, retired, wrapped
+from .test_profile import H100 as PROFILED_H100
+from .test_profile import H200 as PROFILED_H200
+from .test_profile import make_entry, make_profile
 
 pytestmark = pytest.mark.usefixtures("log_everything")
 
@@ -279,3 +283,45 @@ def test_install_warns_once_with_the_reason(caplog):
         status = sage_qual.install()
     assert records(caplog, logging.WARNING) == [
         f"SageAttention not enabled, attention stays on PyTorch SDPA: {status.reason}"]
+
+
+# A profile per device: the family's entry, the caller's config elsewhere, calls without a GPU ----------
+def profiled_call(tokens: int, device: int = 0, head_dim: int = 128):
+    q = on_device(torch.randn(1, 1, tokens, head_dim, dtype=torch.bfloat16), device)
+    with sage_qual.sage_attention_scope() as report:
+        F.scaled_dot_product_attention(q, q, q)
+    return report
+
+
+def test_install_takes_the_family_entry_of_the_profile():
+    families = {"FLUX.1": make_entry("sm90-fp8-cuda", 4096, 512)}
+    certified = make_profile(entry=make_entry("sm89-fp8-cuda", 1024, 512), families=families)
+    with FakeCuda([PROFILED_H200]), FakeSageAttention().installed():
+        status = sage_qual.install(profile=copy.deepcopy(certified), family="FLUX.1")
+        assert status.devices[0].variant.name == "sm90-fp8-cuda"
+        assert dict(profiled_call(2048).fallbacks) == {"short": 1}
+        sage_qual.uninstall()
+        status = sage_qual.install(profile=copy.deepcopy(certified))
+        assert status.devices[0].variant.name == "sm89-fp8-cuda"
+        assert profiled_call(2048).served == 1
+
+
+def test_a_device_the_profile_does_not_describe_keeps_the_callers_config():
+    certified = make_profile(entry=make_entry("sm89-fp8-cuda", 4096, 512))
+    with FakeCuda([PROFILED_H200, PROFILED_H100]), FakeSageAttention().installed():
+        assert sage_qual.install(config=SMALL, profile=certified).enabled
+        assert profiled_call(64, device=1).served == 1  # SMALL's 32-token threshold, not the default 1536
+        assert dict(profiled_call(64, device=0).fallbacks) == {"short": 1}
+
+
+def test_per_device_rules_leave_a_call_without_tensors_to_torch():
+    certified = make_profile(entry=make_entry("sm89-fp8-cuda", 16, 16))
+    q = torch.randn(1, 1, 32, 64)
+    with FakeCuda([PROFILED_H200, PROFILED_H100]), FakeSageAttention().installed():
+        assert sage_qual.install(profile=certified).enabled
+        with sage_qual.sage_attention_scope() as report, pytest.raises(TypeError) as raised:
+            F.scaled_dot_product_attention(q.tolist(), q, q)
+    with pytest.raises(TypeError) as expected:
+        TORCH_SDPA(q.tolist(), q, q)
+    assert str(raised.value) == str(expected.value)
+    assert dict(report.fallbacks) == {"shape": 1}
