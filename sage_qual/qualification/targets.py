@@ -28,7 +28,7 @@ from typing import Callable, ContextManager, Iterator
 
 import torch
 
-from sage_qual.serving import platform, sage_package
+from sage_qual.serving import assess, platform, sage_package
 from sage_qual.serving.config import DEFAULT_CONFIG, KERNEL_TABLE, WrapperConfig
 from sage_qual.serving.eligibility import SdpaCall, refusal
 from sage_qual.serving.scope import ScopeReport
@@ -451,13 +451,7 @@ def resolve(name: str) -> Target:
 
 
 def box_facts() -> BoxFacts | None:
-    """This process's first GPU as the variant rules see it; None without a GPU."""
-    cuda = platform.current()
-    if cuda.device_count() == 0:
-        return None
-    try:
-        package = sage_package.load()
-        extensions = package.extensions
-    except sage_package.SageUnavailable:
-        extensions = frozenset()
-    return BoxFacts(tuple(cuda.capability(0)), cuda.torch_cuda(), extensions, sage_package.has_triton())
+    """This process's first GPU as the variant rules see it (`assess`, the one answer to what can
+    run here); None without a GPU."""
+    machine = assess.assess_machine()
+    return machine.gpus[0].box if machine.gpus else None
