@@ -152,3 +152,14 @@ def test_a_real_transformer_on_a_diffusers_backend_reaches_the_kernel_in_every_b
     assert len(diffusers_on_fake.calls) == 2
     error = (out.float() - expected.float()).norm() / expected.float().norm()
     assert 0 < error < 0.02
+
+
+def test_a_diffusers_backend_claims_what_its_registered_constraint_checks():
+    from sage_qual.serving.variants import BoxFacts
+
+    ada = BoxFacts((8, 9), (12, 8), frozenset({"_qattn_sm89"}), True)
+    # diffusers registers the fp8 CUDA backend for sm_90 and newer, though its kernel runs on sm_89.
+    target = targets.resolve("diffusers:_sage_qk_int8_pv_fp8_cuda")
+    assert target.claims.machine_reasons(ada.capability) == ["capability=sm_89 (needs >= sm_90)"]
+    assert target.variant((8, 9)).name == "sm89-fp8-cuda"
+    assert targets.resolve("diffusers:_sage_qk_int8_pv_fp16_triton").claims.machine_reasons((8, 9)) == []

@@ -59,7 +59,6 @@ class Claims:
     dtypes: tuple[torch.dtype, ...] | None = FP16_TYPES
     capabilities: tuple[Capability, ...] | None = None  # exactly these GPUs
     min_capability: Capability | None = None
-    max_capability: Capability | None = None
     masks: bool = False  # attn_mask, is_causal, dropout
 
     def call_reasons(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **sdpa_kwargs) -> list[str]:
@@ -86,9 +85,6 @@ class Claims:
         if self.min_capability is not None and capability < self.min_capability:
             return [f"capability={_capability_text(capability)} (needs >= "
                     f"{_capability_text(self.min_capability)})"]
-        if self.max_capability is not None and capability > self.max_capability:
-            return [f"capability={_capability_text(capability)} (needs <= "
-                    f"{_capability_text(self.max_capability)})"]
         return []
 
 
