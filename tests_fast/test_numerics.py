@@ -53,6 +53,7 @@ def test_every_registered_variant_is_modelled(name):
     ({"q_groups": 3}, "q_groups"),
     ({"k_tile": 60}, "k_tile"),
     ({"v_scale_max": 0.0}, "v_scale_max"),
+    ({"v_tail": "garbage"}, "v_tail"),
 ])
 def test_a_scheme_the_model_cannot_compute_is_refused(change, field):
     scheme = dataclasses.replace(VARIANTS["sm90-fp8-cuda"].numerics, **change)
@@ -62,6 +63,15 @@ def test_a_scheme_the_model_cannot_compute_is_refused(change, field):
     q = torch.zeros(1, 1, 64, 64)
     with pytest.raises(numerics.UnmodelledNumerics, match="new-variant"):
         numerics.predict(variant, q, q, q)
+
+
+def test_fewer_keys_than_one_block_is_a_hazard_only_where_v_rows_are_not_filled():
+    q = torch.zeros(1, 1, 64, 128, dtype=torch.bfloat16)
+    few = torch.zeros(1, 1, 4, 128, dtype=torch.bfloat16)
+    block = torch.zeros(1, 1, 64, 128, dtype=torch.bfloat16)
+    stale = {name for name, v in VARIANTS.items() if numerics.hazards(v, q, few, few)}
+    assert stale == {"sm80-fp16-cuda", "sm80-fp16-cuda-fp16acc"}  # V read without fill (attn_utils.cuh)
+    assert not any(numerics.hazards(v, q, block, block) for v in VARIANTS.values())
 
 
 def test_int8_groups_share_one_scale():

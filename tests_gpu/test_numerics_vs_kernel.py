@@ -85,7 +85,7 @@ def _check(sage, variant, name, q, k, v, expected, record) -> None:
 def _report(variant, name, found, expected, record) -> None:
     rel = found["rel_l2"] if found["finite"] else math.inf
     row = model_check.Row(variant.name, name, rel, found["finite"], expected["rel_l2"],
-                          expected["model_finite"])
+                          expected["model_finite"], bool(expected.get("model_hazards")))
     _rows.append(row)
     detail = {"variant": variant.name, "fixture": name, "kernel": found, "model": expected,
               "ratio": row.ratio, "agrees": row.agrees}

@@ -10,6 +10,9 @@ Where the model predicts a non-finite output (an fp16 accumulator overflowing, a
 under FP8), the expected errors are those of its finite elements: the budget still requires a
 finite output (judge), so such a cell fails, as the kernel does; `model_finite` says so.
 
+Where the model names a hazard (`numerics.hazards`: output that depends on memory it cannot see),
+`model_hazards` lists it: a non-finite kernel output there was foreseen, a finite one is luck.
+
 Computed on the device the fixture is on, cached per (fixture sha256, variant).
 """
 
@@ -88,6 +91,7 @@ def _cached(variant: Variant, fixture: Fixture) -> tuple[dict, dict, torch.Tenso
             _REFERENCES[(fixture.sha256, device)] = measure.reference(fixture.q, fixture.k, fixture.v)
         predicted = numerics.predict(variant, fixture.q, fixture.k, fixture.v)
         found = metrics_of(predicted, _REFERENCES[(fixture.sha256, device)])
+        found["model_hazards"] = numerics.hazards(variant, fixture.q, fixture.k, fixture.v)
         _CACHE[key] = (found, from_expected(found), predicted)
     return _CACHE[key]
 

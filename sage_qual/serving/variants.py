@@ -38,7 +38,11 @@ class Numerics:
     Q and K are INT8 with one scale per group of rows: a tile of `q_tile` (`k_tile`) rows is split
     into `q_groups` (`k_groups`) interleaved groups (8/4: per thread; 1: per warp or per block).
     P.V runs in `pv` ("fp16" or "fp8" e4m3, V scaled per channel to `v_scale_max`) and accumulates
-    in `pv_accumulation`.
+    in `pv_accumulation`. `v_tail`: what a kernel reads for the key rows past the end of a partial
+    key block: "zero" (V quantized into a padded buffer, or a masked load), or "stale" (V loaded
+    straight from the caller's tensor with cp.async no-fill, csrc/qattn/attn_utils.cuh
+    load_global_to_share: those rows keep whatever shared memory held; their P is 0, but 0 x NaN is
+    NaN when no earlier key block overwrote them).
     """
 
     q_tile: int
@@ -49,6 +53,7 @@ class Numerics:
     pv_accumulation: str
     v_scale_max: float = 448.0
     q_tile_at_head_dim_128: int | None = None  # a kernel that takes smaller Q tiles for head_dim 128
+    v_tail: str = "zero"
 
     @property
     def accuracy_class(self) -> str:
@@ -223,13 +228,13 @@ VARIANTS: dict[str, Variant] = {
         Variant(
             "sm80-fp16-cuda", FP16_CUDA, {"pv_accum_dtype": "fp32"}, ((8, 0),), (8, 0),
             extension="_qattn_sm80", description="INT8 QK, FP16 PV, fp32 accumulation (A100)",
-            numerics=Numerics(**_PER_THREAD, pv="fp16", pv_accumulation="fp32"),
+            numerics=Numerics(**_PER_THREAD, pv="fp16", pv_accumulation="fp32", v_tail="stale"),
         ),
         Variant(
             "sm80-fp16-cuda-fp16acc", FP16_CUDA, {"pv_accum_dtype": "fp16+fp32"}, (), (8, 0),
             extension="_qattn_sm80", description="INT8 QK, FP16 PV, fp16+fp32 accumulation",
             numerics=Numerics(**_PER_THREAD, pv="fp16", pv_accumulation="fp16+fp32",
-                              q_tile_at_head_dim_128=16),
+                              q_tile_at_head_dim_128=16, v_tail="stale"),
         ),
         Variant(
             "sm86-fp16-triton", FP16_TRITON, {}, ((8, 6),), (8, 0), needs_triton=True,
