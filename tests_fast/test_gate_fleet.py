@@ -18,7 +18,8 @@ import torch
 
 from sage_qual import cli
 from sage_qual.fixtures import fileformat
-from sage_qual.qualification import pool
+from sage_qual.qualification import families, pool, report, verdict
+from sage_qual.qualification import gate as gate_module
 from sage_qual.serving.variants import VARIANTS
 
 DATA = Path(__file__).parent / "data"
@@ -221,7 +222,8 @@ def test_a_changed_fixture_of_the_family_cannot_decide(capsys, fleet, machine):
     changed = write_fixture(fixtures, qwen["name"], qwen["family"], qwen["bounds"], seed=99)
     code, out, err = gate(capsys, path, fixtures, "Qwen-Image")
     assert code == 2 and out == "" and err.count("\n") == 1
-    assert f"fixture {qwen['name']} changed (sha256 {changed[:12]} here, {qwen['sha256'][:12]}" in err
+    recorded = qwen["sha256"][:12]
+    assert f"fixture {qwen['name']} changed (sha256 {changed[:12]} here, {recorded} in the report)" in err
     assert gate(capsys, path, fixtures, "FLUX.1")[0] == 0  # another family's fixture changed
 
 
@@ -327,3 +329,60 @@ def test_a_fixture_file_with_non_finite_values_is_one_line_naming_it(capsys, fle
                             bounds=data["fixtures"][0]["bounds"])
     code, out, err = gate(capsys, path, fixtures, "FLUX.1")
     assert code == 2 and out == "" and err.count("\n") == 1 and str(bad) in err
+
+
+# What gate says it cannot decide, and its JSON --------------------------------------------------------
+def test_gate_refuses_a_predicted_report(capsys, tmp_path, machine):
+    data = fleet_report()
+    data["predicted"] = True
+    path, fixtures, _ = write_fleet(tmp_path, data)
+    machine(H200)
+    code, out, err = gate(capsys, path, fixtures, "FLUX.1")
+    assert code == 2 and out == "" and err.count("\n") == 1 and "predicted" in err
+    decision = gate_module.decide(report.parse(data, "report.json"), families.find("FLUX.1"),
+                                  data["environment"], {}, False)
+    assert (decision.family, decision.code, decision.problem, decision.gpus) == (
+        "FLUX.1", 2, "the report is predicted by the CPU numerics model (certify --emulate), not measured: "
+                     "certify on the GPU", [])
+    assert decision.as_json() == {"family": "FLUX.1", "exit_code": 2, "problem": decision.problem, "gpus": []}
+
+
+def test_gate_decides_nothing_from_a_partial_report():
+    data = report.parse(load("sample_partial.json"), "sample_partial.json")
+    decision = gate_module.decide(data, families.find("FLUX.1"), load("sample_h200_2gpu.json")["environment"],
+                                  {}, False)
+    status = report.status_line(False, data.started, data.finished, data.stopped)
+    assert (decision.family, decision.code, decision.problem, decision.gpus) == (
+        "FLUX.1", 2, f"the report is partial: {status}", [])
+
+
+def test_gate_json_holds_each_models_decision(capsys, fleet, machine):
+    """--json renders verdict.decide()'s decision for each model here, every field of it."""
+    path, fixtures, data = fleet
+    machine(H200, H100)
+    code, out, _ = gate(capsys, path, fixtures, "Wan 2.2", "--json")
+    printed = json.loads(out)
+    assert (code, printed["family"], printed["exit_code"], printed["problem"]) == (1, "Wan 2.2", 1, "")
+    decided = {g.model: g.family("Wan 2.2") for g in verdict.decide(report.parse(data, "report.json"))}
+    assert [g["gpu"] for g in printed["gpus"]] == [model(H200), model(H100)]
+    for entry in printed["gpus"]:
+        d = decided[entry["gpu"]]
+        assert entry == {"gpu": entry["gpu"], "verdict": d.verdict.value, "variant": d.variant,
+                         "min_query_tokens": d.min_query_tokens, "min_key_tokens": d.min_key_tokens,
+                         "head_dims": d.head_dims, "certified": d.certified,
+                         "reasons": [{"kind": r.kind.value, "detail": r.detail} for r in d.reasons]}
+    h200, h100 = printed["gpus"]
+    assert h200["verdict"] == "keep off"
+    assert [r["kind"] for r in h200["reasons"]] == ["crash", "timeout", "oom"]
+    assert h100["verdict"] == "enable" and h100["head_dims"] and h100["certified"]
+
+
+@pytest.mark.parametrize("key, label", [("driver", "NVIDIA driver"), ("sageattention", "sageattention")])
+def test_a_component_missing_on_one_side_is_named_none(capsys, tmp_path, machine, monkeypatch, key, label):
+    data = fleet_report()
+    recorded = data["environment"][key]
+    data["environment"][key] = ""  # not installed where certify ran
+    path, fixtures, _ = write_fleet(tmp_path, data)
+    machine(H200)
+    code, _, err = gate(capsys, path, fixtures, "FLUX.1")
+    assert code == 2 and f"{label} none in the report, {recorded} here" in err
