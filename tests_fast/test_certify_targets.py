@@ -3,6 +3,11 @@
 prediction named, and `gate` refusing a predicted report."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -97,6 +102,31 @@ def test_the_wrappers_first_call_check_keeps_a_noisy_kernel_away_from_the_app(tm
     qwen = target_certify.summary(data, tmp_path / "out").splitlines()[1]
     assert "not qualified: " in qwen
     assert "did not run SageAttention on this call: kernel_error: first-call" in qwen
+
+
+def test_sigterm_leaves_a_partial_report_and_exit_130(tmp_path):
+    """SIGTERM while the integration hangs on the second fixture: the first cell is kept, the report
+    says it was interrupted, no verdict is drawn, and the exit code says so."""
+    out = tmp_path / "out"
+    env = {**os.environ, fault_hooks.TEST_HOOK: json.dumps({"gpus": [H200], "faults": {"qwen": "hang"}})}
+    parent = subprocess.Popen([sys.executable, "-m", "sage_qual", "certify", "--target", "sageattn",
+                               "--fixtures", str(fixtures_dir(tmp_path / "f")), "--out", str(out)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # until the first cell is on disk
+        try:
+            if json.loads((out / "report.json").read_text())["devices"][0]["cells"]:
+                break
+        except (OSError, ValueError, IndexError):
+            pass
+        time.sleep(0.05)
+    parent.send_signal(signal.SIGTERM)
+    stdout, stderr = parent.communicate(timeout=60)
+    assert parent.returncode == 130, stderr
+    data = report.load(out / "report.json")
+    assert not data.complete and data.stopped == "interrupted (SIGINT or SIGTERM)"
+    assert [c.fixture for c in data.devices[0].cells] == ["flux"]
+    assert "Traceback" not in stderr and "PARTIAL REPORT" in (out / "report.md").read_text()
 
 
 @pytest.mark.parametrize("args, message", [

@@ -50,10 +50,10 @@ def _command(args: argparse.Namespace) -> int:
 
         if args.emulate or args.variants:
             raise UsageError("--target qualifies one integration: leave out --emulate and --variants")
-        data = target_certify.run(target_certify.Options(
-            args.out, args.target, args.devices, _split(args.families), args.fixtures, args.quick,
-            args.timeout, "sage-qual " + shlex.join(sys.argv[1:])))
-        return ExitCode.OK if data["complete"] else ExitCode.INTERRUPTED
+        options = target_certify.Options(args.out, args.target, args.devices, _split(args.families),
+                                         args.fixtures, args.quick, args.timeout,
+                                         "sage-qual " + shlex.join(sys.argv[1:]))
+        return _until_stopped(target_certify.run, options)
     if args.emulate:
         from sage_qual.qualification import emulate
 
@@ -62,13 +62,18 @@ def _command(args: argparse.Namespace) -> int:
         return ExitCode.OK
     options = Options(args.out, args.devices, _split(args.variants), _split(args.families), args.fixtures,
                       args.quick, args.timeout, "sage-qual " + shlex.join(sys.argv[1:]), args.junit_xml)
+    return _until_stopped(run, options)
+
+
+def _until_stopped(run_certify, options) -> int:
+    """Run with SIGTERM turned into KeyboardInterrupt, which the run answers with a partial report."""
 
     def terminate(signum, frame):
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, terminate)
     try:
-        data = run(options)
+        data = run_certify(options)
     finally:
         signal.signal(signal.SIGTERM, previous)
     return ExitCode.OK if data["complete"] else ExitCode.INTERRUPTED

@@ -95,20 +95,43 @@ def _run(options: Options, target: targets.Target, chosen: list, fixtures: list,
                     for i in devices],
     }
     writer = report.Writer(out / "report.json", data)
-    threads = [threading.Thread(target=_device_run, args=(n, target, fixtures, options, writer, workers),
-                                daemon=True) for n in range(len(devices))]
+    stop, errors = threading.Event(), []
+    threads = [threading.Thread(target=_device_run, daemon=True,
+                                args=(n, target, fixtures, options, writer, workers, stop, errors))
+               for n in range(len(devices))]
     for thread in threads:
         thread.start()
-    for thread in threads:
-        thread.join()
-    writer.update(_finish)
+    try:
+        while any(thread.is_alive() for thread in threads):
+            for thread in threads:
+                thread.join(timeout=0.5)
+    except KeyboardInterrupt:  # SIGINT, or SIGTERM through the command line's handler
+        stop.set()
+        for thread in threads:
+            thread.join()
+        writer.update(lambda d: d.update(stopped="interrupted (SIGINT or SIGTERM)"))
+    if errors and not data["stopped"]:
+        writer.update(lambda d: d.update(stopped=f"internal error: {errors[0]!r}"))
+    if not data["stopped"]:
+        writer.update(_finish)
     report.render(data, out)
     print(summary(data, out), end="")
+    if errors:
+        raise errors[0]
     return data
 
 
 def _device_run(position: int, target: targets.Target, fixtures: list, options: Options,
-                writer: report.Writer, workers: pool.Pool) -> None:
+                writer: report.Writer, workers: pool.Pool, stop: threading.Event, errors: list) -> None:
+    """One GPU's cells, each in a worker; an error of this thread is handed to the main thread."""
+    try:
+        _device_cells(position, target, fixtures, options, writer, workers, stop)
+    except BaseException as error:
+        errors.append(error)
+
+
+def _device_cells(position: int, target: targets.Target, fixtures: list, options: Options,
+                  writer: report.Writer, workers: pool.Pool, stop: threading.Event) -> None:
     device = writer.data["devices"][position]
     parent_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     visible = parent_visible.split(",")[device["index"]] if parent_visible else str(device["index"])
@@ -117,7 +140,7 @@ def _device_run(position: int, target: targets.Target, fixtures: list, options: 
     results: dict[str, dict] = {}
     try:
         run = functools.partial(pool.run_tasks, spawn=workers.take, timeout=options.timeout,
-                                startup_timeout=limits.startup_timeout(options.timeout), env=env)
+                                startup_timeout=limits.startup_timeout(options.timeout), stop=stop, env=env)
         run([{"id": "machine", "kind": "target", "action": "machine", "target": target.name}],
             on_result=results.__setitem__)
         machine = results["machine"]
