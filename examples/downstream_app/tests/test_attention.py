@@ -14,8 +14,11 @@ def test_cpu_calls_are_plain_sdpa():
     assert torch.equal(attention(q, k, v), F.scaled_dot_product_attention(q, k, v))
 
 
-def test_the_plugin_resolves_this_apps_function(pytestconfig):
-    assert pytestconfig.getini("sage_qual_target") == "downstream_app.attention:attention"
+def test_the_configured_target_is_this_apps_function(pytestconfig):
+    from sage_qual.qualification import targets
+
+    target = targets.resolve(pytestconfig.getini("sage_qual_target"))  # a typo there fails here
+    assert target.attention is attention
 
 
 @pytest.mark.sage_qual(families=["FLUX.1", "Qwen-Image", "Wan 2.2"])
