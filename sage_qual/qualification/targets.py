@@ -442,8 +442,8 @@ def resolve(name: str) -> Target:
         return diffusers_target(name.split(":", 1)[1])
     if ":" in name:
         return function_target(name)
-    raise TargetError(f"unknown target {name!r}: give wrapper, wrapper:VARIANT, sageattn, diffusers:BACKEND "
-                      "or module:function")
+    raise TargetError(f"unknown target {name!r}: give one of {', '.join(builtin_names())} or an app's "
+                      "module:function")
 
 
 def box_facts() -> BoxFacts | None:
