@@ -4,7 +4,6 @@ sage-qual's plugin (one test per activation fixture; skipped with the reason wit
 import pytest
 import torch
 import torch.nn.functional as F
-
 from downstream_app.attention import attention
 
 
