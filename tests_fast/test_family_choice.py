@@ -9,6 +9,7 @@ the sweep at head_dim 128. SDPA takes 1 ms everywhere, so a variant's speedup at
 
 import copy
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -193,3 +194,97 @@ def test_the_shapes_left_out_above_decide_other_families():
     fast_foreign = {(v, k): 0.25 for v in VARIANTS for k in foreign}
     assert family_verdict(timed_report([{}], every_shape=True), sdxl)["variant"] is None
     assert family_verdict(timed_report([fast_foreign], every_shape=True), sdxl)["variant"] == "sm90-fp8-cuda"
+
+
+# The evidence behind a choice ------------------------------------------------------------------------
+def model_decision(data: dict):
+    (gpu,) = verdict.decide(report.parse(data, "test report"))
+    return gpu
+
+
+def record(data, device, kernel, key):
+    return next(r for r in data["devices"][device]["speed"] if r["kernel"] == kernel and r["shape"] == key)
+
+
+def test_ranking_takes_each_variants_slowest_device():
+    """sm90 is the fastest on one device but the slowest on the other; per variant its slower
+    device counts, so sm89 wins in either device order."""
+    own, sweep, _ = shape_keys(sample())
+    sm90_fast = {("sm90-fp8-cuda", k): 0.3 for k in own + sweep}
+    sm90_slow = {("sm90-fp8-cuda", k): 0.9 for k in own + sweep}
+    sm89 = {("sm89-fp8-cuda", k): 0.6 for k in own + sweep}
+    fast_first = [{**sm90_fast, **sm89}, {**sm90_slow, **sm89}]
+    for devices in (fast_first, fast_first[::-1]):
+        assert family_verdict(timed_report(devices))["variant"] == "sm89-fp8-cuda"
+
+
+def test_ranking_is_by_the_familys_own_shapes_not_the_sweep():
+    own, sweep, _ = shape_keys(sample())
+    ms = {**{("sm90-fp8-cuda", k): 0.5 for k in own}, **{("sm90-fp8-cuda", k): 0.9 for k in sweep},
+          **{("sm89-fp8-cuda", k): 0.6 for k in own}, **{("sm89-fp8-cuda", k): 0.1 for k in sweep}}
+    assert family_verdict(timed_report([ms]))["variant"] == "sm90-fp8-cuda"
+
+
+def test_the_default_verdict_ranks_by_every_shape():
+    """With no family the fastest over all shapes is chosen, not the first in preference order."""
+    keys = list(sample()["shapes"])
+    ms = {**{("sm90-fp8-cuda", k): 0.8 for k in keys}, **{("sm89-fp8-cuda", k): 0.4 for k in keys}}
+    default = model_decision(timed_report([ms], every_shape=True)).default
+    assert (default.verdict.value, default.variant) == ("enable", "sm89-fp8-cuda")
+
+
+def test_no_speedup_names_the_variant_that_pays_elsewhere():
+    """sm89 takes the least time at FLUX.1's shapes but never pays (its fast shape has a slower one
+    above it); sm90 pays only above FLUX.1's shapes: the reason names sm90 and where it pays."""
+    data = sample()
+    own, sweep, _ = shape_keys(data)
+    small, large = sorted(own, key=lambda k: data["shapes"][k]["shape"]["q_tokens"])
+    longest = max(sweep, key=lambda k: data["shapes"][k]["shape"]["q_tokens"])
+    ms = {("sm89-fp8-cuda", small): 0.2, ("sm89-fp8-cuda", large): 1.5,
+          ("sm90-fp8-cuda", small): 1.5, ("sm90-fp8-cuda", large): 1.5, ("sm90-fp8-cuda", longest): 0.1}
+    found = family_verdict(timed_report([ms]))
+    assert (found["verdict"], found["variant"]) == ("safe, no speedup", None)
+    [(kind, detail)] = found["reasons"]
+    q = data["shapes"][longest]["shape"]["q_tokens"]
+    assert kind == "speed"
+    assert detail.startswith(f"no speedup at its shapes: sm90-fp8-cuda pays only from {q} query")
+
+
+def test_speedups_count_only_where_sdpa_was_timed_and_failures_as_none():
+    data = timed_report([{}])
+    _, sweep, _ = shape_keys(data)
+    no_baseline, failed = sweep[0], sweep[1]
+    record(data, 0, "sdpa", no_baseline).update(outcome="oom", ms=None, backends={}, best_backend="",
+                                                detail="OutOfMemoryError (test)")
+    record(data, 0, "sm90-fp8-cuda", failed).update(outcome="crash", ms=None, detail="killed (test)")
+    gpu = model_decision(data)
+    assert {variant for variant, _ in gpu.speedups} == set(VARIANTS)
+    assert not any(key == no_baseline for _, key in gpu.speedups)
+    assert gpu.speedups[("sm90-fp8-cuda", failed)] == (0.0, 0.0)
+    assert gpu.speedups[("sm89-fp8-cuda", failed)] == (1 / SLOWER, 1 / SLOWER)
+
+
+def test_speedup_lower_bound_uses_both_sides_samples():
+    data = timed_report([{}])
+    data["schema_version"] = 2  # timing samples exist from version 2 on, which stores no analysis
+    del data["gpus"]
+    key = shape_keys(data)[0][0]
+    ours = record(data, 0, "sm90-fp8-cuda", key)
+    ours.update(ms=0.5, samples_ms=[0.5 * (1 + 0.5 * (i - 9.5) / 9.5) for i in range(20)])
+    ours["ms"] = statistics.median(ours["samples_ms"])
+    record(data, 0, "sdpa", key)["samples_ms"] = [1.0] * 20
+    low, median = model_decision(data).speedups[("sm90-fp8-cuda", key)]
+    assert median == 1.0 / ours["ms"]
+    assert low == 1.0 / speed.median_interval(ours["samples_ms"])[1] < median
+
+
+def test_each_variants_break_even_uses_the_plain_speedup_and_only_where_it_runs():
+    """A variant 1.5x faster everywhere pays from the smallest shape (the bar is 1x, not more); a
+    variant the GPU cannot run has none."""
+    keys = list(sample()["shapes"])
+    data = timed_report([{("sm89-fp8-cuda", k): 1 / 1.5 for k in keys}], every_shape=True)
+    data["devices"][0]["not_supported"] = {"sm80-fp16-cuda": ["capability (test)"]}
+    gpu = model_decision(data)
+    thresholds = gpu.variants["sm89-fp8-cuda"].break_even
+    assert thresholds is not None and thresholds.served_shapes == thresholds.measured_shapes == len(keys)
+    assert not gpu.variants["sm80-fp16-cuda"].runnable and gpu.variants["sm80-fp16-cuda"].break_even is None
