@@ -257,10 +257,13 @@ def test_speedups_count_only_where_sdpa_was_timed_and_failures_as_none():
     record(data, 0, "sdpa", no_baseline).update(outcome="oom", ms=None, backends={}, best_backend="",
                                                 detail="OutOfMemoryError (test)")
     record(data, 0, "sm90-fp8-cuda", failed).update(outcome="crash", ms=None, detail="killed (test)")
+    timed_out = sweep[2]  # a timing cut off by the timeout still counts as no speedup
+    record(data, 0, "sm90-fp8-cuda", timed_out).update(outcome="timeout", ms=0.25, detail="timed out (test)")
     gpu = model_decision(data)
     assert {variant for variant, _ in gpu.speedups} == set(VARIANTS)
     assert not any(key == no_baseline for _, key in gpu.speedups)
     assert gpu.speedups[("sm90-fp8-cuda", failed)] == (0.0, 0.0)
+    assert gpu.speedups[("sm90-fp8-cuda", timed_out)] == (0.0, 0.0)
     assert gpu.speedups[("sm89-fp8-cuda", failed)] == (1 / SLOWER, 1 / SLOWER)
 
 
@@ -282,7 +285,8 @@ def test_each_variants_break_even_uses_the_plain_speedup_and_only_where_it_runs(
     """A variant 1.5x faster everywhere pays from the smallest shape (the bar is 1x, not more); a
     variant the GPU cannot run has none."""
     keys = list(sample()["shapes"])
-    data = timed_report([{("sm89-fp8-cuda", k): 1 / 1.5 for k in keys}], every_shape=True)
+    fast = {(v, k): 1 / 1.5 for v in ("sm89-fp8-cuda", "sm80-fp16-cuda") for k in keys}
+    data = timed_report([fast], every_shape=True)
     data["devices"][0]["not_supported"] = {"sm80-fp16-cuda": ["capability (test)"]}
     gpu = model_decision(data)
     thresholds = gpu.variants["sm89-fp8-cuda"].break_even

@@ -348,7 +348,9 @@ def test_gate_refuses_a_predicted_report(capsys, tmp_path, machine):
 
 
 def test_gate_decides_nothing_from_a_partial_report():
-    data = report.parse(load("sample_partial.json"), "sample_partial.json")
+    partial = load("sample_partial.json")
+    partial["stopped"] = "SIGTERM"
+    data = report.parse(partial, "sample_partial.json")
     decision = gate_module.decide(data, families.find("FLUX.1"), load("sample_h200_2gpu.json")["environment"],
                                   {}, False)
     status = report.status_line(False, data.started, data.finished, data.stopped)
@@ -386,3 +388,23 @@ def test_a_component_missing_on_one_side_is_named_none(capsys, tmp_path, machine
     machine(H200)
     code, _, err = gate(capsys, path, fixtures, "FLUX.1")
     assert code == 2 and f"{label} none in the report, {recorded} here" in err
+
+
+def test_a_family_the_report_did_not_certify_names_what_it_ran():
+    fleet = fleet_report()
+    fleet["options"]["families"] = ["SDXL", "Wan 2.2"]
+    decision = gate_module.decide(report.parse(fleet, "report.json"), families.find("FLUX.1"),
+                                  fleet["environment"], {}, False)
+    assert (decision.family, decision.code, decision.problem) == (
+        "FLUX.1", 2, "the report did not certify FLUX.1 (it ran: SDXL, Wan 2.2)")
+
+
+def test_every_difference_of_a_stale_report_is_listed():
+    data = fleet_report()
+    here = {**data["environment"], "driver": "", "torch": "2.12.0"}
+    decision = gate_module.decide(report.parse(data, "report.json"), families.find("FLUX.1"), here, {}, False)
+    assert (decision.family, decision.code) == ("FLUX.1", 2)
+    made = data["environment"]
+    assert decision.problem.startswith(f"stale report: NVIDIA driver {made['driver']} in the report, none "
+                                       f"here; torch {made['torch']} in the report, 2.12.0 here; fixture ")
+    assert decision.problem.endswith(". Run `sage-qual certify` on this machine again")

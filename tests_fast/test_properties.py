@@ -414,3 +414,10 @@ def test_shape_helpers_default_to_bf16_head_dim_128_and_equal_heads():
         families.Shape(48, 12, 4608, 4608, 128, "float16")
     assert families.cross_attention(10, 4096, 77) == families.Shape(10, 10, 4096, 77, 128, "bfloat16")
     assert families.cross_attention(10, 4096, 77, 64, dtype="float16").dtype == "float16"
+
+
+def test_an_unknown_family_lists_the_known_ones():
+    with pytest.raises(KeyError) as unknown:
+        families.find("Nope")
+    known = ", ".join(f.name for f in families.FAMILIES)
+    assert unknown.value.args[0] == f"unknown family 'Nope' (known: {known})"

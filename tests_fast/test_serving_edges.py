@@ -325,3 +325,44 @@ def test_per_device_rules_leave_a_call_without_tensors_to_torch():
         TORCH_SDPA(q.tolist(), q, q)
     assert str(raised.value) == str(expected.value)
     assert dict(report.fallbacks) == {"shape": 1}
+
+
+def test_an_unexpected_error_in_install_is_a_reason_not_a_crash(caplog, monkeypatch):
+    from sage_qual.serving import wrapper
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom (test)")
+
+    monkeypatch.setattr(wrapper, "_probe", broken)
+    with FakeCuda([FakeGpu((9, 0))]), FakeSageAttention().installed():
+        status = sage_qual.install()
+    assert (status.enabled, status.reason) == (False, "unexpected RuntimeError: boom (test)")
+    assert records(caplog, logging.WARNING) == [
+        "SageAttention not enabled, attention stays on PyTorch SDPA: unexpected RuntimeError: boom (test)"]
+
+
+def test_install_joins_every_gpu_without_a_kernel(caplog):
+    gpus = [FakeGpu((9, 0), "H200"), FakeGpu((8, 7), "Orin"), FakeGpu((8, 7), "Orin")]
+    with FakeCuda(gpus), FakeSageAttention().installed():
+        assert sage_qual.install().enabled
+    why = WrapperConfig().choose((8, 7), {})[1]
+    assert records(caplog, logging.INFO)[-1].endswith(
+        f"; no kernel for cuda:1 (Orin, sm_87): {why}; cuda:2 (Orin, sm_87): {why}")
+
+
+def test_a_config_without_a_kernel_for_a_gpu_gives_the_tables_reason():
+    config = WrapperConfig(kernel_table={**KERNEL_TABLE, (8, 9): ()})
+    with FakeCuda([FakeGpu((9, 0), "H200"), FakeGpu((8, 9), "L40S")]), FakeSageAttention().installed():
+        status = sage_qual.install(config=config)
+    h200, l40s = status.devices
+    assert (h200.variant.name, h200.no_kernel_reason) == ("sm90-fp8-cuda", "")
+    assert l40s.variant is None and l40s.no_kernel_reason == config.choose((8, 9), {})[1]
+
+
+def test_a_profiled_gpu_with_a_kernel_has_no_reason_and_its_note_is_logged(caplog):
+    certified = make_profile(entry=make_entry("sm89-fp8-cuda", 4096, 512))
+    with FakeCuda([PROFILED_H200]), FakeSageAttention().installed():
+        status = sage_qual.install(profile=certified)
+    (device,) = status.devices
+    assert device.variant.name == "sm89-fp8-cuda" and device.no_kernel_reason == ""
+    assert f"{device.label}: {device.profile_note}" in records(caplog, logging.INFO)
