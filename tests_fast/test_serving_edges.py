@@ -366,3 +366,10 @@ def test_a_profiled_gpu_with_a_kernel_has_no_reason_and_its_note_is_logged(caplo
     (device,) = status.devices
     assert device.variant.name == "sm89-fp8-cuda" and device.no_kernel_reason == ""
     assert f"{device.label}: {device.profile_note}" in records(caplog, logging.INFO)
+
+
+def test_uninstall_leaves_a_status_that_says_so():
+    with wrapped():
+        sage_qual.uninstall()
+        status = sage_qual.install_status()
+    assert status.enabled is False and status.reason == "uninstall() was called"

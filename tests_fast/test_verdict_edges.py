@@ -146,3 +146,96 @@ def test_listed_speedups_are_lower_bounds():
     for label, listed in flux.speedups.items():
         low, median = gpu.speedups[(flux.variant, keys[label])]
         assert listed == low < median
+
+
+def test_family_names_compare_without_case_or_punctuation():
+    assert [families.normalize(n) for n in ("Qwen-Image", "qwen_image", "Wan 2.2", "FLUX.1")] == \
+        ["qwenimage", "qwenimage", "wan22", "flux1"]
+
+
+def test_a_measured_cell_without_a_number_fails_its_accuracy():
+    data = sample()
+    cell = next(c for c in data["devices"][0]["cells"] if c["fixture"] == "flux1-block5")
+    cell.update(rel_l2=None, outcome="fail", reasons=[])
+    flux = decide(data)[0].family("FLUX.1")
+    [reason] = flux.rejected[cell["variant"]]
+    assert reason.kind.value == "accuracy" and "relative L2" in reason.detail
+
+
+def test_an_edited_cell_names_every_failing_number():
+    data = sample()
+    cell = next(c for c in data["devices"][0]["cells"] if c["outcome"] == "pass")
+    cell.update(rel_l2=0.9, worst_head_cosine=0.1)
+    with pytest.raises(ReportError) as refused:
+        report.parse(data, "r.json")
+    message = str(refused.value)
+    assert f"relative L2 0.9 > {cell['bounds']['max_rel_l2']:g} (SDPA in the input precision: " in message
+    assert f"); worst head cosine 0.1 < {cell['bounds']['min_cosine']:g}); the report was edited" in message
+
+
+def predicted(extra):
+    data = sample()
+    data["predicted"] = True
+    for device in data["devices"]:
+        for cell in device["cells"]:
+            if cell["outcome"] in ("pass", "fail"):
+                cell["extra_bytes_per_element"] = extra
+    return data
+
+
+def test_a_predicted_cell_is_judged_on_accuracy_alone_when_it_has_no_memory_number():
+    (gpu,) = decide(predicted(None))
+    assert gpu.family("FLUX.1").verdict == verdict.Verdict.ENABLE
+
+
+def test_a_predicted_cell_with_a_memory_number_is_judged_on_it():
+    data = predicted(3.0)
+    for device in data["devices"]:
+        for cell in device["cells"]:
+            if cell["outcome"] == "pass":
+                cell["outcome"] = "fail"
+    (gpu,) = decide(data)
+    flux = gpu.family("FLUX.1")
+    assert flux.verdict == verdict.Verdict.KEEP_OFF and {r.kind.value for r in flux.reasons} == {"memory"}
+
+
+def test_a_variant_a_gpu_cannot_run_keeps_each_devices_reasons():
+    data = sample()
+    data["devices"][0]["not_supported"] = {"sm80-fp16-cuda": ["b (test)", "a (test)"]}
+    data["devices"][1]["not_supported"] = {"sm80-fp16-cuda": ["c (test)", "a (test)"]}
+    (gpu,) = decide(data)
+    assert gpu.variants["sm80-fp16-cuda"].reasons == ["a (test)", "b (test)", "c (test)"]
+    assert gpu.variants["sm90-fp8-cuda"].reasons == []
+
+
+def test_the_speed_reasons_in_words():
+    data = sample()
+    for device in data["devices"]:  # every variant slower than SDPA everywhere
+        for record in device["speed"]:
+            if record["kernel"] != "sdpa" and record["ms"]:
+                record["ms"] = 1000.0
+    (gpu,) = decide(data)
+    flux = gpu.family("FLUX.1")
+    assert [r.detail for r in flux.reasons] == [
+        "sm90-fp8-cuda never measured faster than 1x the fastest SDPA backend (lower 95 % bound)"]
+    quick = sample()
+    own = [k for k, s in quick["shapes"].items() if any(u["family"] == "FLUX.1" for u in s["uses"])]
+    for device in quick["devices"]:  # a --quick run times the sweep, not the family's shapes
+        device["speed"] = [r for r in device["speed"] if r["shape"] not in own]
+    (gpu,) = decide(quick)
+    assert [r.detail for r in gpu.family("FLUX.1").reasons] == [
+        "FLUX.1's own shapes were not timed (a --quick run): speedup unknown"]
+
+
+def test_the_default_verdict_needs_only_a_plain_speedup():
+    """On the RTX 4090 sample, sm89 1.5x faster than SDPA everywhere (sm86 slower): the default
+    verdict enables sm89 from the smallest shape; a 2x bar would serve nothing."""
+    data = sample("sample_rtx4090.json")
+    for device in data["devices"]:
+        sdpa = {r["shape"]: r["ms"] for r in device["speed"] if r["kernel"] == "sdpa"}
+        for record in device["speed"]:
+            if record["kernel"] != "sdpa" and record["ms"]:
+                record["ms"] = sdpa[record["shape"]] / (1.5 if record["kernel"] == "sm89-fp8-cuda" else 0.5)
+    default = decide(data)[0].default
+    assert default.variant == "sm89-fp8-cuda"
+    assert default.min_query_tokens == min(s["shape"]["q_tokens"] for s in data["shapes"].values())
