@@ -36,11 +36,14 @@ def describe(q, k, v):
 # The first-call check -----------------------------------------------------------------------------
 @pytest.mark.parametrize("limit, kept", [(1.0, True), (0.999, False)])
 def test_first_call_check_passes_at_exactly_its_limit(limit, kept):
-    """A kernel returning twice the right answer is off by exactly 1.0 relative L2."""
-    config = WrapperConfig(**{**vars(SMALL), "check_max_rel_l2": limit})
+    """A kernel returning twice torch's answer is off by exactly 1.0 relative L2 when the checked
+    slice is the whole call (one head, every row): 2x - x is exact in floating point."""
+    tensors = qkv(heads=1)
+    twice = 2 * TORCH_SDPA(*tensors)
+    config = WrapperConfig(**{**vars(SMALL), "check_rows": tensors[0].shape[2], "check_max_rel_l2": limit})
     with wrapped(config=config) as (_, fake), sage_qual.sage_attention_scope() as report:
-        fake.return_value(lambda exact: exact * 2)
-        F.scaled_dot_product_attention(*qkv())
+        fake.return_value(lambda exact: twice)
+        F.scaled_dot_product_attention(*tensors)
     assert (report.served == 1) is kept and (not retired()) is kept
 
 
