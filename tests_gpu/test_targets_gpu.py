@@ -8,7 +8,7 @@ import torch
 
 from sage_qual.fixtures.fileformat import load_fixture
 from sage_qual.limits import MEMORY_BOUND
-from sage_qual.qualification import measure, target_cells, targets
+from sage_qual.qualification import budgets, measure, target_cells, targets
 
 from .conftest import FIXTURE_PATHS, VARIANT_NAMES
 
@@ -42,8 +42,27 @@ def test_target_cell(name, fixture_path, box, record):
     assert cell["outcome"] in ("pass", "fail", "skip")
     # A call the integration claims to take must reach SageAttention: a skip is a claim, never silence.
     if cell["outcome"] == "skip":
+        foreseen = _foreseen_non_finite(target, fixture, box, cell["detail"])
+        if foreseen:
+            pytest.xfail(foreseen)
         claimed = "does not take this call" in cell["detail"] or "has no kernel" in cell["detail"]
         assert claimed, cell["detail"]
+
+
+def _foreseen_non_finite(target, fixture, box, detail: str) -> str:
+    """Why the wrapper rightly kept this call from its kernel, when it did: its first-call check
+    caught a non-finite output that the numerics model predicts (a kernel defect) or a hazard the
+    model names (a read of memory no block wrote), as test_accuracy expects of the kernel itself."""
+    if "first-call check failed" not in detail or not ("nan" in detail or "inf" in detail):
+        return ""
+    variant = target.variant(box.capability)
+    expected = budgets.expectation(variant, fixture) if variant else {}
+    why = ("; ".join(expected.get("model_hazards") or [])
+           or ("" if expected.get("model_finite", True) else "the numerics model predicts non-finite output"))
+    if not why:
+        return ""
+    return (f"{target.name} on {fixture.name}: the first-call check caught the kernel's non-finite "
+            f"output ({why})")
 
 
 @pytest.mark.parametrize("variant_name", VARIANT_NAMES)
