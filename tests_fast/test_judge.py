@@ -49,6 +49,14 @@ def test_non_finite_output_and_memory_are_reasons_of_their_own():
     assert kinds(GOOD, per_element=None) == ["memory"]
 
 
+def test_a_non_finite_output_is_one_reason_not_one_per_unmeasured_metric():
+    stored = {"finite": False, "rel_l2": None, "worst_head_rel_l2": None, "worst_batch_rel_l2": None,
+              "worst_block_rel_l2": None, "norm_ratio": None, "worst_head_cosine": None}
+    assert kinds(stored) == ["non_finite"]
+    # A finite cell stripped of its norm ratio says so once, though two limits read it.
+    assert kinds({**GOOD, "norm_ratio": None}) == ["accuracy"]
+
+
 def test_a_limit_that_is_not_a_number_fails_the_cell():
     assert kinds(GOOD, budget={**BUDGET, "max_rel_l2": "0.1"}) == ["accuracy"]
 

@@ -40,7 +40,8 @@ def cell_reasons(metrics, per_element: float | None, budget: Mapping, memory_bou
     """
     found = asdict(metrics) if is_dataclass(metrics) else dict(metrics)
     reasons = []
-    if found.get("finite") is not True:
+    finite = found.get("finite") is True
+    if not finite:
         reasons.append({"kind": "non_finite", "detail": "output not finite where the reference is"})
     for limit, (metric, side, label) in LIMITS.items():
         if limit not in budget:
@@ -50,7 +51,10 @@ def cell_reasons(metrics, per_element: float | None, budget: Mapping, memory_bou
             reasons.append({"kind": "accuracy",
                             "detail": f"budget {limit} is not a number: {budget[limit]!r}"})
         elif value is None or math.isnan(value):
-            reasons.append({"kind": "accuracy", "detail": f"{label} ({metric}) not measured"})
+            # A non-finite output has no errors to measure: that reason was given once, above.
+            missing = {"kind": "accuracy", "detail": f"{label} ({metric}) not measured"}
+            if finite and missing not in reasons:
+                reasons.append(missing)
         elif (side == "max" and not value <= bound) or (side == "min" and not value >= bound):
             relation = ">" if side == "max" else "<"
             extra = ""
