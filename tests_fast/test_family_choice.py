@@ -248,6 +248,9 @@ def test_no_speedup_names_the_variant_that_pays_elsewhere():
     q = data["shapes"][longest]["shape"]["q_tokens"]
     assert kind == "speed"
     assert detail.startswith(f"no speedup at its shapes: sm90-fp8-cuda pays only from {q} query")
+    labels = {k: u["label"] for k in own for u in data["shapes"][k]["uses"] if u["family"] == FAMILY.name}
+    listed = ", ".join(f"{labels[k]} {1 / ms[('sm90-fp8-cuda', k)]:.2f}x" for k in own)
+    assert detail.endswith(f", which serves none of them ({listed})")
 
 
 def test_speedups_count_only_where_sdpa_was_timed_and_failures_as_none():
