@@ -142,7 +142,9 @@ def test_a_missing_cell_of_a_variant_that_ran_is_incomplete():
 def test_the_lower_confidence_bound_decides():
     data = as_v2_with_samples(load(H200), spread=0.0)
     assert decision(data, "FLUX.1").min_query_tokens == 4608
-    noisy = decision(as_v2_with_samples(load(H200), spread=0.6), "FLUX.1")  # wide intervals: bounds sink
+    # Wide intervals (+-80 % samples) sink the bounds, even the steady ones pooled over neighbouring
+    # lengths (at +-60 % the pooled band still clears 1x from 4096 tokens).
+    noisy = decision(as_v2_with_samples(load(H200), spread=0.8), "FLUX.1")
     assert noisy.variant is None or noisy.min_query_tokens > 4608
 
 
@@ -245,6 +247,8 @@ def fixture_dir(tmp_path, monkeypatch):
     """No fixture files: the sample's fixtures exist only as checksums, so staleness is decided
     against `gate.local_fixtures`, patched to what the sample recorded."""
     monkeypatch.setattr(gate, "local_fixtures", lambda dirs, family: family_fixtures(load(H200), family.name))
+    # nor are their hand-made budgets derivable (tests_fast/test_gate_budgets.py checks that part)
+    monkeypatch.setattr(gate, "budget_problem", lambda *args: "")
 
 
 def run_cli(capsys, *argv):

@@ -30,6 +30,61 @@ def speedup_bounds(sdpa_ms: float, sdpa_samples: list[float], ours_ms: float,
     return sdpa_low / ours_high, sdpa_ms / ours_ms, sdpa_high / ours_low
 
 
+# Half-width, in octaves of tokens, of the neighbourhood a steady bound is fitted over: the sweep
+# refines the crossover in steps of 2**(1/8) (docs/results/current/certify-a/report.json: 8192,
+# 8960, 9728, ... 16384 tokens), so one octave each side pools about 16 measured lengths there.
+FIT_OCTAVES = 1.0
+
+
+def steady_lower_bounds(shapes: dict, z: float = Z_95) -> dict:
+    """Lower 95 % bounds of the speedup that do not jump with one shape's noise.
+
+    `shapes` maps a key to (tokens, lower bound, median ratio, upper bound) of one variant's
+    self-attention shapes of one head size on one device. Near the crossover the speedup is flat
+    around 1x, so each shape's own lower bound decides the first shape that clears the bar by
+    noise (two H200 runs of docs/results/current/ put it at 8,960 and 11,648 tokens). Instead a
+    weighted line of log(speedup) against log2(tokens) is fitted over the shapes within
+    FIT_OCTAVES of each one (weights from each shape's own interval, scaled up by the residual
+    scatter when the shapes disagree more than their intervals say), and its lower z band at that
+    shape is its bound. Never above the shape's own upper bound: a shape measured slower with
+    confidence stays slower. A shape with fewer than three neighbours keeps its own lower bound.
+    Deterministic: the same numbers always give the same bounds."""
+    rows = {key: (math.log2(tokens), math.log(median), _log_se(low, high, z), high)
+            for key, (tokens, low, median, high) in shapes.items() if low > 0 and median > 0}
+    steady = {key: low for key, (_, low, _, _) in shapes.items()}
+    for key, (x0, _, _, high) in rows.items():
+        near = [(x - x0, y, 1 / se ** 2) for x, y, se, _ in rows.values() if abs(x - x0) <= FIT_OCTAVES]
+        fitted = _weighted_line_at_zero(near)
+        if fitted is not None:
+            value, se = fitted
+            steady[key] = min(math.exp(value - z * se), high)
+    return steady
+
+
+def _log_se(low: float, high: float, z: float) -> float:
+    """The standard error of log(speedup) a two-sided z interval implies (a floor of 0.1 %, so
+    that a shape timed with no spread does not outweigh all others)."""
+    return max(math.log(high / low) / (2 * z), 1e-3) if low > 0 else 1.0
+
+
+def _weighted_line_at_zero(points: list[tuple[float, float, float]]) -> tuple[float, float] | None:
+    """Weighted least squares y = a + b x over (x, y, weight): a and its standard error, inflated
+    by the reduced chi-square when above 1. None with fewer than three points or one x only."""
+    if len(points) < 3:
+        return None
+    sw = sum(w for _, _, w in points)
+    sx = sum(w * x for x, _, w in points)
+    sy = sum(w * y for _, y, w in points)
+    sxx = sum(w * x * x for x, _, w in points)
+    sxy = sum(w * x * y for x, y, w in points)
+    det = sw * sxx - sx * sx
+    if det <= 1e-12 * sw * sxx:
+        return None
+    a, b = (sxx * sy - sx * sxy) / det, (sw * sxy - sx * sy) / det
+    chi2 = sum(w * (y - a - b * x) ** 2 for x, y, w in points) / (len(points) - 2)
+    return a, math.sqrt(sxx / det * max(1.0, chi2))
+
+
 def break_even(points: list[tuple[int, int, int, float]], min_speedup: float = 1.0) -> dict | None:
     """Where a variant pays, from measured (query tokens, key tokens, head_dim, speedup) points.
 

@@ -35,7 +35,7 @@ from sage_qual.qualification.report_model import (
     Report,
     ReportError,
 )
-from sage_qual.qualification.speed import break_even, serves, speedup_bounds
+from sage_qual.qualification.speed import break_even, serves, speedup_bounds, steady_lower_bounds
 from sage_qual.serving.config import KERNEL_TABLE
 from sage_qual.serving.variants import VARIANTS
 
@@ -156,23 +156,32 @@ def check_evidence(report: Report, where: str) -> None:
                                   f"{outcome.value!r} ({why}); the report was edited: certify again")
 
 
-def _speedups(devices: list[Device]) -> dict[tuple[str, str], tuple[float, float]]:
+def _speedups(devices: list[Device], shapes: dict) -> dict[tuple[str, str], tuple[float, float]]:
     """(variant, shape) -> (lower bound, median ratio) of the speedup over the fastest SDPA
     backend; a shape counts only where every device measured it, the slowest device deciding. A
-    variant that failed at a shape counts as no speedup there."""
+    variant that failed at a shape counts as no speedup there. Self-attention shapes timed with
+    samples on both sides get the steady bound fitted over their neighbours of the same head size
+    (speed.steady_lower_bounds), so that the break-even does not move with one shape's noise."""
     per_device = []
     for device in devices:
         sdpa = {r.shape: r for r in device.speed if r.kernel == "sdpa" and r.outcome == Outcome.PASS and r.ms}
-        found = {}
+        found, curves = {}, {}
         for r in device.speed:
             if r.kernel == "sdpa" or r.shape not in sdpa:
                 continue
             if r.outcome == Outcome.PASS and r.ms:
                 base = sdpa[r.shape]
-                low, median, _ = speedup_bounds(base.ms, base.samples_ms, r.ms, r.samples_ms)
+                low, median, high = speedup_bounds(base.ms, base.samples_ms, r.ms, r.samples_ms)
                 found[(r.kernel, r.shape)] = (low, median)
+                shape = shapes[r.shape]
+                if base.samples_ms and r.samples_ms and shape.q_tokens == shape.kv_tokens:
+                    curves.setdefault((r.kernel, shape.head_dim), {})[r.shape] = (shape.q_tokens, low, median,
+                                                                                 high)
             else:
                 found[(r.kernel, r.shape)] = (0.0, 0.0)
+        for (variant, _), curve in curves.items():
+            for key, low in steady_lower_bounds(curve).items():
+                found[(variant, key)] = (low, found[(variant, key)][1])
         per_device.append(found)
     common = set.intersection(*map(set, per_device)) if per_device else set()
     return {key: (min(d[key][0] for d in per_device), min(d[key][1] for d in per_device)) for key in common}
@@ -186,7 +195,7 @@ class _Model:
         self.shapes = {key: entry.shape for key, entry in report.shapes.items()}
         self.uses = {key: entry.uses for key, entry in report.shapes.items()}
         self.cells = {(c.variant, c.fixture, d.index): c for d in devices for c in d.cells}
-        self.speedup = _speedups(devices)
+        self.speedup = _speedups(devices, self.shapes)
         self.ms = {}
         for device in devices:
             for r in device.speed:
