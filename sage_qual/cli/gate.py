@@ -28,7 +28,10 @@ def add_parser(subparsers) -> None:
     command.add_argument("--junit-xml", type=Path, metavar="FILE",
                          help="also write JUnit XML: one test case per GPU model here")
     command.set_defaults(func=_gate)
-    merge = subparsers.add_parser("merge", help="one table of verdicts across GPUs and hosts from reports")
+    merge = subparsers.add_parser(
+        "merge", help="one table of verdicts across GPUs and hosts from reports",
+        description="One table of verdicts across GPUs and hosts. merge has no fixture files, so it "
+                    "trusts each report's stored budgets; `sage-qual gate` re-derives them.")
     merge.add_argument("reports", nargs="+", type=Path, metavar="REPORT")
     merge.add_argument("--json", action="store_true", help="rows as JSON instead of a Markdown table")
     merge.set_defaults(func=_merge)
@@ -69,6 +72,11 @@ def _gate(args: argparse.Namespace) -> int:
     if here["sageattention_problem"]:
         raise UsageError(f"sageattention cannot run here: {here['sageattention_problem']}")
     decision = gate.decide(data, family, here, local, args.require_speedup)
+    if decision.code != ExitCode.USAGE:  # not stale: each stored budget against the one derived here
+        problem = gate.budget_problem(str(args.report), data, family, here,
+                                      gate.local_fixture_files(args.fixtures, family))
+        if problem:
+            decision = gate.GateDecision(family.name, ExitCode.USAGE, problem)
     if args.junit_xml:
         cases = ([junit.Case("gate", family.name, "error", decision.problem)] if decision.problem else
                  [junit.case(model, d, args.require_speedup) for model, d in decision.gpus])

@@ -6,20 +6,31 @@ use, so the four always say the same word. gate exits 0 to enable a family on th
 switching the family on changes nothing), 1 to keep it off (every reason printed), 2 when it
 cannot decide: no report, a partial, damaged or edited one, or a stale one (made on another GPU
 model, driver, torch, sageattention or other fixtures than this machine has).
+
+A cell is judged against the budget stored with it, so gate re-derives that budget from this
+machine's fixture file (`budgets.budget`) for every cell it decides on and refuses a report whose
+stored budget is looser (`budget_problem`): an edited budget cannot turn a failing cell into a pass.
+merge has no fixture files and trusts the stored budgets.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from sage_qual.errors import ExitCode, UsageError
-from sage_qual.fixtures import fileformat
-from sage_qual.qualification import report, verdict
+from sage_qual.fixtures import fileformat, numerics
+from sage_qual.qualification import budgets, measure, report, targets, verdict
 from sage_qual.qualification.certify import check_finite, fixture_dirs
 from sage_qual.qualification.families import FAMILIES, Family, normalize
 from sage_qual.qualification.report_model import Report
 from sage_qual.qualification.verdict import GENERIC, FamilyDecision, Verdict
+from sage_qual.serving import variants
+from sage_qual.serving.variants import VARIANTS, Variant
 
 
 def counts_for(family: Family, fixture_family: str) -> bool:
@@ -27,8 +38,8 @@ def counts_for(family: Family, fixture_family: str) -> bool:
     return family.owns(fixture_family) or normalize(fixture_family) == GENERIC
 
 
-def local_fixtures(directories: list[str] | None, family: Family) -> dict[str, str]:
-    """This machine's fixtures that count for the family: name -> sha256."""
+def local_fixture_files(directories: list[str] | None, family: Family) -> dict[str, fileformat.Fixture]:
+    """This machine's fixtures that count for the family, loaded: name -> fixture."""
     found = {}
     for directory in fixture_dirs(directories):
         try:
@@ -36,10 +47,15 @@ def local_fixtures(directories: list[str] | None, family: Family) -> dict[str, s
                 fixture = fileformat.load_fixture(path)
                 if counts_for(family, fixture.family):
                     check_finite(fixture, path)
-                    found[fixture.name] = fixture.sha256
+                    found[fixture.name] = fixture
         except fileformat.FixtureError as error:
             raise UsageError(str(error)) from None
     return found
+
+
+def local_fixtures(directories: list[str] | None, family: Family) -> dict[str, str]:
+    """This machine's fixtures that count for the family: name -> sha256."""
+    return {name: f.sha256 for name, f in local_fixture_files(directories, family).items()}
 
 
 def _model(gpu: dict) -> str:
@@ -66,6 +82,119 @@ def stale(data: Report, family: Family, here: dict, local: dict[str, str]) -> li
             differences.append(f"fixture {name} changed (sha256 {local[name][:12]} here, "
                                f"{recorded[name][:12]} in the report)")
     return differences
+
+
+# Stored budgets against the ones derived here -----------------------------------------------------------
+# Only a stored budget looser than the derived one is refused: a tighter one can only keep a family
+# off. The numerics model on an H200 and on a CPU derive budgets apart by up to 1.9e-5 in the error
+# and norm limits, at most 2.2 % of a limit's distance from exact, and by 6.6e-5 in the worst head
+# cosine of a head it reproduces almost exactly (0.999995 against 0.999929, sm89-fp8-cuda on
+# qwen_image_b52_value_offset): docs/results/current/certify-a/report.json re-derived on this
+# repository's CPU. A stored limit may be looser by BUDGET_ABS (BUDGET_ABS_COSINE for the cosine)
+# plus BUDGET_REL x the limit's distance from exact; the budget's own MARGIN (10 %) is wider still.
+BUDGET_ABS, BUDGET_ABS_COSINE, BUDGET_REL = 3e-5, 1e-4, 0.03
+# Which side is looser: a larger maximum, a smaller minimum; the exact value of each limit.
+_LOOSER = {"min_cosine": -1, "min_norm_ratio": -1}  # the others (maxima): +1
+_EXACT = {"min_cosine": 1.0, "min_norm_ratio": 1.0, "max_norm_ratio": 1.0}  # the others: 0 error
+# Derived budgets cost about a second per variant and fixture on a CPU: kept on disk per (model code,
+# variant, fixture sha256), so a second gate on the same fixtures takes no model run.
+_MODEL_CODE = (budgets, numerics, measure, variants)  # what a derived budget depends on
+
+
+def _model_digest() -> str:
+    digest = hashlib.sha256()
+    for module in _MODEL_CODE:
+        digest.update(Path(module.__file__).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _cache_path() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "sage-qual" / f"budgets-{_model_digest()}.json"
+
+
+def derived_budget(variant: Variant, fixture: fileformat.Fixture, cache: dict) -> dict:
+    """`budgets.budget(variant, fixture)`, through `cache` (key: variant and fixture sha256)."""
+    key = f"{variant.name} {fixture.sha256}"
+    found = cache.get(key)
+    if not (isinstance(found, dict) and found
+            and all(isinstance(x, float) and math.isfinite(x) for x in found.values())):
+        cache[key] = budgets.budget(variant, fixture)
+    return cache[key]
+
+
+def _cell_variant(data: Report, name: str, capability: tuple[int, int]) -> Variant | None:
+    """The registry variant behind a cell: its own, or for certify --target the target's on that GPU."""
+    if not data.target:
+        return VARIANTS.get(name)
+    try:
+        return targets.resolve(data.target).variant(capability)
+    except (targets.TargetError, ImportError):
+        return None
+
+
+def budget_problem(source: str, data: Report, family: Family, here: dict,
+                   fixtures: dict[str, fileformat.Fixture]) -> str:
+    """Empty when every measured cell gate decides on (this family's and generic fixtures, on the GPU
+    models here) stores a budget no looser than the one this machine derives from its fixture file;
+    else one line naming the first cell that does not."""
+    models_here = {_model(g) for g in here["gpus"]}
+    path = _cache_path()
+    try:
+        cache = json.loads(path.read_text())
+        cache = cache if isinstance(cache, dict) else {}
+    except (OSError, ValueError):
+        cache = {}
+    known = len(cache)
+    owners = {f.name: f.family for f in data.fixtures}
+    problem = ""
+    for n, device in enumerate(data.devices):
+        if "%s (sm_%d%d)" % (device.name, *device.capability) not in models_here:
+            continue
+        for m, cell in enumerate(device.cells):
+            if not cell.measured or not counts_for(family, owners.get(cell.fixture, "")):
+                continue
+            where = f"{source}: devices[{n}].cells[{m}] ({cell.variant} on {cell.fixture})"
+            variant = _cell_variant(data, cell.variant, tuple(device.capability))
+            if variant is None or cell.fixture not in fixtures:
+                missing = "no fixture file here" if variant else "no known variant"
+                return f"{where}: bounds: cannot be re-derived ({missing}); certify again on this machine"
+            derived = derived_budget(variant, fixtures[cell.fixture], cache)
+            problem = _looser(where, dict(cell.bounds or {}), derived)
+            if problem:
+                break
+        if problem:
+            break
+    if len(cache) > known:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            temporary = path.with_suffix(f".{os.getpid()}.tmp")
+            temporary.write_text(json.dumps(cache))
+            temporary.replace(path)
+        except OSError:
+            pass  # a cache that cannot be written costs time only
+    return problem
+
+
+def _looser(where: str, stored: dict, derived: dict) -> str:
+    # A head the model reproduces almost exactly has a float32 cosine a little over 1 on the CPU
+    # (budget 1.000049 for sm80-fp16-cuda on qwen_image_b52_value_offset, 0.999999 on the H200):
+    # no cosine exceeds 1, so both sides are compared at most 1.
+    stored, derived = ({k: min(x, 1.0) if k == "min_cosine" else x for k, x in side.items()}
+                       for side in (stored, derived))
+    for limit in sorted(set(stored) | set(derived)):
+        if limit not in stored or limit not in derived:
+            found = "missing" if limit not in stored else stored[limit]
+            return (f"{where}: bounds.{limit}: {found} in the report, "
+                    f"{derived.get(limit, 'none')} derived from the fixture here; the budget was "
+                    "edited or comes from another sage-qual: certify again")
+        floor = BUDGET_ABS_COSINE if limit == "min_cosine" else BUDGET_ABS
+        allowed = floor + BUDGET_REL * abs(derived[limit] - _EXACT.get(limit, 0.0))
+        if not _LOOSER.get(limit, 1) * (stored[limit] - derived[limit]) <= allowed:
+            return (f"{where}: bounds.{limit}: {stored[limit]} in the report is looser than "
+                    f"{derived[limit]} derived from the fixture here (budgets.budget); the budget was "
+                    "edited or comes from another sage-qual: certify again")
+    return ""
 
 
 @dataclass
