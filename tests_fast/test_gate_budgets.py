@@ -8,13 +8,15 @@ derives from those files, with numbers inside it; one sm90 cell on a FLUX.1 fixt
 rel_l2, so the H200 enables FLUX.1 with another variant.
 """
 
+import gzip
 import json
+from pathlib import Path
 
 import pytest
 
 from sage_qual import cli
 from sage_qual.fixtures import fileformat
-from sage_qual.qualification import budgets, pool
+from sage_qual.qualification import budgets, families, pool, report
 from sage_qual.qualification import gate as gate_module
 from sage_qual.serving.variants import VARIANTS
 from tests_fast.test_gate_fleet import H200, fleet_report, gpu_entry, write_fleet
@@ -196,3 +198,31 @@ def test_merge_trusts_stored_budgets_and_says_so(capsys, flux_report):
         cli.main(["merge", "--help"])
     assert "trusts each report's stored budgets" in " ".join(capsys.readouterr().out.split())
     assert gate_module.BUDGET_REL < budgets.MARGIN  # a tolerated edit stays inside the model's margin
+
+
+# The two H200 certify runs (tests_fast/data/README.md), against the shipped fixtures -----------------
+H200_RUNS = [Path(__file__).parent / "data" / f"h200_certify_{run}.json.gz" for run in "ab"]
+
+
+def h200_run(path: Path) -> dict:
+    with gzip.open(path, "rt", encoding="utf-8") as file:
+        return json.load(file)
+
+
+def test_budgets_derived_on_an_h200_pass_against_this_cpu(tmp_path, monkeypatch):
+    """Qwen-Image holds the widest measured GPU-to-CPU spread (a worst head cosine 0.999995 on the
+    H200, 0.999929 here): the runs' own budgets are not refused, one loosened past the spread is."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    qwen = families.find("Qwen-Image")
+    fixtures = gate_module.local_fixture_files(None, qwen)
+    for path in H200_RUNS:
+        data = h200_run(path)
+        here = {"gpus": data["environment"]["gpus"]}
+        typed = report.parse(data, path.name)
+        assert gate_module.budget_problem(path.name, typed, qwen, here, fixtures) == ""
+    index, cell = next((i, c) for i, c in enumerate(data["devices"][0]["cells"])
+                       if c["fixture"].startswith("qwen") and c["outcome"] == "pass")
+    cell["bounds"]["max_block_rel_l2"] *= 1.2
+    problem = gate_module.budget_problem(path.name, report.parse(data, path.name), qwen, here, fixtures)
+    assert problem.startswith(f"{path.name}: devices[0].cells[{index}] ({cell['variant']} on "
+                              f"{cell['fixture']}): bounds.max_block_rel_l2: ")
