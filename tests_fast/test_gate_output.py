@@ -97,3 +97,42 @@ def test_where_a_variant_pays_names_every_head_size():
     assert verdict._where(thresholds) == "4608 query / 512 key tokens, head_dim 64/128"
     assert enabled().served_from() == "4608 / 512, head_dim 64/128"
     assert FamilyDecision("FLUX.1").served_from() == "-"
+
+
+# A stored budget against the one derived here ------------------------------------------------------------
+AGAIN = "the budget was edited or comes from another sage-qual: certify again"
+
+
+def test_a_limit_on_one_side_only_is_named():
+    assert gate._looser("w", {"max_rel_l2": 0.1}, {"max_rel_l2": 0.1, "min_cosine": 0.99}) == (
+        f"w: bounds.min_cosine: missing in the report, 0.99 derived from the fixture here; {AGAIN}")
+    assert gate._looser("w", {"max_rel_l2": 0.1, "min_cosine": 0.99}, {"max_rel_l2": 0.1}) == (
+        f"w: bounds.min_cosine: 0.99 in the report, none derived from the fixture here; {AGAIN}")
+
+
+def test_a_maximum_may_exceed_the_derived_one_by_its_allowance_only():
+    derived = 0.5
+    allowed = gate.BUDGET_ABS + gate.BUDGET_REL * derived
+    assert gate._looser("w", {"max_rel_l2": derived + allowed / 2}, {"max_rel_l2": derived}) == ""
+    stored = derived + 2 * allowed
+    assert gate._looser("w", {"max_rel_l2": stored}, {"max_rel_l2": derived}) == (
+        f"w: bounds.max_rel_l2: {stored} in the report is looser than {derived} derived from the fixture "
+        f"here (budgets.budget); {AGAIN}")
+    assert gate._looser("w", {"max_rel_l2": 1.5}, {"max_rel_l2": 1.2}).startswith("w: bounds.max_rel_l2: 1.5")
+
+
+def test_a_minimum_may_fall_below_the_derived_one_by_its_allowance_only():
+    derived = 0.9
+    allowed = gate.BUDGET_ABS_COSINE + gate.BUDGET_REL * (1.0 - derived)
+    assert gate._looser("w", {"min_cosine": derived - allowed / 2}, {"min_cosine": derived}) == ""
+    assert gate._looser("w", {"min_cosine": 0.95}, {"min_cosine": derived}) == ""  # stricter
+    stored = derived - 2 * allowed
+    assert gate._looser("w", {"min_cosine": stored}, {"min_cosine": derived}).startswith(
+        f"w: bounds.min_cosine: {stored} in the report is looser than {derived}")
+
+
+def test_a_cosine_over_one_is_compared_as_one():
+    """5e-5 under a derived cosine of 1.0005 is within the cosine's absolute allowance (1e-4) once
+    both sides are capped at 1, and far outside it if they were not."""
+    assert gate.BUDGET_ABS < 5e-5 < gate.BUDGET_ABS_COSINE
+    assert gate._looser("w", {"min_cosine": 0.99995}, {"min_cosine": 1.0005}) == ""
