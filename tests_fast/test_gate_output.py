@@ -136,3 +136,11 @@ def test_a_cosine_over_one_is_compared_as_one():
     both sides are capped at 1, and far outside it if they were not."""
     assert gate.BUDGET_ABS < 5e-5 < gate.BUDGET_ABS_COSINE
     assert gate._looser("w", {"min_cosine": 0.99995}, {"min_cosine": 1.0005}) == ""
+
+
+def test_a_maximums_absolute_allowance_is_the_smaller_one():
+    """8e-5 over a derived relative L2 of 0.001 is beyond 3e-5 + 3 % (the maxima's allowance), though
+    within the cosine's absolute 1e-4."""
+    derived = 0.001
+    assert gate.BUDGET_ABS + gate.BUDGET_REL * derived < 8e-5 < gate.BUDGET_ABS_COSINE
+    assert gate._looser("w", {"max_rel_l2": derived + 8e-5}, {"max_rel_l2": derived}) != ""
