@@ -274,10 +274,3 @@ VARIANTS: dict[str, Variant] = {
         ),
     )
 }
-
-
-def variant(name: str) -> Variant:
-    try:
-        return VARIANTS[name]
-    except KeyError:
-        raise KeyError(f"unknown variant {name!r} (known: {', '.join(VARIANTS)})") from None
