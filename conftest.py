@@ -73,9 +73,10 @@ def pytest_collection_modifyitems(config, items):
     not_selected = pytest.mark.skip(reason="GPU qualification test: run it with `pytest -m slow`")
     no_gpu = pytest.mark.skip(reason="no CUDA GPU visible to torch")
     for item in items:
-        if "slow" in item.keywords and not slow_selected:
+        # Markers, not keywords: a test parametrized with the id "gpu" is not a GPU test.
+        if item.get_closest_marker("slow") and not slow_selected:
             item.add_marker(not_selected)
-        elif "gpu" in item.keywords and not has_gpu:
+        elif item.get_closest_marker("gpu") and not has_gpu:
             item.add_marker(no_gpu)
 
 
@@ -89,7 +90,7 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     result = outcome.get_result()
     missing = item.config.stash.get(_MISSING, "")
-    selected = "slow" in item.keywords or "gpu" in item.keywords
+    selected = item.get_closest_marker("slow") or item.get_closest_marker("gpu")
     if missing and selected and result.skipped and not hasattr(result, "wasxfail"):
         result.outcome = "failed"
         result.longrepr = f"--require-gpu: {missing} (the test would have skipped)"
