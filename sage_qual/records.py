@@ -171,12 +171,15 @@ class _Reader:
         return built
 
     def _constraints(self, f: dataclasses.Field, value, path: str) -> None:
-        minimum = f.metadata.get("minimum")
+        minimum, maximum = f.metadata.get("minimum"), f.metadata.get("maximum")
         items = value if isinstance(value, list) else [value]
-        if minimum is not None:
-            for x in items:
-                if isinstance(x, (int, float)) and x < minimum:
-                    self.fail(path, f"is {x}, expected at least {minimum}")
+        for x in items:
+            if not isinstance(x, (int, float)) or isinstance(x, bool):
+                continue
+            if minimum is not None and x < minimum:
+                self.fail(path, f"is {x}, expected at least {minimum}")
+            if maximum is not None and x > maximum:
+                self.fail(path, f"is {x}, expected at most {maximum}")
         pattern = f.metadata.get("pattern")
         if pattern is not None and isinstance(value, str) and not re.fullmatch(pattern, value):
             self.fail(path, f"{value!r} does not match {pattern}")
@@ -234,8 +237,9 @@ def _schema_of(tp, defs: dict) -> dict:
             for f in dataclasses.fields(tp):
                 prop = _schema_of(hints[f.name], defs)
                 target = prop["items"] if prop.get("type") == "array" else prop
-                if "minimum" in f.metadata:
-                    target["minimum"] = f.metadata["minimum"]
+                for bound in ("minimum", "maximum"):
+                    if bound in f.metadata:
+                        target[bound] = f.metadata[bound]
                 if "pattern" in f.metadata:
                     prop["pattern"] = f.metadata["pattern"]
                 if "length" in f.metadata:

@@ -80,6 +80,11 @@ class SmoothK:
     finite: bool
 
 
+_NOT_NEGATIVE = {"minimum": 0}
+# float32 rounding puts a cosine at 1.0000001 (run 8's reports, docs/results/current/): 1e-3 of room.
+_COSINE = {"minimum": -1.001, "maximum": 1.001}
+
+
 @dataclass(frozen=True)
 class Cell:
     """One variant on one fixture; the numbers only when it ran to the end (null: not finite)."""
@@ -92,16 +97,18 @@ class Cell:
     bounds: dict[str, float] | None = field(default=None, metadata={
         "description": "the budget the cell was judged against: limit name (max_rel_l2, min_cosine, ...) -> "
                        "bound"})
-    rel_l2: float | None = None
-    worst_head_cosine: float | None = None
+    # Errors, norms and bytes cannot be negative, nor a cosine leave [-1, 1]: an edited number that
+    # does would pass any limit on its side.
+    rel_l2: float | None = field(default=None, metadata=_NOT_NEGATIVE)
+    worst_head_cosine: float | None = field(default=None, metadata=_COSINE)
     finite: bool | None = None
-    sdpa_rel_l2: float | None = None
-    error_vs_sdpa: float | None = None
-    worst_head_rel_l2: float | None = None
-    worst_batch_rel_l2: float | None = None
-    worst_block_rel_l2: float | None = None
-    norm_ratio: float | None = None
-    extra_bytes_per_element: float | None = None
+    sdpa_rel_l2: float | None = field(default=None, metadata=_NOT_NEGATIVE)
+    error_vs_sdpa: float | None = field(default=None, metadata=_NOT_NEGATIVE)
+    worst_head_rel_l2: float | None = field(default=None, metadata=_NOT_NEGATIVE)
+    worst_batch_rel_l2: float | None = field(default=None, metadata=_NOT_NEGATIVE)
+    worst_block_rel_l2: float | None = field(default=None, metadata=_NOT_NEGATIVE)
+    norm_ratio: float | None = field(default=None, metadata=_NOT_NEGATIVE)
+    extra_bytes_per_element: float | None = field(default=None, metadata=_NOT_NEGATIVE)
     smooth_k_on: SmoothK | None = None
     seconds: float | None = None
     stderr_tail: str = ""
