@@ -12,7 +12,7 @@ import torch
 from sage_qual import cli
 from sage_qual.errors import UsageError
 from sage_qual.fixtures.fileformat import save_fixture
-from sage_qual.qualification import certify, fault_hooks, report
+from sage_qual.qualification import certify, fault_hooks, report, target_certify
 from sage_qual.qualification import pool as workers
 
 BOUNDS = {"fp16": {"max_rel_l2": 0.05, "min_cosine": 0.99}, "fp8": {"max_rel_l2": 0.08, "min_cosine": 0.99}}
@@ -59,6 +59,23 @@ def test_cli_refusals_are_one_line_exit_2(tmp_path, capsys, no_workers, argv, me
     out, err = capsys.readouterr()
     assert code == 2 and out == "" and err.count("\n") == 1 and message in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"timeout": -5.0}, "--timeout is -5.0"),
+    ({"devices": "-1"}, "-1 is not a GPU index"),
+])
+def test_certify_target_checks_its_numbers_before_any_worker(tmp_path, no_workers, options, message):
+    with pytest.raises(UsageError, match=message):
+        target_certify.run(target_certify.Options(tmp_path / "a" / "out", "wrapper", **options))
+    assert not (tmp_path / "a").exists()
+
+
+def test_certify_target_refused_on_a_machine_without_a_gpu_leaves_no_output(tmp_path):
+    out = tmp_path / "new" / "out"
+    with pytest.raises(UsageError, match="no CUDA GPU is visible here"):
+        target_certify.run(target_certify.Options(out, "wrapper", families=["FLUX.1"]))
+    assert not (tmp_path / "new").exists()
 
 
 def fixture_dir(tmp_path: Path, poison=None) -> Path:

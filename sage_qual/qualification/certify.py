@@ -9,6 +9,7 @@ is rewritten after every result, so a killed run leaves a partial report that sa
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -207,23 +208,31 @@ def run(options: Options) -> dict:
     options = dataclasses.replace(options, fixture_dirs=fixture_dirs(options.fixture_dirs))
     fixtures = select_fixtures(options.fixture_dirs, chosen, options.families is None, options.quick)
     out = Path(options.out)
+    with output_directory(out) as logs:
+        pool = workers.Pool(logs)
+        pool.prefetch()  # the first GPU's first worker imports torch while the environment is collected
+        try:
+            return _run(options, variants, chosen, fixtures, out, pool)
+        finally:
+            pool.close()  # before a refusal removes `out`: its workers write their logs there
+
+
+@contextlib.contextmanager
+def output_directory(out: Path):
+    """`out/logs`, created for the run; a UsageError before report.json was written removes what was
+    created, so a refused run leaves nothing behind (certify and certify --target)."""
     new = None if out.exists() else _first_missing(out)
     logs = out / "logs"
     try:
         logs.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise UsageError(f"cannot write to {out}: {error.strerror or error}") from None
-    pool = workers.Pool(logs)
-    pool.prefetch()  # the first GPU's first worker imports torch while the environment is collected
     try:
-        return _run(options, variants, chosen, fixtures, out, pool)
+        yield logs
     except UsageError:
-        pool.close()  # its workers write their logs under `out`
-        if new is not None and not (out / "report.json").exists():  # refused before measuring: leave nothing
+        if new is not None and not (out / "report.json").exists():
             shutil.rmtree(new, ignore_errors=True)
         raise
-    finally:
-        pool.close()
 
 
 def _first_missing(path: Path) -> Path:

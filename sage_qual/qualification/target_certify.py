@@ -52,27 +52,23 @@ def resolve(name: str) -> targets.Target:
 
 
 def run(options: Options) -> dict:
+    certify.check_numbers(options)
     target = resolve(options.target)
     chosen = certify.select_families(options.families)
     directories = certify.fixture_dirs(options.fixture_dirs)
     fixtures = certify.select_fixtures(directories, chosen, options.families is None, options.quick)
     out = Path(options.out)
-    logs = out / "logs"
-    try:
-        logs.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise UsageError(f"cannot write to {out}: {error.strerror or error}") from None
-    workers = pool.Pool(logs)
-    try:
-        collected = pool.collect_environment(logs / "environment.log",
-                                               limits.startup_timeout(options.timeout))
-    except pool.WorkerError as error:
-        workers.close()
-        raise UsageError(str(error)) from None
-    try:
-        return _run(options, target, chosen, fixtures, directories, collected, out, workers)
-    finally:
-        workers.close()
+    with certify.output_directory(out) as logs:
+        workers = pool.Pool(logs)
+        try:
+            try:
+                collected = pool.collect_environment(logs / "environment.log",
+                                                     limits.startup_timeout(options.timeout))
+            except pool.WorkerError as error:
+                raise UsageError(str(error)) from None
+            return _run(options, target, chosen, fixtures, directories, collected, out, workers)
+        finally:
+            workers.close()
 
 
 def _run(options: Options, target: targets.Target, chosen: list, fixtures: list, directories: list,
