@@ -48,6 +48,9 @@ TOKEN_GRANULE = 128
 # Timing repeats: (warm-up, repeats); big shapes get fewer, so the full run fits in minutes.
 TIMING = {"quick": (2, 5), "small": (5, 20), "large": (3, 10)}
 LARGE_FLOPS = 1e12
+# Workers kept starting ahead per GPU: one's imports (`worker --preload`) take about 7 s on the H200
+# host (docs/results/run9-h200x2-startup/worker-phases.txt), longer than most variants' jobs.
+SPARES_PER_GPU = 2
 
 
 @dataclasses.dataclass
@@ -210,7 +213,7 @@ def run(options: Options) -> dict:
     out = Path(options.out)
     with output_directory(out) as logs:
         pool = workers.Pool(logs)
-        pool.prefetch()  # the first GPU's first worker imports torch while the environment is collected
+        pool.prefetch(SPARES_PER_GPU)  # the first GPU's workers import while the environment is collected
         try:
             return _run(options, variants, chosen, fixtures, out, pool)
         finally:
@@ -256,7 +259,7 @@ def _run(options: Options, variants: list[str], chosen: list, fixtures: list, ou
     if env["sageattention_problem"]:
         raise UsageError(f"sageattention cannot run here: {env['sageattention_problem']}")
     devices = _device_indices(options.devices, len(env["gpus"]))
-    pool.prefetch(len(devices) - 1)
+    pool.prefetch(SPARES_PER_GPU * (len(devices) - 1))
     if not fixtures:
         print("sage-qual certify: no fixtures selected: no family can be certified", file=sys.stderr)
     shapes = speed_shapes(chosen, options.quick)
@@ -472,18 +475,9 @@ class _DeviceRun:
         if task["kind"] == "cell":
             record = {"variant": task["variant"], "fixture": task["fixture_name"], **result}
             field = "cells"
-        elif task["kind"] == "sdpa":
-            timings = result.pop("ms", None) or {}
-            samples = result.pop("samples_ms", None) or {}
-            best = min(timings, key=timings.get) if timings else None
-            record = {"kernel": "sdpa", "shape": task["key"], **result,
-                      "outcome": result["outcome"] if result["outcome"] != "pass" or best else "skip",
-                      "ms": timings[best] if best else None, "samples_ms": samples.get(best, [])}
-            if result["outcome"] == "pass":
-                record.update(best_backend=best or "", backends=timings)
-            field = "speed"
-        else:
-            record = {"kernel": task["variant"], "shape": task["key"], "ms": None, **result}
+        else:  # a timing: of the fastest SDPA backend, or of a variant
+            kernel = "sdpa" if task["kind"] == "sdpa" else task["variant"]
+            record = {"kernel": kernel, "shape": task["key"], "ms": None, **result}
             field = "speed"
         self.writer.update(lambda d: d["devices"][self.position][field].append(record))
         progress.tick(f"cuda:{self.index}", record)

@@ -30,14 +30,14 @@ EXIT_POISONED = 70  # a worker's exit code when a CUDA error left its context un
 class Process:
     """The parent's handle on one worker process; its stderr goes to `log_path`."""
 
-    def __init__(self, env: dict, log_path: Path):
+    def __init__(self, env: dict, log_path: Path, preload: bool = False):
         self.log_path = log_path
+        command = [sys.executable, "-m", WORKER_MODULE] + (["--preload"] if preload else [])
         with open(log_path, "wb") as log:
             # Own session: a signal meant for the parent's terminal does not hit the worker, and
             # killing its process group also ends what it started (compilers, nvidia-smi).
-            self.proc = subprocess.Popen([sys.executable, "-m", WORKER_MODULE],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                                         env=env, start_new_session=True)
         self.messages: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -188,8 +188,9 @@ def collect_environment(log_path: Path, timeout: float) -> dict:
 
 
 class Pool:
-    """Workers started ahead of need: each spends seconds importing torch while others work.
-    They are all alike until their job (and its GPU and Triton cache) arrives."""
+    """Workers started ahead of need: each spends seconds importing torch and what a kernel's first
+    call imports (`worker --preload`) while others work. They are all alike until their job (and
+    its GPU and Triton cache) arrives."""
 
     def __init__(self, log_dir: Path):
         self.log_dir = log_dir
@@ -201,7 +202,7 @@ class Pool:
         with self.lock:
             self.count += 1
             path = self.log_dir / f"worker-{self.count}.log"
-        return Process(worker_env(), path)
+        return Process(worker_env(), path, preload=True)
 
     def prefetch(self, count: int = 1) -> None:
         for _ in range(count):
