@@ -81,7 +81,8 @@ class SmoothK:
 
 
 _NOT_NEGATIVE = {"minimum": 0}
-# float32 rounding puts a cosine at 1.0000001 (run 8's reports, docs/results/current/): 1e-3 of room.
+# float32 rounding puts a cosine at 1.0000001 (run 8's reports, docs/results/run8-h200x2-final/certify/):
+# 1e-3 of room.
 _COSINE = {"minimum": -1.001, "maximum": 1.001}
 
 

@@ -31,8 +31,9 @@ def speedup_bounds(sdpa_ms: float, sdpa_samples: list[float], ours_ms: float,
 
 
 # Half-width, in octaves of tokens, of the neighbourhood a steady bound is fitted over: the sweep
-# refines the crossover in steps of 2**(1/8) (docs/results/current/certify-a/report.json: 8192,
-# 8960, 9728, ... 16384 tokens), so one octave each side pools about 16 measured lengths there.
+# refines the crossover in steps of 2**(1/8) (docs/results/run8-h200x2-final/certify/certify-a/
+# report.json: 8192, 8960, 9728, ... 16384 tokens), so one octave each side pools about 16 measured
+# lengths there.
 FIT_OCTAVES = 1.0
 
 
@@ -42,9 +43,9 @@ def steady_lower_bounds(shapes: dict, z: float = Z_95) -> dict:
     `shapes` maps a key to (tokens, lower bound, median ratio, upper bound) of one variant's
     self-attention shapes of one head size on one device. Near the crossover the speedup is flat
     around 1x, so each shape's own lower bound decides the first shape that clears the bar by
-    noise (two H200 runs of docs/results/current/ put it at 8,960 and 11,648 tokens). Instead a
-    weighted line of log(speedup) against log2(tokens) is fitted over the shapes within
-    FIT_OCTAVES of each one (weights from each shape's own interval, scaled up by the residual
+    noise (two H200 runs of docs/results/run8-h200x2-final/certify/ put it at 8,960 and 11,648
+    tokens). Instead a weighted line of log(speedup) against log2(tokens) is fitted over the
+    shapes within FIT_OCTAVES of each one (weights from each shape's own interval, scaled up by the residual
     scatter when the shapes disagree more than their intervals say), and its lower z band at that
     shape is its bound. Never above the shape's own upper bound: a shape measured slower with
     confidence stays slower. A shape with fewer than three neighbours keeps its own lower bound.

@@ -48,8 +48,8 @@ from sage_qual.serving.variants import VARIANTS
 # SDPA's backends by the SDPBackend member that selects each; left alone, SDPA picks one of them.
 SDPA_BACKENDS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
 # (warm-up, repeats) of the screen that picks the fastest backend: the full timing of all four
-# backends took 28 s of a 160 s certify on the H200 (docs/results/current/certify-a); only the
-# chosen backend needs the repeats behind the confidence interval.
+# backends took 28 s of a 160 s certify on the H200 (docs/results/run8-h200x2-final/certify/
+# certify-a); only the chosen backend needs the repeats behind the confidence interval.
 SCREEN = (1, 3)
 
 
