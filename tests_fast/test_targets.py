@@ -1,6 +1,7 @@
 """Targets: every built-in integration resolves, states its claims in the wrapper's words, is
 enabled the way its app enables it, and counts only the calls that reached SageAttention."""
 
+import importlib.machinery
 import sys
 import types
 
@@ -78,6 +79,35 @@ def test_sageattn_target_calls_upstream_with_its_defaults_and_counts_served_call
     assert h200.calls[0].keywords["tensor_layout"] == "HND"
     module = sys.modules["sageattention"]
     assert module.sageattn.__name__ == "sageattn" and not hasattr(module.sageattn, "__wrapped__")
+
+
+class _LoadsOnImport:
+    """A finder that hands out `module` when `sageattention` is imported (not imported yet)."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "sageattention":
+            return importlib.machinery.ModuleSpec(name, self)
+
+    def create_module(self, spec):
+        return self.module
+
+    def exec_module(self, module):
+        pass
+
+
+def test_the_first_call_of_a_fresh_process_is_counted(h200, monkeypatch):
+    """A process whose first sageattention import happens inside the first call (certify's first
+    cell, run 8: 'no SageAttention function was called' on cross_attention_partial_tiles) must
+    count that call: the counting imports the package before it patches it."""
+    module = sys.modules.pop("sageattention")
+    monkeypatch.setattr(sys, "meta_path", [_LoadsOnImport(module), *sys.meta_path])
+    q, k, v = qkv()
+    with targets.resolve("sageattn").session() as session:
+        out, served = session.call(q, k, v)
+    assert served and session.evidence.functions["sageattn"] == 1
 
 
 def test_a_function_target_that_never_calls_sageattention_is_not_served(h200, monkeypatch):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import sys
 import types
 from collections import Counter
@@ -175,8 +176,10 @@ class Target:
 def counting_sage_calls(evidence: Evidence, modules: tuple[types.ModuleType, ...] = ()) -> Iterator[Evidence]:
     """Count calls to sageattention's functions, wherever the integration holds them: as attributes
     of the `sageattention` module, and as names bound by `from sageattention import ...` in
-    `modules` (diffusers' attention_dispatch, an app's module)."""
-    package = sys.modules.get("sageattention")
+    `modules` (diffusers' attention_dispatch, an app's module). The package is imported first when
+    it is installed: patched only if already imported, the first call of a fresh process went
+    uncounted (run 8, the sageattn target's first cell: "no SageAttention function was called")."""
+    package = _imported_sageattention()
     originals = {name: getattr(package, name) for name in SAGE_FUNCTIONS if hasattr(package, name)} \
         if package is not None else {}
     patched: list[tuple[object, str, object]] = []
@@ -204,6 +207,17 @@ def counting_sage_calls(evidence: Evidence, modules: tuple[types.ModuleType, ...
     finally:
         for holder, attribute, value in reversed(patched):
             setattr(holder, attribute, value)
+
+
+def _imported_sageattention() -> types.ModuleType | None:
+    """The sageattention module, imported now if installed; None if it is not, or if it fails to
+    import (the target's own call then reports that failure)."""
+    if "sageattention" in sys.modules:
+        return sys.modules["sageattention"]
+    try:
+        return importlib.import_module("sageattention") if importlib.util.find_spec("sageattention") else None
+    except Exception:
+        return None
 
 
 # Our wrapper ----------------------------------------------------------------------------------
