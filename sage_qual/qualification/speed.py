@@ -63,9 +63,9 @@ def steady_lower_bounds(shapes: dict, z: float = Z_95) -> dict:
 
 
 def _log_se(low: float, high: float, z: float) -> float:
-    """The standard error of log(speedup) a two-sided z interval implies (a floor of 0.1 %, so
-    that a shape timed with no spread does not outweigh all others)."""
-    return max(math.log(high / low) / (2 * z), 1e-3) if low > 0 else 1.0
+    """The standard error of log(speedup) a two-sided z interval implies, for `low` > 0 (a floor of
+    0.1 %, so that a shape timed with no spread does not outweigh all others)."""
+    return max(math.log(high / low) / (2 * z), 1e-3)
 
 
 def _weighted_line_at_zero(points: list[tuple[float, float, float]]) -> tuple[float, float] | None:
