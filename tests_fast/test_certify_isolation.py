@@ -327,3 +327,21 @@ def test_quick_without_variants_runs_each_gpus_own_kernel(tmp_path, monkeypatch)
     ran = [{c["variant"] for c in device["cells"] if c["outcome"] != "skip"} for device in data["devices"]]
     assert ran == [{"sm90-fp8-cuda"}, {"sm89-fp8-cuda"}]
     assert validate(data) == []
+
+
+@pytest.mark.parametrize("hook, preloaded", [("", ["sageattention", "torch._dynamo"]),
+                                             ('{"gpus": [{"name": "Fake", "capability": [9, 0]}]}', [])],
+                         ids=["real-kernel", "fake-gpus"])
+def test_a_spare_worker_preloads_what_a_kernels_first_call_imports(tmp_path, hook, preloaded):
+    """`worker --preload` imports sageattention and torch._dynamo before its job arrives (3.7 s of
+    every variant's first cell on the H200, run 9), but not for the tests' fake GPUs."""
+    (tmp_path / "sageattention").mkdir()
+    (tmp_path / "sageattention" / "__init__.py").write_text("")
+    env = pool.worker_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
+    env[fault_hooks.TEST_HOOK] = hook
+    code = ("import sys; from sage_qual.qualification import worker; worker.preload(); "
+            "print([m for m in ('sageattention', 'torch._dynamo') if m in sys.modules])")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(preloaded)
