@@ -45,9 +45,9 @@ def steady_lower_bounds(shapes: dict, z: float = Z_95) -> dict:
     around 1x, so each shape's own lower bound decides the first shape that clears the bar by
     noise (two H200 runs of docs/results/run8-h200x2-final/certify/ put it at 8,960 and 11,648
     tokens). Instead a weighted line of log(speedup) against log2(tokens) is fitted over the
-    shapes within FIT_OCTAVES of each one (weights from each shape's own interval, scaled up by the residual
-    scatter when the shapes disagree more than their intervals say), and its lower z band at that
-    shape is its bound. Never above the shape's own upper bound: a shape measured slower with
+    shapes within FIT_OCTAVES of each one (weights from each shape's own interval, scaled up by
+    the residual scatter when the shapes disagree more than their intervals say), and its lower z
+    band at that shape is its bound. Never above the shape's own upper bound: a shape measured slower with
     confidence stays slower. A shape with fewer than three neighbours keeps its own lower bound.
     Deterministic: the same numbers always give the same bounds."""
     rows = {key: (math.log2(tokens), math.log(median), _log_se(low, high, z), high)

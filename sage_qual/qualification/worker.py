@@ -5,10 +5,10 @@ the GPU or inject faults are `fault_hooks`.
 
 `python -m sage_qual.qualification.worker` imports torch (with `--preload`, also what a kernel's
 first call imports), then waits for one JSON job line on stdin (so the parent can start it early,
-while another worker still runs). It keeps reading
-stdin: end of file means the parent died, and the worker exits. Results leave as JSON lines on
-the original stdout; file descriptor 1 is pointed at stderr first, so whatever Triton, CUDA or a
-print writes there lands in the stderr log whose tail the parent keeps for crash reports.
+while another worker still runs). It keeps reading stdin: end of file means the parent died, and
+the worker exits. Results leave as JSON lines on the original stdout; file descriptor 1 is pointed
+at stderr first, so whatever Triton, CUDA or a print writes there lands in the stderr log whose
+tail the parent keeps for crash reports.
 
 Messages: {"type": "ready"} once it has its job, then per task
 {"type": "start", "id"} and {"type": "result", "id", "seconds", "result"}, and {"type": "done"}.
