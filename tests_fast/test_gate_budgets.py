@@ -29,7 +29,8 @@ def _within(budget: dict) -> dict:
     return {"rel_l2": budget["max_rel_l2"] / 2, "worst_head_rel_l2": budget["max_head_rel_l2"] / 2,
             "worst_batch_rel_l2": budget["max_batch_rel_l2"] / 2,
             "worst_block_rel_l2": budget["max_block_rel_l2"] / 2,
-            "worst_head_cosine": (1 + budget["min_cosine"]) / 2, "norm_ratio": 1.0, "finite": True}
+            "worst_head_cosine": (1 + budget["min_cosine"]) / 2, "norm_ratio": 1.0, "finite": True,
+            "max_abs_error": budget["max_abs"] / 2}
 
 
 @pytest.fixture
@@ -213,6 +214,10 @@ def test_budgets_derived_on_an_h200_pass_against_this_cpu(tmp_path, monkeypatch)
     """Qwen-Image holds the widest measured GPU-to-CPU spread (a worst head cosine 0.999995 on the
     H200, 0.999929 here): the runs' own budgets are not refused, one loosened past the spread is."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    # Run 8 predates the element-wise limit (issue 16): compare the limits it derived. The GPU-to-CPU
+    # spread of max_abs is checked by tests_gpu/test_numerics_vs_kernel.py.
+    monkeypatch.setattr(gate_module, "derived_budget", lambda variant, fixture, cache: {
+        k: x for k, x in budgets.budget(variant, fixture).items() if k != "max_abs"})
     qwen = families.find("Qwen-Image")
     fixtures = gate_module.local_fixture_files(None, qwen)
     for path in H200_RUNS:

@@ -10,9 +10,10 @@ import torch
 from sage_qual.qualification import judge, measure
 
 BUDGET = {"max_rel_l2": 0.055, "max_head_rel_l2": 0.06, "max_batch_rel_l2": 0.06, "max_block_rel_l2": 0.08,
-          "min_norm_ratio": 0.99, "max_norm_ratio": 1.01, "min_cosine": 0.998}
+          "min_norm_ratio": 0.99, "max_norm_ratio": 1.01, "min_cosine": 0.998, "max_abs": 0.5}
 GOOD = {"rel_l2": 0.05, "worst_head_rel_l2": 0.055, "worst_batch_rel_l2": 0.05, "worst_block_rel_l2": 0.07,
-        "norm_ratio": 1.0, "worst_head_cosine": 0.999, "finite": True, "sdpa_rel_l2": 0.002}
+        "norm_ratio": 1.0, "worst_head_cosine": 0.999, "finite": True, "sdpa_rel_l2": 0.002,
+        "max_abs_error": 0.3}
 
 
 def kinds(metrics, per_element=1.0, budget=BUDGET):
@@ -31,6 +32,7 @@ def test_a_cell_within_every_limit_passes():
     ("norm_ratio", 1.1, "output norm / reference norm 1.1 > 1.01"),
     ("norm_ratio", 0.9, "output norm / reference norm 0.9 < 0.99"),
     ("worst_head_cosine", 0.99, "worst head cosine 0.99 < 0.998"),
+    ("max_abs_error", 0.6, "largest element error |out - ref| 0.6 > 0.5"),
 ])
 def test_each_limit_fails_alone(metric, value, says):
     reasons = judge.cell_reasons({**GOOD, metric: value}, 1.0, BUDGET, 2.5)
@@ -51,7 +53,8 @@ def test_non_finite_output_and_memory_are_reasons_of_their_own():
 
 def test_a_non_finite_output_is_one_reason_not_one_per_unmeasured_metric():
     stored = {"finite": False, "rel_l2": None, "worst_head_rel_l2": None, "worst_batch_rel_l2": None,
-              "worst_block_rel_l2": None, "norm_ratio": None, "worst_head_cosine": None}
+              "worst_block_rel_l2": None, "norm_ratio": None, "worst_head_cosine": None,
+              "max_abs_error": None}
     assert kinds(stored) == ["non_finite"]
     # A finite cell stripped of its norm ratio says so once, though two limits read it.
     assert kinds({**GOOD, "norm_ratio": None}) == ["accuracy"]
@@ -81,6 +84,23 @@ def test_a_defect_confined_to_one_slice_shows_in_that_slice(defect, metric):
     clean, broken = measure.errors(out, ref), measure.errors(defect(out), ref)
     assert broken[metric] > 10 * clean[metric]
     assert broken[metric] > 1.3 * broken["rel_l2"]  # more than the whole tensor's error shows
+
+
+def test_a_few_wrong_elements_show_in_the_largest_element_error_not_in_the_aggregates():
+    ref, out = _pair(3)
+    clean = measure.errors(out, ref)
+    broken = out.clone()
+    broken[1, 2, 100, 7] += 3 * ref.square().mean().sqrt()  # one element off by 3x the output's RMS
+    found = measure.errors(broken, ref)
+    assert found["max_abs_error"] > 5 * clean["max_abs_error"]  # clean: about 0.25, now about 3
+    assert found["worst_block_rel_l2"] - clean["worst_block_rel_l2"] < 0.03  # inside an FP8 budget
+    assert found["rel_l2"] < 1.02 * clean["rel_l2"]
+
+
+def test_the_largest_element_error_is_infinite_where_the_output_is_not_finite():
+    ref, out = _pair(4)
+    out[0, 0, 0, 0] = float("nan")
+    assert measure.errors(out, ref)["max_abs_error"] == math.inf
 
 
 def test_a_scale_error_shows_in_the_norm_ratio_not_in_the_cosine():

@@ -6,6 +6,15 @@ the norm ratio between the model's and 1, widened by MARGIN x the expected relat
 NORM_FLOOR), the worst head cosine within (1 + MARGIN)^2 of its distance from 1 (1 - cosine grows
 with the square of the error). Published numbers stay in the fixtures as provenance; they bound nothing.
 
+The element-wise criterion follows FlashAttention's tests (tests/test_flash_attn.py: the kernel's
+max |out - ref| at most 2x that of a PyTorch implementation in the input precision, plus `fwd_atol`,
+the rounding any arithmetic on the reference picks up in the output dtype), with the numerics model
+in place of the PyTorch implementation: max_abs = MAX_ABS_FACTOR x the model's max |out - ref| +
+ROUNDING_ULPS x the output dtype's epsilon x max |ref| (kernel and model may round one value to
+neighbouring outputs). Every bound stays in its metric's range: min_cosine <= 1 - 1e-6 (a head
+the model reproduces almost exactly has a cosine within rounding of 1), min_norm_ratio <= 1 <=
+max_norm_ratio, max_abs >= 0, so the exact output always passes its own budget.
+
 Where the model predicts a non-finite output (an fp16 accumulator overflowing, a zero V channel
 under FP8), the expected errors are those of its finite elements: the budget still requires a
 finite output (judge), so such a cell fails, as the kernel does; `model_finite` says so.
@@ -34,8 +43,22 @@ from sage_qual.serving.variants import Variant
 # row blocks, which move more than the whole-tensor error), and well under the 0.25 allowed.
 MEASURED_SPREAD = 0.015
 MARGIN = 0.10
+# The tightest cosine bound: one unit of the 6 decimals budgets are stored with below 1, so an exact
+# output (cosine 1 up to float64 rounding) passes.
+MAX_MIN_COSINE = 1.0 - 1e-6
 # Smallest tolerance on the norm ratio: a bf16 output carries 2^-9 relative rounding per element.
 NORM_FLOOR = 2.0 ** -9
+# The element-wise allowance. The model's max |out - ref| was not measured against a kernel before
+# this criterion (H200 run 8 stored the aggregate and slice errors only); what was measured: the
+# model within 1.5 % of the kernels' relative L2 and within 3.5 % of their worst 64-row block
+# (docs/results/run8-h200x2-final/suite/numerics_vs_kernel.json, 144 cells finite on both sides).
+# On the CPU, rounding-level changes to the model's arithmetic (exp perturbed by 2^-21, as the GPU's
+# ex2.approx differs; by 2^-11, an fp16 partial sum's rounding) moved its max abs error by 0 % and by
+# at most 9 % on the shipped fixtures (docs/numerics.md, "Element-wise"): a single element moves
+# about 6x more than the whole tensor. A factor of 2 (FlashAttention's rtol) leaves 10x that; the
+# kernels' own max abs error is measured against it by tests_gpu/test_numerics_vs_kernel.py.
+MAX_ABS_FACTOR = 2.0
+ROUNDING_ULPS = 2.0  # FlashAttention's fwd_atol: twice the output dtype's rounding at the largest value
 ERRORS = {"max_rel_l2": "rel_l2", "max_head_rel_l2": "worst_head_rel_l2",
           "max_batch_rel_l2": "worst_batch_rel_l2", "max_block_rel_l2": "worst_block_rel_l2"}
 
@@ -47,13 +70,15 @@ def expected(variant: Variant, q, k, v, ref: torch.Tensor | None = None) -> dict
 
 
 def metrics_of(predicted: torch.Tensor, ref: torch.Tensor) -> dict:
-    """`measure.errors` of a model output, over its finite elements, with `model_finite`."""
-    predicted = predicted.float()
+    """`measure.errors` of a model output, over its finite elements, with `model_finite` and
+    `rounding` (the element-wise allowance for rounding in the output dtype, see the module)."""
+    dtype, predicted = predicted.dtype, predicted.float()
     finite = bool(torch.isfinite(predicted).all())
     if not finite:
         predicted = torch.where(torch.isfinite(predicted), predicted, ref)
     found = measure.errors(predicted, ref)
     found["model_finite"] = finite
+    found["rounding"] = ROUNDING_ULPS * torch.finfo(dtype).eps * ref[torch.isfinite(ref)].abs().max().item()
     return found
 
 
@@ -65,7 +90,12 @@ def from_expected(found: dict, margin: float = MARGIN) -> dict:
     # Between the model's ratio and 1, widened by the tolerance: a kernel closer to exact passes.
     budget["min_norm_ratio"] = _round_down(min(found["norm_ratio"], 1.0) - tolerance)
     budget["max_norm_ratio"] = _round_up(max(found["norm_ratio"], 1.0) + tolerance)
-    budget["min_cosine"] = _round_down(1.0 - (1.0 - found["worst_head_cosine"]) * grow * grow)
+    # At most MAX_MIN_COSINE: a float32 cosine of a head the model reproduces almost exactly used to
+    # exceed 1 (1.0000405 for sm80-fp16-cuda on qwen_image_b52_value_offset gave a bound of 1.000049
+    # that nothing met, issue 19); measure now sums in float64, within 1e-15 of 1 for equal tensors.
+    cosine = 1.0 - (1.0 - found["worst_head_cosine"]) * grow * grow
+    budget["min_cosine"] = _round_down(min(MAX_MIN_COSINE, cosine))
+    budget["max_abs"] = _round_up(MAX_ABS_FACTOR * found["max_abs_error"] + found["rounding"])
     return budget
 
 

@@ -24,6 +24,7 @@ LIMITS = {
     "min_norm_ratio": ("norm_ratio", "min", "output norm / reference norm"),
     "max_norm_ratio": ("norm_ratio", "max", "output norm / reference norm"),
     "min_cosine": ("worst_head_cosine", "min", "worst head cosine"),
+    "max_abs": ("max_abs_error", "max", "largest element error |out - ref|"),
 }
 
 

@@ -109,6 +109,7 @@ class Cell:
     worst_batch_rel_l2: float | None = field(default=None, metadata=_NOT_NEGATIVE)
     worst_block_rel_l2: float | None = field(default=None, metadata=_NOT_NEGATIVE)
     norm_ratio: float | None = field(default=None, metadata=_NOT_NEGATIVE)
+    max_abs_error: float | None = field(default=None, metadata=_NOT_NEGATIVE)  # max |out - ref|
     extra_bytes_per_element: float | None = field(default=None, metadata=_NOT_NEGATIVE)
     smooth_k_on: SmoothK | None = None
     seconds: float | None = None
