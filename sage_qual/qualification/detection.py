@@ -12,13 +12,19 @@ budget with the clean kernel and fails it with the defect: a cell that fails wit
 (a kernel defect of the clean kernel, e.g. NaN on a zero V channel) cannot show another one.
 tests_fast/test_detection.py runs this on the fake kernel (the numerics model's output);
 tests_gpu/test_detection.py on a real kernel.
+
+Some defects are built from parameters (a token count, an element span, a number of elements and
+a magnitude) and compute their reach from each family's declared call space (`call_space`: its
+longest calls, its memory layouts, the element span they give): `CALL_SPACE_DEFECTS` fire only past
+what the fixtures hold (long calls, views, large spans), so only certify's call-space checks (long
+lengths in every declared layout) can catch them; on the fixtures they must keep nothing off.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -138,6 +144,134 @@ def _noise(c: Call) -> torch.Tensor:
     return (c.out.float() + 0.15 * rms * noise).to(c.out.dtype)
 
 
+# Defects made from parameters, their reach computed from the families' call space ------------------
+@dataclass(frozen=True)
+class CallSpace:
+    """What a family's calls can trigger: its longest query and key counts over every call site, the
+    memory layouts its integrations pass, and the largest element span of a q, k or v tensor any of
+    its calls gives in any of those layouts (sum over dimensions of (size - 1) x stride)."""
+    max_q_tokens: int
+    max_kv_tokens: int
+    layouts: frozenset[str]
+    max_span: int
+
+    @property
+    def strided(self) -> bool:
+        """Whether some declared layout gives the kernel memory other than contiguous [B, H, N, D]
+        (the [B, H, N, D] view it reads has other strides: transposed, fused-QKV and NHD tensors)."""
+        return any(_hnd_strides(layout, 1, 2, 3, 4, 2) != _contiguous_strides((1, 2, 3, 4))
+                   for layout in self.layouts)
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def _hnd_strides(layout: str, batch: int, heads: int, tokens: int, dim: int, kv_heads: int) -> tuple:
+    """Strides of the [B, H, N, D] view of one q (heads) tensor stored in `layout` (families.LAYOUTS)."""
+    if layout == "contiguous":
+        return _contiguous_strides((batch, heads, tokens, dim))
+    if layout in ("transposed", "nhd"):  # [B, N, H, D] memory
+        return (tokens * heads * dim, dim, heads * dim, 1)
+    if layout == "fused_qkv":  # views into one [B, N, (H + 2 KV) * D] projection
+        width = (heads + 2 * kv_heads) * dim
+        return (tokens * width, dim, width, 1)
+    raise ValueError(f"detection: no strides for layout {layout!r}; add it to detection._hnd_strides")
+
+
+def element_span(shape: Iterable[int], strides: Iterable[int]) -> int:
+    """The elements a view reaches past its first: sum of (size - 1) x stride."""
+    return sum((size - 1) * stride for size, stride in zip(shape, strides))
+
+
+def _shape_span(shape, layout: str) -> int:
+    b, h, kv, d = shape.batch, shape.heads, shape.kv_heads, shape.head_dim
+    if layout == "fused_qkv" and shape.q_tokens != shape.kv_tokens:
+        return 0  # one fused projection gives as many queries as keys: no such call
+    q = element_span((b, h, shape.q_tokens, d), _hnd_strides(layout, b, h, shape.q_tokens, d, kv))
+    # K and V: their own heads; in a fused projection they share the query's row width.
+    width_heads = h if layout == "fused_qkv" else kv
+    kv_strides = _hnd_strides(layout, b, width_heads, shape.kv_tokens, d, kv)
+    return max(q, element_span((b, kv, shape.kv_tokens, d), kv_strides))
+
+
+def call_space(family) -> CallSpace:
+    """A family's call space: the largest call of every declared call site (`calls`, when families.py
+    declares them) or its timed shapes, in its declared `layouts` (contiguous when none are declared)."""
+    shapes = [site.largest for site in getattr(family, "calls", ())] or [shape for _, shape in family.shapes]
+    layouts = frozenset(getattr(family, "layouts", ("contiguous",)))
+    return CallSpace(max(s.q_tokens for s in shapes), max(s.kv_tokens for s in shapes), layouts,
+                     max(_shape_span(s, layout) for s in shapes for layout in layouts))
+
+
+def reached(test: Callable[[CallSpace], bool], families=FAMILIES) -> frozenset[str]:
+    return frozenset(f.name for f in families if test(call_space(f)))
+
+
+def _rms(out: torch.Tensor) -> torch.Tensor:
+    finite = out.float()[torch.isfinite(out)]
+    return finite.square().mean().sqrt() if finite.numel() else torch.tensor(0.0)
+
+
+def few_elements_wrong(count: int, magnitude: float, seed: int = 0) -> Defect:
+    """`count` output elements, drawn with a seeded generator, off by `magnitude` x the output's RMS
+    (a race on one register, a stray store): no aggregate error moves much; every call can have it."""
+    def apply(c: Call) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed)
+        where = torch.randperm(c.out.numel(), generator=g)[:count].to(c.out.device)
+        out = c.out.float().flatten().clone()
+        out[where] += magnitude * _rms(c.out).to(out.device)
+        return out.view_as(c.out).to(c.out.dtype)
+    return Defect(f"{count}_elements_off_{magnitude:g}x_rms",
+                  f"{count} element(s) off by {magnitude:g}x the output's RMS", ALL, apply)
+
+
+def wrong_past_tokens(threshold: int, families=FAMILIES) -> Defect:
+    """Query rows from `threshold` on return row (i mod threshold)'s output (a wrapped row offset):
+    fires only on calls with more query tokens; reaches the families whose calls have more."""
+    def apply(c: Call) -> torch.Tensor:
+        rows = c.q.shape[2]
+        if rows <= threshold:
+            return c.out
+        source = torch.arange(rows, device=c.out.device) % threshold
+        return c.out[:, :, source]
+    return Defect(f"rows_past_{threshold}_wrapped",
+                  f"query rows past {threshold:,} tokens get row (i mod {threshold:,})'s output",
+                  reached(lambda space: space.max_q_tokens > threshold, families), apply)
+
+
+def wrong_on_views(magnitude: float = 0.15, seed: int = 0, families=FAMILIES) -> Defect:
+    """Noise of `magnitude` x the output's RMS whenever q, k or v is not contiguous (strides read
+    wrong); reaches the families whose integrations pass views."""
+    def apply(c: Call) -> torch.Tensor:
+        if all(t.is_contiguous() for t in (c.q, c.k, c.v)):
+            return c.out
+        g = torch.Generator().manual_seed(seed)
+        noise = torch.randn(c.out.shape, generator=g).to(c.out.device)
+        return (c.out.float() + magnitude * _rms(c.out) * noise).to(c.out.dtype)
+    return Defect(f"views_noise_{magnitude:g}", f"noise of {magnitude:g}x the output's RMS on non-contiguous "
+                  "inputs", reached(lambda space: space.strided, families), apply)
+
+
+def wrong_past_span(limit: int, families=FAMILIES) -> Defect:
+    """When the element span of q, k or v passes `limit` (a 32-bit offset), the output rows past the
+    share of the sequence that lies within the limit are zeros; reaches the families whose calls, in
+    a declared layout, pass it."""
+    def apply(c: Call) -> torch.Tensor:
+        span = max(element_span(t.shape, t.stride()) for t in (c.q, c.k, c.v))
+        if span <= limit:
+            return c.out
+        out = c.out.clone()
+        out[:, :, c.q.shape[2] * limit // span:] = 0
+        return out
+    return Defect(f"span_past_{limit}", f"output rows past an element span of {limit:,} are zeros",
+                  reached(lambda space: space.max_span > limit, families), apply)
+
+
 # Which families' calls trigger each defect, from families.py's shapes: only Krea-2 calls
 # grouped-query attention (48 query / 12 K/V heads) and has more than four query heads per call in
 # the fixtures; only SDXL runs head_dim 64; only Qwen-Image's V reaches ~3500 (block 52); SDXL and
@@ -165,6 +299,18 @@ DEFECTS: tuple[Defect, ...] = (
            frozenset({"SDXL", "FLUX.1"}), _batch_items_swapped),
     Defect("noise_15_percent", "Gaussian noise of 15 % of the output's RMS everywhere",
            ALL, _noise),
+    # A few wrong elements: the element-wise limit (max |out - ref|) sees them where no aggregate does.
+    few_elements_wrong(1, 3.0),
+    few_elements_wrong(4, 2.0, seed=1),
+    # Wrong past a length every family's calls pass, inside the fixtures' lengths.
+    wrong_past_tokens(1024),
+)
+
+# Wrong only past the fixtures (at most 4,429 query tokens, contiguous): a long call, a view, a span; caught by the call-space checks only.
+CALL_SPACE_DEFECTS: tuple[Defect, ...] = (
+    wrong_past_tokens(20_000),
+    wrong_on_views(),
+    wrong_past_span(2 ** 27),
 )
 
 
