@@ -15,7 +15,8 @@ import torch
 from sage_qual.fixtures import numerics
 from sage_qual.fixtures.fileformat import list_fixtures, load_fixture, shipped_dir
 from sage_qual.limits import MEMORY_BOUND
-from sage_qual.qualification import budgets, detection, families, judge, measure, report_model, verdict
+from sage_qual.qualification import (budgets, detection, emulate, families, judge, measure, report,
+                                     report_model, verdict)
 from sage_qual.serving.variants import VARIANTS
 from sage_qual.testing import FakeSageAttention
 
@@ -255,3 +256,25 @@ def test_a_few_elements_defect_changes_exactly_that_many_elements_by_that_much()
     assert int(changed.sum()) == 5
     rms = c.out.square().mean().sqrt()
     assert torch.allclose((out - c.out)[changed], 2.0 * rms)
+
+
+def test_certify_emulate_fails_every_cell_of_a_kernel_with_one_wrong_element(tmp_path, monkeypatch):
+    # certify --emulate's flow (model output, derived budget, judgement, report, verdict) with the
+    # model's output carrying one element off by 3x its RMS: every cell fails on the element-wise
+    # limit, and every family is kept off (the generic fixtures count for each).
+    defect = detection.few_elements_wrong(1, 3.0)
+    clean = budgets.prediction
+
+    def defective(variant, fixture):
+        out = clean(variant, fixture)
+        return defect.apply(detection.Call(fixture.q, fixture.k, fixture.v, out, fixture.q.shape[-1] ** -0.5))
+
+    monkeypatch.setattr(budgets, "prediction", defective)
+    emulate.run(emulate.Options(out=tmp_path, variants=[VARIANT.name]))
+    loaded = report.load(tmp_path / "report.json")
+    cells = loaded.devices[0].cells
+    assert len(cells) == len(list_fixtures(shipped_dir()))
+    assert all(c.outcome.value == "fail" for c in cells)
+    assert all(any(r.detail.startswith("largest element error") for r in c.reasons) for c in cells)
+    decided = verdict.decide(loaded)[0]
+    assert {d.verdict for d in decided.families} == {verdict.Verdict.KEEP_OFF}

@@ -74,3 +74,25 @@ def test_the_unmodified_kernel_keeps_off_only_what_the_model_predicts(kernel):
     foreseen = {name for name, e in expected.items() if e["model_hazards"]}
     assert predicted <= failing <= predicted | foreseen, (
         "the clean kernel fails other fixtures than the numerics model predicts")
+
+
+# A few wrong elements on the real kernel: the element-wise limit (max |out - ref| within 2x the
+# model's plus the output rounding) must fail every fixture the clean kernel passes, as on the CPU.
+@pytest.mark.parametrize("defect", [detection.few_elements_wrong(1, 3.0),
+                                    detection.few_elements_wrong(3, 2.5, seed=7)], ids=lambda d: d.name)
+def test_a_few_wrong_elements_fail_every_fixture_the_clean_kernel_passes(kernel, defect, record):
+    variant, fixtures, clean, references, failing, _ = kernel
+    _, caught = detection.kept_off(variant, fixtures, clean, references, defect, failing)
+    passing = {f.name for f in fixtures} - failing
+    record(test="detection_few_elements", variant=variant.name, defect=defect.name,
+           missed=sorted(passing - set(caught)))
+    assert set(caught) == passing, f"not caught on {sorted(passing - set(caught))}"
+
+
+@pytest.mark.parametrize("defect", detection.CALL_SPACE_DEFECTS, ids=lambda d: d.name)
+def test_a_defect_past_the_fixtures_fires_on_no_fixture(kernel, defect):
+    # Only certify's call-space checks (long calls, views, spans) can catch these.
+    variant, fixtures, clean, _, _, _ = kernel
+    for f in fixtures:
+        out = defect.apply(detection.Call(f.q, f.k, f.v, clean[f.name], f.q.shape[-1] ** -0.5))
+        assert torch.equal(out, clean[f.name]), f.name

@@ -31,6 +31,11 @@ class Row:
     model_rel_l2: float  # of the model's finite elements (budgets.expected)
     model_finite: bool
     model_hazard: bool = False  # the model foresees a possibly non-finite output (numerics.hazards)
+    # The element-wise criterion (issue 16): max |out - ref| of kernel and model, and the budget's
+    # max_abs derived from the model (nan where not measured, as in results tables before it).
+    kernel_max_abs: float = math.nan
+    model_max_abs: float = math.nan
+    max_abs_budget: float = math.nan
 
     @property
     def ratio(self) -> float:
@@ -47,6 +52,21 @@ class Row:
         if self.kernel_finite != self.model_finite:
             return False
         return not self.kernel_finite or abs(self.ratio - 1.0) <= TOLERANCE
+
+
+    @property
+    def max_abs_ratio(self) -> float:
+        if not (self.kernel_finite and self.model_finite) or not self.model_max_abs > 0:
+            return math.nan
+        return self.kernel_max_abs / self.model_max_abs
+
+    @property
+    def within_max_abs(self) -> bool:
+        """The kernel's largest element error within the model's element-wise budget (a cell where
+        either side is not finite, or that was not measured, has nothing to compare)."""
+        if not (self.kernel_finite and self.model_finite) or math.isnan(self.kernel_max_abs):
+            return True
+        return self.kernel_max_abs <= self.max_abs_budget
 
 
 def row(variant: str, fixture, kernel_rel_l2: float, kernel_finite: bool) -> Row:
@@ -93,6 +113,24 @@ def markdown(rows: list[Row]) -> str:
     lines.append("")
     lines.append(f"{len(rows)} cells, {sum(r.agrees for r in rows)} agree; worst |model / kernel - 1| over "
                  f"the {len(finite)} cells finite on both sides: {worst:.4f}.")
+    return "\n".join(lines) + "\n"
+
+
+def max_abs_markdown(rows: list[Row]) -> str:
+    """The element-wise table: kernel and model max |out - ref|, their ratio, and the budget."""
+    lines = ["| fixture | variant | kernel max abs | model max abs | kernel / model | budget max_abs "
+             "| within |", "|---|---|---|---|---|---|---|"]
+    measured = [r for r in rows if not math.isnan(r.max_abs_ratio)]
+    for r in measured:
+        within = "yes" if r.within_max_abs else "NO"
+        lines.append(f"| {r.fixture} | {r.variant} | {r.kernel_max_abs:.5g} | {r.model_max_abs:.5g} | "
+                     f"{r.max_abs_ratio:.3f} | {r.max_abs_budget:.5g} | {within} |")
+    worst = max((r.max_abs_ratio for r in measured), default=math.nan)
+    lines.append("")
+    within = sum(r.within_max_abs for r in measured)
+    lines.append(f"{len(measured)} cells finite on both sides, {within} within the element-wise budget; "
+                 f"largest kernel / model max abs: {worst:.3f} (the budget: 2x the model's plus the output "
+                 "rounding).")
     return "\n".join(lines) + "\n"
 
 
