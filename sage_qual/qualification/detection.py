@@ -226,8 +226,9 @@ def few_elements_wrong(count: int, magnitude: float, seed: int = 0) -> Defect:
         out = c.out.float().flatten().clone()
         out[where] += magnitude * _rms(c.out).to(out.device)
         return out.view_as(c.out).to(c.out.dtype)
-    return Defect(f"{count}_elements_off_{magnitude:g}x_rms",
-                  f"{count} element(s) off by {magnitude:g}x the output's RMS", ALL, apply)
+    elements = "element" if count == 1 else "elements"
+    return Defect(f"{count}_{elements}_off_{magnitude:g}x_rms",
+                  f"{count} {elements} off by {magnitude:g}x the output's RMS", ALL, apply)
 
 
 def wrong_past_tokens(threshold: int, families=FAMILIES) -> Defect:
