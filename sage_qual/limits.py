@@ -29,6 +29,18 @@ CHECK_MAX_REL_L2 = 0.5
 # that cannot be written.
 CACHE_ERROR_LIMIT = 3
 
+# Largest element span (1 + sum((size-1)*stride) from the data pointer) and element count of one
+# tensor the wrapper hands a kernel, unless a certified profile names its own. On one H200
+# (SageAttention 2.2.0 for sm90, torch 2.11.0+cu130, issue 16): q, k, v as views into a fused
+# [1, N, 3*56*128] bf16 projection gave results bit-identical to contiguous copies at N = 90,000
+# (span 1.94e9) and an illegal memory access in the Triton Q/K quantizer all four kernel families
+# share at N = 100,000 (2.15e9), which poisons the CUDA context; a contiguous [1, 56, 300000, 128]
+# (2.15e9 elements) makes the sm90 extension abort the process (exit 134), 290,000 (2.08e9) runs.
+# Field reports of the same 32-bit offsets: thu-ml/SageAttention issue 386 (int32 in the Triton
+# quantizers), kijai/ComfyUI-KJNodes pull request 748 (uint32 in the fused V transpose). So every
+# offset must fit a signed 32-bit integer: at most 2^31 - 1 elements.
+MAX_SPAN_ELEMENTS = 2**31 - 1
+
 # --- Certify ----------------------------------------------------------------------------------
 # Extra peak memory per call, bytes per element of q+k+v. SageAttention's quantized copies cost
 # fp8 1.36-1.72 and fp16 1.19-1.39 on the H200 (docs/results/README.md, run 3); 2.5 leaves room

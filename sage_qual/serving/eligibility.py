@@ -1,6 +1,6 @@
 """Which SDPA calls SageAttention may serve, each refusal with a named reason.
 
-Only tensor metadata is read (shape, dtype, strides, flags): nothing here may synchronize the
+Only tensor metadata is read (shape, dtype, strides, flags, storage pointers): nothing here may synchronize the
 device. Device state (retired, no kernel) and scope state (out of memory) are the wrapper's.
 """
 
@@ -22,10 +22,12 @@ REASONS = (
     "causal",
     "shape",  # not 4-D tensors, nested, batch or key/value lengths mismatch
     "short",  # fewer query or key tokens than the break-even
+    "long",  # more query or key tokens than the profile verified
     "dtype",  # not fp16/bf16, or mixed
     "head_dim",  # not a supported size, or K/V differ from Q
     "heads",  # query heads differ from K/V heads without enable_gqa, or do not divide
-    "layout",  # last dimension not contiguous
+    "layout",  # last dimension not contiguous, or a layout the profile did not verify
+    "span",  # a tensor spans or holds more elements than the kernel's 32-bit offsets reach
     "grad",
     "autocast",
     "device",  # not all on one CUDA device, no kernel for it, or the device was retired
@@ -127,6 +129,9 @@ def refusal(call: SdpaCall, config: WrapperConfig, cuda) -> Refusal | None:
     if qs[2] < config.min_query_tokens or ks[2] < config.min_key_tokens:
         return "short", "tokens=%d/%d (needs >= %d/%d)", (qs[2], ks[2], config.min_query_tokens,
                                                             config.min_key_tokens)
+    max_q, max_k = config.max_query_tokens, config.max_key_tokens
+    if (max_q is not None and qs[2] > max_q) or (max_k is not None and ks[2] > max_k):
+        return "long", "tokens=%d/%d (verified up to %s/%s)", (qs[2], ks[2], max_q or "any", max_k or "any")
     vs = v.shape
     if not qs[0] == ks[0] == vs[0]:
         return "shape", "batch=(%d, %d, %d) (must match)", (qs[0], ks[0], vs[0])
@@ -146,11 +151,98 @@ def refusal(call: SdpaCall, config: WrapperConfig, cuda) -> Refusal | None:
             return "heads", "heads=%d/%d without enable_gqa", (q_heads, kv_heads)
         if kv_heads == 0 or q_heads % kv_heads:
             return "heads", "heads=%d/%d (query heads must be a multiple)", (q_heads, kv_heads)
-    # stride()[-1]: stride(-1) parses its argument and costs more (docs/benchmarks.md).
-    if q.stride()[-1] != 1 or k.stride()[-1] != 1 or v.stride()[-1] != 1:
+    # stride() once per tensor, indexed: stride(-1) parses its argument and costs more (docs/benchmarks.md).
+    qst, kst, vst = q.stride(), k.stride(), v.stride()
+    if qst[3] != 1 or kst[3] != 1 or vst[3] != 1:
         return "layout", "last-dim stride != 1", ()
+    if config.layouts is not None:
+        layout = layout_of(q, k, v)
+        if layout not in config.layouts:
+            return "layout", "layout %s (verified: %s)", (layout, ", ".join(config.layouts))
+    # Checked here, before the call: past 2^31 elements the sm90 kernel aborts the process
+    # (limits.MAX_SPAN_ELEMENTS), which no except can catch.
+    limit = config.max_span_elements
+    if extent(qs, qst) > limit or extent(ks, kst) > limit or extent(vs, vst) > limit:
+        return span_refusal(call, limit)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return "grad", "an input requires grad (SageAttention has no backward)", ()
     if cuda.autocast_enabled():
         return "autocast", "CUDA autocast is on", ()
     return None
+
+
+# Spans ------------------------------------------------------------------------------------------
+
+def extent(shape, stride) -> int:
+    """Elements a kernel may address from a 4-D tensor's data pointer: its span, 1 + sum((size-1) *
+    stride), or its element count where that is larger (a stride-0 view: the kernel's output and
+    quantized copies hold every element); 0 when it is empty."""
+    b, h, n, d = shape
+    count = b * h * n * d
+    if not count:
+        return 0
+    span = (b - 1) * stride[0] + (h - 1) * stride[1] + (n - 1) * stride[2] + (d - 1) * stride[3] + 1
+    return span if span > count else count
+
+
+def span_refusal(call: SdpaCall, limit: int) -> Refusal:
+    """The `span` refusal naming the first tensor past `limit`: its span, its contiguous copy's size."""
+    for name, tensor in (("query", call.query), ("key", call.key), ("value", call.value)):
+        shape, stride = tensor.shape, tensor.stride()
+        if extent(shape, stride) > limit:
+            count = tensor.numel()
+            span = 1 + sum((size - 1) * step for size, step in zip(shape, stride)) if count else 0
+            return "span", "span=%d elements of %s, %d in a contiguous copy (limit %d)", (span, name, count, limit)
+    raise ValueError("span_refusal() called for a call within the limit")
+
+
+def copies_fit(call: SdpaCall, limit: int) -> bool:
+    """Whether contiguous copies of the call's tensors are all within `limit` elements."""
+    return call.query.numel() <= limit and call.key.numel() <= limit and call.value.numel() <= limit
+
+
+def within_span(call: SdpaCall, limit: int) -> SdpaCall:
+    """The call with a contiguous copy of each tensor past `limit` (the others as given)."""
+    return call._replace(**{name: tensor.contiguous() for name, tensor in
+                            (("query", call.query), ("key", call.key), ("value", call.value))
+                            if extent(tensor.shape, tensor.stride()) > limit})
+
+
+# Layouts ----------------------------------------------------------------------------------------
+
+def _dense(shape, stride, order) -> bool:
+    """Whether the tensor is a contiguous tensor of its dimensions taken in `order`, viewed back."""
+    expected = 1
+    for dim in reversed(order):
+        if shape[dim] != 1:
+            if stride[dim] != expected:
+                return False
+            expected *= shape[dim]
+    return True
+
+
+def _fused(q, k, v) -> bool:
+    """q, k and v views into one [B, N, (Hq + 2 Hkv) * D] projection: one storage, and a token's row
+    holding all three (a fused QKV linear layer's output, split and viewed as [B, H, N, D])."""
+    row = (q.shape[1] + k.shape[1] + v.shape[1]) * q.shape[3]
+    for t in (q, k, v):
+        b, _, n, _ = t.shape
+        stride = t.stride()
+        if (n > 1 and stride[2] != row) or (b > 1 and stride[0] != n * row):
+            return False
+    storage = q.untyped_storage().data_ptr()
+    return k.untyped_storage().data_ptr() == storage == v.untyped_storage().data_ptr()
+
+
+def layout_of(q, k, v) -> str:
+    """The memory layout of a call's 4-D [B, H, N, D] tensors, from strides (each name in
+    `config.LAYOUTS`): "contiguous"; "transposed", a contiguous [B, N, H, D] viewed as [B, H, N, D]
+    (diffusers' projections); "fused_qkv", views into one fused projection; else "strided" (also
+    when q, k and v differ, which no profile verifies)."""
+    if q.is_contiguous() and k.is_contiguous() and v.is_contiguous():
+        return "contiguous"
+    if all(_dense(t.shape, t.stride(), (0, 2, 1, 3)) for t in (q, k, v)):
+        return "transposed"
+    if _fused(q, k, v):
+        return "fused_qkv"
+    return "strided"

@@ -16,7 +16,13 @@ profile was measured on it).
                                "triton": ...},
                "default": ENTRY, "families": {"FLUX.1": ENTRY, ...}}]}
     ENTRY = {"variant": name or null, "min_query_tokens": int or null, "min_key_tokens": int or null,
-             "head_dims": [int] or null, "reasons": [{"kind", "detail"}]}
+             "head_dims": [int] or null, "reasons": [{"kind", "detail"}],
+             "max_query_tokens": int or null, "max_key_tokens": int or null, "layouts": [name] or null}
+
+Optional, absent in older profiles (then: no upper bound, any layout, the default span limit):
+an entry's verified range (`max_query_tokens`, `max_key_tokens`) and `layouts` (names from
+`config.LAYOUTS`), and a GPU's `max_span_elements`, the largest element span and count of one
+tensor its kernels were shown to take (default `limits.MAX_SPAN_ELEMENTS`).
 
 Schema version 1 (one GPU model at the top level, no memory) still reads.
 """
@@ -32,7 +38,7 @@ import torch
 
 from sage_qual import jsonfile, records
 from sage_qual.serving import platform, sage_package
-from sage_qual.serving.config import DEFAULT_CONFIG, WrapperConfig
+from sage_qual.serving.config import DEFAULT_CONFIG, LAYOUTS, WrapperConfig
 from sage_qual.serving.variants import VARIANTS
 
 KIND = "sage-qual-profile"
@@ -63,9 +69,14 @@ class Entry:
     min_key_tokens: int | None
     head_dims: list[int] | None
     reasons: list[EntryReason] = field(default_factory=list)
+    # The verified range and layouts (null: no upper bound, any layout; absent in older profiles).
+    max_query_tokens: int | None = None
+    max_key_tokens: int | None = None
+    layouts: list[str] | None = None
 
     def check(self) -> list[tuple[str, str]]:
-        thresholds = (self.min_query_tokens, self.min_key_tokens, self.head_dims)
+        thresholds = (self.min_query_tokens, self.min_key_tokens, self.head_dims, self.max_query_tokens,
+                      self.max_key_tokens, self.layouts)
         if self.variant is None:
             if any(x is not None for x in thresholds):
                 return [("variant", "null, but thresholds are given: a profile serves nothing without a "
@@ -84,6 +95,19 @@ class Entry:
         if wrong:
             return [("head_dims", f"{wrong[0]} is not a head size the kernels take "
                                   f"({', '.join(map(str, KERNEL_HEAD_DIMS))})")]
+        return self._check_range()
+
+    def _check_range(self) -> list[tuple[str, str]]:
+        for name, lowest in (("max_query_tokens", self.min_query_tokens), ("max_key_tokens", self.min_key_tokens)):
+            value = getattr(self, name)
+            if value is not None and value < lowest:
+                return [(name, f"is {value}, below min_{name[4:]} {lowest}: the verified range is empty")]
+        if self.layouts is not None:
+            if not self.layouts:
+                return [("layouts", "empty: name the verified layouts, or null for any")]
+            unknown = [name for name in self.layouts if name not in LAYOUTS]
+            if unknown:
+                return [("layouts", f"{unknown[0]!r} is not a layout sage-qual knows ({', '.join(LAYOUTS)})")]
         return []
 
 
@@ -105,6 +129,9 @@ class ProfileGpu:
     environment: ProfileEnvironment
     default: Entry
     families: dict[str, Entry]
+    max_span_elements: int | None = field(default=None, metadata={
+        "minimum": 1, "description": "largest element span and count of one tensor certified on this GPU; "
+                                     "null or absent: the default limit (2^31 - 1)"})
 
     @property
     def label(self) -> str:
@@ -177,14 +204,19 @@ def entry(gpu: ProfileGpu, family: str | None = None) -> Entry:
                        f"{', '.join(gpu.families) or 'none'}): certify that family")
 
 
-def apply(base: WrapperConfig, capability: tuple[int, int], chosen: Entry) -> WrapperConfig:
-    """`base` with this capability served by the entry's variant (or none), its thresholds and head sizes."""
+def apply(base: WrapperConfig, capability: tuple[int, int], chosen: Entry,
+          max_span_elements: int | None = None) -> WrapperConfig:
+    """`base` with this capability served by the entry's variant (or none), its thresholds, head sizes,
+    verified range and layouts, and the GPU's certified span limit (None: `base`'s)."""
     table = dict(base.kernel_table)
     table[capability] = (chosen.variant,) if chosen.variant else ()
     if not chosen.variant:
         return dataclasses.replace(base, kernel_table=table)
     return dataclasses.replace(base, kernel_table=table, min_query_tokens=chosen.min_query_tokens,
-                               min_key_tokens=chosen.min_key_tokens, head_dims=tuple(chosen.head_dims))
+                               min_key_tokens=chosen.min_key_tokens, head_dims=tuple(chosen.head_dims),
+                               max_query_tokens=chosen.max_query_tokens, max_key_tokens=chosen.max_key_tokens,
+                               layouts=None if chosen.layouts is None else tuple(chosen.layouts),
+                               max_span_elements=max_span_elements or base.max_span_elements)
 
 
 @dataclass(frozen=True)
@@ -214,6 +246,16 @@ def mismatch(gpu: ProfileGpu, device: Machine) -> str:
     return ""
 
 
+def verified_range(chosen: Entry) -> str:
+    """The note's words for an entry's upper bounds and layouts ("" when it has none)."""
+    words = ""
+    if chosen.max_query_tokens is not None or chosen.max_key_tokens is not None:
+        words += f", up to {chosen.max_query_tokens or 'any'} query / {chosen.max_key_tokens or 'any'} key tokens"
+    if chosen.layouts is not None:
+        words += f", layouts {', '.join(chosen.layouts)}"
+    return words
+
+
 @dataclass(frozen=True)
 class DeviceConfig:
     config: WrapperConfig
@@ -238,11 +280,11 @@ def device_configs(profile, machines: list[Machine], family: str | None = None,
             if chosen.variant:
                 note = (f"profile entry {gpu.label}{scope}: {chosen.variant} from {chosen.min_query_tokens} "
                         f"query / {chosen.min_key_tokens} key tokens, head_dim "
-                        f"{'/'.join(map(str, chosen.head_dims))}")
+                        f"{'/'.join(map(str, chosen.head_dims))}{verified_range(chosen)}")
             else:
                 why = "; ".join(r.detail for r in chosen.reasons) or "no reason recorded"
                 note = f"the profile certifies no SageAttention variant on {gpu.label}{scope}: {why}"
-            configs.append(DeviceConfig(apply(base, device.capability, chosen), note))
+            configs.append(DeviceConfig(apply(base, device.capability, chosen, gpu.max_span_elements), note))
             break
         else:
             defaults = f"{base.min_query_tokens}/{base.min_key_tokens} tokens"

@@ -17,6 +17,7 @@ class ScopeReport:
 
     calls: int = 0
     served: int = 0
+    copied: int = 0  # of the served calls, those served from contiguous copies (`copy_past_span`)
     fallbacks: collections.Counter = field(default_factory=collections.Counter)
     details: dict[str, str] = field(default_factory=dict)  # per reason, its first call's detail
     out_of_memory: bool = False  # once set, the rest of the scope runs on PyTorch
@@ -75,6 +76,7 @@ def sage_attention_scope():
         if outer is not None:
             outer.calls += report.calls
             outer.served += report.served
+            outer.copied += report.copied
             outer.fallbacks.update(report.fallbacks)
             outer.details = {**report.details, **outer.details}
             outer.out_of_memory |= report.out_of_memory

@@ -17,7 +17,7 @@ import torch
 from sage_qual.serving import platform, sage_package, scope, torch_sdpa
 from sage_qual.serving.assess import assess, box_facts
 from sage_qual.serving.config import DEFAULT_CONFIG, WrapperConfig
-from sage_qual.serving.eligibility import SdpaCall, bind, refusal
+from sage_qual.serving.eligibility import SdpaCall, bind, copies_fit, refusal, within_span
 from sage_qual.serving.failures import Failure, classify
 from sage_qual.serving.scope import ScopeReport, _active
 from sage_qual.serving.variants import Variant
@@ -198,11 +198,16 @@ def _serve(state: _Installed, report: ScopeReport, args: tuple, kwargs: dict):
     cuda = platform.current()
     if state.one_config:  # every GPU has the same rules: the query's GPU is read only if they pass
         index = device = None
-        refused = refusal(call, state.config, cuda)
+        config = state.config
     else:  # a profile gave GPUs their own rules: read the query's GPU once, for both checks
         index = cuda.tensor_device(call.query) if isinstance(call.query, torch.Tensor) else None
         device = state.devices.get(index)
-        refused = refusal(call, state.config if device is None else device.config, cuda)
+        config = state.config if device is None else device.config
+    refused = refusal(call, config, cuda)
+    copy = False  # serve from contiguous copies of the tensors past the span limit
+    if refused is not None and refused[0] == "span" and config.copy_past_span and \
+            copies_fit(call, config.max_span_elements):
+        refused, copy = None, True
     if refused is None:
         device = _device_refusal(state, call, cuda, index, device)
         refused = ("device", "%s", (device,)) if isinstance(device, str) else None
@@ -213,9 +218,11 @@ def _serve(state: _Installed, report: ScopeReport, args: tuple, kwargs: dict):
         return original(*args, **kwargs)
 
     failed = False
+    given = call
     with cuda.device_guard(device.index):
-        try:
-            out = state.kernels[device.index](call.query, call.key, call.value, sm_scale=call.sm_scale)
+        try:  # the copies are made here: out of memory for them is handled as for the kernel's own
+            given = within_span(call, config.max_span_elements) if copy else call
+            out = state.kernels[device.index](given.query, given.key, given.value, sm_scale=call.sm_scale)
             check_key = (call.query.dtype, call.query.shape[-1])
             if check_key not in device.checked:
                 problem = _first_call_problem(state, call, out)
@@ -234,11 +241,12 @@ def _serve(state: _Installed, report: ScopeReport, args: tuple, kwargs: dict):
         # Torch runs only now, outside the except block: the exception's traceback keeps the kernel's
         # frames alive, and with them its quantized copies; an out-of-memory fallback inside the
         # block runs out of memory too (H200, docs/results/README.md, "Out-of-memory fallback").
-        out = None
+        out = given = None
         return original(*args, **kwargs)
     device.cache_errors = 0
     report.calls += 1
     report.served += 1
+    report.copied += copy
     if not device.announced:
         device.announced = True
         log.info("SageAttention %s serves attention on %s with %s (variant %s)", state.package.version,
