@@ -1,7 +1,7 @@
 """Which SDPA calls SageAttention may serve, each refusal with a named reason.
 
-Only tensor metadata is read (shape, dtype, strides, flags, storage pointers): nothing here may synchronize the
-device. Device state (retired, no kernel) and scope state (out of memory) are the wrapper's.
+Only tensor metadata is read (shape, dtype, strides, flags, storage pointers): nothing here may
+synchronize the device. Device state (retired, no kernel) and scope state (out of memory) are the wrapper's.
 """
 
 from __future__ import annotations
@@ -192,7 +192,8 @@ def span_refusal(call: SdpaCall, limit: int) -> Refusal:
         if extent(shape, stride) > limit:
             count = tensor.numel()
             span = 1 + sum((size - 1) * step for size, step in zip(shape, stride)) if count else 0
-            return "span", "span=%d elements of %s, %d in a contiguous copy (limit %d)", (span, name, count, limit)
+            return ("span", "span=%d elements of %s, %d in a contiguous copy (limit %d)",
+                    (span, name, count, limit))
     raise ValueError("span_refusal() called for a call within the limit")
 
 

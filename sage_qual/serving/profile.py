@@ -98,7 +98,8 @@ class Entry:
         return self._check_range()
 
     def _check_range(self) -> list[tuple[str, str]]:
-        for name, lowest in (("max_query_tokens", self.min_query_tokens), ("max_key_tokens", self.min_key_tokens)):
+        for name, lowest in (("max_query_tokens", self.min_query_tokens),
+                             ("max_key_tokens", self.min_key_tokens)):
             value = getattr(self, name)
             if value is not None and value < lowest:
                 return [(name, f"is {value}, below min_{name[4:]} {lowest}: the verified range is empty")]
@@ -250,7 +251,8 @@ def verified_range(chosen: Entry) -> str:
     """The note's words for an entry's upper bounds and layouts ("" when it has none)."""
     words = ""
     if chosen.max_query_tokens is not None or chosen.max_key_tokens is not None:
-        words += f", up to {chosen.max_query_tokens or 'any'} query / {chosen.max_key_tokens or 'any'} key tokens"
+        words += (f", up to {chosen.max_query_tokens or 'any'} query / {chosen.max_key_tokens or 'any'} "
+                  "key tokens")
     if chosen.layouts is not None:
         words += f", layouts {', '.join(chosen.layouts)}"
     return words
