@@ -79,7 +79,7 @@ def test_extent_is_the_address_span_from_the_data_pointer(make):
 def test_extent_counts_every_element_of_a_stride_0_view_and_nothing_of_an_empty_one():
     one = torch.zeros(1, 1, 1, 64)
     assert extent(one.expand(2, 4, 100, 64).shape, one.expand(2, 4, 100, 64).stride()) == 2 * 4 * 100 * 64
-    assert extent((1, 4, 0, 64), (0, 0, 64, 1)) == 0
+    assert extent(torch.Size((1, 4, 0, 64)), (0, 0, 64, 1)) == 0
 
 
 # Through the wrapper, with a small limit --------------------------------------------------------------

@@ -156,7 +156,7 @@ def refusal(call: SdpaCall, config: WrapperConfig, cuda) -> Refusal | None:
     if qst[3] != 1 or kst[3] != 1 or vst[3] != 1:
         return "layout", "last-dim stride != 1", ()
     if config.layouts is not None:
-        layout = layout_of(q, k, v)
+        layout = _layout((q, k, v), (qs, ks, vs), (qst, kst, vst))
         if layout not in config.layouts:
             return "layout", "layout %s (verified: %s)", (layout, ", ".join(config.layouts))
     # Checked here, before the call: past 2^31 elements the sm90 kernel aborts the process
@@ -173,16 +173,15 @@ def refusal(call: SdpaCall, config: WrapperConfig, cuda) -> Refusal | None:
 
 # Spans ------------------------------------------------------------------------------------------
 
-def extent(shape, stride) -> int:
+def extent(shape: torch.Size, stride: tuple[int, ...]) -> int:
     """Elements a kernel may address from a 4-D tensor's data pointer: its span, 1 + sum((size-1) *
     stride), or its element count where that is larger (a stride-0 view: the kernel's output and
-    quantized copies hold every element); 0 when it is empty."""
-    b, h, n, d = shape
-    count = b * h * n * d
-    if not count:
-        return 0
-    span = (b - 1) * stride[0] + (h - 1) * stride[1] + (n - 1) * stride[2] + (d - 1) * stride[3] + 1
-    return span if span > count else count
+    quantized copies hold every element); 0 when it is empty. Plain arithmetic: it runs on every
+    served call."""
+    count = shape.numel()
+    span = ((shape[0] - 1) * stride[0] + (shape[1] - 1) * stride[1] + (shape[2] - 1) * stride[2]
+            + (shape[3] - 1) * stride[3] + 1)
+    return span if span > count and count else count
 
 
 def span_refusal(call: SdpaCall, limit: int) -> Refusal:
@@ -210,40 +209,44 @@ def within_span(call: SdpaCall, limit: int) -> SdpaCall:
 
 
 # Layouts ----------------------------------------------------------------------------------------
+# Plain arithmetic on shapes and strides the rules read already: with a profile's layouts, every
+# served call is classified.
 
-def _dense(shape, stride, order) -> bool:
-    """Whether the tensor is a contiguous tensor of its dimensions taken in `order`, viewed back."""
-    expected = 1
-    for dim in reversed(order):
-        if shape[dim] != 1:
-            if stride[dim] != expected:
-                return False
-            expected *= shape[dim]
-    return True
+def _transposed(shape, stride) -> bool:
+    """Whether a [B, H, N, D] tensor with a contiguous last dimension is a contiguous [B, N, H, D]
+    viewed as [B, H, N, D] (a dimension of size 1 may have any stride, as in is_contiguous())."""
+    b, h, n, d = shape
+    return ((h == 1 or stride[1] == d) and (n == 1 or stride[2] == h * d)
+            and (b == 1 or stride[0] == n * h * d))
 
 
-def _fused(q, k, v) -> bool:
+def _fused(tensors, shapes, strides) -> bool:
     """q, k and v views into one [B, N, (Hq + 2 Hkv) * D] projection: one storage, and a token's row
     holding all three (a fused QKV linear layer's output, split and viewed as [B, H, N, D])."""
-    row = (q.shape[1] + k.shape[1] + v.shape[1]) * q.shape[3]
-    for t in (q, k, v):
-        b, _, n, _ = t.shape
-        stride = t.stride()
+    row = (shapes[0][1] + shapes[1][1] + shapes[2][1]) * shapes[0][3]
+    for (b, _, n, _), stride in zip(shapes, strides):
         if (n > 1 and stride[2] != row) or (b > 1 and stride[0] != n * row):
             return False
+    q, k, v = tensors
     storage = q.untyped_storage().data_ptr()
     return k.untyped_storage().data_ptr() == storage == v.untyped_storage().data_ptr()
 
 
-def layout_of(q, k, v) -> str:
-    """The memory layout of a call's 4-D [B, H, N, D] tensors, from strides (each name in
-    `config.LAYOUTS`): "contiguous"; "transposed", a contiguous [B, N, H, D] viewed as [B, H, N, D]
-    (diffusers' projections); "fused_qkv", views into one fused projection; else "strided" (also
-    when q, k and v differ, which no profile verifies)."""
+def _layout(tensors, shapes, strides) -> str:
+    q, k, v = tensors
     if q.is_contiguous() and k.is_contiguous() and v.is_contiguous():
         return "contiguous"
-    if all(_dense(t.shape, t.stride(), (0, 2, 1, 3)) for t in (q, k, v)):
+    if _transposed(shapes[0], strides[0]) and _transposed(shapes[1], strides[1]) and \
+            _transposed(shapes[2], strides[2]):
         return "transposed"
-    if _fused(q, k, v):
+    if _fused(tensors, shapes, strides):
         return "fused_qkv"
     return "strided"
+
+
+def layout_of(q, k, v) -> str:
+    """The memory layout of a call's 4-D [B, H, N, D] tensors with contiguous last dimensions, each
+    name in `config.LAYOUTS`: "contiguous"; "transposed", each a contiguous [B, N, H, D] viewed as
+    [B, H, N, D] (diffusers' projections); "fused_qkv", views into one fused projection; else
+    "strided" (also when q, k and v differ, which no profile verifies)."""
+    return _layout((q, k, v), (q.shape, k.shape, v.shape), (q.stride(), k.stride(), v.stride()))
