@@ -40,6 +40,10 @@ CACHE_ERROR_LIMIT = 3
 # quantizers), kijai/ComfyUI-KJNodes pull request 748 (uint32 in the fused V transpose). So every
 # offset must fit a signed 32-bit integer: at most 2^31 - 1 elements.
 MAX_SPAN_ELEMENTS = 2**31 - 1
+# The element count is taken at the sequence length rounded up to this many tokens: upstream's sm90
+# function (sageattention/core.py, sageattn_qk_int8_pv_fp8_cuda_sm90) pads V with zeros to a
+# multiple of 128 tokens before its FP8 copy, so a V just under the limit has a copy past it.
+SPAN_PAD_TOKENS = 128
 
 # --- Certify ----------------------------------------------------------------------------------
 # Extra peak memory per call, bytes per element of q+k+v. SageAttention's quantized copies cost

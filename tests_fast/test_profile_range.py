@@ -103,7 +103,7 @@ def test_install_with_a_ranged_profile_leaves_long_calls_and_other_layouts_to_to
             assert layout.details == {"layout": "layout transposed (verified: contiguous)"}
             span = call(2048, 2048, heads=2)  # 2 x 2048 x 128 elements: one more than the profile's limit
             assert span.details == {"span": "span=524288 elements of query, 524288 in a contiguous copy "
-                                             "(limit 524287)"}
+                                             "padded to 128 tokens (limit 524287)"}
         finally:
             sage_qual.uninstall()
     assert len(fake.calls) == 1

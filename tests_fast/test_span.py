@@ -16,7 +16,7 @@ import sage_qual
 from sage_qual import limits
 from sage_qual.serving import wrapper
 from sage_qual.serving.config import DEFAULT_CONFIG, LAYOUTS, WrapperConfig
-from sage_qual.serving.eligibility import REASONS, SdpaCall, extent, layout_of, refusal
+from sage_qual.serving.eligibility import REASONS, SdpaCall, extent, layout_of, padded_count, refusal
 
 from .helpers import SMALL, TORCH_SDPA, qkv, rand, wrapped
 
@@ -65,20 +65,27 @@ def address_span(view: torch.Tensor) -> int:
 
 
 @pytest.mark.parametrize("make", [
-    pytest.param(lambda b: b.view(2, 3, 5, 8), id="contiguous"),
-    pytest.param(lambda b: b.view(2, 5, 3, 8).transpose(1, 2), id="transposed"),
-    pytest.param(lambda b: b.view(2, 5, 3, 8)[:, :, :2, :].transpose(1, 2), id="fused_like_row"),
-    pytest.param(lambda b: b.view(2, 5, 3, 8)[1:, 1:4, :, :4].permute(0, 2, 1, 3), id="offset_sliced"),
-    pytest.param(lambda b: b.view(2, 3, 5, 8)[:, :, ::2], id="every_other_token"),
+    pytest.param(lambda b: b.view(2, 3, 128, 8), id="contiguous"),
+    pytest.param(lambda b: b.view(2, 128, 3, 8).transpose(1, 2), id="transposed"),
+    pytest.param(lambda b: b.view(2, 128, 3, 8)[:, :, :2, :].transpose(1, 2), id="fused_like_row"),
+    pytest.param(lambda b: b.view(2, 128, 3, 8)[1:, 1:, :, :4].permute(0, 2, 1, 3), id="offset_sliced"),
+    pytest.param(lambda b: b.view(2, 3, 128, 8)[:, :, ::2], id="every_other_token"),
 ])
-def test_extent_is_the_address_span_from_the_data_pointer(make):
-    view = make(torch.arange(240, dtype=torch.float64))
-    assert extent(view.shape, view.stride()) == max(address_span(view), view.numel())
+def test_extent_is_the_address_span_or_the_padded_count(make):
+    view = make(torch.arange(2 * 3 * 128 * 8, dtype=torch.float64))
+    assert extent(view.shape, view.stride()) == max(address_span(view), padded_count(view.shape))
+
+
+def test_the_count_is_taken_at_the_sequence_padded_to_128_tokens():
+    assert limits.SPAN_PAD_TOKENS == 128
+    assert padded_count(torch.Size((2, 3, 129, 64))) == 2 * 3 * 256 * 64
+    assert padded_count(torch.Size((2, 3, 128, 64))) == 2 * 3 * 128 * 64
+    assert padded_count(torch.Size((2, 3, 1, 64))) == 2 * 3 * 128 * 64
 
 
 def test_extent_counts_every_element_of_a_stride_0_view_and_nothing_of_an_empty_one():
-    one = torch.zeros(1, 1, 1, 64)
-    assert extent(one.expand(2, 4, 100, 64).shape, one.expand(2, 4, 100, 64).stride()) == 2 * 4 * 100 * 64
+    view = torch.zeros(1, 1, 1, 64).expand(2, 4, 128, 64)
+    assert extent(view.shape, view.stride()) == 2 * 4 * 128 * 64
     assert extent(torch.Size((1, 4, 0, 64)), (0, 0, 64, 1)) == 0
 
 
@@ -88,50 +95,59 @@ def limited(limit, **more):
     return dataclasses.replace(SMALL, max_span_elements=limit, **more)
 
 
+def detail(span, name, copy, limit):
+    return f"span={span} elements of {name}, {copy} in a contiguous copy padded to 128 tokens (limit {limit})"
+
+
 def test_contiguous_tensors_past_the_limit_go_to_torch_with_the_span_and_limit():
-    q, k, v = qkv()  # [1, 2, 48, 64] query: 6144 elements; key and value 3072
-    report, calls, out, expected = served(limited(6143), (q, k, v))
+    q, k, v = qkv(q_tokens=128, k_tokens=128)  # 2 x 128 x 64 = 16,384 elements each
+    report, calls, out, expected = served(limited(16383), (q, k, v))
     assert dict(report.fallbacks) == {"span": 1} and report.served == 0 and calls == []
-    assert report.details["span"] == "span=6144 elements of query, 6144 in a contiguous copy (limit 6143)"
+    assert report.details["span"] == detail(16384, "query", 16384, 16383)
     assert torch.equal(out, expected)
 
 
 def test_contiguous_tensors_at_the_limit_are_served():
-    report, calls, _, _ = served(limited(6144), qkv())
+    report, calls, _, _ = served(limited(16384), qkv(q_tokens=128, k_tokens=128))
     assert (report.served, dict(report.fallbacks), len(calls)) == (1, {}, 1)
 
 
+def test_a_tensor_whose_padded_copy_is_past_the_limit_goes_to_torch():
+    """120 tokens span 15,360 elements; the kernel's copy padded to 128 tokens holds 16,384."""
+    report, calls, _, _ = served(limited(15360), qkv(q_tokens=120, k_tokens=120))
+    assert report.details["span"] == detail(15360, "query", 16384, 15360) and calls == []
+
+
 def test_the_detail_names_the_first_tensor_past_the_limit():
-    q, k, v = qkv(q_tokens=32, k_tokens=64)  # query 4096 elements, key and value 8192
-    report, calls, _, _ = served(limited(8191), (q, k, v))
-    assert report.details["span"] == "span=8192 elements of key, 8192 in a contiguous copy (limit 8191)"
+    q, k, v = qkv(q_tokens=128, k_tokens=256)  # query 16,384 elements, key and value 32,768
+    report, calls, _, _ = served(limited(32767), (q, k, v))
+    assert report.details["span"] == detail(32768, "key", 32768, 32767)
     assert calls == []
 
 
-# A fused [1, 48, 3*2*64] projection: each view spans 47*384 + 64*2 = 18,176 elements (value from its own
-# pointer too), its contiguous copy holds 6,144.
-FUSED_SPAN = 47 * 3 * 2 * 64 + 2 * 64
+# A fused [1, 128, 3*2*64] projection: each view spans 127*384 + 2*64 = 48,896 elements from its own
+# pointer; its contiguous copy holds 16,384.
+FUSED_SPAN = 127 * 3 * 2 * 64 + 2 * 64
 
 
 def test_a_strided_view_past_the_limit_goes_to_torch_though_its_copy_would_fit():
-    q, k, v = fused(48, 2)
+    q, k, v = fused(128, 2)
     assert extent(q.shape, q.stride()) == FUSED_SPAN
     report, calls, out, expected = served(limited(FUSED_SPAN - 1), (q, k, v))
     assert dict(report.fallbacks) == {"span": 1} and calls == []
-    assert report.details["span"] == (f"span={FUSED_SPAN} elements of query, 6144 in a contiguous copy "
-                                      f"(limit {FUSED_SPAN - 1})")
+    assert report.details["span"] == detail(FUSED_SPAN, "query", 16384, FUSED_SPAN - 1)
     assert torch.equal(out, expected)
 
 
 def test_the_same_view_within_the_limit_reaches_the_kernel_as_the_view():
-    q, k, v = fused(48, 2)
+    q, k, v = fused(128, 2)
     report, calls, _, _ = served(limited(FUSED_SPAN), (q, k, v))
     assert report.served == 1 and report.copied == 0
     assert calls[0].q.stride() == q.stride() and calls[0].q.data_ptr() == q.data_ptr()
 
 
 def test_with_copy_past_span_the_strided_view_is_served_from_contiguous_copies():
-    q, k, v = fused(48, 2)
+    q, k, v = fused(128, 2)
     report, calls, out, expected = served(limited(FUSED_SPAN - 1, copy_past_span=True), (q, k, v))
     assert (report.served, report.copied, dict(report.fallbacks)) == (1, 1, {})
     [call] = calls
@@ -141,9 +157,9 @@ def test_with_copy_past_span_the_strided_view_is_served_from_contiguous_copies()
 
 
 def test_copy_past_span_copies_only_the_tensors_past_the_limit():
-    q = rand(1, 48, 2, 64, dtype=torch.bfloat16).transpose(1, 2)  # a view spanning 6144 elements
-    _, k, v = fused(24, 2)  # views spanning 23*384 + 128 = 8960 elements, 3072 each in a copy
-    report, calls, _, _ = served(limited(8959, copy_past_span=True), (q, k, v))
+    q = rand(1, 128, 2, 64, dtype=torch.bfloat16).transpose(1, 2)  # a view spanning 16,384 elements
+    _, k, v = fused(64, 2)  # views spanning 63*384 + 128 = 24,320 elements, 16,384 in a padded copy
+    report, calls, _, _ = served(limited(24319, copy_past_span=True), (q, k, v))
     assert report.copied == 1
     [call] = calls
     assert call.q.data_ptr() == q.data_ptr()  # within the limit: handed over as it is
@@ -151,8 +167,16 @@ def test_copy_past_span_copies_only_the_tensors_past_the_limit():
 
 
 def test_copy_past_span_leaves_a_call_whose_copy_is_past_the_limit_too_to_torch():
-    report, calls, _, _ = served(limited(6143, copy_past_span=True), qkv())
+    q, k, v = qkv(q_tokens=256, k_tokens=128)  # query 32,768 elements, key and value 16,384
+    report, calls, _, _ = served(limited(32767, copy_past_span=True), (q, k, v))
     assert dict(report.fallbacks) == {"span": 1} and report.copied == 0 and calls == []
+
+
+def test_a_value_view_alone_past_the_limit_is_refused():
+    q, k, _ = qkv(q_tokens=128, k_tokens=128, dtype=torch.bfloat16)
+    _, _, v = fused(128, 2)
+    report, calls, _, _ = served(limited(FUSED_SPAN - 1), (q, k, v))
+    assert report.details["span"] == detail(FUSED_SPAN, "value", 16384, FUSED_SPAN - 1) and calls == []
 
 
 def test_out_of_memory_while_copying_falls_back_like_the_kernels_own(monkeypatch):
@@ -160,7 +184,7 @@ def test_out_of_memory_while_copying_falls_back_like_the_kernels_own(monkeypatch
         raise torch.OutOfMemoryError("CUDA out of memory (copy)")
 
     monkeypatch.setattr(wrapper, "within_span", no_memory)
-    q, k, v = fused(48, 2)
+    q, k, v = fused(128, 2)
     report, calls, out, expected = served(limited(FUSED_SPAN - 1, copy_past_span=True), (q, k, v))
     assert dict(report.fallbacks) == {"memory": 1} and report.out_of_memory
     assert "(copy)" in report.details["memory"]
@@ -170,13 +194,13 @@ def test_out_of_memory_while_copying_falls_back_like_the_kernels_own(monkeypatch
 # The real limit, on tensors without storage ---------------------------------------------------------
 
 def test_a_fused_100k_by_56_view_is_refused_at_the_default_limit():
-    """issue 16's faulting call: span 2,150,385,664 > 2^31 - 1; each contiguous copy 716,800,000.
+    """issue 16's faulting call: span 2,150,385,664 > 2^31 - 1; each contiguous copy 716,800,000
+    elements, 717,488,128 padded to 100,096 tokens.
     (Through the wrapper, the fallback would run torch's meta SDPA, which the fake triton breaks.)"""
     q, k, v = fused(100_000, 56, head_dim=128, device="meta")
     reason, template, values = refusal(SdpaCall(q, k, v), DEFAULT_CONFIG, NoAutocast())
     assert reason == "span"
-    assert template % values == ("span=2150385664 elements of query, 716800000 in a contiguous copy "
-                                 "(limit 2147483647)")
+    assert template % values == detail(2150385664, "query", 717488128, 2147483647)
 
 
 def test_a_fused_90k_by_56_view_passes_the_span_rule():
@@ -185,9 +209,10 @@ def test_a_fused_90k_by_56_view_passes_the_span_rule():
     assert refusal(SdpaCall(q, k, v), DEFAULT_CONFIG, NoAutocast()) is None
 
 
-@pytest.mark.parametrize("tokens, refused", [(299_593, False), (299_594, True)])
+@pytest.mark.parametrize("tokens, refused", [(299_520, False), (299_521, True)])
 def test_contiguous_tensors_at_the_real_boundary(tokens, refused):
-    """56 heads x 128: 299,593 tokens hold 2,147,482,624 elements, one token more 2,147,489,792."""
+    """56 heads x 128: 299,520 tokens (a multiple of 128) hold 2,146,959,360 elements; one token more
+    spans 2,146,966,528, under 2^31 - 1, but its copy padded to 299,648 tokens holds 2,147,876,864."""
     q = torch.empty(1, 56, tokens, 128, dtype=torch.bfloat16, device="meta")
     got = refusal(SdpaCall(q, q, q), DEFAULT_CONFIG, NoAutocast())
     assert (got is not None and got[0] == "span") == refused
@@ -198,7 +223,7 @@ def test_a_stride_0_view_of_a_tiny_storage_is_refused_by_its_element_count():
     q = torch.zeros(1, 1, 1, 128, dtype=torch.bfloat16).expand(1, 56, 300_000, 128)
     got = refusal(SdpaCall(q, q, q), DEFAULT_CONFIG, NoAutocast())
     assert got[0] == "span"
-    assert got[1] % got[2] == "span=128 elements of query, 2150400000 in a contiguous copy (limit 2147483647)"
+    assert got[1] % got[2] == detail(128, "query", 56 * 300_032 * 128, 2147483647)
 
 
 # The verified token range ---------------------------------------------------------------------------

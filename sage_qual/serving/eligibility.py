@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from sage_qual.limits import SPAN_PAD_TOKENS as SPAN_PAD
 from sage_qual.serving.config import WrapperConfig
 
 # Every reason a call in a scope can fall back to PyTorch, in the order they are tested.
@@ -173,32 +174,39 @@ def refusal(call: SdpaCall, config: WrapperConfig, cuda) -> Refusal | None:
 
 # Spans ------------------------------------------------------------------------------------------
 
-def extent(shape: torch.Size, stride: tuple[int, ...]) -> int:
+def padded_count(shape) -> int:
+    """Elements of a contiguous copy of a 4-D tensor with its sequence padded as the kernels pad it
+    (limits.SPAN_PAD_TOKENS)."""
+    b, h, n, d = shape
+    return b * h * ((n + SPAN_PAD - 1) // SPAN_PAD * SPAN_PAD) * d
+
+
+def extent(shape, stride) -> int:
     """Elements a kernel may address from a 4-D tensor's data pointer: its span, 1 + sum((size-1) *
-    stride), or its element count where that is larger (a stride-0 view: the kernel's output and
-    quantized copies hold every element); 0 when it is empty. Plain arithmetic: it runs on every
-    served call."""
-    count = shape.numel()
-    span = ((shape[0] - 1) * stride[0] + (shape[1] - 1) * stride[1] + (shape[2] - 1) * stride[2]
-            + (shape[3] - 1) * stride[3] + 1)
+    stride), or its padded element count where that is larger (`padded_count`; also a stride-0
+    view's: the kernel's output and quantized copies hold every element); 0 when it is empty.
+    Plain arithmetic: it runs on every served call."""
+    b, h, n, d = shape
+    count = b * h * ((n + SPAN_PAD - 1) // SPAN_PAD * SPAN_PAD) * d
+    span = (b - 1) * stride[0] + (h - 1) * stride[1] + (n - 1) * stride[2] + (d - 1) * stride[3] + 1
     return span if span > count and count else count
 
 
 def span_refusal(call: SdpaCall, limit: int) -> Refusal:
-    """The `span` refusal naming the first tensor past `limit`: its span, its contiguous copy's size."""
+    """The `span` refusal naming the first tensor past `limit`: its span, its padded copy's size."""
     for name, tensor in (("query", call.query), ("key", call.key), ("value", call.value)):
         shape, stride = tensor.shape, tensor.stride()
         if extent(shape, stride) > limit:
-            count = tensor.numel()
-            span = 1 + sum((size - 1) * step for size, step in zip(shape, stride)) if count else 0
-            return ("span", "span=%d elements of %s, %d in a contiguous copy (limit %d)",
-                    (span, name, count, limit))
+            span = 1 + sum((size - 1) * step for size, step in zip(shape, stride)) if tensor.numel() else 0
+            return ("span", "span=%d elements of %s, %d in a contiguous copy padded to %d tokens (limit %d)",
+                    (span, name, padded_count(shape), SPAN_PAD, limit))
     raise ValueError("span_refusal() called for a call within the limit")
 
 
 def copies_fit(call: SdpaCall, limit: int) -> bool:
-    """Whether contiguous copies of the call's tensors are all within `limit` elements."""
-    return call.query.numel() <= limit and call.key.numel() <= limit and call.value.numel() <= limit
+    """Whether contiguous copies of the call's tensors, padded, are all within `limit` elements."""
+    return (padded_count(call.query.shape) <= limit and padded_count(call.key.shape) <= limit
+            and padded_count(call.value.shape) <= limit)
 
 
 def within_span(call: SdpaCall, limit: int) -> SdpaCall:
