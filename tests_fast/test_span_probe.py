@@ -81,7 +81,8 @@ def test_the_child_stops_at_a_fault(capsys):
         fake.raise_error(RuntimeError("an illegal memory access was encountered"))
 
     reported = child_output(capsys, small_cases(), fault)
-    assert reported == [{"outcome": "fault", "error": "RuntimeError: an illegal memory access was encountered"}]
+    assert reported == [{"outcome": "fault",
+                         "error": "RuntimeError: an illegal memory access was encountered"}]
 
 
 def fake_child(body: str) -> list[str]:
