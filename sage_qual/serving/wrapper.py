@@ -218,7 +218,6 @@ def _serve(state: _Installed, report: ScopeReport, args: tuple, kwargs: dict):
         return original(*args, **kwargs)
 
     failed = False
-    given = call
     with cuda.device_guard(device.index):
         try:  # the copies are made here: out of memory for them is handled as for the kernel's own
             given = within_span(call, config.max_span_elements) if copy else call
