@@ -21,6 +21,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -213,4 +214,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    sys.stdout.flush()
+    os._exit(code)  # no interpreter teardown: after a fault it would tear down a poisoned CUDA context
