@@ -160,8 +160,9 @@ def refusal(call: SdpaCall, config: WrapperConfig, cuda) -> Refusal | None:
         layout = _layout((q, k, v), (qs, ks, vs), (qst, kst, vst))
         if layout not in config.layouts:
             return "layout", "layout %s (verified: %s)", (layout, ", ".join(config.layouts))
-    # Checked here, before the call: past 2^31 elements the sm90 kernel aborts the process
-    # (limits.MAX_SPAN_ELEMENTS), which no except can catch.
+    # Checked here, before the call: past 2^31 elements every kernel faults on a strided view (which
+    # poisons the CUDA context) and the sm90 kernel aborts the process, which no except can catch
+    # (limits.MAX_SPAN_ELEMENTS).
     limit = config.max_span_elements
     if extent(qs, qst) > limit or extent(ks, kst) > limit or extent(vs, vst) > limit:
         return span_refusal(call, limit)
@@ -187,7 +188,7 @@ def extent(shape, stride) -> int:
     view's: the kernel's output and quantized copies hold every element); 0 when it is empty.
     Plain arithmetic: it runs on every served call."""
     b, h, n, d = shape
-    count = b * h * ((n + SPAN_PAD - 1) // SPAN_PAD * SPAN_PAD) * d
+    count = b * h * ((n + SPAN_PAD - 1) // SPAN_PAD * SPAN_PAD) * d  # padded_count(), without the call
     span = (b - 1) * stride[0] + (h - 1) * stride[1] + (n - 1) * stride[2] + (d - 1) * stride[3] + 1
     return span if span > count and count else count
 
