@@ -52,3 +52,15 @@ MAX_WORKER_FAILURES = 2
 def startup_timeout(task_timeout: float) -> float:
     """What a worker's first task gets when tasks get `task_timeout`."""
     return max(STARTUP_TIMEOUT, task_timeout)
+
+
+# --- What a person reads ------------------------------------------------------------------------
+# Longest status line sage-qual shows (install()'s reason, a device's profile note, a scope's
+# summary, the profile warning): a policy, so that a line fits a log viewer and can be acted on
+# (issue 17: a 1,785-character reason could not). The full lists stay in attributes.
+STATUS_LINE_LIMIT = 200
+
+
+def one_line(text: str, limit: int = STATUS_LINE_LIMIT) -> str:
+    """`text` cut to `limit` characters, ending in "..." where it was cut."""
+    return text if len(text) <= limit else text[: limit - 3].rstrip() + "..."
