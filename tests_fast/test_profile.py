@@ -106,17 +106,17 @@ def test_the_family_entry_is_taken():
 
 
 @pytest.mark.parametrize("device, why", [
-    (machine(H100), "nearest Fake H200 (sm_90): GPU Fake H100, sm_90 here"),
-    (machine(FakeGpu((9, 0), "Fake H200", 80.0)), "nearest Fake H200 (sm_90): memory 141 GiB, 80 here"),
+    (machine(H100), "nearest Fake H200 (sm_90) differs: GPU Fake H100, sm_90 here"),
+    (machine(FakeGpu((9, 0), "Fake H200", 80.0)), "nearest Fake H200 (sm_90) differs: memory 141 GiB, 80 here"),
     (machine(H200, torch_version="1.0.0"),
-     f"nearest Fake H200 (sm_90): torch {torch.__version__}, 1.0.0 here"),
-    (machine(H200, torch_cuda="12.8"), "nearest Fake H200 (sm_90): CUDA 13.0, 12.8 here"),
-    (machine(H200, sageattention="2.2.1"), "nearest Fake H200 (sm_90): sageattention 2.2.0, 2.2.1 here"),
+     f"nearest Fake H200 (sm_90) differs: torch {torch.__version__}, 1.0.0 here"),
+    (machine(H200, torch_cuda="12.8"), "nearest Fake H200 (sm_90) differs: CUDA 13.0, 12.8 here"),
+    (machine(H200, sageattention="2.2.1"), "nearest Fake H200 (sm_90) differs: sageattention 2.2.0, 2.2.1 here"),
 ])
 def test_a_device_the_profile_does_not_describe_keeps_the_defaults_and_says_why(device, why):
     [only] = profile.device_configs(make_profile(entry=make_entry(min_q=9999)), [device])
     assert only.config == DEFAULT_CONFIG
-    assert why in only.note and "default kernel table and thresholds (1536/512 tokens)" in only.note
+    assert why in only.note and "no profile entry matches: defaults here (1536/512 tokens)" in only.note
     assert not only.matched
 
 
@@ -226,14 +226,14 @@ def test_a_mixed_box_applies_the_profile_per_device():
         assert rtx.variant.name == "sm89-fp8-cuda"
         for device in (h100, rtx):
             assert "no profile entry matches" in device.profile_note
-            assert "default kernel table" in device.profile_note
+            assert "defaults here" in device.profile_note
         assert "(16384/16384 tokens)" in h100.profile_note and "(1536/512 tokens)" in rtx.profile_note
         # 4096 tokens: below the H200's certified 16,384 and the sm_90 built-in 16,384, above 1536
         assert dict(attention(4096, device=0).fallbacks) == {"short": 1}
         assert dict(attention(4096, device=1).fallbacks) == {"short": 1}
         assert attention(4096, device=2).served == 1
-        assert attention(16384, device=1).served == 1
-        assert [c.device for c in fake.calls] == [2, 1]
+        assert (h100.config.min_query_tokens, h100.config.min_key_tokens) == (16384, 16384)
+        assert [c.device for c in fake.calls] == [2]
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -295,8 +295,8 @@ def test_speedup_bounds_take_the_pessimistic_ends():
 def test_each_devices_profile_note_is_logged(fake, caplog):
     caplog.set_level("INFO", logger="sage_qual")
     sage_qual.install(profile=make_profile(gpu=H100))
-    note = ("no profile entry matches, so the default kernel table and thresholds (16384/16384 tokens) apply "
-            "(nearest Fake H100 (sm_90): GPU Fake H200, sm_90 here)")
+    note = ("no profile entry matches: defaults here (16384/16384 tokens); nearest Fake H100 (sm_90) differs: "
+            "GPU Fake H200, sm_90 here")
     infos = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
     assert [m for m in infos if "no profile entry" in m] == [f"cuda:0 (Fake H200, sm_90): {note}"]
     assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == \

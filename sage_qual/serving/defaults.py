@@ -192,7 +192,8 @@ def build(files: list[Path], previous: Path | None = DATA) -> dict:
         for gpu in kept.gpus:
             if (gpu.name.strip().casefold(), tuple(gpu.capability)) not in runs:
                 gpus.append(dataclasses.asdict(gpu))
-                sources += [s for s in kept_sources if profile.same_gpu_name(s.gpu, gpu.name)]
+                sources += [dataclasses.asdict(source) for source in kept_sources
+                            if profile.same_gpu_name(source.gpu, gpu.name)]
     newest = None
     for group in runs.values():
         group.sort(key=lambda run: run[2].created)

@@ -281,8 +281,8 @@ def _entry_note(gpu: ProfileGpu, chosen: Entry, family: str | None, near: str) -
     enabled = served_families(gpu) if family is None else []
     if enabled:  # the profile serves some families here: which, and how to pick one, before why not all
         listed = ", ".join(enabled[:4]) + (f" and {len(enabled) - 4} more" if len(enabled) > 4 else "")
-        return one_line(f"{near}the profile enables only {listed} here ({count} reasons against all families "
-                        f"in profile_reasons): pick one, install(profile=..., family=\"{enabled[-1]}\")")
+        return one_line(f"{near}the profile enables only {listed} here, pick one: install(profile=..., "
+                        f"family=\"{enabled[-1]}\"); why not all: {count} reasons in profile_reasons")
     why = f"{count} reasons in profile_reasons, first: {first}" if count > 1 else first
     return one_line(f"{near}the profile certifies no SageAttention variant on {gpu.label}{scope}: {why}")
 
@@ -308,15 +308,15 @@ def _device_config(profile: Profile, device: Machine, family: str | None,
         near = f"near match ({differ[0]}): " if differ else ""
         return DeviceConfig(apply(base, device.capability, chosen), _entry_note(gpu, chosen, family, near),
                             tuple(r.detail for r in chosen.reasons) if not chosen.variant else ())
-    where = f"nearest {gpu.label}: {'; '.join(differ)}"
+    nearest_entry = f"nearest {gpu.label} differs: {'; '.join(differ)}"
     kept_off = family_entry(gpu, family)
     if kept_off is not None and not kept_off.variant:  # never let the defaults serve what it keeps off
         what = f"family {family}" if family else "all families"
-        note = f"no profile entry matches, and the nearest keeps {what} off, so it stays off ({where})"
+        note = f"no profile entry matches, and the nearest keeps {what} off, so off here; {nearest_entry}"
         return DeviceConfig(apply(base, device.capability, kept_off), one_line(note),
                             tuple(r.detail for r in kept_off.reasons), matched=False)
-    note = (f"no profile entry matches, so the default kernel table and thresholds "
-            f"({base.min_query_tokens}/{base.min_key_tokens} tokens) apply ({where})")
+    note = (f"no profile entry matches: defaults here ({base.min_query_tokens}/{base.min_key_tokens} tokens); "
+            f"{nearest_entry}")
     return DeviceConfig(base, one_line(note), matched=False)
 
 

@@ -210,8 +210,8 @@ def _probe(config: WrapperConfig, profile=None, family: str | None = None,
                                      config=own.config, profile_note=own.note, profile_reasons=own.reasons)
     if not any(d.variant for d in devices.values()):
         first, *others = devices.values()
-        more = f" (and {len(others)} more GPUs: install_status().devices)" if others else ""
-        raise _NoKernel(one_line(f"no usable kernel on {first.label}{more}: {first.no_kernel_reason}"),
+        more = f" and {len(others)} more GPUs (install_status().devices)" if others else ""
+        raise _NoKernel(one_line(f"{first.label}{more}: {first.no_kernel_reason}"),
                         tuple(devices.values()))
     return devices, package
 
