@@ -11,7 +11,8 @@ from __future__ import annotations
 # Fewest query / key tokens a call needs before SageAttention serves it: below them quantizing
 # costs more than the kernel saves. The break-even the InvokeAI SageAttention backend shipped,
 # measured on an RTX 4090 (InvokeAI PR #9657); on an H200 the sm90 kernel only pays from about
-# 13.7k-16k tokens (docs/results/README.md, run 2), which a certified profile puts in their place.
+# 13.7k-16k tokens (docs/results/README.md, run 2), which a certified profile, or on a GPU measured
+# here the built-in defaults (sage_qual/serving/defaults.py), put in their place.
 MIN_QUERY_TOKENS = 1536
 MIN_KEY_TOKENS = 512
 
