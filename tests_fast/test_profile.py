@@ -107,11 +107,13 @@ def test_the_family_entry_is_taken():
 
 @pytest.mark.parametrize("device, why", [
     (machine(H100), "nearest Fake H200 (sm_90) differs: GPU Fake H100, sm_90 here"),
-    (machine(FakeGpu((9, 0), "Fake H200", 80.0)), "nearest Fake H200 (sm_90) differs: memory 141 GiB, 80 here"),
+    (machine(FakeGpu((9, 0), "Fake H200", 80.0)),
+     "nearest Fake H200 (sm_90) differs: memory 141 GiB, 80 here"),
     (machine(H200, torch_version="1.0.0"),
      f"nearest Fake H200 (sm_90) differs: torch {torch.__version__}, 1.0.0 here"),
     (machine(H200, torch_cuda="12.8"), "nearest Fake H200 (sm_90) differs: CUDA 13.0, 12.8 here"),
-    (machine(H200, sageattention="2.2.1"), "nearest Fake H200 (sm_90) differs: sageattention 2.2.0, 2.2.1 here"),
+    (machine(H200, sageattention="2.2.1"),
+     "nearest Fake H200 (sm_90) differs: sageattention 2.2.0, 2.2.1 here"),
 ])
 def test_a_device_the_profile_does_not_describe_keeps_the_defaults_and_says_why(device, why):
     [only] = profile.device_configs(make_profile(entry=make_entry(min_q=9999)), [device])
@@ -295,8 +297,8 @@ def test_speedup_bounds_take_the_pessimistic_ends():
 def test_each_devices_profile_note_is_logged(fake, caplog):
     caplog.set_level("INFO", logger="sage_qual")
     sage_qual.install(profile=make_profile(gpu=H100))
-    note = ("no profile entry matches: defaults here (16384/16384 tokens); nearest Fake H100 (sm_90) differs: "
-            "GPU Fake H200, sm_90 here")
+    note = ("no profile entry matches: defaults here (16384/16384 tokens); nearest Fake H100 (sm_90) "
+            "differs: GPU Fake H200, sm_90 here")
     infos = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
     assert [m for m in infos if "no profile entry" in m] == [f"cuda:0 (Fake H200, sm_90): {note}"]
     assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == \

@@ -22,7 +22,7 @@ from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
 from .helpers import records
 from .test_profile import H200, make_entry, make_gpu, make_profile, machine
 
-CURRENT = Path(__file__).resolve().parent.parent / "docs" / "results" / "current" / "certify-gpu0" / "profile.json"
+CURRENT = Path(__file__).resolve().parent.parent / "docs/results/current/certify-gpu0/profile.json"
 OFF = make_entry(variant=None, reasons=[{"kind": "non_finite", "detail": "sm90-fp8-cuda on flux1_ip: NaN"}])
 
 
@@ -69,12 +69,13 @@ def test_another_torch_patch_release_is_a_near_match_that_applies(certified_torc
     assert only.matched == applies
     assert (only.config.min_query_tokens == 4096) == applies
     if applies:
-        assert only.note.startswith(f"near match (torch {certified_torch}, {here} here): profile entry Fake H200")
+        assert only.note.startswith(f"near match (torch {certified_torch}, {here} here): profile entry Fake")
 
 
 def another_patch_release(version: str) -> str:
     release = Version(version)
-    return f"{release.major}.{release.minor}.{release.micro + 1}" + (f"+{release.local}" if release.local else "")
+    local = f"+{release.local}" if release.local else ""
+    return f"{release.major}.{release.minor}.{release.micro + 1}{local}"
 
 
 def test_a_near_match_is_not_a_warning(caplog):
@@ -105,7 +106,8 @@ def test_a_matching_profile_warns_nothing(caplog):
 
 # A family the nearest entry keeps off is never served by the defaults --------------------------------
 def test_a_family_the_nearest_entry_keeps_off_stays_off():
-    certified = make_profile(make_gpu(torch_version="1.0.0", families={"FLUX.1": OFF, "Wan 2.2": make_entry()}))
+    families = {"FLUX.1": OFF, "Wan 2.2": make_entry()}
+    certified = make_profile(make_gpu(torch_version="1.0.0", families=families))
     status = install(profile=certified, family="FLUX.1")
     assert not status.enabled
     [device] = status.devices

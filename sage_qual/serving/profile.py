@@ -315,8 +315,8 @@ def _device_config(profile: Profile, device: Machine, family: str | None,
         note = f"no profile entry matches, and the nearest keeps {what} off, so off here; {nearest_entry}"
         return DeviceConfig(apply(base, device.capability, kept_off), one_line(note),
                             tuple(r.detail for r in kept_off.reasons), matched=False)
-    note = (f"no profile entry matches: defaults here ({base.min_query_tokens}/{base.min_key_tokens} tokens); "
-            f"{nearest_entry}")
+    thresholds = f"{base.min_query_tokens}/{base.min_key_tokens} tokens"
+    note = f"no profile entry matches: defaults here ({thresholds}); {nearest_entry}"
     return DeviceConfig(base, one_line(note), matched=False)
 
 
