@@ -151,13 +151,28 @@ def test_junit_xml_has_a_case_per_gpu_model_and_family(tmp_path, monkeypatch):
 
 
 def test_refined_lengths_fall_between_the_crossing_sweep_points():
-    points = [(1024, 0.5), (2048, 0.8), (4096, 0.95), (8192, 1.3), (16384, 1.6)]
+    # (tokens, lower bound, median): no median within 10 % of 1x, so only the crossing is refined
+    points = [(1024, 0.4, 0.5), (2048, 0.7, 0.8), (4096, 0.8, 0.85), (8192, 1.3, 1.4), (16384, 1.6, 1.7)]
     # 4096 * 2^(i/8), to 128 tokens: neighbours within 10 % of each other
     assert certify.refined_lengths(points) == [4480, 4864, 5248, 5760, 6272, 6912, 7552]
-    assert certify.refined_lengths([(1024, 1.2), (4096, 1.5)]) == []  # pays everywhere: nothing to refine
-    assert certify.refined_lengths([(1024, 0.2), (4096, 0.5)]) == []  # pays nowhere
+    assert certify.refined_lengths([(1024, 1.2, 1.3), (4096, 1.5, 1.6)]) == []  # pays everywhere
+    assert certify.refined_lengths([(1024, 0.2, 0.3), (4096, 0.5, 0.6)]) == []  # pays nowhere
     # a dip back below 1 gives a second crossing
-    assert len(certify.refined_lengths([(1024, 1.1), (2048, 0.9), (4096, 1.2)])) == 7
+    assert len(certify.refined_lengths([(1024, 1.1, 1.2), (2048, 0.8, 0.85), (4096, 1.12, 1.2)])) == 7
+
+
+def test_an_interval_with_an_end_near_the_bar_is_refined_too():
+    """Run 11's cuda:1 (docs/results/README.md): the 8,192-token point's lower bound cleared 1x, so
+    the crossing lay between 4,096 and 8,192 and nothing between 8,192 and 16,384 was timed, where
+    the other GPU put the threshold. An end within 10 % of the bar refines its intervals as well."""
+    points = [(4096, 0.7, 0.75), (8192, 1.04, 1.07), (16384, 1.12, 1.18)]
+    lengths = certify.refined_lengths(points)
+    assert [n for n in lengths if n < 8192] == [4480, 4864, 5248, 5760, 6272, 6912, 7552]
+    assert [n for n in lengths if n > 8192] == [8960, 9728, 10624, 11648, 12672, 13824, 14976]
+    # a family's own bar: 1.31x lies within 10 % of 1.3, so 16,384-32,768 is refined for it
+    assert certify.refined_lengths([(16384, 1.12, 1.2), (32768, 1.25, 1.31)], min_speedups=(1.3,)) == \
+        [17920, 19456, 21248, 23168, 25216, 27520, 30080]
+    assert certify.refined_lengths([(16384, 1.12, 1.2), (32768, 1.25, 1.31)]) == []
 
 
 def test_after_a_sweep_the_lengths_around_its_crossover_are_queued(tmp_path):
