@@ -469,9 +469,11 @@ class _DeviceRun:
         for key, entry in new.items():
             warmup, repeats = _timing(entry["shape"], self.quick)
             common = {"key": key, "shape": entry["shape"], "warmup": warmup, "repeats": repeats}
-            if ("sdpa", key) not in by:
-                tasks.append({"id": f"sdpa@{key}", "kind": "sdpa", **common})
-            if (variant, key) not in by:
+            if (variant, key) in by:
+                continue
+            if ("sdpa", key) not in by:  # near the crossover: both timed in turn in one worker
+                tasks.append({"id": f"{variant}+sdpa@{key}", "kind": "paired", "variant": variant, **common})
+            else:  # another variant's refinement timed SDPA here already
                 tasks.append({"id": f"{variant}@{key}", "kind": "speed", "variant": variant, **common})
         return tasks
 
@@ -480,10 +482,15 @@ class _DeviceRun:
         if task["kind"] == "cell":
             record = {"variant": task["variant"], "fixture": task["fixture_name"], **result}
             field = "cells"
-        else:  # a timing: of the fastest SDPA backend, or of a variant
+        else:  # a timing: of the fastest SDPA backend, or of a variant (paired: with SDPA's)
             kernel = "sdpa" if task["kind"] == "sdpa" else task["variant"]
-            record = {"kernel": kernel, "shape": task["key"], "ms": None, **result}
+            paired = result.get("sdpa") if task["kind"] == "paired" else None
+            record = {"kernel": kernel, "shape": task["key"], "ms": None,
+                      **{name: value for name, value in result.items() if name != "sdpa"}}
             field = "speed"
+            if isinstance(paired, dict):
+                sdpa = {"kernel": "sdpa", "shape": task["key"], "ms": None, **paired}
+                self.writer.update(lambda d: d["devices"][self.position][field].append(sdpa))
         self.writer.update(lambda d: d["devices"][self.position][field].append(record))
         progress.tick(f"cuda:{self.index}", record)
 
