@@ -8,7 +8,8 @@ long check runs one such call (issue 16):
   exists here, so they carry the stress that matters at length: an outlier K channel (one channel
   sets every INT8 K scale, as in the Qwen-Image and Krea-2 replicas, with smoothing off as served),
   zero-mean unit V (the output is then the small average the FP8 P.V error shows in; the real sm90
-  kernel gave 0.046-0.051 relative L2 on such calls from 4k to 75.6k tokens, issue 16), and
+  kernel gave 0.046-0.051 relative L2 on [1, 24, N, 128] calls with an outlier K channel from 4k
+  to 75.6k tokens, issue 16; the model predicts 0.058 on these tensors at 75,600), and
   queries at twice K's scale, so the softmax is not flat over tens of thousands of keys;
 - accuracy is judged on sampled query rows (`SAMPLE_BLOCKS` blocks of `SAMPLE_ROWS`, first and last
   block included) against all keys: the float32 reference of those rows, and the budget derived from
@@ -19,12 +20,17 @@ long check runs one such call (issue 16):
   (bit-identical on the H200 for fused-QKV views up to 90,000 x 56, issue 16), and a wrong offset
   shows as a difference.
 
-Cost, per check on one H200 (a bound, not a measurement of this code): the kernel once per layout
-(under 70 ms for 75,600 x 40 heads: 1.41x faster than cuDNN SDPA there, issue 16), the reference
-and the model on 512 rows (512 x 75,600 x 40 heads: about 0.8 TFLOP in float32, well under a
-second), tensors of 3 x 0.8 GB at the longest. `plan` keeps the count bounded: each chosen
-family's longest call (shared shapes once) and the generic sweep lengths past the fixtures, at most
-len(FAMILIES) + 3 = 11 per variant.
+Cost (an estimate from issue 16's timings, to be confirmed by the next H200 certify, whose
+report.json gives every long check's seconds): `plan` keeps the count bounded, each chosen
+family's longest call (shared shapes once) and the generic sweep lengths past the fixtures: 10 per
+variant with the shipped fixtures (8192, 16384, 32768; 13728, 16384 at head_dim 64, 16896 at four
+head counts; 75600), 2 with --quick. A check calls the kernel once per layout (4 calls) and runs
+the float32 reference and the numerics model on 512 rows, on tensors of at most 3 x 0.8 GB plus one
+layout's copy. The 75,600 x 40-head call is 117 TFLOP of attention: at an assumed 500 TFLOP/s for
+cuDNN's bf16 SDPA on the H200 and the sm90 kernel's measured 1.41x over it there (issue 16), about
+0.17 s per call, 0.7 s per check (twice that for the FP16 kernels); the other checks are 1-13 TFLOP,
+under 0.2 s each with the model's chunks. So 2-4 s per variant, 20-35 s for the eight variants
+on one H200 (certify took 101-107 s before; the limit is 150 s).
 """
 
 from __future__ import annotations
