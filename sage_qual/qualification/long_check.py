@@ -59,10 +59,6 @@ INPUTS = ("synthetic, seeded (long_check.synthetic, seed 0): q ~ N(0, 2^2); k ~ 
 GENERIC_HEADS = 24
 
 
-def layouts_known(layouts) -> list[str]:
-    return [name for name in layouts if name not in families_mod.LAYOUTS]
-
-
 # Planning --------------------------------------------------------------------------------------
 def plan(chosen: list[families_mod.Family], sweep_tokens, longest_fixture: int,
          quick: bool = False) -> dict[str, dict]:
@@ -209,28 +205,13 @@ def check(variant: Variant, q, k, v, layouts: list[str], kernel: Kernel | None,
     expected = budgets.metrics_of(model_rows, ref_rows)
     bounds = budgets.from_expected(expected)
     metrics = measure.errors(out_rows, ref_rows)
-    reasons = judge.cell_reasons(metrics, 0.0, bounds, math.inf) + layout_reasons(identical, layouts)
+    reasons = judge.cell_reasons(metrics, 0.0, bounds, math.inf) + judge.layout_reasons(identical, layouts)
     finite = metrics.pop("finite")
     return {"outcome": "fail" if reasons else "pass", "reasons": reasons, "bounds": bounds,
             "metrics": {key: (None if isinstance(x, float) and not math.isfinite(x) else x)
                         for key, x in metrics.items()},
             "finite": finite, "model_finite": expected["model_finite"], "rows": starts,
             "row_block": SAMPLE_ROWS, "identical": identical, "inputs": INPUTS}
-
-
-def layout_reasons(identical: dict[str, bool], layouts: list[str]) -> list[dict]:
-    """A reason per declared layout whose output was not the contiguous call's, bit for bit (or
-    that was not compared)."""
-    reasons = []
-    for name in layouts:
-        if name == "contiguous":
-            continue
-        if name not in identical:
-            reasons.append({"kind": "layout", "detail": f"layout {name}: not compared with contiguous"})
-        elif identical[name] is not True:
-            reasons.append({"kind": "layout", "detail": f"layout {name}: output differs from the same "
-                                                        "kernel's on contiguous copies"})
-    return reasons
 
 
 def kernel_of(package, variant: Variant) -> Kernel:

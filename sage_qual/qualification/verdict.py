@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass, field
 
 from sage_qual.limits import MEMORY_BOUND
-from sage_qual.qualification import judge, long_check, measure
+from sage_qual.qualification import judge, measure
 from sage_qual.qualification.families import FAMILIES, LAYOUTS, Family, family_of, normalize
 from sage_qual.qualification.report_model import (
     Cell,
@@ -171,9 +171,9 @@ def long_judged(check: LongCheck) -> list[Reason]:
     metrics = {name: (math.nan if value is None else value) for name, value in check.metrics.items()}
     metrics["finite"] = bool(check.finite)
     reasons = judge.cell_reasons(metrics, 0.0, dict(check.bounds), math.inf)
-    reasons += long_check.layout_reasons(check.identical, check.layouts)
-    unknown = long_check.layouts_known(check.layouts)
-    reasons += [{"kind": "layout", "detail": f"layout {name}: unknown to this sage-qual"} for name in unknown]
+    reasons += judge.layout_reasons(check.identical, check.layouts)
+    reasons += [{"kind": "layout", "detail": f"layout {name}: unknown to this sage-qual"}
+                for name in check.layouts if name not in LAYOUTS]
     return [Reason(ReasonKind(r["kind"]), r["detail"]) for r in reasons]
 
 
