@@ -61,6 +61,9 @@ class GpuBench:
     def tokens(self, n: int) -> int:
         return n
 
+    def heads(self, heads: int, kv_heads: int) -> int:
+        return heads
+
     def extra_peak_bytes(self, fn):
         return measure.extra_peak_bytes(fn, 0)
 
@@ -194,10 +197,12 @@ class Worker:
         if problem:
             return {"outcome": "skip", "detail": problem}
         s = Shape(**task["shape"])
-        q, k, v = long_check.synthetic(s, self.bench.device, self.bench.tokens)
+        heads = self.bench.heads(s.heads, s.kv_heads)
+        q, k, v = long_check.synthetic(s, self.bench.device, self.bench.tokens, heads)
         result = long_check.check(variant, q, k, v, task["layouts"], long_check.kernel_of(package, variant))
         ran = q.shape[2]
-        return {**result, "ran_tokens": ran if ran != s.q_tokens else None}
+        return {**result, "ran_tokens": ran if ran != s.q_tokens else None,
+                "ran_heads": heads if heads != s.heads else None}
 
     def _tensors(self, shape: dict):
         s = Shape(**shape)
