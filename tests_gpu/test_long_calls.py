@@ -5,9 +5,9 @@ model's budget on sampled rows, be finite, and give on every view the contiguous
 for bit; a spy on the kernel function proves the variant's own kernel served each call, on the
 caller's views (no copy in between). Also certify's worker task kind 'long', in-process.
 
-Cost on one H200 (estimated, not yet measured; the derivation is in long_check's docstring):
+Cost on one H200 (estimated from certify's timings, long_check's docstring; not yet measured):
 8 variants x 3 lengths, each 4 kernel calls and the model and the float32 reference on 512 rows:
-about 1-1.5 s per variant at 75,600 x 40 heads, well under that at 4k and 32k: 20-40 s in all.
+1-2.5 s per variant at 75,600 x 40 heads, well under that at 4k and 32k: 20-40 s in all.
 """
 
 import pytest

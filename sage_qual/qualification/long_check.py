@@ -26,11 +26,12 @@ family's longest call (shared shapes once) and the generic sweep lengths past th
 variant with the shipped fixtures (8192, 16384, 32768; 13728, 16384 at head_dim 64, 16896 at four
 head counts; 75600), 2 with --quick. A check calls the kernel once per layout (4 calls) and runs
 the float32 reference and the numerics model on 512 rows, on tensors of at most 3 x 0.8 GB plus one
-layout's copy. The 75,600 x 40-head call is 117 TFLOP of attention: at an assumed 500 TFLOP/s for
-cuDNN's bf16 SDPA on the H200 and the sm90 kernel's measured 1.41x over it there (issue 16), about
-0.17 s per call, 0.7 s per check (twice that for the FP16 kernels); the other checks are 1-13 TFLOP,
-under 0.2 s each with the model's chunks. So 2-4 s per variant, 20-35 s for the eight variants
-on one H200 (certify took 101-107 s before; the limit is 150 s).
+layout's copy. Kernel time, scaled from the H200 run of docs/results/current/certify-gpu0/report.json
+(40 heads x 32,760 tokens: sm90 27.5 ms, the other variants 48-69 ms) by the square of the length:
+at 75,600 tokens 0.15 s (sm90) to 0.37 s per call, so 0.6-1.5 s per check; every other check
+is under 0.2 s. With the model and the reference on 512 rows (0.1-1 s per check, most at 75,600),
+2-4 s per variant: 20-30 s for the eight variants on one H200, where certify took 101-107 s
+before (the limit is 150 s).
 """
 
 from __future__ import annotations
