@@ -20,7 +20,7 @@ long check runs one such call (issue 16):
   (bit-identical on the H200 for fused-QKV views up to 90,000 x 56, issue 16), and a wrong offset
   shows as a difference.
 
-Cost (an estimate from issue 16's timings, to be confirmed by the next H200 certify, whose
+Cost (an estimate from measured kernel times, to be confirmed by the next H200 certify, whose
 report.json gives every long check's seconds): `plan` keeps the count bounded, each chosen
 family's longest call (shared shapes once) and the generic sweep lengths past the fixtures: 10 per
 variant with the shipped fixtures (8192, 16384, 32768; 13728, 16384 at head_dim 64, 16896 at four
