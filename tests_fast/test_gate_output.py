@@ -49,10 +49,11 @@ def test_gate_lines_for_each_verdict():
 
 
 def test_gate_line_for_one_head_size_and_a_problem():
-    one_size = gate.GateDecision("FLUX.1", 0, gpus=[("H200 (sm_90)", enabled(head_dims=(128,), verified=False))])
+    legacy = enabled(head_dims=(128,), verified=False)
+    one_size = gate.GateDecision("FLUX.1", 0, gpus=[("H200 (sm_90)", legacy)])
     assert one_size.lines(False) == [  # a report from before long checks: no upper bound, said so
-        "FLUX.1 on H200 (sm_90): enable sm90-fp8-cuda from 4,608 query / 512 key tokens, head_dim 128 (no upper "
-        "bound verified: a report without long checks)"]
+        "FLUX.1 on H200 (sm_90): enable sm90-fp8-cuda from 4,608 query / 512 key tokens, head_dim 128 "
+        "(no upper bound verified: a report without long checks)"]
     assert gate.GateDecision("FLUX.1", 2, problem="stale report: torch differs").lines(True) == [
         "stale report: torch differs"]
 
@@ -94,8 +95,8 @@ def test_merge_table_gives_the_verified_range_and_layouts():
     wan = {"verdict": "enable", "variant": "sm90-fp8-cuda", "min_query_tokens": 9728, "min_key_tokens": 9728,
            "max_query_tokens": 75600, "layouts": ["contiguous", "transposed", "fused_qkv"], "reasons": []}
     table = gate.merge_markdown([row(families={"Wan 2.2": wan})]).splitlines()
-    assert table[2] == ("| box-a | NVIDIA H200 | 90 | 2 | 580.1 | 2.11.0 | 2.2.0 | enable: sm90-fp8-cuda 9,728 to "
-                        "75,600 tokens (contiguous, transposed, fused_qkv) |")
+    assert table[2] == ("| box-a | NVIDIA H200 | 90 | 2 | 580.1 | 2.11.0 | 2.2.0 | enable: sm90-fp8-cuda "
+                        "9,728 to 75,600 tokens (contiguous, transposed, fused_qkv) |")
 
 
 def test_merge_table_names_the_target_only_when_a_report_has_one():

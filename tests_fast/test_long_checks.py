@@ -43,7 +43,8 @@ def test_a_broken_declaration_is_named():
            families.Family("D", (), calls=(families.site("z", shape, families.self_attention(30, 8192)),)))
     problems = families.call_space_problems(bad)
     assert problems[0] == "A: no call sites declared"
-    assert problems[1].startswith("B: layouts ['contiguous', 'hnd'] (known: contiguous, transposed, fused_qkv, nhd")
+    assert problems[1].startswith(
+        "B: layouts ['contiguous', 'hnd'] (known: contiguous, transposed, fused_qkv, nhd")
     assert any(p.startswith("C: layouts ['transposed']") for p in problems)
     assert "C: y: smallest call is longer than the largest" in problems
     assert "D: z: smallest and largest differ in heads, head_dim or dtype" in problems
@@ -125,9 +126,8 @@ def exact(q, k, v, tensor_layout):
     """A correct kernel: exact attention, whatever the strides (computed from contiguous copies)."""
     q, k, v = (long_check.as_hnd(t, tensor_layout).contiguous() for t in (q, k, v))
     group = q.shape[1] // k.shape[1]
-    out = torch.softmax((q.float() @ k.repeat_interleave(group, 1).float().transpose(-1, -2)) * q.shape[-1] ** -0.5,
-                        -1) @ v.repeat_interleave(group, 1).float()
-    out = out.to(q.dtype)
+    k, v = (t.repeat_interleave(group, 1).float() for t in (k, v))
+    out = (torch.softmax((q.float() @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5, -1) @ v).to(q.dtype)
     return out.transpose(1, 2).contiguous() if tensor_layout == "NHD" else out
 
 
@@ -172,8 +172,8 @@ GOOD = {"rel_l2": 0.05, "worst_head_cosine": 0.999}
 BOUNDS = {"max_rel_l2": 0.06, "min_cosine": 0.99}
 
 
-def record(variant, heads, tokens, families_, layouts, outcome="pass", metrics=GOOD, identical=None, kv_heads=None):
-    shape = families.self_attention(heads, tokens, kv_heads=kv_heads).as_dict()
+def record(variant, heads, tokens, families_, layouts, outcome="pass", metrics=GOOD, identical=None):
+    shape = families.self_attention(heads, tokens).as_dict()
     uses = [{"family": f, "label": "test"} for f in families_] or [{"family": None, "label": "sweep"}]
     entry = {"variant": variant, "shape": shape, "uses": uses, "layouts": layouts, "outcome": outcome}
     if outcome in ("pass", "fail"):
@@ -269,7 +269,8 @@ def test_a_layout_whose_view_differs_is_dropped_not_the_range():
     _, gpu = decided(fail_at=16384, how="layout")
     flux = gpu.family("FLUX.1")
     assert flux.max_query_tokens == 32768 and flux.layouts == ["contiguous", "nhd", "fused_qkv"]
-    assert flux.range_reasons[0].kind.value == "layout" and "layout transposed" in flux.range_reasons[0].detail
+    first = flux.range_reasons[0]
+    assert first.kind.value == "layout" and "layout transposed" in first.detail
 
 
 def test_a_report_without_long_checks_has_no_upper_bound():
@@ -285,7 +286,8 @@ def test_an_edited_long_check_is_refused():
     for device in data["devices"]:
         device["long"] = long_records("sm90-fp8-cuda")
     data["devices"][0]["long"][0]["metrics"]["rel_l2"] = 0.5  # beyond its bound, outcome still pass
-    with pytest.raises(ReportError, match=r"devices\[0\]\.long\[0\] \(sm90-fp8-cuda at 8192 tokens\): outcome"):
+    edited = r"devices\[0\]\.long\[0\] \(sm90-fp8-cuda at 8192 tokens\): outcome"
+    with pytest.raises(ReportError, match=edited):
         report.parse(data, "sample")
     data["devices"][0]["long"][0]["metrics"]["rel_l2"] = -0.1
     with pytest.raises(ReportError, match="metrics.rel_l2"):
@@ -310,8 +312,9 @@ def test_gate_and_merge_say_the_verified_range():
     typed, gpu = decided(fail_at=32768)
     decision = gate.GateDecision("FLUX.1", 0, gpus=[(gpu.model, gpu.family("FLUX.1"))])
     lines = decision.lines(require_speedup=False)
-    assert lines[0] == ("FLUX.1 on NVIDIA H200 (sm_90): enable sm90-fp8-cuda from 4,608 to 16,896 query / 512 to "
-                        "16,896 key tokens, head_dim 128 (layouts: contiguous, transposed, nhd, fused_qkv)")
+    assert lines[0] == ("FLUX.1 on NVIDIA H200 (sm_90): enable sm90-fp8-cuda from 4,608 to 16,896 query / "
+                        "512 to 16,896 key tokens, head_dim 128 "
+                        "(layouts: contiguous, transposed, nhd, fused_qkv)")
     assert lines[1].startswith("  - range: verified only below 32,768 query tokens")
     (row,) = gate.merge_rows([(Path("r.json"), typed)])
     assert row["families"]["FLUX.1"]["max_query_tokens"] == 16896
@@ -327,14 +330,15 @@ def test_the_report_renders_the_long_checks(tmp_path, monkeypatch):
     report.render(copy.deepcopy(data), tmp_path)
     md = (tmp_path / "report.md").read_text()
     assert "### Long calls and layouts" in md
-    assert ("| sm90-fp8-cuda | 75,600 / 75,600 tokens, 40 heads x 128 bfloat16 | Wan 2.2 test | pass | 0.05 (<= 0.06) "
-            "| transposed yes, fused_qkv yes, nhd yes |  |") in md
+    assert ("| sm90-fp8-cuda | 75,600 / 75,600 tokens, 40 heads x 128 bfloat16 | Wan 2.2 test | pass | "
+            "0.05 (<= 0.06) | transposed yes, fused_qkv yes, nhd yes |  |") in md
     assert "| FLUX.1 | enable | sm90-fp8-cuda | from 4,608 to 16,896 query / 512 to 16,896 key tokens" in md
 
 
 # The CPU path: certify --emulate -----------------------------------------------------------------
 def test_emulate_predicts_the_long_checks(tmp_path, capsys):
-    data = emulate.run(emulate.Options(tmp_path, variants=["sm90-fp8-cuda"], families=["Qwen-Image"], quick=True))
+    options = emulate.Options(tmp_path, variants=["sm90-fp8-cuda"], families=["Qwen-Image"], quick=True)
+    data = emulate.run(options)
     checks = data["devices"][0]["long"]
     assert sorted(c["shape"]["q_tokens"] for c in checks) == [16384, 16896]
     for check in checks:

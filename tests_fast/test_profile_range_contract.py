@@ -22,7 +22,8 @@ from .test_long_checks import SAMPLE, long_records
 H200 = FakeGpu((9, 0), "Fake H200", 141.0)
 needs_serving_side = pytest.mark.skipif(
     "max_query_tokens" not in {f.name for f in dataclasses.fields(profile.Entry)},
-    reason="sage_qual.serving.profile.Entry does not read max_query_tokens yet (the serving side of the contract)")
+    reason="sage_qual.serving.profile.Entry does not read max_query_tokens yet (the serving side of the "
+           "contract)")
 
 
 def built_profile(fail_at=None) -> dict:

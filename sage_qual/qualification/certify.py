@@ -537,7 +537,8 @@ class _Progress:
 
 def _describe(record: dict) -> str:
     if "fixture" in record or "layouts" in record:
-        where = record.get("fixture") or f"{record['shape']['q_tokens']} tokens ({', '.join(record['layouts'])})"
+        where = record.get("fixture") or (f"{record['shape']['q_tokens']} tokens "
+                                          f"({', '.join(record['layouts'])})")
         what = f"{record['variant']} x {where}: {record['outcome']}"
         if record.get("rel_l2") is not None:
             what += f" (rel L2 {record['rel_l2']:.3g}, worst cos {record['worst_head_cosine']:.4g})"

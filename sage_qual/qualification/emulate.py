@@ -81,8 +81,9 @@ def predict_long(variant: Variant, check: dict, cache: dict) -> dict:
         cache[key] = {**result, "seconds": round(time.monotonic() - start, 3)}
     result = dict(cache[key])
     result["identical"] = {name: True for name in check["layouts"] if name != "contiguous"}
-    return {"variant": variant.name, "shape": check["shape"], "uses": check["uses"], "layouts": check["layouts"],
-            **result, "detail": PREDICTED, "ran_heads": heads if heads != shape.heads else None}
+    return {"variant": variant.name, "shape": check["shape"], "uses": check["uses"],
+            "layouts": check["layouts"], **result, "detail": PREDICTED,
+            "ran_heads": heads if heads != shape.heads else None}
 
 
 def run(options: Options) -> dict:

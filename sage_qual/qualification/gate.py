@@ -311,8 +311,9 @@ def merge_markdown(rows: list[dict]) -> str:
                 cells.append("not run")
             elif verdict["verdict"] == Verdict.ENABLE.value:
                 upper = verdict.get("max_query_tokens")
-                span = (f"{verdict['min_query_tokens']:,} to {upper:,} tokens ({', '.join(verdict['layouts'])})"
-                        if upper is not None else f">= {verdict['min_query_tokens']}/{verdict['min_key_tokens']}")
+                low_q, low_k = verdict["min_query_tokens"], verdict["min_key_tokens"]
+                span = (f"{low_q:,} to {upper:,} tokens ({', '.join(verdict['layouts'])})"
+                        if upper is not None else f">= {low_q}/{low_k}")
                 cells.append(f"enable: {verdict['variant']} {span}")
             else:
                 cells.append(f"{verdict['verdict']}: " + ", ".join(verdict["reasons"]))

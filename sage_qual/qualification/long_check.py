@@ -42,9 +42,8 @@ from typing import Callable
 import torch
 
 from sage_qual.fixtures import numerics
-from sage_qual.qualification import budgets, judge
+from sage_qual.qualification import budgets, judge, measure
 from sage_qual.qualification import families as families_mod
-from sage_qual.qualification import measure
 from sage_qual.qualification.families import Shape
 from sage_qual.serving.variants import Variant
 
@@ -82,7 +81,8 @@ def plan(chosen: list[families_mod.Family], sweep_tokens, longest_fixture: int,
     every = {name for family in chosen for name in family.layouts} or {"contiguous"}
     for tokens in sweep_tokens:
         if tokens > longest_fixture:
-            add(families_mod.self_attention(GENERIC_HEADS, tokens), None, f"self {tokens}, head_dim 128", every)
+            add(families_mod.self_attention(GENERIC_HEADS, tokens), None, f"self {tokens}, head_dim 128",
+                every)
     with_calls = [family for family in chosen if family.calls]
     if quick and with_calls:
         with_calls = [max(with_calls, key=lambda f: (f.longest.q_tokens, f.longest.kv_tokens))]
@@ -129,7 +129,8 @@ def arrange(q, k, v, layout: str) -> tuple:
         views, first = [], 0
         for t in (q, k, v):
             width = t.shape[1] * dim
-            views.append(fused[:, :, first:first + width].view(batch, tokens, t.shape[1], dim).transpose(1, 2))
+            view = fused[:, :, first:first + width].view(batch, tokens, t.shape[1], dim)
+            views.append(view.transpose(1, 2))
             first += width
         return (*views, "HND")
     raise ValueError(f"unknown layout {layout!r} (known: {', '.join(families_mod.LAYOUTS)})")

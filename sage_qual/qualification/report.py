@@ -197,10 +197,11 @@ def _device_blocks(data: dict, device: dict, images: dict) -> list[tuple]:
     blocks += [("h", 3, "Speed"), ("table", *_speed_table(data, device))]
     if device.get("long"):
         blocks += [("h", 3, "Long calls and layouts"),
-                   ("p", "Each variant at the families' longest calls and the sweep lengths past the fixtures, "
-                         f"on {device['long'][0].get('inputs') or 'synthetic tensors'}: relative L2 of sampled "
-                         "query rows against float32 (budget from the numerics model on the same rows), and "
-                         "whether each layout's output equals the contiguous call's bit for bit."),
+                   ("p", "Each variant at the families' longest calls and the sweep lengths past the "
+                         f"fixtures, on {device['long'][0].get('inputs') or 'synthetic tensors'}: relative "
+                         "L2 of sampled query rows against float32 (budget from the numerics model on the "
+                         "same rows), and whether each layout's output equals the contiguous call's bit for "
+                         "bit."),
                    ("table", ["variant", "call", "used by", "outcome", "relative L2", "layouts identical",
                               "reasons"], [_long_row(c) for c in device["long"]])]
     problems = [c for c in device["cells"] + device["speed"] + (device.get("long") or [])
@@ -220,13 +221,17 @@ def _device_blocks(data: dict, device: dict, images: dict) -> list[tuple]:
 def _long_row(c: dict) -> list:
     shape, bounds = c["shape"], c.get("bounds")
     heads = shape["heads"] if shape["heads"] == shape["kv_heads"] else f"{shape['heads']}/{shape['kv_heads']}"
-    call = f"{shape['q_tokens']:,} / {shape['kv_tokens']:,} tokens, {heads} heads x {shape['head_dim']} {shape['dtype']}"
+    call = (f"{shape['q_tokens']:,} / {shape['kv_tokens']:,} tokens, {heads} heads x {shape['head_dim']} "
+            f"{shape['dtype']}")
     if c.get("ran_tokens") or c.get("ran_heads"):
-        call += f" (ran {c.get('ran_tokens') or shape['q_tokens']} tokens, {c.get('ran_heads') or heads} heads)"
+        ran_tokens, ran_heads = c.get("ran_tokens") or shape["q_tokens"], c.get("ran_heads") or heads
+        call += f" (ran {ran_tokens} tokens, {ran_heads} heads)"
     rel = c.get("metrics", {}).get("rel_l2")
     accuracy = f"{_number(rel)} (<= {_number(bounds['max_rel_l2'])})" if bounds else "-"
-    identical = ", ".join(f"{name} {'yes' if same else 'NO'}" for name, same in c.get("identical", {}).items())
-    return [c["variant"], call, "; ".join((u["family"] + " " if u["family"] else "") + u["label"] for u in c["uses"]),
+    identical = ", ".join(f"{name} {'yes' if same else 'NO'}"
+                          for name, same in c.get("identical", {}).items())
+    uses = "; ".join((u["family"] + " " if u["family"] else "") + u["label"] for u in c["uses"])
+    return [c["variant"], call, uses,
             c["outcome"], accuracy, identical or "-",
             "; ".join(r["detail"] for r in c.get("reasons", [])) or c.get("detail", "")]
 

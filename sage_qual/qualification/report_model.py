@@ -240,7 +240,8 @@ class LongCheck:
         if self.measured and (self.bounds is None or self.finite is None):
             return [("bounds", f"missing for a long check whose outcome is {self.outcome.value!r}")]
         if not self.measured and not self.detail:
-            return [("detail", f"empty for a long check whose outcome is {self.outcome.value!r} (it says why)")]
+            return [("detail", f"empty for a long check whose outcome is {self.outcome.value!r} "
+                               "(it says why)")]
         return []
 
 
@@ -366,7 +367,8 @@ class Report:
                     return [(f"devices[{n}].speed[{m}].shape", f"{timing.shape!r} is not in `shapes`")]
             for m, long in enumerate(device.long or []):
                 if long.variant not in self.options.variants:
-                    return [(f"devices[{n}].long[{m}].variant", f"{long.variant!r} is not in options.variants")]
+                    return [(f"devices[{n}].long[{m}].variant",
+                             f"{long.variant!r} is not in options.variants")]
         return []
 
 

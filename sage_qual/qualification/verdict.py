@@ -103,8 +103,8 @@ class FamilyDecision:
             return "-"
         dims = "/".join(map(str, self.head_dims))
         if not self.range_verified:
-            return (f"from {self.min_query_tokens:,} query / {self.min_key_tokens:,} key tokens, head_dim {dims} "
-                    "(no upper bound verified: a report without long checks)")
+            return (f"from {self.min_query_tokens:,} query / {self.min_key_tokens:,} key tokens, "
+                    f"head_dim {dims} (no upper bound verified: a report without long checks)")
         if (self.min_query_tokens, self.max_query_tokens) == (self.min_key_tokens, self.max_key_tokens):
             tokens = f"from {self.min_query_tokens:,} to {self.max_query_tokens:,} tokens"
         else:
@@ -204,8 +204,9 @@ def check_evidence(report: Report, where: str) -> None:
             outcome = Outcome.FAIL if reasons else Outcome.PASS
             if check.outcome != outcome:
                 why = "; ".join(r.detail for r in reasons) or "every number within its bound"
-                raise ReportError(f"{where}: devices[{n}].long[{m}] ({check.variant} at {check.shape.q_tokens} "
-                                  f"tokens): outcome: {check.outcome.value!r} but its numbers say "
+                tokens = check.shape.q_tokens
+                where_long = f"{where}: devices[{n}].long[{m}] ({check.variant} at {tokens} tokens)"
+                raise ReportError(f"{where_long}: outcome: {check.outcome.value!r} but its numbers say "
                                   f"{outcome.value!r} ({why}); the report was edited: certify again")
 
 
