@@ -11,7 +11,8 @@ from __future__ import annotations
 # Fewest query / key tokens a call needs before SageAttention serves it: below them quantizing
 # costs more than the kernel saves. The break-even the InvokeAI SageAttention backend shipped,
 # measured on an RTX 4090 (InvokeAI PR #9657); on an H200 the sm90 kernel only pays from about
-# 13.7k-16k tokens (docs/results/README.md, run 2), which a certified profile puts in their place.
+# 13.7k-16k tokens (docs/results/README.md, run 2), which a certified profile, or on a GPU measured
+# here the built-in defaults (sage_qual/serving/defaults.py), put in their place.
 MIN_QUERY_TOKENS = 1536
 MIN_KEY_TOKENS = 512
 
@@ -52,3 +53,15 @@ MAX_WORKER_FAILURES = 2
 def startup_timeout(task_timeout: float) -> float:
     """What a worker's first task gets when tasks get `task_timeout`."""
     return max(STARTUP_TIMEOUT, task_timeout)
+
+
+# --- What a person reads ------------------------------------------------------------------------
+# Longest status line sage-qual shows (install()'s reason, a device's profile note, a scope's
+# summary, the profile warning): a policy, so that a line fits a log viewer and can be acted on
+# (issue 17: a 1,785-character reason could not). The full lists stay in attributes.
+STATUS_LINE_LIMIT = 200
+
+
+def one_line(text: str, limit: int = STATUS_LINE_LIMIT) -> str:
+    """`text` cut to `limit` characters, ending in "..." where it was cut."""
+    return text if len(text) <= limit else text[: limit - 3].rstrip() + "..."
