@@ -28,7 +28,7 @@ from sage_qual import limits
 from sage_qual.errors import UsageError
 from sage_qual.fixtures import fileformat
 from sage_qual.qualification import families as families_mod
-from sage_qual.qualification import junit, profile, report, verdict
+from sage_qual.qualification import junit, long_check, profile, report, verdict
 from sage_qual.qualification import pool as workers
 from sage_qual.qualification.speed import intervals_to_refine, speedup_bounds
 from sage_qual.serving.variants import VARIANTS
@@ -174,6 +174,12 @@ def refined_lengths(points: list[tuple[int, float, float]], min_speedups=(1.0,))
     return sorted(lengths)
 
 
+def long_checks(chosen: list[families_mod.Family], fixtures: list[fileformat.Fixture], quick: bool) -> dict:
+    """The long checks every variant runs (`long_check.plan`): past the longest selected fixture."""
+    longest = max((f.q.shape[2] for f in fixtures), default=0)
+    return long_check.plan(chosen, QUICK_SELF_TOKENS if quick else SELF_TOKENS, longest, quick)
+
+
 def _timing(shape: dict, quick: bool) -> tuple[int, int]:
     if quick:
         return TIMING["quick"]
@@ -265,10 +271,11 @@ def _run(options: Options, variants: list[str], chosen: list, fixtures: list, ou
     if not fixtures:
         print("sage-qual certify: no fixtures selected: no family can be certified", file=sys.stderr)
     shapes = speed_shapes(chosen, options.quick)
+    checks = long_checks(chosen, fixtures, options.quick)
     data = _new_report(options, variants, chosen, fixtures, collected, devices, shapes)
     writer = report.Writer(out / "report.json", data)
     runs = [_DeviceRun(d["index"], _variants_to_run(d, env["gpus"][d["index"]], variants, options), fixtures,
-                       shapes, options, writer, n) for n, d in enumerate(data["devices"])]
+                       shapes, options, writer, n, checks) for n, d in enumerate(data["devices"])]
     progress = _Progress(sum(r.task_count for r in runs))
     stop = threading.Event()
     threads = [threading.Thread(target=r.run, args=(pool, progress, stop), daemon=True) for r in runs]
@@ -345,6 +352,7 @@ def _new_report(options: Options, variants: list[str], chosen: list, fixtures: l
             "cells": [{"variant": v, "fixture": f.name, "outcome": "skip", "detail": "; ".join(reasons)}
                       for v, reasons in not_supported.items() for f in fixtures],
             "speed": [],
+            "long": [],
         })
     return data
 
@@ -385,7 +393,7 @@ class _DeviceRun:
     """One GPU: the SDPA baseline, then each variant's fixtures and speed sweep, each in a worker."""
 
     def __init__(self, index: int, variants: list[str], fixtures: list, shapes: dict, options: Options,
-                 writer: report.Writer, position: int):
+                 writer: report.Writer, position: int, checks: dict | None = None):
         self.index, self.writer, self.position = index, writer, position
         self.timeout, self.quick = options.timeout, options.quick
         self.error: BaseException | None = None
@@ -398,7 +406,9 @@ class _DeviceRun:
                   "fixture": str(f.path), "memory_bound": _memory_bound(f)} for f in fixtures]
                 + [{"id": f"{variant}@{key}", "kind": "speed", "variant": variant, "key": key,
                     "shape": shapes[key]["shape"], "warmup": w, "repeats": r}
-                   for key, (w, r) in speed.items()])
+                   for key, (w, r) in speed.items()]
+                + [{"id": f"{variant}~{key}", "kind": "long", "variant": variant, **check}
+                   for key, check in (checks or {}).items()])
         self.task_count = sum(len(job) for job in self.jobs)
 
     def run(self, pool: workers.Pool, progress: "_Progress", stop: threading.Event) -> None:
@@ -482,6 +492,9 @@ class _DeviceRun:
         if task["kind"] == "cell":
             record = {"variant": task["variant"], "fixture": task["fixture_name"], **result}
             field = "cells"
+        elif task["kind"] == "long":
+            record = {key: task[key] for key in ("variant", "shape", "uses", "layouts")} | result
+            field = "long"
         else:  # a timing: of the fastest SDPA backend, or of a variant (paired: with SDPA's)
             kernel = "sdpa" if task["kind"] == "sdpa" else task["variant"]
             paired = result.get("sdpa") if task["kind"] == "paired" else None
@@ -535,8 +548,10 @@ class _Progress:
 
 
 def _describe(record: dict) -> str:
-    if "fixture" in record:
-        what = f"{record['variant']} x {record['fixture']}: {record['outcome']}"
+    if "fixture" in record or "layouts" in record:
+        where = record.get("fixture") or (f"{record['shape']['q_tokens']} tokens "
+                                          f"({', '.join(record['layouts'])})")
+        what = f"{record['variant']} x {where}: {record['outcome']}"
         if record.get("rel_l2") is not None:
             what += f" (rel L2 {record['rel_l2']:.3g}, worst cos {record['worst_head_cosine']:.4g})"
     else:
@@ -555,7 +570,7 @@ def summary(data: dict, out: Path) -> str:
     for gpu in verdict.decide(report.parse(data, str(out / "report.json"))):
         for decision in gpu.families + [gpu.default]:
             if decision.verdict == verdict.Verdict.ENABLE:
-                state = f"enable {decision.variant} from {decision.served_from()} (query / key tokens)"
+                state = f"enable {decision.variant} {decision.served_range()}"
             else:
                 reasons = decision.reasons
                 state = f"{decision.verdict.value} ({len(reasons)} reason(s), first: {reasons[0].detail})"

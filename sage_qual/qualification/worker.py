@@ -37,7 +37,7 @@ import torch
 
 from sage_qual.fixtures import fileformat
 from sage_qual.limits import MEMORY_BOUND
-from sage_qual.qualification import budgets, fault_hooks, measure
+from sage_qual.qualification import budgets, fault_hooks, long_check, measure
 from sage_qual.qualification.families import Shape
 from sage_qual.qualification.judge import cell_reasons
 from sage_qual.qualification.pool import EXIT_POISONED
@@ -60,6 +60,9 @@ class GpuBench:
 
     def tokens(self, n: int) -> int:
         return n
+
+    def heads(self, heads: int, kv_heads: int) -> int:
+        return heads
 
     def extra_peak_bytes(self, fn):
         return measure.extra_peak_bytes(fn, 0)
@@ -224,6 +227,21 @@ class Worker:
         samples = self.bench.timings_ms(lambda: measure.call_kernel(package, variant, q, k, v),
                                         task["warmup"], task["repeats"])
         return {"outcome": "pass", "ms": statistics.median(samples), "samples_ms": samples}
+
+    def _long(self, task: dict) -> dict:
+        """A long check (`long_check`): the variant at one long call, in each layout of the task."""
+        variant = VARIANTS[task["variant"]]
+        package = self.package()
+        problem = sage_package.kernel_problem(package, variant)
+        if problem:
+            return {"outcome": "skip", "detail": problem}
+        s = Shape(**task["shape"])
+        heads = self.bench.heads(s.heads, s.kv_heads)
+        q, k, v = long_check.synthetic(s, self.bench.device, self.bench.tokens, heads)
+        result = long_check.check(variant, q, k, v, task["layouts"], long_check.kernel_of(package, variant))
+        ran = q.shape[2]
+        return {**result, "ran_tokens": ran if ran != s.q_tokens else None,
+                "ran_heads": heads if heads != s.heads else None}
 
     def _tensors(self, shape: dict):
         s = Shape(**shape)
