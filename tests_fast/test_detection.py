@@ -15,8 +15,8 @@ import torch
 from sage_qual.fixtures import numerics
 from sage_qual.fixtures.fileformat import list_fixtures, load_fixture, shipped_dir
 from sage_qual.limits import MEMORY_BOUND
-from sage_qual.qualification import (budgets, detection, emulate, families, judge, measure, report,
-                                     report_model, verdict)
+from sage_qual.qualification import (budgets, detection, emulate, families, judge, long_check, measure,
+                                     report, report_model, verdict)
 from sage_qual.serving.variants import VARIANTS
 from sage_qual.testing import FakeSageAttention
 
@@ -190,19 +190,9 @@ def test_a_layout_this_module_cannot_place_is_refused_by_name():
 
 
 def _arranged(q, k, v, layout):
-    """q, k, v stored as `layout` says (families.LAYOUTS), as [B, H, N, D] views."""
-    if layout == "contiguous":
-        return q, k, v
-    if layout in ("transposed", "nhd"):
-        return tuple(t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
-    batch, heads, tokens, dim = q.shape
-    fused = torch.cat([t.transpose(1, 2).flatten(2) for t in (q, k, v)], dim=2)
-    views, first = [], 0
-    for t in (q, k, v):
-        width = t.shape[1] * dim
-        views.append(fused[:, :, first:first + width].view(batch, tokens, t.shape[1], dim).transpose(1, 2))
-        first += width
-    return tuple(views)
+    """q, k, v in `layout` as [B, H, N, D] views, as certify's long checks build them."""
+    *tensors, tensor_layout = long_check.arrange(q, k, v, layout)
+    return tuple(long_check.as_hnd(t, tensor_layout) for t in tensors)
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "transposed", "nhd", "fused_qkv"])
@@ -278,3 +268,47 @@ def test_certify_emulate_fails_every_cell_of_a_kernel_with_one_wrong_element(tmp
     assert all(any(r.detail.startswith("largest element error") for r in c.reasons) for c in cells)
     decided = verdict.decide(loaded)[0]
     assert {d.verdict for d in decided.families} == {verdict.Verdict.KEEP_OFF}
+
+
+# Caught by certify's call-space checks: the long check's layout comparison (long_check.check) on a
+# kernel returning the numerics model's output with the defect applied to each call as the kernel
+# sees it. A family is caught exactly when its declared layouts give the defect's trigger.
+def _modelled_kernel(defect):
+    def kernel(q, k, v, tensor_layout):
+        q, k, v = (long_check.as_hnd(t, tensor_layout) for t in (q, k, v))
+        out = defect.apply(detection.Call(q, k, v, numerics.predict(VARIANT, q, k, v), q.shape[-1] ** -0.5))
+        return long_check.as_hnd(out, tensor_layout)
+    return kernel
+
+
+def _caught_by_layout_check(defect, q, k, v, family) -> bool:
+    found = long_check.check(VARIANT, q, k, v, list(family.layouts), _modelled_kernel(defect))
+    assert not [r for r in found["reasons"] if r["kind"] != "layout"], found["reasons"]
+    return found["outcome"] == "fail"
+
+
+def test_the_long_checks_catch_the_view_defect_on_exactly_the_families_it_reaches():
+    shape = families.self_attention(2, 384, kv_heads=1)
+    q, k, v = long_check.synthetic(shape, "cpu")
+    declared = families.FAMILIES + (SimpleNamespace(name="contiguous only", layouts=("contiguous",),
+                                                    calls=(SimpleNamespace(largest=shape),)),)
+    defect = detection.wrong_on_views(families=declared)
+    assert "contiguous only" not in defect.reaches and defect.reaches
+    caught = {f.name for f in declared if _caught_by_layout_check(defect, q, k, v, f)}
+    assert caught == defect.reaches
+    harmless = detection.Defect("none", "", frozenset(), lambda call: call.out)
+    assert not any(_caught_by_layout_check(harmless, q, k, v, f) for f in declared)
+
+
+def test_the_long_checks_catch_the_span_defect_on_exactly_the_families_it_reaches():
+    # A span limit between the call's contiguous span and its fused-QKV span: only a family that
+    # passes fused views reaches it, and only its layout comparison differs.
+    shape = families.self_attention(2, 384, kv_heads=1)
+    q, k, v = long_check.synthetic(shape, "cpu")
+    stand_ins = tuple(SimpleNamespace(name=layout, layouts=("contiguous", layout),
+                                      calls=(SimpleNamespace(largest=shape),))
+                      for layout in ("transposed", "nhd", "fused_qkv"))
+    limit = detection.call_space(stand_ins[0]).max_span
+    defect = detection.wrong_past_span(limit, stand_ins)
+    assert defect.reaches == {"fused_qkv"}
+    assert {f.name for f in stand_ins if _caught_by_layout_check(defect, q, k, v, f)} == {"fused_qkv"}
