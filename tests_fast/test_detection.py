@@ -312,3 +312,20 @@ def test_the_long_checks_catch_the_span_defect_on_exactly_the_families_it_reache
     defect = detection.wrong_past_span(limit, stand_ins)
     assert defect.reaches == {"fused_qkv"}
     assert {f.name for f in stand_ins if _caught_by_layout_check(defect, q, k, v, f)} == {"fused_qkv"}
+
+
+def test_the_long_checks_catch_the_length_defect_on_exactly_the_families_it_reaches():
+    # Each stand-in family's longest call checked as certify checks it (sampled rows, all keys, the
+    # model's budget): a defect past 300 tokens fails the check of the family whose calls reach 384.
+    stand_ins = tuple(SimpleNamespace(name=str(tokens), layouts=("contiguous",),
+                                      calls=(SimpleNamespace(largest=families.self_attention(2, tokens)),))
+                      for tokens in (256, 300, 384))
+    defect = detection.wrong_past_tokens(300, stand_ins)
+    assert defect.reaches == {"384"}
+    caught = set()
+    for family in stand_ins:
+        q, k, v = long_check.synthetic(family.calls[0].largest, "cpu")
+        found = long_check.check(VARIANT, q, k, v, ["contiguous"], _modelled_kernel(defect))
+        if found["outcome"] == "fail":
+            caught.add(family.name)
+    assert caught == defect.reaches
