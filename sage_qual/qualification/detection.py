@@ -147,11 +147,10 @@ def _noise(c: Call) -> torch.Tensor:
 # Defects made from parameters, their reach computed from the families' call space ------------------
 @dataclass(frozen=True)
 class CallSpace:
-    """What a family's calls can trigger: its longest query and key counts over every call site, the
-    memory layouts its integrations pass, and the largest element span of a q, k or v tensor any of
-    its calls gives in any of those layouts (sum over dimensions of (size - 1) x stride)."""
+    """What a family's calls can trigger: its most query tokens over every call site, the memory
+    layouts its integrations pass, and the largest element span of a q, k or v tensor any of its
+    calls gives in any of those layouts (sum over dimensions of (size - 1) x stride)."""
     max_q_tokens: int
-    max_kv_tokens: int
     layouts: frozenset[str]
     max_span: int
 
@@ -204,7 +203,7 @@ def call_space(family) -> CallSpace:
     declares them) or its timed shapes, in its declared `layouts` (contiguous when none are declared)."""
     shapes = [site.largest for site in getattr(family, "calls", ())] or [shape for _, shape in family.shapes]
     layouts = frozenset(getattr(family, "layouts", ("contiguous",)))
-    return CallSpace(max(s.q_tokens for s in shapes), max(s.kv_tokens for s in shapes), layouts,
+    return CallSpace(max(s.q_tokens for s in shapes), layouts,
                      max(_shape_span(s, layout) for s in shapes for layout in layouts))
 
 
