@@ -106,6 +106,20 @@ def test_a_loosened_budget_is_refused_in_json_and_junit(capsys, tmp_path, flux_r
     assert "bounds.max_rel_l2" in junit.read_text()
 
 
+def test_the_library_decision_rederives_the_budgets_too(flux_report):
+    """A library caller of gate.decide() gets the command's answer: a loosened budget cannot enable."""
+    path, fixtures, data, index = flux_report
+    derived = data["devices"][0]["cells"][index]["bounds"]["max_rel_l2"]
+    loosen(path, data, index, max_rel_l2=derived * 4)
+    flux = families.find("FLUX.1")
+    here = pool.collect_environment()["environment"]  # the fixture's machine: an H200 at cuda:0
+    decision = gate_module.decide(report.load(path), flux, here,
+                                  gate_module.local_fixture_files([str(fixtures)], flux), False, str(path))
+    assert decision.code == 2
+    assert f"bounds.max_rel_l2: {derived * 4} in the report is looser" in decision.problem
+    assert gate_module.gate(path, "flux.1", [str(fixtures)]).problem == decision.problem
+
+
 def test_a_dropped_limit_is_refused(capsys, flux_report):
     """A budget without a limit checks less: the limit is named as missing."""
     path, fixtures, data, index = flux_report

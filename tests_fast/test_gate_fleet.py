@@ -1,6 +1,6 @@
 """`sage-qual gate` and `merge` on fleets: reports holding several GPU models (an H200, an H100 and an
 RTX 4090 in one report, and across reports), decided against fixture files on disk through the real
-local fixture filter (`gate.local_fixtures`), never a patched one.
+local fixture filter (`gate.local_fixture_files`), never a patched one.
 
 The fleet report is built from the hand-made samples in tests_fast/data (certify's format, synthetic
 numbers): the H200 sample's cuda:0 stays an H200, its cuda:1 becomes an H100 (so the Qwen-Image
@@ -345,8 +345,8 @@ def test_gate_refuses_a_predicted_report(capsys, tmp_path, machine):
     decision = gate_module.decide(report.parse(data, "report.json"), families.find("FLUX.1"),
                                   data["environment"], {}, False)
     assert (decision.family, decision.code, decision.problem, decision.gpus) == (
-        "FLUX.1", 2, "the report is predicted by the CPU numerics model (certify --emulate), not measured: "
-                     "certify on the GPU", [])
+        "FLUX.1", 2, "report.json is a predicted report (certify --emulate: the CPU numerics model, no GPU "
+                     "ran), so it cannot enable a family: run `sage-qual certify` on the GPU", [])
     assert decision.as_json() == {"family": "FLUX.1", "exit_code": 2, "problem": decision.problem, "gpus": []}
 
 
@@ -358,7 +358,7 @@ def test_gate_decides_nothing_from_a_partial_report():
                                   {}, False)
     status = report.status_line(False, data.started, data.finished, data.stopped)
     assert (decision.family, decision.code, decision.problem, decision.gpus) == (
-        "FLUX.1", 2, f"the report is partial: {status}", [])
+        "FLUX.1", 2, f"report.json is a partial report ({status}): run certify to the end", [])
 
 
 def test_gate_json_holds_each_models_decision(capsys, fleet, machine):

@@ -10,7 +10,6 @@ from pathlib import Path
 
 from sage_qual import limits
 from sage_qual.errors import ExitCode, UsageError
-from sage_qual.qualification.certify import Options, run
 
 
 def _split(values: list[str] | None) -> list[str] | None:
@@ -45,6 +44,8 @@ def add_parser(subparsers) -> None:
 
 
 def _command(args: argparse.Namespace) -> int:
+    from sage_qual.qualification.certify import Options, run  # torch: only when a command runs
+
     if args.target is not None:
         from sage_qual.qualification import target_certify
 

@@ -13,14 +13,6 @@ import textwrap
 from pathlib import Path
 
 from sage_qual.errors import ExitCode
-from sage_qual.fixtures.fileformat import (
-    SUFFIX,
-    FixtureError,
-    describe,
-    list_fixtures,
-    load_fixture,
-    shipped_dir,
-)
 
 
 def add_parser(subparsers) -> None:
@@ -46,6 +38,8 @@ def _shape(shape) -> str:
 
 
 def _list(args: argparse.Namespace) -> int:
+    from sage_qual.fixtures.fileformat import FixtureError, list_fixtures, load_fixture, shipped_dir
+
     directory = args.directory or shipped_dir()
     if directory is None:
         return _fail("no fixtures/ directory next to the package; give a DIR")
@@ -68,6 +62,8 @@ def _list(args: argparse.Namespace) -> int:
 def resolve(name: str) -> Path:
     """The file a `fixtures show` argument names: a path as given, or a bare fixture name (as
     `fixtures list` prints it) in the repository's fixtures/ directory."""
+    from sage_qual.fixtures.fileformat import SUFFIX, FixtureError, list_fixtures, shipped_dir
+
     path = Path(name)
     if path.exists() or path.suffix == SUFFIX or len(path.parts) > 1:
         return path
@@ -81,6 +77,8 @@ def resolve(name: str) -> Path:
 
 
 def _show(args: argparse.Namespace) -> int:
+    from sage_qual.fixtures.fileformat import FixtureError, describe, load_fixture
+
     try:
         info = describe(load_fixture(resolve(args.file)))
     except FixtureError as error:

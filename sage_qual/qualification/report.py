@@ -19,7 +19,6 @@ from pathlib import Path
 
 from sage_qual.qualification import report_model, verdict
 from sage_qual.qualification.report_model import KIND, SCHEMA_VERSION, Report, ReportError
-from sage_qual.serving import environment
 
 __all__ = ["KIND", "SCHEMA_VERSION", "Report", "ReportError", "Writer", "load", "render", "schema"]
 SCHEMA_FILE = "report_schema.json"
@@ -115,6 +114,8 @@ def _blocks(data: dict, decisions: list[verdict.GpuDecision], images: dict) -> l
         blocks.append(("p", f"Target: `{data['target']}` (certify --target): this integration stands where a "
                             "variant stands in every table below."))
     if data.get("environment"):
+        from sage_qual.serving import environment  # imports torch: only where a report is rendered
+
         blocks += [("h", 2, "Environment"),
                    ("pre", environment.render_text(environment.from_dict(data["environment"])))]
     blocks += [("h", 2, "Fixtures"), ("table", ["fixture", "family", "kind", "q", "k/v", "dtype", "sha256"],
