@@ -102,7 +102,7 @@ def test_no_import_cycles():
 # see what an import pulls in at run time.
 HEAVY = ("torch", "sage_qual.serving.wrapper", "sageattention", "triton")
 LIGHT = ("sage_qual", "sage_qual.cli", "sage_qual.cli.gate", "sage_qual.qualification.report",
-         "sage_qual.qualification.gate")
+         "sage_qual.qualification.gate", "sage_qual.qualification.pytest_plugin")
 PROBE = """
 import importlib, runpy, sys
 for name in sys.argv[1].split(","):

@@ -55,11 +55,19 @@ def test_without_the_option_gpu_tests_skip(project):
     assert "1 skipped, 1 xfailed" in result.stdout
 
 
+def test_a_plain_run_deselects_the_gpu_tests_with_one_line(project):
+    result = run(project, "-rs")
+    assert result.returncode == 5, result.stdout  # nothing left to run in this project
+    assert "2 deselected" in result.stdout and "SKIPPED" not in result.stdout
+    assert "tests_gpu: 2 GPU qualification tests deselected; run them on a GPU box" in result.stdout
+
+
 @pytest.mark.parametrize("how", ["option", "variable"])
-def test_required_gpu_tests_fail_with_the_reason(project, how):
+def test_required_gpu_tests_fail_once_with_the_reason(project, how):
     result = run(project, "-m", "slow", *(["--require-gpu"] if how == "option" else []),
                  require="1" if how == "variable" else None)
     assert result.returncode == 1, result.stdout
     assert "--require-gpu: no CUDA GPU visible to torch" in result.stdout
-    assert "1 failed, 1 xfailed" in result.stdout  # the expected failure stays one
+    assert "2 GPU test(s) not run" in result.stdout
+    assert "1 failed, 2 deselected" in result.stdout  # one failure for the run, not one per test
 
