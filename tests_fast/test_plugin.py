@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,16 +20,24 @@ from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "downstream_app"
 
 
-def pytest_run(cwd: Path, *args: str, require: str | None = None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("PYTEST_") and k != "SAGE_QUAL_REQUIRE_GPU"}
-    if require is not None:
-        env["SAGE_QUAL_REQUIRE_GPU"] = require
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+@pytest.fixture
+def pytest_run(pytester, monkeypatch):
+    """Run pytest in this process (pytester: no new interpreter, no second torch import) in `cwd`,
+    the sage_qual plugin loaded from its entry point as in any project."""
+
+    def run(cwd: Path, *args: str, require: str | None = None) -> SimpleNamespace:
+        monkeypatch.delenv("SAGE_QUAL_REQUIRE_GPU", raising=False)
+        if require is not None:
+            monkeypatch.setenv("SAGE_QUAL_REQUIRE_GPU", require)
+        monkeypatch.chdir(cwd)
+        result = pytester.runpytest_inprocess("-p", "no:cacheprovider", *args)
+        return SimpleNamespace(returncode=int(result.ret), stdout=str(result.stdout),
+                               stderr=str(result.stderr))
+
+    return run
 
 
-def test_the_example_project_passes_and_says_why_its_gpu_tests_skip():
+def test_the_example_project_passes_and_says_why_its_gpu_tests_skip(pytest_run):
     result = pytest_run(EXAMPLE, "-rs")
     assert result.returncode == 0, result.stdout + result.stderr
     assert ("sage-qual: target downstream_app.attention:attention (GPU and target are looked at"
@@ -42,7 +51,7 @@ def test_the_example_project_passes_and_says_why_its_gpu_tests_skip():
     assert "sage-qual: no CUDA GPU visible to torch" in result.stdout
 
 
-def test_fixtures_are_one_test_each_for_the_marked_families(tmp_path):
+def test_fixtures_are_one_test_each_for_the_marked_families(pytest_run, tmp_path):
     (tmp_path / "test_app.py").write_text(
         "import pytest\n"
         "@pytest.mark.sage_qual(families=['qwen-image'])\n"
@@ -60,7 +69,7 @@ def test_fixtures_are_one_test_each_for_the_marked_families(tmp_path):
 
 
 @pytest.mark.parametrize("how", ["variable", "option"])
-def test_a_required_gpu_that_is_missing_is_one_failure_with_the_reason(how):
+def test_a_required_gpu_that_is_missing_is_one_failure_with_the_reason(pytest_run, how):
     """SAGE_QUAL_REQUIRE_GPU=1 or --sage-qual-require-gpu: the 10 GPU tests become one failure; the app's
     CPU tests still run."""
     result = pytest_run(EXAMPLE, "-rf", *(["--sage-qual-require-gpu"] if how == "option" else []),
@@ -77,12 +86,15 @@ def test_a_session_that_asks_nothing_of_the_plugin_imports_no_torch(tmp_path):
         "def pytest_sessionfinish(session):\n"
         "    print('TORCH', 'torch' in sys.modules)\n")
     (tmp_path / "test_plain.py").write_text("def test_x():\n    pass\n")
-    result = pytest_run(tmp_path, "-s", "-p", "sage_qual")
+    # A fresh interpreter: this one has torch already.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-s"], cwd=tmp_path,
+                            env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "TORCH False" in result.stdout and "sage-qual: target wrapper" in result.stdout
 
 
-def test_the_fixtures_hook_is_the_seam_for_what_the_tests_draw_from(tmp_path):
+def test_the_fixtures_hook_is_the_seam_for_what_the_tests_draw_from(pytest_run, tmp_path):
     shipped = fileformat.list_fixtures(fileformat.shipped_dir())
     (tmp_path / "conftest.py").write_text(
         "from pathlib import Path\n"
@@ -115,7 +127,7 @@ def test_marker_arguments_are_checked(marker, message):
     (["-k", "test_x", "--sage-qual-fixtures", "/nonexistent/fixtures"], "directory: not found"),
     (["-k", "misspelt"], "test_misspelt: unknown family 'FLUX1x' (known: FLUX.1, "),
 ])
-def test_bad_options_are_usage_errors_with_the_fix(tmp_path, args, message):
+def test_bad_options_are_usage_errors_with_the_fix(pytest_run, tmp_path, args, message):
     (tmp_path / "test_app.py").write_text(
         "import pytest\n"
         "def test_x(sage_qual_target, sage_qual_fixture):\n    pass\n"
