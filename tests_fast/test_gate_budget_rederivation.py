@@ -18,8 +18,9 @@ import pytest
 from sage_qual.qualification import budgets, families, report, targets
 from sage_qual.qualification import gate as gate_module
 from sage_qual.serving.variants import VARIANTS
-from tests_fast.test_gate_budgets import _within
-from tests_fast.test_gate_fleet import CAPABILITY, H100, H200, L40S, RTX4090, fleet_report, write_fleet
+
+from .fakes import CAPABILITY, H100, H200, L40S, RTX4090, fleet_report, write_fleet
+from .fakes import within_budget as _within
 
 FLUX = families.find("FLUX.1")
 FIXTURE = "flux1-block5"  # FLUX.1's only fixture in the fleet report

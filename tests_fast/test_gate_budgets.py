@@ -19,17 +19,11 @@ from sage_qual.fixtures import fileformat
 from sage_qual.qualification import budgets, families, pool, report
 from sage_qual.qualification import gate as gate_module
 from sage_qual.serving.variants import VARIANTS
-from tests_fast.test_gate_fleet import H200, fleet_report, gpu_entry, write_fleet
+
+from .fakes import H200, fleet_report, gpu_entry, write_fleet
+from .fakes import within_budget as _within
 
 FAILING = "sm90-fp8-cuda"
-
-
-def _within(budget: dict) -> dict:
-    """Numbers halfway inside every limit of `budget`."""
-    return {"rel_l2": budget["max_rel_l2"] / 2, "worst_head_rel_l2": budget["max_head_rel_l2"] / 2,
-            "worst_batch_rel_l2": budget["max_batch_rel_l2"] / 2,
-            "worst_block_rel_l2": budget["max_block_rel_l2"] / 2,
-            "worst_head_cosine": (1 + budget["min_cosine"]) / 2, "norm_ratio": 1.0, "finite": True}
 
 
 @pytest.fixture
