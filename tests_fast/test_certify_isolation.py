@@ -345,3 +345,19 @@ def test_a_spare_worker_preloads_what_a_kernels_first_call_imports(tmp_path, hoo
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(preloaded)
+
+
+def test_each_variant_ran_its_long_checks_in_its_worker(run):
+    """The long checks (task kind 'long') of a --quick run: the sweep lengths past the 64-token
+    fixtures and the longest family call (Wan 2.2, 75,600 tokens; the fake GPU cuts tokens 256-fold
+    and runs one K/V group of heads)."""
+    for device in (0, 1):
+        checks = [c for c in run["data"]["devices"][device]["long"] if c["variant"] == "sm89-fp8-cuda"]
+        assert sorted(c["shape"]["q_tokens"] for c in checks) == [1024, 4096, 16384, 75600]
+        short = [c for c in checks if c["shape"]["q_tokens"] == 1024][0]
+        assert short["outcome"] == "pass" and short["inputs"].startswith("synthetic")
+        assert (short["ran_tokens"], short["ran_heads"]) == (16, 1)
+        assert short["identical"] == {"transposed": True, "fused_qkv": True, "nhd": True}
+    skipped = [c for c in run["data"]["devices"][0]["long"] if c["variant"] == "sm90-fp8-cuda"]
+    assert len(skipped) == 4 and {c["detail"] for c in skipped} == {
+        "not run: workers of this job crashed or hung 2 times"}

@@ -74,7 +74,7 @@ def test_an_untouched_report_is_decided_without_the_failing_variant(capsys, flux
     path, fixtures, _, _ = flux_report
     code, out, err = gate(capsys, path, fixtures)
     assert (code, err) == (0, ""), err
-    assert out.startswith("FLUX.1 on NVIDIA H200 (sm_90): enable (")
+    assert out.startswith("FLUX.1 on NVIDIA H200 (sm_90): enable ")
     assert FAILING not in out
 
 

@@ -86,8 +86,8 @@ def test_each_model_of_a_mixed_box_gets_its_own_variant(capsys, fleet, machine):
     assert (code, err) == (0, "")
     lines = out.splitlines()
     assert [line.split(": ")[0] for line in lines] == [f"Qwen-Image on {model(m)}" for m in (H200, H100)]
-    assert lines[0].startswith(f"Qwen-Image on {model(H200)}: enable (sm90-fp8-cuda from ")
-    assert lines[1].startswith(f"Qwen-Image on {model(H100)}: enable (sm89-fp8-cuda from ")
+    assert lines[0].startswith(f"Qwen-Image on {model(H200)}: enable sm90-fp8-cuda from ")
+    assert lines[1].startswith(f"Qwen-Image on {model(H100)}: enable sm89-fp8-cuda from ")
 
 
 @pytest.mark.parametrize("models, code", [
@@ -320,7 +320,8 @@ def test_gate_json_holds_each_models_decision(capsys, fleet, machine):
         d = decided[entry["gpu"]]
         assert entry == {"gpu": entry["gpu"], "verdict": d.verdict.value, "variant": d.variant,
                          "min_query_tokens": d.min_query_tokens, "min_key_tokens": d.min_key_tokens,
-                         "head_dims": d.head_dims, "certified": d.certified,
+                         "max_query_tokens": d.max_query_tokens, "max_key_tokens": d.max_key_tokens,
+                         "layouts": d.layouts, "head_dims": d.head_dims, "certified": d.certified,
                          "reasons": [{"kind": r.kind.value, "detail": r.detail} for r in d.reasons]}
     h200, h100 = printed["gpus"]
     assert h200["verdict"] == "keep off"

@@ -166,8 +166,8 @@ def as_v2_with_samples(data: dict, spread: float) -> dict:
 def test_enable():
     code, lines = decide(load(H200), "FLUX.1")
     assert code == 0
-    assert lines == ["FLUX.1 on NVIDIA H200 (sm_90): enable (sm90-fp8-cuda from 4608 query and 512 key "
-                     "tokens, head_dim 128)"]
+    assert lines == ["FLUX.1 on NVIDIA H200 (sm_90): enable sm90-fp8-cuda from 4,608 query / 512 key tokens, "
+                     "head_dim 128 (no upper bound verified: a report without long checks)"]
 
 
 def test_keep_off_prints_every_reason():

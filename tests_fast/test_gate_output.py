@@ -6,9 +6,15 @@ from sage_qual.qualification.report_model import Reason, ReasonKind
 from sage_qual.qualification.verdict import FamilyDecision, Verdict
 
 
-def enabled(variant="sm90-fp8-cuda", head_dims=(64, 128)):
-    return FamilyDecision("FLUX.1", Verdict.ENABLE, variant, 4608, 512, list(head_dims),
-                          certified=[variant, "sm80-fp16-cuda"])
+def enabled(variant="sm90-fp8-cuda", head_dims=(64, 128), verified=True):
+    """An enabled decision; verified: with the range its long checks verified (a capped one)."""
+    decision = FamilyDecision("FLUX.1", Verdict.ENABLE, variant, 4608, 512, list(head_dims),
+                              certified=[variant, "sm80-fp16-cuda"])
+    if verified:
+        decision.range_verified, decision.max_query_tokens, decision.max_key_tokens = True, 16384, 16384
+        decision.layouts = ["contiguous", "transposed"]
+        decision.range_reasons = [Reason(ReasonKind.LONG, "verified only below 32,768 query tokens")]
+    return decision
 
 
 def no_speedup():
@@ -27,7 +33,9 @@ def test_gate_lines_for_each_verdict():
                                                     ("H100 (sm_90)", no_speedup()),
                                                     ("RTX 4090 (sm_89)", kept_off())])
     assert decision.lines(require_speedup=False) == [
-        "FLUX.1 on H200 (sm_90): enable (sm90-fp8-cuda from 4608 query and 512 key tokens, head_dim 64/128)",
+        "FLUX.1 on H200 (sm_90): enable sm90-fp8-cuda from 4,608 to 16,384 query / 512 to 16,384 key tokens, "
+        "head_dim 64/128 (layouts: contiguous, transposed)",
+        "  - range: verified only below 32,768 query tokens",
         "FLUX.1 on H100 (sm_90): safe, no speedup (passes with sm90-fp8-cuda, sm89-fp8-cuda; a profile "
         "serves no call; --require-speedup would keep it off)",
         "  - speed: sm90-fp8-cuda never measured faster",
@@ -35,15 +43,17 @@ def test_gate_lines_for_each_verdict():
         "  - crash: sm90-fp8-cuda on flux (cuda:0): killed by SIGSEGV",
         "  - accuracy: sm89-fp8-cuda on flux (cuda:1): relative L2 0.2 > 0.08",
     ]
-    assert decision.lines(require_speedup=True)[1] == (
+    assert decision.lines(require_speedup=True)[2] == (
         "FLUX.1 on H100 (sm_90): safe, no speedup (passes with sm90-fp8-cuda, sm89-fp8-cuda; a profile "
         "serves no call)")
 
 
 def test_gate_line_for_one_head_size_and_a_problem():
-    one_size = gate.GateDecision("FLUX.1", 0, gpus=[("H200 (sm_90)", enabled(head_dims=(128,)))])
-    assert one_size.lines(False) == [
-        "FLUX.1 on H200 (sm_90): enable (sm90-fp8-cuda from 4608 query and 512 key tokens, head_dim 128)"]
+    legacy = enabled(head_dims=(128,), verified=False)
+    one_size = gate.GateDecision("FLUX.1", 0, gpus=[("H200 (sm_90)", legacy)])
+    assert one_size.lines(False) == [  # a report from before long checks: no upper bound, said so
+        "FLUX.1 on H200 (sm_90): enable sm90-fp8-cuda from 4,608 query / 512 key tokens, head_dim 128 "
+        "(no upper bound verified: a report without long checks)"]
     assert gate.GateDecision("FLUX.1", 2, problem="stale report: torch differs").lines(True) == [
         "stale report: torch differs"]
 
@@ -79,6 +89,14 @@ def test_merge_table_for_every_kind_of_row():
         "| box-d | NVIDIA H200 | 90 | 2 | 580.1 | 2.11.0 | 2.2.0 | predicted, not measured | "
         "predicted, not measured | predicted, not measured |",
     ]
+
+
+def test_merge_table_gives_the_verified_range_and_layouts():
+    wan = {"verdict": "enable", "variant": "sm90-fp8-cuda", "min_query_tokens": 9728, "min_key_tokens": 9728,
+           "max_query_tokens": 75600, "layouts": ["contiguous", "transposed", "fused_qkv"], "reasons": []}
+    table = gate.merge_markdown([row(families={"Wan 2.2": wan})]).splitlines()
+    assert table[2] == ("| box-a | NVIDIA H200 | 90 | 2 | 580.1 | 2.11.0 | 2.2.0 | enable: sm90-fp8-cuda "
+                        "9,728 to 75,600 tokens (contiguous, transposed, fused_qkv) |")
 
 
 def test_merge_table_names_the_target_only_when_a_report_has_one():

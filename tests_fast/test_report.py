@@ -264,7 +264,8 @@ def test_render_complete_report(tmp_path):
     assert {"report.md", "report.html", "accuracy-cuda0.png", "accuracy-cuda1.png", "speedup-0.png"} <= names
     md = (tmp_path / "report.md").read_text()
     assert md.startswith("# SageAttention certification, sample-h200-2gpu")
-    assert "| FLUX.1 | enable | sm90-fp8-cuda | 4608 / 512, head_dim 128 |" in md
+    assert ("| FLUX.1 | enable | sm90-fp8-cuda | from 4,608 query / 512 key tokens, head_dim 128 (no upper "
+            "bound verified: a report without long checks) |") in md
     assert "| SDXL | safe, no speedup | - |" in md
     assert "no fixtures of FLUX.2 in this run: not certified" in md
     assert "sm90-fp8-cuda on wan22-video-self (cuda:0): the worker ran this task when it died" in md

@@ -188,6 +188,23 @@ def make_report(seed: int) -> dict:
 
 
 # Each output, read back as its user reads it ----------------------------------------------------
+SERVED = re.compile(r"from ([\d,]+)(?: to ([\d,]+))?(?: query / ([\d,]+)(?: to [\d,]+)? key)? tokens")
+
+
+def served_text(text: str) -> str:
+    """ "from 9,728 to 75,600 tokens, ..." or "from 4,608 query / 512 key tokens, ..." as
+    "MIN_Q / MIN_K to MAX_Q" (MAX_Q None without a verified upper bound)."""
+    low_q, high_q, low_k = SERVED.match(text).groups()
+    number = lambda x: x.replace(",", "")  # noqa: E731
+    return f"{number(low_q)} / {number(low_k or low_q)} to {number(high_q) if high_q else None}"
+
+
+def served_numbers(entry: dict) -> str | None:
+    if entry["min_query_tokens"] is None:
+        return None
+    return f"{entry['min_query_tokens']} / {entry['min_key_tokens']} to {entry.get('max_query_tokens')}"
+
+
 def from_markdown(data: dict, tmp_path: Path, monkeypatch) -> dict:
     monkeypatch.setattr(report, "_plots", lambda *args: {})  # the tables are what is compared
     report.render(data, tmp_path)
@@ -203,7 +220,7 @@ def from_markdown(data: dict, tmp_path: Path, monkeypatch) -> dict:
                 found[(model, family)] = (
                     word,
                     variant if variant != "-" else None,
-                    served.split(",")[0] if served != "-" else None,
+                    served_text(served) if served != "-" else None,
                 )
     return found
 
@@ -214,10 +231,7 @@ def from_merge(data: dict) -> dict:
     for row in json.loads(json.dumps(rows)):
         model = "%s (sm_%d%d)" % (row["gpu"], *row["capability"])
         for family, v in row["families"].items():
-            served = (
-                None if v["min_query_tokens"] is None else f"{v['min_query_tokens']} / {v['min_key_tokens']}"
-            )
-            found[(model, family)] = (v["verdict"], v["variant"], served)
+            found[(model, family)] = (v["verdict"], v["variant"], served_numbers(v))
     return found
 
 
@@ -230,10 +244,7 @@ def from_gate(data: dict) -> dict:
         answer = gate.decide_stored(typed, family, data["environment"], local, False).as_json()
         assert answer["exit_code"] in (0, 1), answer["problem"]
         for g in json.loads(json.dumps(answer))["gpus"]:
-            served = (
-                None if g["min_query_tokens"] is None else f"{g['min_query_tokens']} / {g['min_key_tokens']}"
-            )
-            found[(g["gpu"], family.name)] = (g["verdict"], g["variant"], served)
+            found[(g["gpu"], family.name)] = (g["verdict"], g["variant"], served_numbers(g))
     return found
 
 
@@ -254,8 +265,8 @@ def from_summary(data: dict, tmp_path: Path) -> dict:
             continue
         state = match["state"]
         if state.startswith("enable "):
-            variant, served = re.match(r"enable (\S+) from (\d+ / \d+)", state).groups()
-            found[(match["model"], match["family"])] = ("enable", variant, served)
+            variant, served = re.match(r"enable (\S+) (from .*)", state).groups()
+            found[(match["model"], match["family"])] = ("enable", variant, served_text(served))
         else:
             found[(match["model"], match["family"])] = (state.split(" (")[0], None, None)
     return found

@@ -8,6 +8,12 @@ prediction fails where the model's own output does: non-finite (an fp16 accumula
 a zero V channel under FP8). The report has certify's layout and is marked predicted everywhere:
 one pseudo-device, "numerics model (CPU)", no speed section, no memory figures (the model
 allocates nothing like the kernel), and `sage-qual gate` refuses it.
+
+The long checks certify plans (`long_check.plan`) are predicted too, at their full length: the model
+stands for the kernel on the sampled rows (so only a non-finite prediction can fail), every layout
+is identical by construction (the model reads values, not memory), and one K/V group of heads
+stands for all of them (each head's arithmetic is independent of the others'), on EMULATE_BLOCKS
+sampled row blocks, to keep the CPU cost at seconds per check.
 """
 
 from __future__ import annotations
@@ -24,12 +30,14 @@ import torch
 
 from sage_qual.errors import UsageError
 from sage_qual.fixtures import fileformat
-from sage_qual.qualification import budgets, certify, judge, measure, report, verdict
+from sage_qual.qualification import budgets, certify, judge, long_check, measure, report, verdict
+from sage_qual.qualification.families import Shape
 from sage_qual.qualification.report_model import ReasonKind
 from sage_qual.serving import environment
 from sage_qual.serving.variants import VARIANTS, Variant
 
 PREDICTED = "predicted by the CPU numerics model (sage_qual.fixtures.numerics), not measured on a GPU"
+EMULATE_BLOCKS = 2  # sampled row blocks per predicted long check: the first and the last
 DEVICE_NAME = "numerics model (CPU, predicted)"
 
 
@@ -60,6 +68,24 @@ def predict_cell(variant: Variant, fixture: fileformat.Fixture, ref: torch.Tenso
             "seconds": round(time.monotonic() - start, 3)}
 
 
+def predict_long(variant: Variant, check: dict, cache: dict) -> dict:
+    """One planned long check predicted (module docstring); calls alike after the head reduction
+    are computed once (`cache`)."""
+    shape = Shape(**check["shape"])
+    heads = shape.heads // shape.kv_heads
+    key = (variant.name, heads, shape.q_tokens, shape.kv_tokens, shape.head_dim, shape.dtype)
+    if key not in cache:
+        start = time.monotonic()
+        q, k, v = long_check.synthetic(shape, "cpu", heads=heads)
+        result = long_check.check(variant, q, k, v, check["layouts"], None, blocks=EMULATE_BLOCKS)
+        cache[key] = {**result, "seconds": round(time.monotonic() - start, 3)}
+    result = dict(cache[key])
+    result["identical"] = {name: True for name in check["layouts"] if name != "contiguous"}
+    return {"variant": variant.name, "shape": check["shape"], "uses": check["uses"],
+            "layouts": check["layouts"], **result, "detail": PREDICTED,
+            "ran_heads": heads if heads != shape.heads else None}
+
+
 def run(options: Options) -> dict:
     variants = certify.select_variants(options.variants)
     chosen = certify.select_families(options.families)
@@ -83,6 +109,14 @@ def run(options: Options) -> dict:
                 cell = predict_cell(VARIANTS[name], fixture, ref)
                 cells.append(cell)
                 tick(f"{name} x {fixture.name}: {cell['outcome']} (rel L2 {_number(cell['rel_l2'])})")
+    checks = certify.long_checks(chosen, fixtures, options.quick)
+    predicted: dict[tuple, dict] = {}
+    with _progress(len(variants) * len(checks)) as tick:
+        for name in variants:
+            for check in checks.values():
+                record = predict_long(VARIANTS[name], check, predicted)
+                data["devices"][0]["long"].append(record)
+                tick(f"{name} at {check['shape']['q_tokens']} tokens: {record['outcome']}")
     writer.update(_finish)
     report.render(data, out)
     print(summary(data), end="")
@@ -104,7 +138,7 @@ def _new_report(options: Options, variants: list[str], chosen: list, fixtures: l
         "fixtures": [certify._fixture_record(f) for f in fixtures],
         "shapes": {},
         "devices": [{"index": 0, "name": DEVICE_NAME, "capability": [0, 0], "memory_gib": 0.0,
-                     "not_supported": {}, "cells": [], "speed": []}],
+                     "not_supported": {}, "cells": [], "speed": [], "long": []}],
     }
 
 

@@ -51,6 +51,10 @@ class FakeBench:
     def tokens(self, n: int) -> int:
         return max(16, n // 256)
 
+    def heads(self, heads: int, kv_heads: int) -> int:
+        """Query heads a long check runs: one K/V group (each head's arithmetic is independent)."""
+        return heads // kv_heads
+
     def extra_peak_bytes(self, fn):
         return fn(), 0
 

@@ -231,9 +231,8 @@ class GateDecision:
         for model, decision in self.gpus:
             where = f"{self.family} on {model}"
             if decision.verdict == Verdict.ENABLE:
-                lines.append(f"{where}: enable ({decision.variant} from {decision.min_query_tokens} query "
-                             f"and {decision.min_key_tokens} key tokens, head_dim "
-                             f"{'/'.join(map(str, decision.head_dims))})")
+                lines.append(f"{where}: enable {decision.variant} {decision.served_range()}")
+                lines += [f"  - range: {r.detail}" for r in decision.range_reasons]
                 continue
             note = ""
             if decision.verdict == Verdict.NO_SPEEDUP:
@@ -247,7 +246,8 @@ class GateDecision:
         return {"family": self.family, "exit_code": self.code, "problem": self.problem,
                 "gpus": [{"gpu": model, "verdict": d.verdict.value, "variant": d.variant,
                           "min_query_tokens": d.min_query_tokens, "min_key_tokens": d.min_key_tokens,
-                          "head_dims": d.head_dims, "certified": d.certified,
+                          "max_query_tokens": d.max_query_tokens, "max_key_tokens": d.max_key_tokens,
+                          "layouts": d.layouts, "head_dims": d.head_dims, "certified": d.certified,
                           "reasons": [{"kind": r.kind.value, "detail": r.detail} for r in d.reasons]}
                          for model, d in self.gpus]}
 
@@ -361,6 +361,8 @@ def merge_rows(reports: list[tuple[Path, Report]]) -> list[dict]:
                          "families": {v.family: {"verdict": v.verdict.value, "variant": v.variant,
                                                  "min_query_tokens": v.min_query_tokens,
                                                  "min_key_tokens": v.min_key_tokens,
+                                                 "max_query_tokens": v.max_query_tokens,
+                                                 "layouts": v.layouts,
                                                  "reasons": sorted({r.kind.value for r in v.reasons})}
                                       for v in gpu.families}})
     return rows
@@ -385,8 +387,11 @@ def merge_markdown(rows: list[dict]) -> str:
             elif verdict is None:
                 cells.append("not run")
             elif verdict["verdict"] == Verdict.ENABLE.value:
-                cells.append(f"enable: {verdict['variant']} >= "
-                             f"{verdict['min_query_tokens']}/{verdict['min_key_tokens']}")
+                upper = verdict.get("max_query_tokens")
+                low_q, low_k = verdict["min_query_tokens"], verdict["min_key_tokens"]
+                span = (f"{low_q:,} to {upper:,} tokens ({', '.join(verdict['layouts'])})"
+                        if upper is not None else f">= {low_q}/{low_k}")
+                cells.append(f"enable: {verdict['variant']} {span}")
             else:
                 cells.append(f"{verdict['verdict']}: " + ", ".join(verdict["reasons"]))
         lines.append("| " + " | ".join(cells) + " |")

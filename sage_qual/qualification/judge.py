@@ -68,3 +68,18 @@ def cell_reasons(metrics, per_element: float | None, budget: Mapping, memory_bou
         reasons.append({"kind": "memory",
                         "detail": f"extra peak {per_element:.2f} bytes per q/k/v element > {memory_bound:g}"})
     return reasons
+
+
+def layout_reasons(identical: Mapping, layouts) -> list[dict]:
+    """A long check's reason per declared layout other than contiguous whose output was not the
+    contiguous call's bit for bit (`identical`: layout -> bool), or that was not compared."""
+    reasons = []
+    for name in layouts:
+        if name == "contiguous":
+            continue
+        if name not in identical:
+            reasons.append({"kind": "layout", "detail": f"layout {name}: not compared with contiguous"})
+        elif identical[name] is not True:
+            reasons.append({"kind": "layout", "detail": f"layout {name}: output differs from the same "
+                                                        "kernel's on contiguous copies"})
+    return reasons

@@ -27,7 +27,7 @@ def case(model: str, decision: FamilyDecision, no_speedup_fails: bool = False) -
     details = "\n".join(f"{r.kind.value}: {r.detail}" for r in decision.reasons)
     if decision.verdict == Verdict.ENABLE:
         return Case(model, decision.label, "passed",
-                    f"enable: {decision.variant} from {decision.served_from()}")
+                    f"enable: {decision.variant} {decision.served_range()}")
     if decision.verdict == Verdict.NO_SPEEDUP and not no_speedup_fails:
         return Case(model, decision.label, "skipped", decision.verdict.value, details)
     return Case(model, decision.label, "failure", decision.verdict.value, details)

@@ -30,9 +30,18 @@ def build(report: Report, decisions: list[GpuDecision]) -> dict:
 
 
 def _entry(decision: FamilyDecision) -> dict:
-    return {"variant": decision.variant, "min_query_tokens": decision.min_query_tokens,
-            "min_key_tokens": decision.min_key_tokens, "head_dims": decision.head_dims,
-            "reasons": [{"kind": r.kind.value, "detail": r.detail} for r in decision.reasons]}
+    """What the wrapper serves for one family: the variant from the break-even up to the verified
+    length (max_query_tokens, max_key_tokens) in the verified layouts; a report without long checks
+    leaves them out (null: no upper bound, any layout)."""
+    entry = {"variant": decision.variant, "min_query_tokens": decision.min_query_tokens,
+             "min_key_tokens": decision.min_key_tokens, "head_dims": decision.head_dims,
+             "reasons": [{"kind": r.kind.value, "detail": r.detail}
+                         for r in decision.reasons + decision.range_reasons]}
+    # Optional keys (profile contract with sage_qual.serving.profile): absent means null.
+    if decision.range_verified:
+        entry.update(max_query_tokens=decision.max_query_tokens, max_key_tokens=decision.max_key_tokens,
+                     layouts=decision.layouts)
+    return entry
 
 
 def save(profile: dict, path: Path) -> None:

@@ -133,9 +133,9 @@ def _blocks(data: dict, decisions: list[verdict.GpuDecision], images: dict) -> l
 
 def verdict_rows(gpu: verdict.GpuDecision) -> list[list[str]]:
     """The verdict table of one GPU model, as report.md and report.html show it."""
-    return [[v.family or "(default: all fixtures)", v.verdict.value, v.variant or "-", v.served_from(),
+    return [[v.family or "(default: all fixtures)", v.verdict.value, v.variant or "-", v.served_range(),
              ", ".join(f"{k} {x:.2f}x" for k, x in v.speedups.items()) or "-",
-             "; ".join(r.detail for r in v.reasons) or "-"]
+             "; ".join(r.detail for r in v.reasons + v.range_reasons) or "-"]
             for v in gpu.families + [gpu.default]]
 
 
@@ -155,8 +155,10 @@ def _gpu_blocks(gpu: verdict.GpuDecision, images: dict) -> list[tuple]:
               ("p", "enable: a variant passed every fixture and its measured speed serves some of the "
                     "family's shapes; safe, no speedup: it passed, but its measured speed serves none of "
                     "them (a profile serves nothing); keep off: no variant passed. Speedups are the lower "
-                    "end of a 95 % confidence interval."),
-              ("table", ["family", "verdict", "variant", "served from (query / key tokens)",
+                    "end of a 95 % confidence interval. An enabled family is served from its break-even up "
+                    "to the longest call its long checks verified, in the layouts whose views gave the "
+                    "contiguous output bit for bit."),
+              ("table", ["family", "verdict", "variant", "served (verified range and layouts)",
                          "speedup at its shapes", "reasons"], verdict_rows(gpu)),
               ("h", 3, "Break-even per variant"),
               ("p", "The head sizes and the query and key lengths from which each variant measured faster "
@@ -194,14 +196,45 @@ def _device_blocks(data: dict, device: dict, images: dict) -> list[tuple]:
                ("table", ["variant", "fixture", "outcome", "relative L2", "worst head cosine", "x SDPA",
                           "bytes/elem", "smooth_k on", "reasons"], [_cell_row(c) for c in device["cells"]])]
     blocks += [("h", 3, "Speed"), ("table", *_speed_table(data, device))]
-    problems = [c for c in device["cells"] + device["speed"] if c.get("stderr_tail") or c.get("traceback")]
+    if device.get("long"):
+        blocks += [("h", 3, "Long calls and layouts"),
+                   ("p", "Each variant at the families' longest calls and the sweep lengths past the "
+                         f"fixtures, on {device['long'][0].get('inputs') or 'synthetic tensors'}: relative "
+                         "L2 of sampled query rows against float32 (budget from the numerics model on the "
+                         "same rows), and whether each layout's output equals the contiguous call's bit for "
+                         "bit."),
+                   ("table", ["variant", "call", "used by", "outcome", "relative L2", "layouts identical",
+                              "reasons"], [_long_row(c) for c in device["long"]])]
+    problems = [c for c in device["cells"] + device["speed"] + (device.get("long") or [])
+                if c.get("stderr_tail") or c.get("traceback")]
     if problems:
         blocks.append(("h", 3, "Crashes, hangs and errors"))
         for c in problems:
-            what = f"{c.get('variant') or c.get('kernel')} on {c.get('fixture') or c.get('shape')}"
+            shape = c.get("shape")
+            if isinstance(shape, dict):
+                shape = f"{shape['q_tokens']} tokens, {shape['heads']} heads (long check)"
+            what = f"{c.get('variant') or c.get('kernel')} on {c.get('fixture') or shape}"
             blocks += [("p", f"{what}: {c['outcome']}: {c.get('detail', '')}"),
                        ("pre", (c.get("stderr_tail") or c.get("traceback"))[-2000:])]
     return blocks
+
+
+def _long_row(c: dict) -> list:
+    shape, bounds = c["shape"], c.get("bounds")
+    heads = shape["heads"] if shape["heads"] == shape["kv_heads"] else f"{shape['heads']}/{shape['kv_heads']}"
+    call = (f"{shape['q_tokens']:,} / {shape['kv_tokens']:,} tokens, {heads} heads x {shape['head_dim']} "
+            f"{shape['dtype']}")
+    if c.get("ran_tokens") or c.get("ran_heads"):
+        ran_tokens, ran_heads = c.get("ran_tokens") or shape["q_tokens"], c.get("ran_heads") or heads
+        call += f" (ran {ran_tokens} tokens, {ran_heads} heads)"
+    rel = c.get("metrics", {}).get("rel_l2")
+    accuracy = f"{_number(rel)} (<= {_number(bounds['max_rel_l2'])})" if bounds else "-"
+    identical = ", ".join(f"{name} {'yes' if same else 'NO'}"
+                          for name, same in c.get("identical", {}).items())
+    uses = "; ".join((u["family"] + " " if u["family"] else "") + u["label"] for u in c["uses"])
+    return [c["variant"], call, uses,
+            c["outcome"], accuracy, identical or "-",
+            "; ".join(r["detail"] for r in c.get("reasons", [])) or c.get("detail", "")]
 
 
 def _speed_table(data: dict, device: dict) -> tuple[list, list]:

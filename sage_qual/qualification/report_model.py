@@ -49,6 +49,8 @@ class ReasonKind(str, enum.Enum):
     SKIP = "skip"
     NO_FIXTURES = "no_fixtures"
     INCOMPLETE = "incomplete"
+    LAYOUT = "layout"  # a long check's output on a view differs from its output on contiguous copies
+    LONG = "long"  # a long check failed or did not run: the verified range stops below its length
 
 
 class DType(str, enum.Enum):
@@ -196,6 +198,54 @@ class ShapeEntry:
 
 
 @dataclass(frozen=True)
+class LongCheck:
+    """A variant at one long call (`sage_qual.qualification.long_check`): accuracy on sampled query
+    rows of synthetic tensors, judged against the numerics model's budget for those rows, and
+    whether each declared layout gave the contiguous call's output bit for bit."""
+    variant: str
+    shape: ShapeSpec = field(metadata={"description": "the call checked (the planned size)"})
+    uses: list[ShapeUse] = field(metadata={"description": "the family calls and sweep points it stands for"})
+    layouts: list[str] = field(metadata={"description": "layouts checked (families.LAYOUTS)"})
+    outcome: Outcome
+    detail: str = ""
+    reasons: list[Reason] = field(default_factory=list)
+    bounds: dict[str, float] | None = None
+    metrics: dict[str, float | None] = field(default_factory=dict, metadata={
+        "description": "measure.errors of the sampled rows against float32 (null: not finite)"})
+    finite: bool | None = None
+    model_finite: bool | None = None
+    identical: dict[str, bool] = field(default_factory=dict, metadata={
+        "description": "layout -> the output on that view equals the contiguous call's, bit for bit"})
+    rows: list[int] = field(default_factory=list, metadata={
+        "minimum": 0, "description": "first query row of each sampled block"})
+    row_block: int | None = field(default=None, metadata={"minimum": 1})
+    ran_tokens: int | None = field(default=None, metadata={
+        "minimum": 1, "description": "tokens actually run when not the planned ones (test fakes, emulation)"})
+    ran_heads: int | None = field(default=None, metadata={
+        "minimum": 1, "description": "query heads actually run when not the planned ones (emulation)"})
+    inputs: str = field(default="", metadata={"description": "what the tensors were (synthetic, seeded)"})
+    seconds: float | None = None
+    stderr_tail: str = ""
+    traceback: str = ""
+
+    @property
+    def measured(self) -> bool:
+        return self.outcome in (Outcome.PASS, Outcome.FAIL)
+
+    def check(self) -> list[tuple[str, str]]:
+        for name, value in self.metrics.items():  # an edited number outside its range would pass its limit
+            low, high = (-1.001, 1.001) if "cosine" in name else (0.0, math.inf)
+            if value is not None and not low <= value <= high:
+                return [(f"metrics.{name}", f"{value} is outside [{low}, {high}]")]
+        if self.measured and (self.bounds is None or self.finite is None):
+            return [("bounds", f"missing for a long check whose outcome is {self.outcome.value!r}")]
+        if not self.measured and not self.detail:
+            return [("detail", f"empty for a long check whose outcome is {self.outcome.value!r} "
+                               "(it says why)")]
+        return []
+
+
+@dataclass(frozen=True)
 class FixtureRecord:
     name: str
     family: str
@@ -256,6 +306,8 @@ class Device:
     not_supported: dict[str, list[str]] = field(metadata={"description": "variant -> why it cannot run here"})
     cells: list[Cell]
     speed: list[Speed]
+    long: list[LongCheck] | None = field(default=None, metadata={
+        "description": "long checks (null: a report written before sage-qual checked long calls)"})
 
     @property
     def model(self) -> tuple[str, tuple[int, int]]:
@@ -313,6 +365,10 @@ class Report:
             for m, timing in enumerate(device.speed):
                 if timing.shape not in self.shapes:
                     return [(f"devices[{n}].speed[{m}].shape", f"{timing.shape!r} is not in `shapes`")]
+            for m, long in enumerate(device.long or []):
+                if long.variant not in self.options.variants:
+                    return [(f"devices[{n}].long[{m}].variant",
+                             f"{long.variant!r} is not in options.variants")]
         return []
 
 

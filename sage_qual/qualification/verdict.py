@@ -14,6 +14,14 @@ passed on each of them; a shape's speedup is the lowest among them) and family, 
 - safe, no speedup: a variant passed every fixture, but the measured speed serves none of the
   family's shapes (or they were not timed: a --quick run), so a profile serves nothing;
 - keep off: no variant passed, with every reason.
+
+An enabled family is enabled over a verified range only (issue 16): up to the longest long check
+(`long_check`) of its variant that passed with every shorter one, and in the declared layouts whose
+views gave the contiguous output bit for bit in every check within that range. A long check that
+fails, faults or is missing at L tokens caps the range below L (to the fixtures' length when no
+longer check passed); a range that ends below the break-even serves nothing, and the family is kept
+off, with the failing check as its reason. A report from before long checks (`Device.long` null)
+has no upper bound and says so.
 """
 
 from __future__ import annotations
@@ -24,10 +32,11 @@ from dataclasses import dataclass, field
 
 from sage_qual.limits import MEMORY_BOUND
 from sage_qual.qualification import judge
-from sage_qual.qualification.families import FAMILIES, Family, family_of, normalize
+from sage_qual.qualification.families import FAMILIES, LAYOUTS, Family, family_of, normalize
 from sage_qual.qualification.report_model import (
     Cell,
     Device,
+    LongCheck,
     Outcome,
     Reason,
     ReasonKind,
@@ -70,6 +79,12 @@ class FamilyDecision:
     certified: list[str] = field(default_factory=list)  # variants that passed every fixture
     rejected: dict[str, list[Reason]] = field(default_factory=dict)
     speedups: dict[str, float] = field(default_factory=dict)  # own shape label -> lower bound
+    # The verified range (enable only): None with range_verified False for a report without long checks.
+    max_query_tokens: int | None = None
+    max_key_tokens: int | None = None
+    layouts: list[str] | None = None
+    range_verified: bool = False
+    range_reasons: list[Reason] = field(default_factory=list)  # why the range or layouts stop there
 
     @property
     def label(self) -> str:
@@ -80,6 +95,21 @@ class FamilyDecision:
             return "-"
         return (f"{self.min_query_tokens} / {self.min_key_tokens}, head_dim "
                 f"{'/'.join(map(str, self.head_dims))}")
+
+    def served_range(self) -> str:
+        """"from 9,728 to 75,600 tokens, head_dim 128 (layouts: contiguous, transposed)"."""
+        if self.min_query_tokens is None:
+            return "-"
+        dims = "/".join(map(str, self.head_dims))
+        if not self.range_verified:
+            return (f"from {self.min_query_tokens:,} query / {self.min_key_tokens:,} key tokens, "
+                    f"head_dim {dims} (no upper bound verified: a report without long checks)")
+        if (self.min_query_tokens, self.max_query_tokens) == (self.min_key_tokens, self.max_key_tokens):
+            tokens = f"from {self.min_query_tokens:,} to {self.max_query_tokens:,} tokens"
+        else:
+            tokens = (f"from {self.min_query_tokens:,} to {self.max_query_tokens:,} query / "
+                      f"{self.min_key_tokens:,} to {self.max_key_tokens:,} key tokens")
+        return f"{tokens}, head_dim {dims} (layouts: {', '.join(self.layouts)})"
 
 
 @dataclass
@@ -136,6 +166,19 @@ def judged(report: Report, cell: Cell) -> list[Reason]:
     return [Reason(ReasonKind(r["kind"]), r["detail"]) for r in reasons]
 
 
+def long_judged(check: LongCheck) -> list[Reason]:
+    """Why a long check fails, recomputed from its stored numbers, budget and layout comparisons."""
+    if not check.measured:
+        return [Reason(ReasonKind.LONG, f"{check.outcome.value}: {check.detail}")]
+    metrics = {name: (math.nan if value is None else value) for name, value in check.metrics.items()}
+    metrics["finite"] = bool(check.finite)
+    reasons = judge.cell_reasons(metrics, 0.0, dict(check.bounds), math.inf)
+    reasons += judge.layout_reasons(check.identical, check.layouts)
+    reasons += [{"kind": "layout", "detail": f"layout {name}: unknown to this sage-qual"}
+                for name in check.layouts if name not in LAYOUTS]
+    return [Reason(ReasonKind(r["kind"]), r["detail"]) for r in reasons]
+
+
 def check_evidence(report: Report, where: str) -> None:
     """ReportError when a cell's stored outcome disagrees with what it measured against its stored
     budget, or its variant is unknown. The budget itself is derived from the numerics model
@@ -155,6 +198,17 @@ def check_evidence(report: Report, where: str) -> None:
             if cell.outcome != outcome:
                 why = "; ".join(r.detail for r in reasons) or "every number within its bound"
                 raise ReportError(f"{key}: outcome: {cell.outcome.value!r} but its numbers say "
+                                  f"{outcome.value!r} ({why}); the report was edited: certify again")
+        for m, check in enumerate(device.long or []):
+            if not check.measured:
+                continue
+            reasons = long_judged(check)
+            outcome = Outcome.FAIL if reasons else Outcome.PASS
+            if check.outcome != outcome:
+                why = "; ".join(r.detail for r in reasons) or "every number within its bound"
+                tokens = check.shape.q_tokens
+                where_long = f"{where}: devices[{n}].long[{m}] ({check.variant} at {tokens} tokens)"
+                raise ReportError(f"{where_long}: outcome: {check.outcome.value!r} but its numbers say "
                                   f"{outcome.value!r} ({why}); the report was edited: certify again")
 
 
@@ -267,6 +321,69 @@ class _Model:
         result.min_query_tokens = thresholds.min_query_tokens
         result.min_key_tokens = thresholds.min_key_tokens
         result.head_dims = list(thresholds.head_dims)
+        return self._range(result, family)
+
+    def _range(self, result: FamilyDecision, family: Family | None) -> FamilyDecision:
+        """Bound an enabled decision by its variant's long checks (module docstring)."""
+        if all(d.long is None for d in self.devices):  # a report from before long checks
+            return result
+        variant = result.variant
+        head_dims = {shape.head_dim for _, shape in family.shapes} if family else None
+        declared = list(family.layouts) if family else list(LAYOUTS)
+
+        def relevant(check: LongCheck) -> bool:
+            if check.variant != variant:
+                return False
+            if family is None:
+                return True
+            return any(u.family is not None and family.owns(u.family) for u in check.uses) or (
+                all(u.family is None for u in check.uses) and check.shape.head_dim in head_dims)
+
+        by_call: dict[tuple[int, int, str], dict[int, LongCheck]] = {}
+        for device in self.devices:
+            for check in device.long or []:
+                if relevant(check):
+                    call = (check.shape.q_tokens, check.shape.kv_tokens, _call_key(check))
+                    by_call.setdefault(call, {})[device.index] = check
+        fixtures = [f for f in self.report.fixtures if family is None or family.owns(f.family)
+                    or normalize(f.family) == GENERIC]
+        max_q = max((f.q[2] for f in fixtures), default=0)
+        max_k = max((f.k[2] for f in fixtures), default=0)
+        broken: dict[str, Reason] = {}
+        compared = {"contiguous"}  # the reference layout; the others once a view matched it
+        for (q_tokens, kv_tokens, _), checks in sorted(by_call.items()):
+            failures = []
+            for device in self.devices:
+                where = f"{variant} at {q_tokens:,} / {kv_tokens:,} tokens (cuda:{device.index})"
+                check = checks.get(device.index)
+                if check is None:
+                    failures.append(Reason(ReasonKind.LONG, f"{where}: long check not run"))
+                    continue
+                for reason in long_judged(check):
+                    if reason.kind == ReasonKind.LAYOUT:
+                        name = reason.detail.split(":")[0].removeprefix("layout ")
+                        broken.setdefault(name, Reason(reason.kind, f"{where}: {reason.detail}"))
+                    else:
+                        failures.append(Reason(reason.kind, f"{where}: {reason.detail}"))
+            if failures:
+                result.range_reasons.append(Reason(
+                    ReasonKind.LONG, f"verified only below {q_tokens:,} query tokens: the long check there "
+                                     f"failed ({failures[0].detail})"))
+                result.range_reasons += failures
+                break
+            max_q, max_k = max(max_q, q_tokens), max(max_k, kv_tokens)
+            compared |= {name for check in checks.values() for name, same in check.identical.items() if same}
+        result.range_reasons += list(broken.values())
+        result.range_verified = True
+        result.max_query_tokens, result.max_key_tokens = max_q, max_k
+        result.layouts = [name for name in declared if name not in broken and name in compared]
+        if max_q < result.min_query_tokens or max_k < result.min_key_tokens:
+            result.verdict, result.variant = Verdict.KEEP_OFF, None
+            result.reasons = [Reason(ReasonKind.LONG, f"no verified range: {variant} pays from "
+                                                      f"{result.min_query_tokens:,} tokens but was verified "
+                                                      f"only up to {max_q:,}")] + result.range_reasons
+            result.min_query_tokens = result.min_key_tokens = result.head_dims = None
+            result.max_query_tokens = result.max_key_tokens = result.layouts = None
         return result
 
     def _failures(self, variant: str, fixture: str) -> list[Reason]:
@@ -298,6 +415,11 @@ class _Model:
         paying = [v for v in ranked if thresholds[v]]
         chosen = (serving or paying or ranked)[0]
         return chosen, thresholds[chosen]
+
+
+def _call_key(check: LongCheck) -> str:
+    shape = check.shape
+    return f"h{shape.heads}/{shape.kv_heads} d{shape.head_dim} {shape.dtype.value}"
 
 
 def _where(t: Thresholds) -> str:
