@@ -107,6 +107,20 @@ def test_the_fixtures_hook_is_the_seam_for_what_the_tests_draw_from(pytest_run, 
         f"test_app.py::test_all[{fileformat.load_fixture(shipped[0]).name}]"]
 
 
+def test_the_machine_hook_is_the_seam_for_the_gpu_the_tests_run_on(pytest_run, tmp_path):
+    (tmp_path / "conftest.py").write_text(
+        "from sage_qual.qualification.pytest_plugin import Machine\n"
+        "def pytest_sage_qual_machine(config):\n"
+        "    return Machine(problem='the runner lost its GPU')\n")
+    (tmp_path / "test_app.py").write_text("def test_t(sage_qual_target):\n    pass\n")
+    result = pytest_run(tmp_path, "-rs")
+    assert result.returncode == 0 and "sage-qual: the runner lost its GPU; SageAttention" in result.stdout
+    result = pytest_run(tmp_path, "-rf", "--sage-qual-require-gpu")
+    assert result.returncode == 1 and "1 failed, 1 deselected" in result.stdout
+    assert ("--sage-qual-require-gpu: sage-qual: the runner lost its GPU; 1 GPU test(s) not run"
+            in result.stdout)
+
+
 @pytest.mark.parametrize("marker, message", [
     (pytest.mark.sage_qual(families=["FLUX1x"]), "unknown family 'FLUX1x' (known: FLUX.1, "),
     (pytest.mark.sage_qual(family=["FLUX.1"]), "takes only families=[...] (got family)"),
