@@ -325,7 +325,7 @@ def test_cli_merge_markdown_and_json(capsys):
     assert "591.44" in rtx and "enable: sm89-fp8-cuda >= 4608/1024" in rtx
     assert sum("partial report" in line for line in lines) == 2  # the partial run's two devices
     code, out, _ = run_cli(capsys, "merge", "--json", str(H200), str(RTX4090))
-    rows = json.loads(out)
+    rows = json.loads(out)["rows"]
     assert [(r["host"], r["gpu"], r["devices"]) for r in rows] == [
         ("sample-h200-2gpu", "NVIDIA H200", [0, 1]), ("sample-ws-4090", "NVIDIA GeForce RTX 4090", [0])]
     assert rows[0]["families"]["Wan 2.2"]["reasons"] == ["crash", "oom", "timeout"]
