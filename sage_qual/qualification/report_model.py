@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from sage_qual import jsonfile, records
+from sage_qual.qualification.families import FAMILIES
+from sage_qual.serving.variants import VARIANTS
 
 KIND = "sage-qual-report"
 SCHEMA_VERSION = 2
@@ -303,7 +305,13 @@ class Report:
         indices = [d.index for d in self.devices]
         if len(set(indices)) != len(indices):
             return [("devices", "two entries for one GPU index")]
+        known = self._unknown_names()
+        if known:
+            return known
         for n, device in enumerate(self.devices):
+            duplicate = _duplicate(device)
+            if duplicate:
+                return [(f"devices[{n}].{duplicate[0]}", duplicate[1])]
             for m, cell in enumerate(device.cells):
                 if cell.fixture not in names:
                     return [(f"devices[{n}].cells[{m}].fixture", f"{cell.fixture!r} is not in `fixtures`")]
@@ -313,7 +321,37 @@ class Report:
             for m, timing in enumerate(device.speed):
                 if timing.shape not in self.shapes:
                     return [(f"devices[{n}].speed[{m}].shape", f"{timing.shape!r} is not in `shapes`")]
+                if timing.kernel != "sdpa" and timing.kernel not in self.options.variants:
+                    return [(f"devices[{n}].speed[{m}].kernel",
+                             f"{timing.kernel!r} is neither 'sdpa' nor in options.variants")]
         return []
+
+    def _unknown_names(self) -> list[tuple[str, str]]:
+        """A family or variant this sage-qual does not know: its verdicts would be drawn from rules
+        it lacks (a target report's variants are its integration, not registry names)."""
+        families = {f.name for f in FAMILIES}
+        for n, name in enumerate(self.options.families):
+            if name not in families:
+                return [(f"options.families[{n}]", f"{name!r} is not a family this sage-qual knows "
+                                                   f"({', '.join(sorted(families))}; a newer sage-qual may)")]
+        for n, name in enumerate(self.options.variants):
+            if not self.target and name not in VARIANTS:
+                return [(f"options.variants[{n}]", f"{name!r} is not a variant this sage-qual knows (a newer one may)")]
+        return []
+
+
+def _duplicate(device: Device) -> tuple[str, str] | None:
+    """The second record of a (variant, fixture) cell or (kernel, shape) timing: a report holds one
+    result of each, and with two the verdict would depend on which one is read."""
+    for records_, key, what in ((device.cells, lambda c: (c.variant, c.fixture), "cells"),
+                                (device.speed, lambda r: (r.kernel, r.shape), "speed")):
+        first: dict[tuple[str, str], int] = {}
+        for m, record in enumerate(records_):
+            if key(record) in first:
+                return (f"{what}[{m}]", f"a second result for {' on '.join(key(record))} (the first is "
+                                        f"{what}[{first[key(record)]}]): one result per pair")
+            first[key(record)] = m
+    return None
 
 
 def json_schema() -> dict:
