@@ -16,15 +16,13 @@ merge has no fixture files and trusts the stored budgets.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from sage_qual.errors import ExitCode, UsageError
 from sage_qual.fixtures import fileformat, numerics
-from sage_qual.qualification import budgets, measure, report, targets, verdict
+from sage_qual.qualification import budget_cache, budgets, measure, report, targets, verdict
 from sage_qual.qualification.certify import check_finite, fixture_dirs
 from sage_qual.qualification.families import FAMILIES, Family, normalize
 from sage_qual.qualification.report_model import Report
@@ -109,9 +107,8 @@ def _model_digest() -> str:
     return digest.hexdigest()[:16]
 
 
-def _cache_path() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "sage-qual" / f"budgets-{_model_digest()}.json"
+def _cache_path(run_folder: Path) -> Path:
+    return budget_cache.directory(run_folder) / f"budgets-{_model_digest()}.json"
 
 
 def derived_budget(variant: Variant, fixture: fileformat.Fixture, cache: dict) -> dict:
@@ -140,12 +137,8 @@ def budget_problem(source: str, data: Report, family: Family, here: dict,
     models here) stores a budget no looser than the one this machine derives from its fixture file;
     else one line naming the first cell that does not."""
     models_here = {_model(g) for g in here["gpus"]}
-    path = _cache_path()
-    try:
-        cache = json.loads(path.read_text())
-        cache = cache if isinstance(cache, dict) else {}
-    except (OSError, ValueError):
-        cache = {}
+    path, model = _cache_path(Path(source).parent), _model_digest()
+    cache = budget_cache.Entries(budget_cache.load(path, model))
     known = len(cache)
     owners = {f.name: f.family for f in data.fixtures}
     problem = ""
@@ -166,14 +159,13 @@ def budget_problem(source: str, data: Report, family: Family, here: dict,
                 break
         if problem:
             break
+    by_key = {f"{v.name} {f.sha256}": (v, f) for v in VARIANTS.values() for f in fixtures.values()}
+    if not budget_cache.spot_check(cache, list(cache.hits), lambda key: derived_budget(*by_key[key], {}),
+                                   BUDGET_ABS_COSINE):
+        budget_cache.save(path, model, {})  # an entry disagrees with the model here: derive them all
+        return budget_problem(source, data, family, here, fixtures)
     if len(cache) > known:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            temporary = path.with_suffix(f".{os.getpid()}.tmp")
-            temporary.write_text(json.dumps(cache))
-            temporary.replace(path)
-        except OSError:
-            pass  # a cache that cannot be written costs time only
+        budget_cache.save(path, model, dict(cache))
     return problem
 
 

@@ -321,7 +321,7 @@ class Report:
             for m, timing in enumerate(device.speed):
                 if timing.shape not in self.shapes:
                     return [(f"devices[{n}].speed[{m}].shape", f"{timing.shape!r} is not in `shapes`")]
-                if timing.kernel != "sdpa" and timing.kernel not in self.options.variants:
+                if not self.target and timing.kernel not in ("sdpa", *self.options.variants):
                     return [(f"devices[{n}].speed[{m}].kernel",
                              f"{timing.kernel!r} is neither 'sdpa' nor in options.variants")]
         return []
