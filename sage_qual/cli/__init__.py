@@ -34,6 +34,8 @@ class _Surviving(io.TextIOBase):
 
     def __init__(self, stream):
         self.stream, self.broken = stream, False
+        if hasattr(stream, "reconfigure"):  # a lone surrogate (an undecodable host name) as its escape
+            stream.reconfigure(errors="backslashreplace")
 
     def _guard(self, action) -> None:
         try:

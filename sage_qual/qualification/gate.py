@@ -284,11 +284,17 @@ def merge_rows(reports: list[tuple[Path, Report]]) -> list[dict]:
 def merge_markdown(rows: list[dict]) -> str:
     names = [f.name for f in FAMILIES if any(f.name in row["families"] for row in rows)]
     targets = any(row["target"] for row in rows)  # certify --target reports: which integration
-    header = ["host", "GPU", "sm", "GPUs", "driver", "torch", "sageattention"] + ["target"] * targets + names
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    hosts = {}  # two reports from one host: each row names its report file
     for row in rows:
-        cells = [row["host"], row["gpu"], "%d%d" % tuple(row["capability"]), str(len(row["devices"])),
-                 row["driver"] or "-", row["torch"], row["sageattention"] or "-"]
+        hosts.setdefault(row["host"], set()).add(row["report"])
+    files = any(len(reports) > 1 for reports in hosts.values())
+    header = (["host"] + ["report"] * files + ["GPU", "sm", "GPUs", "driver", "torch", "sageattention"]
+              + ["target"] * targets + names)
+    lines = [report.markdown_row(header), "|" + "---|" * len(header)]
+    for row in rows:
+        cells = [row["host"]] + [row["report"]] * files + [
+            row["gpu"], "%d%d" % tuple(row["capability"]), str(len(row["devices"])), row["driver"] or "-",
+            row["torch"], row["sageattention"] or "-"]
         if targets:
             cells.append(row["target"] or "(variants)")
         for name in names:
@@ -304,5 +310,5 @@ def merge_markdown(rows: list[dict]) -> str:
                              f"{verdict['min_query_tokens']}/{verdict['min_key_tokens']}")
             else:
                 cells.append(f"{verdict['verdict']}: " + ", ".join(verdict["reasons"]))
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append(report.markdown_row(cells))
     return "\n".join(lines)

@@ -82,8 +82,8 @@ def render(data: dict, out_dir: Path) -> list[Path]:
     decisions = verdict.decide(parse(data, str(out_dir / "report.json")))
     images = _plots(data, decisions, out_dir)
     blocks = _blocks(data, decisions, images)
-    (out_dir / "report.md").write_text(_markdown(blocks))
-    (out_dir / "report.html").write_text(_html(blocks, out_dir, data))
+    (out_dir / "report.md").write_text(safe_text(_markdown(blocks)), encoding="utf-8")
+    (out_dir / "report.html").write_text(safe_text(_html(blocks, out_dir, data)), encoding="utf-8")
     return [out_dir / "report.md", out_dir / "report.html"] + [out_dir / name for name in images.values()]
 
 
@@ -225,6 +225,21 @@ def _speed_table(data: dict, device: dict) -> tuple[list, list]:
     return ["shape", "used by", "fastest SDPA"] + variants, rows
 
 
+def safe_text(text: str) -> str:
+    """Text any UTF-8 file or terminal takes: a lone surrogate (a host name read from undecodable
+    bytes) becomes its escape, \\udcff, instead of failing the write."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def markdown_cell(value) -> str:
+    """One table cell: `|` escaped and line breaks as spaces, so a value cannot split its row."""
+    return " ".join(safe_text(str(value)).replace("|", "\\|").splitlines())
+
+
+def markdown_row(values) -> str:
+    return "| " + " | ".join(map(markdown_cell, values)) + " |"
+
+
 def _markdown(blocks: list[tuple]) -> str:
     lines = []
     for block in blocks:
@@ -238,9 +253,8 @@ def _markdown(blocks: list[tuple]) -> str:
             lines += [f"![{block[2]}]({block[1]})", ""]
         elif block[0] == "table":
             headers, rows = block[1], block[2]
-            cell = lambda x: str(x).replace("|", "\\|").replace("\n", " ")  # noqa: E731
-            lines += ["| " + " | ".join(map(cell, headers)) + " |", "|" + "---|" * len(headers)]
-            lines += ["| " + " | ".join(map(cell, row)) + " |" for row in rows] + [""]
+            lines += [markdown_row(headers), "|" + "---|" * len(headers)]
+            lines += [markdown_row(row) for row in rows] + [""]
     return "\n".join(lines)
 
 
