@@ -22,7 +22,7 @@ from pathlib import Path
 
 from sage_qual.errors import ExitCode, UsageError
 from sage_qual.fixtures import fileformat, numerics
-from sage_qual.qualification import budget_cache, budgets, measure, report, targets, verdict
+from sage_qual.qualification import budget_cache, budgets, measure, report, report_model, targets, verdict
 from sage_qual.qualification.certify import check_finite, fixture_dirs
 from sage_qual.qualification.families import FAMILIES, Family, normalize
 from sage_qual.qualification.report_model import Report
@@ -236,6 +236,8 @@ def decide(data: Report, family: Family, here: dict, local: dict[str, str],
         return GateDecision(family.name, ExitCode.USAGE,
                             "the report is predicted by the CPU numerics model (certify --emulate), not "
                             "measured: certify on the GPU")
+    if report_model.quick_problem(data):
+        return GateDecision(family.name, ExitCode.USAGE, report_model.quick_problem(data))
     if family.name not in data.options.families:
         ran = ", ".join(data.options.families)
         return GateDecision(family.name, ExitCode.USAGE,

@@ -123,11 +123,82 @@ def _blocks(data: dict, decisions: list[verdict.GpuDecision], images: dict) -> l
     if any(f["kind"] == "replica" for f in data["fixtures"]):
         blocks.append(("p", "Fixtures of kind 'replica' are generated to reproduce published statistics, "
                             "not recorded from a model: every verdict below rests on them as such."))
+    if data["options"]["quick"]:
+        blocks += _left_out_blocks(data)
     for gpu in decisions:
-        blocks += _gpu_blocks(gpu, images)
+        blocks += _predicted_blocks(gpu) if predicted else _gpu_blocks(gpu, images)
     for device in data["devices"]:
         blocks += _device_blocks(data, device, images)
     return blocks
+
+
+def left_out(data: dict) -> list[tuple[str, str, list[str]]]:
+    """The fixtures of the run's directories and families that --quick left out: (name, family,
+    the known failures its calibration records: variants measured non-finite or over the fixture's
+    published bound)."""
+    from sage_qual.fixtures import fileformat
+    from sage_qual.qualification.families import family_of, normalize
+    from sage_qual.serving.variants import VARIANTS
+
+    ran = {f["name"] for f in data["fixtures"]}
+    chosen = set(data["options"]["families"])
+    found = []
+    for directory in data["options"]["fixture_dirs"]:
+        try:
+            fixtures = [fileformat.load_fixture(p) for p in fileformat.list_fixtures(directory)]
+        except fileformat.FixtureError:
+            continue  # moved or changed since the run: nothing to name
+        for fixture in fixtures:
+            owner = family_of(fixture.family)
+            if fixture.name in ran or (owner is not None and owner.name not in chosen):
+                continue
+            failures = []
+            kernels = fixture.calibration.get("kernels", {}) if isinstance(fixture.calibration, dict) else {}
+            for name, numbers in sorted(kernels.items()):
+                bound = fixture.bounds.get(VARIANTS[name].accuracy_class, {}) if name in VARIANTS else {}
+                rel_l2 = numbers.get("rel_l2")
+                if numbers.get("finite") is False:
+                    failures.append(f"{name} not finite")
+                elif isinstance(rel_l2, float) and rel_l2 > bound.get("max_rel_l2", math.inf):
+                    failures.append(f"{name} relative L2 {rel_l2:.3g} over the published bound "
+                                    f"{bound['max_rel_l2']:.3g}")
+            if not kernels:
+                failures.append("none known: no kernel ran this file (" + (
+                    fixture.calibration.get("status", "no calibration") if isinstance(fixture.calibration, dict)
+                    else "no calibration") + ")")
+            found.append((fixture.name, owner.name if owner else normalize(fixture.family), failures))
+    return found
+
+
+def _left_out_blocks(data: dict) -> list[tuple]:
+    rows = [[name, family, "; ".join(failures) or "none: every kernel its calibration ran passed"]
+            for name, family, failures in left_out(data)]
+    text = ("A --quick run: the smallest fixture of each family only. The verdicts below say nothing about "
+            "the fixtures it left out, and the stress fixtures that carry the known failures are among "
+            "them, so a family can pass here and fail the full run. `sage-qual gate` refuses this report.")
+    blocks = [("h", 2, "Left out by --quick"), ("p", text)]
+    if rows:
+        blocks.append(("table", ["fixture", "family", "known failures (its calibration run)"], rows))
+    return blocks
+
+
+def _predicted_blocks(gpu: verdict.GpuDecision) -> list[tuple]:
+    """A predicted report's verdicts: what the numerics model says of accuracy per family; speed was
+    not timed, so nothing here speaks of speed or of where a variant runs."""
+    rows = []
+    for v in gpu.families + [gpu.default]:
+        kinds = {r.kind for r in v.reasons}
+        if kinds == {report_model.ReasonKind.NO_FIXTURES}:
+            prediction = "not predicted: no fixture of the family ran"
+        else:
+            prediction = "would pass" if v.certified else "would fail"
+        why = "; ".join(r.detail for r in v.reasons if r.kind != report_model.ReasonKind.SPEED)
+        rows.append([v.family or "(default: all fixtures)", prediction, ", ".join(v.certified) or "-",
+                     why or "-"])
+    return [("h", 2, "Predicted accuracy verdicts"),
+            ("p", "From the numerics model's cells below, accuracy only. Speed: not timed (no GPU ran), so "
+                  "no variant is enabled and no break-even exists: certify on the GPU for those."),
+            ("table", ["family", "prediction", "variants that would pass every fixture", "why not"], rows)]
 
 
 def verdict_rows(gpu: verdict.GpuDecision) -> list[list[str]]:
@@ -181,10 +252,13 @@ def _cell_row(c: dict) -> list:
 
 
 def _device_blocks(data: dict, device: dict, images: dict) -> list[tuple]:
-    blocks = [("h", 2, "cuda:%d %s (sm_%d%d)" % (device["index"], device["name"], *device["capability"]))]
+    predicted = data.get("predicted")
+    blocks = [("h", 2, "Predicted by the numerics model (CPU)" if predicted else
+               "cuda:%d %s (sm_%d%d)" % (device["index"], device["name"], *device["capability"]))]
     key = f"cuda:{device['index']}"
     if key in images:
-        blocks.append(("img", images[key], "accuracy: relative L2 over its bound, per variant and fixture"))
+        blocks.append(("img", images[key], "predicted relative L2 over the fixture's published bound" if predicted
+                       else "accuracy: relative L2 over its budget, per variant and fixture"))
     blocks += [("h", 3, "Accuracy and memory per variant and fixture"),
                ("p", "Against a float32 reference; 'x SDPA' is the error over that of PyTorch SDPA in the "
                      "input precision; memory is the extra peak in bytes per q/k/v element; 'smooth_k on' "
@@ -192,7 +266,9 @@ def _device_blocks(data: dict, device: dict, images: dict) -> list[tuple]:
                      "runs it off)."),
                ("table", ["variant", "fixture", "outcome", "relative L2", "worst head cosine", "x SDPA",
                           "bytes/elem", "smooth_k on", "reasons"], [_cell_row(c) for c in device["cells"]])]
-    blocks += [("h", 3, "Speed"), ("table", *_speed_table(data, device))]
+    headers, rows = _speed_table(data, device)
+    blocks += [("h", 3, "Speed"), ("table", headers, rows) if rows else
+               ("p", "Not timed" + (" (a predicted report: no GPU ran)." if predicted else "."))]
     problems = [c for c in device["cells"] + device["speed"] if c.get("stderr_tail") or c.get("traceback")]
     if problems:
         blocks.append(("h", 3, "Crashes, hangs and errors"))
@@ -297,10 +373,13 @@ def _plots(data: dict, decisions: list[verdict.GpuDecision], out_dir: Path) -> d
     except ImportError:
         return {}
     images = {}
+    published = None
+    if data.get("predicted"):  # its budget is the prediction plus a margin: the published bound says more
+        published = {f["name"]: f["bounds"] for f in data["fixtures"]}
     for device in data["devices"]:
         if device["cells"]:
             name = f"accuracy-cuda{device['index']}.png"
-            _heatmap(plt, device, out_dir / name)
+            _heatmap(plt, device, out_dir / name, published)
             images[f"cuda:{device['index']}"] = name
     for n, gpu in enumerate(decisions):
         name = f"speedup-{n}.png"
@@ -314,7 +393,20 @@ def _plots(data: dict, decisions: list[verdict.GpuDecision], out_dir: Path) -> d
 ROW_INCHES, COLUMN_INCHES, MIN_HEIGHT_INCHES = 0.5, 1.1, 3.2
 
 
-def _heatmap(plt, device: dict, path: Path) -> None:
+def heat_ratio(cell: dict, published: dict | None = None) -> float | None:
+    """What a heatmap cell shows: relative L2 over the cell's budget, or over the fixture's published
+    bound for its class when `published` (fixture -> class -> limits) is given; None: no number."""
+    bounds = cell.get("bounds")
+    if published is not None:
+        bounds = published.get(cell["fixture"], {}).get(cell.get("accuracy_class") or "")
+    if cell.get("rel_l2") is None or not bounds:
+        return None
+    return cell["rel_l2"] / bounds["max_rel_l2"]
+
+
+def _heatmap(plt, device: dict, path: Path, published: dict | None = None) -> None:
+    """Relative L2 over the cell's budget; with `published` (fixture -> class -> limits, for a
+    predicted report) over the fixture's published bound instead."""
     import numpy as np
 
     variants = list(dict.fromkeys(c["variant"] for c in device["cells"]))
@@ -327,9 +419,8 @@ def _heatmap(plt, device: dict, path: Path) -> None:
     colours = plt.get_cmap("cividis").with_extremes(bad="#d9d9d9")
     for c in device["cells"]:
         i, j = variants.index(c["variant"]), fixtures.index(c["fixture"])
-        ratio = None
-        if c.get("rel_l2") is not None and c.get("bounds"):
-            ratio = c["rel_l2"] / c["bounds"]["max_rel_l2"]
+        ratio = heat_ratio(c, published)
+        if ratio is not None:
             values[i, j] = math.log10(max(ratio, 1e-2))
         text = c["outcome"] if ratio is None else f"{c['outcome']}\n{ratio:.2f}"
         dark = ratio is not None and values[i, j] < -0.5
@@ -337,9 +428,14 @@ def _heatmap(plt, device: dict, path: Path) -> None:
     shown = axes.imshow(values, cmap=colours, vmin=-2, vmax=1, aspect="auto")
     axes.set_xticks(range(len(fixtures)), fixtures, rotation=40, ha="right", fontsize=8)
     axes.set_yticks(range(len(variants)), variants, fontsize=8)
-    figure.colorbar(shown, ax=axes, label="log10(rel. L2 / bound)")
-    axes.set_title("cuda:%d %s: relative L2 / bound against float32 (> 1 fails; grey: no number)"
-                   % (device["index"], device["name"]), fontsize=9)
+    if published is not None:
+        figure.colorbar(shown, ax=axes, label="log10(predicted rel. L2 / published bound)")
+        axes.set_title("numerics model (CPU): predicted relative L2 / the fixture's published bound "
+                       "(> 1: over it; the outcome word is against the budget; grey: no number)", fontsize=9)
+    else:
+        figure.colorbar(shown, ax=axes, label="log10(rel. L2 / budget)")
+        axes.set_title("cuda:%d %s: relative L2 / budget against float32 (> 1 fails; grey: no number)"
+                       % (device["index"], device["name"]), fontsize=9)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)

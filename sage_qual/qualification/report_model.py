@@ -354,6 +354,17 @@ def _duplicate(device: Device) -> tuple[str, str] | None:
     return None
 
 
+def quick_problem(report: Report) -> str:
+    """Why the report cannot enable a family whatever the machine, for a --quick run; '' otherwise.
+    A pre-flight runs the smallest fixture of each family only, and the stress fixtures it leaves
+    out are the ones that carry the known failures: its "pass" is not a family's."""
+    if not report.options.quick:
+        return ""
+    return ("a --quick report cannot enable a family: it ran the smallest fixture of each family only and "
+            "left out the stress fixtures that carry the known failures (report.md lists them); run "
+            "`sage-qual certify` without --quick")
+
+
 def json_schema() -> dict:
     """report_schema.json, generated from the classes above."""
     return records.schema(
