@@ -133,7 +133,7 @@ def render(info: dict) -> str:
     v_mean = info["v_mean"]
     lines.append(f"  V mean       overall {v_mean['overall']:.4g}; largest |channel mean| "
                  f"{v_mean['max_abs_channel_mean']:.4g} (channel {v_mean['channel']})")
-    lines += [f"  bounds {cls:<5} relative L2 <= {b['max_rel_l2']}, cosine >= {b['min_cosine']}"
+    lines += [f"  published bound {cls:<5} relative L2 <= {b['max_rel_l2']}, cosine >= {b['min_cosine']}"
               for cls, b in info["bounds"].items()]
     if info["published"]:
         lines.append(f"  published    {_value(info['published'])}")
