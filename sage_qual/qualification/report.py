@@ -13,6 +13,7 @@ import html
 import json
 import math
 import os
+import re
 import threading
 from importlib import resources
 from pathlib import Path
@@ -334,13 +335,18 @@ def _markdown(blocks: list[tuple]) -> str:
     return "\n".join(lines)
 
 
+def _inline_html(text: str) -> str:
+    """Escaped text with Markdown's `code` spans as <code>, so the page shows no backticks."""
+    return re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(text))
+
+
 def _html(blocks: list[tuple], out_dir: Path, data: dict) -> str:
     parts = []
     for block in blocks:
         if block[0] == "h":
             parts.append(f"<h{block[1]}>{html.escape(block[2])}</h{block[1]}>")
         elif block[0] == "p":
-            parts.append(f"<p>{html.escape(block[1])}</p>")
+            parts.append(f"<p>{_inline_html(block[1])}</p>")
         elif block[0] == "pre":
             parts.append(f"<pre>{html.escape(block[1])}</pre>")
         elif block[0] == "img":  # embedded, so the page is one self-contained file
@@ -348,7 +354,7 @@ def _html(blocks: list[tuple], out_dir: Path, data: dict) -> str:
             parts.append(f'<img alt="{html.escape(block[2])}" src="data:image/png;base64,{encoded}">')
         elif block[0] == "table":
             head = "".join(f"<th>{html.escape(str(h))}</th>" for h in block[1])
-            body = "".join("<tr>" + "".join(f"<td>{html.escape(str(x))}</td>" for x in row) + "</tr>"
+            body = "".join("<tr>" + "".join(f"<td>{_inline_html(str(x))}</td>" for x in row) + "</tr>"
                            for row in block[2])
             parts.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
     style = ("body{font-family:sans-serif;margin:2em;max-width:110em}"
