@@ -155,3 +155,13 @@ def test_compare_json_and_text_print_no_python_none(capsys, tmp_path):
     answer = json.loads(capsys.readouterr().out)
     assert answer["exit_code"] == 1 and len(answer["differences"]) == 1
     assert answer["differences"][0].endswith("enable sm90-fp8-cuda 4608/512 vs enable sm90-fp8-cuda 8192/512")
+
+
+def test_a_certify_refusal_is_an_error_case_in_its_junit_xml(capsys, tmp_path):
+    import xml.etree.ElementTree as ET
+
+    junit = tmp_path / "certify.xml"
+    assert cli.main(["certify", "--out", str(tmp_path / "o"), "--timeout", "0", "--junit-xml", str(junit)]) == 2
+    (case,) = ET.parse(junit).getroot().findall("testsuite/testcase")
+    assert "--timeout is 0" in case.find("error").get("message")
+    assert capsys.readouterr().err.count("\n") == 1

@@ -131,10 +131,20 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _refuse(args: argparse.Namespace, problem: str, code: int = ExitCode.USAGE) -> int:
-    problem = _one_line(problem)
+    """The one line on stderr, and the same answer in the machine outputs asked for: one JSON
+    object on stdout (--json), an error test case (--junit-xml)."""
+    problem = _one_line(problem).encode("utf-8", "backslashreplace").decode("utf-8")
     print(f"sage-qual {args.command}: {problem}", file=sys.stderr)
     if getattr(args, "json", False):
         print(json.dumps({"command": args.command, "exit_code": int(code), "problem": problem}))
+    if getattr(args, "junit_xml", None):
+        from sage_qual.qualification import junit
+
+        try:
+            junit.write(args.junit_xml, f"sage-qual {args.command}",
+                        [junit.Case(f"sage-qual {args.command}", "cannot decide", "error", problem)])
+        except UsageError as error:
+            print(f"sage-qual {args.command}: {error}", file=sys.stderr)
     return code
 
 
