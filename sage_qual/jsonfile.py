@@ -7,7 +7,6 @@ messages, given here as format strings.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from sage_qual.limits import MAX_JSON_BYTES
 

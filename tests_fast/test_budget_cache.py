@@ -7,7 +7,7 @@ import pwd
 
 import pytest
 
-from sage_qual.qualification import budget_cache, budgets
+from sage_qual.qualification import budget_cache
 from tests_fast.test_gate_budgets import flux_report, gate, loosen  # noqa: F401 (a fixture)
 
 

@@ -161,7 +161,8 @@ def test_a_certify_refusal_is_an_error_case_in_its_junit_xml(capsys, tmp_path):
     import xml.etree.ElementTree as ET
 
     junit = tmp_path / "certify.xml"
-    assert cli.main(["certify", "--out", str(tmp_path / "o"), "--timeout", "0", "--junit-xml", str(junit)]) == 2
+    argv = ["certify", "--out", str(tmp_path / "o"), "--timeout", "0", "--junit-xml", str(junit)]
+    assert cli.main(argv) == 2
     (case,) = ET.parse(junit).getroot().findall("testsuite/testcase")
     assert "--timeout is 0" in case.find("error").get("message")
     assert capsys.readouterr().err.count("\n") == 1

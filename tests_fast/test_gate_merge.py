@@ -318,8 +318,10 @@ def test_cli_merge_markdown_and_json(capsys):
     assert (code, err) == (0, "")
     lines = out.splitlines()
     # the partial run comes from the same host: each row names its report
-    assert lines[0].startswith("| host | report | GPU | sm | GPUs | driver | torch | sageattention | FLUX.1 |")
-    h200 = next(line for line in lines if line.startswith(f"| sample-h200-2gpu | {H200} | NVIDIA H200 | 90 | 2 |"))
+    assert lines[0].startswith(
+        "| host | report | GPU | sm | GPUs | driver | torch | sageattention | FLUX.1 |")
+    h200 = next(line for line in lines
+                if line.startswith(f"| sample-h200-2gpu | {H200} | NVIDIA H200 | 90 | 2 |"))
     assert "enable: sm90-fp8-cuda >= 4608/512" in h200 and "keep off: crash, oom, timeout" in h200
     assert "safe, no speedup: speed" in h200
     rtx = next(line for line in lines if "RTX 4090" in line)

@@ -44,8 +44,9 @@ def test_a_cell_held_twice_is_refused(tmp_path):
 
 
 def test_a_timing_held_twice_is_refused(tmp_path):
-    message = refusal(tmp_path, lambda d: d["devices"][1]["speed"].append(copy.deepcopy(d["devices"][1]["speed"][0])))
-    assert message.startswith(f"devices[1].speed[{len(json.loads(SAMPLE.read_text())['devices'][1]['speed'])}]")
+    timings = json.loads(SAMPLE.read_text())["devices"][1]["speed"]
+    message = refusal(tmp_path, lambda d: d["devices"][1]["speed"].append(copy.deepcopy(timings[0])))
+    assert message.startswith(f"devices[1].speed[{len(timings)}]")
     assert "(the first is speed[0])" in message
 
 
@@ -77,7 +78,8 @@ def test_a_target_report_names_its_integration_not_registry_variants(tmp_path):
     data["target"] = "wrapper"
     data["options"]["variants"] = ["wrapper"]
     for device in data["devices"]:
-        device["cells"] = [dict(c, variant="wrapper") for c in device["cells"] if c["variant"] == "sm90-fp8-cuda"]
+        device["cells"] = [dict(c, variant="wrapper") for c in device["cells"]
+                           if c["variant"] == "sm90-fp8-cuda"]
         device["speed"] = [dict(r, kernel="wrapper") if r["kernel"] == "sm90-fp8-cuda" else r
                            for r in device["speed"] if r["kernel"] in ("sm90-fp8-cuda", "sdpa")]
         device["not_supported"] = {}

@@ -34,8 +34,8 @@ def add_parser(subparsers) -> None:
         description="One table of verdicts across GPUs and hosts. merge has no fixture files, so it "
                     "trusts each report's stored budgets; `sage-qual gate` re-derives them.")
     merge.add_argument("reports", nargs="+", type=Path, metavar="REPORT")
-    merge.add_argument("--json", action="store_true", help="one JSON object (exit_code, problem, rows) instead of a "
-                                                          "Markdown table")
+    merge.add_argument("--json", action="store_true",
+                       help="one JSON object (exit_code, problem, rows) instead of a Markdown table")
     merge.set_defaults(func=_merge)
 
 
@@ -95,7 +95,8 @@ def _gate(args: argparse.Namespace) -> int:
 def _merge(args: argparse.Namespace) -> int:
     rows = gate.merge_rows([(path, _read(path)) for path in args.reports])
     if args.json:
-        print(json.dumps({"command": "merge", "exit_code": ExitCode.OK, "problem": "", "rows": rows}, indent=1))
+        answer = {"command": "merge", "exit_code": ExitCode.OK, "problem": "", "rows": rows}
+        print(json.dumps(answer, indent=1))
     else:
         print(gate.merge_markdown(rows))
     return ExitCode.OK

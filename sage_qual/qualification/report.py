@@ -164,9 +164,9 @@ def left_out(data: dict) -> list[tuple[str, str, list[str]]]:
                     failures.append(f"{name} relative L2 {rel_l2:.3g} over the published bound "
                                     f"{bound['max_rel_l2']:.3g}")
             if not kernels:
-                failures.append("none known: no kernel ran this file (" + (
-                    fixture.calibration.get("status", "no calibration") if isinstance(fixture.calibration, dict)
-                    else "no calibration") + ")")
+                status = (fixture.calibration.get("status", "no calibration")
+                          if isinstance(fixture.calibration, dict) else "no calibration")
+                failures.append(f"none known: no kernel ran this file ({status})")
             found.append((fixture.name, owner.name if owner else normalize(fixture.family), failures))
     return found
 
@@ -258,7 +258,8 @@ def _device_blocks(data: dict, device: dict, images: dict) -> list[tuple]:
                "cuda:%d %s (sm_%d%d)" % (device["index"], device["name"], *device["capability"]))]
     key = f"cuda:{device['index']}"
     if key in images:
-        blocks.append(("img", images[key], "predicted relative L2 over the fixture's published bound" if predicted
+        blocks.append(("img", images[key],
+                       "predicted relative L2 over the fixture's published bound" if predicted
                        else "accuracy: relative L2 over its budget, per variant and fixture"))
     blocks += [("h", 3, "Accuracy and memory per variant and fixture"),
                ("p", "Against a float32 reference; 'x SDPA' is the error over that of PyTorch SDPA in the "

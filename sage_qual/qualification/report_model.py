@@ -336,7 +336,8 @@ class Report:
                                                    f"({', '.join(sorted(families))}; a newer sage-qual may)")]
         for n, name in enumerate(self.options.variants):
             if not self.target and name not in VARIANTS:
-                return [(f"options.variants[{n}]", f"{name!r} is not a variant this sage-qual knows (a newer one may)")]
+                return [(f"options.variants[{n}]",
+                         f"{name!r} is not a variant this sage-qual knows (a newer one may)")]
         return []
 
 
