@@ -96,3 +96,12 @@ def test_fixtures_show_json_is_strict_json(capsys):
 def test_fixtures_show_takes_the_file_name_as_it_sits_in_fixtures(capsys):
     assert cli.main(["fixtures", "show", "z_image_1024.safetensors"]) == 0
     assert capsys.readouterr().out.startswith("z_image_1024  (replica, family z-image)")
+
+
+def test_a_host_name_with_a_line_break_keeps_report_mds_heading_one_line(tmp_path):
+    data = json.loads(SAMPLE.read_text())
+    data["host"] = "rack\n# injected"
+    report.render(data, tmp_path)
+    lines = (tmp_path / "report.md").read_text().splitlines()
+    assert lines[0] == "# SageAttention certification, rack # injected"
+    assert "# injected" not in lines[1:]

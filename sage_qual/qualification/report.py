@@ -321,8 +321,8 @@ def markdown_row(values) -> str:
 def _markdown(blocks: list[tuple]) -> str:
     lines = []
     for block in blocks:
-        if block[0] == "h":
-            lines += ["#" * block[1] + " " + block[2], ""]
+        if block[0] == "h":  # a heading is one line, whatever a host name holds
+            lines += ["#" * block[1] + " " + " ".join(block[2].splitlines()), ""]
         elif block[0] == "p":
             lines += [block[1], ""]
         elif block[0] == "pre":
