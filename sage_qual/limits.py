@@ -11,7 +11,8 @@ from __future__ import annotations
 # Fewest query / key tokens a call needs before SageAttention serves it: below them quantizing
 # costs more than the kernel saves. The break-even the InvokeAI SageAttention backend shipped,
 # measured on an RTX 4090 (InvokeAI PR #9657); on an H200 the sm90 kernel only pays from about
-# 13.7k-16k tokens (docs/results/README.md, run 2), which a certified profile puts in their place.
+# 13.7k-16k tokens (docs/results/README.md, run 2), which a certified profile, or on a GPU measured
+# here the built-in defaults (sage_qual/serving/defaults.py), put in their place.
 MIN_QUERY_TOKENS = 1536
 MIN_KEY_TOKENS = 512
 
@@ -28,6 +29,22 @@ CHECK_MAX_REL_L2 = 0.5
 # measurement: one failure is a race between processes sharing a cache, three in a row a cache
 # that cannot be written.
 CACHE_ERROR_LIMIT = 3
+
+# Largest element span (1 + sum((size-1)*stride) from the data pointer) and element count of one
+# tensor the wrapper hands a kernel, unless a certified profile names its own. On one H200
+# (SageAttention 2.2.0 for sm90, torch 2.11.0+cu130, issue 16): q, k, v as views into a fused
+# [1, N, 3*56*128] bf16 projection gave results bit-identical to contiguous copies at N = 90,000
+# (span 1.94e9) and an illegal memory access in the Triton Q/K quantizer all four kernel families
+# share at N = 100,000 (2.15e9), which poisons the CUDA context; a contiguous [1, 56, 300000, 128]
+# (2.15e9 elements) makes the sm90 extension abort the process (exit 134), 290,000 (2.08e9) runs.
+# Field reports of the same 32-bit offsets: thu-ml/SageAttention issue 386 (int32 in the Triton
+# quantizers), kijai/ComfyUI-KJNodes pull request 748 (uint32 in the fused V transpose). So every
+# offset must fit a signed 32-bit integer: at most 2^31 - 1 elements.
+MAX_SPAN_ELEMENTS = 2**31 - 1
+# The element count is taken at the sequence length rounded up to this many tokens: upstream's sm90
+# function (sageattention/core.py, sageattn_qk_int8_pv_fp8_cuda_sm90) pads V with zeros to a
+# multiple of 128 tokens before its FP8 copy, so a V just under the limit has a copy past it.
+SPAN_PAD_TOKENS = 128
 
 # --- Certify ----------------------------------------------------------------------------------
 # Extra peak memory per call, bytes per element of q+k+v. SageAttention's quantized copies cost
@@ -57,3 +74,15 @@ MAX_JSON_BYTES = 32 * 2**20
 def startup_timeout(task_timeout: float) -> float:
     """What a worker's first task gets when tasks get `task_timeout`."""
     return max(STARTUP_TIMEOUT, task_timeout)
+
+
+# --- What a person reads ------------------------------------------------------------------------
+# Longest status line sage-qual shows (install()'s reason, a device's profile note, a scope's
+# summary, the profile warning): a policy, so that a line fits a log viewer and can be acted on
+# (issue 17: a 1,785-character reason could not). The full lists stay in attributes.
+STATUS_LINE_LIMIT = 200
+
+
+def one_line(text: str, limit: int = STATUS_LINE_LIMIT) -> str:
+    """`text` cut to `limit` characters, ending in "..." where it was cut."""
+    return text if len(text) <= limit else text[: limit - 3].rstrip() + "..."

@@ -151,13 +151,28 @@ def test_junit_xml_has_a_case_per_gpu_model_and_family(tmp_path, monkeypatch):
 
 
 def test_refined_lengths_fall_between_the_crossing_sweep_points():
-    points = [(1024, 0.5), (2048, 0.8), (4096, 0.95), (8192, 1.3), (16384, 1.6)]
+    # (tokens, lower bound, median): no median within 10 % of 1x, so only the crossing is refined
+    points = [(1024, 0.4, 0.5), (2048, 0.7, 0.8), (4096, 0.8, 0.85), (8192, 1.3, 1.4), (16384, 1.6, 1.7)]
     # 4096 * 2^(i/8), to 128 tokens: neighbours within 10 % of each other
     assert certify.refined_lengths(points) == [4480, 4864, 5248, 5760, 6272, 6912, 7552]
-    assert certify.refined_lengths([(1024, 1.2), (4096, 1.5)]) == []  # pays everywhere: nothing to refine
-    assert certify.refined_lengths([(1024, 0.2), (4096, 0.5)]) == []  # pays nowhere
+    assert certify.refined_lengths([(1024, 1.2, 1.3), (4096, 1.5, 1.6)]) == []  # pays everywhere
+    assert certify.refined_lengths([(1024, 0.2, 0.3), (4096, 0.5, 0.6)]) == []  # pays nowhere
     # a dip back below 1 gives a second crossing
-    assert len(certify.refined_lengths([(1024, 1.1), (2048, 0.9), (4096, 1.2)])) == 7
+    assert len(certify.refined_lengths([(1024, 1.1, 1.2), (2048, 0.8, 0.85), (4096, 1.12, 1.2)])) == 7
+
+
+def test_an_interval_with_an_end_near_the_bar_is_refined_too():
+    """Run 11's cuda:1 (docs/results/README.md): the 8,192-token point's lower bound cleared 1x, so
+    the crossing lay between 4,096 and 8,192 and nothing between 8,192 and 16,384 was timed, where
+    the other GPU put the threshold. An end within 10 % of the bar refines its intervals as well."""
+    points = [(4096, 0.7, 0.75), (8192, 1.04, 1.07), (16384, 1.12, 1.18)]
+    lengths = certify.refined_lengths(points)
+    assert [n for n in lengths if n < 8192] == [4480, 4864, 5248, 5760, 6272, 6912, 7552]
+    assert [n for n in lengths if n > 8192] == [8960, 9728, 10624, 11648, 12672, 13824, 14976]
+    # a family's own bar: 1.31x lies within 10 % of 1.3, so 16,384-32,768 is refined for it
+    assert certify.refined_lengths([(16384, 1.12, 1.2), (32768, 1.25, 1.31)], min_speedups=(1.3,)) == \
+        [17920, 19456, 21248, 23168, 25216, 27520, 30080]
+    assert certify.refined_lengths([(16384, 1.12, 1.2), (32768, 1.25, 1.31)]) == []
 
 
 def test_after_a_sweep_the_lengths_around_its_crossover_are_queued(tmp_path):
@@ -183,7 +198,8 @@ def test_after_a_sweep_the_lengths_around_its_crossover_are_queued(tmp_path):
     run = certify._DeviceRun(0, [], [], {}, certify.Options(tmp_path), writer, 0)  # a full run, not --quick
     tasks = run._refinement([{"kind": "speed", "variant": "sm90-fp8-cuda"}])
     keys = [f"b1 h24 q{n} k{n} d128 bfloat16" for n in (4480, 4864, 5248, 5760, 6272, 6912, 7552)]
-    assert [t["id"] for t in tasks] == [f"{kernel}@{k}" for k in keys for kernel in ("sdpa", "sm90-fp8-cuda")]
+    # SDPA was not timed there: the variant and SDPA are timed in turn in one worker
+    assert [(t["id"], t["kind"]) for t in tasks] == [(f"sm90-fp8-cuda+sdpa@{k}", "paired") for k in keys]
     assert all(data["shapes"][k]["uses"][0]["family"] is None for k in keys)
     assert run._refinement([{"kind": "cell", "variant": "sm90-fp8-cuda"}]) == []
     quick = certify._DeviceRun(0, [], [], {}, certify.Options(tmp_path, quick=True), writer, 0)

@@ -350,7 +350,7 @@ def test_real_scales_are_served_as_python_floats(scale):
 ])
 def test_default_thresholds(q_tokens, k_tokens, served):
     args = qkv(heads=1, q_tokens=q_tokens, k_tokens=k_tokens)
-    with wrapped(config=None) as (_, fake), sage_qual.sage_attention_scope() as report:
+    with wrapped(config=sage_qual.WrapperConfig()) as (_, fake), sage_qual.sage_attention_scope() as report:
         got = outcome(F.scaled_dot_product_attention, args, {})
     assert report.calls == 1
     if served:

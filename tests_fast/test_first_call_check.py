@@ -105,7 +105,7 @@ def test_gqa_check_covers_every_query_head_of_the_first_group():
 def test_check_slice_is_first_sample_first_group_last_rows(torch_spy):
     """Default config: the last 1024 query rows of sample 0, query heads 0..g-1 against K/V head 0."""
     q, k, v = qkv(batch=2, heads=4, kv_heads=2, q_tokens=1536, k_tokens=512)
-    with wrapped(config=None) as (_, fake):
+    with wrapped(config=sage_qual.WrapperConfig()) as (_, fake):
         _, report = serve(q, k, v, enable_gqa=True, scale=0.2)
     assert report.served == 1
     [(args, kwargs, _)] = torch_spy
@@ -122,7 +122,7 @@ def test_check_slice_is_first_sample_first_group_last_rows(torch_spy):
 ])
 def test_check_reads_the_last_rows(rows):
     q, k, v = qkv(heads=1, q_tokens=1536, k_tokens=512)
-    with wrapped(config=None) as (_, fake):
+    with wrapped(config=sage_qual.WrapperConfig()) as (_, fake):
         fake.return_value(with_value(float("nan"), rows=rows))
         _, report = serve(q, k, v)
     assert dict(report.fallbacks) == {"kernel_error": 1}

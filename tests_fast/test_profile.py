@@ -106,18 +106,20 @@ def test_the_family_entry_is_taken():
 
 
 @pytest.mark.parametrize("device, why", [
-    (machine(H100), "the profile has Fake H200 (sm_90)"),
+    (machine(H100), "nearest Fake H200 (sm_90) differs: GPU Fake H100, sm_90 here"),
     (machine(FakeGpu((9, 0), "Fake H200", 80.0)),
-     "Fake H200 (sm_90) was certified with 141 GiB, this one has 80"),
+     "nearest Fake H200 (sm_90) differs: memory 141 GiB, 80 here"),
     (machine(H200, torch_version="1.0.0"),
-     f"certified with torch {torch.__version__}, this process has 1.0.0"),
-    (machine(H200, torch_cuda="12.8"), "certified with CUDA 13.0, this process has 12.8"),
-    (machine(H200, sageattention="2.2.1"), "certified with sageattention 2.2.0, this process has 2.2.1"),
+     f"nearest Fake H200 (sm_90) differs: torch {torch.__version__}, 1.0.0 here"),
+    (machine(H200, torch_cuda="12.8"), "nearest Fake H200 (sm_90) differs: CUDA 13.0, 12.8 here"),
+    (machine(H200, sageattention="2.2.1"),
+     "nearest Fake H200 (sm_90) differs: sageattention 2.2.0, 2.2.1 here"),
 ])
 def test_a_device_the_profile_does_not_describe_keeps_the_defaults_and_says_why(device, why):
     [only] = profile.device_configs(make_profile(entry=make_entry(min_q=9999)), [device])
     assert only.config == DEFAULT_CONFIG
-    assert why in only.note and "default kernel table and thresholds (1536/512 tokens)" in only.note
+    assert why in only.note and "no profile entry matches: defaults here (1536/512 tokens)" in only.note
+    assert not only.matched
 
 
 BAD_ENTRIES = {
@@ -185,9 +187,12 @@ def attention(tokens: int, head_dim: int = 128, kv_tokens: int | None = None, de
     return report
 
 
-def test_without_profile_the_default_thresholds_serve_1536_tokens(fake):
-    assert sage_qual.install().enabled
-    assert attention(1536).served == 1
+def test_without_profile_the_default_thresholds_serve_1536_tokens():
+    """On a compute capability nothing was measured on (sm_89 here) the built-in defaults change nothing."""
+    fake = FakeSageAttention()
+    with FakeCuda([RTX4090]), fake.installed():
+        assert sage_qual.install().enabled
+        assert attention(1536).served == 1
 
 
 def test_profile_thresholds_decide_which_calls_are_served(fake):
@@ -210,7 +215,8 @@ def test_profile_from_a_file(fake, tmp_path):
 
 
 def test_a_mixed_box_applies_the_profile_per_device():
-    """H200 certified; an H100 (same capability) and an RTX 4090 in the same box keep the defaults."""
+    """H200 certified; an H100 (same capability) and an RTX 4090 in the same box keep the defaults: the
+    H100 those of the built-in defaults for a GPU never measured on sm_90, the RTX 4090 today's."""
     fake = FakeSageAttention()
     with FakeCuda([H200, H100, RTX4090]), fake.installed():
         status = sage_qual.install(profile=make_profile(entry=make_entry("sm89-fp8-cuda", 16384, 16384)))
@@ -222,12 +228,14 @@ def test_a_mixed_box_applies_the_profile_per_device():
         assert rtx.variant.name == "sm89-fp8-cuda"
         for device in (h100, rtx):
             assert "no profile entry matches" in device.profile_note
-            assert "default kernel table" in device.profile_note
-        # 4096 tokens: below the H200's certified 16,384, above the default 1536 elsewhere
+            assert "defaults here" in device.profile_note
+        assert "(16384/16384 tokens)" in h100.profile_note and "(1536/512 tokens)" in rtx.profile_note
+        # 4096 tokens: below the H200's certified 16,384 and the sm_90 built-in 16,384, above 1536
         assert dict(attention(4096, device=0).fallbacks) == {"short": 1}
-        assert attention(4096, device=1).served == 1
+        assert dict(attention(4096, device=1).fallbacks) == {"short": 1}
         assert attention(4096, device=2).served == 1
-        assert [c.device for c in fake.calls] == [1, 2]
+        assert (h100.config.min_query_tokens, h100.config.min_key_tokens) == (16384, 16384)
+        assert [c.device for c in fake.calls] == [2]
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -289,5 +297,9 @@ def test_speedup_bounds_take_the_pessimistic_ends():
 def test_each_devices_profile_note_is_logged(fake, caplog):
     caplog.set_level("INFO", logger="sage_qual")
     sage_qual.install(profile=make_profile(gpu=H100))
-    assert any("cuda:0 (Fake H200, sm_90): no profile entry matches (the profile has Fake H100 (sm_90))"
-               in r.getMessage() for r in caplog.records)
+    note = ("no profile entry matches: defaults here (16384/16384 tokens); nearest Fake H100 (sm_90) "
+            "differs: GPU Fake H200, sm_90 here")
+    infos = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
+    assert [m for m in infos if "no profile entry" in m] == [f"cuda:0 (Fake H200, sm_90): {note}"]
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == \
+        [f"profile: cuda:0 (Fake H200, sm_90): {note}"]

@@ -156,12 +156,13 @@ def test_report_counts_fallbacks_by_reason():
             F.scaled_dot_product_attention(*qkv())
     assert (report.calls, report.served) == (7, 2)
     assert dict(report.fallbacks) == {"mask": 2, "short": 1, "dtype": 1, "device": 1}
-    assert report.summary() == (
-        "7 attention calls, 2 on SageAttention; on PyTorch SDPA: mask=2 [attn_mask given], "
-        "short=1 [tokens=8/24 (needs >= 32/16)], "
-        "dtype=1 [dtype=(torch.float32, torch.float32, torch.float32) (supported: one of float16, "
-        "bfloat16)], "
-        "device=1 [no SageAttention kernel for this GPU]")
+    # Each reason's first call's detail would make the line too long: they stay in report.details.
+    assert report.summary() == ("7 attention calls, 2 on SageAttention; on PyTorch SDPA: mask=2, short=1, "
+                                "dtype=1, device=1 (first call of each: report.details)")
+    assert report.details == {
+        "mask": "attn_mask given", "short": "tokens=8/24 (needs >= 32/16)",
+        "dtype": "dtype=(torch.float32, torch.float32, torch.float32) (supported: one of float16, bfloat16)",
+        "device": "no SageAttention kernel for this GPU"}
 
 
 def test_a_scope_without_install_leaves_calls_to_torch():
@@ -181,8 +182,8 @@ def test_a_scope_whose_install_was_refused_says_so_instead_of_counting_zero_call
             for _ in range(3):
                 F.scaled_dot_product_attention(*qkv())
     assert report.not_installed == status.reason
-    assert report.summary() == ("attention calls not counted: SageAttention is not installed "
-                                f"({status.reason}); every call runs on PyTorch SDPA")
+    assert report.summary() == ("attention calls not counted, all on PyTorch SDPA: SageAttention is not "
+                                f"installed ({status.reason})")
 
 
 def test_a_scope_that_began_while_installed_counts_its_calls():

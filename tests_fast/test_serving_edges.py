@@ -165,8 +165,8 @@ def test_a_scope_without_install_says_calls_are_not_counted():
     with sage_qual.sage_attention_scope() as report:
         pass
     assert report.not_installed == sage_qual.install_status().reason != ""
-    assert report.summary() == ("attention calls not counted: SageAttention is not installed "
-                                f"({report.not_installed}); every call runs on PyTorch SDPA")
+    assert report.summary() == ("attention calls not counted, all on PyTorch SDPA: SageAttention is not "
+                                f"installed ({report.not_installed})")
 
 
 def test_the_scope_asks_the_installed_check(monkeypatch):
@@ -208,9 +208,10 @@ def test_install_lists_every_gpus_reason_when_none_has_a_kernel():
     with FakeCuda([FakeGpu((8, 7), "Orin"), FakeGpu((8, 7), "Orin")]), FakeSageAttention().installed():
         status = sage_qual.install()
     why = WrapperConfig().choose((8, 7), {})[1]
-    reasons = [f"cuda:{i} (Orin, sm_87): {why}" for i in (0, 1)]
     assert not status.enabled
-    assert status.reason.endswith(f"no GPU here has a usable SageAttention kernel ({'; '.join(reasons)})")
+    assert status.reason == f"cuda:0 (Orin, sm_87) and 1 more GPUs (install_status().devices): {why}"
+    assert [(d.label, d.no_kernel_reason) for d in status.devices] == [
+        (f"cuda:{i} (Orin, sm_87)", why) for i in (0, 1)]
 
 
 def test_the_first_served_call_announces_the_kernel(caplog):

@@ -17,9 +17,10 @@ needs_two = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two 
 
 @pytest.fixture
 def kernel_log(sage, monkeypatch):
-    """Install with the default table, recording (tensor device, current device, thread) per call."""
+    """Install with the default table and 1536/512 thresholds (the H200's built-in 16,384 would leave
+    the 4,608-token calls to torch), recording (tensor device, current device, thread) per call."""
     sage_qual.uninstall()
-    status = sage_qual.install()
+    status = sage_qual.install(config=sage_qual.WrapperConfig())
     assert status.enabled, status.reason
     calls = []
     sage_qual.uninstall()
@@ -32,7 +33,7 @@ def kernel_log(sage, monkeypatch):
             return _real(q, k, v, **keywords)
 
         monkeypatch.setattr(sage.module, function, spy)
-    assert sage_qual.install().enabled
+    assert sage_qual.install(config=sage_qual.WrapperConfig()).enabled
     yield calls
     sage_qual.uninstall()
 

@@ -30,7 +30,7 @@ from sage_qual.fixtures import fileformat
 from sage_qual.qualification import families as families_mod
 from sage_qual.qualification import junit, profile, report, verdict
 from sage_qual.qualification import pool as workers
-from sage_qual.qualification.speed import speedup_bounds
+from sage_qual.qualification.speed import intervals_to_refine, speedup_bounds
 from sage_qual.serving.variants import VARIANTS
 
 # The generic sweep: self-attention of 24 heads from 1k to 32k tokens at both head sizes, and
@@ -40,9 +40,11 @@ CROSS = [(q, k) for q in (4096, 16384) for k in (77, 256, 512, 1024)]
 QUICK_SELF_TOKENS = (1024, 4096, 16384)
 QUICK_CROSS = [(4096, 77), (4096, 512)]
 # Refinement (full runs): between the last sweep length at which a variant's lower 95 % bound was
-# no faster than SDPA and the first at which it was, REFINE_POINTS more lengths, evenly spaced on a
-# log scale and rounded to TOKEN_GRANULE, so a threshold moves in steps of about 2^(1/8) = 1.09x
-# instead of the sweep's 2x: two runs that land one step apart still agree within 10 %.
+# no faster than SDPA and the first at which it was, and in every interval with an end whose median
+# lies within 10 % of a family's bar (speed.NEAR_FACTOR: where another run may cross), REFINE_POINTS
+# more lengths, evenly spaced on a log scale and rounded to TOKEN_GRANULE, so a threshold moves in
+# steps of about 2^(1/8) = 1.09x instead of the sweep's 2x: two runs that land one step apart still
+# agree within 10 %.
 REFINE_POINTS = 7
 TOKEN_GRANULE = 128
 # Timing repeats: (warm-up, repeats); big shapes get fewer, so the full run fits in minutes.
@@ -157,13 +159,13 @@ def speed_shapes(chosen: list[families_mod.Family], quick: bool) -> dict[str, di
     return shapes
 
 
-def refined_lengths(points: list[tuple[int, float]], min_speedup: float = 1.0) -> list[int]:
+def refined_lengths(points: list[tuple[int, float, float]], min_speedups=(1.0,)) -> list[int]:
     """Token counts to time between neighbouring sweep lengths where the speedup's lower bound
-    crosses `min_speedup`; `points` are (tokens, lower bound) of one variant at one head size."""
-    ordered = sorted(points)
+    crosses a family's `min_speedup` or an end lies near it (`speed.intervals_to_refine`); `points`
+    are (tokens, lower bound, median) of one variant at one head size."""
     lengths = set()
-    for (low, low_speedup), (high, high_speedup) in zip(ordered, ordered[1:], strict=False):
-        if low_speedup <= min_speedup < high_speedup:
+    for min_speedup in set(min_speedups):
+        for low, high in intervals_to_refine(points, min_speedup):
             step = (high / low) ** (1 / (REFINE_POINTS + 1))
             for i in range(1, REFINE_POINTS + 1):
                 tokens = round(low * step ** i / TOKEN_GRANULE) * TOKEN_GRANULE
@@ -445,12 +447,15 @@ class _DeviceRun:
             if any(u["family"] for u in entry["uses"]) or shape["q_tokens"] != shape["kv_tokens"] \
                     or not base or not base.get("ms") or not ours:
                 continue
-            lower = speedup_bounds(base["ms"], base.get("samples_ms", []), ours["ms"],
-                                   ours.get("samples_ms", []))[0] if ours.get("ms") else 0.0
-            by_dim.setdefault(shape["head_dim"], []).append((shape["q_tokens"], lower))
+            lower, median = 0.0, 0.0  # failed there: counts as never faster
+            if ours.get("ms"):
+                lower, median, _ = speedup_bounds(base["ms"], base.get("samples_ms", []), ours["ms"],
+                                                  ours.get("samples_ms", []))
+            by_dim.setdefault(shape["head_dim"], []).append((shape["q_tokens"], lower, median))
         new = {}
+        bars = {family.min_speedup for family in families_mod.FAMILIES}
         for head_dim, points in by_dim.items():
-            for tokens in refined_lengths(points):
+            for tokens in refined_lengths(points, bars):
                 shape = families_mod.self_attention(24, tokens, head_dim)
                 label = f"refined self {tokens}, head_dim {head_dim}"
                 new[shape.key] = {"shape": shape.as_dict(), "uses": [{"family": None, "label": label}]}
@@ -464,9 +469,11 @@ class _DeviceRun:
         for key, entry in new.items():
             warmup, repeats = _timing(entry["shape"], self.quick)
             common = {"key": key, "shape": entry["shape"], "warmup": warmup, "repeats": repeats}
-            if ("sdpa", key) not in by:
-                tasks.append({"id": f"sdpa@{key}", "kind": "sdpa", **common})
-            if (variant, key) not in by:
+            if (variant, key) in by:
+                continue
+            if ("sdpa", key) not in by:  # near the crossover: both timed in turn in one worker
+                tasks.append({"id": f"{variant}+sdpa@{key}", "kind": "paired", "variant": variant, **common})
+            else:  # another variant's refinement timed SDPA here already
                 tasks.append({"id": f"{variant}@{key}", "kind": "speed", "variant": variant, **common})
         return tasks
 
@@ -475,10 +482,15 @@ class _DeviceRun:
         if task["kind"] == "cell":
             record = {"variant": task["variant"], "fixture": task["fixture_name"], **result}
             field = "cells"
-        else:  # a timing: of the fastest SDPA backend, or of a variant
+        else:  # a timing: of the fastest SDPA backend, or of a variant (paired: with SDPA's)
             kernel = "sdpa" if task["kind"] == "sdpa" else task["variant"]
-            record = {"kernel": kernel, "shape": task["key"], "ms": None, **result}
+            paired = result.get("sdpa") if task["kind"] == "paired" else None
+            record = {"kernel": kernel, "shape": task["key"], "ms": None,
+                      **{name: value for name, value in result.items() if name != "sdpa"}}
             field = "speed"
+            if isinstance(paired, dict):
+                sdpa = {"kernel": "sdpa", "shape": task["key"], "ms": None, **paired}
+                self.writer.update(lambda d: d["devices"][self.position][field].append(sdpa))
         self.writer.update(lambda d: d["devices"][self.position][field].append(record))
         progress.tick(f"cuda:{self.index}", record)
 

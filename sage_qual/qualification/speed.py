@@ -86,6 +86,25 @@ def _weighted_line_at_zero(points: list[tuple[float, float, float]]) -> tuple[fl
     return a, math.sqrt(sxx / det * max(1.0, chi2))
 
 
+# A sweep length lies near a bar when its median speedup is within this factor of it. The sm90
+# kernel's times moved up to 10 % between back-to-back H200 runs while SDPA's repeated to 3 digits
+# (docs/results/README.md, run 10), and its speedup stays within 5 % of 1x from about 8k to 15k
+# tokens: a length within 10 % of the bar may fall on either side of it in another run.
+NEAR_FACTOR = 1.10
+
+
+def intervals_to_refine(points: list[tuple[int, float, float]],
+                        min_speedup: float = 1.0) -> list[tuple[int, int]]:
+    """Neighbouring sweep lengths (shorter, longer) to time more lengths between: where the lower
+    bound crosses `min_speedup`, and where either end's median speedup lies within NEAR_FACTOR of
+    it (so another run's crossover there is found too). `points`: (tokens, lower bound, median)."""
+    ordered = sorted(points)
+    near = {tokens for tokens, _, median in ordered
+            if min_speedup / NEAR_FACTOR <= median <= min_speedup * NEAR_FACTOR}
+    return [(low, high) for (low, low_bound, _), (high, high_bound, _) in zip(ordered, ordered[1:])
+            if low_bound <= min_speedup < high_bound or low in near or high in near]
+
+
 def break_even(points: list[tuple[int, int, int, float]], min_speedup: float = 1.0) -> dict | None:
     """Where a variant pays, from measured (query tokens, key tokens, head_dim, speedup) points.
 

@@ -4,7 +4,8 @@ SDPA rebinding and dispatch (`wrapper`), the fallback rules (`eligibility`), the
 (`scope`), thresholds and the kernel table (`config`), the kernel variants and their kernels'
 contracts (`variants`), what each GPU can run (`assess`), the installed package's checks
 (`sage_package`), torch's own SDPA and binding over it (`torch_sdpa`), torch.cuda behind one seam
-(`platform`), kernel error classes (`failures`), reading a certified profile (`profile`) and the
-machine record of `sage-qual env` (`environment`). Nothing here imports the fixture or
+(`platform`), kernel error classes (`failures`), reading a certified profile (`profile`), the
+built-in defaults measured here (`defaults`) and the machine record of `sage-qual env`
+(`environment`). Nothing here imports the fixture or
 qualification layers.
 """

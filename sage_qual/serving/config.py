@@ -25,6 +25,12 @@ KERNEL_TABLE: Mapping[Capability, tuple[str, ...]] = {
 }
 
 
+# Memory layouts a profile may list as verified (`WrapperConfig.layouts`); `eligibility.layout_of`
+# names a call's layout. "nhd" is a kernel called with tensor_layout="NHD" (certify's name for it):
+# the wrapper always calls with "HND", so none of its calls has that layout.
+LAYOUTS = ("contiguous", "transposed", "fused_qkv", "nhd")
+
+
 @dataclass(frozen=True)
 class WrapperConfig:
     min_query_tokens: int = limits.MIN_QUERY_TOKENS
@@ -34,6 +40,31 @@ class WrapperConfig:
     check_max_rel_l2: float = limits.CHECK_MAX_REL_L2
     cache_error_limit: int = limits.CACHE_ERROR_LIMIT  # Triton cache failures in a row
     kernel_table: Mapping[Capability, tuple[str, ...]] = field(default_factory=lambda: dict(KERNEL_TABLE))
+    # Longest calls served, in tokens (None: no upper bound); a profile sets the verified range.
+    max_query_tokens: int | None = None
+    max_key_tokens: int | None = None
+    layouts: tuple[str, ...] | None = None  # verified layouts (names in LAYOUTS); None: any
+    # Largest element span and count of one tensor the kernel gets (limits.MAX_SPAN_ELEMENTS).
+    max_span_elements: int = limits.MAX_SPAN_ELEMENTS
+    # A strided call past the span whose contiguous copies are within it: serve it from copies
+    # (True) or leave it to torch with the reason `span` (False, until measured: docs/benchmarks.md).
+    copy_past_span: bool = False
+
+    def __post_init__(self):
+        for name in ("max_query_tokens", "max_key_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"WrapperConfig.{name}={value!r}: give a token count of at least 1, "
+                                 "or None for no upper bound")
+        span = self.max_span_elements
+        if isinstance(span, bool) or not isinstance(span, int) or span < 1:
+            raise ValueError(f"WrapperConfig.max_span_elements={span!r}: give an element count of at "
+                             f"least 1 (default {limits.MAX_SPAN_ELEMENTS})")
+        if self.layouts is not None:
+            unknown = [name for name in self.layouts if name not in LAYOUTS]
+            if isinstance(self.layouts, str) or unknown:
+                raise ValueError(f"WrapperConfig.layouts={self.layouts!r}: give a tuple of layout names "
+                                 f"from {', '.join(LAYOUTS)}, or None for any layout")
 
     def choose(self, capability: Capability,
                reasons: Mapping[str, Sequence[str]]) -> tuple[Variant | None, str]:

@@ -1,7 +1,7 @@
 """Which SDPA calls SageAttention may serve, each refusal with a named reason.
 
-Only tensor metadata is read (shape, dtype, strides, flags): nothing here may synchronize the
-device. Device state (retired, no kernel) and scope state (out of memory) are the wrapper's.
+Only tensor metadata is read (shape, dtype, strides, flags, storage pointers): nothing here may
+synchronize the device. Device state (retired, no kernel) and scope state (out of memory) are the wrapper's.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from sage_qual.limits import SPAN_PAD_TOKENS as SPAN_PAD
 from sage_qual.serving.config import WrapperConfig
 
 # Every reason a call in a scope can fall back to PyTorch, in the order they are tested.
@@ -22,10 +23,12 @@ REASONS = (
     "causal",
     "shape",  # not 4-D tensors, nested, batch or key/value lengths mismatch
     "short",  # fewer query or key tokens than the break-even
+    "long",  # more query or key tokens than the profile verified
     "dtype",  # not fp16/bf16, or mixed
     "head_dim",  # not a supported size, or K/V differ from Q
     "heads",  # query heads differ from K/V heads without enable_gqa, or do not divide
-    "layout",  # last dimension not contiguous
+    "layout",  # last dimension not contiguous, or a layout the profile did not verify
+    "span",  # a tensor spans or holds more elements than the kernel's 32-bit offsets reach
     "grad",
     "autocast",
     "device",  # not all on one CUDA device, no kernel for it, or the device was retired
@@ -132,6 +135,9 @@ def refusal(call: SdpaCall, config: WrapperConfig, cuda) -> Refusal | None:
                                                             config.min_key_tokens)
     if not (qs[0] and qs[1] and qs[2] and ks[2]):  # nothing to compute: torch returns the empty result
         return "shape", "empty call: batch=%d, heads=%d, tokens=%d/%d", (qs[0], qs[1], qs[2], ks[2])
+    max_q, max_k = config.max_query_tokens, config.max_key_tokens
+    if (max_q is not None and qs[2] > max_q) or (max_k is not None and ks[2] > max_k):
+        return "long", "tokens=%d/%d (verified up to %s/%s)", (qs[2], ks[2], max_q or "any", max_k or "any")
     vs = v.shape
     if not qs[0] == ks[0] == vs[0]:
         return "shape", "batch=(%d, %d, %d) (must match)", (qs[0], ks[0], vs[0])
@@ -151,11 +157,110 @@ def refusal(call: SdpaCall, config: WrapperConfig, cuda) -> Refusal | None:
             return "heads", "heads=%d/%d without enable_gqa", (q_heads, kv_heads)
         if kv_heads == 0 or q_heads % kv_heads:
             return "heads", "heads=%d/%d (query heads must be a multiple)", (q_heads, kv_heads)
-    # stride()[-1]: stride(-1) parses its argument and costs more (docs/benchmarks.md).
-    if q.stride()[-1] != 1 or k.stride()[-1] != 1 or v.stride()[-1] != 1:
+    # stride() once per tensor, indexed: stride(-1) parses its argument and costs more (docs/benchmarks.md).
+    qst, kst, vst = q.stride(), k.stride(), v.stride()
+    if qst[3] != 1 or kst[3] != 1 or vst[3] != 1:
         return "layout", "last-dim stride != 1", ()
+    if config.layouts is not None:
+        layout = _layout((q, k, v), (qs, ks, vs), (qst, kst, vst))
+        if layout not in config.layouts:
+            return "layout", "layout %s (verified: %s)", (layout, ", ".join(config.layouts))
+    # Checked here, before the call: past 2^31 elements every kernel faults on a strided view (which
+    # poisons the CUDA context) and the sm90 kernel aborts the process, which no except can catch
+    # (limits.MAX_SPAN_ELEMENTS).
+    limit = config.max_span_elements
+    if extent(qs, qst) > limit or extent(ks, kst) > limit or extent(vs, vst) > limit:
+        return span_refusal(call, limit)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return "grad", "an input requires grad (SageAttention has no backward)", ()
     if cuda.autocast_enabled():
         return "autocast", "CUDA autocast is on", ()
     return None
+
+
+# Spans ------------------------------------------------------------------------------------------
+
+def padded_count(shape) -> int:
+    """Elements of a contiguous copy of a 4-D tensor with its sequence padded as the kernels pad it
+    (limits.SPAN_PAD_TOKENS)."""
+    b, h, n, d = shape
+    return b * h * ((n + SPAN_PAD - 1) // SPAN_PAD * SPAN_PAD) * d
+
+
+def extent(shape, stride) -> int:
+    """Elements a kernel may address from a 4-D tensor's data pointer: its span, 1 + sum((size-1) *
+    stride), or its padded element count where that is larger (`padded_count`; also a stride-0
+    view's: the kernel's output and quantized copies hold every element); 0 when it is empty.
+    Plain arithmetic: it runs on every served call."""
+    b, h, n, d = shape
+    count = b * h * ((n + SPAN_PAD - 1) // SPAN_PAD * SPAN_PAD) * d  # padded_count(), without the call
+    span = (b - 1) * stride[0] + (h - 1) * stride[1] + (n - 1) * stride[2] + (d - 1) * stride[3] + 1
+    return span if span > count and count else count
+
+
+def span_refusal(call: SdpaCall, limit: int) -> Refusal:
+    """The `span` refusal naming the first tensor past `limit`: its span, its padded copy's size."""
+    for name, tensor in (("query", call.query), ("key", call.key), ("value", call.value)):
+        shape, stride = tensor.shape, tensor.stride()
+        if extent(shape, stride) > limit:
+            span = 1 + sum((size - 1) * step for size, step in zip(shape, stride)) if tensor.numel() else 0
+            return ("span", "span=%d elements of %s, %d in a contiguous copy padded to %d tokens (limit %d)",
+                    (span, name, padded_count(shape), SPAN_PAD, limit))
+    raise ValueError("span_refusal() called for a call within the limit")
+
+
+def copies_fit(call: SdpaCall, limit: int) -> bool:
+    """Whether contiguous copies of the call's tensors, padded, are all within `limit` elements."""
+    return (padded_count(call.query.shape) <= limit and padded_count(call.key.shape) <= limit
+            and padded_count(call.value.shape) <= limit)
+
+
+def within_span(call: SdpaCall, limit: int) -> SdpaCall:
+    """The call with a contiguous copy of each tensor past `limit` (the others as given)."""
+    return call._replace(**{name: tensor.contiguous() for name, tensor in
+                            (("query", call.query), ("key", call.key), ("value", call.value))
+                            if extent(tensor.shape, tensor.stride()) > limit})
+
+
+# Layouts ----------------------------------------------------------------------------------------
+# Plain arithmetic on shapes and strides the rules read already: with a profile's layouts, every
+# served call is classified.
+
+def _transposed(shape, stride) -> bool:
+    """Whether a [B, H, N, D] tensor with a contiguous last dimension is a contiguous [B, N, H, D]
+    viewed as [B, H, N, D] (a dimension of size 1 may have any stride, as in is_contiguous())."""
+    b, h, n, d = shape
+    return ((h == 1 or stride[1] == d) and (n == 1 or stride[2] == h * d)
+            and (b == 1 or stride[0] == n * h * d))
+
+
+def _fused(tensors, shapes, strides) -> bool:
+    """q, k and v views into one [B, N, (Hq + 2 Hkv) * D] projection: one storage, and a token's row
+    holding all three (a fused QKV linear layer's output, split and viewed as [B, H, N, D])."""
+    row = (shapes[0][1] + shapes[1][1] + shapes[2][1]) * shapes[0][3]
+    for (b, _, n, _), stride in zip(shapes, strides):
+        if (n > 1 and stride[2] != row) or (b > 1 and stride[0] != n * row):
+            return False
+    q, k, v = tensors
+    storage = q.untyped_storage().data_ptr()
+    return k.untyped_storage().data_ptr() == storage == v.untyped_storage().data_ptr()
+
+
+def _layout(tensors, shapes, strides) -> str:
+    q, k, v = tensors
+    if q.is_contiguous() and k.is_contiguous() and v.is_contiguous():
+        return "contiguous"
+    if _transposed(shapes[0], strides[0]) and _transposed(shapes[1], strides[1]) and \
+            _transposed(shapes[2], strides[2]):
+        return "transposed"
+    if _fused(tensors, shapes, strides):
+        return "fused_qkv"
+    return "strided"
+
+
+def layout_of(q, k, v) -> str:
+    """The memory layout of a call's 4-D [B, H, N, D] tensors with contiguous last dimensions, each
+    name in `config.LAYOUTS`: "contiguous"; "transposed", each a contiguous [B, N, H, D] viewed as
+    [B, H, N, D] (diffusers' projections); "fused_qkv", views into one fused projection; else
+    "strided" (also when q, k and v differ, which no profile verifies)."""
+    return _layout((q, k, v), (q.shape, k.shape, v.shape), (q.stride(), k.stride(), v.stride()))

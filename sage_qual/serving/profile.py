@@ -16,7 +16,13 @@ profile was measured on it).
                                "triton": ...},
                "default": ENTRY, "families": {"FLUX.1": ENTRY, ...}}]}
     ENTRY = {"variant": name or null, "min_query_tokens": int or null, "min_key_tokens": int or null,
-             "head_dims": [int] or null, "reasons": [{"kind", "detail"}]}
+             "head_dims": [int] or null, "reasons": [{"kind", "detail"}],
+             "max_query_tokens": int or null, "max_key_tokens": int or null, "layouts": [name] or null}
+
+Optional, absent in older profiles (then: no upper bound, any layout, the default span limit):
+an entry's verified range (`max_query_tokens`, `max_key_tokens`) and `layouts` (names from
+`config.LAYOUTS`), and a GPU's `max_span_elements`, the largest element span and count of one
+tensor its kernels were shown to take (default `limits.MAX_SPAN_ELEMENTS`).
 
 Schema version 1 (one GPU model at the top level, no memory) still reads.
 """
@@ -29,10 +35,12 @@ from dataclasses import dataclass, field
 from typing import Literal, Mapping
 
 import torch
+from packaging.version import InvalidVersion, Version
 
 from sage_qual import jsonfile, records
+from sage_qual.limits import one_line
 from sage_qual.serving import platform, sage_package
-from sage_qual.serving.config import DEFAULT_CONFIG, WrapperConfig
+from sage_qual.serving.config import DEFAULT_CONFIG, LAYOUTS, WrapperConfig
 from sage_qual.serving.variants import VARIANTS
 
 KIND = "sage-qual-profile"
@@ -63,9 +71,14 @@ class Entry:
     min_key_tokens: int | None
     head_dims: list[int] | None
     reasons: list[EntryReason] = field(default_factory=list)
+    # The verified range and layouts (null: no upper bound, any layout; absent in older profiles).
+    max_query_tokens: int | None = None
+    max_key_tokens: int | None = None
+    layouts: list[str] | None = None
 
     def check(self) -> list[tuple[str, str]]:
-        thresholds = (self.min_query_tokens, self.min_key_tokens, self.head_dims)
+        thresholds = (self.min_query_tokens, self.min_key_tokens, self.head_dims, self.max_query_tokens,
+                      self.max_key_tokens, self.layouts)
         if self.variant is None:
             if any(x is not None for x in thresholds):
                 return [("variant", "null, but thresholds are given: a profile serves nothing without a "
@@ -84,6 +97,20 @@ class Entry:
         if wrong:
             return [("head_dims", f"{wrong[0]} is not a head size the kernels take "
                                   f"({', '.join(map(str, KERNEL_HEAD_DIMS))})")]
+        return self._check_range()
+
+    def _check_range(self) -> list[tuple[str, str]]:
+        for name, lowest in (("max_query_tokens", self.min_query_tokens),
+                             ("max_key_tokens", self.min_key_tokens)):
+            value = getattr(self, name)
+            if value is not None and value < lowest:
+                return [(name, f"is {value}, below min_{name[4:]} {lowest}: the verified range is empty")]
+        if self.layouts is not None:
+            if not self.layouts:
+                return [("layouts", "empty: name the verified layouts, or null for any")]
+            unknown = [name for name in self.layouts if name not in LAYOUTS]
+            if unknown:
+                return [("layouts", f"{unknown[0]!r} is not a layout sage-qual knows ({', '.join(LAYOUTS)})")]
         return []
 
 
@@ -105,6 +132,9 @@ class ProfileGpu:
     environment: ProfileEnvironment
     default: Entry
     families: dict[str, Entry]
+    max_span_elements: int | None = field(default=None, metadata={
+        "minimum": 1, "description": "largest element span and count of one tensor certified on this GPU; "
+                                     "null or absent: the default limit (2^31 - 1)"})
 
     @property
     def label(self) -> str:
@@ -168,23 +198,34 @@ def _normalize(name: str) -> str:
 
 
 def entry(gpu: ProfileGpu, family: str | None = None) -> Entry:
+    chosen = family_entry(gpu, family)
+    if chosen is None:
+        raise ProfileError(f"the profile has no entry for family {family} on {gpu.label} (it has: "
+                           f"{', '.join(gpu.families) or 'none'}): certify that family")
+    return chosen
+
+
+def family_entry(gpu: ProfileGpu, family: str | None) -> Entry | None:
+    """The entry for `family` (the default entry for None); None when the GPU has none for it."""
     if family is None:
         return gpu.default
-    for name, chosen in gpu.families.items():
-        if _normalize(name) == _normalize(family):
-            return chosen
-    raise ProfileError(f"the profile has no entry for family {family} on {gpu.label} (it has: "
-                       f"{', '.join(gpu.families) or 'none'}): certify that family")
+    return next((chosen for name, chosen in gpu.families.items() if _normalize(name) == _normalize(family)),
+                None)
 
 
-def apply(base: WrapperConfig, capability: tuple[int, int], chosen: Entry) -> WrapperConfig:
-    """`base` with this capability served by the entry's variant (or none), its thresholds and head sizes."""
+def apply(base: WrapperConfig, capability: tuple[int, int], chosen: Entry,
+          max_span_elements: int | None = None) -> WrapperConfig:
+    """`base` with this capability served by the entry's variant (or none), its thresholds, head sizes,
+    verified range and layouts, and the GPU's certified span limit (None: `base`'s)."""
     table = dict(base.kernel_table)
     table[capability] = (chosen.variant,) if chosen.variant else ()
     if not chosen.variant:
         return dataclasses.replace(base, kernel_table=table)
     return dataclasses.replace(base, kernel_table=table, min_query_tokens=chosen.min_query_tokens,
-                               min_key_tokens=chosen.min_key_tokens, head_dims=tuple(chosen.head_dims))
+                               min_key_tokens=chosen.min_key_tokens, head_dims=tuple(chosen.head_dims),
+                               max_query_tokens=chosen.max_query_tokens, max_key_tokens=chosen.max_key_tokens,
+                               layouts=None if chosen.layouts is None else tuple(chosen.layouts),
+                               max_span_elements=max_span_elements or base.max_span_elements)
 
 
 @dataclass(frozen=True)
@@ -198,65 +239,141 @@ class Machine:
     sageattention: str
 
 
-def mismatch(gpu: ProfileGpu, device: Machine) -> str:
-    """Why the entry does not describe this device; empty when it does."""
-    if (gpu.name, tuple(gpu.capability)) != (device.name, device.capability):
-        return f"the profile has {gpu.label}"
-    if gpu.memory_gib is not None and abs(gpu.memory_gib - device.memory_gib) > MEMORY_TOLERANCE_GIB:
-        return f"{gpu.label} was certified with {gpu.memory_gib:g} GiB, this one has {device.memory_gib:g}"
+def same_gpu_name(a: str, b: str) -> bool:
+    """GPU names as one model: without case or surrounding space ("nvidia h200 " is "NVIDIA H200")."""
+    return a.strip().casefold() == b.strip().casefold()
+
+
+def _torch_release(version: str) -> tuple:
+    """(major, minor, local build tag) of a torch version: equal for two patch releases of one build."""
+    try:
+        parsed = Version(version)
+    except InvalidVersion:
+        return (version,)
+    return (*parsed.release[:2], parsed.local)
+
+
+def differences(gpu: ProfileGpu, device: Machine) -> list[str]:
+    """What differs between the machine an entry was certified on and this device, hardware first."""
+    found = []
+    if not same_gpu_name(gpu.name, device.name) or tuple(gpu.capability) != device.capability:
+        found.append("GPU %s, sm_%d%d here" % (device.name, *device.capability))
+    elif gpu.memory_gib is not None and abs(gpu.memory_gib - device.memory_gib) > MEMORY_TOLERANCE_GIB:
+        found.append(f"memory {gpu.memory_gib:g} GiB, {device.memory_gib:g} here")
     env = gpu.environment
-    for label, certified, here in (("torch", env.torch, device.torch),
+    for label, certified, here in (("sageattention", env.sageattention, device.sageattention),
                                    ("CUDA", env.torch_cuda, device.torch_cuda),
-                                   ("sageattention", env.sageattention, device.sageattention)):
+                                   ("torch", env.torch, device.torch)):
         if certified != here:
-            return (f"{gpu.label} was certified with {label} {certified or 'none'}, this process has "
-                    f"{here or 'none'}")
-    return ""
+            found.append(f"{label} {certified or 'none'}, {here or 'none'} here")
+    return found
+
+
+def is_near_match(gpu: ProfileGpu, device: Machine) -> bool:
+    """The same GPU model, sageattention and CUDA, with torch another patch release of the same build
+    (2.11.1+cu130 for 2.11.0+cu130): the kernels are the same binaries and torch's SDPA backends do
+    not change within a minor release, so the entry applies (docs/certify.md, "Which entry applies")."""
+    env = gpu.environment
+    return (len(differences(gpu, device)) == 1 and env.torch != device.torch
+            and _torch_release(env.torch) == _torch_release(device.torch))
+
+
+def nearest(profile: Profile, device: Machine) -> ProfileGpu:
+    """The entry closest to this device: the same GPU model first, then memory, sageattention, CUDA,
+    torch's release and torch itself; the first in the file among equals."""
+    def closeness(gpu: ProfileGpu):
+        env = gpu.environment
+        return (same_gpu_name(gpu.name, device.name) and tuple(gpu.capability) == device.capability,
+                tuple(gpu.capability) == device.capability,
+                gpu.memory_gib is None or abs(gpu.memory_gib - device.memory_gib) <= MEMORY_TOLERANCE_GIB,
+                env.sageattention == device.sageattention, env.torch_cuda == device.torch_cuda,
+                _torch_release(env.torch) == _torch_release(device.torch), env.torch == device.torch)
+    return max(profile.gpus, key=closeness)
+
+
+def served_families(gpu: ProfileGpu) -> list[str]:
+    return [name for name, chosen in gpu.families.items() if chosen.variant]
+
+
+def verified_range(chosen: Entry) -> str:
+    """The note's words for an entry's upper bounds and layouts ("" when it has none)."""
+    words = ""
+    if chosen.max_query_tokens is not None or chosen.max_key_tokens is not None:
+        words += (f", up to {chosen.max_query_tokens or 'any'} query / {chosen.max_key_tokens or 'any'} "
+                  "key tokens")
+    if chosen.layouts is not None:
+        words += f", layouts {', '.join(chosen.layouts)}"
+    return words
 
 
 @dataclass(frozen=True)
 class DeviceConfig:
     config: WrapperConfig
-    note: str  # which profile entry applies, or why none does
+    note: str  # which profile entry applies, or why none does: one line (limits.STATUS_LINE_LIMIT)
+    reasons: tuple[str, ...] = ()  # every reason the applied entry gives for serving nothing, in full
+    matched: bool = True  # False: no entry describes this device (a person asked for a profile: warn)
+
+
+def _entry_note(gpu: ProfileGpu, chosen: Entry, family: str | None, near: str) -> str:
+    scope = f", family {family}" if family else ""
+    if chosen.variant:
+        return one_line(f"{near}profile entry {gpu.label}{scope}: {chosen.variant} from "
+                        f"{chosen.min_query_tokens} query / {chosen.min_key_tokens} key tokens, head_dim "
+                        f"{'/'.join(map(str, chosen.head_dims))}{verified_range(chosen)}")
+    count = len(chosen.reasons)
+    first = chosen.reasons[0].detail if chosen.reasons else "no reason recorded"
+    enabled = served_families(gpu) if family is None else []
+    if enabled:  # the profile serves some families here: which, and how to pick one, before why not all
+        listed = ", ".join(enabled[:4]) + (f" and {len(enabled) - 4} more" if len(enabled) > 4 else "")
+        return one_line(f"{near}the profile enables only {listed} here, pick one: install(profile=..., "
+                        f"family=\"{enabled[-1]}\"); why not all: {count} reasons in profile_reasons")
+    why = f"{count} reasons in profile_reasons, first: {first}" if count > 1 else first
+    return one_line(f"{near}the profile certifies no SageAttention variant on {gpu.label}{scope}: {why}")
 
 
 def device_configs(profile, machines: list[Machine], family: str | None = None,
-                   base: WrapperConfig = DEFAULT_CONFIG) -> list[DeviceConfig]:
-    """Each device's configuration: its matching entry applied to `base`, or `base` with the reason.
-    ProfileError when the profile cannot be read or a matching entry lacks the family."""
+                   base: WrapperConfig | list[WrapperConfig] = DEFAULT_CONFIG) -> list[DeviceConfig]:
+    """Each device's configuration: its matching entry applied to `base` (one config, or one per
+    device), else `base` with a note naming the nearest entry and what differs; a family that the
+    nearest entry keeps off stays off. ProfileError when the profile cannot be read or a matching
+    entry lacks the family."""
     profile = load(profile)
-    configs = []
-    for device in machines:
-        why_not = []
-        for gpu in profile.gpus:
-            problem = mismatch(gpu, device)
-            if problem:
-                why_not.append(problem)
-                continue
-            chosen = entry(gpu, family)
-            scope = f", family {family}" if family else ""
-            if chosen.variant:
-                note = (f"profile entry {gpu.label}{scope}: {chosen.variant} from {chosen.min_query_tokens} "
-                        f"query / {chosen.min_key_tokens} key tokens, head_dim "
-                        f"{'/'.join(map(str, chosen.head_dims))}")
-            else:
-                why = "; ".join(r.detail for r in chosen.reasons) or "no reason recorded"
-                note = f"the profile certifies no SageAttention variant on {gpu.label}{scope}: {why}"
-            configs.append(DeviceConfig(apply(base, device.capability, chosen), note))
-            break
-        else:
-            defaults = f"{base.min_query_tokens}/{base.min_key_tokens} tokens"
-            configs.append(DeviceConfig(base, f"no profile entry matches ({'; '.join(why_not)}): default "
-                                              f"kernel table and thresholds ({defaults})"))
-    return configs
+    bases = base if isinstance(base, list) else [base] * len(machines)
+    return [_device_config(profile, device, family, own)
+            for device, own in zip(machines, bases, strict=True)]
+
+
+def _device_config(profile: Profile, device: Machine, family: str | None,
+                   base: WrapperConfig) -> DeviceConfig:
+    gpu = nearest(profile, device)
+    differ = differences(gpu, device)
+    if not differ or is_near_match(gpu, device):
+        chosen = entry(gpu, family)
+        near = f"near match ({differ[0]}): " if differ else ""
+        return DeviceConfig(apply(base, device.capability, chosen, gpu.max_span_elements),
+                            _entry_note(gpu, chosen, family, near),
+                            tuple(r.detail for r in chosen.reasons) if not chosen.variant else ())
+    nearest_entry = f"nearest {gpu.label} differs: {'; '.join(differ)}"
+    kept_off = family_entry(gpu, family)
+    if kept_off is not None and not kept_off.variant:  # never let the defaults serve what it keeps off
+        what = f"family {family}" if family else "all families"
+        note = f"no profile entry matches, and the nearest keeps {what} off, so off here; {nearest_entry}"
+        return DeviceConfig(apply(base, device.capability, kept_off), one_line(note),
+                            tuple(r.detail for r in kept_off.reasons), matched=False)
+    thresholds = f"{base.min_query_tokens}/{base.min_key_tokens} tokens"
+    note = f"no profile entry matches: defaults here ({thresholds}); {nearest_entry}"
+    return DeviceConfig(base, one_line(note), matched=False)
 
 
 def this_machine() -> list[Machine]:
     """Every visible device as a profile entry must match it. Raises SageUnavailable without a
     usable sageattention (its version is part of the match)."""
-    cuda = platform.current()
-    version = sage_package.load().version
+    return machines(platform.current(), sage_package.load().version)
+
+
+def machines(cuda: platform.CudaPlatform, sageattention: str) -> list[Machine]:
+    """Every device of `cuda` as a profile entry must match it, with this sageattention version."""
     cuda_version = cuda.torch_cuda()
     torch_cuda = "%d.%d" % cuda_version if cuda_version else ""
     return [Machine(cuda.device_name(i), cuda.capability(i), round(cuda.total_memory(i) / 2**30, 1),
-                    torch.__version__, torch_cuda, version) for i in range(cuda.device_count())]
+                    torch.__version__, torch_cuda, sageattention) for i in range(cuda.device_count())]

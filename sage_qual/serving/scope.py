@@ -8,6 +8,8 @@ import contextvars
 import logging
 from dataclasses import dataclass, field
 
+from sage_qual.limits import STATUS_LINE_LIMIT, one_line
+
 log = logging.getLogger("sage_qual")
 
 
@@ -17,6 +19,7 @@ class ScopeReport:
 
     calls: int = 0
     served: int = 0
+    copied: int = 0  # of the served calls, those served from contiguous copies (`copy_past_span`)
     fallbacks: collections.Counter = field(default_factory=collections.Counter)
     details: dict[str, str] = field(default_factory=dict)  # per reason, its first call's detail
     out_of_memory: bool = False  # once set, the rest of the scope runs on PyTorch
@@ -30,13 +33,19 @@ class ScopeReport:
             self.details[reason] = template % values
 
     def summary(self) -> str:
+        """One line of at most limits.STATUS_LINE_LIMIT characters: each fallback reason with its
+        count, and its first call's detail where they fit (all of them stay in `details`)."""
         if self.not_installed and not self.calls:
-            return (f"attention calls not counted: SageAttention is not installed ({self.not_installed}); "
-                    "every call runs on PyTorch SDPA")
-        reasons = ", ".join(f"{reason}={count} [{self.details.get(reason, '')}]"
-                            for reason, count in self.fallbacks.most_common())
-        return (f"{self.calls} attention calls, {self.served} on SageAttention; "
-                f"on PyTorch SDPA: {reasons or 'none'}")
+            return one_line("attention calls not counted, all on PyTorch SDPA: SageAttention is not "
+                            f"installed ({self.not_installed})")
+        counted = self.fallbacks.most_common()
+        head = f"{self.calls} attention calls, {self.served} on SageAttention; on PyTorch SDPA: "
+        detailed = ", ".join(f"{reason}={count} [{self.details.get(reason, '')}]"
+                             for reason, count in counted)
+        if len(head + detailed) <= STATUS_LINE_LIMIT:
+            return head + (detailed or "none")
+        return one_line(head + ", ".join(f"{reason}={count}" for reason, count in counted)
+                        + " (first call of each: report.details)")
 
 
 _active: contextvars.ContextVar[ScopeReport | None] = contextvars.ContextVar("sage_qual_scope", default=None)
@@ -75,6 +84,7 @@ def sage_attention_scope():
         if outer is not None:
             outer.calls += report.calls
             outer.served += report.served
+            outer.copied += report.copied
             outer.fallbacks.update(report.fallbacks)
             outer.details = {**report.details, **outer.details}
             outer.out_of_memory |= report.out_of_memory

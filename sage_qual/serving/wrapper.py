@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sage_qual.limits import one_line
 from sage_qual.serving import platform, sage_package, scope, torch_sdpa
 from sage_qual.serving.assess import assess, box_facts
 from sage_qual.serving.config import DEFAULT_CONFIG, WrapperConfig
-from sage_qual.serving.eligibility import SdpaCall, bind, refusal
+from sage_qual.serving.eligibility import SdpaCall, bind, copies_fit, refusal, within_span
 from sage_qual.serving.failures import Failure, classify
 from sage_qual.serving.scope import ScopeReport, _active
 from sage_qual.serving.variants import Variant
@@ -38,7 +39,8 @@ class DeviceState:
     announced: bool = False
     # Its own thresholds and kernel table: a profile entry that matches this device, else the default.
     config: WrapperConfig = field(default=DEFAULT_CONFIG, repr=False)
-    profile_note: str = ""  # which profile entry applies, or why none does ("" without a profile)
+    profile_note: str = ""  # which profile entry (or built-in default) applies, or why none does: one line
+    profile_reasons: tuple[str, ...] = ()  # every reason that entry gives for serving nothing, in full
 
     @property
     def label(self) -> str:
@@ -48,9 +50,17 @@ class DeviceState:
 @dataclass(frozen=True)
 class InstallStatus:
     enabled: bool
-    reason: str = ""  # why torch's function was kept; empty when enabled
+    reason: str = ""  # why torch's function was kept, one line of at most 200 characters; empty when enabled
     version: str = ""
-    devices: tuple[DeviceState, ...] = ()
+    devices: tuple[DeviceState, ...] = ()  # also when no GPU had a kernel: each one's reason in full
+
+
+class _NoKernel(sage_package.SageUnavailable):
+    """No GPU has a usable kernel; carries the devices, whose reasons say why in full."""
+
+    def __init__(self, reason: str, devices: tuple[DeviceState, ...]):
+        super().__init__(reason)
+        self.devices = devices
 
 
 class _Installed:
@@ -86,8 +96,9 @@ def install(config: WrapperConfig | None = None, profile=None, family: str | Non
     """Rebind torch's SDPA to the wrapper once. Never raises; logs one WARNING when it cannot.
 
     profile: a `sage-qual certify` profile.json (path or dict). Its GPU then gets the variant and
-    thresholds certified for `family` (default: for all families), or no kernel; a profile made on
-    another GPU model, torch or sageattention is refused with the reason.
+    thresholds certified for `family` (default: for all families), or no kernel. A GPU no entry
+    describes keeps the defaults, and a family the nearest entry keeps off stays off, with one WARNING.
+    Without config and profile, the built-in defaults apply (`sage_qual.serving.defaults`).
     """
     with _install_lock:
         return _install(config, profile, family)
@@ -98,17 +109,10 @@ def _install(config: WrapperConfig | None, profile=None, family: str | None = No
     if _installed is not None:
         return _status
     try:
-        per_device = None
-        if profile is not None:
-            from sage_qual.serving.profile import ProfileError, device_configs, this_machine
-
-            try:
-                per_device = device_configs(profile, this_machine(), family, config or DEFAULT_CONFIG)
-            except ProfileError as error:
-                raise sage_package.SageUnavailable(str(error)) from None
-        devices, package = _probe(config or DEFAULT_CONFIG, per_device)
+        loaded = _load_profile(profile)  # a broken profile is said before any GPU or package check
+        devices, package = _probe(config or DEFAULT_CONFIG, loaded, family, builtin=config is None)
     except sage_package.SageUnavailable as why:
-        _status = InstallStatus(False, str(why))
+        _status = InstallStatus(False, str(why), devices=getattr(why, "devices", ()))
         log.warning("SageAttention not enabled, attention stays on PyTorch SDPA: %s", why)
         return _status
     except Exception as error:  # install must never break the application that calls it
@@ -120,13 +124,13 @@ def _install(config: WrapperConfig | None, profile=None, family: str | None = No
     _installed.function = _make_sdpa(_installed)
     torch_sdpa.bind(_installed.function, _installed.original)
     _status = InstallStatus(True, "", package.version, tuple(devices.values()))
+    for device in devices.values():
+        if device.profile_note:
+            log.info("%s: %s", device.label, device.profile_note)
     served = ", ".join(f"{d.label} -> {d.variant.name}" for d in devices.values() if d.variant)
     unserved = "; ".join(f"{d.label}: {d.no_kernel_reason}" for d in devices.values() if not d.variant)
     log.info("SageAttention %s enabled for SDPA calls inside sage_attention_scope(): %s%s",
              package.version, served, f"; no kernel for {unserved}" if unserved else "")
-    for device in devices.values():
-        if device.profile_note:
-            log.info("%s: %s", device.label, device.profile_note)
     return _status
 
 
@@ -142,8 +146,44 @@ def uninstall() -> None:
         _status = InstallStatus(False, "uninstall() was called")
 
 
-def _probe(config: WrapperConfig, per_device=None) -> tuple[dict[int, DeviceState], sage_package.SagePackage]:
-    """Each device's state; `per_device` (from a profile) gives each its own config and note."""
+def _load_profile(profile):
+    if profile is None:
+        return None
+    from sage_qual.serving.profile import ProfileError, load
+
+    try:
+        return load(profile)
+    except ProfileError as error:
+        raise sage_package.SageUnavailable(str(error)) from None
+
+
+def _device_configs(cuda, package, config: WrapperConfig, profile, family: str | None, builtin: bool):
+    """Each device's config and note: the built-in defaults (when `builtin`) or `config`, then the
+    profile's entry where one matches; one WARNING when the profile describes a GPU not."""
+    from sage_qual.serving import defaults
+    from sage_qual.serving.profile import DeviceConfig, ProfileError, device_configs, machines
+
+    here = machines(cuda, package.version)
+    try:
+        bases = (defaults.device_configs(here, family, config) if builtin
+                 else [DeviceConfig(config, "")] * len(here))
+        if profile is None:
+            return bases
+        chosen = device_configs(profile, here, family, [b.config for b in bases])
+    except ProfileError as error:
+        raise sage_package.SageUnavailable(str(error)) from None
+    unmatched = [(i, c) for i, c in enumerate(chosen) if not c.matched]
+    if unmatched:
+        (index, first), more = unmatched[0], len(unmatched) - 1
+        label = "cuda:%d (%s, sm_%d%d)" % (index, here[index].name, *here[index].capability)
+        others = f" and {more} more GPUs" if more else ""
+        log.warning("%s", one_line(f"profile: {label}{others}: {first.note}"))
+    return chosen
+
+
+def _probe(config: WrapperConfig, profile=None, family: str | None = None,
+           builtin: bool = False) -> tuple[dict[int, DeviceState], sage_package.SagePackage]:
+    """Each device's state, with its own config and note from the built-in defaults and the profile."""
     cuda = platform.current()
     if cuda.is_rocm():
         raise sage_package.SageUnavailable("this is a ROCm build of torch; SageAttention runs on NVIDIA "
@@ -158,19 +198,21 @@ def _probe(config: WrapperConfig, per_device=None) -> tuple[dict[int, DeviceStat
         raise sage_package.SageUnavailable(f"no GPU of compute capability 8.0 or newer ({found}); "
                                            "SageAttention 2 needs Ampere or newer")
     package = sage_package.load()
+    per_device = _device_configs(cuda, package, config, profile, family, builtin)
     devices = {}
     for index, capability in capabilities.items():
-        own = per_device[index] if per_device else None
-        device_config = own.config if own else config
-        gpu = assess(index, box_facts(cuda, index, package), package, device_config)
+        own = per_device[index]
+        gpu = assess(index, box_facts(cuda, index, package), package, own.config)
         variant, reason = gpu.kernel, gpu.no_kernel_reason
-        if own and not variant and device_config.kernel_table.get(capability) == ():
-            reason = own.note  # the profile certifies no variant here: say why
+        if own.note and not variant and own.config.kernel_table.get(capability) == ():
+            reason = own.note  # the profile or the built-in defaults keep it off: say why
         devices[index] = DeviceState(index, cuda.device_name(index), capability, variant, reason,
-                                     config=device_config, profile_note=own.note if own else "")
+                                     config=own.config, profile_note=own.note, profile_reasons=own.reasons)
     if not any(d.variant for d in devices.values()):
-        reasons = "; ".join(f"{d.label}: {d.no_kernel_reason}" for d in devices.values())
-        raise sage_package.SageUnavailable(f"no GPU here has a usable SageAttention kernel ({reasons})")
+        first, *others = devices.values()
+        more = f" and {len(others)} more GPUs (install_status().devices)" if others else ""
+        raise _NoKernel(one_line(f"{first.label}{more}: {first.no_kernel_reason}"),
+                        tuple(devices.values()))
     return devices, package
 
 
@@ -198,11 +240,16 @@ def _serve(state: _Installed, report: ScopeReport, args: tuple, kwargs: dict):
     cuda = platform.current()
     if state.one_config:  # every GPU has the same rules: the query's GPU is read only if they pass
         index = device = None
-        refused = refusal(call, state.config, cuda)
+        config = state.config
     else:  # a profile gave GPUs their own rules: read the query's GPU once, for both checks
         index = cuda.tensor_device(call.query) if isinstance(call.query, torch.Tensor) else None
         device = state.devices.get(index)
-        refused = refusal(call, state.config if device is None else device.config, cuda)
+        config = state.config if device is None else device.config
+    refused = refusal(call, config, cuda)
+    copy = False  # serve from contiguous copies of the tensors past the span limit
+    if refused is not None and refused[0] == "span" and config.copy_past_span and \
+            copies_fit(call, config.max_span_elements):
+        refused, copy = None, True
     if refused is None:
         device = _device_refusal(state, call, cuda, index, device)
         refused = ("device", "%s", (device,)) if isinstance(device, str) else None
@@ -214,8 +261,9 @@ def _serve(state: _Installed, report: ScopeReport, args: tuple, kwargs: dict):
 
     failed = False
     with cuda.device_guard(device.index):
-        try:
-            out = state.kernels[device.index](call.query, call.key, call.value, sm_scale=call.sm_scale)
+        try:  # the copies are made here: out of memory for them is handled as for the kernel's own
+            given = within_span(call, config.max_span_elements) if copy else call
+            out = state.kernels[device.index](given.query, given.key, given.value, sm_scale=call.sm_scale)
             check_key = (call.query.dtype, call.query.shape[-1])
             if check_key not in device.checked:
                 problem = _first_call_problem(state, call, out)
@@ -234,11 +282,12 @@ def _serve(state: _Installed, report: ScopeReport, args: tuple, kwargs: dict):
         # Torch runs only now, outside the except block: the exception's traceback keeps the kernel's
         # frames alive, and with them its quantized copies; an out-of-memory fallback inside the
         # block runs out of memory too (H200, docs/results/README.md, "Out-of-memory fallback").
-        out = None
+        out = given = None
         return original(*args, **kwargs)
     device.cache_errors = 0
     report.calls += 1
     report.served += 1
+    report.copied += copy
     if not device.announced:
         device.announced = True
         log.info("SageAttention %s serves attention on %s with %s (variant %s)", state.package.version,

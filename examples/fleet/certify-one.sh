@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One GPU host of the fleet: certify every GPU here, then ask the gate for every family on this
+# machine (it re-derives the budgets and checks the report against this GPU, driver and software).
+# Usage: certify-one.sh OUT_DIR   (OUT_DIR gets report.json, profile.json, the logs and gates.jsonl)
+# PYTHON: the interpreter of the venv holding sage-qual, torch and SageAttention (default: python).
+set -uo pipefail
+out=${1:?usage: certify-one.sh OUT_DIR}
+python=${PYTHON:-python}
+families=("FLUX.1" "FLUX.2" "Z-Image" "Qwen-Image" "Krea-2" "SDXL" "LTX-2" "Wan 2.2")
+
+"$python" -m sage_qual env
+"$python" -m sage_qual certify --out "$out"
+certified=$?
+if [ ! -f "$out/report.json" ]; then
+    echo "certify wrote no report (exit $certified)" >&2
+    exit 2
+fi
+: > "$out/gates.jsonl"
+for family in "${families[@]}"; do
+    # exit 0 enable, 1 keep off, 2 cannot decide: each answer is one JSON line; the merge step
+    # reads a missing line as "not decided here", which keeps the family off.
+    "$python" -m sage_qual gate --family "$family" --report "$out/report.json" --json >> "$out/gates.jsonl"
+    echo >> "$out/gates.jsonl"
+done
+exit "$certified"

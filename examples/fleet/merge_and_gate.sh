@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# The fleet step: merge every host's report into one table, compare each host with its report of
+# the last release, and gate each family for the whole fleet.
+# Usage: merge_and_gate.sh OUT_DIR REPORTS_DIR [BASELINE_DIR]
+#   REPORTS_DIR/<host>/report.json (and gates.jsonl from certify-one.sh), one folder per runner or
+#   array task; BASELINE_DIR/<host>/report.json the same hosts at the last release (optional).
+# REQUIRED_FAMILIES: comma-separated families the fleet must enable (exit 1 when one is kept off).
+# REQUIRE_SPEEDUP=1: "safe, no speedup" counts as kept off (as `gate --require-speedup`).
+# Writes OUT_DIR/fleet.md, fleet.json, compare-<host>.txt and fleet-gates.txt.
+set -uo pipefail
+out=${1:?usage: merge_and_gate.sh OUT_DIR REPORTS_DIR [BASELINE_DIR]}
+reports=${2:?usage: merge_and_gate.sh OUT_DIR REPORTS_DIR [BASELINE_DIR]}
+baseline=${3:-}
+python=${PYTHON:-python}
+mkdir -p "$out"
+
+shopt -s nullglob
+found=("$reports"/*/report.json)
+if [ ${#found[@]} -eq 0 ]; then
+    echo "no report.json under $reports/*/" >&2
+    exit 2
+fi
+"$python" -m sage_qual merge "${found[@]}" > "$out/fleet.md" || exit 2
+"$python" -m sage_qual merge --json "${found[@]}" > "$out/fleet.json" || exit 2
+cat "$out/fleet.md"
+
+# A host whose verdicts or thresholds moved since the last release is reported, not failed: the
+# break-even is not yet stable to 10 % between runs (docs/certify.md, "Not stable to 10 %").
+for current in "${found[@]}"; do
+    host=$(basename "$(dirname "$current")")
+    previous="$baseline/$host/report.json"
+    if [ -n "$baseline" ] && [ -f "$previous" ]; then
+        "$python" -m sage_qual compare "$previous" "$current" > "$out/compare-$host.txt"
+        case $? in
+            0) echo "$host: same as the last release" ;;
+            1) echo "$host: differs from the last release (see compare-$host.txt)" ;;
+            *) echo "$host: cannot compare with the last release (see compare-$host.txt)" ;;
+        esac
+    else
+        echo "$host: no report of the last release"
+    fi
+done
+
+# A family is on for the fleet when every host's stored verdict passes it and every host's own
+# gate (when it ran) said enable.
+"$python" - "$out/fleet.json" "$out/fleet-gates.txt" "${found[@]}" <<'PY'
+import json, os, sys
+from pathlib import Path
+
+fleet, decisions, reports = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2]), sys.argv[3:]
+passing = {"enable"} if os.environ.get("REQUIRE_SPEEDUP") == "1" else {"enable", "safe, no speedup"}
+gates = {}  # (report folder, family) -> the gate's exit code on that host
+for report in reports:
+    lines = Path(report).with_name("gates.jsonl")
+    for line in lines.read_text().splitlines() if lines.exists() else []:
+        if line.strip():
+            answer = json.loads(line)
+            gates[(str(Path(report).parent), answer["family"])] = answer["exit_code"]
+families = list(dict.fromkeys(name for row in fleet for name in row["families"]))
+out, off = [], []
+for family in families:
+    why, verdicts = [], set()
+    for row in fleet:
+        where = f"{row['host']} {row['gpu']} ({Path(row['report']).parent.name})"
+        entry = row["families"].get(family)
+        if not row["complete"] or row["predicted"]:
+            why.append(f"{where}: the report is partial or predicted")
+        elif entry is None or entry["verdict"] not in passing:
+            why.append(f"{where}: {entry['verdict'] if entry else 'not run'}")
+        else:
+            verdicts.add(entry["verdict"])
+        code = gates.get((str(Path(row["report"]).parent), family))
+        if (Path(row["report"]).with_name("gates.jsonl")).exists() and code != 0:
+            why.append(f"{where}: gate exit {code if code is not None else 'missing'}")
+    # "safe, no speedup" anywhere: the family may be enabled, but serves nothing there
+    verdict = "keep off" if why else "enable" if verdicts == {"enable"} else "safe, no speedup"
+    out.append(f"{family}: {verdict}" + (f" ({'; '.join(why)})" if why else ""))
+    if why:
+        off.append(family)
+decisions.write_text("\n".join(out) + "\n")
+print("\n".join(out))
+required = [f.strip() for f in os.environ.get("REQUIRED_FAMILIES", "").split(",") if f.strip()]
+unknown = [f for f in required if f not in families]
+if unknown:
+    print(f"REQUIRED_FAMILIES names families no report ran: {', '.join(unknown)}", file=sys.stderr)
+    sys.exit(2)
+sys.exit(1 if any(f in off for f in required) else 0)
+PY

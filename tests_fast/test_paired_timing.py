@@ -1,0 +1,77 @@
+"""Paired timing near the crossover (issue 17 item 2): certify's refinement times the variant and
+the fastest SDPA backend call by call in turn in one worker (fake GPU and fake kernel on CPU), and
+records both timings, each as the report's speed records hold them."""
+
+import pytest
+
+from sage_qual.qualification import certify, fault_hooks, families, measure, report, worker
+from sage_qual import records
+from sage_qual.qualification.report_model import Speed
+
+
+@pytest.fixture
+def bench():
+    fake = fault_hooks.FakeBench([{"name": "Fake H200", "capability": [9, 0]}])
+    try:
+        yield fake
+    finally:
+        fake._stack.close()  # the fake CUDA and sageattention it entered
+
+
+def test_the_variant_and_sdpa_are_timed_in_turn_after_their_warm_ups(bench, monkeypatch):
+    order = []
+    call_kernel, torch_sdpa = measure.call_kernel, measure.TORCH_SDPA
+
+    def logged(name, function):
+        def call(*args, **kwargs):
+            order.append(name)
+            return function(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(measure, "call_kernel", logged("ours", call_kernel))
+    monkeypatch.setattr(measure, "TORCH_SDPA", logged("sdpa", torch_sdpa))
+    shape = families.self_attention(24, 8192, 128).as_dict()
+    task = {"id": "t", "kind": "paired", "variant": "sm90-fp8-cuda", "key": "k", "shape": shape,
+            "warmup": 2, "repeats": 5}
+    asked = []  # (warm-up, repeats) of each timing the worker asks for
+    timings_ms = bench.timings_ms
+
+    def timed(fn, warmup, repeats):
+        asked.append((warmup, repeats))
+        return timings_ms(fn, warmup, repeats)
+
+    monkeypatch.setattr(bench, "timings_ms", timed)
+    result = worker.Worker(bench, {}).run(task)
+    assert result["outcome"] == "pass", result
+    # after the backends' screen: both warmed up, then one timed call of each in turn
+    assert asked[-12:] == [(2, 0), (2, 0)] + [(0, 1), (0, 1)] * 5
+    assert order[-10:] == ["ours", "sdpa"] * 5
+    sdpa = result["sdpa"]
+    assert len(result["samples_ms"]) == len(sdpa["samples_ms"]) == 5
+    assert sdpa["best_backend"] == min(sdpa["backends"], key=sdpa["backends"].get)
+    # each half reads as a speed record of the report (unknown keys, types and the median checked)
+    ours = {n: v for n, v in result.items() if n != "sdpa"}
+    records.parse(Speed, {"kernel": "sm90-fp8-cuda", "shape": "k", **ours}, "paired", "")
+    records.parse(Speed, {"kernel": "sdpa", "shape": "k", **sdpa}, "paired", "")
+
+
+def test_a_paired_result_becomes_two_speed_records(tmp_path):
+    writer = report.Writer(tmp_path / "report.json", {"shapes": {}, "devices": [{"speed": []}]})
+    run = certify._DeviceRun(0, [], [], {}, certify.Options(tmp_path), writer, 0)
+    task = {"id": "sm90-fp8-cuda+sdpa@k", "kind": "paired", "variant": "sm90-fp8-cuda", "key": "k"}
+    sdpa = {"outcome": "pass", "ms": 2.0, "samples_ms": [2.0, 2.0, 2.0], "best_backend": "cudnn",
+            "backends": {"cudnn": 2.0}, "refused": {}}
+    ours = {"outcome": "pass", "ms": 1.5, "samples_ms": [1.4, 1.5, 1.6]}
+    run._record({task["id"]: task}, task["id"], {**ours, "sdpa": sdpa}, certify._Progress(1))
+    assert writer.data["devices"][0]["speed"] == [{"kernel": "sdpa", "shape": "k", **sdpa},
+                                                   {"kernel": "sm90-fp8-cuda", "shape": "k", **ours}]
+
+
+def test_a_paired_task_that_crashed_records_the_variant_only(tmp_path):
+    writer = report.Writer(tmp_path / "report.json", {"shapes": {}, "devices": [{"speed": []}]})
+    run = certify._DeviceRun(0, [], [], {}, certify.Options(tmp_path), writer, 0)
+    task = {"id": "v+sdpa@k", "kind": "paired", "variant": "sm90-fp8-cuda", "key": "k"}
+    crashed = {"outcome": "crash", "detail": "boom"}
+    run._record({task["id"]: task}, task["id"], crashed, certify._Progress(1))
+    assert writer.data["devices"][0]["speed"] == [
+        {"kernel": "sm90-fp8-cuda", "shape": "k", "ms": None, "outcome": "crash", "detail": "boom"}]
