@@ -9,6 +9,7 @@ tests_fast/test_gate_merge.py's `machine` and `fixture_dir`).
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 from sage_qual import cli
 from sage_qual.qualification import families, gate, pool
@@ -21,8 +22,15 @@ def _local_fixtures(directories, family):
     return {f["name"]: f["sha256"] for f in SAMPLE["fixtures"] if gate.counts_for(chosen, f["family"])}
 
 
+def _local_fixture_files(directories, family):
+    """The same, as loaded fixtures stand in for the gate: only their checksums are read."""
+    return {name: SimpleNamespace(name=name, sha256=sha)
+            for name, sha in _local_fixtures(directories, family).items()}
+
+
 pool.collect_environment = lambda *args, **kwargs: {"environment": SAMPLE["environment"]}
 gate.local_fixtures = _local_fixtures
+gate.local_fixture_files = _local_fixture_files
 gate.budget_problem = lambda *args: ""
 
 if __name__ == "__main__":
