@@ -4,30 +4,35 @@ report says "not timed" and shows no GPU, break-even or speed table it does not 
 sets the prediction against the fixture's published bound (its budget is the prediction plus a
 margin, so against the budget every cell shows about 0.91)."""
 
-import copy
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from sage_qual.fixtures.fileformat import save_fixture
-from sage_qual.qualification import emulate, families, gate, report
+from sage_qual.qualification import emulate, report
 
-SAMPLE = Path(__file__).parent / "data" / "sample_h200_2gpu.json"
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLE = ROOT / "tests_fast" / "data" / "sample_h200_2gpu.json"
 PUBLISHED = {"fp16": {"max_rel_l2": 0.05, "min_cosine": 0.99}, "fp8": {"max_rel_l2": 0.1, "min_cosine": 0.99}}
 
 
-def test_the_gate_refuses_a_quick_report_as_such():
+def test_the_gate_refuses_a_quick_report_as_such(tmp_path):
+    """On the sample's machine (tests_fast/cli_child.py), where the full report enables FLUX.1."""
     data = json.loads(SAMPLE.read_text())
     data["options"]["quick"] = True
-    typed = report.parse(copy.deepcopy(data), "r.json")
-    local = {f["name"]: f["sha256"] for f in data["fixtures"]
-             if gate.counts_for(families.find("FLUX.1"), f["family"])}
-    decision = gate.decide(typed, families.find("FLUX.1"), data["environment"], local, False)
-    assert decision.code == 2
-    assert decision.problem.startswith("a --quick report cannot enable a family: ")
-    assert "stale" not in decision.problem
+    path = tmp_path / "quick.json"
+    path.write_text(json.dumps(data))
+    done = subprocess.run([sys.executable, "-m", "tests_fast.cli_child", "gate", "--family", "FLUX.1",
+                           "--report", str(path), "--json"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    answer = json.loads(done.stdout)
+    assert done.returncode == 2 == answer["exit_code"], done.stderr
+    assert "a --quick report cannot enable a family: " in answer["problem"]
+    assert "stale" not in answer["problem"]
 
 
 def fixture(directory: Path, name: str, tokens: int, **extra) -> None:
