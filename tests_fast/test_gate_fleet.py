@@ -235,7 +235,7 @@ def test_merge_gives_one_row_per_model_and_report(capsys, fleet):
     code = cli.main(["merge", "--json", *map(str, reports)])
     out, err = capsys.readouterr()
     assert (code, err) == (0, "")
-    rows = json.loads(out)
+    rows = json.loads(out)["rows"]
     assert [(r["host"], r["gpu"], r["devices"], r["report"]) for r in rows[:3] + rows[5:]] == [
         ("fleet-box", H200, [0], str(path)), ("fleet-box", H100, [1], str(path)),
         ("fleet-box", RTX4090, [2], str(path)), ("sample-ws-4090", RTX4090, [0], str(reports[2]))]

@@ -358,15 +358,18 @@ def test_cli_merge_markdown_and_json(capsys):
     code, out, err = run_cli(capsys, "merge", str(H200), str(RTX4090), str(PARTIAL))
     assert (code, err) == (0, "")
     lines = out.splitlines()
-    assert lines[0].startswith("| host | GPU | sm | GPUs | driver | torch | sageattention | FLUX.1 |")
-    h200 = next(line for line in lines if line.startswith("| sample-h200-2gpu | NVIDIA H200 | 90 | 2 |"))
+    # the partial run comes from the same host: each row names its report
+    assert lines[0].startswith(
+        "| host | report | GPU | sm | GPUs | driver | torch | sageattention | FLUX.1 |")
+    h200 = next(line for line in lines
+                if line.startswith(f"| sample-h200-2gpu | {H200} | NVIDIA H200 | 90 | 2 |"))
     assert "enable: sm90-fp8-cuda >= 4608/512" in h200 and "keep off: crash, oom, timeout" in h200
     assert "safe, no speedup: speed" in h200
     rtx = next(line for line in lines if "RTX 4090" in line)
     assert "591.44" in rtx and "enable: sm89-fp8-cuda >= 4608/1024" in rtx
     assert sum("partial report" in line for line in lines) == 2  # the partial run's two devices
     code, out, _ = run_cli(capsys, "merge", "--json", str(H200), str(RTX4090))
-    rows = json.loads(out)
+    rows = json.loads(out)["rows"]
     assert [(r["host"], r["gpu"], r["devices"]) for r in rows] == [
         ("sample-h200-2gpu", "NVIDIA H200", [0, 1]), ("sample-ws-4090", "NVIDIA GeForce RTX 4090", [0])]
     assert rows[0]["families"]["Wan 2.2"]["reasons"] == ["crash", "oom", "timeout"]

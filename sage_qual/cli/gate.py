@@ -23,7 +23,8 @@ def add_parser(subparsers) -> None:
         "gate", help="exit 0 to enable a family on this machine, 1 to keep it off, 2 when the report "
                      "cannot decide")
     command.add_argument("--family", required=True, help=f"one of: {', '.join(f.name for f in FAMILIES)}")
-    command.add_argument("--report", type=Path, default=Path("sage-qual-report/report.json"))
+    command.add_argument("--report", type=Path, default=Path("sage-qual-report/report.json"),
+                         help="the report.json certify wrote (default: %(default)s)")
     command.add_argument("--require-speedup", action="store_true",
                          help="keep off a family that passes accuracy but whose measured speed serves none "
                               "of its shapes ('safe, no speedup')")
@@ -38,7 +39,8 @@ def add_parser(subparsers) -> None:
         description="One table of verdicts across GPUs and hosts. merge has no fixture files, so it "
                     "trusts each report's stored budgets; `sage-qual gate` re-derives them.")
     merge.add_argument("reports", nargs="+", type=Path, metavar="REPORT")
-    merge.add_argument("--json", action="store_true", help="rows as JSON instead of a Markdown table")
+    merge.add_argument("--json", action="store_true",
+                       help="one JSON object (exit_code, problem, rows) instead of a Markdown table")
     merge.set_defaults(func=_merge)
 
 
@@ -73,5 +75,9 @@ def _gate(args: argparse.Namespace) -> int:
 
 def _merge(args: argparse.Namespace) -> int:
     rows = gate.merge_rows([(path, _read(path)) for path in args.reports])
-    print(json.dumps(rows, indent=1) if args.json else gate.merge_markdown(rows))
+    if args.json:
+        answer = {"command": "merge", "exit_code": ExitCode.OK, "problem": "", "rows": rows}
+        print(json.dumps(answer, indent=1))
+    else:
+        print(gate.merge_markdown(rows))
     return ExitCode.OK

@@ -24,9 +24,7 @@ where a fixture is read or a budget derived.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
-import os
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -35,7 +33,7 @@ from typing import TYPE_CHECKING
 
 from sage_qual import limits
 from sage_qual.errors import ExitCode, UsageError
-from sage_qual.qualification import pool, report, verdict
+from sage_qual.qualification import budget_cache, pool, report, report_model, verdict
 from sage_qual.qualification.families import FAMILIES, Family, find, normalize
 from sage_qual.qualification.report_model import Report
 from sage_qual.qualification.verdict import GENERIC, FamilyDecision, Verdict
@@ -122,9 +120,8 @@ def _model_digest() -> str:
     return digest.hexdigest()[:16]
 
 
-def _cache_path() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "sage-qual" / f"budgets-{_model_digest()}.json"
+def _cache_path(run_folder: Path) -> Path:
+    return budget_cache.directory(run_folder) / f"budgets-{_model_digest()}.json"
 
 
 def derived_budget(variant: Variant, fixture: Fixture, cache: dict) -> dict:
@@ -157,12 +154,8 @@ def budget_problem(source: str, data: Report, family: Family, here: dict,
     models here) stores a budget no looser than the one this machine derives from its fixture file;
     else one line naming the first cell that does not."""
     models_here = {_model(g) for g in here["gpus"]}
-    path = _cache_path()
-    try:
-        cache = json.loads(path.read_text())
-        cache = cache if isinstance(cache, dict) else {}
-    except (OSError, ValueError):
-        cache = {}
+    path, model = _cache_path(Path(source).parent), _model_digest()
+    cache = budget_cache.Entries(budget_cache.load(path, model))
     known = len(cache)
     owners = {f.name: f.family for f in data.fixtures}
     problem = ""
@@ -183,14 +176,13 @@ def budget_problem(source: str, data: Report, family: Family, here: dict,
                 break
         if problem:
             break
+    by_key = {f"{v.name} {f.sha256}": (v, f) for v in VARIANTS.values() for f in fixtures.values()}
+    if not budget_cache.spot_check(cache, list(cache.hits), lambda key: derived_budget(*by_key[key], {}),
+                                   BUDGET_ABS_COSINE):
+        budget_cache.save(path, model, {})  # an entry disagrees with the model here: derive them all
+        return budget_problem(source, data, family, here, fixtures)
     if len(cache) > known:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            temporary = path.with_suffix(f".{os.getpid()}.tmp")
-            temporary.write_text(json.dumps(cache))
-            temporary.replace(path)
-        except OSError:
-            pass  # a cache that cannot be written costs time only
+        budget_cache.save(path, model, dict(cache))
     return problem
 
 
@@ -260,6 +252,8 @@ def report_problem(source: str, data: Report, family: Family) -> str:
     if data.predicted:  # no GPU can make it measured
         return (f"{source} is a predicted report (certify --emulate: the CPU numerics model, no GPU ran), "
                 "so it cannot enable a family: run `sage-qual certify` on the GPU")
+    if report_model.quick_problem(data):
+        return report_model.quick_problem(data)
     if family.name not in data.options.families:
         return f"the report did not certify {family.name} (it ran: {', '.join(data.options.families)})"
     return ""
@@ -371,11 +365,17 @@ def merge_rows(reports: list[tuple[Path, Report]]) -> list[dict]:
 def merge_markdown(rows: list[dict]) -> str:
     names = [f.name for f in FAMILIES if any(f.name in row["families"] for row in rows)]
     targets = any(row["target"] for row in rows)  # certify --target reports: which integration
-    header = ["host", "GPU", "sm", "GPUs", "driver", "torch", "sageattention"] + ["target"] * targets + names
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    hosts = {}  # two reports from one host: each row names its report file
     for row in rows:
-        cells = [row["host"], row["gpu"], "%d%d" % tuple(row["capability"]), str(len(row["devices"])),
-                 row["driver"] or "-", row["torch"], row["sageattention"] or "-"]
+        hosts.setdefault(row["host"], set()).add(row["report"])
+    files = any(len(reports) > 1 for reports in hosts.values())
+    header = (["host"] + ["report"] * files + ["GPU", "sm", "GPUs", "driver", "torch", "sageattention"]
+              + ["target"] * targets + names)
+    lines = [report.markdown_row(header), "|" + "---|" * len(header)]
+    for row in rows:
+        cells = [row["host"]] + [row["report"]] * files + [
+            row["gpu"], "%d%d" % tuple(row["capability"]), str(len(row["devices"])), row["driver"] or "-",
+            row["torch"], row["sageattention"] or "-"]
         if targets:
             cells.append(row["target"] or "(variants)")
         for name in names:
@@ -394,5 +394,5 @@ def merge_markdown(rows: list[dict]) -> str:
                 cells.append(f"enable: {verdict['variant']} {span}")
             else:
                 cells.append(f"{verdict['verdict']}: " + ", ".join(verdict["reasons"]))
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append(report.markdown_row(cells))
     return "\n".join(lines)
