@@ -1,24 +1,28 @@
-"""Markers, skips and the report header for the whole suite (registered here, once).
+"""Markers, GPU-test selection and the report header for the whole suite (registered here, once).
 
-`pytest` runs the fast CPU suite and collects tests_gpu, whose tests skip with the reason;
-`pytest -m slow` runs the GPU qualification on a box with a CUDA GPU and SageAttention. With
-`--require-gpu` (or SAGE_QUAL_REQUIRE_GPU=1), a GPU test that would skip because this machine has
-no CUDA GPU or no usable SageAttention fails instead, so a CI runner that lost its GPU goes red.
+`pytest` runs the fast CPU suite; the GPU qualification in tests_gpu (marker `slow`) is collected
+and deselected with one summary line. `pytest -m slow` selects it explicitly (a `-m` expression
+that the slow marker satisfies, never a substring of it) for a box with a CUDA GPU and
+SageAttention. With `--require-gpu` (or SAGE_QUAL_REQUIRE_GPU=1), a run that selected the GPU tests
+on a machine with no CUDA GPU or no usable SageAttention is one failure with the reason (not one
+per test), so a CI runner that lost its GPU goes red.
 """
 
 import importlib.metadata
-import os
 
 import pytest
-import torch
 
-REQUIRE_GPU_VARIABLE = "SAGE_QUAL_REQUIRE_GPU"
+from sage_qual.qualification.pytest_plugin import collapse_to_one_failure, require_gpu
+
+pytest_plugins = ["pytester"]  # tests_fast runs pytest sessions in-process (test_plugin, test_require_gpu)
+
+_DESELECTED = pytest.StashKey[int]()
 
 
 def pytest_addoption(parser):
     parser.addoption("--require-gpu", action="store_true",
                      help="fail (not skip) GPU tests when no CUDA GPU or no usable SageAttention is found "
-                          f"(also: {REQUIRE_GPU_VARIABLE}=1)")
+                          "(also: SAGE_QUAL_REQUIRE_GPU=1)")
 
 
 def pytest_configure(config):
@@ -33,15 +37,10 @@ def _sageattention_version() -> str:
         return "not installed"
 
 
-def require_gpu(config) -> bool:
-    value = os.environ.get(REQUIRE_GPU_VARIABLE, "").strip()
-    if value not in ("", "0", "1"):
-        raise pytest.UsageError(f"{REQUIRE_GPU_VARIABLE}={value!r}: set it to 1 (require) or 0 / unset")
-    return config.getoption("--require-gpu") or value == "1"
-
-
 def missing_gpu() -> str:
     """Why this machine cannot run the GPU tests; empty when it can."""
+    import torch
+
     if not torch.cuda.is_available():
         return f"no CUDA GPU visible to torch {torch.__version__}"
     from sage_qual.serving import sage_package
@@ -54,9 +53,11 @@ def missing_gpu() -> str:
 
 
 def pytest_report_header(config):
+    import torch
+
     if not torch.cuda.is_available():
         return [f"torch {torch.__version__}; no CUDA GPU: tests_gpu will "
-                + ("FAIL (--require-gpu)" if require_gpu(config) else "skip")]
+                + ("FAIL (--require-gpu)" if require_gpu(config, "require_gpu") else "skip")]
     gpus = ", ".join(
         "cuda:%d %s sm_%d%d" % (i, torch.cuda.get_device_name(i), *torch.cuda.get_device_capability(i))
         for i in range(torch.cuda.device_count())
@@ -66,31 +67,34 @@ def pytest_report_header(config):
             f"GPUs: {gpus}"]
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's own -m/-k deselection
 def pytest_collection_modifyitems(config, items):
-    slow_selected = "slow" in (config.getoption("markexpr") or "")
-    has_gpu = torch.cuda.is_available()
-    config.stash[_MISSING] = missing_gpu() if require_gpu(config) and slow_selected else ""
-    not_selected = pytest.mark.skip(reason="GPU qualification test: run it with `pytest -m slow`")
-    no_gpu = pytest.mark.skip(reason="no CUDA GPU visible to torch")
-    for item in items:
-        # Markers, not keywords: a test parametrized with the id "gpu" is not a GPU test.
-        if item.get_closest_marker("slow") and not slow_selected:
-            item.add_marker(not_selected)
-        elif item.get_closest_marker("gpu") and not has_gpu:
-            item.add_marker(no_gpu)
+    # Markers, not keywords: a test parametrized with the id "gpu" is not a GPU test. A slow test
+    # still here after -m was selected by it; without -m, slow tests are deselected.
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow and not config.getoption("markexpr"):
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]
+        config.stash[_DESELECTED] = len(slow)
+        slow = []
+    gpu_tests = [item for item in items if item.get_closest_marker("slow") or item.get_closest_marker("gpu")]
+    if not gpu_tests:
+        return
+    missing = missing_gpu() if require_gpu(config, "require_gpu") else ""
+    if missing:
+        collapse_to_one_failure(config, items, gpu_tests, missing, "--require-gpu")
+        return
+    import torch
+
+    if not torch.cuda.is_available():  # slow tests skip through their fixtures, with the reason
+        no_gpu = pytest.mark.skip(reason="no CUDA GPU visible to torch")
+        for item in gpu_tests:
+            if item.get_closest_marker("gpu"):
+                item.add_marker(no_gpu)
 
 
-_MISSING = pytest.StashKey[str]()
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    """Under --require-gpu, a selected GPU test that skipped on a machine without a GPU or without
-    SageAttention is a failure, with the reason."""
-    outcome = yield
-    result = outcome.get_result()
-    missing = item.config.stash.get(_MISSING, "")
-    selected = item.get_closest_marker("slow") or item.get_closest_marker("gpu")
-    if missing and selected and result.skipped and not hasattr(result, "wasxfail"):
-        result.outcome = "failed"
-        result.longrepr = f"--require-gpu: {missing} (the test would have skipped)"
+def pytest_terminal_summary(terminalreporter, config):
+    count = config.stash.get(_DESELECTED, 0)
+    if count:
+        terminalreporter.write_line(f"tests_gpu: {count} GPU qualification tests deselected; run them on a "
+                                    "GPU box with `pytest -m slow` (README, GPU qualification)")

@@ -7,18 +7,26 @@ messages, given here as format strings.
 from __future__ import annotations
 
 import json
-from pathlib import Path
+
+from sage_qual.limits import MAX_JSON_BYTES
 
 
 def read(path, error: type[Exception], *, unreadable: str, not_json: str, missing: str | None = None):
-    """The JSON value in the file at `path`. When the file cannot be read or is not JSON: `error`
-    with `missing` (no such file, where given), `unreadable` or `not_json`, formatted with {path}
-    and {reason}."""
+    """The JSON value in the file at `path`. When the file cannot be read, is larger than
+    MAX_JSON_BYTES or is not JSON: `error` with `missing` (no such file, where given), `unreadable`
+    or `not_json`, formatted with {path} and {reason}."""
     try:
-        return json.loads(Path(path).read_text())
+        with open(path, "rb") as file:
+            raw = file.read(MAX_JSON_BYTES + 1)  # no more than the limit, whatever the file says its size is
     except OSError as problem:
         message = missing if missing is not None and isinstance(problem, FileNotFoundError) else unreadable
         raise error(message.format(path=path, reason=problem.strerror or problem)) from None
+    if len(raw) > MAX_JSON_BYTES:
+        raise error(unreadable.format(path=path, reason=(
+            f"more than {MAX_JSON_BYTES // 2**20} MiB, the most sage-qual reads from a file it wrote "
+            "(a full report is under 1 MiB)")))
+    try:
+        return json.loads(raw)
     except ValueError as problem:
         raise error(not_json.format(path=path, reason=problem)) from None
 

@@ -65,6 +65,11 @@ STARTUP_TIMEOUT = 120.0
 # broken variant cannot use up the time of the whole run. A policy, not a measurement.
 MAX_WORKER_FAILURES = 2
 
+# Largest JSON file (report, profile) sage-qual reads: a full certify report of eight variants on
+# two H200s is 0.44 MB (docs/results/run8-h200x2-final/certify/certify-a/report.json), and reading
+# takes about three times the file's size in memory. A policy with a wide margin, not a measurement.
+MAX_JSON_BYTES = 32 * 2**20
+
 
 def startup_timeout(task_timeout: float) -> float:
     """What a worker's first task gets when tasks get `task_timeout`."""

@@ -96,3 +96,50 @@ def test_no_import_cycles():
         if node not in state:
             visit(node, [node])
     assert not cycles, f"import cycles: {cycles}"
+
+
+# Import cost, in a fresh interpreter: the layer table above is read from the source, so it cannot
+# see what an import pulls in at run time.
+HEAVY = ("torch", "sage_qual.serving.wrapper", "sageattention", "triton")
+LIGHT = ("sage_qual", "sage_qual.cli", "sage_qual.cli.gate", "sage_qual.qualification.report",
+         "sage_qual.qualification.gate", "sage_qual.qualification.pytest_plugin")
+PROBE = """
+import importlib, runpy, sys
+for name in sys.argv[1].split(","):
+    importlib.import_module(name)
+sys.argv = ["sage-qual", "--version"]
+try:
+    runpy.run_module("sage_qual", run_name="__main__")
+except SystemExit as stop:
+    assert stop.code in (0, None), stop.code
+print("HEAVY", ",".join(sorted(name for name in %r if name in sys.modules)))
+""" % (HEAVY,)
+
+
+def test_version_cli_report_and_gate_import_neither_torch_nor_the_wrapper():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", PROBE, ",".join(LIGHT)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("sage-qual ") and lines[-1] == "HEAVY ", done.stdout
+
+
+def test_the_public_names_load_on_first_use():
+    import subprocess
+    import sys
+
+    probe = ("import sys, sage_qual; before = 'sage_qual.serving.wrapper' in sys.modules; "
+             "sage_qual.install; print(before, 'sage_qual.serving.wrapper' in sys.modules, "
+             "sorted(set(sage_qual.__all__) - set(dir(sage_qual))))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["False", "True", "[]"], done.stdout + done.stderr
+
+
+def test_an_unknown_public_name_is_an_attribute_error():
+    import sage_qual
+
+    with pytest.raises(AttributeError, match="no attribute 'instal'"):
+        sage_qual.instal  # noqa: B018

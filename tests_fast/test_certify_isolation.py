@@ -288,7 +288,8 @@ def test_a_killed_run_leaves_a_partial_report_and_no_workers(tmp_path):
     fixtures = write_fixtures(tmp_path / "fixtures")
     out = tmp_path / "out"
     marker = f"kill-test-{uuid.uuid4()}"  # in every worker's environment, to find them
-    env = {**os.environ, fault_hooks.TEST_HOOK: json.dumps(
+    # TMPDIR: the SIGKILLed parent cannot remove its Triton cache folder; it is left in tmp_path.
+    env = {**os.environ, "TMPDIR": str(tmp_path), fault_hooks.TEST_HOOK: json.dumps(
         {"gpus": [H200], "faults": {"sdpa@b1 h24 q4096 k4096 d128 bfloat16": "hang", marker: "none"}})}
     parent = subprocess.Popen([sys.executable, "-m", "sage_qual", "certify", "--out", str(out), "--quick",
                                "--variants", "sm90-fp8-cuda", "--fixtures", str(fixtures), "--timeout", "60"],
@@ -316,6 +317,7 @@ def test_a_killed_run_leaves_a_partial_report_and_no_workers(tmp_path):
     while worker_pids(marker) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not worker_pids(marker)
+    assert [p.name[:22] for p in tmp_path.glob("sage-qual-triton-*")] == ["sage-qual-triton-cuda0"]
 
 
 def test_quick_without_variants_runs_each_gpus_own_kernel(tmp_path, monkeypatch):

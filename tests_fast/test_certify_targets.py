@@ -108,7 +108,10 @@ def test_sigterm_leaves_a_partial_report_and_exit_130(tmp_path):
     """SIGTERM while the integration hangs on the second fixture: the first cell is kept, the report
     says it was interrupted, no verdict is drawn, and the exit code says so."""
     out = tmp_path / "out"
-    env = {**os.environ, fault_hooks.TEST_HOOK: json.dumps({"gpus": [H200], "faults": {"qwen": "hang"}})}
+    # PYTHONFAULTHANDLER: should the parent ever abort again (it once did under load, rc -6, before the
+    # pool joined its pipe readers), its stderr shows every thread's stack.
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1",
+           fault_hooks.TEST_HOOK: json.dumps({"gpus": [H200], "faults": {"qwen": "hang"}})}
     parent = subprocess.Popen([sys.executable, "-m", "sage_qual", "certify", "--target", "sageattn",
                                "--fixtures", str(fixtures_dir(tmp_path / "f")), "--out", str(out)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -1,19 +1,15 @@
-"""`fixtures list` and `fixtures show` through the subcommand contract (args.func(args) -> exit code)."""
+"""`fixtures list` and `fixtures show` through the command line (`sage_qual.cli.main`)."""
 
-import argparse
 import json
 import shutil
 
-from sage_qual.cli import fixtures as fixtures_cli
+from sage_qual import cli
 from sage_qual.fixtures.fileformat import list_fixtures, shipped_dir
 from sage_qual.fixtures.replicas import FIXTURES
 
 
 def run(*argv):
-    parser = argparse.ArgumentParser(prog="sage-qual")
-    fixtures_cli.add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(list(argv))
-    return args.func(args)
+    return cli.main(list(argv))  # as the command line runs it: refusals are printed by cli.main
 
 
 def test_list_shipped_directory_by_default(capsys):

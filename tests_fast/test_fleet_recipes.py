@@ -68,7 +68,7 @@ def test_merge_and_gate_on_the_committed_h200_reports(fleet):
     assert done.returncode == 0, done.stderr
     table = (fleet / "out" / "fleet.md").read_text()
     assert table.count("| NVIDIA H200 |") == 2 and "enable: sm90-fp8-cuda >= 16384/16384" in table
-    rows = json.loads((fleet / "out" / "fleet.json").read_text())
+    rows = json.loads((fleet / "out" / "fleet.json").read_text())["rows"]
     assert [row["gpu"] for row in rows] == ["NVIDIA H200"] * 2
     decided = gates(fleet)
     assert decided["Wan 2.2"] == decided["Z-Image"] == "enable"

@@ -18,8 +18,9 @@ import pytest
 from sage_qual.qualification import budgets, families, report, targets
 from sage_qual.qualification import gate as gate_module
 from sage_qual.serving.variants import VARIANTS
-from tests_fast.test_gate_budgets import _within
-from tests_fast.test_gate_fleet import CAPABILITY, H100, H200, L40S, RTX4090, fleet_report, write_fleet
+
+from .fakes import CAPABILITY, H100, H200, L40S, RTX4090, fleet_report, write_fleet
+from .fakes import within_budget as _within
 
 FLUX = families.find("FLUX.1")
 FIXTURE = "flux1-block5"  # FLUX.1's only fixture in the fleet report
@@ -153,7 +154,7 @@ def test_derived_budgets_are_cached_under_the_users_cache_directory(fleet, tmp_p
     assert problem(*fleet, H200) == ""
     cached, = (tmp_path / root / "sage-qual").iterdir()
     assert re.fullmatch(r"budgets-[0-9a-f]{16}\.json", cached.name)
-    assert len(json.loads(cached.read_text())) == 3  # H200: three variants on FLUX.1's fixture
+    assert len(json.loads(cached.read_text())["entries"]) == 3  # H200: three variants on FLUX.1's fixture
 
 
 @pytest.mark.parametrize("content", [
@@ -166,7 +167,7 @@ def test_a_cache_file_that_is_not_a_json_object_is_replaced(fleet, tmp_path, con
     cached, = cache_files(tmp_path)
     cached.write_text(content)
     assert problem(*fleet, H200) == ""
-    assert len(json.loads(cached.read_text())) == 3
+    assert len(json.loads(cached.read_text())["entries"]) == 3
 
 
 def test_a_gate_that_derives_nothing_new_leaves_the_cache_file_alone(fleet, tmp_path):

@@ -19,18 +19,11 @@ from sage_qual.fixtures import fileformat
 from sage_qual.qualification import budgets, families, pool, report
 from sage_qual.qualification import gate as gate_module
 from sage_qual.serving.variants import VARIANTS
-from tests_fast.test_gate_fleet import H200, fleet_report, gpu_entry, write_fleet
+
+from .fakes import H200, fleet_report, gpu_entry, write_fleet
+from .fakes import within_budget as _within
 
 FAILING = "sm90-fp8-cuda"
-
-
-def _within(budget: dict) -> dict:
-    """Numbers halfway inside every limit of `budget`."""
-    return {"rel_l2": budget["max_rel_l2"] / 2, "worst_head_rel_l2": budget["max_head_rel_l2"] / 2,
-            "worst_batch_rel_l2": budget["max_batch_rel_l2"] / 2,
-            "worst_block_rel_l2": budget["max_block_rel_l2"] / 2,
-            "worst_head_cosine": (1 + budget["min_cosine"]) / 2, "norm_ratio": 1.0, "finite": True,
-            "max_abs_error": budget["max_abs"] / 2}
 
 
 @pytest.fixture
@@ -107,6 +100,20 @@ def test_a_loosened_budget_is_refused_in_json_and_junit(capsys, tmp_path, flux_r
     assert "bounds.max_rel_l2" in junit.read_text()
 
 
+def test_the_library_decision_rederives_the_budgets_too(flux_report):
+    """A library caller of gate.decide() gets the command's answer: a loosened budget cannot enable."""
+    path, fixtures, data, index = flux_report
+    derived = data["devices"][0]["cells"][index]["bounds"]["max_rel_l2"]
+    loosen(path, data, index, max_rel_l2=derived * 4)
+    flux = families.find("FLUX.1")
+    here = pool.collect_environment()["environment"]  # the fixture's machine: an H200 at cuda:0
+    decision = gate_module.decide(report.load(path), flux, here,
+                                  gate_module.local_fixture_files([str(fixtures)], flux), False, str(path))
+    assert decision.code == 2
+    assert f"bounds.max_rel_l2: {derived * 4} in the report is looser" in decision.problem
+    assert gate_module.gate(path, "flux.1", [str(fixtures)]).problem == decision.problem
+
+
 def test_a_dropped_limit_is_refused(capsys, flux_report):
     """A budget without a limit checks less: the limit is named as missing."""
     path, fixtures, data, index = flux_report
@@ -172,10 +179,11 @@ def test_derived_budgets_are_cached_per_variant_and_fixture(capsys, flux_report,
     assert gate(capsys, path, fixtures)[0] == 0
     assert list((tmp_path / "cache" / "sage-qual").glob("budgets-*.json"))
 
-    def no_model_run(variant, fixture):
-        raise AssertionError(f"budget of {variant.name} on {fixture.name} derived again")
-    monkeypatch.setattr(budgets, "budget", no_model_run)
+    derived_again = []
+    model_run = budgets.budget
+    monkeypatch.setattr(budgets, "budget", lambda *args: derived_again.append(args) or model_run(*args))
     assert gate(capsys, path, fixtures)[0] == 0
+    assert len(derived_again) == 1  # budget_cache.spot_check: one cached entry, derived again
 
 
 def test_a_tampered_cache_entry_is_derived_again(capsys, flux_report, tmp_path):
@@ -183,7 +191,7 @@ def test_a_tampered_cache_entry_is_derived_again(capsys, flux_report, tmp_path):
     assert gate(capsys, path, fixtures)[0] == 0
     cache_file, = (tmp_path / "cache" / "sage-qual").glob("budgets-*.json")
     cache = json.loads(cache_file.read_text())
-    cache = {key: {**value, "max_rel_l2": "loose"} for key, value in cache.items()}
+    cache["entries"] = {key: {**value, "max_rel_l2": "loose"} for key, value in cache["entries"].items()}
     cache_file.write_text(json.dumps(cache))
     loosen(path, data, index, max_rel_l2=1.0)
     code, _, err = gate(capsys, path, fixtures)
@@ -231,3 +239,51 @@ def test_budgets_derived_on_an_h200_pass_against_this_cpu(tmp_path, monkeypatch)
     problem = gate_module.budget_problem(path.name, report.parse(data, path.name), qwen, here, fixtures)
     assert problem.startswith(f"{path.name}: devices[0].cells[{index}] ({cell['variant']} on "
                               f"{cell['fixture']}): bounds.max_block_rel_l2: ")
+
+
+# The cache of derived budgets in odd environments and restored from elsewhere (budget_cache.py) ------
+@pytest.fixture
+def no_home(monkeypatch):
+    """An arbitrary uid in a container: no HOME, no XDG_CACHE_HOME, no passwd entry."""
+    import pwd
+
+    monkeypatch.delenv("HOME", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+
+    def no_entry(uid):
+        raise KeyError(f"getpwuid(): uid not found: {uid}")
+
+    monkeypatch.setattr(pwd, "getpwuid", no_entry)
+
+
+def test_without_a_home_the_cache_lives_in_the_runs_folder(capsys, flux_report, no_home):
+    path, fixtures, _, _ = flux_report
+    code, _, err = gate(capsys, path, fixtures)
+    assert (code, err) == (0, "")
+    cached, = (path.parent / ".sage-qual-cache").glob("budgets-*.json")
+    assert json.loads(cached.read_text())["entries"]
+
+
+def forge(tmp_path, path, data, index):
+    """Every cached entry loosened, the digest recomputed as a forger would, and the report's
+    failing cell loosened to match."""
+    from sage_qual.qualification import budget_cache
+
+    cache_file, = (tmp_path / "cache" / "sage-qual").glob("budgets-*.json")
+    model = cache_file.stem.removeprefix("budgets-")
+    entries = {key: {**value, "max_rel_l2": 1.0} for key, value in
+               json.loads(cache_file.read_text())["entries"].items()}
+    budget_cache.save(cache_file, model, entries)
+    assert budget_cache.load(cache_file, model) == entries  # the digest checks out
+    loosen(path, data, index, max_rel_l2=1.0)
+    return cache_file
+
+
+def test_a_forged_cache_matching_a_loosened_report_is_caught(capsys, tmp_path, flux_report):
+    path, fixtures, data, index = flux_report
+    assert gate(capsys, path, fixtures)[0] == 0
+    cache_file = forge(tmp_path, path, data, index)
+    code, _, err = gate(capsys, path, fixtures)
+    assert code == 2 and "bounds.max_rel_l2: 1.0 in the report is looser" in err
+    entries = json.loads(cache_file.read_text())["entries"]
+    assert entries and all(e["max_rel_l2"] < 1.0 for e in entries.values())  # derived afresh

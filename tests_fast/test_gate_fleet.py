@@ -1,15 +1,15 @@
 """`sage-qual gate` and `merge` on fleets: reports holding several GPU models (an H200, an H100 and an
 RTX 4090 in one report, and across reports), decided against fixture files on disk through the real
-local fixture filter (`gate.local_fixtures`), never a patched one.
+local fixture filter (`gate.local_fixture_files`), never a patched one.
 
 The fleet report is built from the hand-made samples in tests_fast/data (certify's format, synthetic
 numbers): the H200 sample's cuda:0 stays an H200, its cuda:1 becomes an H100 (so the Qwen-Image
 accuracy failure built into cuda:1 is the H100's alone, and the Wan 2.2 crash, timeout and
 out-of-memory on cuda:0 the H200's alone), and the RTX 4090 sample's device joins as cuda:2. Each
-fixture the report names is written as a real file; the report records those files' checksums.
+fixture the report names is written as a real file; the report records those files' checksums
+(the builders: tests_fast/fakes.py).
 """
 
-import copy
 import json
 from pathlib import Path
 
@@ -20,75 +20,21 @@ from sage_qual import cli
 from sage_qual.fixtures import fileformat
 from sage_qual.qualification import families, pool, report, verdict
 from sage_qual.qualification import gate as gate_module
-from sage_qual.serving.variants import VARIANTS
 
-DATA = Path(__file__).parent / "data"
-H200, H100, RTX4090 = "NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA GeForce RTX 4090"
-L40S, H200_NVL = "NVIDIA L40S", "NVIDIA H200 NVL"  # not in the fleet report
-CAPABILITY = {H200: [9, 0], H100: [9, 0], RTX4090: [8, 9], L40S: [8, 9], H200_NVL: [9, 0]}
-
-
-def load(name: str) -> dict:
-    return json.loads((DATA / name).read_text())
-
-
-def write_fixture(directory: Path, name: str, family: str, bounds: dict, seed: int = 0) -> str:
-    """A small valid fixture file; returns its sha256 as gate reads it."""
-    g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(1, 2, 32, 64, generator=g).to(torch.bfloat16) for _ in range(3))
-    path = fileformat.save_fixture(directory / f"{name}{fileformat.SUFFIX}", q, k, v, family=family,
-                                   kind="replica", source={"test": name},
-                                   provenance="tests_fast/test_gate_fleet.py: random data", bounds=bounds)
-    return fileformat.load_fixture(path).sha256
-
-
-def passing_cell(template: dict, fixture: dict, variant: str) -> dict:
-    bounds = fixture["bounds"][VARIANTS[variant].accuracy_class]
-    return {**template, "variant": variant, "fixture": fixture["name"], "outcome": "pass", "reasons": [],
-            "accuracy_class": VARIANTS[variant].accuracy_class, "bounds": bounds, "finite": True,
-            "rel_l2": bounds["max_rel_l2"] / 2, "worst_head_cosine": (1 + bounds["min_cosine"]) / 2,
-            "extra_bytes_per_element": 1.5}
-
-
-def gpu_entry(template: dict, index: int, name: str) -> dict:
-    return {**template, "index": index, "name": name, "capability": CAPABILITY[name]}
-
-
-def fleet_report() -> dict:
-    """One complete report: cuda:0 H200, cuda:1 H100, cuda:2 RTX 4090."""
-    data, rtx = load("sample_h200_2gpu.json"), load("sample_rtx4090.json")
-    data.pop("gpus", None)  # the stored analysis of version 1: verdicts come from the evidence
-    data["host"] = "fleet-box"
-    selected = data["options"]["variants"]
-    selected += [v for v in rtx["options"]["variants"] if v not in selected]
-    data["options"]["devices"] = [0, 1, 2]
-    h200, h100 = data["devices"]
-    h100["name"] = H100
-    device = copy.deepcopy(rtx["devices"][0])
-    device["index"] = 2
-    template = next(c for c in device["cells"] if c["outcome"] == "pass")
-    skip = next(c for c in device["cells"] if c["outcome"] == "skip")
-    for fixture in data["fixtures"]:  # the RTX sample ran three of the five fixtures
-        if not any(c["fixture"] == fixture["name"] for c in device["cells"]):
-            device["cells"] += [passing_cell(template, fixture, v)
-                                for v in ("sm89-fp8-cuda", "sm86-fp16-triton")]
-            device["cells"].append({**skip, "fixture": fixture["name"]})
-    data["devices"].append(device)
-    gpu = data["environment"]["gpus"][0]
-    data["environment"]["gpus"] = [gpu_entry(gpu, 0, H200), gpu_entry(gpu, 1, H100),
-                                   {**rtx["environment"]["gpus"][0], "index": 2}]
-    return data
-
-
-def write_fleet(directory: Path, data: dict) -> tuple[Path, Path, dict]:
-    """(report path, fixture directory, report) with every fixture of the report written to disk."""
-    fixtures = directory / "fixtures"
-    fixtures.mkdir()
-    for seed, f in enumerate(data["fixtures"]):
-        f["sha256"] = write_fixture(fixtures, f["name"], f["family"], f["bounds"], seed)
-    path = directory / "report.json"
-    path.write_text(json.dumps(data))
-    return path, fixtures, data
+from .fakes import (
+    CAPABILITY,
+    DATA,
+    H100,
+    H200,
+    H200_NVL,
+    L40S,
+    RTX4090,
+    fleet_report,
+    gpu_entry,
+    load,
+    write_fixture,
+    write_fleet,
+)
 
 
 @pytest.fixture
@@ -289,7 +235,7 @@ def test_merge_gives_one_row_per_model_and_report(capsys, fleet):
     code = cli.main(["merge", "--json", *map(str, reports)])
     out, err = capsys.readouterr()
     assert (code, err) == (0, "")
-    rows = json.loads(out)
+    rows = json.loads(out)["rows"]
     assert [(r["host"], r["gpu"], r["devices"], r["report"]) for r in rows[:3] + rows[5:]] == [
         ("fleet-box", H200, [0], str(path)), ("fleet-box", H100, [1], str(path)),
         ("fleet-box", RTX4090, [2], str(path)), ("sample-ws-4090", RTX4090, [0], str(reports[2]))]
@@ -345,8 +291,8 @@ def test_gate_refuses_a_predicted_report(capsys, tmp_path, machine):
     decision = gate_module.decide(report.parse(data, "report.json"), families.find("FLUX.1"),
                                   data["environment"], {}, False)
     assert (decision.family, decision.code, decision.problem, decision.gpus) == (
-        "FLUX.1", 2, "the report is predicted by the CPU numerics model (certify --emulate), not measured: "
-                     "certify on the GPU", [])
+        "FLUX.1", 2, "report.json is a predicted report (certify --emulate: the CPU numerics model, no GPU "
+                     "ran), so it cannot enable a family: run `sage-qual certify` on the GPU", [])
     assert decision.as_json() == {"family": "FLUX.1", "exit_code": 2, "problem": decision.problem, "gpus": []}
 
 
@@ -358,7 +304,7 @@ def test_gate_decides_nothing_from_a_partial_report():
                                   {}, False)
     status = report.status_line(False, data.started, data.finished, data.stopped)
     assert (decision.family, decision.code, decision.problem, decision.gpus) == (
-        "FLUX.1", 2, f"the report is partial: {status}", [])
+        "FLUX.1", 2, f"report.json is a partial report ({status}): run certify to the end", [])
 
 
 def test_gate_json_holds_each_models_decision(capsys, fleet, machine):

@@ -6,6 +6,7 @@ import copy
 import json
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -37,7 +38,8 @@ def family_fixtures(data: dict, family: str) -> dict:
 def decide(data, family, here=None, local=None, require_speedup=False):
     here = here or copy.deepcopy(data["environment"])
     local = family_fixtures(data, family) if local is None else local
-    result = gate.decide(typed(data), families.find(family), here, local, require_speedup)
+    # the sample's budgets are hand-made, not derivable: decided on them as stored (as merge does)
+    result = gate.decide_stored(typed(data), families.find(family), here, local, require_speedup)
     return result.code, result.lines(require_speedup)
 
 
@@ -245,8 +247,9 @@ def machine(monkeypatch):
 @pytest.fixture
 def fixture_dir(tmp_path, monkeypatch):
     """No fixture files: the sample's fixtures exist only as checksums, so staleness is decided
-    against `gate.local_fixtures`, patched to what the sample recorded."""
-    monkeypatch.setattr(gate, "local_fixtures", lambda dirs, family: family_fixtures(load(H200), family.name))
+    against `gate.local_fixture_files`, patched to records of what the sample recorded."""
+    monkeypatch.setattr(gate, "local_fixture_files", lambda dirs, family: {
+        name: SimpleNamespace(sha256=sha) for name, sha in family_fixtures(load(H200), family.name).items()})
     # nor are their hand-made budgets derivable (tests_fast/test_gate_budgets.py checks that part)
     monkeypatch.setattr(gate, "budget_problem", lambda *args: "")
 
@@ -313,19 +316,60 @@ def test_cli_gate_cannot_decide_on_this_machine(capsys, machine, fixture_dir, ch
     assert code == 2 and err.count("\n") == 1 and message in err
 
 
+@pytest.mark.parametrize("argv, change, message", [
+    (["--family", "Nope"], None, "unknown family 'Nope'"),
+    (["--family", "FLUX.1", "--report", "/nonexistent/report.json"], None, "no report there"),
+    (["--family", "FLUX.1", "--report", str(PARTIAL)], None, "is a partial report"),
+    (["--family", "FLUX.1", "--report", str(H200)], lambda env: env.update(gpus=[]),
+     "no CUDA GPU is visible"),
+    (["--family", "FLUX.1", "--report", str(H200)], lambda env: env.update(sageattention_problem="absent"),
+     "sageattention cannot run here: absent"),
+])
+def test_cli_gate_json_and_junit_answer_every_refusal(capsys, tmp_path, machine, fixture_dir, argv, change,
+                                                       message):
+    if change:
+        machine["environment"] = copy.deepcopy(machine["environment"])
+        change(machine["environment"])
+    junit = tmp_path / "gate.xml"
+    code, out, _ = run_cli(capsys, "gate", *argv, "--json", "--junit-xml", str(junit))
+    answer = json.loads(out)
+    assert code == 2 and answer["exit_code"] == 2 and answer["gpus"] == [] and message in answer["problem"]
+    [case] = ET.parse(junit).getroot().findall("testsuite/testcase")
+    assert message in case.find("error").get("message")
+
+
+def test_cli_gate_internal_error_is_one_line_exit_2_and_still_answers(capsys, tmp_path, monkeypatch, machine,
+                                                                       fixture_dir):
+    def broken(*args):
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(verdict, "decide", broken)
+    code, out, err = run_cli(capsys, "gate", "--family", "FLUX.1", "--report", str(H200))
+    assert (code, out) == (2, "") and err.count("\n") == 1
+    assert "internal error: ZeroDivisionError: a bug" in err
+    junit = tmp_path / "gate.xml"
+    code, out, _ = run_cli(capsys, "gate", "--family", "FLUX.1", "--report", str(H200), "--json",
+                           "--junit-xml", str(junit))
+    assert code == 2 and "ZeroDivisionError" in json.loads(out)["problem"]
+    assert "ZeroDivisionError" in ET.parse(junit).getroot().find("testsuite/testcase/error").get("message")
+
+
 def test_cli_merge_markdown_and_json(capsys):
     code, out, err = run_cli(capsys, "merge", str(H200), str(RTX4090), str(PARTIAL))
     assert (code, err) == (0, "")
     lines = out.splitlines()
-    assert lines[0].startswith("| host | GPU | sm | GPUs | driver | torch | sageattention | FLUX.1 |")
-    h200 = next(line for line in lines if line.startswith("| sample-h200-2gpu | NVIDIA H200 | 90 | 2 |"))
+    # the partial run comes from the same host: each row names its report
+    assert lines[0].startswith(
+        "| host | report | GPU | sm | GPUs | driver | torch | sageattention | FLUX.1 |")
+    h200 = next(line for line in lines
+                if line.startswith(f"| sample-h200-2gpu | {H200} | NVIDIA H200 | 90 | 2 |"))
     assert "enable: sm90-fp8-cuda >= 4608/512" in h200 and "keep off: crash, oom, timeout" in h200
     assert "safe, no speedup: speed" in h200
     rtx = next(line for line in lines if "RTX 4090" in line)
     assert "591.44" in rtx and "enable: sm89-fp8-cuda >= 4608/1024" in rtx
     assert sum("partial report" in line for line in lines) == 2  # the partial run's two devices
     code, out, _ = run_cli(capsys, "merge", "--json", str(H200), str(RTX4090))
-    rows = json.loads(out)
+    rows = json.loads(out)["rows"]
     assert [(r["host"], r["gpu"], r["devices"]) for r in rows] == [
         ("sample-h200-2gpu", "NVIDIA H200", [0, 1]), ("sample-ws-4090", "NVIDIA GeForce RTX 4090", [0])]
     assert rows[0]["families"]["Wan 2.2"]["reasons"] == ["crash", "oom", "timeout"]
@@ -348,7 +392,7 @@ def test_gate_refuses_a_local_fixture_with_non_finite_values(tmp_path):
     save_fixture(tmp_path / "f.safetensors", q, k, v, family="flux.1", kind="replica", source={"t": 1},
                  provenance="test", bounds=bounds)
     with pytest.raises(UsageError, match="tensor q: 1024 of 4096 values are not finite"):
-        gate.local_fixtures([str(tmp_path)], families.find("FLUX.1"))
+        gate.local_fixture_files([str(tmp_path)], families.find("FLUX.1"))
 
 
 # compare ---------------------------------------------------------------------------------------
@@ -383,7 +427,7 @@ def test_a_predicted_report_cannot_decide_and_merges_as_such(capsys, tmp_path):
     data = load(H200)
     data["predicted"] = True  # certify --emulate: the CPU numerics model, nothing measured
     code, lines = decide(data, "FLUX.1")
-    assert code == 2 and "predicted by the CPU numerics model" in lines[0]
+    assert code == 2 and "is a predicted report" in lines[0]
     path = tmp_path / "predicted.json"
     path.write_text(json.dumps(data))
     code, out, _ = run_cli(capsys, "merge", str(path))

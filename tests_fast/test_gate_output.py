@@ -59,7 +59,8 @@ def test_gate_line_for_one_head_size_and_a_problem():
 
 
 def row(**changes):
-    base = {"host": "box-a", "gpu": "NVIDIA H200", "capability": [9, 0], "devices": [0, 1],
+    base = {"host": "box-a", "report": "box-a/report.json", "gpu": "NVIDIA H200", "capability": [9, 0],
+            "devices": [0, 1],
             "complete": True, "predicted": False, "target": None,
             "driver": "580.1", "torch": "2.11.0", "sageattention": "2.2.0",
             "families": {"FLUX.1": {"verdict": "enable", "variant": "sm90-fp8-cuda", "min_query_tokens": 4608,

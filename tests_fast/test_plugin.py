@@ -3,9 +3,11 @@ tests skip with the reason here), fixtures are parametrized per family, bad opti
 and the check a test calls serves, judges and explains exactly as certify's cell does."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,16 +20,28 @@ from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "downstream_app"
 
 
-def pytest_run(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+@pytest.fixture
+def pytest_run(pytester, monkeypatch):
+    """Run pytest in this process (pytester: no new interpreter, no second torch import) in `cwd`,
+    the sage_qual plugin loaded from its entry point as in any project."""
+
+    def run(cwd: Path, *args: str, require: str | None = None) -> SimpleNamespace:
+        monkeypatch.delenv("SAGE_QUAL_REQUIRE_GPU", raising=False)
+        if require is not None:
+            monkeypatch.setenv("SAGE_QUAL_REQUIRE_GPU", require)
+        monkeypatch.chdir(cwd)
+        result = pytester.runpytest_inprocess("-p", "no:cacheprovider", *args)
+        return SimpleNamespace(returncode=int(result.ret), stdout=str(result.stdout),
+                               stderr=str(result.stderr))
+
+    return run
 
 
-def test_the_example_project_passes_and_says_why_its_gpu_tests_skip():
+def test_the_example_project_passes_and_says_why_its_gpu_tests_skip(pytest_run):
     result = pytest_run(EXAMPLE, "-rs")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "sage-qual: target downstream_app.attention:attention; no CUDA GPU" in result.stdout
+    assert ("sage-qual: target downstream_app.attention:attention (GPU and target are looked at"
+            in result.stdout)
     families = [families_mod.find(name) for name in ("FLUX.1", "Qwen-Image", "Wan 2.2")]
     shipped = map(fileformat.load_fixture, fileformat.list_fixtures(fileformat.shipped_dir()))
     owned = [f for f in shipped if any(family.owns(f.family) for family in families)
@@ -37,7 +51,7 @@ def test_the_example_project_passes_and_says_why_its_gpu_tests_skip():
     assert "sage-qual: no CUDA GPU visible to torch" in result.stdout
 
 
-def test_fixtures_are_one_test_each_for_the_marked_families(tmp_path):
+def test_fixtures_are_one_test_each_for_the_marked_families(pytest_run, tmp_path):
     (tmp_path / "test_app.py").write_text(
         "import pytest\n"
         "@pytest.mark.sage_qual(families=['qwen-image'])\n"
@@ -54,13 +68,85 @@ def test_fixtures_are_one_test_each_for_the_marked_families(tmp_path):
     assert len([line for line in collected if "test_all[" in line]) == len(shipped)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--sage-qual-target", "no_such_app_xyz:attention"], "cannot import no_such_app_xyz"),
-    (["--sage-qual-fixtures", "/nonexistent/fixtures"], "directory: not found"),
+@pytest.mark.parametrize("how", ["variable", "option"])
+def test_a_required_gpu_that_is_missing_is_one_failure_with_the_reason(pytest_run, how):
+    """SAGE_QUAL_REQUIRE_GPU=1 or --sage-qual-require-gpu: the 10 GPU tests become one failure; the app's
+    CPU tests still run."""
+    result = pytest_run(EXAMPLE, "-rf", *(["--sage-qual-require-gpu"] if how == "option" else []),
+                        require="1" if how == "variable" else None)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "1 failed, 2 passed, 10 deselected" in result.stdout
+    assert ("--sage-qual-require-gpu: sage-qual: no CUDA GPU visible to torch" in result.stdout
+            and "10 GPU test(s) not run" in result.stdout)
+
+
+def test_a_session_that_asks_nothing_of_the_plugin_imports_no_torch(tmp_path):
+    (tmp_path / "conftest.py").write_text(
+        "import sys\n"
+        "def pytest_sessionfinish(session):\n"
+        "    print('TORCH', 'torch' in sys.modules)\n")
+    (tmp_path / "test_plain.py").write_text("def test_x():\n    pass\n")
+    # A fresh interpreter: this one has torch already.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-s"], cwd=tmp_path,
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "TORCH False" in result.stdout and "sage-qual: target wrapper" in result.stdout
+
+
+def test_the_fixtures_hook_is_the_seam_for_what_the_tests_draw_from(pytest_run, tmp_path):
+    shipped = fileformat.list_fixtures(fileformat.shipped_dir())
+    (tmp_path / "conftest.py").write_text(
+        "from pathlib import Path\n"
+        "def pytest_sage_qual_fixtures(config):\n"
+        f"    return [Path({str(shipped[0])!r})]\n")
+    (tmp_path / "test_app.py").write_text("def test_all(sage_qual_fixture):\n    pass\n")
+    result = pytest_run(tmp_path, "--collect-only", "-q")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert [line for line in result.stdout.splitlines() if "::" in line] == [
+        f"test_app.py::test_all[{fileformat.load_fixture(shipped[0]).name}]"]
+
+
+def test_the_machine_hook_is_the_seam_for_the_gpu_the_tests_run_on(pytest_run, tmp_path):
+    (tmp_path / "conftest.py").write_text(
+        "from sage_qual.qualification.pytest_plugin import Machine\n"
+        "def pytest_sage_qual_machine(config):\n"
+        "    return Machine(problem='the runner lost its GPU')\n")
+    (tmp_path / "test_app.py").write_text("def test_t(sage_qual_target):\n    pass\n")
+    result = pytest_run(tmp_path, "-rs")
+    assert result.returncode == 0 and "sage-qual: the runner lost its GPU; SageAttention" in result.stdout
+    result = pytest_run(tmp_path, "-rf", "--sage-qual-require-gpu")
+    assert result.returncode == 1 and "1 failed, 1 deselected" in result.stdout
+    assert ("--sage-qual-require-gpu: sage-qual: the runner lost its GPU; 1 GPU test(s) not run"
+            in result.stdout)
+
+
+@pytest.mark.parametrize("marker, message", [
+    (pytest.mark.sage_qual(families=["FLUX1x"]), "unknown family 'FLUX1x' (known: FLUX.1, "),
+    (pytest.mark.sage_qual(family=["FLUX.1"]), "takes only families=[...] (got family)"),
+    (pytest.mark.sage_qual("FLUX.1"), "takes only families=[...] (got a positional argument)"),
+    (pytest.mark.sage_qual(families="FLUX.1"), "families= takes a list of family names, not 'FLUX.1'"),
 ])
-def test_bad_options_are_usage_errors_with_the_fix(tmp_path, args, message):
+def test_marker_arguments_are_checked(marker, message):
+    from sage_qual.qualification.pytest_plugin import _marked_families
+
+    with pytest.raises(pytest.UsageError, match=re.escape(message)):
+        _marked_families("test_x", marker.mark)
+    flux = pytest.mark.sage_qual(families=["flux.1"]).mark
+    assert [f.name for f in _marked_families("t", flux)] == ["FLUX.1"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-k", "test_x", "--sage-qual-target", "no_such_app_xyz:attention"], "cannot import no_such_app_xyz"),
+    (["-k", "test_x", "--sage-qual-fixtures", "/nonexistent/fixtures"], "directory: not found"),
+    (["-k", "misspelt"], "test_misspelt: unknown family 'FLUX1x' (known: FLUX.1, "),
+])
+def test_bad_options_are_usage_errors_with_the_fix(pytest_run, tmp_path, args, message):
     (tmp_path / "test_app.py").write_text(
-        "def test_x(sage_qual_target, sage_qual_fixture):\n    pass\n")
+        "import pytest\n"
+        "def test_x(sage_qual_target, sage_qual_fixture):\n    pass\n"
+        "@pytest.mark.sage_qual(families=['FLUX1x'])\n"
+        "def test_misspelt():\n    pass\n")
     result = pytest_run(tmp_path, *args)
     assert result.returncode == 4, result.stdout + result.stderr  # pytest's usage error
     assert message in result.stderr

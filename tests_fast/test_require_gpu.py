@@ -1,15 +1,13 @@
 """`pytest -m slow --require-gpu` (or SAGE_QUAL_REQUIRE_GPU=1) fails where the GPU tests would skip
 for want of a GPU or of SageAttention: a CI runner that lost its GPU goes red, not green.
 
-Runs the repository's root conftest.py on a two-test project in a subprocess (this CPU machine has
-neither a GPU nor SageAttention).
+Runs the repository's root conftest.py on a two-test project in this process (pytester; this CPU
+machine has neither a GPU nor SageAttention).
 """
 
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -32,21 +30,21 @@ def test_known_defect():
 '''
 
 
-@pytest.fixture(scope="module")
-def project(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("project")
-    shutil.copy(ROOT / "conftest.py", directory / "conftest.py")
-    (directory / "test_gpu.py").write_text(PROJECT_TEST)
-    return directory
+@pytest.fixture
+def project(pytester):
+    shutil.copy(ROOT / "conftest.py", pytester.path / "conftest.py")
+    (pytester.path / "test_gpu.py").write_text(PROJECT_TEST)
+    return pytester
 
 
-def run(project: Path, *args: str, require: str | None = None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "SAGE_QUAL_REQUIRE_GPU"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    if require is not None:
-        env["SAGE_QUAL_REQUIRE_GPU"] = require
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rA", *args],
-                          cwd=project, env=env, capture_output=True, text=True, timeout=120)
+def run(project, *args: str, require: str | None = None) -> SimpleNamespace:
+    """pytest in this process (pytester), on the two-test project with the repository's conftest."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("SAGE_QUAL_REQUIRE_GPU", raising=False)
+        if require is not None:
+            patch.setenv("SAGE_QUAL_REQUIRE_GPU", require)
+        result = project.runpytest_inprocess("-p", "no:cacheprovider", "-q", "-rA", *args)
+    return SimpleNamespace(returncode=int(result.ret), stdout=str(result.stdout))
 
 
 def test_without_the_option_gpu_tests_skip(project):
@@ -55,11 +53,19 @@ def test_without_the_option_gpu_tests_skip(project):
     assert "1 skipped, 1 xfailed" in result.stdout
 
 
+def test_a_plain_run_deselects_the_gpu_tests_with_one_line(project):
+    result = run(project, "-rs")
+    assert result.returncode == 5, result.stdout  # nothing left to run in this project
+    assert "2 deselected" in result.stdout and "SKIPPED" not in result.stdout
+    assert "tests_gpu: 2 GPU qualification tests deselected; run them on a GPU box" in result.stdout
+
+
 @pytest.mark.parametrize("how", ["option", "variable"])
-def test_required_gpu_tests_fail_with_the_reason(project, how):
+def test_required_gpu_tests_fail_once_with_the_reason(project, how):
     result = run(project, "-m", "slow", *(["--require-gpu"] if how == "option" else []),
                  require="1" if how == "variable" else None)
     assert result.returncode == 1, result.stdout
     assert "--require-gpu: no CUDA GPU visible to torch" in result.stdout
-    assert "1 failed, 1 xfailed" in result.stdout  # the expected failure stays one
+    assert "2 GPU test(s) not run" in result.stdout
+    assert "1 failed, 2 deselected" in result.stdout  # one failure for the run, not one per test
 

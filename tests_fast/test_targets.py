@@ -45,6 +45,24 @@ def test_wrapper_with_a_forced_variant_serves_small_calls_with_smoothing_off(h20
     assert h200.calls[0].keywords["smooth_k"] is False
 
 
+def test_a_forced_variant_replaces_an_apps_wrapper_for_the_session_and_gives_it_back(h200):
+    """An app's wrapper installed first (default table: sm90-fp8-cuda on this H200) must not stand in
+    for wrapper:sm80-fp16-cuda: the variant named serves, and the app's installation returns after."""
+    q, k, v = qkv(q_tokens=64, k_tokens=32)
+    app_config = sage_qual.WrapperConfig(min_query_tokens=1, min_key_tokens=1)
+    assert sage_qual.install(config=app_config).enabled
+    try:
+        target = targets.resolve("wrapper:sm80-fp16-cuda")
+        with target.session() as session:
+            _, served = session.call(q, k, v)
+        assert served and [c.function for c in h200.calls] == ["sageattn_qk_int8_pv_fp16_cuda"]
+        status = sage_qual.install_status()
+        assert status.enabled and status.devices[0].config is app_config
+        assert status.devices[0].variant.name == "sm90-fp8-cuda"
+    finally:
+        sage_qual.uninstall()
+
+
 def test_claims_read_as_the_wrapper_words_them():
     q, k, v = qkv(head_dim=96, dtype=torch.float32)
     target = targets.resolve("wrapper:sm90-fp8-cuda")

@@ -47,7 +47,7 @@ done
 import json, os, sys
 from pathlib import Path
 
-fleet, decisions, reports = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2]), sys.argv[3:]
+fleet, decisions, reports = json.loads(Path(sys.argv[1]).read_text())["rows"], Path(sys.argv[2]), sys.argv[3:]
 passing = {"enable"} if os.environ.get("REQUIRE_SPEEDUP") == "1" else {"enable", "safe, no speedup"}
 gates = {}  # (report folder, family) -> the gate's exit code on that host
 for report in reports:

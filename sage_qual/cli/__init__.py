@@ -1,16 +1,75 @@
 """`sage-qual` command line: one subcommand per module of this package, on top of everything else.
 
-Every command returns an `ExitCode`; bad input prints one line on stderr and exits 2.
+Every command returns an `ExitCode`, and that code is what the process exits with, whatever
+happens to stdout: a reader that stops early (`gate ... | head -1` under `set -o pipefail`)
+never turns "keep off" into "enable". Bad input prints one line on stderr and exits 2; so does
+an internal error (the traceback only with --debug). With --json, a refusal is one JSON object
+with `exit_code` and `problem` on stdout too.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
+import json
 import os
 import sys
+import traceback
 
 from sage_qual.errors import ExitCode, UsageError
 from sage_qual.version import __version__
+
+# Commands whose exit code is a decision (gate's enable/keep off, compare's same/different, a
+# finished or interrupted certify, merge's table of readable reports): it stands when their
+# output was cut. The others only print; cut short, they exit as any writer into a closed pipe
+# does in a shell: 128 + SIGPIPE.
+DECIDING = ("gate", "compare", "merge", "certify")
+BROKEN_PIPE = 141
+
+
+class _Surviving(io.TextIOBase):
+    """sys.stdout or sys.stderr that survives its reader going away: the first write or flush that
+    finds the pipe closed points the file descriptor at /dev/null (also what the interpreter
+    flushes at exit), and the command runs on to its decision."""
+
+    def __init__(self, stream):
+        self.stream, self.broken = stream, False
+        if hasattr(stream, "reconfigure"):  # a lone surrogate (an undecodable host name) as its escape
+            stream.reconfigure(errors="backslashreplace")
+
+    def _guard(self, action) -> None:
+        try:
+            action()
+        except BrokenPipeError:
+            self._to_null()
+
+    def _to_null(self) -> None:
+        if not self.broken:
+            self.broken = True
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self.stream.fileno())
+            os.close(null)
+
+    def write(self, text: str) -> int:
+        if not self.broken:
+            self._guard(lambda: self.stream.write(text))
+        return len(text)
+
+    def flush(self) -> None:
+        self._guard(self.stream.flush)
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    def isatty(self) -> bool:
+        return self.stream.isatty()
+
+    @property
+    def encoding(self):
+        return self.stream.encoding
+
+    def writable(self) -> bool:
+        return True
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,23 +77,79 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="sage-qual", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"sage-qual {__version__}")
+    parser.add_argument("--debug", action="store_true",
+                        help="on an internal error, print the traceback (default: one line)")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for module in (env, fixtures, certify, gate, compare):
         module.add_parser(subparsers)
+    for command in {id(c): c for c in subparsers.choices.values()}.values():  # aliases: once each
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                             help="on an internal error, print the traceback")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    streams = sys.stdout, sys.stderr
+    guarded = [_Surviving(s) if _is_pipe_or_file(s) else s for s in streams]
+    sys.stdout, sys.stderr = guarded
+    try:
+        code = _run(args)
+        sys.stdout.flush()
+    finally:
+        sys.stdout, sys.stderr = streams
+    cut = getattr(guarded[0], "broken", False)
+    if cut and args.command not in DECIDING and code == ExitCode.OK:
+        return BROKEN_PIPE
+    return code
+
+
+def _is_pipe_or_file(stream) -> bool:
+    """A real stdout (the command line), not a test's capture or a caller's StringIO."""
+    try:
+        stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        return False
+    return True
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         return int(args.func(args))
     except UsageError as error:
-        print(f"sage-qual {args.command}: {error}", file=sys.stderr)
-        return ExitCode.USAGE
-    except BrokenPipeError:
-        # The reader stopped early (`merge --json | head`): not an error, and no traceback at exit.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return ExitCode.OK
+        return _refuse(args, str(error))
+    except KeyboardInterrupt:
+        return _refuse(args, "interrupted", ExitCode.INTERRUPTED)
+    except Exception as error:  # noqa: BLE001: any other failure is a bug, and "cannot decide"
+        if getattr(args, "debug", False):
+            traceback.print_exc()
+        where = traceback.extract_tb(error.__traceback__)[-1]
+        problem = (f"internal error: {type(error).__name__}: {_one_line(str(error))} (at "
+                   f"{os.path.basename(where.filename)}:{where.lineno}); this is a bug in sage-qual"
+                   + ("" if getattr(args, "debug", False) else ": --debug prints the traceback"))
+        return _refuse(args, problem)
+
+
+def _refuse(args: argparse.Namespace, problem: str, code: int = ExitCode.USAGE) -> int:
+    """The one line on stderr, and the same answer in the machine outputs asked for: one JSON
+    object on stdout (--json), an error test case (--junit-xml)."""
+    problem = _one_line(problem).encode("utf-8", "backslashreplace").decode("utf-8")
+    print(f"sage-qual {args.command}: {problem}", file=sys.stderr)
+    if getattr(args, "json", False):
+        print(json.dumps({"command": args.command, "exit_code": int(code), "problem": problem}))
+    if getattr(args, "junit_xml", None):
+        from sage_qual.qualification import junit
+
+        try:
+            junit.write(args.junit_xml, f"sage-qual {args.command}",
+                        [junit.Case(f"sage-qual {args.command}", "cannot decide", "error", problem)])
+        except UsageError as error:
+            print(f"sage-qual {args.command}: {error}", file=sys.stderr)
+    return code
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 if __name__ == "__main__":

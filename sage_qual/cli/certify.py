@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import shlex
 import signal
 import sys
@@ -10,7 +12,6 @@ from pathlib import Path
 
 from sage_qual import limits
 from sage_qual.errors import ExitCode, UsageError
-from sage_qual.qualification.certify import Options, run
 
 
 def _split(values: list[str] | None) -> list[str] | None:
@@ -24,8 +25,9 @@ def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "certify", help="run every variant on every fixture and a speed sweep; write report and profile",
         description="Run every runnable variant on every fixture, and a speed sweep, on each GPU.")
-    parser.add_argument("--out", type=Path, default=Path("sage-qual-report"), help="output directory")
-    parser.add_argument("--devices", default="all", help="GPU indices, e.g. 0,1, or all (default)")
+    parser.add_argument("--out", type=Path, default=Path("sage-qual-report"),
+                        help="output directory (default: %(default)s)")
+    parser.add_argument("--devices", default="all", help="GPU indices, e.g. 0,1, or all (default: all)")
     parser.add_argument("--variants", nargs="+", help="variant names (default: all)")
     parser.add_argument("--families", nargs="+", help="families to certify (default: all)")
     parser.add_argument("--fixtures", nargs="+", metavar="DIR", help="fixture directories (default: shipped)")
@@ -35,6 +37,9 @@ def add_parser(subparsers) -> None:
                              f"(default {limits.TASK_TIMEOUT:g})")
     parser.add_argument("--junit-xml", type=Path, metavar="FILE",
                         help="also write JUnit XML: one test case per GPU model and family")
+    parser.add_argument("--json", action="store_true",
+                        help="one JSON object on stdout (exit_code, problem, report, complete); the "
+                             "summary goes to stderr")
     parser.add_argument("--emulate", action="store_true",
                         help="no GPU: predict every variant on the fixtures with the CPU numerics model "
                              "(report marked predicted, no speed; gate refuses it)")
@@ -45,6 +50,18 @@ def add_parser(subparsers) -> None:
 
 
 def _command(args: argparse.Namespace) -> int:
+    if not args.json:
+        return _certify(args)
+    with contextlib.redirect_stdout(sys.stderr):  # stdout holds the one JSON object
+        code = _certify(args)
+    print(json.dumps({"command": "certify", "exit_code": int(code), "problem": "",
+                      "report": str(args.out / "report.json"), "complete": code == ExitCode.OK}, indent=1))
+    return code
+
+
+def _certify(args: argparse.Namespace) -> int:
+    from sage_qual.qualification.certify import Options, run  # torch: only when a command runs
+
     if args.target is not None:
         from sage_qual.qualification import target_certify
 

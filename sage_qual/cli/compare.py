@@ -9,6 +9,7 @@ printed), 2 on unreadable input.
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from sage_qual.errors import ExitCode, UsageError
@@ -24,6 +25,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("second", type=Path, metavar="REPORT")
     parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
                         help=f"largest relative threshold difference (default {DEFAULT_TOLERANCE:g})")
+    parser.add_argument("--json", action="store_true",
+                        help="one JSON object on stdout: exit_code, problem, entries, differences")
     parser.set_defaults(func=_compare)
 
 
@@ -44,6 +47,13 @@ def _apart(a: int | None, b: int | None, tolerance: float) -> bool:
     return abs(a - b) > tolerance * max(a, b)
 
 
+def _entry(decision: verdict.FamilyDecision) -> str:
+    """verdict, variant and thresholds; '-' for what a verdict without a variant lacks."""
+    thresholds = ("-" if decision.min_query_tokens is None else
+                  f"{decision.min_query_tokens}/{decision.min_key_tokens}")
+    return f"{decision.verdict.value} {decision.variant or '-'} {thresholds}"
+
+
 def differences(first: dict[str, verdict.GpuDecision], second: dict[str, verdict.GpuDecision],
                 tolerance: float) -> tuple[list[str], list[str]]:
     """(one line per entry compared, the differences)."""
@@ -59,9 +69,7 @@ def differences(first: dict[str, verdict.GpuDecision], second: dict[str, verdict
             if b is None:
                 found.append(f"{model} {a.label}: in only one report")
                 continue
-            line = (f"{model} {a.label}: {a.verdict.value} {a.variant or '-'} "
-                    f"{a.min_query_tokens}/{a.min_key_tokens} vs {b.verdict.value} {b.variant or '-'} "
-                    f"{b.min_query_tokens}/{b.min_key_tokens}")
+            line = f"{model} {a.label}: {_entry(a)} vs {_entry(b)}"
             lines.append(line)
             if (a.verdict, a.variant) != (b.verdict, b.variant) or \
                     _apart(a.min_query_tokens, b.min_query_tokens, tolerance) or \
@@ -74,6 +82,11 @@ def _compare(args: argparse.Namespace) -> int:
     if not 0 <= args.tolerance < 1:
         raise UsageError(f"--tolerance is {args.tolerance:g}: give a fraction from 0 to below 1 (0.1 = 10 %)")
     lines, found = differences(_decide(args.first), _decide(args.second), args.tolerance)
+    code = ExitCode.KEEP_OFF if found else ExitCode.OK
+    if args.json:
+        print(json.dumps({"command": "compare", "exit_code": int(code), "problem": "",
+                          "tolerance": args.tolerance, "entries": lines, "differences": found}, indent=1))
+        return code
     print("\n".join(lines))
     if found:
         print(f"{len(found)} difference(s) beyond {args.tolerance:.0%}:")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 
 from sage_qual.errors import ExitCode
-from sage_qual.serving import environment
 
 
 def add_parser(subparsers) -> None:
@@ -17,6 +16,8 @@ def add_parser(subparsers) -> None:
 
 
 def _env(args: argparse.Namespace) -> int:
+    from sage_qual.serving import environment  # torch: only when the command runs
+
     env = environment.collect()
     print(environment.to_json(env) if args.json else environment.render_text(env))
     return ExitCode.OK

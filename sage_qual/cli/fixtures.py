@@ -8,19 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import textwrap
 from pathlib import Path
 
-from sage_qual.errors import ExitCode
-from sage_qual.fixtures.fileformat import (
-    SUFFIX,
-    FixtureError,
-    describe,
-    list_fixtures,
-    load_fixture,
-    shipped_dir,
-)
+from sage_qual.errors import ExitCode, UsageError
 
 
 def add_parser(subparsers) -> None:
@@ -46,6 +39,8 @@ def _shape(shape) -> str:
 
 
 def _list(args: argparse.Namespace) -> int:
+    from sage_qual.fixtures.fileformat import FixtureError, list_fixtures, load_fixture, shipped_dir
+
     directory = args.directory or shipped_dir()
     if directory is None:
         return _fail("no fixtures/ directory next to the package; give a DIR")
@@ -68,11 +63,13 @@ def _list(args: argparse.Namespace) -> int:
 def resolve(name: str) -> Path:
     """The file a `fixtures show` argument names: a path as given, or a bare fixture name (as
     `fixtures list` prints it) in the repository's fixtures/ directory."""
+    from sage_qual.fixtures.fileformat import SUFFIX, FixtureError, list_fixtures, shipped_dir
+
     path = Path(name)
-    if path.exists() or path.suffix == SUFFIX or len(path.parts) > 1:
+    if path.exists() or len(path.parts) > 1:
         return path
     shipped = shipped_dir()
-    candidate = shipped / (name + SUFFIX) if shipped else None
+    candidate = shipped / (name if path.suffix == SUFFIX else name + SUFFIX) if shipped else None
     if candidate is None or not candidate.exists():
         known = ", ".join(p.name.removesuffix(SUFFIX) for p in list_fixtures(shipped)) if shipped else ""
         raise FixtureError(name, "name", "no such file, and no shipped fixture of that name",
@@ -81,12 +78,29 @@ def resolve(name: str) -> Path:
 
 
 def _show(args: argparse.Namespace) -> int:
+    from sage_qual.fixtures.fileformat import FixtureError, describe, load_fixture
+    from sage_qual.qualification.certify import check_finite
+
     try:
-        info = describe(load_fixture(resolve(args.file)))
+        path = resolve(args.file)
+        fixture = load_fixture(path)
     except FixtureError as error:
-        return _fail(str(error))
-    print(json.dumps(info, indent=2) if args.json else render(info))
+        raise UsageError(str(error)) from None
+    check_finite(fixture, path)  # what certify and gate would refuse, said here first
+    info = describe(fixture)
+    print(json.dumps(_finite(info), indent=2, allow_nan=False) if args.json else render(info))
     return ExitCode.OK
+
+
+def _finite(value):
+    """JSON has no NaN or infinity (a kernel's non-finite result in the calibration): null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _channels(stats: dict) -> str:
@@ -116,7 +130,7 @@ def render(info: dict) -> str:
     v_mean = info["v_mean"]
     lines.append(f"  V mean       overall {v_mean['overall']:.4g}; largest |channel mean| "
                  f"{v_mean['max_abs_channel_mean']:.4g} (channel {v_mean['channel']})")
-    lines += [f"  bounds {cls:<5} relative L2 <= {b['max_rel_l2']}, cosine >= {b['min_cosine']}"
+    lines += [f"  published bound {cls:<5} relative L2 <= {b['max_rel_l2']}, cosine >= {b['min_cosine']}"
               for cls, b in info["bounds"].items()]
     if info["published"]:
         lines.append(f"  published    {_value(info['published'])}")

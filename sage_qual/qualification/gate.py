@@ -4,33 +4,43 @@ Both take their verdicts from `verdict.decide()`, the function report.md and cer
 use, so the four always say the same word. gate exits 0 to enable a family on this machine
 ("enable"; also "safe, no speedup" unless --require-speedup: a profile then serves nothing, so
 switching the family on changes nothing), 1 to keep it off (every reason printed), 2 when it
-cannot decide: no report, a partial, damaged or edited one, or a stale one (made on another GPU
-model, driver, torch, sageattention or other fixtures than this machine has).
+cannot decide: no report, a partial, damaged, edited or predicted one, no GPU or no usable
+sageattention here, or a stale one (made on another GPU model, driver, torch, sageattention or
+other fixtures than this machine has).
 
-A cell is judged against the budget stored with it, so gate re-derives that budget from this
+The whole decision is here, not in the command line: `gate()` reads the report, this machine and
+its fixtures and calls `decide()`, which gives every refusal as a `GateDecision` with a `problem`
+(never an exception), so every caller, `--json` and `--junit-xml` included, gets an answer.
+
+A cell is judged against the budget stored with it, so `decide()` re-derives that budget from this
 machine's fixture file (`budgets.budget`) for every cell it decides on and refuses a report whose
 stored budget is looser (`budget_problem`): an edited budget cannot turn a failing cell into a pass.
-merge has no fixture files and trusts the stored budgets.
+merge has no fixture files and trusts the stored budgets, as `decide_stored()` does.
+
+Importing this module imports no torch: the fixture loader and the numerics model are imported
+where a fixture is read or a budget derived.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import math
-import os
+import tempfile
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from sage_qual import limits
 from sage_qual.errors import ExitCode, UsageError
-from sage_qual.fixtures import fileformat, numerics
-from sage_qual.qualification import budgets, measure, report, targets, verdict
-from sage_qual.qualification.certify import check_finite, fixture_dirs
-from sage_qual.qualification.families import FAMILIES, Family, normalize
+from sage_qual.qualification import budget_cache, pool, report, report_model, verdict
+from sage_qual.qualification.families import FAMILIES, Family, find, normalize
 from sage_qual.qualification.report_model import Report
 from sage_qual.qualification.verdict import GENERIC, FamilyDecision, Verdict
-from sage_qual.serving import variants
 from sage_qual.serving.variants import VARIANTS, Variant
+
+if TYPE_CHECKING:
+    from sage_qual.fixtures.fileformat import Fixture
 
 
 def counts_for(family: Family, fixture_family: str) -> bool:
@@ -38,8 +48,11 @@ def counts_for(family: Family, fixture_family: str) -> bool:
     return family.owns(fixture_family) or normalize(fixture_family) == GENERIC
 
 
-def local_fixture_files(directories: list[str] | None, family: Family) -> dict[str, fileformat.Fixture]:
+def local_fixture_files(directories: list[str] | None, family: Family) -> dict[str, Fixture]:
     """This machine's fixtures that count for the family, loaded: name -> fixture."""
+    from sage_qual.fixtures import fileformat
+    from sage_qual.qualification.certify import check_finite, fixture_dirs
+
     found = {}
     for directory in fixture_dirs(directories):
         try:
@@ -51,11 +64,6 @@ def local_fixture_files(directories: list[str] | None, family: Family) -> dict[s
         except fileformat.FixtureError as error:
             raise UsageError(str(error)) from None
     return found
-
-
-def local_fixtures(directories: list[str] | None, family: Family) -> dict[str, str]:
-    """This machine's fixtures that count for the family: name -> sha256."""
-    return {name: f.sha256 for name, f in local_fixture_files(directories, family).items()}
 
 
 def _model(gpu: dict) -> str:
@@ -99,23 +107,27 @@ _LOOSER = {"min_cosine": -1, "min_norm_ratio": -1}  # the others (maxima): +1
 _EXACT = {"min_cosine": 1.0, "min_norm_ratio": 1.0, "max_norm_ratio": 1.0}  # the others: 0 error
 # Derived budgets cost about a second per variant and fixture on a CPU: kept on disk per (model code,
 # variant, fixture sha256), so a second gate on the same fixtures takes no model run.
-_MODEL_CODE = (budgets, numerics, measure, variants)  # what a derived budget depends on
+_MODEL_CODE = ("sage_qual.qualification.budgets", "sage_qual.fixtures.numerics",
+               "sage_qual.qualification.measure", "sage_qual.serving.variants")  # what a budget depends on
 
 
 def _model_digest() -> str:
+    import importlib.util
+
     digest = hashlib.sha256()
-    for module in _MODEL_CODE:
-        digest.update(Path(module.__file__).read_bytes())
+    for module in _MODEL_CODE:  # read from the files, so the digest imports none of them
+        digest.update(Path(importlib.util.find_spec(module).origin).read_bytes())
     return digest.hexdigest()[:16]
 
 
-def _cache_path() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "sage-qual" / f"budgets-{_model_digest()}.json"
+def _cache_path(run_folder: Path) -> Path:
+    return budget_cache.directory(run_folder) / f"budgets-{_model_digest()}.json"
 
 
-def derived_budget(variant: Variant, fixture: fileformat.Fixture, cache: dict) -> dict:
+def derived_budget(variant: Variant, fixture: Fixture, cache: dict) -> dict:
     """`budgets.budget(variant, fixture)`, through `cache` (key: variant and fixture sha256)."""
+    from sage_qual.qualification import budgets
+
     key = f"{variant.name} {fixture.sha256}"
     found = cache.get(key)
     if not (isinstance(found, dict) and found
@@ -128,6 +140,8 @@ def _cell_variant(data: Report, name: str, capability: tuple[int, int]) -> Varia
     """The registry variant behind a cell: its own, or for certify --target the target's on that GPU."""
     if not data.target:
         return VARIANTS.get(name)
+    from sage_qual.qualification import targets  # imports torch: only for a certify --target report
+
     try:
         return targets.resolve(data.target).variant(capability)
     except (targets.TargetError, ImportError):
@@ -135,17 +149,13 @@ def _cell_variant(data: Report, name: str, capability: tuple[int, int]) -> Varia
 
 
 def budget_problem(source: str, data: Report, family: Family, here: dict,
-                   fixtures: dict[str, fileformat.Fixture]) -> str:
+                   fixtures: Mapping[str, Fixture]) -> str:
     """Empty when every measured cell gate decides on (this family's and generic fixtures, on the GPU
     models here) stores a budget no looser than the one this machine derives from its fixture file;
     else one line naming the first cell that does not."""
     models_here = {_model(g) for g in here["gpus"]}
-    path = _cache_path()
-    try:
-        cache = json.loads(path.read_text())
-        cache = cache if isinstance(cache, dict) else {}
-    except (OSError, ValueError):
-        cache = {}
+    path, model = _cache_path(Path(source).parent), _model_digest()
+    cache = budget_cache.Entries(budget_cache.load(path, model))
     known = len(cache)
     owners = {f.name: f.family for f in data.fixtures}
     problem = ""
@@ -166,14 +176,13 @@ def budget_problem(source: str, data: Report, family: Family, here: dict,
                 break
         if problem:
             break
+    by_key = {f"{v.name} {f.sha256}": (v, f) for v in VARIANTS.values() for f in fixtures.values()}
+    if not budget_cache.spot_check(cache, list(cache.hits), lambda key: derived_budget(*by_key[key], {}),
+                                   BUDGET_ABS_COSINE):
+        budget_cache.save(path, model, {})  # an entry disagrees with the model here: derive them all
+        return budget_problem(source, data, family, here, fixtures)
     if len(cache) > known:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            temporary = path.with_suffix(f".{os.getpid()}.tmp")
-            temporary.write_text(json.dumps(cache))
-            temporary.replace(path)
-        except OSError:
-            pass  # a cache that cannot be written costs time only
+        budget_cache.save(path, model, dict(cache))
     return problem
 
 
@@ -235,23 +244,41 @@ class GateDecision:
                          for model, d in self.gpus]}
 
 
-def decide(data: Report, family: Family, here: dict, local: dict[str, str],
-           require_speedup: bool) -> GateDecision:
+def report_problem(source: str, data: Report, family: Family) -> str:
+    """Why this report cannot decide for the family on any machine; empty when it can."""
     if not data.complete:
         line = report.status_line(data.complete, data.started, data.finished, data.stopped)
-        return GateDecision(family.name, ExitCode.USAGE, f"the report is partial: {line}")
-    if data.predicted:
-        return GateDecision(family.name, ExitCode.USAGE,
-                            "the report is predicted by the CPU numerics model (certify --emulate), not "
-                            "measured: certify on the GPU")
+        return f"{source} is a partial report ({line}): run certify to the end"
+    if data.predicted:  # no GPU can make it measured
+        return (f"{source} is a predicted report (certify --emulate: the CPU numerics model, no GPU ran), "
+                "so it cannot enable a family: run `sage-qual certify` on the GPU")
+    if report_model.quick_problem(data):
+        return report_model.quick_problem(data)
     if family.name not in data.options.families:
-        ran = ", ".join(data.options.families)
-        return GateDecision(family.name, ExitCode.USAGE,
-                            f"the report did not certify {family.name} (it ran: {ran})")
-    differences = stale(data, family, here, local)
+        return f"the report did not certify {family.name} (it ran: {', '.join(data.options.families)})"
+    return ""
+
+
+def machine_problem(here: dict) -> str:
+    """Why no report can be matched to this machine; empty when one can."""
+    if not here["gpus"]:
+        return "no CUDA GPU is visible here, so no report can be matched to this machine"
+    if here.get("sageattention_problem"):
+        return f"sageattention cannot run here: {here['sageattention_problem']}"
+    return ""
+
+
+def decide_stored(data: Report, family: Family, here: dict, local: Mapping[str, str],
+                  require_speedup: bool, source: str = "report.json") -> GateDecision:
+    """The decision with the report's stored budgets taken as they stand (as merge takes them):
+    every refusal of `decide()` but the budget re-derivation. `local`: this machine's fixtures that
+    count for the family, name -> sha256."""
+    problem = report_problem(source, data, family) or machine_problem(here)
+    differences = [] if problem else stale(data, family, here, local)
     if differences:
-        return GateDecision(family.name, ExitCode.USAGE, f"stale report: {'; '.join(differences)}. Run "
-                                                          "`sage-qual certify` on this machine again")
+        problem = f"stale report: {'; '.join(differences)}. Run `sage-qual certify` on this machine again"
+    if problem:
+        return GateDecision(family.name, ExitCode.USAGE, problem)
     models_here = {_model(g) for g in here["gpus"]}
     result = GateDecision(family.name, ExitCode.ENABLE)
     for gpu in verdict.decide(data):
@@ -263,6 +290,50 @@ def decide(data: Report, family: Family, here: dict, local: dict[str, str],
         if decision.verdict == Verdict.KEEP_OFF or (no_speedup and require_speedup):
             result.code = ExitCode.KEEP_OFF
     return result
+
+
+def decide(data: Report, family: Family, here: dict, fixtures: Mapping[str, Fixture],
+           require_speedup: bool, source: str = "report.json") -> GateDecision:
+    """gate's answer for one family on this machine (`here`: pool.collect_environment's record;
+    `fixtures`: this machine's fixtures that count for the family, loaded): every refusal, the
+    verdicts, and each stored budget against the one derived here."""
+    local = {name: fixture.sha256 for name, fixture in fixtures.items()}
+    decision = decide_stored(data, family, here, local, require_speedup, source)
+    if decision.code != ExitCode.USAGE:
+        problem = budget_problem(source, data, family, here, fixtures)
+        if problem:
+            return GateDecision(family.name, ExitCode.USAGE, problem)
+    return decision
+
+
+def this_machine() -> dict:
+    """This machine's environment, collected in a worker process (collecting initializes CUDA,
+    which the caller must not)."""
+    with tempfile.TemporaryDirectory(prefix="sage-qual-gate-") as logs:
+        return pool.collect_environment(Path(logs) / "environment.log", limits.STARTUP_TIMEOUT)["environment"]
+
+
+def gate(report_path: Path, family_name: str, fixture_dirs: list[str] | None = None,
+         require_speedup: bool = False, machine: Callable[[], dict] | None = None) -> GateDecision:
+    """`sage-qual gate`: read the report, this machine (`machine()`, default `this_machine`) and its
+    fixtures, and decide. Bad input and every refusal come back as a decision with a problem."""
+    try:
+        family = find(family_name)
+    except KeyError as error:
+        return GateDecision(family_name, ExitCode.USAGE, error.args[0])
+    try:
+        data = report.load(report_path)
+    except report.ReportError as error:
+        return GateDecision(family.name, ExitCode.USAGE, str(error))
+    problem = report_problem(str(report_path), data, family)  # before a worker looks for a GPU
+    if problem:
+        return GateDecision(family.name, ExitCode.USAGE, problem)
+    try:
+        fixtures = local_fixture_files(fixture_dirs, family)
+        here = (machine or this_machine)()
+    except (UsageError, pool.WorkerError) as error:
+        return GateDecision(family.name, ExitCode.USAGE, str(error))
+    return decide(data, family, here, fixtures, require_speedup, str(report_path))
 
 
 # merge -------------------------------------------------------------------------------------------------
@@ -294,11 +365,17 @@ def merge_rows(reports: list[tuple[Path, Report]]) -> list[dict]:
 def merge_markdown(rows: list[dict]) -> str:
     names = [f.name for f in FAMILIES if any(f.name in row["families"] for row in rows)]
     targets = any(row["target"] for row in rows)  # certify --target reports: which integration
-    header = ["host", "GPU", "sm", "GPUs", "driver", "torch", "sageattention"] + ["target"] * targets + names
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    hosts = {}  # two reports from one host: each row names its report file
     for row in rows:
-        cells = [row["host"], row["gpu"], "%d%d" % tuple(row["capability"]), str(len(row["devices"])),
-                 row["driver"] or "-", row["torch"], row["sageattention"] or "-"]
+        hosts.setdefault(row["host"], set()).add(row["report"])
+    files = any(len(reports) > 1 for reports in hosts.values())
+    header = (["host"] + ["report"] * files + ["GPU", "sm", "GPUs", "driver", "torch", "sageattention"]
+              + ["target"] * targets + names)
+    lines = [report.markdown_row(header), "|" + "---|" * len(header)]
+    for row in rows:
+        cells = [row["host"]] + [row["report"]] * files + [
+            row["gpu"], "%d%d" % tuple(row["capability"]), str(len(row["devices"])), row["driver"] or "-",
+            row["torch"], row["sageattention"] or "-"]
         if targets:
             cells.append(row["target"] or "(variants)")
         for name in names:
@@ -317,5 +394,5 @@ def merge_markdown(rows: list[dict]) -> str:
                 cells.append(f"enable: {verdict['variant']} {span}")
             else:
                 cells.append(f"{verdict['verdict']}: " + ", ".join(verdict["reasons"]))
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append(report.markdown_row(cells))
     return "\n".join(lines)

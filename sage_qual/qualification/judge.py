@@ -3,8 +3,8 @@
 certify's worker calls it as it measures, the verdict recomputes it from the stored metrics, and the
 GPU tests assert with it, so a cell cannot pass in one place and fail in another.
 
-A budget is a mapping of limits (fixture metadata "budgets", per variant, derived from the numerics
-model: `sage_qual.fixtures.budgets`). Every limit present is checked against its metric; a metric
+A budget is a mapping of limits, per variant and fixture, derived from the numerics model
+(`sage_qual.qualification.budgets.budget`). Every limit present is checked against its metric; a metric
 that is missing or not a number for a limit that is present is a reason too, so a report stripped
 of a number cannot pass. Finiteness is always checked.
 """

@@ -25,6 +25,9 @@ from sage_qual.limits import MAX_WORKER_FAILURES
 
 WORKER_MODULE = "sage_qual.qualification.worker"
 EXIT_POISONED = 70  # a worker's exit code when a CUDA error left its context unusable
+# Seconds to wait for a dead worker's pipe to close (its process group was killed, so at once; a
+# grandchild that escaped the group could hold it open, and then the reader is left behind).
+READER_JOIN_TIMEOUT = 10.0
 
 
 class Process:
@@ -39,7 +42,8 @@ class Process:
             self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                                          env=env, start_new_session=True)
         self.messages: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -64,6 +68,14 @@ class Process:
             except ProcessLookupError:
                 pass
         self.proc.wait()
+        self._join_reader()
+
+    def _join_reader(self) -> None:
+        """Wait for the reader to see the pipe's end. A daemon thread still blocked in the pipe's
+        buffered read when the interpreter exits holds that reader's lock while finalization closes
+        it, and the parent aborts (SIGABRT) instead of exiting with its code (certify's exit 130
+        after SIGTERM, tests_fast/test_certify_targets.py)."""
+        self.reader.join(timeout=READER_JOIN_TIMEOUT)
 
     def close(self) -> None:
         """End the worker: closing stdin lets an idle one exit; a busy one is killed."""
@@ -73,6 +85,7 @@ class Process:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self.kill()
+        self._join_reader()
 
     def ended(self) -> str:
         code = self.proc.wait()

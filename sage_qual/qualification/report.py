@@ -13,13 +13,13 @@ import html
 import json
 import math
 import os
+import re
 import threading
 from importlib import resources
 from pathlib import Path
 
 from sage_qual.qualification import report_model, verdict
 from sage_qual.qualification.report_model import KIND, SCHEMA_VERSION, Report, ReportError
-from sage_qual.serving import environment
 
 __all__ = ["KIND", "SCHEMA_VERSION", "Report", "ReportError", "Writer", "load", "render", "schema"]
 SCHEMA_FILE = "report_schema.json"
@@ -82,8 +82,8 @@ def render(data: dict, out_dir: Path) -> list[Path]:
     decisions = verdict.decide(parse(data, str(out_dir / "report.json")))
     images = _plots(data, decisions, out_dir)
     blocks = _blocks(data, decisions, images)
-    (out_dir / "report.md").write_text(_markdown(blocks))
-    (out_dir / "report.html").write_text(_html(blocks, out_dir, data))
+    (out_dir / "report.md").write_text(safe_text(_markdown(blocks)), encoding="utf-8")
+    (out_dir / "report.html").write_text(safe_text(_html(blocks, out_dir, data)), encoding="utf-8")
     return [out_dir / "report.md", out_dir / "report.html"] + [out_dir / name for name in images.values()]
 
 
@@ -115,6 +115,8 @@ def _blocks(data: dict, decisions: list[verdict.GpuDecision], images: dict) -> l
         blocks.append(("p", f"Target: `{data['target']}` (certify --target): this integration stands where a "
                             "variant stands in every table below."))
     if data.get("environment"):
+        from sage_qual.serving import environment  # imports torch: only where a report is rendered
+
         blocks += [("h", 2, "Environment"),
                    ("pre", environment.render_text(environment.from_dict(data["environment"])))]
     blocks += [("h", 2, "Fixtures"), ("table", ["fixture", "family", "kind", "q", "k/v", "dtype", "sha256"],
@@ -123,11 +125,82 @@ def _blocks(data: dict, decisions: list[verdict.GpuDecision], images: dict) -> l
     if any(f["kind"] == "replica" for f in data["fixtures"]):
         blocks.append(("p", "Fixtures of kind 'replica' are generated to reproduce published statistics, "
                             "not recorded from a model: every verdict below rests on them as such."))
+    if data["options"]["quick"]:
+        blocks += _left_out_blocks(data)
     for gpu in decisions:
-        blocks += _gpu_blocks(gpu, images)
+        blocks += _predicted_blocks(gpu) if predicted else _gpu_blocks(gpu, images)
     for device in data["devices"]:
         blocks += _device_blocks(data, device, images)
     return blocks
+
+
+def left_out(data: dict) -> list[tuple[str, str, list[str]]]:
+    """The fixtures of the run's directories and families that --quick left out: (name, family,
+    the known failures its calibration records: variants measured non-finite or over the fixture's
+    published bound)."""
+    from sage_qual.fixtures import fileformat
+    from sage_qual.qualification.families import family_of, normalize
+    from sage_qual.serving.variants import VARIANTS
+
+    ran = {f["name"] for f in data["fixtures"]}
+    chosen = set(data["options"]["families"])
+    found = []
+    for directory in data["options"]["fixture_dirs"]:
+        try:
+            fixtures = [fileformat.load_fixture(p) for p in fileformat.list_fixtures(directory)]
+        except fileformat.FixtureError:
+            continue  # moved or changed since the run: nothing to name
+        for fixture in fixtures:
+            owner = family_of(fixture.family)
+            if fixture.name in ran or (owner is not None and owner.name not in chosen):
+                continue
+            failures = []
+            kernels = fixture.calibration.get("kernels", {}) if isinstance(fixture.calibration, dict) else {}
+            for name, numbers in sorted(kernels.items()):
+                bound = fixture.bounds.get(VARIANTS[name].accuracy_class, {}) if name in VARIANTS else {}
+                rel_l2 = numbers.get("rel_l2")
+                if numbers.get("finite") is False:
+                    failures.append(f"{name} not finite")
+                elif isinstance(rel_l2, float) and rel_l2 > bound.get("max_rel_l2", math.inf):
+                    failures.append(f"{name} relative L2 {rel_l2:.3g} over the published bound "
+                                    f"{bound['max_rel_l2']:.3g}")
+            if not kernels:
+                status = (fixture.calibration.get("status", "no calibration")
+                          if isinstance(fixture.calibration, dict) else "no calibration")
+                failures.append(f"none known: no kernel ran this file ({status})")
+            found.append((fixture.name, owner.name if owner else normalize(fixture.family), failures))
+    return found
+
+
+def _left_out_blocks(data: dict) -> list[tuple]:
+    rows = [[name, family, "; ".join(failures) or "none: every kernel its calibration ran passed"]
+            for name, family, failures in left_out(data)]
+    text = ("A --quick run: the smallest fixture of each family only. The verdicts below say nothing about "
+            "the fixtures it left out, and the stress fixtures that carry the known failures are among "
+            "them, so a family can pass here and fail the full run. `sage-qual gate` refuses this report.")
+    blocks = [("h", 2, "Left out by --quick"), ("p", text)]
+    if rows:
+        blocks.append(("table", ["fixture", "family", "known failures (its calibration run)"], rows))
+    return blocks
+
+
+def _predicted_blocks(gpu: verdict.GpuDecision) -> list[tuple]:
+    """A predicted report's verdicts: what the numerics model says of accuracy per family; speed was
+    not timed, so nothing here speaks of speed or of where a variant runs."""
+    rows = []
+    for v in gpu.families + [gpu.default]:
+        kinds = {r.kind for r in v.reasons}
+        if kinds == {report_model.ReasonKind.NO_FIXTURES}:
+            prediction = "not predicted: no fixture of the family ran"
+        else:
+            prediction = "would pass" if v.certified else "would fail"
+        why = "; ".join(r.detail for r in v.reasons if r.kind != report_model.ReasonKind.SPEED)
+        rows.append([v.family or "(default: all fixtures)", prediction, ", ".join(v.certified) or "-",
+                     why or "-"])
+    return [("h", 2, "Predicted accuracy verdicts"),
+            ("p", "From the numerics model's cells below, accuracy only. Speed: not timed (no GPU ran), so "
+                  "no variant is enabled and no break-even exists: certify on the GPU for those."),
+            ("table", ["family", "prediction", "variants that would pass every fixture", "why not"], rows)]
 
 
 def verdict_rows(gpu: verdict.GpuDecision) -> list[list[str]]:
@@ -183,10 +256,14 @@ def _cell_row(c: dict) -> list:
 
 
 def _device_blocks(data: dict, device: dict, images: dict) -> list[tuple]:
-    blocks = [("h", 2, "cuda:%d %s (sm_%d%d)" % (device["index"], device["name"], *device["capability"]))]
+    predicted = data.get("predicted")
+    blocks = [("h", 2, "Predicted by the numerics model (CPU)" if predicted else
+               "cuda:%d %s (sm_%d%d)" % (device["index"], device["name"], *device["capability"]))]
     key = f"cuda:{device['index']}"
     if key in images:
-        blocks.append(("img", images[key], "accuracy: relative L2 over its bound, per variant and fixture"))
+        blocks.append(("img", images[key],
+                       "predicted relative L2 over the fixture's published bound" if predicted
+                       else "accuracy: relative L2 over its budget, per variant and fixture"))
     blocks += [("h", 3, "Accuracy and memory per variant and fixture"),
                ("p", "Against a float32 reference; 'x SDPA' is the error over that of PyTorch SDPA in the "
                      "input precision; memory is the extra peak in bytes per q/k/v element; 'smooth_k on' "
@@ -194,7 +271,9 @@ def _device_blocks(data: dict, device: dict, images: dict) -> list[tuple]:
                      "runs it off)."),
                ("table", ["variant", "fixture", "outcome", "relative L2", "worst head cosine", "x SDPA",
                           "bytes/elem", "smooth_k on", "reasons"], [_cell_row(c) for c in device["cells"]])]
-    blocks += [("h", 3, "Speed"), ("table", *_speed_table(data, device))]
+    headers, rows = _speed_table(data, device)
+    blocks += [("h", 3, "Speed"), ("table", headers, rows) if rows else
+               ("p", "Not timed" + (" (a predicted report: no GPU ran)." if predicted else "."))]
     if device.get("long"):
         blocks += [("h", 3, "Long calls and layouts"),
                    ("p", "Each variant at the families' longest calls and the sweep lengths past the "
@@ -258,11 +337,26 @@ def _speed_table(data: dict, device: dict) -> tuple[list, list]:
     return ["shape", "used by", "fastest SDPA"] + variants, rows
 
 
+def safe_text(text: str) -> str:
+    """Text any UTF-8 file or terminal takes: a lone surrogate (a host name read from undecodable
+    bytes) becomes its escape, \\udcff, instead of failing the write."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def markdown_cell(value) -> str:
+    """One table cell: `|` escaped and line breaks as spaces, so a value cannot split its row."""
+    return " ".join(safe_text(str(value)).replace("|", "\\|").splitlines())
+
+
+def markdown_row(values) -> str:
+    return "| " + " | ".join(map(markdown_cell, values)) + " |"
+
+
 def _markdown(blocks: list[tuple]) -> str:
     lines = []
     for block in blocks:
-        if block[0] == "h":
-            lines += ["#" * block[1] + " " + block[2], ""]
+        if block[0] == "h":  # a heading is one line, whatever a host name holds
+            lines += ["#" * block[1] + " " + " ".join(block[2].splitlines()), ""]
         elif block[0] == "p":
             lines += [block[1], ""]
         elif block[0] == "pre":
@@ -271,10 +365,14 @@ def _markdown(blocks: list[tuple]) -> str:
             lines += [f"![{block[2]}]({block[1]})", ""]
         elif block[0] == "table":
             headers, rows = block[1], block[2]
-            cell = lambda x: str(x).replace("|", "\\|").replace("\n", " ")  # noqa: E731
-            lines += ["| " + " | ".join(map(cell, headers)) + " |", "|" + "---|" * len(headers)]
-            lines += ["| " + " | ".join(map(cell, row)) + " |" for row in rows] + [""]
+            lines += [markdown_row(headers), "|" + "---|" * len(headers)]
+            lines += [markdown_row(row) for row in rows] + [""]
     return "\n".join(lines)
+
+
+def _inline_html(text: str) -> str:
+    """Escaped text with Markdown's `code` spans as <code>, so the page shows no backticks."""
+    return re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(text))
 
 
 def _html(blocks: list[tuple], out_dir: Path, data: dict) -> str:
@@ -283,7 +381,7 @@ def _html(blocks: list[tuple], out_dir: Path, data: dict) -> str:
         if block[0] == "h":
             parts.append(f"<h{block[1]}>{html.escape(block[2])}</h{block[1]}>")
         elif block[0] == "p":
-            parts.append(f"<p>{html.escape(block[1])}</p>")
+            parts.append(f"<p>{_inline_html(block[1])}</p>")
         elif block[0] == "pre":
             parts.append(f"<pre>{html.escape(block[1])}</pre>")
         elif block[0] == "img":  # embedded, so the page is one self-contained file
@@ -291,7 +389,7 @@ def _html(blocks: list[tuple], out_dir: Path, data: dict) -> str:
             parts.append(f'<img alt="{html.escape(block[2])}" src="data:image/png;base64,{encoded}">')
         elif block[0] == "table":
             head = "".join(f"<th>{html.escape(str(h))}</th>" for h in block[1])
-            body = "".join("<tr>" + "".join(f"<td>{html.escape(str(x))}</td>" for x in row) + "</tr>"
+            body = "".join("<tr>" + "".join(f"<td>{_inline_html(str(x))}</td>" for x in row) + "</tr>"
                            for row in block[2])
             parts.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
     style = ("body{font-family:sans-serif;margin:2em;max-width:110em}"
@@ -316,10 +414,13 @@ def _plots(data: dict, decisions: list[verdict.GpuDecision], out_dir: Path) -> d
     except ImportError:
         return {}
     images = {}
+    published = None
+    if data.get("predicted"):  # its budget is the prediction plus a margin: the published bound says more
+        published = {f["name"]: f["bounds"] for f in data["fixtures"]}
     for device in data["devices"]:
         if device["cells"]:
             name = f"accuracy-cuda{device['index']}.png"
-            _heatmap(plt, device, out_dir / name)
+            _heatmap(plt, device, out_dir / name, published)
             images[f"cuda:{device['index']}"] = name
     for n, gpu in enumerate(decisions):
         name = f"speedup-{n}.png"
@@ -333,7 +434,20 @@ def _plots(data: dict, decisions: list[verdict.GpuDecision], out_dir: Path) -> d
 ROW_INCHES, COLUMN_INCHES, MIN_HEIGHT_INCHES = 0.5, 1.1, 3.2
 
 
-def _heatmap(plt, device: dict, path: Path) -> None:
+def heat_ratio(cell: dict, published: dict | None = None) -> float | None:
+    """What a heatmap cell shows: relative L2 over the cell's budget, or over the fixture's published
+    bound for its class when `published` (fixture -> class -> limits) is given; None: no number."""
+    bounds = cell.get("bounds")
+    if published is not None:
+        bounds = published.get(cell["fixture"], {}).get(cell.get("accuracy_class") or "")
+    if cell.get("rel_l2") is None or not bounds:
+        return None
+    return cell["rel_l2"] / bounds["max_rel_l2"]
+
+
+def _heatmap(plt, device: dict, path: Path, published: dict | None = None) -> None:
+    """Relative L2 over the cell's budget; with `published` (fixture -> class -> limits, for a
+    predicted report) over the fixture's published bound instead."""
     import numpy as np
 
     variants = list(dict.fromkeys(c["variant"] for c in device["cells"]))
@@ -346,9 +460,8 @@ def _heatmap(plt, device: dict, path: Path) -> None:
     colours = plt.get_cmap("cividis").with_extremes(bad="#d9d9d9")
     for c in device["cells"]:
         i, j = variants.index(c["variant"]), fixtures.index(c["fixture"])
-        ratio = None
-        if c.get("rel_l2") is not None and c.get("bounds"):
-            ratio = c["rel_l2"] / c["bounds"]["max_rel_l2"]
+        ratio = heat_ratio(c, published)
+        if ratio is not None:
             values[i, j] = math.log10(max(ratio, 1e-2))
         text = c["outcome"] if ratio is None else f"{c['outcome']}\n{ratio:.2f}"
         dark = ratio is not None and values[i, j] < -0.5
@@ -356,9 +469,14 @@ def _heatmap(plt, device: dict, path: Path) -> None:
     shown = axes.imshow(values, cmap=colours, vmin=-2, vmax=1, aspect="auto")
     axes.set_xticks(range(len(fixtures)), fixtures, rotation=40, ha="right", fontsize=8)
     axes.set_yticks(range(len(variants)), variants, fontsize=8)
-    figure.colorbar(shown, ax=axes, label="log10(rel. L2 / bound)")
-    axes.set_title("cuda:%d %s: relative L2 / bound against float32 (> 1 fails; grey: no number)"
-                   % (device["index"], device["name"]), fontsize=9)
+    if published is not None:
+        figure.colorbar(shown, ax=axes, label="log10(predicted rel. L2 / published bound)")
+        axes.set_title("numerics model (CPU): predicted relative L2 / the fixture's published bound "
+                       "(> 1: over it; the outcome word is against the budget; grey: no number)", fontsize=9)
+    else:
+        figure.colorbar(shown, ax=axes, label="log10(rel. L2 / budget)")
+        axes.set_title("cuda:%d %s: relative L2 / budget against float32 (> 1 fails; grey: no number)"
+                       % (device["index"], device["name"]), fontsize=9)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)

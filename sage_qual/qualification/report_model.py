@@ -11,6 +11,8 @@ report_schema.json from these classes.
 
 from __future__ import annotations
 
+import dataclasses
+
 import enum
 import math
 import statistics
@@ -18,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from sage_qual import jsonfile, records
+from sage_qual.qualification.families import FAMILIES
+from sage_qual.serving.variants import VARIANTS
 
 KIND = "sage-qual-report"
 SCHEMA_VERSION = 2
@@ -356,7 +360,13 @@ class Report:
         indices = [d.index for d in self.devices]
         if len(set(indices)) != len(indices):
             return [("devices", "two entries for one GPU index")]
+        known = self._unknown_names()
+        if known:
+            return known
         for n, device in enumerate(self.devices):
+            duplicate = _duplicate(device)
+            if duplicate:
+                return [(f"devices[{n}].{duplicate[0]}", duplicate[1])]
             for m, cell in enumerate(device.cells):
                 if cell.fixture not in names:
                     return [(f"devices[{n}].cells[{m}].fixture", f"{cell.fixture!r} is not in `fixtures`")]
@@ -366,11 +376,58 @@ class Report:
             for m, timing in enumerate(device.speed):
                 if timing.shape not in self.shapes:
                     return [(f"devices[{n}].speed[{m}].shape", f"{timing.shape!r} is not in `shapes`")]
+                if not self.target and timing.kernel not in ("sdpa", *self.options.variants):
+                    return [(f"devices[{n}].speed[{m}].kernel",
+                             f"{timing.kernel!r} is neither 'sdpa' nor in options.variants")]
             for m, long in enumerate(device.long or []):
                 if long.variant not in self.options.variants:
                     return [(f"devices[{n}].long[{m}].variant",
                              f"{long.variant!r} is not in options.variants")]
         return []
+
+    def _unknown_names(self) -> list[tuple[str, str]]:
+        """A family or variant this sage-qual does not know: its verdicts would be drawn from rules
+        it lacks (a target report's variants are its integration, not registry names)."""
+        families = {f.name for f in FAMILIES}
+        for n, name in enumerate(self.options.families):
+            if name not in families:
+                return [(f"options.families[{n}]", f"{name!r} is not a family this sage-qual knows "
+                                                   f"({', '.join(sorted(families))}; a newer sage-qual may)")]
+        for n, name in enumerate(self.options.variants):
+            if not self.target and name not in VARIANTS:
+                return [(f"options.variants[{n}]",
+                         f"{name!r} is not a variant this sage-qual knows (a newer one may)")]
+        return []
+
+
+def _duplicate(device: Device) -> tuple[str, str] | None:
+    """The second record of a (variant, fixture) cell or (kernel, shape) timing: a report holds one
+    result of each, and with two the verdict would depend on which one is read."""
+    for records_, key, what in ((device.cells, lambda c: (c.variant, c.fixture), "cells"),
+                                (device.speed, lambda r: (r.kernel, r.shape), "speed"),
+                                (device.long or [], lambda c: (c.variant, _shape_key(c.shape)), "long")):
+        first: dict[tuple[str, str], int] = {}
+        for m, record in enumerate(records_):
+            if key(record) in first:
+                return (f"{what}[{m}]", f"a second result for {' on '.join(key(record))} (the first is "
+                                        f"{what}[{first[key(record)]}]): one result per pair")
+            first[key(record)] = m
+    return None
+
+
+def _shape_key(shape: "ShapeSpec") -> str:
+    return " ".join(f"{k}={v}" for k, v in sorted(dataclasses.asdict(shape).items()))
+
+
+def quick_problem(report: Report) -> str:
+    """Why the report cannot enable a family whatever the machine, for a --quick run; '' otherwise.
+    A pre-flight runs the smallest fixture of each family only, and the stress fixtures it leaves
+    out are the ones that carry the known failures: its "pass" is not a family's."""
+    if not report.options.quick:
+        return ""
+    return ("a --quick report cannot enable a family: it ran the smallest fixture of each family only and "
+            "left out the stress fixtures that carry the known failures (report.md lists them); run "
+            "`sage-qual certify` without --quick")
 
 
 def json_schema() -> dict:

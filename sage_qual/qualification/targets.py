@@ -10,8 +10,9 @@ A `Target` is one integration of SageAttention:
   turn them into reasons such as `head_dim=96 (supported: 64, 128)`.
 
 Built in (`resolve(name)`): `wrapper` (sage_qual as installed), `wrapper:<variant>` (one variant
-forced, no thresholds), `sageattn` (upstream `sageattention.sageattn()` as most apps call it: its
-kernels' default `smooth_k=True`), `diffusers:<backend>` (diffusers' SageAttention backends through
+forced, no thresholds, in place of a wrapper an app installed first), `sageattn` (upstream
+`sageattention.sageattn()` as most apps call it: its kernels' default `smooth_k=True`),
+`diffusers:<backend>` (diffusers' SageAttention backends through
 `dispatch_attention_fn`, NHD layout, inside `attention_backend(...)`), and `module:function` (any
 app's function with SDPA's signature, or a module attribute that is a `Target`).
 """
@@ -246,6 +247,19 @@ def wrapper_target(variant: str | None = None) -> Target:
         import sage_qual
 
         evidence = Evidence()
+        previous = sage_qual.install_status()
+        # A forced variant must serve, not whatever wrapper an app installed first: that one is
+        # replaced for the session and installed again, with its own configuration, afterwards.
+        replaced = variant is not None and previous.enabled
+        restore = {id(d.config): d.config for d in previous.devices} if replaced else {}
+        if len(restore) > 1:
+            evidence.fallbacks["install"] = (
+                f"{name} cannot stand in for a wrapper installed from a profile (one configuration per "
+                "GPU, which install(config=...) cannot restore): qualify it in a process of its own")
+            yield evidence
+            return
+        if replaced:
+            sage_qual.uninstall()
         installed_here = not sage_qual.install_status().enabled
         status = sage_qual.install(config=config) if installed_here else sage_qual.install_status()
         try:
@@ -259,6 +273,8 @@ def wrapper_target(variant: str | None = None) -> Target:
         finally:
             if installed_here:
                 sage_qual.uninstall()
+            for app_config in restore.values():  # the one configuration of the app's wrapper
+                sage_qual.install(config=app_config)
 
     def variant_for(capability: Capability) -> Variant | None:
         names = config.kernel_table.get(capability, ())

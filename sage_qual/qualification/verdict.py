@@ -26,13 +26,12 @@ has no upper bound and says so.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
 
 from sage_qual.limits import MEMORY_BOUND
-from sage_qual.qualification import judge, measure
+from sage_qual.qualification import judge
 from sage_qual.qualification.families import FAMILIES, LAYOUTS, Family, family_of, normalize
 from sage_qual.qualification.report_model import (
     Cell,
@@ -148,18 +147,21 @@ def _memory_bound(fixture_family: str) -> float:
 
 
 
+# The metrics judge reads besides `finite` (judge takes a mapping; measure.Accuracy would import torch).
+_JUDGED_METRICS = sorted({metric for metric, _, _ in judge.LIMITS.values()} | {"sdpa_rel_l2"})
+
 
 def judged(report: Report, cell: Cell) -> list[Reason]:
     """Why a cell fails, recomputed from its stored numbers and budget (`judge.cell_reasons`)."""
     if not cell.measured:
         return [Reason(ReasonKind(cell.outcome.value), cell.detail)]
     fixture = next(f for f in report.fixtures if f.name == cell.fixture)
-    metrics = {f.name: (math.nan if getattr(cell, f.name, None) is None else getattr(cell, f.name))
-               for f in dataclasses.fields(measure.Accuracy)}
+    metrics = {name: (math.nan if getattr(cell, name, None) is None else getattr(cell, name))
+               for name in _JUDGED_METRICS}
     metrics["finite"] = bool(cell.finite)
     # A predicted cell (certify --emulate) has no memory number: only its accuracy is judged.
     extra = 0.0 if cell.extra_bytes_per_element is None and report.predicted else cell.extra_bytes_per_element
-    reasons = judge.cell_reasons(measure.Accuracy(**metrics), extra, dict(cell.bounds),
+    reasons = judge.cell_reasons(metrics, extra, dict(cell.bounds),
                                  _memory_bound(fixture.family))
     return [Reason(ReasonKind(r["kind"]), r["detail"]) for r in reasons]
 

@@ -91,7 +91,10 @@ def _refused_types(call: SdpaCall) -> str | None:
     if not isinstance(dropout_p, numbers.Real):
         return f"dropout_p={dropout_p!r} (torch takes a float)"
     if scale is not None:
-        if not isinstance(scale, numbers.Real):
+        # torch takes int, float and NumPy scalars, not other numbers (Fraction, Decimal): those go to
+        # torch, which raises its own error, rather than fail the first-call check and retire the GPU.
+        if not isinstance(scale, numbers.Real) or not isinstance(scale, (int, float)) and \
+                not hasattr(scale, "dtype"):
             return f"scale={scale!r} (the kernel takes a float)"
         if not (math.isfinite(scale) and scale > 0):
             return f"scale={scale!r} (the kernel needs a finite scale > 0)"
@@ -130,6 +133,8 @@ def refusal(call: SdpaCall, config: WrapperConfig, cuda) -> Refusal | None:
     if qs[2] < config.min_query_tokens or ks[2] < config.min_key_tokens:
         return "short", "tokens=%d/%d (needs >= %d/%d)", (qs[2], ks[2], config.min_query_tokens,
                                                             config.min_key_tokens)
+    if not (qs[0] and qs[1] and qs[2] and ks[2]):  # nothing to compute: torch returns the empty result
+        return "shape", "empty call: batch=%d, heads=%d, tokens=%d/%d", (qs[0], qs[1], qs[2], ks[2])
     max_q, max_k = config.max_query_tokens, config.max_key_tokens
     if (max_q is not None and qs[2] > max_q) or (max_k is not None and ks[2] > max_k):
         return "long", "tokens=%d/%d (verified up to %s/%s)", (qs[2], ks[2], max_q or "any", max_k or "any")

@@ -1,0 +1,37 @@
+"""`sage-qual` in a child process whose stdout a test controls (a pipe closed early), on the
+machine of tests_fast/data/sample_h200_2gpu.json: this machine's environment is the sample's, the
+local fixtures are the checksums it recorded, and its hand-made budgets count as derived (as in
+tests_fast/test_gate_merge.py's `machine` and `fixture_dir`).
+
+    python -m tests_fast.cli_child gate --family FLUX.1 --report tests_fast/data/sample_h200_2gpu.json
+"""
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+from sage_qual import cli
+from sage_qual.qualification import families, gate, pool
+
+SAMPLE = json.loads((Path(__file__).parent / "data" / "sample_h200_2gpu.json").read_text())
+
+
+def _local_fixtures(directories, family):
+    chosen = families.find(family.name)
+    return {f["name"]: f["sha256"] for f in SAMPLE["fixtures"] if gate.counts_for(chosen, f["family"])}
+
+
+def _local_fixture_files(directories, family):
+    """The same, as loaded fixtures stand in for the gate: only their checksums are read."""
+    return {name: SimpleNamespace(name=name, sha256=sha)
+            for name, sha in _local_fixtures(directories, family).items()}
+
+
+pool.collect_environment = lambda *args, **kwargs: {"environment": SAMPLE["environment"]}
+gate.local_fixtures = _local_fixtures
+gate.local_fixture_files = _local_fixture_files
+gate.budget_problem = lambda *args: ""
+
+if __name__ == "__main__":
+    sys.exit(cli.main(sys.argv[1:]))
