@@ -10,7 +10,7 @@ The element-wise criterion follows FlashAttention's tests (tests/test_flash_attn
 max |out - ref| at most 2x that of a PyTorch implementation in the input precision, plus `fwd_atol`,
 the rounding any arithmetic on the reference picks up in the output dtype), with the numerics model
 in place of the PyTorch implementation: max_abs = MAX_ABS_FACTOR x the model's max |out - ref| +
-ROUNDING_ULPS x the output dtype's epsilon x max |ref| (kernel and model may round one value to
+ROUNDING_EPS x the output dtype's epsilon x max |ref| (kernel and model may round one value to
 neighbouring outputs). Every bound stays in its metric's range: min_cosine <= 1 - 1e-6 (a head
 the model reproduces almost exactly has a cosine within rounding of 1), min_norm_ratio <= 1 <=
 max_norm_ratio, max_abs >= 0, so the exact output always passes its own budget.
@@ -60,7 +60,8 @@ NORM_FLOOR = 2.0 ** -9
 # (FlashAttention's rtol) leaves 3x that; the kernels' own max abs error is measured against it by
 # tests_gpu/test_numerics_vs_kernel.py.
 MAX_ABS_FACTOR = 2.0
-ROUNDING_ULPS = 2.0  # FlashAttention's fwd_atol: twice the output dtype's rounding at the largest value
+# Twice the output dtype's epsilon at the largest value: about FlashAttention's fwd_atol.
+ROUNDING_EPS = 2.0
 ERRORS = {"max_rel_l2": "rel_l2", "max_head_rel_l2": "worst_head_rel_l2",
           "max_batch_rel_l2": "worst_batch_rel_l2", "max_block_rel_l2": "worst_block_rel_l2"}
 
@@ -80,7 +81,7 @@ def metrics_of(predicted: torch.Tensor, ref: torch.Tensor) -> dict:
         predicted = torch.where(torch.isfinite(predicted), predicted, ref)
     found = measure.errors(predicted, ref)
     found["model_finite"] = finite
-    found["rounding"] = ROUNDING_ULPS * torch.finfo(dtype).eps * ref[torch.isfinite(ref)].abs().max().item()
+    found["rounding"] = ROUNDING_EPS * torch.finfo(dtype).eps * ref[torch.isfinite(ref)].abs().max().item()
     return found
 
 
