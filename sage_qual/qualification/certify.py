@@ -324,13 +324,14 @@ def _span_threads(data: dict, writer: report.Writer, pool: workers.Pool, options
         position = next(n for n, d in enumerate(data["devices"]) if d["index"] == index)
         served = {d.variant for d in gpu.families + [gpu.default] if d.variant}
         kernel = data["environment"]["gpus"][index]["kernel"]
-        probed = sorted(served | ({kernel} if gpu.variants.get(kernel) and gpu.variants[kernel].runnable else set()))
+        default = gpu.variants.get(kernel)
+        probed = sorted(served | ({kernel} if default and default.runnable else set()))
         writer.update(lambda d, n=position: d["devices"][n].setdefault("span", []))
         for variant in probed:
             for tasks in span_check.jobs(variant, span_check.cases()):
                 progress.grow(len(tasks))
-                threads.append(threading.Thread(target=_span_job, daemon=True,
-                                                args=(tasks, index, position, writer, pool, options, progress, stop)))
+                job = (tasks, index, position, writer, pool, options, progress, stop)
+                threads.append(threading.Thread(target=_span_job, args=job, daemon=True))
     for thread in threads:
         thread.start()
     return threads

@@ -5,8 +5,8 @@ runs the job on the fake CUDA and fake sageattention of `sage_qual.testing` with
 (`FakeBench`); {"faults": {task id: fault}} makes that task misbehave (`FAULTS`);
 {"span_faults": {variant: [{"above": N, "fault": F, "layouts": [...]}, ...]}} makes that variant's
 span probes (`span_check`) misbehave as F where the planned span exceeds N elements (in the layouts
-named; all when left out; the first rule that applies), as the real kernels fault or abort past their 32-bit offsets. Without
-the variable the worker measures the real GPU and nothing here runs.
+named; all when left out; the first rule that applies), as the real kernels fault or abort past
+their 32-bit offsets. Without the variable the worker measures the real GPU and nothing here runs.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ FAULTS = {
     "oom": "raise torch.OutOfMemoryError",
     "noise": "the fake kernel returns exact attention plus noise (fake GPUs only)",
     "cuda-fault": "trip a real device-side assert, which poisons the worker's CUDA context",
-    "illegal-address": "raise the error a kernel's illegal memory access raises (fake GPUs: nothing poisoned)",
+    "illegal-address": "raise the error of a kernel's illegal memory access (fake GPUs: nothing poisoned)",
 }
 
 

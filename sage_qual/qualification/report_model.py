@@ -251,7 +251,7 @@ class SpanProbe:
     (`sage_qual.qualification.span_check`): pass (right on sampled rows), fail (wrong), or what
     ended its worker (crash: a fault or an abort, with the stderr tail; timeout)."""
     variant: str
-    layout: str = field(metadata={"description": "contiguous, or fused_qkv (views into one fused projection)"})
+    layout: str = field(metadata={"description": "contiguous, or fused_qkv (views into one fused QKV)"})
     side: str = field(metadata={"description": "below: within the probed limit; above: past it"})
     tokens: int = field(metadata={"minimum": 1})
     heads: int = field(metadata={"minimum": 1})
@@ -275,7 +275,8 @@ class SpanProbe:
         if self.outcome == Outcome.PASS and self.rel_l2 is None:
             return [("rel_l2", "missing for a span probe whose outcome is 'pass'")]
         if self.outcome != Outcome.PASS and not self.detail:
-            return [("detail", f"empty for a span probe whose outcome is {self.outcome.value!r} (it says why)")]
+            return [("detail", f"empty for a span probe whose outcome is {self.outcome.value!r} "
+                               "(it says why)")]
         return []
 
 

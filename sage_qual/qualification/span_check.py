@@ -91,7 +91,8 @@ def run_case(variant, package, case: dict, bench) -> dict:
 def findings(probes, variant: str) -> list[SpanFinding]:
     """The report's probes (report_model.SpanProbe) of `variant` as span_probe findings."""
     return [SpanFinding(p.variant, SpanCase(p.layout, p.side, p.tokens, p.span, p.heads, p.head_dim,
-                                            p.kv_tokens), "ok" if p.outcome.value == "pass" else p.outcome.value)
+                                            p.kv_tokens),
+                        "ok" if p.outcome.value == "pass" else p.outcome.value)
             for p in probes if p.variant == variant]
 
 
