@@ -4,8 +4,8 @@ after its sweep. Below the limit every case must be right (the wrapper's default
 it); above, whatever happens is a finding (issue 16: an illegal memory access on the fused view, an
 abort of the sm90 extension on a contiguous 2.15e9), and an abort or fault must cost its worker only.
 
-Time on one H200, estimated (span_check's docstring): two workers side by side, 5-10 s plus the
-workers' imports (about 7 s, not hidden by a pool's spares here).
+Time on one H200, estimated (span_check's docstring): two workers side by side, about 10 s with
+their imports (no spare started ahead here).
 """
 
 import os

@@ -477,8 +477,10 @@ class _DeviceRun:
                         progress.grow(len(tasks))
                     if not tasks:
                         continue
-                    # While this worker runs, the next one imports torch (when there is a next job).
-                    spawn = functools.partial(pool.take, prefetch=n + 1 < len(self.jobs) or part == 0)
+                    # While this worker runs, the next one imports torch (when there is a next job;
+                    # in a full run, the span probes' first worker after the last).
+                    spawn = functools.partial(pool.take, prefetch=n + 1 < len(self.jobs) or part == 0
+                                              or not self.quick)
                     by_id = {task["id"]: task for task in tasks}
                     record = functools.partial(self._record, by_id, progress=progress)
                     workers.run_tasks(tasks, spawn, self.timeout, limits.startup_timeout(self.timeout),

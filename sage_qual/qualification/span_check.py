@@ -19,11 +19,14 @@ Cost, estimated (not measured yet: the next H200 certify's report.json gives eac
 The long tensor is the query only, with keys and values of 1,024 tokens, so a call costs at most
 4 x 2^31 x 1,024 FLOPs (9e12, tens of ms on an H200). Each case also makes its tensor (at most
 4.3 GB, one randn) and runs the float32 reference on 96 rows. A worker's first case initializes
-CUDA and compiles the Triton quantizer (seconds; its imports ran ahead in the pool). Per probed
-variant, two workers run at once: one runs the rungs, the below cases and the fused above case,
-which ends it with a fault on the H200; the other runs the contiguous above case, which aborts
-sm90. That is one or two variants on an H200, about 5-10 s after the sweep. At most 12 GB of GPU
-memory per worker (span_probe), 4 workers.
+CUDA and compiles the Triton quantizer (seconds). Per probed variant, two workers run at once: one
+runs the rungs, the below cases and the contiguous above case (which aborts sm90, issue 16); the
+other runs the fused above case (an illegal memory access there). The first worker is a spare the
+pool started during the sweep; the others import torch and sageattention first (about 7 s on the
+H200 host, docs/results/run9-h200x2-startup/worker-phases.txt), side by side. That is one or two
+variants on an H200, about 10 s after the sweep, where certify took 101-107 s plus an estimated
+20-30 s of long checks (limit 150 s). At most 12 GB of GPU memory per worker (span_probe), 4
+workers.
 
 Why the profile never goes above `limits.MAX_SPAN_ELEMENTS`, even when an above case was right:
 the probe's long tensor is the query only, so a right call says nothing of K and V past 2^31 (the
