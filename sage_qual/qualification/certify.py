@@ -28,7 +28,7 @@ from sage_qual import limits
 from sage_qual.errors import UsageError
 from sage_qual.fixtures import fileformat
 from sage_qual.qualification import families as families_mod
-from sage_qual.qualification import junit, long_check, profile, report, verdict
+from sage_qual.qualification import junit, long_check, profile, report, span_check, verdict
 from sage_qual.qualification import pool as workers
 from sage_qual.qualification.speed import intervals_to_refine, speedup_bounds
 from sage_qual.serving.variants import VARIANTS
@@ -282,9 +282,10 @@ def _run(options: Options, variants: list[str], chosen: list, fixtures: list, ou
     for thread in threads:
         thread.start()
     try:
-        while any(t.is_alive() for t in threads):
-            for thread in threads:
-                thread.join(timeout=0.5)
+        _wait(threads)
+        if not options.quick and not any(r.error for r in runs):  # --quick: a pre-flight, no probes
+            threads += _span_threads(data, writer, pool, options, progress, stop)
+            _wait(threads)
     except KeyboardInterrupt:
         stop.set()
         for thread in threads:
@@ -304,6 +305,56 @@ def _run(options: Options, variants: list[str], chosen: list, fixtures: list, ou
     if errors:
         raise errors[0]
     return data
+
+
+def _wait(threads: list[threading.Thread]) -> None:
+    while any(t.is_alive() for t in threads):
+        for thread in threads:
+            thread.join(timeout=0.5)
+
+
+def _span_threads(data: dict, writer: report.Writer, pool: workers.Pool, options: Options,
+                  progress: "_Progress", stop: threading.Event) -> list[threading.Thread]:
+    """After the sweep, per GPU model on its first device: the span probes (`span_check`) of its
+    default kernel and of every variant a verdict serves, each job in workers of its own, side by side."""
+    decisions = verdict.decide(report.parse({**data, "complete": True, "finished": _now()}, "report.json"))
+    threads = []
+    for gpu in decisions:
+        index = gpu.devices[0]
+        position = next(n for n, d in enumerate(data["devices"]) if d["index"] == index)
+        served = {d.variant for d in gpu.families + [gpu.default] if d.variant}
+        kernel = data["environment"]["gpus"][index]["kernel"]
+        default = gpu.variants.get(kernel)
+        probed = sorted(served | ({kernel} if default and default.runnable else set()))
+        writer.update(lambda d, n=position: d["devices"][n].setdefault("span", []))
+        for variant in probed:
+            for tasks in span_check.jobs(variant, span_check.cases()):
+                progress.grow(len(tasks))
+                job = (tasks, index, position, writer, pool, options, progress, stop)
+                threads.append(threading.Thread(target=_span_job, args=job, daemon=True))
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def _span_job(tasks: list[dict], index: int, position: int, writer: report.Writer, pool: workers.Pool,
+              options: Options, progress: "_Progress", stop: threading.Event) -> None:
+    parent_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = parent_visible.split(",")[index] if parent_visible else str(index)
+    cache = tempfile.mkdtemp(prefix=f"sage-qual-triton-span-cuda{index}-")  # one writer per cache
+    by_id = {task["id"]: task for task in tasks}
+
+    def record(task_id: str, result: dict) -> None:
+        task = by_id[task_id]
+        probe = {"variant": task["variant"], **task["case"], "limit": task["limit"], **result}
+        writer.update(lambda d: d["devices"][position]["span"].append(probe))
+        progress.tick(f"cuda:{index}", probe)
+
+    try:
+        workers.run_tasks(tasks, pool.take, options.timeout, limits.startup_timeout(options.timeout), record,
+                          stop, env={"CUDA_VISIBLE_DEVICES": visible, "TRITON_CACHE_DIR": cache})
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
 
 
 def _conclude(data: dict, out: Path, options: Options) -> None:
@@ -426,8 +477,10 @@ class _DeviceRun:
                         progress.grow(len(tasks))
                     if not tasks:
                         continue
-                    # While this worker runs, the next one imports torch (when there is a next job).
-                    spawn = functools.partial(pool.take, prefetch=n + 1 < len(self.jobs) or part == 0)
+                    # While this worker runs, the next one imports torch (when there is a next job;
+                    # in a full run, the span probes' first worker after the last).
+                    spawn = functools.partial(pool.take, prefetch=n + 1 < len(self.jobs) or part == 0
+                                              or not self.quick)
                     by_id = {task["id"]: task for task in tasks}
                     record = functools.partial(self._record, by_id, progress=progress)
                     workers.run_tasks(tasks, spawn, self.timeout, limits.startup_timeout(self.timeout),
@@ -548,7 +601,10 @@ class _Progress:
 
 
 def _describe(record: dict) -> str:
-    if "fixture" in record or "layouts" in record:
+    if "side" in record:  # a span probe
+        what = (f"{record['variant']} span {record['span']:,} ({record['layout']}, {record['side']} "
+                f"{record['limit']:,}): {record['outcome']}")
+    elif "fixture" in record or "layouts" in record:
         where = record.get("fixture") or (f"{record['shape']['q_tokens']} tokens "
                                           f"({', '.join(record['layouts'])})")
         what = f"{record['variant']} x {where}: {record['outcome']}"

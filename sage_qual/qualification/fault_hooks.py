@@ -2,8 +2,11 @@
 
 The environment variable `SAGE_QUAL_TEST_WORKER` holds JSON. {"gpus": [{"name", "capability"}...]}
 runs the job on the fake CUDA and fake sageattention of `sage_qual.testing` with CPU tensors
-(`FakeBench`); {"faults": {task id: fault}} makes that task misbehave (`FAULTS`). Without the
-variable the worker measures the real GPU and nothing here runs.
+(`FakeBench`); {"faults": {task id: fault}} makes that task misbehave (`FAULTS`);
+{"span_faults": {variant: [{"above": N, "fault": F, "layouts": [...]}, ...]}} makes that variant's
+span probes (`span_check`) misbehave as F where the planned span exceeds N elements (in the layouts
+named; all when left out; the first rule that applies), as the real kernels fault or abort past
+their 32-bit offsets. Without the variable the worker measures the real GPU and nothing here runs.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ FAULTS = {
     "oom": "raise torch.OutOfMemoryError",
     "noise": "the fake kernel returns exact attention plus noise (fake GPUs only)",
     "cuda-fault": "trip a real device-side assert, which poisons the worker's CUDA context",
+    "illegal-address": "raise the error of a kernel's illegal memory access (fake GPUs: nothing poisoned)",
 }
 
 
@@ -73,6 +77,15 @@ class FakeBench:
         self.sage.behave()
 
 
+def span_fault(settings: dict, task: dict) -> str | None:
+    """The fault `span_faults` assigns a span probe task: that of the variant's first rule whose
+    span it exceeds, in a layout the rule names (None: none, or not a span task)."""
+    rules = settings.get(task.get("variant"), []) if task["kind"] == "span" else []
+    case = task.get("case", {})
+    return next((rule["fault"] for rule in rules if case["span"] > rule["above"]
+                 and case["layout"] in rule.get("layouts", [case["layout"]])), None)
+
+
 def inject(fault: str | None, bench) -> None:
     """Make the current task misbehave as `fault` says (None: behave)."""
     if fault == "crash":
@@ -89,5 +102,7 @@ def inject(fault: str | None, bench) -> None:
     elif fault == "cuda-fault":
         torch._assert_async(torch.zeros((), dtype=torch.bool, device="cuda"))
         torch.cuda.synchronize()
+    elif fault == "illegal-address":
+        raise RuntimeError("CUDA error: an illegal memory access was encountered (test fault)")
     elif fault is not None:
         raise ValueError(f"unknown test fault {fault!r} (known: {', '.join(FAULTS)})")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from sage_qual.qualification import span_check
 from sage_qual.qualification.report_model import Report
 from sage_qual.qualification.verdict import FamilyDecision, GpuDecision
 from sage_qual.serving.profile import KIND, SCHEMA_VERSION
@@ -24,9 +25,17 @@ def build(report: Report, decisions: list[GpuDecision]) -> dict:
         "gpus": [{"name": gpu.name, "capability": list(gpu.capability), "memory_gib": gpu.memory_gib,
                   "environment": {key: getattr(env, key) for key in ENVIRONMENT_KEYS},
                   "default": _entry(gpu.default),
-                  "families": {f.family: _entry(f) for f in gpu.families}}
+                  "families": {f.family: _entry(f) for f in gpu.families}, **_span_limit(report, gpu)}
                  for gpu in decisions],
     }
+
+
+def _span_limit(report: Report, gpu: GpuDecision) -> dict:
+    """{"max_span_elements": N} when the span probes measured one for every variant the GPU's entries
+    serve (`span_check.profile_limit`); {} otherwise: the wrapper keeps its default limit."""
+    probes = [p for d in report.devices if d.index in gpu.devices for p in d.span or []]
+    limit = span_check.profile_limit(probes, {d.variant for d in gpu.families + [gpu.default] if d.variant})
+    return {} if limit is None else {"max_span_elements": limit}
 
 
 def _entry(decision: FamilyDecision) -> dict:

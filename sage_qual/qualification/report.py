@@ -18,7 +18,8 @@ import threading
 from importlib import resources
 from pathlib import Path
 
-from sage_qual.qualification import report_model, verdict
+from sage_qual import records
+from sage_qual.qualification import report_model, span_check, verdict
 from sage_qual.qualification.report_model import KIND, SCHEMA_VERSION, Report, ReportError
 
 __all__ = ["KIND", "SCHEMA_VERSION", "Report", "ReportError", "Writer", "load", "render", "schema"]
@@ -283,18 +284,43 @@ def _device_blocks(data: dict, device: dict, images: dict) -> list[tuple]:
                          "bit."),
                    ("table", ["variant", "call", "used by", "outcome", "relative L2", "layouts identical",
                               "reasons"], [_long_row(c) for c in device["long"]])]
+    if device.get("span") is not None:
+        blocks += _span_blocks(device["span"])
     problems = [c for c in device["cells"] + device["speed"] + (device.get("long") or [])
-                if c.get("stderr_tail") or c.get("traceback")]
+                + (device.get("span") or []) if c.get("stderr_tail") or c.get("traceback")]
     if problems:
         blocks.append(("h", 3, "Crashes, hangs and errors"))
         for c in problems:
             shape = c.get("shape")
             if isinstance(shape, dict):
                 shape = f"{shape['q_tokens']} tokens, {shape['heads']} heads (long check)"
+            if "side" in c:
+                shape = f"a span of {c['span']:,} elements ({c['layout']}, span probe)"
             what = f"{c.get('variant') or c.get('kernel')} on {c.get('fixture') or shape}"
             blocks += [("p", f"{what}: {c['outcome']}: {c.get('detail', '')}"),
                        ("pre", (c.get("stderr_tail") or c.get("traceback"))[-2000:])]
     return blocks
+
+
+def _span_blocks(probes: list[dict]) -> list[tuple]:
+    """The span probes (span_check) and, per variant, the largest span right in every layout."""
+    typed = [records.parse(report_model.SpanProbe, p, "span probe", report_model.FIX)
+             for p in probes]
+    safe = {v: span_check.largest_safe(typed, v) for v in dict.fromkeys(p.variant for p in typed)}
+    said = "; ".join(f"{v}: {'none' if n is None else f'{n:,} elements'}" for v, n in safe.items())
+    rows = [[p["variant"], p["layout"], f"{p['side']} {p['limit']:,}", f"{p['span']:,}",
+             f"{p['tokens']:,} x {p['heads']} heads x {p['head_dim']}, {p['kv_tokens']:,} keys"
+             + (f" (ran {p['ran_tokens']} tokens, {p['ran_heads']} heads)" if p.get("ran_tokens") else ""),
+             p["outcome"], _number(p.get("rel_l2")), p.get("detail", "")] for p in probes]
+    return [("h", 3, "Span limits"),
+            ("p", "Each probed variant called directly on one long query near the kernels' 32-bit element "
+                  "limit, contiguous and as a view into a fused QKV projection; right means relative L2 of "
+                  "sampled rows against float32 under 0.15; a crash is a fault or an abort, contained in "
+                  "its worker. Largest span right in every layout, with every smaller probe right: "
+                  f"{said or 'none probed'}. The profile's max_span_elements takes the smallest of these "
+                  "over the variants it serves, never above 2^31 - 1."),
+            ("table", ["variant", "layout", "side of limit", "query span", "call", "outcome", "relative L2",
+                       "detail"], rows)]
 
 
 def _long_row(c: dict) -> list:

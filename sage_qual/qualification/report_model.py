@@ -251,6 +251,41 @@ class LongCheck:
 
 
 @dataclass(frozen=True)
+class SpanProbe:
+    """A variant called directly on one long query near the 32-bit element limit
+    (`sage_qual.qualification.span_check`): pass (right on sampled rows), fail (wrong), or what
+    ended its worker (crash: a fault or an abort, with the stderr tail; timeout)."""
+    variant: str
+    layout: str = field(metadata={"description": "contiguous, or fused_qkv (views into one fused QKV)"})
+    side: str = field(metadata={"description": "below: within the probed limit; above: past it"})
+    tokens: int = field(metadata={"minimum": 1})
+    heads: int = field(metadata={"minimum": 1})
+    head_dim: int = field(metadata={"minimum": 1})
+    kv_tokens: int = field(metadata={"minimum": 1})
+    span: int = field(metadata={"minimum": 1, "description": "the query's elements from its data pointer"})
+    limit: int = field(metadata={"minimum": 1, "description": "the element limit the case sits at"})
+    outcome: Outcome
+    detail: str = ""
+    rel_l2: float | None = field(default=None, metadata=_NOT_NEGATIVE)
+    worst_row: float | None = field(default=None, metadata=_NOT_NEGATIVE)
+    ran_tokens: int | None = field(default=None, metadata={
+        "minimum": 1, "description": "tokens actually run when not the planned ones (test fakes)"})
+    ran_heads: int | None = field(default=None, metadata={"minimum": 1})
+    ran_span: int | None = field(default=None, metadata={"minimum": 1})
+    seconds: float | None = None
+    stderr_tail: str = ""
+    traceback: str = ""
+
+    def check(self) -> list[tuple[str, str]]:
+        if self.outcome == Outcome.PASS and self.rel_l2 is None:
+            return [("rel_l2", "missing for a span probe whose outcome is 'pass'")]
+        if self.outcome != Outcome.PASS and not self.detail:
+            return [("detail", f"empty for a span probe whose outcome is {self.outcome.value!r} "
+                               "(it says why)")]
+        return []
+
+
+@dataclass(frozen=True)
 class FixtureRecord:
     name: str
     family: str
@@ -313,6 +348,8 @@ class Device:
     speed: list[Speed]
     long: list[LongCheck] | None = field(default=None, metadata={
         "description": "long checks (null: a report written before sage-qual checked long calls)"})
+    span: list[SpanProbe] | None = field(default=None, metadata={
+        "description": "span probes (null: none ran: --quick, or a report from before them)"})
 
     @property
     def model(self) -> tuple[str, tuple[int, int]]:
@@ -379,6 +416,10 @@ class Report:
                 if not self.target and timing.kernel not in ("sdpa", *self.options.variants):
                     return [(f"devices[{n}].speed[{m}].kernel",
                              f"{timing.kernel!r} is neither 'sdpa' nor in options.variants")]
+            for m, probe in enumerate(device.span or []):
+                if probe.variant not in self.options.variants:
+                    return [(f"devices[{n}].span[{m}].variant",
+                             f"{probe.variant!r} is not in options.variants")]
             for m, long in enumerate(device.long or []):
                 if long.variant not in self.options.variants:
                     return [(f"devices[{n}].long[{m}].variant",
@@ -405,7 +446,9 @@ def _duplicate(device: Device) -> tuple[str, str] | None:
     result of each, and with two the verdict would depend on which one is read."""
     for records_, key, what in ((device.cells, lambda c: (c.variant, c.fixture), "cells"),
                                 (device.speed, lambda r: (r.kernel, r.shape), "speed"),
-                                (device.long or [], lambda c: (c.variant, _shape_key(c.shape)), "long")):
+                                (device.long or [], lambda c: (c.variant, _shape_key(c.shape)), "long"),
+                                (device.span or [], lambda p: (p.variant, f"{p.layout} {p.side} {p.span}"),
+                                 "span")):
         first: dict[tuple[str, str], int] = {}
         for m, record in enumerate(records_):
             if key(record) in first:

@@ -75,6 +75,12 @@ def _span(layout: str, tokens: int, heads: int, head_dim: int) -> tuple[int, int
     return 1 + sum((size - 1) * step for size, step in zip(shape, stride, strict=True)), extent(shape, stride)
 
 
+def scaled(case: SpanCase, tokens: int, heads: int, kv_tokens: int) -> SpanCase:
+    """The case at other sizes, with its span recomputed (certify's fake GPUs run the cases cut down)."""
+    return dataclasses.replace(case, tokens=tokens, heads=heads, kv_tokens=min(kv_tokens, tokens),
+                               span=_span(case.layout, tokens, heads, case.head_dim)[0])
+
+
 def boundary_cases(limit: int = limits.MAX_SPAN_ELEMENTS, heads: int = HEADS, head_dim: int = HEAD_DIM,
                    kv_tokens: int = KV_TOKENS) -> list[SpanCase]:
     """Per layout, the longest query the wrapper serves under `limit` and the shortest past it."""
@@ -173,7 +179,8 @@ def _tensors(case: SpanCase, device: str):
     return q, k[:, :, :case.kv_tokens], v[:, :, :case.kv_tokens]
 
 
-def _probe_case(variant, package, case: SpanCase, device: str) -> dict:
+def check_case(variant, package, case: SpanCase, device: str) -> dict:
+    """One case in this process: "ok" or "wrong" with the sampled rows' errors (a fault raises)."""
     from sage_qual.qualification import measure
 
     q, k, v = _tensors(case, device)
@@ -202,7 +209,7 @@ def main(argv: list[str]) -> int:
     package = sage_package.load()
     for case in cases:
         try:
-            found = _probe_case(variant, package, case, device)
+            found = check_case(variant, package, case, device)
         except Exception as error:  # a fault poisons this process's context: nothing after it counts
             described = f"{type(error).__name__}: {error}"[:300]
             print(json.dumps({"outcome": "fault", "error": described}), flush=True)

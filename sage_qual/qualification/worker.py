@@ -37,7 +37,7 @@ import torch
 
 from sage_qual.fixtures import fileformat
 from sage_qual.limits import MEMORY_BOUND
-from sage_qual.qualification import budgets, fault_hooks, long_check, measure
+from sage_qual.qualification import budgets, fault_hooks, long_check, measure, span_check
 from sage_qual.qualification.families import Shape
 from sage_qual.qualification.judge import cell_reasons
 from sage_qual.qualification.pool import EXIT_POISONED
@@ -83,9 +83,10 @@ class GpuBench:
 
 
 class Worker:
-    def __init__(self, bench, faults: dict[str, str]):
+    def __init__(self, bench, faults: dict[str, str], span_faults: dict | None = None):
         self.bench = bench
         self.faults = faults
+        self.span_faults = span_faults or {}
         self._package = None
 
     def package(self):
@@ -95,7 +96,8 @@ class Worker:
 
     def run(self, task: dict) -> dict:
         try:
-            fault_hooks.inject(self.faults.get(task["id"]), self.bench)
+            fault_hooks.inject(self.faults.get(task["id"]) or fault_hooks.span_fault(self.span_faults, task),
+                               self.bench)
             return getattr(self, "_" + task["kind"])(task)
         except Exception as error:
             first_line = (str(error).strip().splitlines() or [""])[0]
@@ -243,6 +245,15 @@ class Worker:
         return {**result, "ran_tokens": ran if ran != s.q_tokens else None,
                 "ran_heads": heads if heads != s.heads else None}
 
+    def _span(self, task: dict) -> dict:
+        """A span probe (`span_check`): the variant on one tensor span near the 32-bit limit."""
+        variant = VARIANTS[task["variant"]]
+        package = self.package()
+        problem = sage_package.kernel_problem(package, variant)
+        if problem:
+            return {"outcome": "skip", "detail": problem}
+        return span_check.run_case(variant, package, task["case"], self.bench)
+
     def _tensors(self, shape: dict):
         s = Shape(**shape)
         generator = torch.Generator(self.bench.device).manual_seed(0)
@@ -307,7 +318,7 @@ def main(argv: list[str]) -> int:
 
     hook = fault_hooks.read()
     bench = fault_hooks.FakeBench(hook["gpus"]) if "gpus" in hook else GpuBench()
-    worker = Worker(bench, hook.get("faults", {}))
+    worker = Worker(bench, hook.get("faults", {}), hook.get("span_faults"))
     send({"type": "ready"})
     for task in job["tasks"]:
         send({"type": "start", "id": task["id"]})
