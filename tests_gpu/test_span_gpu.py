@@ -4,7 +4,7 @@ C assertion), and neither may reach the test process.
 
 1. The wrapper with `install()` and no profile, on issue 16's fatal call (q, k, v views into one
    fused [1, 100000, 3*56*128] bf16 projection, span 2.15e9): the call goes to torch with the
-   reason `span` (or, with `copy_past_span`, runs from contiguous copies); the process stays alive,
+   reason `span` (by default, with `copy_past_span`, it runs from contiguous copies); the process stays alive,
    torch's SDPA still works and the output is correct.
 2. Each variant's boundary (`sage_qual.qualification.span_probe`): the kernel called directly on a
    query just within the wrapper's limit and just past 2^31 - 1 elements, contiguous and as a
@@ -48,8 +48,8 @@ from sage_qual.qualification import measure
 from sage_qual.serving.config import WrapperConfig
 {setup}
 tokens, heads, head_dim, copy = {tokens}, {heads}, {head_dim}, {copy}
-status = sage_qual.install(WrapperConfig(copy_past_span=True, **overrides) if copy else
-                           (WrapperConfig(**overrides) if overrides else None))
+status = sage_qual.install((WrapperConfig(**overrides) if overrides else None) if copy else
+                           WrapperConfig(copy_past_span=False, **overrides))
 assert status.enabled, status.reason
 gen = torch.Generator(device).manual_seed(0)
 fused = torch.randn(1, tokens, 3 * heads * head_dim, device=device, dtype=torch.bfloat16, generator=gen)
@@ -86,9 +86,11 @@ def wrapper_script(tokens: int, copy: bool, setup: str = ON_GPU) -> str:
     return WRAPPER_SCRIPT.format(setup=setup, tokens=tokens, heads=HEADS, head_dim=HEAD_DIM, copy=copy)
 
 
-def test_the_fatal_fused_view_goes_to_torch_with_the_span_reason_and_the_process_survives(record):
+def test_without_copies_the_fatal_fused_view_goes_to_torch_with_the_span_reason_and_the_process_survives(
+        record):
     result = run_child(wrapper_script(100_000, copy=False), timeout=300)
-    record(test="span-wrapper", kind="fused 100000x56, default", **{k: v for k, v in result.items()
+    record(test="span-wrapper", kind="fused 100000x56, copy_past_span=False",
+           **{k: v for k, v in result.items()
                                                                     if k not in ("details", "fallbacks")})
     assert result["fallbacks"] == {"span": 1} and result["served"] == 0, result
     assert result["details"]["span"] == ("span=2150385664 elements of query, 717488128 in a contiguous "
@@ -98,9 +100,9 @@ def test_the_fatal_fused_view_goes_to_torch_with_the_span_reason_and_the_process
     assert result["after_rel_l2"] < 0.02, result
 
 
-def test_with_copy_past_span_the_fatal_fused_view_runs_from_copies_and_the_process_survives(record):
+def test_the_default_install_runs_the_fatal_fused_view_from_copies_and_the_process_survives(record):
     result = run_child(wrapper_script(100_000, copy=True), timeout=300)
-    record(test="span-wrapper", kind="fused 100000x56, copy_past_span", **{
+    record(test="span-wrapper", kind="fused 100000x56, default install (copies)", **{
         k: v for k, v in result.items() if k not in ("details", "fallbacks")})
     assert (result["served"], result["copied"], result["fallbacks"]) == (1, 1, {}), result
     # An 8-bit kernel on random data: rel L2 0.04-0.05 at long lengths (issue 16); a wrong result is ~1.

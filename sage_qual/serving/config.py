@@ -47,8 +47,10 @@ class WrapperConfig:
     # Largest element span and count of one tensor the kernel gets (limits.MAX_SPAN_ELEMENTS).
     max_span_elements: int = limits.MAX_SPAN_ELEMENTS
     # A strided call past the span whose contiguous copies are within it: serve it from copies
-    # (True) or leave it to torch with the reason `span` (False, until measured: docs/benchmarks.md).
-    copy_past_span: bool = False
+    # (True) or leave it to torch with the reason `span` (False). Copies win: on the H200 the fused
+    # 100,000 x 56 view ran copy+kernel in 0.68x torch SDPA's time, and at 80,000 x 56 the copies
+    # cost 2.4 % over the kernel on the views (docs/results/run12-h200x2/, docs/benchmarks.md).
+    copy_past_span: bool = True
 
     def __post_init__(self):
         for name in ("max_query_tokens", "max_key_tokens"):
