@@ -130,10 +130,10 @@ def test_the_detail_names_the_first_tensor_past_the_limit():
 FUSED_SPAN = 127 * 3 * 2 * 64 + 2 * 64
 
 
-def test_a_strided_view_past_the_limit_goes_to_torch_though_its_copy_would_fit():
+def test_without_copies_a_strided_view_past_the_limit_goes_to_torch_though_its_copy_would_fit():
     q, k, v = fused(128, 2)
     assert extent(q.shape, q.stride()) == FUSED_SPAN
-    report, calls, out, expected = served(limited(FUSED_SPAN - 1), (q, k, v))
+    report, calls, out, expected = served(limited(FUSED_SPAN - 1, copy_past_span=False), (q, k, v))
     assert dict(report.fallbacks) == {"span": 1} and calls == []
     assert report.details["span"] == detail(FUSED_SPAN, "query", 16384, FUSED_SPAN - 1)
     assert torch.equal(out, expected)
@@ -175,7 +175,7 @@ def test_copy_past_span_leaves_a_call_whose_copy_is_past_the_limit_too_to_torch(
 def test_a_value_view_alone_past_the_limit_is_refused():
     q, k, _ = qkv(q_tokens=128, k_tokens=128, dtype=torch.bfloat16)
     _, _, v = fused(128, 2)
-    report, calls, _, _ = served(limited(FUSED_SPAN - 1), (q, k, v))
+    report, calls, _, _ = served(limited(FUSED_SPAN - 1, copy_past_span=False), (q, k, v))
     assert report.details["span"] == detail(FUSED_SPAN, "value", 16384, FUSED_SPAN - 1) and calls == []
 
 
