@@ -102,6 +102,13 @@ def stale(data: Report, family: Family, here: dict, local: dict[str, str]) -> li
 # looser by BUDGET_ABS (BUDGET_ABS_COSINE for the cosine) plus BUDGET_REL x the limit's distance
 # from exact; the budget's own MARGIN (10 %) is wider still.
 BUDGET_ABS, BUDGET_ABS_COSINE, BUDGET_REL = 3e-5, 1e-4, 0.03
+# The largest element error is one element's, so it moves more: H200 run 13's certify (code f51cd40,
+# docs/results/run13-h200x2/certify-d/report.json) re-derived on this CPU agreed to 1e-5 relative
+# in 126 of 128 cells, and derived 1.2 % and 13.5 % less on krea2_gqa_partial_tiles for the two
+# sm80-fp16-cuda variants (their modelled stale V tail on a partial key block). 15 % covers that;
+# a budget of twice the model's error loosened by 15 % still holds the kernel to 2.3x the model's
+# error, where run 13 measured at most 1.26x (docs/results/run13-h200x2/suite/numerics_vs_kernel.md).
+BUDGET_REL_OF = {"max_abs": 0.15}
 # Which side is looser: a larger maximum, a smaller minimum; the exact value of each limit.
 _LOOSER = {"min_cosine": -1, "min_norm_ratio": -1}  # the others (maxima): +1
 _EXACT = {"min_cosine": 1.0, "min_norm_ratio": 1.0, "max_norm_ratio": 1.0}  # the others: 0 error
@@ -199,7 +206,7 @@ def _looser(where: str, stored: dict, derived: dict) -> str:
                     f"{derived.get(limit, 'none')} derived from the fixture here; the budget was "
                     "edited or comes from another sage-qual: certify again")
         floor = BUDGET_ABS_COSINE if limit == "min_cosine" else BUDGET_ABS
-        allowed = floor + BUDGET_REL * abs(derived[limit] - _EXACT.get(limit, 0.0))
+        allowed = floor + BUDGET_REL_OF.get(limit, BUDGET_REL) * abs(derived[limit] - _EXACT.get(limit, 0.0))
         if not _LOOSER.get(limit, 1) * (stored[limit] - derived[limit]) <= allowed:
             return (f"{where}: bounds.{limit}: {stored[limit]} in the report is looser than "
                     f"{derived[limit]} derived from the fixture here (budgets.budget); the budget was "
