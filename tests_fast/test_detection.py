@@ -15,8 +15,18 @@ import torch
 from sage_qual.fixtures import numerics
 from sage_qual.fixtures.fileformat import list_fixtures, load_fixture, shipped_dir
 from sage_qual.limits import MEMORY_BOUND
-from sage_qual.qualification import (budgets, detection, emulate, families, judge, long_check, measure,
-                                     report, report_model, verdict)
+from sage_qual.qualification import (
+    budgets,
+    detection,
+    emulate,
+    families,
+    judge,
+    long_check,
+    measure,
+    report,
+    report_model,
+    verdict,
+)
 from sage_qual.serving.variants import VARIANTS
 from sage_qual.testing import FakeSageAttention
 

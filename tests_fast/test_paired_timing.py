@@ -4,8 +4,8 @@ records both timings, each as the report's speed records hold them."""
 
 import pytest
 
-from sage_qual.qualification import certify, fault_hooks, families, measure, report, worker
 from sage_qual import records
+from sage_qual.qualification import certify, families, fault_hooks, measure, report, worker
 from sage_qual.qualification.report_model import Speed
 
 

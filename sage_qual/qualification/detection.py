@@ -184,7 +184,7 @@ def _hnd_strides(layout: str, batch: int, heads: int, tokens: int, dim: int, kv_
 
 def element_span(shape: Iterable[int], strides: Iterable[int]) -> int:
     """The elements a view reaches past its first: sum of (size - 1) x stride."""
-    return sum((size - 1) * stride for size, stride in zip(shape, strides))
+    return sum((size - 1) * stride for size, stride in zip(shape, strides, strict=True))
 
 
 def _shape_span(shape, layout: str) -> int:
@@ -306,7 +306,8 @@ DEFECTS: tuple[Defect, ...] = (
     wrong_past_tokens(1024),
 )
 
-# Wrong only past the fixtures (at most 4,429 query tokens, contiguous): a long call, a view, a span; caught by the call-space checks only.
+# Wrong only past the fixtures (at most 4,429 query tokens, contiguous): a long call, a view, a span;
+# caught by the call-space checks only.
 CALL_SPACE_DEFECTS: tuple[Defect, ...] = (
     wrong_past_tokens(20_000),
     wrong_on_views(),

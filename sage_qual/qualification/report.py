@@ -19,7 +19,7 @@ from importlib import resources
 from pathlib import Path
 
 from sage_qual import records
-from sage_qual.qualification import report_model, span_check, verdict
+from sage_qual.qualification import report_model, verdict
 from sage_qual.qualification.report_model import KIND, SCHEMA_VERSION, Report, ReportError
 
 __all__ = ["KIND", "SCHEMA_VERSION", "Report", "ReportError", "Writer", "load", "render", "schema"]
@@ -304,6 +304,8 @@ def _device_blocks(data: dict, device: dict, images: dict) -> list[tuple]:
 
 def _span_blocks(probes: list[dict]) -> list[tuple]:
     """The span probes (span_check) and, per variant, the largest span right in every layout."""
+    from sage_qual.qualification import span_check  # imports torch: only for a report with probes
+
     typed = [records.parse(report_model.SpanProbe, p, "span probe", report_model.FIX)
              for p in probes]
     safe = {v: span_check.largest_safe(typed, v) for v in dict.fromkeys(p.variant for p in typed)}

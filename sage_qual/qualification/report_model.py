@@ -12,7 +12,6 @@ report_schema.json from these classes.
 from __future__ import annotations
 
 import dataclasses
-
 import enum
 import math
 import statistics

@@ -203,7 +203,7 @@ def span_refusal(call: SdpaCall, limit: int) -> Refusal:
     for name, tensor in (("query", call.query), ("key", call.key), ("value", call.value)):
         shape, stride = tensor.shape, tensor.stride()
         if extent(shape, stride) > limit:
-            span = 1 + sum((size - 1) * step for size, step in zip(shape, stride)) if tensor.numel() else 0
+            span = 1 + sum((size - 1) * step for size, step in zip(shape, stride, strict=False)) if tensor.numel() else 0
             return ("span", "span=%d elements of %s, %d in a contiguous copy padded to %d tokens (limit %d)",
                     (span, name, padded_count(shape), SPAN_PAD, limit))
     raise ValueError("span_refusal() called for a call within the limit")
@@ -238,7 +238,7 @@ def _fused(tensors, shapes, strides) -> bool:
     """q, k and v views into one [B, N, (Hq + 2 Hkv) * D] projection: one storage, and a token's row
     holding all three (a fused QKV linear layer's output, split and viewed as [B, H, N, D])."""
     row = (shapes[0][1] + shapes[1][1] + shapes[2][1]) * shapes[0][3]
-    for (b, _, n, _), stride in zip(shapes, strides):
+    for (b, _, n, _), stride in zip(shapes, strides, strict=False):
         if (n > 1 and stride[2] != row) or (b > 1 and stride[0] != n * row):
             return False
     q, k, v = tensors
