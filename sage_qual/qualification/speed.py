@@ -101,7 +101,8 @@ def intervals_to_refine(points: list[tuple[int, float, float]],
     ordered = sorted(points)
     near = {tokens for tokens, _, median in ordered
             if min_speedup / NEAR_FACTOR <= median <= min_speedup * NEAR_FACTOR}
-    return [(low, high) for (low, low_bound, _), (high, high_bound, _) in zip(ordered, ordered[1:], strict=False)
+    pairs = zip(ordered, ordered[1:], strict=False)  # each sweep point with the next
+    return [(low, high) for (low, low_bound, _), (high, high_bound, _) in pairs
             if low_bound <= min_speedup < high_bound or low in near or high in near]
 
 

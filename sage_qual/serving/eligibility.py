@@ -203,7 +203,8 @@ def span_refusal(call: SdpaCall, limit: int) -> Refusal:
     for name, tensor in (("query", call.query), ("key", call.key), ("value", call.value)):
         shape, stride = tensor.shape, tensor.stride()
         if extent(shape, stride) > limit:
-            span = 1 + sum((size - 1) * step for size, step in zip(shape, stride, strict=False)) if tensor.numel() else 0
+            steps = zip(shape, stride, strict=False)
+            span = 1 + sum((size - 1) * step for size, step in steps) if tensor.numel() else 0
             return ("span", "span=%d elements of %s, %d in a contiguous copy padded to %d tokens (limit %d)",
                     (span, name, padded_count(shape), SPAN_PAD, limit))
     raise ValueError("span_refusal() called for a call within the limit")
