@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 CERTIFY_DOC = (ROOT / "docs" / "certify.md").read_text()
 CURRENT = [ROOT / "docs/results/current" / f"certify-gpu{n}" / "report.json" for n in (0, 1)]
+RUN13 = ROOT / "docs/results/run13-h200x2"  # four runs with paired timing: every family's threshold
 RUN8 = [ROOT / "docs/results/run8-h200x2-final/certify" / f"certify-{n}" / "report.json" for n in "ab"]
 
 
@@ -45,7 +46,11 @@ def test_the_error_ranges_are_the_current_reports():
 def test_the_break_even_ranges_are_the_committed_runs():
     current, run8 = [sm90_break_even(p) for p in CURRENT], [sm90_break_even(p) for p in RUN8]
     low, high = min(current + run8), max(current + run8)
-    assert f"but {low:,} to {high:,} tokens for the sm90 kernel at head_dim 128" in flat(README)
+    assert (f"SDPA call by call near the crossover: {low:,} to {high:,} tokens for the sm90 kernel at "
+            "head_dim 128") in flat(README)
+    decisions = [gpu for n in "bcde" for gpu in verdict.decide(report.load(RUN13 / f"certify-{n}/report.json"))]
+    run13 = {f.min_query_tokens for gpu in decisions for f in gpu.families if f.min_query_tokens}
+    assert len(run13) == 1 and f"all gave {run13.pop():,} tokens" in flat(README)
     about = f"{round(low / 1000)}-{round(high / 1000)}k tokens"
     assert f"the sm90 kernel only pays from about {about}" in flat(README)
     assert f"{current[0]:,} vs {current[1]:,} on two H200s of one host at once" in flat(CERTIFY_DOC)
