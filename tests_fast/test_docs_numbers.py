@@ -48,7 +48,8 @@ def test_the_break_even_ranges_are_the_committed_runs():
     low, high = min(current + run8), max(current + run8)
     assert (f"SDPA call by call near the crossover: {low:,} to {high:,} tokens for the sm90 kernel at "
             "head_dim 128") in flat(README)
-    decisions = [gpu for n in "bcde" for gpu in verdict.decide(report.load(RUN13 / f"certify-{n}/report.json"))]
+    runs = [report.load(RUN13 / f"certify-{n}" / "report.json") for n in "bcde"]
+    decisions = [gpu for run in runs for gpu in verdict.decide(run)]
     run13 = {f.min_query_tokens for gpu in decisions for f in gpu.families if f.min_query_tokens}
     assert len(run13) == 1 and f"all gave {run13.pop():,} tokens" in flat(README)
     about = f"{round(low / 1000)}-{round(high / 1000)}k tokens"
