@@ -65,7 +65,7 @@ def test_two_h200s_of_run_11_give_thresholds_within_ten_percent():
     assert lines and not found, "\n".join(found)
 
 
-# Device run 13 (code f51cd40, paired timing near the crossover): three certify runs back to back on
+# Device run 13 (code 365e3d2, paired timing near the crossover): three certify runs back to back on
 # cuda:0 (b, c, d) and one on cuda:1 at the same time as d (e).
 RUN13 = {name: RESULTS / "run13-h200x2" / f"certify-{name}" / "report.json" for name in "bcde"}
 
