@@ -34,6 +34,7 @@ import pytest
 
 from sage_qual.limits import MEMORY_BOUND
 from sage_qual.qualification import families as families_mod
+from sage_qual.serving.variants import capability_label
 
 DEFAULT_TARGET = "wrapper"
 REQUIRE_GPU_VARIABLE = "SAGE_QUAL_REQUIRE_GPU"
@@ -115,7 +116,7 @@ def pytest_sage_qual_machine(config) -> Machine:
     if not torch.cuda.is_available():
         return Machine(problem=f"no CUDA GPU visible to torch {torch.__version__}")
     capability = tuple(torch.cuda.get_device_capability(0))
-    return Machine(capability, "cuda:0 %s sm_%d%d" % (torch.cuda.get_device_name(0), *capability))
+    return Machine(capability, f"cuda:0 {torch.cuda.get_device_name(0)} {capability_label(capability)}")
 
 
 @pytest.hookimpl(trylast=True)

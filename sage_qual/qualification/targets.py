@@ -34,7 +34,14 @@ from sage_qual.serving import assess, platform, sage_package
 from sage_qual.serving.config import DEFAULT_CONFIG, KERNEL_TABLE, WrapperConfig
 from sage_qual.serving.eligibility import SdpaCall, refusal
 from sage_qual.serving.scope import ScopeReport
-from sage_qual.serving.variants import KERNEL_FUNCTIONS, VARIANTS, BoxFacts, Capability, Variant
+from sage_qual.serving.variants import (
+    KERNEL_FUNCTIONS,
+    VARIANTS,
+    BoxFacts,
+    Capability,
+    Variant,
+    capability_label,
+)
 
 FP16_TYPES = (torch.float16, torch.bfloat16)
 # Every sageattention function an integration may call; `Evidence` counts calls to these.
@@ -46,10 +53,6 @@ DIFFUSERS_HUB_BACKENDS = ("sage_hub", "sage_blackwell_hub")
 
 class TargetError(ValueError):
     """A target name that cannot be resolved; the message says what to give instead."""
-
-
-def _capability_text(capability: Capability) -> str:
-    return "sm_%d%d" % tuple(capability)
 
 
 @dataclass(frozen=True)
@@ -82,11 +85,11 @@ class Claims:
     def machine_reasons(self, capability: Capability) -> list[str]:
         capability = tuple(capability)
         if self.capabilities is not None and capability not in self.capabilities:
-            known = ", ".join(map(_capability_text, self.capabilities))
-            return [f"capability={_capability_text(capability)} (supported: {known})"]
+            known = ", ".join(map(capability_label, self.capabilities))
+            return [f"capability={capability_label(capability)} (supported: {known})"]
         if self.min_capability is not None and capability < self.min_capability:
-            return [f"capability={_capability_text(capability)} (needs >= "
-                    f"{_capability_text(self.min_capability)})"]
+            return [f"capability={capability_label(capability)} (needs >= "
+                    f"{capability_label(self.min_capability)})"]
         return []
 
 

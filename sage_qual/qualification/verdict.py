@@ -45,7 +45,7 @@ from sage_qual.qualification.report_model import (
 )
 from sage_qual.qualification.speed import break_even, serves, speedup_bounds, steady_lower_bounds
 from sage_qual.serving.config import KERNEL_TABLE
-from sage_qual.serving.variants import VARIANTS
+from sage_qual.serving.variants import VARIANTS, gpu_label
 
 # Fixtures of this family count for every family's verdict (stress fixtures; contract with the
 # fixtures' owners).
@@ -134,7 +134,7 @@ class GpuDecision:
 
     @property
     def model(self) -> str:
-        return "%s (sm_%d%d)" % (self.name, *self.capability)
+        return gpu_label(self.name, self.capability)
 
     def family(self, name: str) -> FamilyDecision:
         return next(v for v in self.families if normalize(v.family) == normalize(name))

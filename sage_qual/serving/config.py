@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from sage_qual import limits
-from sage_qual.serving.variants import BLACKWELL, VARIANTS, BoxFacts, Capability, Variant
+from sage_qual.serving.variants import BLACKWELL, VARIANTS, BoxFacts, Capability, Variant, capability_label
 
 # Preference order per compute capability; the first variant this box can run wins. The first
 # choice is the kernel and options upstream sageattn() calls on that capability (core.py); where it
@@ -74,8 +74,8 @@ class WrapperConfig:
         why there is none (`assess` gives the reasons of a GPU and its installed package)."""
         candidates = self.kernel_table.get(capability)
         if not candidates:
-            known = ", ".join("sm_%d%d" % cap for cap in sorted(self.kernel_table))
-            return None, "sm_%d%d has no SageAttention kernel (kernels for: %s)" % (*capability, known)
+            known = ", ".join(map(capability_label, sorted(self.kernel_table)))
+            return None, f"{capability_label(capability)} has no SageAttention kernel (kernels for: {known})"
         unknown = ("not a registered variant",)
         for name in candidates:
             if not reasons.get(name, unknown):

@@ -21,6 +21,7 @@ import torch
 from sage_qual.serving import platform
 from sage_qual.serving.assess import MachineAssessment, assess_machine
 from sage_qual.serving.config import DEFAULT_CONFIG, WrapperConfig
+from sage_qual.serving.variants import capability_label
 from sage_qual.version import __version__
 
 
@@ -122,8 +123,8 @@ def render_text(env: Environment) -> str:
     if not env.gpus:
         lines.append("GPUs           none visible")
     for gpu in env.gpus:
-        lines.append("cuda:%d  %s  sm_%d%d  %.1f GiB"
-                     % (gpu.index, gpu.name, *gpu.capability, gpu.memory_gib))
+        lines.append("cuda:%d  %s  %s  %.1f GiB"
+                     % (gpu.index, gpu.name, capability_label(gpu.capability), gpu.memory_gib))
         lines.append(f"  wrapper kernel   {gpu.kernel or 'none: ' + gpu.no_kernel_reason}")
         lines.append(f"  runnable here    {', '.join(gpu.runnable_variants) or 'none'}")
     return "\n".join(lines)

@@ -41,7 +41,7 @@ from sage_qual import jsonfile, records
 from sage_qual.limits import one_line
 from sage_qual.serving import platform, sage_package
 from sage_qual.serving.config import DEFAULT_CONFIG, LAYOUTS, WrapperConfig
-from sage_qual.serving.variants import VARIANTS
+from sage_qual.serving.variants import VARIANTS, capability_label, gpu_label
 
 KIND = "sage-qual-profile"
 SCHEMA_VERSION = 2
@@ -138,7 +138,7 @@ class ProfileGpu:
 
     @property
     def label(self) -> str:
-        return "%s (sm_%d%d)" % (self.name, *self.capability)
+        return gpu_label(self.name, self.capability)
 
 
 @dataclass(frozen=True)
@@ -257,7 +257,7 @@ def differences(gpu: ProfileGpu, device: Machine) -> list[str]:
     """What differs between the machine an entry was certified on and this device, hardware first."""
     found = []
     if not same_gpu_name(gpu.name, device.name) or tuple(gpu.capability) != device.capability:
-        found.append("GPU %s, sm_%d%d here" % (device.name, *device.capability))
+        found.append("GPU %s, %s here" % (device.name, capability_label(device.capability)))
     elif gpu.memory_gib is not None and abs(gpu.memory_gib - device.memory_gib) > MEMORY_TOLERANCE_GIB:
         found.append(f"memory {gpu.memory_gib:g} GiB, {device.memory_gib:g} here")
     env = gpu.environment

@@ -20,6 +20,16 @@ from typing import Any, Mapping
 Capability = tuple[int, int]
 
 
+def capability_label(capability: Capability) -> str:
+    """(9, 0) -> "sm_90": how every message and report names a compute capability."""
+    return "sm_%d%d" % tuple(capability)
+
+
+def gpu_label(name: str, capability: Capability) -> str:
+    """"NVIDIA H200 (sm_90)": a GPU model as reports, profiles and the gate name it."""
+    return f"{name} ({capability_label(capability)})"
+
+
 @dataclass(frozen=True)
 class BoxFacts:
     """What decides whether a variant can run here (read by `sage_qual.serving.platform`)."""
@@ -131,8 +141,8 @@ class Variant:
         reasons = []
         if self.extension is not None and not has_compiled_code(box.capability):
             targets = ", ".join(BUILD_TARGETS.values())
-            reasons.append("capability=%s: SageAttention 2.2 builds no code that runs on sm_%d%d "
-                           "(builds for %s)" % (box.capability, *box.capability, targets))
+            reasons.append("capability=%s: SageAttention 2.2 builds no code that runs on %s "
+                           "(builds for %s)" % (box.capability, capability_label(box.capability), targets))
         if self.needs_triton and box.capability in TRITON_UNUSABLE:
             reasons.append("capability=%s: upstream's Triton kernel is not usable there (sageattention "
                            "core.py)" % (box.capability,))
