@@ -31,10 +31,9 @@ import torch
 from sage_qual.fixtures import numerics
 from sage_qual.fixtures.fileformat import Fixture
 from sage_qual.qualification import budgets, judge, measure
-from sage_qual.qualification.families import FAMILIES, normalize
+from sage_qual.qualification.families import FAMILIES, counts_for
 from sage_qual.serving.variants import Numerics, Variant
 
-GENERIC = "generic"
 ALL = frozenset(f.name for f in FAMILIES)
 _KEY_BLOCK = 64  # the K tile of every kernel but sm90's (128): a multiple of 128 is one of 64 too
 _QUERY_TILE = 128  # the CTA Q tile of the CUDA kernels but sm90's (64)
@@ -317,9 +316,7 @@ CALL_SPACE_DEFECTS: tuple[Defect, ...] = (
 
 def owners(fixture: Fixture) -> frozenset[str]:
     """The families whose verdict reads this fixture."""
-    if normalize(fixture.family) == GENERIC:
-        return ALL
-    return frozenset(f.name for f in FAMILIES if f.owns(fixture.family))
+    return frozenset(f.name for f in FAMILIES if counts_for(f, fixture.family))
 
 
 def fails(variant: Variant, fixture: Fixture, out: torch.Tensor, ref: torch.Tensor) -> list[dict]:

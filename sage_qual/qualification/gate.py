@@ -34,18 +34,13 @@ from typing import TYPE_CHECKING
 from sage_qual import limits
 from sage_qual.errors import ExitCode, UsageError
 from sage_qual.qualification import budget_cache, pool, report, report_model, verdict
-from sage_qual.qualification.families import FAMILIES, Family, find, normalize
+from sage_qual.qualification.families import FAMILIES, Family, counts_for, find
 from sage_qual.qualification.report_model import Report
-from sage_qual.qualification.verdict import GENERIC, FamilyDecision, Verdict
+from sage_qual.qualification.verdict import FamilyDecision, Verdict
 from sage_qual.serving.variants import VARIANTS, Variant, gpu_label
 
 if TYPE_CHECKING:
     from sage_qual.fixtures.fileformat import Fixture
-
-
-def counts_for(family: Family, fixture_family: str) -> bool:
-    """A fixture counts for the family when it is the family's own or generic."""
-    return family.owns(fixture_family) or normalize(fixture_family) == GENERIC
 
 
 def local_fixture_files(directories: list[str] | None, family: Family) -> dict[str, Fixture]:
