@@ -10,19 +10,18 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from sage_qual import limits
-from sage_qual.serving.variants import BLACKWELL, VARIANTS, BoxFacts, Capability, Variant, capability_label
+from sage_qual.serving.variants import (
+    UPSTREAM_PICKS,
+    VARIANTS,
+    BoxFacts,
+    Capability,
+    Variant,
+    capability_label,
+)
 
-# Preference order per compute capability; the first variant this box can run wins. The first
-# choice is the kernel and options upstream sageattn() calls on that capability (core.py); where it
-# raises "Unsupported CUDA architecture" (8.7, 10.0, anything newer than 12.1) there is no kernel.
-# The second choice replaces fp32+fp16 accumulation where torch's CUDA is older than 12.8.
-KERNEL_TABLE: Mapping[Capability, tuple[str, ...]] = {
-    (8, 0): ("sm80-fp16-cuda",),
-    (8, 6): ("sm86-fp16-triton",),
-    (8, 9): ("sm89-fp8-cuda", "sm89-fp8-cuda-fp32acc"),
-    (9, 0): ("sm90-fp8-cuda",),
-    **{cap: ("sm120-fp8-perwarp", "sm120-fp8-perwarp-fp32acc") for cap in BLACKWELL},
-}
+# Preference order per compute capability; the first variant this box can run wins. The default is
+# upstream sageattn()'s own choice, declared once in variants.UPSTREAM_PICKS (with why).
+KERNEL_TABLE: Mapping[Capability, tuple[str, ...]] = UPSTREAM_PICKS
 
 
 # Memory layouts a profile may list as verified (`WrapperConfig.layouts`); `eligibility.layout_of`
