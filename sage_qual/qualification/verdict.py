@@ -50,7 +50,7 @@ from sage_qual.qualification.report_model import (
     ReportError,
 )
 from sage_qual.qualification.speed import break_even, serves, speedup_bounds, steady_lower_bounds
-from sage_qual.serving.config import KERNEL_TABLE
+from sage_qual.serving.config import KERNEL_TABLE, served_from
 from sage_qual.serving.variants import VARIANTS, gpu_label
 
 
@@ -418,8 +418,7 @@ def _call_key(check: LongCheck) -> str:
 
 
 def _where(t: Thresholds) -> str:
-    return (f"{t.min_query_tokens} query / {t.min_key_tokens} key tokens, head_dim "
-            f"{'/'.join(map(str, t.head_dims))}")
+    return served_from(t.min_query_tokens, t.min_key_tokens, t.head_dims)
 
 
 def decide(report: Report) -> list[GpuDecision]:

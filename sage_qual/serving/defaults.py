@@ -31,7 +31,7 @@ from typing import Any, Literal
 from sage_qual import jsonfile, records
 from sage_qual.limits import one_line
 from sage_qual.serving import profile
-from sage_qual.serving.config import DEFAULT_CONFIG, KERNEL_TABLE, WrapperConfig
+from sage_qual.serving.config import DEFAULT_CONFIG, KERNEL_TABLE, WrapperConfig, served_from
 from sage_qual.serving.variants import capability_label
 
 DATA = Path(__file__).with_name("default_profile.json")
@@ -118,8 +118,7 @@ def _applied(base: WrapperConfig, device: profile.Machine, chosen: profile.Entry
 
 
 def _served(chosen: profile.Entry) -> str:
-    return (f"from {chosen.min_query_tokens} query / {chosen.min_key_tokens} key tokens, head_dim "
-            f"{'/'.join(map(str, chosen.head_dims))}")
+    return "from " + served_from(chosen.min_query_tokens, chosen.min_key_tokens, chosen.head_dims)
 
 
 def most_conservative(entries: list[profile.Entry]) -> profile.Entry | None:
