@@ -373,7 +373,7 @@ def merge_markdown(rows: list[dict]) -> str:
     files = any(len(reports) > 1 for reports in hosts.values())
     header = (["host"] + ["report"] * files + ["GPU", "sm", "GPUs", "driver", "torch", "sageattention"]
               + ["target"] * targets + names)
-    lines = [report.markdown_row(header), "|" + "---|" * len(header)]
+    body = []
     for row in rows:
         cells = [row["host"]] + [row["report"]] * files + [
             row["gpu"], "%d%d" % tuple(row["capability"]), str(len(row["devices"])), row["driver"] or "-",
@@ -396,5 +396,5 @@ def merge_markdown(rows: list[dict]) -> str:
                 cells.append(f"enable: {verdict['variant']} {span}")
             else:
                 cells.append(f"{verdict['verdict']}: " + ", ".join(verdict["reasons"]))
-        lines.append(report.markdown_row(cells))
-    return "\n".join(lines)
+        body.append(cells)
+    return "\n".join(report.markdown_table(header, body))

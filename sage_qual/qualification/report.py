@@ -381,6 +381,11 @@ def markdown_row(values) -> str:
     return "| " + " | ".join(map(markdown_cell, values)) + " |"
 
 
+def markdown_table(headers, rows) -> list[str]:
+    """Every Markdown table sage-qual writes: the header, its rule, one escaped row per entry."""
+    return [markdown_row(headers), "|" + "---|" * len(headers), *map(markdown_row, rows)]
+
+
 def _markdown(blocks: list[tuple]) -> str:
     lines = []
     for block in blocks:
@@ -393,9 +398,7 @@ def _markdown(blocks: list[tuple]) -> str:
         elif block[0] == "img":
             lines += [f"![{block[2]}]({block[1]})", ""]
         elif block[0] == "table":
-            headers, rows = block[1], block[2]
-            lines += [markdown_row(headers), "|" + "---|" * len(headers)]
-            lines += [markdown_row(row) for row in rows] + [""]
+            lines += markdown_table(block[1], block[2]) + [""]
     return "\n".join(lines)
 
 
