@@ -10,14 +10,8 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from sage_qual import limits
-from sage_qual.serving.variants import (
-    UPSTREAM_PICKS,
-    VARIANTS,
-    BoxFacts,
-    Capability,
-    Variant,
-    capability_label,
-)
+from sage_qual.serving import variants
+from sage_qual.serving.variants import UPSTREAM_PICKS, VARIANTS, BoxFacts, Capability, Variant
 
 # Preference order per compute capability; the first variant this box can run wins. The default is
 # upstream sageattn()'s own choice, declared once in variants.UPSTREAM_PICKS (with why).
@@ -79,8 +73,9 @@ class WrapperConfig:
         why there is none (`assess` gives the reasons of a GPU and its installed package)."""
         candidates = self.kernel_table.get(capability)
         if not candidates:
-            known = ", ".join(map(capability_label, sorted(self.kernel_table)))
-            return None, f"{capability_label(capability)} has no SageAttention kernel (kernels for: {known})"
+            known = ", ".join(map(variants.capability_label, sorted(self.kernel_table)))
+            label = variants.capability_label(capability)
+            return None, f"{label} has no SageAttention kernel (kernels for: {known})"
         unknown = ("not a registered variant",)
         for name in candidates:
             if not reasons.get(name, unknown):
