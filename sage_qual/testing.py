@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from sage_qual.serving import platform
-from sage_qual.serving.variants import EXTENSIONS, KERNEL_FUNCTIONS, VARIANTS, KernelFunction
+from sage_qual.serving.variants import EXTENSIONS, KERNEL_FUNCTIONS, KernelFunction, upstream_pick
 
 _FAKE_INDEX = "_sage_qual_fake_cuda_index"
 
@@ -279,7 +279,7 @@ class FakeSageAttention:
 
     def _make_dispatcher(self, module: types.ModuleType) -> Callable:
         """Upstream's `sageattn()`: the kernel and options core.py picks for the GPU of `q` (the
-        variant whose `native_on` names its capability); other keywords, smooth_k included, are
+        variant `variants.upstream_pick` names for its capability); other keywords, smooth_k included, are
         swallowed by its **kwargs, so the kernel runs with upstream's defaults."""
 
         def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, return_lse=False,
@@ -289,7 +289,7 @@ class FakeSageAttention:
             if index is None:
                 raise AssertionError("Input tensors must be on cuda.")
             capability = cuda.capability(index)
-            variant = next((v for v in VARIANTS.values() if capability in v.native_on), None)
+            variant = upstream_pick(capability)
             if variant is None:
                 raise ValueError("Unsupported CUDA architecture: sm%d%d" % capability)
             kernel = getattr(module, variant.function)

@@ -38,10 +38,10 @@ def test_collect_records_package_extensions_and_each_gpu():
     assert env.extensions["_qattn_sm89"] == "ok" and env.extensions["_fused"] == "ok"
     assert env.extensions["_qattn_sm90"].startswith("ImportError")
     rtx, orin = env.gpus
-    assert (rtx.index, rtx.name, rtx.capability, rtx.memory_gib) == (0, "RTX 4090", (8, 9), 24.0)
+    assert (rtx.index, rtx.name, rtx.capability, rtx.memory_gib) == (0, "RTX 4090", [8, 9], 24.0)
     assert (rtx.kernel, rtx.no_kernel_reason) == ("sm89-fp8-cuda", "")
     assert "sm89-fp8-cuda" in rtx.runnable_variants and "sm90-fp8-cuda" not in rtx.runnable_variants
-    assert (orin.index, orin.capability, orin.kernel) == (1, (8, 7), "")
+    assert (orin.index, orin.capability, orin.kernel) == (1, [8, 7], "")
     assert "sm_87" in orin.no_kernel_reason
     assert "sm89-fp8-cuda" not in orin.runnable_variants and "sm80-fp16-cuda" in orin.runnable_variants
 

@@ -117,9 +117,7 @@ def select_fixtures(directories: list[str], chosen: list[families_mod.Family], a
             if fixture.name in seen:
                 raise UsageError(f"two fixtures named {fixture.name}: {seen[fixture.name]} and {path}")
             seen[fixture.name] = path
-            owner = families_mod.family_of(fixture.family)
-            generic = families_mod.normalize(fixture.family) == verdict.GENERIC  # counts for every family
-            if (owner in chosen) or (owner is None and (all_families or generic)):
+            if all_families or any(families_mod.counts_for(family, fixture.family) for family in chosen):
                 fixtures.append(fixture)
     if quick:
         smallest = {}
@@ -191,11 +189,6 @@ def _fixture_record(fixture: fileformat.Fixture) -> dict:
             "dtype": str(fixture.dtype).replace("torch.", ""), "q": list(fixture.q.shape),
             "k": list(fixture.k.shape), "sha256": fixture.sha256, "bounds": fixture.bounds,
             "provenance": fixture.provenance}
-
-
-def _memory_bound(fixture: fileformat.Fixture) -> float:
-    owner = families_mod.family_of(fixture.family)
-    return owner.memory_bound if owner else families_mod.MEMORY_BOUND
 
 
 def _now() -> str:
@@ -454,7 +447,8 @@ class _DeviceRun:
         for variant in variants:
             self.jobs.append(
                 [{"id": f"{variant}|{f.name}", "kind": "cell", "variant": variant, "fixture_name": f.name,
-                  "fixture": str(f.path), "memory_bound": _memory_bound(f)} for f in fixtures]
+                  "fixture": str(f.path), "memory_bound": families_mod.memory_bound(f.family)}
+                 for f in fixtures]
                 + [{"id": f"{variant}@{key}", "kind": "speed", "variant": variant, "key": key,
                     "shape": shapes[key]["shape"], "warmup": w, "repeats": r}
                    for key, (w, r) in speed.items()]

@@ -31,10 +31,10 @@ import torch
 from sage_qual.fixtures import numerics
 from sage_qual.fixtures.fileformat import Fixture
 from sage_qual.qualification import budgets, judge, measure
-from sage_qual.qualification.families import FAMILIES, normalize
+from sage_qual.qualification.families import FAMILIES, counts_for
+from sage_qual.qualification.report import markdown_table
 from sage_qual.serving.variants import Numerics, Variant
 
-GENERIC = "generic"
 ALL = frozenset(f.name for f in FAMILIES)
 _KEY_BLOCK = 64  # the K tile of every kernel but sm90's (128): a multiple of 128 is one of 64 too
 _QUERY_TILE = 128  # the CTA Q tile of the CUDA kernels but sm90's (64)
@@ -317,9 +317,7 @@ CALL_SPACE_DEFECTS: tuple[Defect, ...] = (
 
 def owners(fixture: Fixture) -> frozenset[str]:
     """The families whose verdict reads this fixture."""
-    if normalize(fixture.family) == GENERIC:
-        return ALL
-    return frozenset(f.name for f in FAMILIES if f.owns(fixture.family))
+    return frozenset(f.name for f in FAMILIES if counts_for(f, fixture.family))
 
 
 def fails(variant: Variant, fixture: Fixture, out: torch.Tensor, ref: torch.Tensor) -> list[dict]:
@@ -355,7 +353,7 @@ def matrix_markdown(newly: dict[str, frozenset[str]], baseline: frozenset[str], 
     """defect x family: caught (reached and newly kept off), MISSED (reached, still enabled), FALSE
     ALARM (kept off, not reached), "off already" (the clean kernel keeps the family off), "-"."""
     names = [f.name for f in FAMILIES]
-    lines = [f"### {title}", "", "| defect | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    rows = []
     for defect in DEFECTS:
         if defect.name not in newly:
             continue
@@ -364,5 +362,5 @@ def matrix_markdown(newly: dict[str, frozenset[str]], baseline: frozenset[str], 
             reached, stopped = family in defect.reaches, family in newly[defect.name]
             cells.append("caught" if reached and stopped else "FALSE ALARM" if stopped else
                          "off already" if family in baseline else "MISSED" if reached else "-")
-        lines.append(f"| {defect.name}: {defect.description} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+        rows.append([f"{defect.name}: {defect.description}", *cells])
+    return "\n".join([f"### {title}", "", *markdown_table(["defect", *names], rows)]) + "\n"

@@ -34,7 +34,7 @@ from sage_qual.qualification import budgets, certify, judge, long_check, measure
 from sage_qual.qualification.families import Shape
 from sage_qual.qualification.report_model import ReasonKind
 from sage_qual.serving import environment
-from sage_qual.serving.variants import VARIANTS, Variant
+from sage_qual.serving.variants import VARIANTS, Variant, capability_label
 
 PREDICTED = "predicted by the CPU numerics model (sage_qual.fixtures.numerics), not measured on a GPU"
 EMULATE_BLOCKS = 2  # sampled row blocks per predicted long check: the first and the last
@@ -170,7 +170,7 @@ def summary(data: dict) -> str:
     width = max(map(len, variants)) + 2
     lines.append("variant".ljust(width) + "default on".ljust(16) + " ".join(f.ljust(10) for f in matrix))
     for variant in variants:
-        native = ",".join("sm_%d%d" % cap for cap in VARIANTS[variant].native_on) or "-"
+        native = ",".join(map(capability_label, VARIANTS[variant].native_on)) or "-"
         row = " ".join(("FAIL" if matrix[f][variant] else "pass").ljust(10) for f in matrix)
         lines.append(variant.ljust(width) + native[:15].ljust(16) + row)
     for family, row in matrix.items():

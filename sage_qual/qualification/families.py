@@ -124,6 +124,10 @@ class Family:
         return normalize(fixture_family) == self.key
 
 
+# The fixture family of situations every model family creates: such fixtures count for each one.
+GENERIC = "generic"
+
+
 def normalize(name: str) -> str:
     return re.sub(r"[^a-z0-9]", "", name.lower())
 
@@ -245,6 +249,18 @@ def family_of(fixture_family: str) -> Family | None:
         if family.owns(fixture_family):
             return family
     return None
+
+
+def counts_for(family: Family | None, fixture_family: str) -> bool:
+    """A fixture counts for a family when it is the family's own or generic; for None (every
+    family at once) every fixture counts."""
+    return family is None or family.owns(fixture_family) or normalize(fixture_family) == GENERIC
+
+
+def memory_bound(fixture_family: str) -> float:
+    """The extra-memory bound a fixture is judged by: its owning family's, else the default."""
+    owner = family_of(fixture_family)
+    return owner.memory_bound if owner else MEMORY_BOUND
 
 
 def call_space_problems(families: tuple[Family, ...] = FAMILIES) -> list[str]:

@@ -34,18 +34,13 @@ from typing import TYPE_CHECKING
 from sage_qual import limits
 from sage_qual.errors import ExitCode, UsageError
 from sage_qual.qualification import budget_cache, pool, report, report_model, verdict
-from sage_qual.qualification.families import FAMILIES, Family, find, normalize
+from sage_qual.qualification.families import FAMILIES, Family, counts_for, find
 from sage_qual.qualification.report_model import Report
-from sage_qual.qualification.verdict import GENERIC, FamilyDecision, Verdict
-from sage_qual.serving.variants import VARIANTS, Variant
+from sage_qual.qualification.verdict import FamilyDecision, Verdict
+from sage_qual.serving.variants import VARIANTS, Variant, gpu_label
 
 if TYPE_CHECKING:
     from sage_qual.fixtures.fileformat import Fixture
-
-
-def counts_for(family: Family, fixture_family: str) -> bool:
-    """A fixture counts for the family when it is the family's own or generic."""
-    return family.owns(fixture_family) or normalize(fixture_family) == GENERIC
 
 
 def local_fixture_files(directories: list[str] | None, family: Family) -> dict[str, Fixture]:
@@ -67,7 +62,7 @@ def local_fixture_files(directories: list[str] | None, family: Family) -> dict[s
 
 
 def _model(gpu: dict) -> str:
-    return "%s (sm_%d%d)" % (gpu["name"], *gpu["capability"])
+    return gpu_label(gpu["name"], gpu["capability"])
 
 
 def stale(data: Report, family: Family, here: dict, local: dict[str, str]) -> list[str]:
@@ -77,7 +72,7 @@ def stale(data: Report, family: Family, here: dict, local: dict[str, str]) -> li
         if getattr(made, key) != here[key]:
             differences.append(f"{label} {getattr(made, key) or 'none'} in the report, {here[key] or 'none'} "
                                "here")
-    certified = {"%s (sm_%d%d)" % (d.name, *d.capability) for d in data.devices}
+    certified = {gpu_label(d.name, d.capability) for d in data.devices}
     for model in sorted({_model(g) for g in here["gpus"]} - certified):
         differences.append(f"{model} here is not in the report")
     recorded = {f.name: f.sha256 for f in data.fixtures if counts_for(family, f.family)}
@@ -167,7 +162,7 @@ def budget_problem(source: str, data: Report, family: Family, here: dict,
     owners = {f.name: f.family for f in data.fixtures}
     problem = ""
     for n, device in enumerate(data.devices):
-        if "%s (sm_%d%d)" % (device.name, *device.capability) not in models_here:
+        if gpu_label(device.name, device.capability) not in models_here:
             continue
         for m, cell in enumerate(device.cells):
             if not cell.measured or not counts_for(family, owners.get(cell.fixture, "")):
@@ -378,7 +373,7 @@ def merge_markdown(rows: list[dict]) -> str:
     files = any(len(reports) > 1 for reports in hosts.values())
     header = (["host"] + ["report"] * files + ["GPU", "sm", "GPUs", "driver", "torch", "sageattention"]
               + ["target"] * targets + names)
-    lines = [report.markdown_row(header), "|" + "---|" * len(header)]
+    body = []
     for row in rows:
         cells = [row["host"]] + [row["report"]] * files + [
             row["gpu"], "%d%d" % tuple(row["capability"]), str(len(row["devices"])), row["driver"] or "-",
@@ -401,5 +396,5 @@ def merge_markdown(rows: list[dict]) -> str:
                 cells.append(f"enable: {verdict['variant']} {span}")
             else:
                 cells.append(f"{verdict['verdict']}: " + ", ".join(verdict["reasons"]))
-        lines.append(report.markdown_row(cells))
-    return "\n".join(lines)
+        body.append(cells)
+    return "\n".join(report.markdown_table(header, body))

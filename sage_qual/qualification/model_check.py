@@ -16,6 +16,7 @@ from pathlib import Path
 
 from sage_qual.fixtures.fileformat import list_fixtures, load_fixture, shipped_dir
 from sage_qual.qualification import budgets
+from sage_qual.qualification.report import markdown_table
 from sage_qual.serving.variants import VARIANTS
 
 # Acceptance: the model's relative L2 within 10 % of the kernel's on every cell (issue 9).
@@ -97,8 +98,7 @@ def markdown(rows: list[Row]) -> str:
     def number(x: float) -> str:
         return "inf" if math.isinf(x) else "-" if math.isnan(x) else f"{x:.5f}"
 
-    lines = ["| fixture | variant | kernel rel L2 | model rel L2 | model / kernel | within 10 % |",
-             "|---|---|---|---|---|---|"]
+    cells = []
     for r in rows:
         kernel = number(r.kernel_rel_l2) if r.kernel_finite else "non-finite"
         model = number(r.model_rel_l2) if r.model_finite else "non-finite"
@@ -107,7 +107,9 @@ def markdown(rows: list[Row]) -> str:
         note = (" (both non-finite)" if both_non_finite else
                 " (foreseen: stale-memory hazard)" if r.agrees and not r.kernel_finite else "")
         verdict = ("yes" if r.agrees else "NO") + note
-        lines.append(f"| {r.fixture} | {r.variant} | {kernel} | {model} | {ratio} | {verdict} |")
+        cells.append([r.fixture, r.variant, kernel, model, ratio, verdict])
+    lines = markdown_table(
+        ["fixture", "variant", "kernel rel L2", "model rel L2", "model / kernel", "within 10 %"], cells)
     finite = [r for r in rows if not math.isnan(r.ratio)]
     worst = max((abs(r.ratio - 1) for r in finite), default=math.nan)
     lines.append("")
@@ -118,13 +120,13 @@ def markdown(rows: list[Row]) -> str:
 
 def max_abs_markdown(rows: list[Row]) -> str:
     """The element-wise table: kernel and model max |out - ref|, their ratio, and the budget."""
-    lines = ["| fixture | variant | kernel max abs | model max abs | kernel / model | budget max_abs "
-             "| within |", "|---|---|---|---|---|---|---|"]
     measured = [r for r in rows if not math.isnan(r.max_abs_ratio)]
-    for r in measured:
-        within = "yes" if r.within_max_abs else "NO"
-        lines.append(f"| {r.fixture} | {r.variant} | {r.kernel_max_abs:.5g} | {r.model_max_abs:.5g} | "
-                     f"{r.max_abs_ratio:.3f} | {r.max_abs_budget:.5g} | {within} |")
+    lines = markdown_table(
+        ["fixture", "variant", "kernel max abs", "model max abs", "kernel / model", "budget max_abs",
+         "within"],
+        [[r.fixture, r.variant, f"{r.kernel_max_abs:.5g}", f"{r.model_max_abs:.5g}",
+          f"{r.max_abs_ratio:.3f}", f"{r.max_abs_budget:.5g}", "yes" if r.within_max_abs else "NO"]
+         for r in measured])
     worst = max((r.max_abs_ratio for r in measured), default=math.nan)
     lines.append("")
     within = sum(r.within_max_abs for r in measured)

@@ -32,8 +32,8 @@ from pathlib import Path
 
 import pytest
 
-from sage_qual.limits import MEMORY_BOUND
 from sage_qual.qualification import families as families_mod
+from sage_qual.serving.variants import capability_label
 
 DEFAULT_TARGET = "wrapper"
 REQUIRE_GPU_VARIABLE = "SAGE_QUAL_REQUIRE_GPU"
@@ -115,7 +115,7 @@ def pytest_sage_qual_machine(config) -> Machine:
     if not torch.cuda.is_available():
         return Machine(problem=f"no CUDA GPU visible to torch {torch.__version__}")
     capability = tuple(torch.cuda.get_device_capability(0))
-    return Machine(capability, "cuda:0 %s sm_%d%d" % (torch.cuda.get_device_name(0), *capability))
+    return Machine(capability, f"cuda:0 {torch.cuda.get_device_name(0)} {capability_label(capability)}")
 
 
 @pytest.hookimpl(trylast=True)
@@ -191,8 +191,8 @@ def pytest_generate_tests(metafunc):
     if isinstance(loaded, pytest.UsageError):
         return  # said once, after collection (an error raised here would be one per test module)
     wanted = _marked_families(metafunc.definition.nodeid, metafunc.definition.get_closest_marker("sage_qual"))
-    chosen = [f for f in loaded if wanted is None or any(family.owns(f.family) for family in wanted)
-              or families_mod.normalize(f.family) == "generic"]
+    chosen = [f for f in loaded
+              if wanted is None or any(families_mod.counts_for(family, f.family) for family in wanted)]
     metafunc.parametrize("sage_qual_fixture", [f.path for f in chosen], ids=[f.name for f in chosen],
                          indirect=True)
 
@@ -303,9 +303,8 @@ def sage_qual_check(request, sage_qual_target):
     from sage_qual.qualification import target_cells
 
     def check(fixture) -> dict:
-        owner = families_mod.family_of(fixture.family)
         cell = target_cells.measure_cell(sage_qual_target, fixture, _capability(request.config), _CudaBench(),
-                                         owner.memory_bound if owner else MEMORY_BOUND)
+                                         families_mod.memory_bound(fixture.family))
         if cell["outcome"] == "skip":
             pytest.skip(f"sage-qual: {cell['detail']}")
         if cell["outcome"] != "pass":

@@ -21,6 +21,7 @@ from pathlib import Path
 from sage_qual import records
 from sage_qual.qualification import report_model, verdict
 from sage_qual.qualification.report_model import KIND, SCHEMA_VERSION, Report, ReportError
+from sage_qual.serving.variants import gpu_label
 
 __all__ = ["KIND", "SCHEMA_VERSION", "Report", "ReportError", "Writer", "load", "render", "schema"]
 SCHEMA_FILE = "report_schema.json"
@@ -259,7 +260,7 @@ def _cell_row(c: dict) -> list:
 def _device_blocks(data: dict, device: dict, images: dict) -> list[tuple]:
     predicted = data.get("predicted")
     blocks = [("h", 2, "Predicted by the numerics model (CPU)" if predicted else
-               "cuda:%d %s (sm_%d%d)" % (device["index"], device["name"], *device["capability"]))]
+               "cuda:%d %s" % (device["index"], gpu_label(device["name"], device["capability"])))]
     key = f"cuda:{device['index']}"
     if key in images:
         blocks.append(("img", images[key],
@@ -380,6 +381,11 @@ def markdown_row(values) -> str:
     return "| " + " | ".join(map(markdown_cell, values)) + " |"
 
 
+def markdown_table(headers, rows) -> list[str]:
+    """Every Markdown table sage-qual writes: the header, its rule, one escaped row per entry."""
+    return [markdown_row(headers), "|" + "---|" * len(headers), *map(markdown_row, rows)]
+
+
 def _markdown(blocks: list[tuple]) -> str:
     lines = []
     for block in blocks:
@@ -392,9 +398,7 @@ def _markdown(blocks: list[tuple]) -> str:
         elif block[0] == "img":
             lines += [f"![{block[2]}]({block[1]})", ""]
         elif block[0] == "table":
-            headers, rows = block[1], block[2]
-            lines += [markdown_row(headers), "|" + "---|" * len(headers)]
-            lines += [markdown_row(row) for row in rows] + [""]
+            lines += markdown_table(block[1], block[2]) + [""]
     return "\n".join(lines)
 
 

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from sage_qual import jsonfile, records
 from sage_qual.qualification.families import FAMILIES
+from sage_qual.serving.env_record import EnvironmentRecord, GpuInfo  # noqa: F401 (part of the report's model)
 from sage_qual.serving.variants import VARIANTS
 
 KIND = "sage-qual-report"
@@ -306,34 +307,6 @@ class Options:
     fixture_dirs: list[str]
     quick: bool
     timeout_s: float = field(metadata={"minimum": 0})
-
-
-@dataclass(frozen=True)
-class GpuInfo:
-    index: int = field(metadata={"minimum": 0})
-    name: str
-    capability: list[int] = field(metadata={"length": 2, "minimum": 0})
-    memory_gib: float = field(metadata={"minimum": 0})
-    kernel: str = ""
-    no_kernel_reason: str = ""
-    runnable_variants: list[str] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class EnvironmentRecord:
-    """sage_qual.serving.environment.Environment, collected in a worker."""
-    sage_qual: str
-    python: str
-    os: str
-    torch: str
-    torch_cuda: str
-    cudnn: str
-    driver: str
-    triton: str
-    sageattention: str
-    sageattention_problem: str
-    extensions: dict[str, str]
-    gpus: list[GpuInfo]
 
 
 @dataclass(frozen=True)

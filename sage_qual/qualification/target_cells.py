@@ -12,6 +12,7 @@ import math
 from sage_qual import limits
 from sage_qual.fixtures import fileformat
 from sage_qual.qualification import budgets, judge, measure, targets
+from sage_qual.serving.variants import capability_label
 
 
 def run_task(task: dict, bench) -> dict:
@@ -35,7 +36,8 @@ def measure_cell(target: targets.Target, fixture: fileformat.Fixture, capability
         return {"outcome": "skip", "detail": f"{target.name} does not take this call: {'; '.join(claimed)}"}
     variant = target.variant(capability)
     if variant is None:
-        return {"outcome": "skip", "detail": f"{target.name} has no kernel for sm_%d%d" % tuple(capability)}
+        detail = f"{target.name} has no kernel for {capability_label(capability)}"
+        return {"outcome": "skip", "detail": detail}
     ref = measure.reference(q, k, v)
     with target.session() as session:
         served = []

@@ -28,6 +28,7 @@ from pathlib import Path
 from sage_qual import limits
 from sage_qual.errors import UsageError
 from sage_qual.qualification import certify, pool, report, targets, verdict
+from sage_qual.qualification import families as families_mod
 from sage_qual.qualification.report_model import ReasonKind
 
 
@@ -153,7 +154,7 @@ def _device_cells(position: int, target: targets.Target, fixtures: list, options
             return
         tasks = [{"id": f.name, "kind": "target", "action": "cell", "target": target.name,
                   "fixture": str(f.path), "capability": device["capability"],
-                  "memory_bound": certify._memory_bound(f)} for f in fixtures]
+                  "memory_bound": families_mod.memory_bound(f.family)} for f in fixtures]
 
         def record(task_id, result):
             cell = {"variant": target.name, "fixture": task_id, **result}

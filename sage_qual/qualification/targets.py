@@ -34,7 +34,16 @@ from sage_qual.serving import assess, platform, sage_package
 from sage_qual.serving.config import DEFAULT_CONFIG, KERNEL_TABLE, WrapperConfig
 from sage_qual.serving.eligibility import SdpaCall, refusal
 from sage_qual.serving.scope import ScopeReport
-from sage_qual.serving.variants import KERNEL_FUNCTIONS, VARIANTS, BoxFacts, Capability, Variant
+from sage_qual.serving.variants import (
+    KERNEL_FUNCTIONS,
+    UPSTREAM_PICKS,
+    VARIANTS,
+    BoxFacts,
+    Capability,
+    Variant,
+    capability_label,
+    upstream_pick,
+)
 
 FP16_TYPES = (torch.float16, torch.bfloat16)
 # Every sageattention function an integration may call; `Evidence` counts calls to these.
@@ -46,10 +55,6 @@ DIFFUSERS_HUB_BACKENDS = ("sage_hub", "sage_blackwell_hub")
 
 class TargetError(ValueError):
     """A target name that cannot be resolved; the message says what to give instead."""
-
-
-def _capability_text(capability: Capability) -> str:
-    return "sm_%d%d" % tuple(capability)
 
 
 @dataclass(frozen=True)
@@ -82,11 +87,11 @@ class Claims:
     def machine_reasons(self, capability: Capability) -> list[str]:
         capability = tuple(capability)
         if self.capabilities is not None and capability not in self.capabilities:
-            known = ", ".join(map(_capability_text, self.capabilities))
-            return [f"capability={_capability_text(capability)} (supported: {known})"]
+            known = ", ".join(map(capability_label, self.capabilities))
+            return [f"capability={capability_label(capability)} (supported: {known})"]
         if self.min_capability is not None and capability < self.min_capability:
-            return [f"capability={_capability_text(capability)} (needs >= "
-                    f"{_capability_text(self.min_capability)})"]
+            return [f"capability={capability_label(capability)} (needs >= "
+                    f"{capability_label(self.min_capability)})"]
         return []
 
 
@@ -306,16 +311,8 @@ def _sageattention_problem() -> list[str]:
     return []
 
 
-def _native_variant(capability: Capability) -> Variant | None:
-    """The kernel upstream sageattn() picks on this GPU (the variants' `native_on`)."""
-    for variant in VARIANTS.values():
-        if tuple(capability) in variant.native_on:
-            return variant
-    return None
-
-
 def _native_capabilities() -> tuple[Capability, ...]:
-    return tuple(sorted({cap for v in VARIANTS.values() for cap in v.native_on}))
+    return tuple(sorted(UPSTREAM_PICKS))
 
 
 def sageattn_target() -> Target:
@@ -335,7 +332,7 @@ def sageattn_target() -> Target:
     return Target("sageattn", "upstream sageattention.sageattn(), HND, its default K smoothing on",
                   attention, enable,
                   Claims(max_head_dim=128, capabilities=_native_capabilities()),
-                  _native_variant, lambda box: _sageattention_problem())
+                  upstream_pick, lambda box: _sageattention_problem())
 
 
 # diffusers' backends --------------------------------------------------------------------------
@@ -398,7 +395,7 @@ def diffusers_target(backend: str) -> Target:
             yield evidence
 
     def variant_for(capability: Capability) -> Variant | None:
-        return _native_variant(capability) if kernel is None else VARIANTS[kernel]
+        return upstream_pick(capability) if kernel is None else VARIANTS[kernel]
 
     claims = Claims(max_head_dim=128, dtypes=FP16_TYPES,
                     min_capability=DIFFUSERS_MIN_CAPABILITY.get(backend),
@@ -445,7 +442,7 @@ def function_target(spec: str) -> Target:
     # No claims stated: every call is tried, and the kernel class is the one upstream sageattn()
     # picks on the GPU (what an app that calls SageAttention gets by default).
     return Target(spec, f"{spec} (an application's attention function)", value, enable,
-                  Claims(dtypes=None, masks=True), _native_variant, lambda box: _sageattention_problem())
+                  Claims(dtypes=None, masks=True), upstream_pick, lambda box: _sageattention_problem())
 
 
 # Resolving names --------------------------------------------------------------------------------

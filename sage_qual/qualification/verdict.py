@@ -30,9 +30,15 @@ import enum
 import math
 from dataclasses import dataclass, field
 
-from sage_qual.limits import MEMORY_BOUND
 from sage_qual.qualification import judge
-from sage_qual.qualification.families import FAMILIES, LAYOUTS, Family, family_of, normalize
+from sage_qual.qualification.families import (
+    FAMILIES,
+    LAYOUTS,
+    Family,
+    counts_for,
+    memory_bound,
+    normalize,
+)
 from sage_qual.qualification.report_model import (
     Cell,
     Device,
@@ -44,12 +50,8 @@ from sage_qual.qualification.report_model import (
     ReportError,
 )
 from sage_qual.qualification.speed import break_even, serves, speedup_bounds, steady_lower_bounds
-from sage_qual.serving.config import KERNEL_TABLE
-from sage_qual.serving.variants import VARIANTS
-
-# Fixtures of this family count for every family's verdict (stress fixtures; contract with the
-# fixtures' owners).
-GENERIC = "generic"
+from sage_qual.serving.config import KERNEL_TABLE, served_from
+from sage_qual.serving.variants import VARIANTS, gpu_label
 
 
 class Verdict(str, enum.Enum):
@@ -134,18 +136,13 @@ class GpuDecision:
 
     @property
     def model(self) -> str:
-        return "%s (sm_%d%d)" % (self.name, *self.capability)
+        return gpu_label(self.name, self.capability)
 
     def family(self, name: str) -> FamilyDecision:
         return next(v for v in self.families if normalize(v.family) == normalize(name))
 
 
 # The evidence ------------------------------------------------------------------------------------
-def _memory_bound(fixture_family: str) -> float:
-    owner = family_of(fixture_family)
-    return owner.memory_bound if owner else MEMORY_BOUND
-
-
 
 # The metrics judge reads besides `finite` (judge takes a mapping; measure.Accuracy would import torch).
 _JUDGED_METRICS = sorted({metric for metric, _, _ in judge.LIMITS.values()} | {"sdpa_rel_l2"})
@@ -162,7 +159,7 @@ def judged(report: Report, cell: Cell) -> list[Reason]:
     # A predicted cell (certify --emulate) has no memory number: only its accuracy is judged.
     extra = 0.0 if cell.extra_bytes_per_element is None and report.predicted else cell.extra_bytes_per_element
     reasons = judge.cell_reasons(metrics, extra, dict(cell.bounds),
-                                 _memory_bound(fixture.family))
+                                 memory_bound(fixture.family))
     return [Reason(ReasonKind(r["kind"]), r["detail"]) for r in reasons]
 
 
@@ -269,8 +266,7 @@ class _Model:
 
     def verdict(self, family: Family | None) -> FamilyDecision:
         result = FamilyDecision(family.name if family else None)
-        fixtures = [f.name for f in self.report.fixtures
-                    if family is None or family.owns(f.family) or normalize(f.family) == GENERIC]
+        fixtures = [f.name for f in self.report.fixtures if counts_for(family, f.family)]
         if not any(family is None or family.owns(f.family) for f in self.report.fixtures):
             label = family.name if family else "any family"
             result.reasons = [Reason(ReasonKind.NO_FIXTURES,
@@ -345,8 +341,7 @@ class _Model:
                 if relevant(check):
                     call = (check.shape.q_tokens, check.shape.kv_tokens, _call_key(check))
                     by_call.setdefault(call, {})[device.index] = check
-        fixtures = [f for f in self.report.fixtures if family is None or family.owns(f.family)
-                    or normalize(f.family) == GENERIC]
+        fixtures = [f for f in self.report.fixtures if counts_for(family, f.family)]
         max_q = max((f.q[2] for f in fixtures), default=0)
         max_k = max((f.k[2] for f in fixtures), default=0)
         broken: dict[str, Reason] = {}
@@ -423,8 +418,7 @@ def _call_key(check: LongCheck) -> str:
 
 
 def _where(t: Thresholds) -> str:
-    return (f"{t.min_query_tokens} query / {t.min_key_tokens} key tokens, head_dim "
-            f"{'/'.join(map(str, t.head_dims))}")
+    return served_from(t.min_query_tokens, t.min_key_tokens, t.head_dims)
 
 
 def decide(report: Report) -> list[GpuDecision]:

@@ -6,6 +6,6 @@ contracts (`variants`), what each GPU can run (`assess`), the installed package'
 (`sage_package`), torch's own SDPA and binding over it (`torch_sdpa`), torch.cuda behind one seam
 (`platform`), kernel error classes (`failures`), reading a certified profile (`profile`), the
 built-in defaults measured here (`defaults`) and the machine record of `sage-qual env`
-(`environment`). Nothing here imports the fixture or
+(`environment`; the record itself, torch-free, in `env_record`). Nothing here imports the fixture or
 qualification layers.
 """

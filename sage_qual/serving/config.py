@@ -10,25 +10,24 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from sage_qual import limits
-from sage_qual.serving.variants import BLACKWELL, VARIANTS, BoxFacts, Capability, Variant
+from sage_qual.serving import variants
+from sage_qual.serving.variants import UPSTREAM_PICKS, VARIANTS, BoxFacts, Capability, Variant
 
-# Preference order per compute capability; the first variant this box can run wins. The first
-# choice is the kernel and options upstream sageattn() calls on that capability (core.py); where it
-# raises "Unsupported CUDA architecture" (8.7, 10.0, anything newer than 12.1) there is no kernel.
-# The second choice replaces fp32+fp16 accumulation where torch's CUDA is older than 12.8.
-KERNEL_TABLE: Mapping[Capability, tuple[str, ...]] = {
-    (8, 0): ("sm80-fp16-cuda",),
-    (8, 6): ("sm86-fp16-triton",),
-    (8, 9): ("sm89-fp8-cuda", "sm89-fp8-cuda-fp32acc"),
-    (9, 0): ("sm90-fp8-cuda",),
-    **{cap: ("sm120-fp8-perwarp", "sm120-fp8-perwarp-fp32acc") for cap in BLACKWELL},
-}
+# Preference order per compute capability; the first variant this box can run wins. The default is
+# upstream sageattn()'s own choice, declared once in variants.UPSTREAM_PICKS (with why).
+KERNEL_TABLE: Mapping[Capability, tuple[str, ...]] = UPSTREAM_PICKS
 
 
 # Memory layouts a profile may list as verified (`WrapperConfig.layouts`); `eligibility.layout_of`
 # names a call's layout. "nhd" is a kernel called with tensor_layout="NHD" (certify's name for it):
 # the wrapper always calls with "HND", so none of its calls has that layout.
 LAYOUTS = ("contiguous", "transposed", "fused_qkv", "nhd")
+
+
+def served_from(min_query_tokens: int, min_key_tokens: int, head_dims) -> str:
+    """"9728 query / 9728 key tokens, head_dim 128": where a kernel starts serving, in the words
+    of every note, reason and log line that names it."""
+    return f"{min_query_tokens} query / {min_key_tokens} key tokens, head_dim {'/'.join(map(str, head_dims))}"
 
 
 @dataclass(frozen=True)
@@ -74,8 +73,9 @@ class WrapperConfig:
         why there is none (`assess` gives the reasons of a GPU and its installed package)."""
         candidates = self.kernel_table.get(capability)
         if not candidates:
-            known = ", ".join("sm_%d%d" % cap for cap in sorted(self.kernel_table))
-            return None, "sm_%d%d has no SageAttention kernel (kernels for: %s)" % (*capability, known)
+            known = ", ".join(map(variants.capability_label, sorted(self.kernel_table)))
+            label = variants.capability_label(capability)
+            return None, f"{label} has no SageAttention kernel (kernels for: {known})"
         unknown = ("not a registered variant",)
         for name in candidates:
             if not reasons.get(name, unknown):

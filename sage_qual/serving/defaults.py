@@ -31,7 +31,8 @@ from typing import Any, Literal
 from sage_qual import jsonfile, records
 from sage_qual.limits import one_line
 from sage_qual.serving import profile
-from sage_qual.serving.config import DEFAULT_CONFIG, KERNEL_TABLE, WrapperConfig
+from sage_qual.serving.config import DEFAULT_CONFIG, KERNEL_TABLE, WrapperConfig, served_from
+from sage_qual.serving.variants import capability_label
 
 DATA = Path(__file__).with_name("default_profile.json")
 KIND = "sage-qual-default-profile"
@@ -89,7 +90,7 @@ def _device_config(measured: profile.Profile, device: profile.Machine, family: s
         where = f"built-in defaults, measured on {same.label} with torch {same.environment.torch}"
         return _applied(base, device, chosen, where, what)
     kin = [gpu for gpu in measured.gpus if tuple(gpu.capability) == device.capability]
-    capability = "sm_%d%d" % device.capability
+    capability = capability_label(device.capability)
     models = ", ".join(gpu.name for gpu in kin)
     kept_off = [e for gpu in kin if family and (e := profile.family_entry(gpu, family)) and not e.variant]
     if kept_off:  # the kernels of one capability are the same code: a family failed there stays off
@@ -117,8 +118,7 @@ def _applied(base: WrapperConfig, device: profile.Machine, chosen: profile.Entry
 
 
 def _served(chosen: profile.Entry) -> str:
-    return (f"from {chosen.min_query_tokens} query / {chosen.min_key_tokens} key tokens, head_dim "
-            f"{'/'.join(map(str, chosen.head_dims))}")
+    return "from " + served_from(chosen.min_query_tokens, chosen.min_key_tokens, chosen.head_dims)
 
 
 def most_conservative(entries: list[profile.Entry]) -> profile.Entry | None:

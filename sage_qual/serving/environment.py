@@ -14,41 +14,18 @@ import json
 import platform as host
 import subprocess
 import sys
-from dataclasses import dataclass, field
 
 import torch
 
 from sage_qual.serving import platform
 from sage_qual.serving.assess import MachineAssessment, assess_machine
 from sage_qual.serving.config import DEFAULT_CONFIG, WrapperConfig
+from sage_qual.serving.env_record import EnvironmentRecord, GpuInfo
+from sage_qual.serving.variants import capability_label
 from sage_qual.version import __version__
 
-
-@dataclass
-class Gpu:
-    index: int
-    name: str
-    capability: tuple[int, int]
-    memory_gib: float
-    kernel: str  # the variant the wrapper would use, or "" when none
-    no_kernel_reason: str
-    runnable_variants: list[str]  # every variant that can run here (qualification runs them all)
-
-
-@dataclass
-class Environment:
-    sage_qual: str
-    python: str
-    os: str
-    torch: str
-    torch_cuda: str
-    cudnn: str
-    driver: str
-    triton: str
-    sageattention: str  # version, or "" when unusable
-    sageattention_problem: str  # why it cannot serve, "" when it can
-    extensions: dict[str, str]  # extension -> "ok" or its import error
-    gpus: list[Gpu] = field(default_factory=list)
+# The record (defined once, torch-free, as report.json stores it) under the names this module gives it.
+Environment, Gpu = EnvironmentRecord, GpuInfo
 
 
 def _distribution_version(name: str) -> str:
@@ -76,7 +53,11 @@ def collect(config: WrapperConfig = DEFAULT_CONFIG,
     if package is not None:
         extensions = {e: "ok" for e in package.extensions}
         extensions.update(package.extension_errors)
-    env = Environment(
+    gpus = [Gpu(gpu.index, cuda.device_name(gpu.index), list(gpu.box.capability),
+                round(cuda.total_memory(gpu.index) / 2**30, 1),
+                gpu.kernel.name if gpu.kernel else "", gpu.no_kernel_reason, gpu.runnable)
+            for gpu in machine.gpus]
+    return Environment(
         sage_qual=__version__,
         python=sys.version.split()[0],
         os=host.platform(),
@@ -88,14 +69,8 @@ def collect(config: WrapperConfig = DEFAULT_CONFIG,
         sageattention=package.version if package else _distribution_version("sageattention"),
         sageattention_problem=problem,
         extensions=extensions,
+        gpus=gpus,
     )
-    for gpu in machine.gpus:
-        env.gpus.append(Gpu(
-            gpu.index, cuda.device_name(gpu.index), gpu.box.capability,
-            round(cuda.total_memory(gpu.index) / 2**30, 1),
-            gpu.kernel.name if gpu.kernel else "", gpu.no_kernel_reason, gpu.runnable,
-        ))
-    return env
 
 
 def to_json(env: Environment) -> str:
@@ -103,7 +78,7 @@ def to_json(env: Environment) -> str:
 
 
 def from_dict(data: dict) -> Environment:
-    gpus = [Gpu(**{**g, "capability": tuple(g["capability"])}) for g in data.get("gpus", [])]
+    gpus = [Gpu(**{**g, "capability": list(g["capability"])}) for g in data.get("gpus", [])]
     return Environment(**{**data, "gpus": gpus})
 
 
@@ -122,8 +97,8 @@ def render_text(env: Environment) -> str:
     if not env.gpus:
         lines.append("GPUs           none visible")
     for gpu in env.gpus:
-        lines.append("cuda:%d  %s  sm_%d%d  %.1f GiB"
-                     % (gpu.index, gpu.name, *gpu.capability, gpu.memory_gib))
+        lines.append("cuda:%d  %s  %s  %.1f GiB"
+                     % (gpu.index, gpu.name, capability_label(gpu.capability), gpu.memory_gib))
         lines.append(f"  wrapper kernel   {gpu.kernel or 'none: ' + gpu.no_kernel_reason}")
         lines.append(f"  runnable here    {', '.join(gpu.runnable_variants) or 'none'}")
     return "\n".join(lines)

@@ -40,8 +40,8 @@ from packaging.version import InvalidVersion, Version
 from sage_qual import jsonfile, records
 from sage_qual.limits import one_line
 from sage_qual.serving import platform, sage_package
-from sage_qual.serving.config import DEFAULT_CONFIG, LAYOUTS, WrapperConfig
-from sage_qual.serving.variants import VARIANTS
+from sage_qual.serving.config import DEFAULT_CONFIG, LAYOUTS, WrapperConfig, served_from
+from sage_qual.serving.variants import VARIANTS, capability_label, gpu_label
 
 KIND = "sage-qual-profile"
 SCHEMA_VERSION = 2
@@ -138,7 +138,7 @@ class ProfileGpu:
 
     @property
     def label(self) -> str:
-        return "%s (sm_%d%d)" % (self.name, *self.capability)
+        return gpu_label(self.name, self.capability)
 
 
 @dataclass(frozen=True)
@@ -257,7 +257,7 @@ def differences(gpu: ProfileGpu, device: Machine) -> list[str]:
     """What differs between the machine an entry was certified on and this device, hardware first."""
     found = []
     if not same_gpu_name(gpu.name, device.name) or tuple(gpu.capability) != device.capability:
-        found.append("GPU %s, sm_%d%d here" % (device.name, *device.capability))
+        found.append("GPU %s, %s here" % (device.name, capability_label(device.capability)))
     elif gpu.memory_gib is not None and abs(gpu.memory_gib - device.memory_gib) > MEMORY_TOLERANCE_GIB:
         found.append(f"memory {gpu.memory_gib:g} GiB, {device.memory_gib:g} here")
     env = gpu.environment
@@ -317,9 +317,9 @@ class DeviceConfig:
 def _entry_note(gpu: ProfileGpu, chosen: Entry, family: str | None, near: str) -> str:
     scope = f", family {family}" if family else ""
     if chosen.variant:
+        start = served_from(chosen.min_query_tokens, chosen.min_key_tokens, chosen.head_dims)
         return one_line(f"{near}profile entry {gpu.label}{scope}: {chosen.variant} from "
-                        f"{chosen.min_query_tokens} query / {chosen.min_key_tokens} key tokens, head_dim "
-                        f"{'/'.join(map(str, chosen.head_dims))}{verified_range(chosen)}")
+                        f"{start}{verified_range(chosen)}")
     count = len(chosen.reasons)
     first = chosen.reasons[0].detail if chosen.reasons else "no reason recorded"
     enabled = served_families(gpu) if family is None else []

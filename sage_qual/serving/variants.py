@@ -20,6 +20,16 @@ from typing import Any, Mapping
 Capability = tuple[int, int]
 
 
+def capability_label(capability: Capability) -> str:
+    """(9, 0) -> "sm_90": how every message and report names a compute capability."""
+    return "sm_%d%d" % tuple(capability)
+
+
+def gpu_label(name: str, capability: Capability) -> str:
+    """"NVIDIA H200 (sm_90)": a GPU model as reports, profiles and the gate name it."""
+    return f"{name} ({capability_label(capability)})"
+
+
 @dataclass(frozen=True)
 class BoxFacts:
     """What decides whether a variant can run here (read by `sage_qual.serving.platform`)."""
@@ -101,7 +111,6 @@ class Variant:
     name: str
     function: str  # attribute of the `sageattention` module
     options: Mapping[str, Any]  # keywords passed on top of the common ones (see `call_keywords`)
-    native_on: tuple[Capability, ...]  # GPUs whose upstream `sageattn()` picks this kernel
     min_capability: Capability
     max_capability: Capability | None = None  # sm_90a code runs on (9, 0) only
     extension: str | None = None  # compiled module the function needs
@@ -123,6 +132,12 @@ class Variant:
         return {**self.fixed_keywords(), "sm_scale": sm_scale}
 
     @property
+    def native_on(self) -> tuple[Capability, ...]:
+        """GPUs whose upstream `sageattn()` calls this kernel: as its pick, or as the pick's
+        replacement on an older CUDA (`UPSTREAM_PICKS`)."""
+        return tuple(cap for cap, names in UPSTREAM_PICKS.items() if self.name in names)
+
+    @property
     def kernel_function(self) -> KernelFunction:
         return KERNEL_FUNCTIONS[self.function]
 
@@ -131,8 +146,8 @@ class Variant:
         reasons = []
         if self.extension is not None and not has_compiled_code(box.capability):
             targets = ", ".join(BUILD_TARGETS.values())
-            reasons.append("capability=%s: SageAttention 2.2 builds no code that runs on sm_%d%d "
-                           "(builds for %s)" % (box.capability, *box.capability, targets))
+            reasons.append("capability=%s: SageAttention 2.2 builds no code that runs on %s "
+                           "(builds for %s)" % (box.capability, capability_label(box.capability), targets))
         if self.needs_triton and box.capability in TRITON_UNUSABLE:
             reasons.append("capability=%s: upstream's Triton kernel is not usable there (sageattention "
                            "core.py)" % (box.capability,))
@@ -226,51 +241,70 @@ VARIANTS: dict[str, Variant] = {
     v.name: v
     for v in (
         Variant(
-            "sm80-fp16-cuda", FP16_CUDA, {"pv_accum_dtype": "fp32"}, ((8, 0),), (8, 0),
+            "sm80-fp16-cuda", FP16_CUDA, {"pv_accum_dtype": "fp32"}, (8, 0),
             extension="_qattn_sm80", description="INT8 QK, FP16 PV, fp32 accumulation (A100)",
             numerics=Numerics(**_PER_THREAD, pv="fp16", pv_accumulation="fp32", v_tail="stale"),
         ),
         Variant(
-            "sm80-fp16-cuda-fp16acc", FP16_CUDA, {"pv_accum_dtype": "fp16+fp32"}, (), (8, 0),
+            "sm80-fp16-cuda-fp16acc", FP16_CUDA, {"pv_accum_dtype": "fp16+fp32"}, (8, 0),
             extension="_qattn_sm80", description="INT8 QK, FP16 PV, fp16+fp32 accumulation",
             numerics=Numerics(**_PER_THREAD, pv="fp16", pv_accumulation="fp16+fp32",
                               q_tile_at_head_dim_128=16, v_tail="stale"),
         ),
         Variant(
-            "sm86-fp16-triton", FP16_TRITON, {}, ((8, 6),), (8, 0), needs_triton=True,
+            "sm86-fp16-triton", FP16_TRITON, {}, (8, 0), needs_triton=True,
             description="INT8 QK, FP16 PV in Triton (RTX 30xx, A10, A40)",
             # triton/attn_qk_int8_per_block.py: `acc += tl.dot(p, v, out_dtype=tl.float16)`, each
             # 64-key block summed in fp16 and added to an fp32 accumulator.
             numerics=Numerics(128, 1, 64, 1, pv="fp16", pv_accumulation="fp16+fp32"),
         ),
         Variant(
-            "sm89-fp8-cuda", FP8_CUDA, {"pv_accum_dtype": "fp32+fp16"}, ((8, 9),), (8, 9),
+            "sm89-fp8-cuda", FP8_CUDA, {"pv_accum_dtype": "fp32+fp16"}, (8, 9),
             extension="_qattn_sm89", min_torch_cuda=CUDA_FOR_FP16_ACCUM,
             description="INT8 QK, FP8 PV, fp32+fp16 accumulation (RTX 40xx, L40)",
             numerics=Numerics(**_PER_THREAD, pv="fp8", pv_accumulation="fp32+fp16", v_scale_max=2.25),
         ),
         Variant(
-            "sm89-fp8-cuda-fp32acc", FP8_CUDA, {"pv_accum_dtype": "fp32+fp32"}, ((8, 9),), (8, 9),
+            "sm89-fp8-cuda-fp32acc", FP8_CUDA, {"pv_accum_dtype": "fp32+fp32"}, (8, 9),
             extension="_qattn_sm89", description="INT8 QK, FP8 PV, fp32+fp32 (sm89 before CUDA 12.8)",
             numerics=Numerics(**_PER_THREAD, pv="fp8", pv_accumulation="fp32+fp32"),
         ),
         Variant(
-            "sm90-fp8-cuda", FP8_CUDA_SM90, {"pv_accum_dtype": "fp32+fp32"}, ((9, 0),), (9, 0),
+            "sm90-fp8-cuda", FP8_CUDA_SM90, {"pv_accum_dtype": "fp32+fp32"}, (9, 0),
             max_capability=(9, 0), extension="_qattn_sm90",
             description="INT8 QK, FP8 PV, Hopper wgmma kernel (H100, H200)",
             numerics=Numerics(16, 8, 128, 4, pv="fp8", pv_accumulation="fp32+fp32"),
         ),
         Variant(
             "sm120-fp8-perwarp", FP8_CUDA, {"qk_quant_gran": "per_warp", "pv_accum_dtype": "fp32+fp16"},
-            BLACKWELL, (8, 9), extension="_qattn_sm89", min_torch_cuda=CUDA_FOR_FP16_ACCUM,
+            (8, 9), extension="_qattn_sm89", min_torch_cuda=CUDA_FOR_FP16_ACCUM,
             description="INT8 QK per warp, FP8 PV, fp32+fp16 (Blackwell)",
             numerics=Numerics(**_PER_WARP, pv="fp8", pv_accumulation="fp32+fp16", v_scale_max=2.25),
         ),
         Variant(
             "sm120-fp8-perwarp-fp32acc", FP8_CUDA, {"qk_quant_gran": "per_warp", "pv_accum_dtype": "fp32"},
-            BLACKWELL, (8, 9), extension="_qattn_sm89",
+            (8, 9), extension="_qattn_sm89",
             description="INT8 QK per warp, FP8 PV, fp32 (Blackwell before CUDA 12.8)",
             numerics=Numerics(**_PER_WARP, pv="fp8", pv_accumulation="fp32"),
         ),
     )
 }
+
+# Upstream sageattn()'s choice per compute capability, declared once (config.KERNEL_TABLE is this
+# table; `Variant.native_on` and `upstream_pick` read it). The first choice is the kernel and options
+# upstream sageattn() calls on that capability (core.py); where it raises "Unsupported CUDA
+# architecture" (8.7, 10.0, anything newer than 12.1) there is no kernel. The second choice
+# replaces fp32+fp16 accumulation where torch's CUDA is older than 12.8.
+UPSTREAM_PICKS: Mapping[Capability, tuple[str, ...]] = {
+    (8, 0): ("sm80-fp16-cuda",),
+    (8, 6): ("sm86-fp16-triton",),
+    (8, 9): ("sm89-fp8-cuda", "sm89-fp8-cuda-fp32acc"),
+    (9, 0): ("sm90-fp8-cuda",),
+    **{cap: ("sm120-fp8-perwarp", "sm120-fp8-perwarp-fp32acc") for cap in BLACKWELL},
+}
+
+
+def upstream_pick(capability: Capability) -> Variant | None:
+    """The kernel upstream sageattn() picks on this GPU (its first choice), or None where it has none."""
+    names = UPSTREAM_PICKS.get(tuple(capability))
+    return VARIANTS[names[0]] if names else None

@@ -21,7 +21,7 @@ from sage_qual.serving.config import DEFAULT_CONFIG, WrapperConfig
 from sage_qual.serving.eligibility import SdpaCall, bind, copies_fit, refusal, within_span
 from sage_qual.serving.failures import Failure, classify
 from sage_qual.serving.scope import ScopeReport, _active
-from sage_qual.serving.variants import Variant
+from sage_qual.serving.variants import Variant, capability_label
 
 log = logging.getLogger("sage_qual")
 
@@ -44,7 +44,7 @@ class DeviceState:
 
     @property
     def label(self) -> str:
-        return "cuda:%d (%s, sm_%d%d)" % (self.index, self.name, *self.capability)
+        return "cuda:%d (%s, %s)" % (self.index, self.name, capability_label(self.capability))
 
 
 @dataclass(frozen=True)
@@ -175,7 +175,7 @@ def _device_configs(cuda, package, config: WrapperConfig, profile, family: str |
     unmatched = [(i, c) for i, c in enumerate(chosen) if not c.matched]
     if unmatched:
         (index, first), more = unmatched[0], len(unmatched) - 1
-        label = "cuda:%d (%s, sm_%d%d)" % (index, here[index].name, *here[index].capability)
+        label = "cuda:%d (%s, %s)" % (index, here[index].name, capability_label(here[index].capability))
         others = f" and {more} more GPUs" if more else ""
         log.warning("%s", one_line(f"profile: {label}{others}: {first.note}"))
     return chosen
@@ -194,7 +194,7 @@ def _probe(config: WrapperConfig, profile=None, family: str | None = None,
                                            "CUDA_VISIBLE_DEVICES empty): install a CUDA build of torch")
     capabilities = {i: cuda.capability(i) for i in range(count)}
     if all(cap < (8, 0) for cap in capabilities.values()):
-        found = ", ".join("cuda:%d sm_%d%d" % (i, *cap) for i, cap in capabilities.items())
+        found = ", ".join("cuda:%d %s" % (i, capability_label(cap)) for i, cap in capabilities.items())
         raise sage_package.SageUnavailable(f"no GPU of compute capability 8.0 or newer ({found}); "
                                            "SageAttention 2 needs Ampere or newer")
     package = sage_package.load()
