@@ -143,3 +143,22 @@ def test_an_unknown_public_name_is_an_attribute_error():
 
     with pytest.raises(AttributeError, match="no attribute 'instal'"):
         sage_qual.instal  # noqa: B018
+
+
+# The test suites: a test module imports helper modules (fakes, builders, shapes), never another
+# test module, so collecting one module never collects (or runs the imports of) another.
+TEST_DIRS = [PACKAGE.parent / "tests_fast", PACKAGE.parent / "tests_gpu"]
+
+
+def imported_test_modules(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+            [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+        found += [name for name in names if name.rsplit(".", 1)[-1].startswith("test_")]
+    return found
+
+
+def test_no_test_module_imports_another():
+    offenders = {p.name: imported_test_modules(p) for d in TEST_DIRS for p in sorted(d.glob("*.py"))}
+    assert {name: found for name, found in offenders.items() if found} == {}

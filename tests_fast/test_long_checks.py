@@ -14,7 +14,8 @@ from sage_qual.qualification import certify, emulate, families, gate, long_check
 from sage_qual.qualification.report_model import ReportError
 from sage_qual.serving.variants import VARIANTS
 
-SAMPLE = Path(__file__).parent / "data" / "sample_h200_2gpu.json"
+from .builders import SAMPLE, long_records
+
 FP8 = VARIANTS["sm90-fp8-cuda"]
 
 
@@ -168,42 +169,6 @@ def test_a_non_finite_kernel_fails():
 
 
 # The verdict's range -----------------------------------------------------------------------------
-GOOD = {"rel_l2": 0.05, "worst_head_cosine": 0.999}
-BOUNDS = {"max_rel_l2": 0.06, "min_cosine": 0.99}
-
-
-def record(variant, heads, tokens, families_, layouts, outcome="pass", metrics=GOOD, identical=None):
-    shape = families.self_attention(heads, tokens).as_dict()
-    uses = [{"family": f, "label": "test"} for f in families_] or [{"family": None, "label": "sweep"}]
-    entry = {"variant": variant, "shape": shape, "uses": uses, "layouts": layouts, "outcome": outcome}
-    if outcome in ("pass", "fail"):
-        same = {name: True for name in layouts if name != "contiguous"} if identical is None else identical
-        entry.update(bounds=BOUNDS, metrics=dict(metrics), finite=True, identical=same)
-    else:
-        entry["detail"] = "the worker ran this task when it died (killed by SIGSEGV)"
-    return entry
-
-
-def long_records(variant, fail_at=None, how="accuracy"):
-    """Every check certify plans for the sample's families, for one variant; the one at `fail_at`
-    tokens fails `how`: accuracy, crash, or a transposed view that differs (layout)."""
-    everything = list(families.LAYOUTS)
-    planned = [(24, 8192, [], everything), (24, 16384, [], everything), (24, 32768, [], everything),
-               (24, 16896, ["FLUX.1", "Qwen-Image"], everything), (40, 75600, ["Wan 2.2"], everything)]
-    records = []
-    for heads, tokens, users, layouts in planned:
-        if tokens != fail_at:
-            records.append(record(variant, heads, tokens, users, layouts))
-        elif how == "accuracy":
-            records.append(record(variant, heads, tokens, users, layouts, "fail", {**GOOD, "rel_l2": 0.2}))
-        elif how == "layout":
-            records.append(record(variant, heads, tokens, users, layouts, "fail",
-                                  identical={"transposed": False, "fused_qkv": True, "nhd": True}))
-        else:
-            records.append(record(variant, heads, tokens, users, layouts, how))
-    return records
-
-
 def decided(fail_at=None, how="accuracy", devices=(0, 1)):
     data = json.loads(SAMPLE.read_text())
     for n, device in enumerate(data["devices"]):

@@ -16,9 +16,8 @@ from sage_qual.serving import profile
 from sage_qual.serving.config import DEFAULT_CONFIG, KERNEL_TABLE
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention, on_device
 
-H200 = FakeGpu((9, 0), "Fake H200", 141.0)
-H100 = FakeGpu((9, 0), "Fake H100", 80.0)
-RTX4090 = FakeGpu((8, 9), "Fake RTX 4090", 24.0)
+from .builders import H100, H200, RTX4090, machine, make_entry, make_gpu, make_profile
+
 TORCH_SDPA = F.scaled_dot_product_attention  # torch's own, read before any install
 
 
@@ -56,25 +55,6 @@ def test_a_head_size_that_is_slower_everywhere_is_left_out():
 
 
 # Profiles: reading, validation, and each device's own configuration ---------------------------
-def make_entry(variant="sm89-fp8-cuda", min_q=2048, min_k=512, head_dims=(128,), reasons=()):
-    return {"variant": variant, "min_query_tokens": min_q if variant else None,
-            "min_key_tokens": min_k if variant else None, "head_dims": list(head_dims) if variant else None,
-            "reasons": list(reasons)}
-
-
-def make_gpu(gpu=H200, entry=None, families=None, torch_version=None, sageattention="2.2.0",
-             torch_cuda="13.0"):
-    return {"name": gpu.name, "capability": list(gpu.capability), "memory_gib": gpu.memory_gib,
-            "environment": {"torch": torch_version or torch.__version__, "torch_cuda": torch_cuda,
-                            "driver": "580.159.04", "sageattention": sageattention, "triton": "3.6.0"},
-            "default": entry or make_entry(), "families": families or {}}
-
-
-def make_profile(*gpus, **one):
-    return {"kind": "sage-qual-profile", "schema_version": 2, "created": "2026-11-29T20:00:00+00:00",
-            "host": "test", "fixtures": {}, "gpus": list(gpus) or [make_gpu(**one)]}
-
-
 def test_a_matching_device_gets_the_entry_and_others_keep_the_table():
     [only] = profile.device_configs(make_profile(entry=make_entry(min_q=4096, min_k=1024)),
                                     [machine(H200)])
@@ -84,11 +64,6 @@ def test_a_matching_device_gets_the_entry_and_others_keep_the_table():
     assert {c: v for c, v in config.kernel_table.items() if c != (9, 0)} == \
         {c: v for c, v in KERNEL_TABLE.items() if c != (9, 0)}
     assert only.note.startswith("profile entry Fake H200 (sm_90): sm89-fp8-cuda from 4096")
-
-
-def machine(gpu, torch_version=None, sageattention="2.2.0", torch_cuda="13.0"):
-    return profile.Machine(gpu.name, gpu.capability, gpu.memory_gib, torch_version or torch.__version__,
-                           torch_cuda, sageattention)
 
 
 def test_an_entry_without_a_variant_leaves_the_gpu_without_kernel():

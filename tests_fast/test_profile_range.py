@@ -10,7 +10,7 @@ from sage_qual import limits
 from sage_qual.serving import profile
 from sage_qual.testing import FakeCuda, FakeSageAttention
 
-from .test_profile import H200, machine, make_entry, make_gpu, make_profile
+from .builders import H200, machine, make_entry, make_gpu, make_profile
 
 
 def ranged_entry(max_q=8192, max_k=4096, layouts=("contiguous", "transposed"), **more):

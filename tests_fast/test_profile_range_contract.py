@@ -17,7 +17,7 @@ from sage_qual.qualification import report, verdict
 from sage_qual.serving import profile
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
 
-from .test_long_checks import SAMPLE, long_records
+from .builders import SAMPLE, long_records
 
 H200 = FakeGpu((9, 0), "Fake H200", 141.0)
 needs_serving_side = pytest.mark.skipif(

@@ -17,10 +17,10 @@ from sage_qual.serving.eligibility import bind
 from sage_qual.serving.variants import EXTENSIONS, VARIANTS, BoxFacts
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention, on_device
 
+from .builders import H100 as PROFILED_H100
+from .builders import H200 as PROFILED_H200
+from .builders import make_entry, make_profile
 from .helpers import SMALL, TORCH_SDPA, qkv, records, retired, wrapped
-from .test_profile import H100 as PROFILED_H100
-from .test_profile import H200 as PROFILED_H200
-from .test_profile import make_entry, make_profile
 
 pytestmark = pytest.mark.usefixtures("log_everything")
 

@@ -15,7 +15,7 @@ import sage_qual
 from sage_qual.qualification import measure
 from sage_qual.serving import eligibility, platform, wrapper
 
-from .test_wrapper_gpu import SHAPES, make_qkv
+from .shapes import SHAPES, make_qkv
 
 pytestmark = [pytest.mark.slow, pytest.mark.gpu]
 
