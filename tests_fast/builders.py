@@ -37,6 +37,15 @@ def make_profile(*gpus, **one):
             "host": "test", "fixtures": {}, "gpus": list(gpus) or [make_gpu(**one)]}
 
 
+def refusal(entry) -> str:
+    """What `profile.load` says of a profile whose default entry is `entry` (it must refuse it)."""
+    try:
+        profile.load(make_profile(entry=entry))
+    except profile.ProfileError as refused:
+        return str(refused)
+    raise AssertionError(f"the profile with entry {entry!r} was accepted")
+
+
 def machine(gpu, torch_version=None, sageattention="2.2.0", torch_cuda="13.0"):
     return profile.Machine(gpu.name, gpu.capability, gpu.memory_gib, torch_version or torch.__version__,
                            torch_cuda, sageattention)

@@ -17,7 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sage_qual.qualification import families, report, speed, verdict
-from sage_qual.serving.variants import VARIANTS as REGISTRY
+
+from .fakes import passing_cell
 
 # Each example parses and decides whole reports (~0.1 s): few examples, chosen to tie often.
 PROPERTY = settings(max_examples=10, deadline=None, derandomize=True, database=None)
@@ -40,15 +41,6 @@ def shape_keys(data, family=FAMILY):
              and s["shape"]["head_dim"] in head_dims]
     foreign = [k for k in data["shapes"] if k not in own and k not in sweep]
     return own, sweep, foreign
-
-
-def passing_cell(template: dict, fixture: dict, variant: str) -> dict:
-    """A cell whose numbers sit inside the fixture's bounds for the variant's accuracy class."""
-    bounds = fixture["bounds"][REGISTRY[variant].accuracy_class]
-    return {**template, "variant": variant, "fixture": fixture["name"], "outcome": "pass", "reasons": [],
-            "accuracy_class": REGISTRY[variant].accuracy_class, "bounds": bounds, "finite": True,
-            "rel_l2": bounds["max_rel_l2"] / 2, "worst_head_cosine": (1 + bounds["min_cosine"]) / 2,
-            "extra_bytes_per_element": 1.5}
 
 
 def timed_report(ms_per_device: list[dict], variants=VARIANTS, every_shape=False) -> dict:

@@ -109,6 +109,12 @@ class Worker:
             self.bench.release()
 
     # Tasks ---------------------------------------------------------------------------------
+    def _kernel(self, task: dict):
+        """The task's variant, the loaded package, and why the package cannot run it (None when it can)."""
+        variant = VARIANTS[task["variant"]]
+        package = self.package()
+        return variant, package, sage_package.kernel_problem(package, variant)
+
     def _env(self, task: dict) -> dict:
         machine = assess_machine()
         env = environment.collect(machine=machine)
@@ -117,9 +123,7 @@ class Worker:
         return {"outcome": "pass", "environment": dataclasses.asdict(env), "not_supported": not_supported}
 
     def _cell(self, task: dict) -> dict:
-        variant = VARIANTS[task["variant"]]
-        package = self.package()
-        problem = sage_package.kernel_problem(package, variant)
+        variant, package, problem = self._kernel(task)
         if problem:
             return {"outcome": "skip", "detail": problem}
         fixture = fileformat.load_fixture(task["fixture"], device=self.bench.device)
@@ -169,9 +173,7 @@ class Worker:
         cancels in their ratio: the sm90 kernel's times moved up to 10 % between H200 runs while
         SDPA's repeated to 3 digits (docs/results/README.md, run 10). The variant's timing, with
         SDPA's under "sdpa"."""
-        variant = VARIANTS[task["variant"]]
-        package = self.package()
-        problem = sage_package.kernel_problem(package, variant)
+        variant, package, problem = self._kernel(task)
         if problem:
             return {"outcome": "skip", "detail": problem,
                     "sdpa": {"outcome": "skip", "ms": None, "detail": f"not timed: {problem}"}}
@@ -220,9 +222,7 @@ class Worker:
         return timings, screened, refused
 
     def _speed(self, task: dict) -> dict:
-        variant = VARIANTS[task["variant"]]
-        package = self.package()
-        problem = sage_package.kernel_problem(package, variant)
+        variant, package, problem = self._kernel(task)
         if problem:
             return {"outcome": "skip", "detail": problem}
         q, k, v = self._tensors(task["shape"])
@@ -232,9 +232,7 @@ class Worker:
 
     def _long(self, task: dict) -> dict:
         """A long check (`long_check`): the variant at one long call, in each layout of the task."""
-        variant = VARIANTS[task["variant"]]
-        package = self.package()
-        problem = sage_package.kernel_problem(package, variant)
+        variant, package, problem = self._kernel(task)
         if problem:
             return {"outcome": "skip", "detail": problem}
         s = Shape(**task["shape"])
@@ -247,9 +245,7 @@ class Worker:
 
     def _span(self, task: dict) -> dict:
         """A span probe (`span_check`): the variant on one tensor span near the 32-bit limit."""
-        variant = VARIANTS[task["variant"]]
-        package = self.package()
-        problem = sage_package.kernel_problem(package, variant)
+        variant, package, problem = self._kernel(task)
         if problem:
             return {"outcome": "skip", "detail": problem}
         return span_check.run_case(variant, package, task["case"], self.bench)
