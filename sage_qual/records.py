@@ -2,11 +2,12 @@
 
 One description serves both: `parse(cls, data, ...)` checks every key and type of `data` against the
 dataclass `cls` (nested dataclasses, enums, lists, string-keyed dicts, Optional, Literal) and builds
-it; `schema(cls)` writes the same rules as JSON Schema 2020-12. A field with a default may be
-absent; one without must be present; unknown keys are refused. Numbers must be finite (Python's
-json module reads NaN and Infinity, JSON itself has neither). Field metadata adds `description`,
-`minimum` and `pattern`; a dataclass may define `check(self) -> list[tuple[str, str]]` for rules
-across fields, returning (key, problem) pairs.
+it; `dump(record)` is its inverse, the JSON object of a record, checked by the same rules so a
+producer cannot write what a reader would refuse; `schema(cls)` writes the rules as JSON Schema
+2020-12. A field with a default may be absent; one without must be present; unknown keys are
+refused. Numbers must be finite (Python's json module reads NaN and Infinity, JSON itself has
+neither). Field metadata adds `description`, `minimum` and `pattern`; a dataclass may define
+`check(self) -> list[tuple[str, str]]` for rules across fields, returning (key, problem) pairs.
 
 A problem is a `RecordError` naming the key path, the problem and the fix, in one line.
 """
@@ -191,6 +192,30 @@ class _Reader:
 def parse(cls, data, where: str, fix: str):
     """`data` (parsed JSON) as an instance of the dataclass `cls`; RecordError on the first problem."""
     return _Reader(where, fix).record(cls, data, "")
+
+
+def dump(record) -> dict:
+    """The JSON object of the dataclass instance `record` (enums as their values, every field written),
+    such that `parse(type(record), dump(record), ...) == record`. A record that would not read back
+    (a NaN, a wrong type, a failed `check()`) is a RecordError naming the key: a producer's bug."""
+    if not dataclasses.is_dataclass(record) or isinstance(record, type):
+        raise TypeError(f"records.dump takes a dataclass instance, not {type(record).__name__}")
+    data = _plain(record)
+    parse(type(record), data, f"a {type(record).__name__} being written",
+          "the producer built it from a wrong value (a sage-qual bug)")
+    return data
+
+
+def _plain(value):
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (list, tuple)):
+        return [_plain(x) for x in value]
+    if isinstance(value, dict):
+        return {k: _plain(x) for k, x in value.items()}
+    return value
 
 
 # JSON Schema ------------------------------------------------------------------------------------
