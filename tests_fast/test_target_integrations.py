@@ -1,0 +1,241 @@
+"""What each built-in target hands its integration and claims for it: diffusers' backends (the
+variant each runs, its claims, its requirements, every SDPA argument forwarded in diffusers' layout),
+upstream sageattn() (its arguments), an app's function (nested attributes, the words of each
+refusal), the evidence's wording, and the GPU a target is judged on."""
+
+import sys
+import types
+
+import pytest
+import torch
+
+from sage_qual.qualification import targets
+from sage_qual.serving.variants import VARIANTS, BoxFacts
+from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
+
+BACKENDS = ["sage", "sage_varlen", "_sage_qk_int8_pv_fp8_cuda", "_sage_qk_int8_pv_fp8_cuda_sm90",
+            "_sage_qk_int8_pv_fp16_cuda", "_sage_qk_int8_pv_fp16_triton"]
+
+
+def qkv(heads=2, tokens=16, head_dim=64, dtype=torch.float16):
+    g = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(1, heads, tokens, head_dim, generator=g).to(dtype) for _ in range(3))
+
+
+def test_the_builtin_names_are_the_wrapper_each_forced_variant_sageattn_and_diffusers_backends():
+    assert targets.builtin_names() == ["wrapper", *(f"wrapper:{v}" for v in VARIANTS), "sageattn",
+                                       *(f"diffusers:{b}" for b in BACKENDS)]
+
+
+# diffusers -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend, on_h200", [
+    ("sage", "sm90-fp8-cuda"), ("sage_varlen", "sm86-fp16-triton"), ("_sage_qk_int8_pv_fp8_cuda", "sm89-fp8-cuda"),
+    ("_sage_qk_int8_pv_fp8_cuda_sm90", "sm90-fp8-cuda"), ("_sage_qk_int8_pv_fp16_cuda", "sm80-fp16-cuda"),
+    ("_sage_qk_int8_pv_fp16_triton", "sm86-fp16-triton"),
+])
+def test_each_diffusers_backend_is_judged_as_the_kernel_it_runs(backend, on_h200):
+    target = targets.resolve(f"diffusers:{backend}")
+    assert target.name == f"diffusers:{backend}"
+    assert target.description == f"diffusers backend {backend!r} through dispatch_attention_fn"
+    assert target.variant((9, 0)).name == on_h200
+    assert target.accuracy_class((9, 0)) == VARIANTS[on_h200].accuracy_class
+
+
+def test_the_sage_backend_follows_upstreams_pick_per_gpu_and_has_none_where_upstream_has_none():
+    target = targets.resolve("diffusers:sage")
+    assert target.variant((8, 0)).name == "sm80-fp16-cuda" and target.variant((12, 0)).name == "sm120-fp8-perwarp"
+    assert target.variant((7, 5)) is None and target.accuracy_class((7, 5)) is None
+
+
+def test_diffusers_backends_claim_head_sizes_up_to_128_in_fp16_types():
+    target = targets.resolve("diffusers:_sage_qk_int8_pv_fp16_cuda")
+    assert target.not_supported_reasons(*qkv(head_dim=128)) == []
+    assert target.not_supported_reasons(*qkv(head_dim=80)) == []  # upstream pads it
+    assert target.not_supported_reasons(*qkv(head_dim=192)) == ["head_dim=192 (supported: up to 128)"]
+    assert target.not_supported_reasons(*qkv(dtype=torch.float32)) == [
+        "dtype=float32 (supported: float16, bfloat16)"]
+
+
+def test_only_the_dispatching_backend_is_limited_to_upstreams_gpus():
+    sage = targets.resolve("diffusers:sage").claims
+    assert sage.machine_reasons((7, 5)) == [
+        "capability=sm_75 (supported: sm_80, sm_86, sm_89, sm_90, sm_120, sm_121)"]
+    assert sage.machine_reasons((8, 9)) == []
+    fp16 = targets.resolve("diffusers:_sage_qk_int8_pv_fp16_cuda").claims
+    assert fp16.machine_reasons((8, 0)) == []  # exactly its registered minimum
+    assert fp16.machine_reasons((8, 7)) == [] and fp16.machine_reasons((10, 0)) == []
+    assert fp16.machine_reasons((7, 5)) == ["capability=sm_75 (needs >= sm_80)"]
+    assert targets.resolve("diffusers:sage_varlen").claims.machine_reasons((7, 5)) == []
+
+
+@pytest.fixture
+def dispatch():
+    from diffusers.models import attention_dispatch
+    return attention_dispatch
+
+
+def test_a_diffusers_backend_requires_a_sageattention_diffusers_can_use(dispatch, monkeypatch):
+    box = BoxFacts((9, 0), (12, 8), frozenset({"_qattn_sm90"}), True)
+    target = targets.resolve("diffusers:_sage_qk_int8_pv_fp8_cuda_sm90")
+    with FakeCuda([FakeGpu((9, 0))]), FakeSageAttention().installed():
+        monkeypatch.setattr(dispatch, "_CAN_USE_SAGE_ATTN", False)
+        assert target.machine_reasons(box) == [
+            f"diffusers finds no usable sageattention >= {dispatch._REQUIRED_SAGE_VERSION}"]
+        monkeypatch.setattr(dispatch, "_CAN_USE_SAGE_ATTN", True)
+        assert target.machine_reasons(box) == []
+    with FakeCuda([FakeGpu((9, 0))]), FakeSageAttention(version="1.0.6").installed():
+        monkeypatch.setattr(dispatch, "_CAN_USE_SAGE_ATTN", False)
+        reasons = target.machine_reasons(box)
+        assert len(reasons) == 1 and "SageAttention 1" in reasons[0]  # the package's own problem, once
+    with FakeCuda([FakeGpu((9, 0))]), FakeSageAttention().installed():
+        monkeypatch.delattr(dispatch, "_CAN_USE_SAGE_ATTN")
+        assert target.machine_reasons(box) == []  # a diffusers without the flag is taken at its word
+
+
+def test_a_diffusers_backend_gets_every_sdpa_argument_in_diffusers_layout(dispatch, monkeypatch):
+    seen = []
+
+    def dispatch_attention_fn(q, k, v, **kwargs):
+        seen.append((q.shape, kwargs))
+        return q * 2
+
+    monkeypatch.setattr(dispatch, "dispatch_attention_fn", dispatch_attention_fn)
+    target = targets.resolve("diffusers:_sage_qk_int8_pv_fp16_cuda")
+    q, k, v = qkv(heads=2, tokens=16)
+    out = target.attention(q, k, v)
+    assert seen[-1] == (torch.Size([1, 16, 2, 64]), {"attn_mask": None, "dropout_p": 0.0, "is_causal": False,
+                                                     "scale": None, "enable_gqa": False})
+    assert torch.equal(out, q * 2)  # back in [B, H, N, D]
+    mask = torch.ones(16, 16, dtype=torch.bool)
+    target.attention(q, k, v, attn_mask=mask, dropout_p=0.1, is_causal=True, scale=0.5, enable_gqa=True)
+    kwargs = seen[-1][1]
+    assert kwargs["attn_mask"] is mask
+    assert (kwargs["dropout_p"], kwargs["is_causal"], kwargs["scale"], kwargs["enable_gqa"]) == (0.1, True, 0.5, True)
+
+
+def test_an_unknown_or_hub_backend_names_the_ones_to_use():
+    with pytest.raises(targets.TargetError) as error:
+        targets.resolve("diffusers:flash")
+    assert str(error.value) == (
+        "diffusers has no SageAttention backend 'flash' (its SageAttention backends: sage, sage_hub, "
+        "sage_blackwell_hub, sage_varlen, _sage_qk_int8_pv_fp8_cuda, _sage_qk_int8_pv_fp8_cuda_sm90, "
+        "_sage_qk_int8_pv_fp16_cuda, _sage_qk_int8_pv_fp16_triton)")
+    with pytest.raises(targets.TargetError) as error:
+        targets.resolve("diffusers:sage_hub")
+    assert str(error.value) == (
+        "diffusers backend 'sage_hub' downloads its kernel from the Hugging Face Hub when enabled, which an "
+        f"offline qualification cannot do; name a local backend ({', '.join(BACKENDS)})")
+
+
+def test_diffusers_targets_without_diffusers_say_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "diffusers.models.attention_dispatch", None)
+    with pytest.raises(targets.TargetError, match=r"^diffusers targets need diffusers \(.*\): pip install "
+                                                  r"'sage-qual\[diffusers\]'$"):
+        targets.resolve("diffusers:sage")
+
+
+# Upstream sageattn() -----------------------------------------------------------------------------
+
+def test_sageattn_gets_hnd_the_causal_flag_and_the_scale(monkeypatch):
+    seen = []
+    module = types.ModuleType("sageattention")
+    module.sageattn = lambda q, k, v, **kwargs: seen.append(kwargs) or q
+    monkeypatch.setitem(sys.modules, "sageattention", module)
+    target = targets.resolve("sageattn")
+    assert (target.name, target.description) == (
+        "sageattn", "upstream sageattention.sageattn(), HND, its default K smoothing on")
+    q, k, v = qkv()
+    target.attention(q, k, v)
+    assert seen[-1] == {"tensor_layout": "HND", "is_causal": False, "sm_scale": None}
+    target.attention(q, k, v, is_causal=True, scale=0.25)
+    assert seen[-1] == {"tensor_layout": "HND", "is_causal": True, "sm_scale": 0.25}
+
+
+def test_sageattn_counts_calls_into_a_module_without_an_import_spec(monkeypatch):
+    # A sageattention already imported is taken from sys.modules, whatever its spec says.
+    module = types.ModuleType("sageattention")
+    module.sageattn = lambda q, k, v, **kwargs: q
+    monkeypatch.setitem(sys.modules, "sageattention", module)
+    with targets.resolve("sageattn").session() as session:
+        _, served = session.call(*qkv())
+    assert served and session.evidence.functions == {"sageattn": 1}
+
+
+def test_sageattn_without_a_usable_package_says_why():
+    box = BoxFacts((9, 0), (12, 8), frozenset(), True)
+    with FakeCuda([FakeGpu((9, 0))]), FakeSageAttention(version="1.0.6").installed():
+        reasons = targets.resolve("sageattn").machine_reasons(box)
+    assert len(reasons) == 1 and "SageAttention 1" in reasons[0]
+    with FakeCuda([FakeGpu((9, 0))]), FakeSageAttention().installed():
+        assert targets.resolve("sageattn").machine_reasons(box) == []
+
+
+# An app's function ---------------------------------------------------------------------------------
+
+@pytest.fixture
+def app(monkeypatch):
+    module = types.ModuleType("fake_app_nested")
+
+    class Attention:
+        @staticmethod
+        def forward(q, k, v, **kwargs):
+            return q
+
+    module.Attention = Attention
+    monkeypatch.setitem(sys.modules, "fake_app_nested", module)
+    return module
+
+
+def test_a_function_target_follows_a_dotted_attribute(app):
+    target = targets.resolve("fake_app_nested:Attention.forward")
+    assert target.attention is app.Attention.forward
+    assert target.name == "fake_app_nested:Attention.forward"
+
+
+def test_a_function_targets_refusals_say_what_to_do(app):
+    with pytest.raises(targets.TargetError) as error:
+        targets.resolve("fake_app_nested:Attention:forward")
+    assert str(error.value) == ("target 'fake_app_nested:Attention:forward': fake_app_nested has no attribute "
+                                "'Attention:forward'")
+    with pytest.raises(targets.TargetError) as error:
+        targets.resolve("no_such_app_module_xyz:f")
+    assert str(error.value).endswith("; make it importable (install the app or set PYTHONPATH)")
+    app.NUMBER = 3
+    with pytest.raises(targets.TargetError) as error:
+        targets.resolve("fake_app_nested:NUMBER")
+    assert str(error.value) == ("target 'fake_app_nested:NUMBER' is a int, not a function "
+                                "(q, k, v, **sdpa_kwargs) -> out")
+
+
+# Evidence and claims ----------------------------------------------------------------------------------
+
+def test_the_not_served_detail_lists_each_reason_with_its_first_detail():
+    evidence = targets.Evidence(fallbacks={"install": "no GPU", "short": ""})
+    assert evidence.not_served_detail() == "install: no GPU; short"
+
+
+def test_without_any_reason_the_detail_names_every_function_counted():
+    assert targets.Evidence().not_served_detail() == (
+        "no SageAttention function was called (counted: sageattention.sageattn, sageattn_varlen, "
+        "sageattn_qk_int8_pv_fp16_triton, sageattn_qk_int8_pv_fp16_cuda, sageattn_qk_int8_pv_fp8_cuda, "
+        "sageattn_qk_int8_pv_fp8_cuda_sm90)")
+
+
+def test_claims_on_named_gpus_list_them_all():
+    claims = targets.Claims(capabilities=((8, 0), (9, 0)))
+    assert claims.machine_reasons((8, 9)) == ["capability=sm_89 (supported: sm_80, sm_90)"]
+    assert claims.machine_reasons([9, 0]) == []
+
+
+# The GPU a target is judged on ---------------------------------------------------------------------------
+
+def test_box_facts_are_the_first_gpus():
+    with FakeCuda([FakeGpu((8, 9)), FakeGpu((9, 0))], torch_cuda=(12, 8)), FakeSageAttention().installed():
+        box = targets.box_facts()
+    assert box.capability == (8, 9) and box.torch_cuda == (12, 8)
+
+
+def test_box_facts_without_a_gpu_are_none():
+    with FakeCuda([]), FakeSageAttention().installed():
+        assert targets.box_facts() is None
