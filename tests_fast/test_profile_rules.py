@@ -1,0 +1,264 @@
+"""serving/profile's rules in detail: family names as one family whatever the punctuation, a version 1
+profile without its GPU, the schema's identity, this machine as a profile must match it, what differs
+between an entry and a device (in order), which entry is nearest, and each note's words."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from sage_qual.serving import profile
+from sage_qual.serving.config import DEFAULT_CONFIG, served_from
+from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
+
+TORCH = "2.11.0+cu130"
+ENV = {"torch": TORCH, "torch_cuda": "13.0", "driver": "580", "sageattention": "2.2.0", "triton": "3.6.0"}
+
+
+def entry(variant="sm90-fp8-cuda", min_q=2048, min_k=512, head_dims=(128,), reasons=(), **more):
+    if variant is None:
+        return {"variant": None, "min_query_tokens": None, "min_key_tokens": None, "head_dims": None,
+                "reasons": [{"kind": k, "detail": d} for k, d in reasons], **more}
+    return {"variant": variant, "min_query_tokens": min_q, "min_key_tokens": min_k, "head_dims": list(head_dims),
+            "reasons": [], **more}
+
+
+def gpu(name="NVIDIA H200", capability=(9, 0), memory=139.8, default=None, families=None, **env):
+    return {"name": name, "capability": list(capability), "memory_gib": memory, "environment": {**ENV, **env},
+            "default": default or entry(), "families": families or {}}
+
+
+def load(*gpus) -> profile.Profile:
+    return profile.load({"kind": "sage-qual-profile", "schema_version": 2, "created": "2026-12-01", "host": "h",
+                         "fixtures": {}, "gpus": list(gpus) or [gpu()]})
+
+
+def machine(name="NVIDIA H200", capability=(9, 0), memory=139.8, torch_version=TORCH, torch_cuda="13.0",
+            sageattention="2.2.0"):
+    return profile.Machine(name, capability, memory, torch_version, torch_cuda, sageattention)
+
+
+# Family names ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("asked", ["Wan 2.2", "wan22", "WAN-2.2", "wan_2_2"])
+def test_a_family_entry_is_found_whatever_its_punctuation(asked):
+    wan = entry("sm80-fp16-cuda")
+    chosen = load(gpu(families={"Wan 2.2": wan, "FLUX.1": entry()})).gpus[0]
+    assert profile.family_entry(chosen, asked).variant == "sm80-fp16-cuda"
+    assert profile.entry(chosen, asked).variant == "sm80-fp16-cuda"
+
+
+def test_a_family_with_other_letters_is_another_family():
+    chosen = load(gpu(families={"Wan 2.2": entry("sm80-fp16-cuda")})).gpus[0]
+    assert profile.family_entry(chosen, "Wan 2.1") is None
+    assert profile.family_entry(chosen, None) == chosen.default
+    with pytest.raises(profile.ProfileError) as error:
+        profile.entry(chosen, "FLUX.1")
+    assert str(error.value) == ("the profile has no entry for family FLUX.1 on NVIDIA H200 (sm_90) (it has: "
+                                "Wan 2.2): certify that family")
+    with pytest.raises(profile.ProfileError, match=r"\(it has: none\)"):
+        profile.entry(load(gpu()).gpus[0], "FLUX.1")
+
+
+# Reading ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("gpu_value", [None, "NVIDIA H200", ["NVIDIA H200"]])
+def test_a_version_1_profile_whose_gpu_is_not_an_object_is_a_profile_error(gpu_value):
+    data = {"kind": "sage-qual-profile", "schema_version": 1, "created": "x", "host": "h", "fixtures": {},
+            "environment": ENV, "default": entry(), "families": {}}
+    if gpu_value is not None:
+        data["gpu"] = gpu_value
+    with pytest.raises(profile.ProfileError):
+        profile.load(data)
+
+
+def test_a_version_1_profile_reads_with_any_memory():
+    data = {"kind": "sage-qual-profile", "schema_version": 1, "created": "x", "host": "h", "fixtures": {"f": "a"},
+            "gpu": {"name": "NVIDIA H200", "capability": [9, 0]}, "environment": ENV, "default": entry(),
+            "families": {}}
+    read = profile.load(data)
+    assert read.schema_version == 2 and read.gpus[0].memory_gib is None and read.fixtures == {"f": "a"}
+    assert profile.differences(read.gpus[0], machine(memory=80.0)) == []
+
+
+def test_the_schema_names_the_profile_and_its_version():
+    schema = profile.json_schema()
+    assert schema["$id"] == "https://sage-qual.invalid/profile/2"
+    assert schema["title"] == "sage-qual profile, schema version 2"
+    assert schema["description"] == ("profile.json, written by `sage-qual certify` and read by "
+                                     "install(profile=...)")
+
+
+def test_this_machine_is_every_visible_device_with_the_installed_sageattention():
+    gpus = [FakeGpu((9, 0), "NVIDIA H200", 139.8), FakeGpu((8, 9), "NVIDIA GeForce RTX 4090", 23.99)]
+    with FakeCuda(gpus, torch_cuda=(12, 8)), FakeSageAttention(version="2.2.0+cu128").installed():
+        found = profile.this_machine()
+    assert found == [profile.Machine("NVIDIA H200", (9, 0), 139.8, torch.__version__, "12.8", "2.2.0+cu128"),
+                     profile.Machine("NVIDIA GeForce RTX 4090", (8, 9), 24.0, torch.__version__, "12.8",
+                                     "2.2.0+cu128")]
+
+
+def test_a_machine_without_cuda_in_torch_has_no_cuda_version():
+    with FakeCuda([FakeGpu((9, 0), "NVIDIA H200", 139.8)], torch_cuda=None) as cuda:
+        assert profile.machines(cuda, "2.2.0")[0].torch_cuda == ""
+
+
+# What differs, and which entry is nearest -------------------------------------------------------------
+
+def test_a_matching_device_differs_in_nothing():
+    assert profile.differences(load().gpus[0], machine()) == []
+    assert profile.differences(load().gpus[0], machine(name=" nvidia h200 ", memory=140.8)) == []
+
+
+def test_differences_name_hardware_first_then_sageattention_cuda_and_torch():
+    certified = load().gpus[0]
+    here = machine(name="NVIDIA H100", capability=(9, 0), memory=79.6, torch_version="2.10.0+cu128",
+                   torch_cuda="12.8", sageattention="2.2.0.post1")
+    assert profile.differences(certified, here) == [
+        "GPU NVIDIA H100, sm_90 here", "sageattention 2.2.0, 2.2.0.post1 here", "CUDA 13.0, 12.8 here",
+        f"torch {TORCH}, 2.10.0+cu128 here"]
+    assert profile.differences(certified, machine(capability=(9, 1))) == ["GPU NVIDIA H200, sm_91 here"]
+    assert profile.differences(certified, machine(memory=141.0)) == ["memory 139.8 GiB, 141 here"]
+    assert profile.differences(certified, machine(memory=140.8)) == []  # within 1 GiB: the same card
+    assert profile.differences(load(gpu(sageattention="")).gpus[0], machine()) == [
+        "sageattention none, 2.2.0 here"]
+    assert profile.differences(certified, machine(sageattention="")) == ["sageattention 2.2.0, none here"]
+
+
+@pytest.mark.parametrize("here, near", [
+    ("2.11.1+cu130", True),  # another patch release of the same build
+    ("2.11.0+cu130", False),  # the same: a match, not a near match
+    ("2.12.0+cu130", False), ("2.11.1+cu128", False), ("2.11.1", False), ("not-a-version", False),
+])
+def test_a_near_match_is_another_torch_patch_release_and_nothing_else(here, near):
+    assert profile.is_near_match(load().gpus[0], machine(torch_version=here)) is near
+
+
+def test_a_near_match_needs_everything_else_equal():
+    assert not profile.is_near_match(load().gpus[0], machine(torch_version="2.11.1+cu130", memory=80.0))
+    assert not profile.is_near_match(load().gpus[0], machine(torch_version="2.11.1+cu130", sageattention="2.1.1"))
+
+
+def test_the_nearest_entry_is_the_same_model_then_memory_then_software():
+    h100 = gpu(name="NVIDIA H100", memory=79.6)
+    h200_old = gpu(sageattention="2.1.1", torch_cuda="12.8")
+    h200_cuda = gpu(torch_cuda="12.8")
+    h200_nvl = gpu(name="NVIDIA H200 NVL", memory=141.0)
+    read = load(h100, h200_old, h200_cuda, h200_nvl)
+    assert profile.nearest(read, machine()).environment.torch_cuda == "12.8"  # same model, one difference
+    assert profile.nearest(read, machine()).environment.sageattention == "2.2.0"
+    assert profile.nearest(read, machine(name="NVIDIA H100", memory=79.6)).name == "NVIDIA H100"
+    assert profile.nearest(read, machine(name="NVIDIA H200 NVL", memory=141.0)).name == "NVIDIA H200 NVL"
+    # An unknown sm_90 GPU: the entry with its memory first.
+    assert profile.nearest(read, machine(name="NVIDIA GH200", memory=79.0)).name == "NVIDIA H100"
+    # Among equals, the first in the file.
+    assert profile.nearest(load(gpu(memory=139.8), gpu(memory=139.9)), machine()).memory_gib == 139.8
+
+
+def test_the_nearest_prefers_the_same_torch_release_then_the_same_torch():
+    read = load(gpu(torch="2.10.0+cu130"), gpu(torch="2.11.5+cu130"), gpu(torch="2.11.0+cu130"))
+    assert profile.nearest(read, machine(torch_version="2.11.0+cu130")).environment.torch == "2.11.0+cu130"
+    assert profile.nearest(read, machine(torch_version="2.11.3+cu130")).environment.torch == "2.11.5+cu130"
+    read = load(gpu(capability=(8, 9), name="X"), gpu(capability=(9, 0), name="Y"))
+    assert profile.nearest(read, machine(name="Z", capability=(9, 0))).name == "Y"
+
+
+# Notes -----------------------------------------------------------------------------------------------
+
+def notes(read, here, family=None, base=DEFAULT_CONFIG):
+    return profile.device_configs(read, [here], family, base)[0]
+
+
+def test_the_note_of_a_served_entry_names_variant_start_and_range():
+    chosen = entry(max_query_tokens=32768, layouts=["contiguous", "transposed"])
+    found = notes(load(gpu(default=chosen)), machine())
+    assert found.note == (f"profile entry NVIDIA H200 (sm_90): sm90-fp8-cuda from {served_from(2048, 512, [128])}"
+                          ", up to 32768 query / any key tokens, layouts contiguous, transposed")
+    assert found.matched and found.reasons == ()
+
+
+def test_the_verified_range_says_any_for_a_bound_not_given():
+    assert profile.verified_range(profile.Entry("sm90-fp8-cuda", 1, 1, [128], max_key_tokens=9000)) == (
+        ", up to any query / 9000 key tokens")
+    assert profile.verified_range(profile.Entry("sm90-fp8-cuda", 1, 1, [128])) == ""
+    assert profile.verified_range(profile.Entry("sm90-fp8-cuda", 1, 1, [128], layouts=["nhd"])) == (
+        ", layouts nhd")
+
+
+def test_a_near_match_note_says_what_differs():
+    found = notes(load(), machine(torch_version="2.11.1+cu130"), family=None)
+    assert found.note.startswith(f"near match (torch {TORCH}, 2.11.1+cu130 here): profile entry NVIDIA H200")
+    assert found.config.kernel_table[(9, 0)] == ("sm90-fp8-cuda",) and found.matched
+
+
+def test_an_entry_that_serves_nothing_gives_its_first_reason_or_a_count():
+    one = entry(None, reasons=[("accuracy", "fails qwen_image_b52 relative L2")])
+    found = notes(load(gpu(default=one)), machine())
+    assert found.note == ("the profile certifies no SageAttention variant on NVIDIA H200 (sm_90): fails "
+                          "qwen_image_b52 relative L2")
+    assert found.reasons == ("fails qwen_image_b52 relative L2",)
+    two = entry(None, reasons=[("accuracy", "first"), ("speed", "second")])
+    found = notes(load(gpu(families={"SDXL": two})), machine(), family="SDXL")
+    assert found.note == ("the profile certifies no SageAttention variant on NVIDIA H200 (sm_90), family SDXL: "
+                          "2 reasons in profile_reasons, first: first")
+    assert found.reasons == ("first", "second")
+    none = entry(None)
+    assert notes(load(gpu(default=none)), machine()).note.endswith("(sm_90): no reason recorded")
+
+
+def test_a_profile_that_enables_some_families_says_which_and_how_to_pick_one():
+    off = entry(None, reasons=[("accuracy", "a"), ("accuracy", "b")])
+    served = {name: entry() for name in ("FLUX.1", "FLUX.2", "Z-Image", "Krea-2", "Wan 2.2")}
+    found = notes(load(gpu(default=off, families={**served, "SDXL": entry(None)})), machine())
+    assert found.note == ("the profile enables only FLUX.1, FLUX.2, Z-Image, Krea-2 and 1 more here, pick one: "
+                          "install(profile=..., family=\"Wan 2.2\"); why not all: 2 reasons in profile_reasons")
+    few = notes(load(gpu(default=off, families={"SDXL": entry()})), machine())
+    assert few.note.startswith("the profile enables only SDXL here, pick one: install(profile=..., "
+                               "family=\"SDXL\")")
+
+
+def test_a_device_no_entry_matches_keeps_the_defaults_and_names_the_nearest():
+    base = dataclasses.replace(DEFAULT_CONFIG, min_query_tokens=1536, min_key_tokens=512)
+    found = notes(load(), machine(name="NVIDIA L40S", capability=(8, 9), memory=44.4), base=base)
+    assert found.config is base and not found.matched
+    assert found.note == ("no profile entry matches: defaults here (1536/512 tokens); nearest NVIDIA H200 "
+                          "(sm_90) differs: GPU NVIDIA L40S, sm_89 here")
+
+
+def test_a_family_the_nearest_entry_keeps_off_stays_off_on_another_device():
+    off = entry(None, reasons=[("accuracy", "NaN on a zero V channel")])
+    read = load(gpu(default=entry(), families={"SDXL": off}))
+    found = notes(read, machine(torch_version="2.10.0+cu128", torch_cuda="12.8"), family="SDXL")
+    assert found.config.kernel_table[(9, 0)] == () and not found.matched
+    assert found.note.startswith("no profile entry matches, and the nearest keeps family SDXL off, so off here; "
+                                 "nearest NVIDIA H200 (sm_90) differs: CUDA 13.0, 12.8 here")
+    assert found.reasons == ("NaN on a zero V channel",)
+    everything = notes(load(gpu(default=off)), machine(torch_cuda="12.8"))
+    assert "keeps all families off" in everything.note
+    served = notes(read, machine(torch_cuda="12.8"), family="FLUX.1")  # no entry for it: the defaults
+    assert served.note.startswith("no profile entry matches: defaults here")
+
+
+def test_each_device_gets_its_own_base_config():
+    bases = [dataclasses.replace(DEFAULT_CONFIG, min_query_tokens=100),
+             dataclasses.replace(DEFAULT_CONFIG, min_query_tokens=200)]
+    found = profile.device_configs(load(), [machine(), machine(name="Other", capability=(8, 9))], None, bases)
+    assert found[0].config.min_query_tokens == 2048  # the entry's threshold over its own base
+    assert found[1].config is bases[1]
+    with pytest.raises(ValueError):
+        profile.device_configs(load(), [machine()], None, bases)
+
+
+def test_an_entry_applies_to_its_capability_only_with_its_span_limit():
+    read = load(gpu(default=entry(max_query_tokens=20000, layouts=["contiguous"])))
+    read_gpu = dataclasses.replace(read.gpus[0], max_span_elements=1_000_000)
+    config = profile.apply(DEFAULT_CONFIG, (9, 0), read_gpu.default, read_gpu.max_span_elements)
+    assert config.kernel_table[(9, 0)] == ("sm90-fp8-cuda",)
+    assert config.kernel_table[(8, 9)] == DEFAULT_CONFIG.kernel_table[(8, 9)]
+    assert (config.min_query_tokens, config.min_key_tokens, config.head_dims) == (2048, 512, (128,))
+    assert (config.max_query_tokens, config.max_key_tokens, config.layouts) == (20000, None, ("contiguous",))
+    assert config.max_span_elements == 1_000_000
+    assert profile.apply(DEFAULT_CONFIG, (9, 0), read_gpu.default).max_span_elements == \
+        DEFAULT_CONFIG.max_span_elements
+    off = profile.apply(DEFAULT_CONFIG, (9, 0), profile.Entry(None, None, None, None))
+    assert off.kernel_table[(9, 0)] == () and off.min_query_tokens == DEFAULT_CONFIG.min_query_tokens
