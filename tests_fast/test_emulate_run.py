@@ -1,0 +1,180 @@
+"""certify --emulate end to end on two small fixture files: the report it writes (header, the one
+pseudo-device, each predicted cell judged like a measured one, each predicted long check), the
+terminal summary (the table, each predicted failure, families without fixtures), and its refusals."""
+
+import math
+import socket
+import sys
+
+import pytest
+import torch
+
+from sage_qual.errors import UsageError
+from sage_qual.fixtures.fileformat import load_fixture, save_fixture
+from sage_qual.qualification import budgets, emulate, judge, measure, report
+from sage_qual.serving.variants import VARIANTS
+
+VARIANT_NAMES = ["sm90-fp8-cuda", "sm80-fp16-cuda"]
+BOUNDS = {"fp16": {"max_rel_l2": 0.1, "min_cosine": 0.99}, "fp8": {"max_rel_l2": 0.1, "min_cosine": 0.99}}
+
+
+def write(directory, name, zero_v_channel=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, 2, 96, 64, generator=g).to(torch.float16) for _ in range(3))
+    if zero_v_channel:
+        v[..., 5] = 0.0  # a V channel zero in every token: every FP8 kernel returns NaN (README, Known limits)
+    save_fixture(directory / f"{name}.safetensors", q, k, v, family="SDXL", kind="replica", source={"t": name},
+                 provenance="tests_fast: random data", bounds=BOUNDS)
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    root = tmp_path_factory.mktemp("emulate")
+    fixtures = root / "fixtures"
+    fixtures.mkdir()
+    write(fixtures, "sdxl_plain", seed=1)
+    write(fixtures, "sdxl_zero_v", zero_v_channel=True, seed=2)
+    options = emulate.Options(root / "out", variants=VARIANT_NAMES, families=["SDXL", "FLUX.1"],
+                              fixture_dirs=[str(fixtures)])
+    return emulate.run(options), root, fixtures
+
+
+def cells_of(data):
+    return {(c["variant"], c["fixture"]): c for c in data["devices"][0]["cells"]}
+
+
+def test_the_report_header_says_predicted_and_complete(emulated):
+    data, root, fixtures = emulated
+    assert data["kind"] == report.KIND and data["schema_version"] == report.SCHEMA_VERSION
+    assert data["predicted"] is True and data["complete"] is True and data["stopped"] == ""
+    assert data["finished"] is not None and data["started"] <= data["finished"]
+    assert data["host"] == socket.gethostname() and data["command"] == "sage_qual.qualification.emulate.run()"
+    assert data["options"] == {"devices": [0], "variants": VARIANT_NAMES, "families": ["SDXL", "FLUX.1"],
+                               "fixture_dirs": [str(fixtures)], "quick": False, "timeout_s": 0.0}
+    assert [f["name"] for f in data["fixtures"]] == ["sdxl_plain", "sdxl_zero_v"]
+    assert data["fixtures"][0]["dtype"] == "float16" and data["fixtures"][0]["q"] == [1, 2, 96, 64]
+    assert data["shapes"] == {}
+    device = data["devices"][0]
+    assert (device["index"], device["name"], device["capability"], device["memory_gib"]) == (
+        0, emulate.DEVICE_NAME, [0, 0], 0.0)
+    assert device["not_supported"] == {} and device["speed"] == []
+    # What it wrote reads back as a report, with its rendering next to it.
+    loaded = report.load(root / "out" / "report.json")
+    assert loaded.predicted and loaded.complete
+    assert (root / "out" / "report.md").is_file()
+
+
+def test_each_cell_is_judged_against_its_budget_like_a_measured_one(emulated):
+    data, _, fixtures = emulated
+    cells = cells_of(data)
+    assert list(cells) == [(v, f) for f in ("sdxl_plain", "sdxl_zero_v") for v in VARIANT_NAMES]
+    fixture = load_fixture(fixtures / "sdxl_plain.safetensors")
+    ref = measure.reference(fixture.q, fixture.k, fixture.v)
+    for name in VARIANT_NAMES:
+        cell, variant = cells[(name, "sdxl_plain")], VARIANTS[name]
+        acc = measure.accuracy(budgets.prediction(variant, fixture), fixture.q, fixture.k, fixture.v, ref)
+        assert cell["bounds"] == budgets.budget(variant, fixture)
+        assert cell["reasons"] == judge.cell_reasons(acc, 0.0, cell["bounds"], math.inf) == []
+        assert cell["outcome"] == "pass" and cell["detail"] == emulate.PREDICTED
+        assert cell["accuracy_class"] == variant.accuracy_class
+        assert cell["rel_l2"] == acc.rel_l2 and cell["worst_head_cosine"] == acc.worst_head_cosine
+        assert cell["max_abs_error"] == acc.max_abs_error and cell["finite"] is True
+        assert cell["extra_bytes_per_element"] is None  # the model measures no memory
+        assert cell["seconds"] >= 0 and round(cell["seconds"], 3) == cell["seconds"]
+
+
+def test_a_non_finite_prediction_fails_and_stores_no_number(emulated):
+    data, _, _ = emulated
+    fp8, fp16 = cells_of(data)[("sm90-fp8-cuda", "sdxl_zero_v")], cells_of(data)[("sm80-fp16-cuda", "sdxl_zero_v")]
+    assert fp8["outcome"] == "fail" and fp8["finite"] is False
+    assert [r["kind"] for r in fp8["reasons"]][:1] == ["non_finite"]
+    assert fp8["rel_l2"] is None and fp8["max_abs_error"] is None  # JSON has no NaN or infinity
+    assert fp16["outcome"] == "pass"
+
+
+def test_each_planned_long_check_is_predicted_on_one_group_of_heads(emulated):
+    data, _, _ = emulated
+    checks = data["devices"][0]["long"]
+    assert {c["variant"] for c in checks} == set(VARIANT_NAMES)
+    per_variant = [c for c in checks if c["variant"] == "sm90-fp8-cuda"]
+    q_tokens = sorted(c["shape"]["q_tokens"] for c in per_variant)
+    assert q_tokens == [1024, 2048, 4096, 8192, 16384, 16384, 16896, 32768]  # the sweep, SDXL's, FLUX.1's
+    for check in checks:
+        assert check["detail"] == emulate.PREDICTED and check["outcome"] == "pass"
+        assert check["identical"] == {name: True for name in check["layouts"] if name != "contiguous"}
+        shape = check["shape"]
+        assert check["ran_heads"] == shape["heads"] // shape["kv_heads"]  # 1: every group is alike
+        assert check["uses"] and check["layouts"][0] == "contiguous"
+    flux = next(c for c in per_variant if c["shape"]["q_tokens"] == 16896)
+    assert flux["uses"] == [{"family": "FLUX.1", "label": "longest call: 16896 query / 16896 key tokens"}]
+    assert "fused_qkv" in flux["identical"]
+
+
+def test_the_summary_tables_each_variant_and_lists_each_predicted_failure(emulated):
+    data, _, _ = emulated
+    text = emulate.summary(data)
+    lines = text.splitlines()
+    assert lines[0] == ("PREDICTED (CPU numerics model, no GPU ran): 2 fixture(s), 2 variant(s); FAIL = would "
+                        "fail at least one fixture of the family")
+    width = len("sm80-fp16-cuda") + 2
+    assert lines[1] == "variant".ljust(width) + "default on".ljust(16) + "SDXL".ljust(10)
+    assert lines[2] == "sm90-fp8-cuda".ljust(width) + "sm_90".ljust(16) + "FAIL".ljust(10)
+    assert lines[3] == "sm80-fp16-cuda".ljust(width) + "sm_80".ljust(16) + "pass".ljust(10)
+    failures = [line for line in lines if line.startswith("  would fail ")]
+    assert len(failures) == 1
+    assert failures[0].startswith("  would fail SDXL: sm90-fp8-cuda on sdxl_zero_v: ")
+    assert "not finite" in failures[0] and "not measured" not in failures[0] and "(cuda:0" not in failures[0]
+    assert lines[-1] == "  no fixtures, not predicted: FLUX.1"
+    assert text.endswith("\n")
+
+
+def test_the_family_matrix_has_the_reasons_per_variant(emulated):
+    data, _, _ = emulated
+    matrix = emulate.family_matrix(data)
+    assert list(matrix) == ["SDXL"]
+    assert matrix["SDXL"]["sm80-fp16-cuda"] == []
+    assert len(matrix["SDXL"]["sm90-fp8-cuda"]) >= 1
+
+
+def test_the_run_prints_the_summary_and_where_the_report_is(tmp_path, capsys):
+    fixtures = tmp_path / "fixtures"
+    fixtures.mkdir()
+    write(fixtures, "one", seed=3)
+    data = emulate.run(emulate.Options(tmp_path / "out", variants=["sm80-fp16-cuda"], families=["SDXL"],
+                                       fixture_dirs=[str(fixtures)], quick=True))
+    out = capsys.readouterr().out
+    assert out == emulate.summary(data) + (
+        f"sage-qual certify --emulate: PREDICTED report in {tmp_path / 'out' / 'report.md'} (`sage-qual gate` "
+        "refuses it: certify on the GPU to enable a family)\n")
+    assert data["options"]["quick"] is True
+    assert [c["shape"]["q_tokens"] for c in data["devices"][0]["long"]] == [1024, 4096, 16384, 16384]
+
+
+def test_a_terminal_gets_a_progress_bar(tmp_path, monkeypatch, capsys):
+    fixtures = tmp_path / "fixtures"
+    fixtures.mkdir()
+    write(fixtures, "one", seed=3)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    emulate.run(emulate.Options(tmp_path / "out", variants=["sm80-fp16-cuda"], families=["SDXL"],
+                                fixture_dirs=[str(fixtures)], quick=True))
+    err = capsys.readouterr().err
+    assert "emulating" in err and "1/1" in err and "4/4" in err
+
+
+def test_no_fixture_is_a_usage_error_that_says_what_to_give(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UsageError) as error:
+        emulate.run(emulate.Options(tmp_path / "out", families=["SDXL"], fixture_dirs=[str(tmp_path / "empty")]))
+    assert str(error.value) == ("no fixtures selected: give --fixtures DIR with *.safetensors fixtures, or other "
+                                "--families")
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_output_that_cannot_be_made_is_a_usage_error(tmp_path):
+    fixtures = tmp_path / "fixtures"
+    fixtures.mkdir()
+    write(fixtures, "one")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UsageError, match=r"^cannot write to .*file.out: "):
+        emulate.run(emulate.Options(tmp_path / "file" / "out", variants=["sm80-fp16-cuda"], families=["SDXL"],
+                                    fixture_dirs=[str(fixtures)]))
