@@ -49,13 +49,13 @@ def test_a_family_entry_is_found_whatever_its_punctuation(asked):
 
 
 def test_a_family_with_other_letters_is_another_family():
-    chosen = load(gpu(families={"Wan 2.2": entry("sm80-fp16-cuda")})).gpus[0]
+    chosen = load(gpu(families={"Wan 2.2": entry("sm80-fp16-cuda"), "SDXL": entry()})).gpus[0]
     assert profile.family_entry(chosen, "Wan 2.1") is None
     assert profile.family_entry(chosen, None) == chosen.default
     with pytest.raises(profile.ProfileError) as error:
         profile.entry(chosen, "FLUX.1")
     assert str(error.value) == ("the profile has no entry for family FLUX.1 on NVIDIA H200 (sm_90) (it has: "
-                                "Wan 2.2): certify that family")
+                                "Wan 2.2, SDXL): certify that family")
     with pytest.raises(profile.ProfileError, match=r"\(it has: none\)"):
         profile.entry(load(gpu()).gpus[0], "FLUX.1")
 
@@ -120,6 +120,7 @@ def test_differences_name_hardware_first_then_sageattention_cuda_and_torch():
     assert profile.differences(certified, machine(capability=(9, 1))) == ["GPU NVIDIA H200, sm_91 here"]
     assert profile.differences(certified, machine(memory=141.0)) == ["memory 139.8 GiB, 141 here"]
     assert profile.differences(certified, machine(memory=140.8)) == []  # within 1 GiB: the same card
+    assert profile.differences(load(gpu(memory=139.5)).gpus[0], machine(memory=140.5)) == []  # 1 GiB exactly
     assert profile.differences(load(gpu(sageattention="")).gpus[0], machine()) == [
         "sageattention none, 2.2.0 here"]
     assert profile.differences(certified, machine(sageattention="")) == ["sageattention 2.2.0, none here"]
@@ -151,6 +152,11 @@ def test_the_nearest_entry_is_the_same_model_then_memory_then_software():
     assert profile.nearest(read, machine(name="NVIDIA H200 NVL", memory=141.0)).name == "NVIDIA H200 NVL"
     # An unknown sm_90 GPU: the entry with its memory first.
     assert profile.nearest(read, machine(name="NVIDIA GH200", memory=79.0)).name == "NVIDIA H100"
+    # The same model beats one of another name on the same capability, however well its software matches.
+    other_name = gpu(name="NVIDIA H100")
+    same_name = gpu(torch_cuda="12.8")
+    assert profile.nearest(load(same_name, other_name), machine()).name == "NVIDIA H200"
+    assert profile.nearest(load(other_name, same_name), machine()).name == "NVIDIA H200"
     # Among equals, the first in the file.
     assert profile.nearest(load(gpu(memory=139.8), gpu(memory=139.9)), machine()).memory_gib == 139.8
 
@@ -204,6 +210,10 @@ def test_an_entry_that_serves_nothing_gives_its_first_reason_or_a_count():
     assert found.reasons == ("first", "second")
     none = entry(None)
     assert notes(load(gpu(default=none)), machine()).note.endswith("(sm_90): no reason recorded")
+    # Asked for one family that is off, the note is about that family, not the ones served.
+    found = notes(load(gpu(families={"SDXL": one, "FLUX.1": entry()})), machine(), family="SDXL")
+    assert found.note == ("the profile certifies no SageAttention variant on NVIDIA H200 (sm_90), family SDXL: "
+                          "fails qwen_image_b52 relative L2")
 
 
 def test_a_profile_that_enables_some_families_says_which_and_how_to_pick_one():
