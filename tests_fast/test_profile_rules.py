@@ -272,3 +272,65 @@ def test_an_entry_applies_to_its_capability_only_with_its_span_limit():
         DEFAULT_CONFIG.max_span_elements
     off = profile.apply(DEFAULT_CONFIG, (9, 0), profile.Entry(None, None, None, None))
     assert off.kernel_table[(9, 0)] == () and off.min_query_tokens == DEFAULT_CONFIG.min_query_tokens
+
+
+def test_a_matched_family_entry_says_its_family_and_a_served_entry_gives_no_reasons():
+    served = {**entry(), "reasons": [{"kind": "speed", "detail": "slower below 2048 tokens"}]}
+    found = notes(load(gpu(families={"FLUX.1": served})), machine(), family="FLUX.1")
+    assert found.note.startswith("profile entry NVIDIA H200 (sm_90), family FLUX.1: sm90-fp8-cuda from ")
+    assert found.reasons == () and found.matched is True
+
+
+def test_the_nearest_entry_lists_every_difference():
+    found = notes(load(), machine(torch_version="2.10.0+cu128", torch_cuda="12.8"))
+    assert found.note.endswith("nearest NVIDIA H200 (sm_90) differs: CUDA 13.0, 12.8 here; torch "
+                               f"{TORCH}, 2.10.0+cu128 here")
+    kept_off = notes(load(gpu(default=entry(None))), machine(torch_cuda="12.8"))
+    assert kept_off.matched is False
+
+
+# What a profile entry may hold ----------------------------------------------------------------------
+
+def refusal(default=None, gpus=None) -> str:
+    with pytest.raises(profile.ProfileError) as error:
+        load(*(gpus if gpus is not None else [gpu(default=default)])) if gpus != [] else profile.load(
+            {"kind": "sage-qual-profile", "schema_version": 2, "created": "x", "host": "h", "fixtures": {},
+             "gpus": []})
+    message = str(error.value)
+    assert message.startswith("profile: ") and message.endswith("; " + profile.FIX)
+    return message.removeprefix("profile: ").removesuffix("; " + profile.FIX)
+
+
+@pytest.mark.parametrize("default, says", [
+    ({**entry(None), "min_query_tokens": 5},
+     "gpus[0].default.variant: null, but thresholds are given: a profile serves nothing without a variant"),
+    ({**entry(None), "layouts": ["contiguous"]},
+     "gpus[0].default.variant: null, but thresholds are given: a profile serves nothing without a variant"),
+    (entry("sm99"), "gpus[0].default.variant: 'sm99' is not a SageAttention variant sage-qual knows "
+                    "(sm80-fp16-cuda, sm80-fp16-cuda-fp16acc, sm86-fp16-triton, sm89-fp8-cuda, "
+                    "sm89-fp8-cuda-fp32acc, sm90-fp8-cuda, sm120-fp8-perwarp, sm120-fp8-perwarp-fp32acc)"),
+    (entry(min_q=0), "gpus[0].default.min_query_tokens: is 0, expected a token count of at least 1"),
+    (entry(min_k=None), "gpus[0].default.min_key_tokens: is None, expected a token count of at least 1"),
+    (entry(head_dims=[]), "gpus[0].default.head_dims: empty or null: name the head sizes served"),
+    (entry(head_dims=[64, 96]), "gpus[0].default.head_dims: 96 is not a head size the kernels take (64, 128)"),
+    (entry(max_query_tokens=2047), "gpus[0].default.max_query_tokens: is 2047, below min_query_tokens 2048: "
+                                   "the verified range is empty"),
+    (entry(max_key_tokens=511), "gpus[0].default.max_key_tokens: is 511, below min_key_tokens 512: the "
+                                "verified range is empty"),
+    (entry(layouts=[]), "gpus[0].default.layouts: empty: name the verified layouts, or null for any"),
+    (entry(layouts=["contiguous", "diagonal"]), "gpus[0].default.layouts: 'diagonal' is not a layout sage-qual "
+                                                "knows (contiguous, transposed, fused_qkv, nhd)"),
+])
+def test_an_entry_that_cannot_serve_as_written_is_refused_naming_the_key(default, says):
+    assert refusal(default) == says
+
+
+def test_an_entry_at_its_edges_reads():
+    at_edges = entry(min_q=1, min_k=1, head_dims=[64, 128], max_query_tokens=1, max_key_tokens=1,
+                     layouts=["contiguous", "nhd"])
+    assert load(gpu(default=at_edges)).gpus[0].default.max_key_tokens == 1
+    assert load(gpu(default=entry(None))).gpus[0].default.variant is None
+
+
+def test_a_profile_certifies_at_least_one_gpu():
+    assert refusal(gpus=[]) == "gpus: empty: a profile certifies at least one GPU model"
