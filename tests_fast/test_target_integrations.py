@@ -239,3 +239,133 @@ def test_box_facts_are_the_first_gpus():
 def test_box_facts_without_a_gpu_are_none():
     with FakeCuda([]), FakeSageAttention().installed():
         assert targets.box_facts() is None
+
+
+# Our wrapper as a target ---------------------------------------------------------------------------
+
+@pytest.fixture
+def h200():
+    with FakeCuda([FakeGpu((9, 0))]), FakeSageAttention().installed() as fake:
+        yield fake
+
+
+def test_the_wrapper_target_describes_itself_and_claims_the_tables_gpus():
+    target = targets.resolve("wrapper")
+    assert (target.name, target.description) == (
+        "wrapper", "sage_qual.install() as installed: default kernel table and thresholds")
+    assert target.claims.machine_reasons((7, 5)) == [
+        "capability=sm_75 (supported: sm_80, sm_86, sm_89, sm_90, sm_120, sm_121)"]
+    assert target.variant((7, 5)) is None and target.variant((9, 0)).name == "sm90-fp8-cuda"
+    forced = targets.resolve("wrapper:sm80-fp16-cuda")
+    assert (forced.name, forced.description) == (
+        "wrapper:sm80-fp16-cuda", "sage_qual.install() with sm80-fp16-cuda forced, no thresholds")
+    assert forced.variant((9, 0)).name == "sm80-fp16-cuda" and forced.variant((7, 5)) is None
+
+
+def test_the_wrapper_target_on_a_gpu_it_serves_has_no_machine_reason():
+    box = BoxFacts((9, 0), (13, 0), frozenset({"_qattn_sm90", "_fused"}), True)
+    assert targets.resolve("wrapper").machine_reasons(box) == []
+    old_cuda = BoxFacts((9, 0), (12, 0), frozenset(), True)
+    reasons = targets.resolve("wrapper").machine_reasons(old_cuda)
+    assert len(reasons) == 1 and reasons[0].startswith("sm90-fp8-cuda: ")
+
+
+def test_the_wrapper_targets_rules_add_to_its_claims_without_repeating_them(h200):
+    target = targets.resolve("wrapper:sm90-fp8-cuda")
+    q, k, v = qkv(tokens=16)
+    assert target.not_supported_reasons(q, k, v) == []
+    assert target.not_supported_reasons(q, k, v, is_causal=True) == [
+        "is_causal given (supported: plain attention)", "causal: is_causal=True"]
+    assert target.not_supported_reasons(*qkv(head_dim=96)) == ["head_dim=96 (supported: 64, 128)"]
+    assert targets.resolve("wrapper").not_supported_reasons(q, k, v) == ["short: tokens=16/16 (needs >= 1536/512)"]
+
+
+def test_an_unknown_forced_variant_lists_the_known_ones():
+    with pytest.raises(targets.TargetError) as error:
+        targets.resolve("wrapper:sm99")
+    assert str(error.value) == (f"unknown variant 'sm99' for target wrapper:VARIANT (known: {', '.join(VARIANTS)})")
+
+
+def test_only_the_first_colon_splits_a_builtin_target_name():
+    with pytest.raises(targets.TargetError, match="unknown variant 'sm90-fp8-cuda:x'"):
+        targets.resolve("wrapper:sm90-fp8-cuda:x")
+    with pytest.raises(targets.TargetError, match="no SageAttention backend 'sage:x'"):
+        targets.resolve("diffusers:sage:x")
+    assert targets.resolve("  sageattn ").name == "sageattn"
+
+
+def test_the_wrapper_target_calls_torchs_name_as_bound_at_call_time(monkeypatch):
+    seen = []
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda q, k, v, **kwargs: seen.append(kwargs) or q)
+    q, k, v = qkv()
+    targets.resolve("wrapper").attention(q, k, v, scale=0.5, is_causal=True)
+    assert seen == [{"scale": 0.5, "is_causal": True}]
+
+
+# Claims and sessions ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, says", [
+    ({"attn_mask": torch.ones(16, 16, dtype=torch.bool)}, "attn_mask given (supported: plain attention)"),
+    ({"is_causal": True}, "is_causal given (supported: plain attention)"),
+    ({"dropout_p": 0.1}, "dropout_p given (supported: plain attention)"),
+    ({"attn_mask": torch.ones(16, 16, dtype=torch.bool), "dropout_p": 0.1},
+     "attn_mask, dropout_p given (supported: plain attention)"),
+])
+def test_claims_of_plain_attention_name_each_extra_argument(kwargs, says):
+    assert targets.Claims().call_reasons(*qkv(), **kwargs) == [says]
+    assert targets.Claims(masks=True).call_reasons(*qkv(), **kwargs) == []
+    assert targets.Claims().call_reasons(*qkv(), is_causal=False, dropout_p=0.0, attn_mask=None) == []
+
+
+def test_an_apps_function_claims_nothing_and_needs_sageattention(app):
+    target = targets.resolve("fake_app_nested:Attention.forward")
+    assert target.description == "fake_app_nested:Attention.forward (an application's attention function)"
+    q, k, v = qkv(head_dim=256, dtype=torch.float32)
+    assert target.not_supported_reasons(q, k, v, is_causal=True, attn_mask=torch.ones(16, 16, dtype=torch.bool)) == []
+    assert target.variant((9, 0)).name == "sm90-fp8-cuda" and target.variant((7, 5)) is None
+    box = BoxFacts((9, 0), (13, 0), frozenset(), True)
+    with FakeCuda([FakeGpu((9, 0))]), FakeSageAttention(version="1.0.6").installed():
+        reasons = target.machine_reasons(box)
+    assert len(reasons) == 1 and "SageAttention 1" in reasons[0]
+
+
+def test_a_session_counts_every_call_and_the_served_ones(monkeypatch):
+    module = types.ModuleType("sageattention")
+    module.sageattn = lambda q, k, v, **kwargs: q
+    monkeypatch.setitem(sys.modules, "sageattention", module)
+    seen = []
+
+    def attention(q, k, v, **kwargs):
+        seen.append(kwargs)
+        return module.sageattn(q, k, v) if kwargs.get("serve") else q
+
+    target = targets.Target("t", "test", attention, lambda: targets.counting_sage_calls(targets.Evidence()))
+    q, k, v = qkv()
+    with target.session() as session:
+        assert session.call(q, k, v, serve=True) == (q, True)
+        assert session.call(q, k, v) == (q, False)
+        assert session.call(q, k, v, serve=True)[1] is True
+    assert (session.evidence.calls, session.evidence.served) == (3, 2)
+    assert seen[0] == {"serve": True}
+    assert module.sageattn(q, k, v) is q  # the counting wrapper is gone
+
+
+def test_a_targets_reasons_are_its_claims_then_its_rules():
+    claims = targets.Claims(head_dims=(64,), masks=False)
+    rules = []
+    target = targets.Target("t", "test", lambda q, k, v, **kw: q, None, claims,
+                            call_rules=lambda q, k, v, **kw: rules.append(kw) or ["rule: says no"])
+    q, k, v = qkv(head_dim=128)
+    assert target.not_supported_reasons(q, k, v, is_causal=True) == [
+        "head_dim=128 (supported: 64)", "is_causal given (supported: plain attention)", "rule: says no"]
+    assert rules == [{"is_causal": True}]
+    assert target.accuracy_class((9, 0)) is None  # no kernel named for it
+
+
+def test_the_wrappers_own_scope_details_come_first_in_the_not_served_detail():
+    from sage_qual.serving.scope import ScopeReport
+    scope = ScopeReport()
+    scope.fell_back("short", "tokens=%d", (16,))
+    evidence = targets.Evidence(scope=scope, fallbacks={"install": "no GPU"})
+    assert evidence.not_served_detail() == "short: tokens=16; install: no GPU"

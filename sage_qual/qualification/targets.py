@@ -79,7 +79,9 @@ class Claims:
             names = ", ".join(str(d).replace("torch.", "") for d in self.dtypes)
             reasons.append(f"dtype={str(q.dtype).replace('torch.', '')} (supported: {names})")
         if not self.masks:
-            used = [name for name in ("attn_mask", "is_causal", "dropout_p") if sdpa_kwargs.get(name)]
+            # A mask is given when it is not None: a tensor has no truth value of its own.
+            used = [name for name in ("attn_mask", "is_causal", "dropout_p")
+                    if (sdpa_kwargs.get(name) is not None if name == "attn_mask" else sdpa_kwargs.get(name))]
             if used:
                 reasons.append(f"{', '.join(used)} given (supported: plain attention)")
         return reasons
