@@ -3,7 +3,6 @@ what a check finds on defective kernels, and how the verdict, the profile and ga
 what was verified. The verdict tests add long checks to the sample H200 report, where FLUX.1 is
 enabled with sm90-fp8-cuda from 4608 query tokens and Qwen-Image with sm89-fp8-cuda from 4608."""
 
-import copy
 import json
 from pathlib import Path
 
@@ -292,7 +291,7 @@ def test_the_report_renders_the_long_checks(tmp_path, monkeypatch):
     for device in data["devices"]:
         device["long"] = long_records("sm90-fp8-cuda", fail_at=32768)
     monkeypatch.setattr(report, "_plots", lambda *args: {})
-    report.render(copy.deepcopy(data), tmp_path)
+    report.render(report.parse(data, "r.json"), tmp_path)
     md = (tmp_path / "report.md").read_text()
     assert "### Long calls and layouts" in md
     assert ("| sm90-fp8-cuda | 75,600 / 75,600 tokens, 40 heads x 128 bfloat16 | Wan 2.2 test | pass | "

@@ -114,7 +114,7 @@ def test_an_edited_span_probe_is_refused():
 def test_the_report_renders_the_probes_and_the_largest_safe_span(tmp_path, monkeypatch):
     data, _, _ = built({"sm90-fp8-cuda": probes("sm90-fp8-cuda", H200_LIKE)}, devices=(0,))
     monkeypatch.setattr(report, "_plots", lambda *args: {})
-    report.render(data, tmp_path)
+    report.render(report.parse(data, "r.json"), tmp_path)
     md = (tmp_path / "report.md").read_text()
     assert "### Span limits" in md
     assert "sm90-fp8-cuda: 2,146,959,360 elements" in md

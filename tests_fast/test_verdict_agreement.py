@@ -207,7 +207,7 @@ def served_numbers(entry: dict) -> str | None:
 
 def from_markdown(data: dict, tmp_path: Path, monkeypatch) -> dict:
     monkeypatch.setattr(report, "_plots", lambda *args: {})  # the tables are what is compared
-    report.render(data, tmp_path)
+    report.render(report.parse(data, "r.json"), tmp_path)
     found, model, in_verdicts = {}, None, False
     for line in (tmp_path / "report.md").read_text().splitlines():
         if line.startswith("## "):

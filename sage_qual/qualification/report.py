@@ -18,7 +18,6 @@ import threading
 from importlib import resources
 from pathlib import Path
 
-from sage_qual import records
 from sage_qual.qualification import report_model, verdict
 from sage_qual.qualification.report_model import KIND, SCHEMA_VERSION, Report, ReportError
 from sage_qual.serving.variants import gpu_label
@@ -77,11 +76,14 @@ class Writer:
 # Rendering -------------------------------------------------------------------------------------
 # A report is rendered as a list of blocks, each turned into Markdown or HTML:
 # ("h", level, text), ("p", text), ("pre", text), ("table", headers, rows), ("img", file, alt).
+# Every block is built from the typed record (`parse` or `load`), never from report.json's dict, so
+# what renders is what the checks passed.
 
-def render(data: dict, out_dir: Path) -> list[Path]:
-    """Write report.md, report.html and the plots next to report.json; returns the files."""
+def render(data: Report, out_dir: Path) -> list[Path]:
+    """Write report.md, report.html and the plots for the report `data` (from `parse` or `load`) into
+    `out_dir`; returns the files."""
     out_dir = Path(out_dir)
-    decisions = verdict.decide(parse(data, str(out_dir / "report.json")))
+    decisions = verdict.decide(data)
     images = _plots(data, decisions, out_dir)
     blocks = _blocks(data, decisions, images)
     (out_dir / "report.md").write_text(safe_text(_markdown(blocks)), encoding="utf-8")
@@ -101,42 +103,50 @@ def status_line(complete: bool, started: str, finished: str | None, stopped: str
             "it measured before it stopped. No verdicts are drawn from a partial run.")
 
 
-def _status(data: dict) -> str:
-    return status_line(data["complete"], data["started"], data["finished"], data["stopped"])
+def _status(data: Report) -> str:
+    return status_line(data.complete, data.started, data.finished, data.stopped)
 
 
-def _blocks(data: dict, decisions: list[verdict.GpuDecision], images: dict) -> list[tuple]:
-    predicted = "PREDICTED " if data.get("predicted") else ""
-    blocks = [("h", 1, f"{predicted}SageAttention certification, {data['host']}"), ("p", _status(data)),
-              ("p", f"Command: `{data['command']}`")]
+def _uses(uses: list[report_model.ShapeUse]) -> str:
+    """The family calls and sweep points a shape stands for, as the tables show them."""
+    return "; ".join((u.family + " " if u.family else "") + u.label for u in uses)
+
+
+def _reasons(record: report_model.Cell | report_model.LongCheck) -> str:
+    """The reasons a cell or long check failed, else its detail (why it did not run)."""
+    return "; ".join(r.detail for r in record.reasons) or record.detail
+
+
+def _blocks(data: Report, decisions: list[verdict.GpuDecision], images: dict) -> list[tuple]:
+    predicted = "PREDICTED " if data.predicted else ""
+    blocks = [("h", 1, f"{predicted}SageAttention certification, {data.host}"), ("p", _status(data)),
+              ("p", f"Command: `{data.command}`")]
     if predicted:
         blocks.append(("p", "PREDICTED: every cell below was computed by the CPU numerics model of its "
                             "variant (certify --emulate); no GPU ran and nothing here was measured. "
                             "`sage-qual gate` refuses this report: certify on the GPU to enable a family."))
-    if data.get("target"):
-        blocks.append(("p", f"Target: `{data['target']}` (certify --target): this integration stands where a "
+    if data.target:
+        blocks.append(("p", f"Target: `{data.target}` (certify --target): this integration stands where a "
                             "variant stands in every table below."))
-    if data.get("environment"):
-        from sage_qual.serving import environment  # imports torch: only where a report is rendered
+    from sage_qual.serving import environment  # imports torch: only where a report is rendered
 
-        blocks += [("h", 2, "Environment"),
-                   ("pre", environment.render_text(environment.from_dict(data["environment"])))]
+    blocks += [("h", 2, "Environment"), ("pre", environment.render_text(data.environment))]
     blocks += [("h", 2, "Fixtures"), ("table", ["fixture", "family", "kind", "q", "k/v", "dtype", "sha256"],
-               [[f["name"], f["family"], f["kind"], "x".join(map(str, f["q"])), "x".join(map(str, f["k"])),
-                 f["dtype"], f["sha256"]] for f in data["fixtures"]])]
-    if any(f["kind"] == "replica" for f in data["fixtures"]):
+               [[f.name, f.family, f.kind.value, "x".join(map(str, f.q)), "x".join(map(str, f.k)),
+                 f.dtype.value, f.sha256] for f in data.fixtures])]
+    if any(f.kind == report_model.FixtureKind.REPLICA for f in data.fixtures):
         blocks.append(("p", "Fixtures of kind 'replica' are generated to reproduce published statistics, "
                             "not recorded from a model: every verdict below rests on them as such."))
-    if data["options"]["quick"]:
+    if data.options.quick:
         blocks += _left_out_blocks(data)
     for gpu in decisions:
         blocks += _predicted_blocks(gpu) if predicted else _gpu_blocks(gpu, images)
-    for device in data["devices"]:
+    for device in data.devices:
         blocks += _device_blocks(data, device, images)
     return blocks
 
 
-def left_out(data: dict) -> list[tuple[str, str, list[str]]]:
+def left_out(data: Report) -> list[tuple[str, str, list[str]]]:
     """The fixtures of the run's directories and families that --quick left out: (name, family,
     the known failures its calibration records: variants measured non-finite or over the fixture's
     published bound)."""
@@ -144,10 +154,10 @@ def left_out(data: dict) -> list[tuple[str, str, list[str]]]:
     from sage_qual.qualification.families import family_of, normalize
     from sage_qual.serving.variants import VARIANTS
 
-    ran = {f["name"] for f in data["fixtures"]}
-    chosen = set(data["options"]["families"])
+    ran = {f.name for f in data.fixtures}
+    chosen = set(data.options.families)
     found = []
-    for directory in data["options"]["fixture_dirs"]:
+    for directory in data.options.fixture_dirs:
         try:
             fixtures = [fileformat.load_fixture(p) for p in fileformat.list_fixtures(directory)]
         except fileformat.FixtureError:
@@ -174,7 +184,7 @@ def left_out(data: dict) -> list[tuple[str, str, list[str]]]:
     return found
 
 
-def _left_out_blocks(data: dict) -> list[tuple]:
+def _left_out_blocks(data: Report) -> list[tuple]:
     rows = [[name, family, "; ".join(failures) or "none: every kernel its calibration ran passed"]
             for name, family, failures in left_out(data)]
     text = ("A --quick run: the smallest fixture of each family only. The verdicts below say nothing about "
@@ -184,8 +194,6 @@ def _left_out_blocks(data: dict) -> list[tuple]:
     if rows:
         blocks.append(("table", ["fixture", "family", "known failures (its calibration run)"], rows))
     return blocks
-
-
 def _predicted_blocks(gpu: verdict.GpuDecision) -> list[tuple]:
     """A predicted report's verdicts: what the numerics model says of accuracy per family; speed was
     not timed, so nothing here speaks of speed or of where a variant runs."""
@@ -245,23 +253,23 @@ def _gpu_blocks(gpu: verdict.GpuDecision, images: dict) -> list[tuple]:
     return blocks
 
 
-def _cell_row(c: dict) -> list:
-    bounds, smooth = c.get("bounds"), c.get("smooth_k_on")
+def _cell_row(c: report_model.Cell) -> list:
     accuracy = ["-", "-"]
-    if bounds:
-        accuracy = [f"{_number(c.get('rel_l2'))} (<= {_number(bounds['max_rel_l2'])})",
-                    f"{_number(c.get('worst_head_cosine'), 4)} (>= {_number(bounds['min_cosine'], 4)})"]
-    return [c["variant"], c["fixture"], c["outcome"], *accuracy, _number(c.get("error_vs_sdpa")),
-            _number(c.get("extra_bytes_per_element")),
-            f"{_number(smooth['rel_l2'])} / {_number(smooth['worst_head_cosine'], 4)}" if smooth else "-",
-            "; ".join(r["detail"] for r in c.get("reasons", [])) or c.get("detail", "")]
+    if c.bounds:
+        accuracy = [f"{_number(c.rel_l2)} (<= {_number(c.bounds['max_rel_l2'])})",
+                    f"{_number(c.worst_head_cosine, 4)} (>= {_number(c.bounds['min_cosine'], 4)})"]
+    smooth = c.smooth_k_on
+    return [c.variant, c.fixture, c.outcome.value, *accuracy, _number(c.error_vs_sdpa),
+            _number(c.extra_bytes_per_element),
+            f"{_number(smooth.rel_l2)} / {_number(smooth.worst_head_cosine, 4)}" if smooth else "-",
+            _reasons(c)]
 
 
-def _device_blocks(data: dict, device: dict, images: dict) -> list[tuple]:
-    predicted = data.get("predicted")
+def _device_blocks(data: Report, device: report_model.Device, images: dict) -> list[tuple]:
+    predicted = data.predicted
     blocks = [("h", 2, "Predicted by the numerics model (CPU)" if predicted else
-               "cuda:%d %s" % (device["index"], gpu_label(device["name"], device["capability"])))]
-    key = f"cuda:{device['index']}"
+               "cuda:%d %s" % (device.index, gpu_label(device.name, device.capability)))]
+    key = f"cuda:{device.index}"
     if key in images:
         blocks.append(("img", images[key],
                        "predicted relative L2 over the fixture's published bound" if predicted
@@ -272,49 +280,53 @@ def _device_blocks(data: dict, device: dict, images: dict) -> list[tuple]:
                      "gives relative L2 / worst cosine with K smoothing on (outlier fixtures; the wrapper "
                      "runs it off)."),
                ("table", ["variant", "fixture", "outcome", "relative L2", "worst head cosine", "x SDPA",
-                          "bytes/elem", "smooth_k on", "reasons"], [_cell_row(c) for c in device["cells"]])]
+                          "bytes/elem", "smooth_k on", "reasons"], [_cell_row(c) for c in device.cells])]
     headers, rows = _speed_table(data, device)
     blocks += [("h", 3, "Speed"), ("table", headers, rows) if rows else
                ("p", "Not timed" + (" (a predicted report: no GPU ran)." if predicted else "."))]
-    if device.get("long"):
+    if device.long:
         blocks += [("h", 3, "Long calls and layouts"),
                    ("p", "Each variant at the families' longest calls and the sweep lengths past the "
-                         f"fixtures, on {device['long'][0].get('inputs') or 'synthetic tensors'}: relative "
+                         f"fixtures, on {device.long[0].inputs or 'synthetic tensors'}: relative "
                          "L2 of sampled query rows against float32 (budget from the numerics model on the "
                          "same rows), and whether each layout's output equals the contiguous call's bit for "
                          "bit."),
                    ("table", ["variant", "call", "used by", "outcome", "relative L2", "layouts identical",
-                              "reasons"], [_long_row(c) for c in device["long"]])]
-    if device.get("span") is not None:
-        blocks += _span_blocks(device["span"])
-    problems = [c for c in device["cells"] + device["speed"] + (device.get("long") or [])
-                + (device.get("span") or []) if c.get("stderr_tail") or c.get("traceback")]
+                              "reasons"], [_long_row(c) for c in device.long])]
+    if device.span is not None:
+        blocks += _span_blocks(device.span)
+    problems = [r for r in [*device.cells, *device.speed, *(device.long or []), *(device.span or [])]
+                if r.stderr_tail or r.traceback]
     if problems:
         blocks.append(("h", 3, "Crashes, hangs and errors"))
-        for c in problems:
-            shape = c.get("shape")
-            if isinstance(shape, dict):
-                shape = f"{shape['q_tokens']} tokens, {shape['heads']} heads (long check)"
-            if "side" in c:
-                shape = f"a span of {c['span']:,} elements ({c['layout']}, span probe)"
-            what = f"{c.get('variant') or c.get('kernel')} on {c.get('fixture') or shape}"
-            blocks += [("p", f"{what}: {c['outcome']}: {c.get('detail', '')}"),
-                       ("pre", (c.get("stderr_tail") or c.get("traceback"))[-2000:])]
+        for r in problems:
+            blocks += [("p", f"{_what_ran(r)}: {r.outcome.value}: {r.detail}"),
+                       ("pre", (r.stderr_tail or r.traceback)[-2000:])]
     return blocks
 
 
-def _span_blocks(probes: list[dict]) -> list[tuple]:
+def _what_ran(r: report_model.Cell | report_model.Speed | report_model.LongCheck
+              | report_model.SpanProbe) -> str:
+    """Which kernel ran on what, for the heading of a crash's stderr."""
+    if isinstance(r, report_model.Cell):
+        return f"{r.variant} on {r.fixture}"
+    if isinstance(r, report_model.Speed):
+        return f"{r.kernel} on {r.shape}"
+    if isinstance(r, report_model.LongCheck):
+        return f"{r.variant} on {r.shape.q_tokens} tokens, {r.shape.heads} heads (long check)"
+    return f"{r.variant} on a span of {r.span:,} elements ({r.layout}, span probe)"
+
+
+def _span_blocks(probes: list[report_model.SpanProbe]) -> list[tuple]:
     """The span probes (span_check) and, per variant, the largest span right in every layout."""
     from sage_qual.qualification import span_check  # imports torch: only for a report with probes
 
-    typed = [records.parse(report_model.SpanProbe, p, "span probe", report_model.FIX)
-             for p in probes]
-    safe = {v: span_check.largest_safe(typed, v) for v in dict.fromkeys(p.variant for p in typed)}
+    safe = {v: span_check.largest_safe(probes, v) for v in dict.fromkeys(p.variant for p in probes)}
     said = "; ".join(f"{v}: {'none' if n is None else f'{n:,} elements'}" for v, n in safe.items())
-    rows = [[p["variant"], p["layout"], f"{p['side']} {p['limit']:,}", f"{p['span']:,}",
-             f"{p['tokens']:,} x {p['heads']} heads x {p['head_dim']}, {p['kv_tokens']:,} keys"
-             + (f" (ran {p['ran_tokens']} tokens, {p['ran_heads']} heads)" if p.get("ran_tokens") else ""),
-             p["outcome"], _number(p.get("rel_l2")), p.get("detail", "")] for p in probes]
+    rows = [[p.variant, p.layout, f"{p.side} {p.limit:,}", f"{p.span:,}",
+             f"{p.tokens:,} x {p.heads} heads x {p.head_dim}, {p.kv_tokens:,} keys"
+             + (f" (ran {p.ran_tokens} tokens, {p.ran_heads} heads)" if p.ran_tokens else ""),
+             p.outcome.value, _number(p.rel_l2), p.detail] for p in probes]
     return [("h", 3, "Span limits"),
             ("p", "Each probed variant called directly on one long query near the kernels' 32-bit element "
                   "limit, contiguous and as a view into a fused QKV projection; right means relative L2 of "
@@ -326,46 +338,39 @@ def _span_blocks(probes: list[dict]) -> list[tuple]:
                        "detail"], rows)]
 
 
-def _long_row(c: dict) -> list:
-    shape, bounds = c["shape"], c.get("bounds")
-    heads = shape["heads"] if shape["heads"] == shape["kv_heads"] else f"{shape['heads']}/{shape['kv_heads']}"
-    call = (f"{shape['q_tokens']:,} / {shape['kv_tokens']:,} tokens, {heads} heads x {shape['head_dim']} "
-            f"{shape['dtype']}")
-    if c.get("ran_tokens") or c.get("ran_heads"):
-        ran_tokens, ran_heads = c.get("ran_tokens") or shape["q_tokens"], c.get("ran_heads") or heads
-        call += f" (ran {ran_tokens} tokens, {ran_heads} heads)"
-    rel = c.get("metrics", {}).get("rel_l2")
-    accuracy = f"{_number(rel)} (<= {_number(bounds['max_rel_l2'])})" if bounds else "-"
-    identical = ", ".join(f"{name} {'yes' if same else 'NO'}"
-                          for name, same in c.get("identical", {}).items())
-    uses = "; ".join((u["family"] + " " if u["family"] else "") + u["label"] for u in c["uses"])
-    return [c["variant"], call, uses,
-            c["outcome"], accuracy, identical or "-",
-            "; ".join(r["detail"] for r in c.get("reasons", [])) or c.get("detail", "")]
+def _long_row(c: report_model.LongCheck) -> list:
+    shape = c.shape
+    heads = shape.heads if shape.heads == shape.kv_heads else f"{shape.heads}/{shape.kv_heads}"
+    call = (f"{shape.q_tokens:,} / {shape.kv_tokens:,} tokens, {heads} heads x {shape.head_dim} "
+            f"{shape.dtype.value}")
+    if c.ran_tokens or c.ran_heads:
+        call += f" (ran {c.ran_tokens or shape.q_tokens} tokens, {c.ran_heads or heads} heads)"
+    accuracy = "-"
+    if c.bounds:
+        accuracy = f"{_number(c.metrics.get('rel_l2'))} (<= {_number(c.bounds['max_rel_l2'])})"
+    identical = ", ".join(f"{name} {'yes' if same else 'NO'}" for name, same in c.identical.items())
+    return [c.variant, call, _uses(c.uses), c.outcome.value, accuracy, identical or "-", _reasons(c)]
 
 
-def _speed_table(data: dict, device: dict) -> tuple[list, list]:
-    variants = [v for v in data["options"]["variants"] if v not in device["not_supported"]]
-    by = {(r["kernel"], r["shape"]): r for r in device["speed"]}
+def _speed_table(data: Report, device: report_model.Device) -> tuple[list, list]:
+    variants = [v for v in data.options.variants if v not in device.not_supported]
+    by = {(r.kernel, r.shape): r for r in device.speed}
     rows = []
-    for key, entry in data["shapes"].items():
+    for key, entry in data.shapes.items():
         sdpa = by.get(("sdpa", key))
         if sdpa is None:
             continue
-        row = [key, "; ".join((u["family"] + " " if u["family"] else "") + u["label"] for u in entry["uses"]),
-               f"{_number(sdpa['ms'])} ms ({sdpa.get('best_backend') or sdpa['outcome']})"]
+        row = [key, _uses(entry.uses), f"{_number(sdpa.ms)} ms ({sdpa.best_backend or sdpa.outcome.value})"]
         for v in variants:
             r = by.get((v, key))
             if r is None:
                 row.append("")
-            elif r.get("ms") and sdpa["ms"]:
-                row.append(f"{r['ms']:.3g} ms ({sdpa['ms'] / r['ms']:.2f}x)")
+            elif r.ms and sdpa.ms:
+                row.append(f"{r.ms:.3g} ms ({sdpa.ms / r.ms:.2f}x)")
             else:
-                row.append(r["outcome"])
+                row.append(r.outcome.value)
         rows.append(row)
     return ["shape", "used by", "fastest SDPA"] + variants, rows
-
-
 def safe_text(text: str) -> str:
     """Text any UTF-8 file or terminal takes: a lone surrogate (a host name read from undecodable
     bytes) becomes its escape, \\udcff, instead of failing the write."""
@@ -407,7 +412,7 @@ def _inline_html(text: str) -> str:
     return re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(text))
 
 
-def _html(blocks: list[tuple], out_dir: Path, data: dict) -> str:
+def _html(blocks: list[tuple], out_dir: Path, data: Report) -> str:
     parts = []
     for block in blocks:
         if block[0] == "h":
@@ -429,14 +434,14 @@ def _html(blocks: list[tuple], out_dir: Path, data: dict) -> str:
              "td,th{border:1px solid #bbb;padding:.2em .5em;font-size:90%;text-align:left;vertical-align:top}"
              "pre{background:#f4f4f4;padding:1em;overflow:auto}img{max-width:100%}"
              ".partial{background:#fdd;padding:1em;font-weight:bold}")
-    banner = "" if data["complete"] else f'<p class="partial">{html.escape(_status(data))}</p>'
-    title = f"sage-qual report {html.escape(data['host'])}"
+    banner = "" if data.complete else f'<p class="partial">{html.escape(_status(data))}</p>'
+    title = f"sage-qual report {html.escape(data.host)}"
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{title}</title><style>{style}</style>"
             f"</head><body>{banner}{''.join(parts)}</body></html>\n")
 
 
 # Plots -----------------------------------------------------------------------------------------
-def _plots(data: dict, decisions: list[verdict.GpuDecision], out_dir: Path) -> dict[str, str]:
+def _plots(data: Report, decisions: list[verdict.GpuDecision], out_dir: Path) -> dict[str, str]:
     """Plot files by what they show ("cuda:N" heatmaps, GPU names for speedups); none without matplotlib."""
     try:
         import matplotlib
@@ -447,13 +452,13 @@ def _plots(data: dict, decisions: list[verdict.GpuDecision], out_dir: Path) -> d
         return {}
     images = {}
     published = None
-    if data.get("predicted"):  # its budget is the prediction plus a margin: the published bound says more
-        published = {f["name"]: f["bounds"] for f in data["fixtures"]}
-    for device in data["devices"]:
-        if device["cells"]:
-            name = f"accuracy-cuda{device['index']}.png"
+    if data.predicted:  # its budget is the prediction plus a margin: the published bound says more
+        published = {f.name: f.bounds for f in data.fixtures}
+    for device in data.devices:
+        if device.cells:
+            name = f"accuracy-cuda{device.index}.png"
             _heatmap(plt, device, out_dir / name, published)
-            images[f"cuda:{device['index']}"] = name
+            images[f"cuda:{device.index}"] = name
     for n, gpu in enumerate(decisions):
         name = f"speedup-{n}.png"
         if _speedup_plot(plt, data, gpu, out_dir / name):
@@ -466,36 +471,37 @@ def _plots(data: dict, decisions: list[verdict.GpuDecision], out_dir: Path) -> d
 ROW_INCHES, COLUMN_INCHES, MIN_HEIGHT_INCHES = 0.5, 1.1, 3.2
 
 
-def heat_ratio(cell: dict, published: dict | None = None) -> float | None:
+def heat_ratio(cell: report_model.Cell, published: dict | None = None) -> float | None:
     """What a heatmap cell shows: relative L2 over the cell's budget, or over the fixture's published
     bound for its class when `published` (fixture -> class -> limits) is given; None: no number."""
-    bounds = cell.get("bounds")
+    bounds = cell.bounds
     if published is not None:
-        bounds = published.get(cell["fixture"], {}).get(cell.get("accuracy_class") or "")
-    if cell.get("rel_l2") is None or not bounds:
+        accuracy_class = cell.accuracy_class.value if cell.accuracy_class else ""
+        bounds = published.get(cell.fixture, {}).get(accuracy_class)
+    if cell.rel_l2 is None or not bounds:
         return None
-    return cell["rel_l2"] / bounds["max_rel_l2"]
+    return cell.rel_l2 / bounds["max_rel_l2"]
 
 
-def _heatmap(plt, device: dict, path: Path, published: dict | None = None) -> None:
+def _heatmap(plt, device: report_model.Device, path: Path, published: dict | None = None) -> None:
     """Relative L2 over the cell's budget; with `published` (fixture -> class -> limits, for a
     predicted report) over the fixture's published bound instead."""
     import numpy as np
 
-    variants = list(dict.fromkeys(c["variant"] for c in device["cells"]))
-    fixtures = list(dict.fromkeys(c["fixture"] for c in device["cells"]))
+    variants = list(dict.fromkeys(c.variant for c in device.cells))
+    fixtures = list(dict.fromkeys(c.fixture for c in device.cells))
     values = np.full((len(variants), len(fixtures)), np.nan)
     height = max(MIN_HEIGHT_INCHES, 2.2 + ROW_INCHES * len(variants))
     figure, axes = plt.subplots(figsize=(3 + COLUMN_INCHES * len(fixtures), height))
     # Sequential and colour-blind safe (cividis: dark blue = far within the bound, yellow = over it);
     # the outcome word is printed in every cell, so nothing rests on colour alone.
     colours = plt.get_cmap("cividis").with_extremes(bad="#d9d9d9")
-    for c in device["cells"]:
-        i, j = variants.index(c["variant"]), fixtures.index(c["fixture"])
+    for c in device.cells:
+        i, j = variants.index(c.variant), fixtures.index(c.fixture)
         ratio = heat_ratio(c, published)
         if ratio is not None:
             values[i, j] = math.log10(max(ratio, 1e-2))
-        text = c["outcome"] if ratio is None else f"{c['outcome']}\n{ratio:.2f}"
+        text = c.outcome.value if ratio is None else f"{c.outcome.value}\n{ratio:.2f}"
         dark = ratio is not None and values[i, j] < -0.5
         axes.text(j, i, text, ha="center", va="center", fontsize=7, color="white" if dark else "black")
     shown = axes.imshow(values, cmap=colours, vmin=-2, vmax=1, aspect="auto")
@@ -508,27 +514,26 @@ def _heatmap(plt, device: dict, path: Path, published: dict | None = None) -> No
     else:
         figure.colorbar(shown, ax=axes, label="log10(rel. L2 / budget)")
         axes.set_title("cuda:%d %s: relative L2 / budget against float32 (> 1 fails; grey: no number)"
-                       % (device["index"], device["name"]), fontsize=9)
+                       % (device.index, device.name), fontsize=9)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
 
 
-def _speedup_plot(plt, data: dict, gpu: verdict.GpuDecision, path: Path) -> bool:
+def _speedup_plot(plt, data: Report, gpu: verdict.GpuDecision, path: Path) -> bool:
     """Speedup over the fastest SDPA backend against tokens, generic self-attention, per head size:
     the median ratio, with a bar down to the lower 95 % bound the decisions use."""
-    generic = {k: s["shape"] for k, s in data["shapes"].items()
-               if not any(u["family"] for u in s["uses"])
-               and s["shape"]["q_tokens"] == s["shape"]["kv_tokens"]}
-    head_dims = sorted({s["head_dim"] for s in generic.values()}, reverse=True)
+    generic = {k: s.shape for k, s in data.shapes.items()
+               if not any(u.family for u in s.uses) and s.shape.q_tokens == s.shape.kv_tokens}
+    head_dims = sorted({s.head_dim for s in generic.values()}, reverse=True)
     if not head_dims:
         return False
     figure, axes = plt.subplots(1, len(head_dims), figsize=(6 * len(head_dims), 4.2), squeeze=False)
     for ax, head_dim in zip(axes[0], head_dims, strict=True):
-        keys = sorted((k for k, s in generic.items() if s["head_dim"] == head_dim),
-                      key=lambda k: generic[k]["q_tokens"])
+        keys = sorted((k for k, s in generic.items() if s.head_dim == head_dim),
+                      key=lambda k: generic[k].q_tokens)
         for variant in (v for v, info in gpu.variants.items() if info.runnable):
-            points = [(generic[k]["q_tokens"], *gpu.speedups[(variant, k)]) for k in keys
+            points = [(generic[k].q_tokens, *gpu.speedups[(variant, k)]) for k in keys
                       if (variant, k) in gpu.speedups]
             if not points:
                 continue
