@@ -281,7 +281,7 @@ def test_gate_and_merge_say_the_verified_range():
                         "(layouts: contiguous, transposed, nhd, fused_qkv)")
     assert lines[1].startswith("  - range: verified only below 32,768 query tokens")
     (row,) = gate.merge_rows([(Path("r.json"), typed)])
-    assert row["families"]["FLUX.1"]["max_query_tokens"] == 16896
+    assert row.families["FLUX.1"].max_query_tokens == 16896
     assert "enable: sm90-fp8-cuda 4,608 to 16,896 tokens (contiguous, transposed, nhd, fused_qkv)" in \
         gate.merge_markdown([row])
 

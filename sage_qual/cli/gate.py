@@ -13,6 +13,7 @@ import sys
 import traceback
 from pathlib import Path
 
+from sage_qual import records
 from sage_qual.errors import ExitCode, UsageError
 from sage_qual.qualification import gate, junit, report
 from sage_qual.qualification.families import FAMILIES
@@ -76,7 +77,8 @@ def _gate(args: argparse.Namespace) -> int:
 def _merge(args: argparse.Namespace) -> int:
     rows = gate.merge_rows([(path, _read(path)) for path in args.reports])
     if args.json:
-        answer = {"command": "merge", "exit_code": ExitCode.OK, "problem": "", "rows": rows}
+        answer = {"command": "merge", "exit_code": ExitCode.OK, "problem": "",
+                  "rows": [records.dump(row) for row in rows]}
         print(json.dumps(answer, indent=1))
     else:
         print(gate.merge_markdown(rows))
