@@ -15,6 +15,7 @@ import math
 import os
 import re
 import threading
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -74,10 +75,40 @@ class Writer:
 
 
 # Rendering -------------------------------------------------------------------------------------
-# A report is rendered as a list of blocks, each turned into Markdown or HTML:
-# ("h", level, text), ("p", text), ("pre", text), ("table", headers, rows), ("img", file, alt).
-# Every block is built from the typed record (`parse` or `load`), never from report.json's dict, so
-# what renders is what the checks passed.
+# A report is rendered as a list of blocks, each turned into Markdown or HTML. Every block is built
+# from the typed record (`parse` or `load`), never from report.json's dict, so what renders is what
+# the checks passed.
+
+@dataclass(frozen=True)
+class Heading:
+    level: int
+    text: str
+
+
+@dataclass(frozen=True)
+class Paragraph:
+    text: str  # Markdown: `code` spans become <code> in HTML
+
+
+@dataclass(frozen=True)
+class Preformatted:
+    text: str
+
+
+@dataclass(frozen=True)
+class Table:
+    headers: list[str]
+    rows: list[list]
+
+
+@dataclass(frozen=True)
+class Image:
+    file: str  # next to report.md
+    alt: str
+
+
+Block = Heading | Paragraph | Preformatted | Table | Image
+
 
 def render(data: Report, out_dir: Path) -> list[Path]:
     """Write report.md, report.html and the plots for the report `data` (from `parse` or `load`) into
@@ -117,26 +148,27 @@ def _reasons(record: report_model.Cell | report_model.LongCheck) -> str:
     return "; ".join(r.detail for r in record.reasons) or record.detail
 
 
-def _blocks(data: Report, decisions: list[verdict.GpuDecision], images: dict) -> list[tuple]:
+def _blocks(data: Report, decisions: list[verdict.GpuDecision], images: dict) -> list[Block]:
     predicted = "PREDICTED " if data.predicted else ""
-    blocks = [("h", 1, f"{predicted}SageAttention certification, {data.host}"), ("p", _status(data)),
-              ("p", f"Command: `{data.command}`")]
+    blocks = [Heading(1, f"{predicted}SageAttention certification, {data.host}"), Paragraph(_status(data)),
+              Paragraph(f"Command: `{data.command}`")]
     if predicted:
-        blocks.append(("p", "PREDICTED: every cell below was computed by the CPU numerics model of its "
-                            "variant (certify --emulate); no GPU ran and nothing here was measured. "
-                            "`sage-qual gate` refuses this report: certify on the GPU to enable a family."))
+        blocks.append(Paragraph("PREDICTED: every cell below was computed by the CPU numerics model of its "
+                                "variant (certify --emulate); no GPU ran and nothing here was measured. "
+                                "`sage-qual gate` refuses this report: certify on the GPU to enable a "
+                                "family."))
     if data.target:
-        blocks.append(("p", f"Target: `{data.target}` (certify --target): this integration stands where a "
-                            "variant stands in every table below."))
+        blocks.append(Paragraph(f"Target: `{data.target}` (certify --target): this integration stands "
+                                "where a variant stands in every table below."))
     from sage_qual.serving import environment  # imports torch: only where a report is rendered
 
-    blocks += [("h", 2, "Environment"), ("pre", environment.render_text(data.environment))]
-    blocks += [("h", 2, "Fixtures"), ("table", ["fixture", "family", "kind", "q", "k/v", "dtype", "sha256"],
+    blocks += [Heading(2, "Environment"), Preformatted(environment.render_text(data.environment))]
+    blocks += [Heading(2, "Fixtures"), Table(["fixture", "family", "kind", "q", "k/v", "dtype", "sha256"],
                [[f.name, f.family, f.kind.value, "x".join(map(str, f.q)), "x".join(map(str, f.k)),
                  f.dtype.value, f.sha256] for f in data.fixtures])]
     if any(f.kind == report_model.FixtureKind.REPLICA for f in data.fixtures):
-        blocks.append(("p", "Fixtures of kind 'replica' are generated to reproduce published statistics, "
-                            "not recorded from a model: every verdict below rests on them as such."))
+        blocks.append(Paragraph("Fixtures of kind 'replica' are generated to reproduce published statistics, "
+                                "not recorded from a model: every verdict below rests on them as such."))
     if data.options.quick:
         blocks += _left_out_blocks(data)
     for gpu in decisions:
@@ -184,17 +216,17 @@ def left_out(data: Report) -> list[tuple[str, str, list[str]]]:
     return found
 
 
-def _left_out_blocks(data: Report) -> list[tuple]:
+def _left_out_blocks(data: Report) -> list[Block]:
     rows = [[name, family, "; ".join(failures) or "none: every kernel its calibration ran passed"]
             for name, family, failures in left_out(data)]
     text = ("A --quick run: the smallest fixture of each family only. The verdicts below say nothing about "
             "the fixtures it left out, and the stress fixtures that carry the known failures are among "
             "them, so a family can pass here and fail the full run. `sage-qual gate` refuses this report.")
-    blocks = [("h", 2, "Left out by --quick"), ("p", text)]
+    blocks = [Heading(2, "Left out by --quick"), Paragraph(text)]
     if rows:
-        blocks.append(("table", ["fixture", "family", "known failures (its calibration run)"], rows))
+        blocks.append(Table(["fixture", "family", "known failures (its calibration run)"], rows))
     return blocks
-def _predicted_blocks(gpu: verdict.GpuDecision) -> list[tuple]:
+def _predicted_blocks(gpu: verdict.GpuDecision) -> list[Block]:
     """A predicted report's verdicts: what the numerics model says of accuracy per family; speed was
     not timed, so nothing here speaks of speed or of where a variant runs."""
     rows = []
@@ -207,10 +239,10 @@ def _predicted_blocks(gpu: verdict.GpuDecision) -> list[tuple]:
         why = "; ".join(r.detail for r in v.reasons if r.kind != report_model.ReasonKind.SPEED)
         rows.append([v.family or "(default: all fixtures)", prediction, ", ".join(v.certified) or "-",
                      why or "-"])
-    return [("h", 2, "Predicted accuracy verdicts"),
-            ("p", "From the numerics model's cells below, accuracy only. Speed: not timed (no GPU ran), so "
-                  "no variant is enabled and no break-even exists: certify on the GPU for those."),
-            ("table", ["family", "prediction", "variants that would pass every fixture", "why not"], rows)]
+    return [Heading(2, "Predicted accuracy verdicts"),
+            Paragraph("From the numerics model's cells below, accuracy only. Speed: not timed (no GPU ran), "
+                      "so no variant is enabled and no break-even exists: certify on the GPU for those."),
+            Table(["family", "prediction", "variants that would pass every fixture", "why not"], rows)]
 
 
 def verdict_rows(gpu: verdict.GpuDecision) -> list[list[str]]:
@@ -221,7 +253,7 @@ def verdict_rows(gpu: verdict.GpuDecision) -> list[list[str]]:
             for v in gpu.families + [gpu.default]]
 
 
-def _gpu_blocks(gpu: verdict.GpuDecision, images: dict) -> list[tuple]:
+def _gpu_blocks(gpu: verdict.GpuDecision, images: dict) -> list[Block]:
     devices = ", ".join(f"cuda:{i}" for i in gpu.devices)
     variants = []
     for name, v in gpu.variants.items():
@@ -232,24 +264,24 @@ def _gpu_blocks(gpu: verdict.GpuDecision, images: dict) -> list[tuple]:
                                            f"{'/'.join(map(str, even.head_dims))}")
         shapes = f"{even.served_shapes} / {even.measured_shapes}" if even else "-"
         variants.append([name, runs, served, shapes])
-    blocks = [("h", 2, f"{gpu.model}, {devices}"),
-              ("h", 3, "Verdicts"),
-              ("p", "enable: a variant passed every fixture and its measured speed serves some of the "
-                    "family's shapes; safe, no speedup: it passed, but its measured speed serves none of "
-                    "them (a profile serves nothing); keep off: no variant passed. Speedups are the lower "
-                    "end of a 95 % confidence interval. An enabled family is served from its break-even up "
-                    "to the longest call its long checks verified, in the layouts whose views gave the "
-                    "contiguous output bit for bit."),
-              ("table", ["family", "verdict", "variant", "served (verified range and layouts)",
-                         "speedup at its shapes", "reasons"], verdict_rows(gpu)),
-              ("h", 3, "Break-even per variant"),
-              ("p", "The head sizes and the query and key lengths from which each variant measured faster "
-                    "than the fastest SDPA backend (lower 95 % bound) at every measured shape; '-' where "
-                    "it never was (or does not run here)."),
-              ("table", ["variant", "runs here", "served from (query / key tokens)",
-                         "shapes served / measured"], variants)]
+    blocks = [Heading(2, f"{gpu.model}, {devices}"),
+              Heading(3, "Verdicts"),
+              Paragraph("enable: a variant passed every fixture and its measured speed serves some of the "
+                        "family's shapes; safe, no speedup: it passed, but its measured speed serves none of "
+                        "them (a profile serves nothing); keep off: no variant passed. Speedups are the "
+                        "lower end of a 95 % confidence interval. An enabled family is served from its "
+                        "break-even up to the longest call its long checks verified, in the layouts whose "
+                        "views gave the contiguous output bit for bit."),
+              Table(["family", "verdict", "variant", "served (verified range and layouts)",
+                     "speedup at its shapes", "reasons"], verdict_rows(gpu)),
+              Heading(3, "Break-even per variant"),
+              Paragraph("The head sizes and the query and key lengths from which each variant measured "
+                        "faster than the fastest SDPA backend (lower 95 % bound) at every measured shape; "
+                        "'-' where it never was (or does not run here)."),
+              Table(["variant", "runs here", "served from (query / key tokens)",
+                     "shapes served / measured"], variants)]
     if gpu.name in images:
-        blocks.append(("img", images[gpu.name], "speedup against the fastest SDPA backend"))
+        blocks.append(Image(images[gpu.name], "speedup against the fastest SDPA backend"))
     return blocks
 
 
@@ -265,43 +297,43 @@ def _cell_row(c: report_model.Cell) -> list:
             _reasons(c)]
 
 
-def _device_blocks(data: Report, device: report_model.Device, images: dict) -> list[tuple]:
+def _device_blocks(data: Report, device: report_model.Device, images: dict) -> list[Block]:
     predicted = data.predicted
-    blocks = [("h", 2, "Predicted by the numerics model (CPU)" if predicted else
+    blocks = [Heading(2, "Predicted by the numerics model (CPU)" if predicted else
                "cuda:%d %s" % (device.index, gpu_label(device.name, device.capability)))]
     key = f"cuda:{device.index}"
     if key in images:
-        blocks.append(("img", images[key],
+        blocks.append(Image(images[key],
                        "predicted relative L2 over the fixture's published bound" if predicted
                        else "accuracy: relative L2 over its budget, per variant and fixture"))
-    blocks += [("h", 3, "Accuracy and memory per variant and fixture"),
-               ("p", "Against a float32 reference; 'x SDPA' is the error over that of PyTorch SDPA in the "
-                     "input precision; memory is the extra peak in bytes per q/k/v element; 'smooth_k on' "
-                     "gives relative L2 / worst cosine with K smoothing on (outlier fixtures; the wrapper "
-                     "runs it off)."),
-               ("table", ["variant", "fixture", "outcome", "relative L2", "worst head cosine", "x SDPA",
-                          "bytes/elem", "smooth_k on", "reasons"], [_cell_row(c) for c in device.cells])]
+    blocks += [Heading(3, "Accuracy and memory per variant and fixture"),
+               Paragraph("Against a float32 reference; 'x SDPA' is the error over that of PyTorch SDPA in "
+                         "the input precision; memory is the extra peak in bytes per q/k/v element; "
+                         "'smooth_k on' gives relative L2 / worst cosine with K smoothing on (outlier "
+                         "fixtures; the wrapper runs it off)."),
+               Table(["variant", "fixture", "outcome", "relative L2", "worst head cosine", "x SDPA",
+                      "bytes/elem", "smooth_k on", "reasons"], [_cell_row(c) for c in device.cells])]
     headers, rows = _speed_table(data, device)
-    blocks += [("h", 3, "Speed"), ("table", headers, rows) if rows else
-               ("p", "Not timed" + (" (a predicted report: no GPU ran)." if predicted else "."))]
+    blocks += [Heading(3, "Speed"), Table(headers, rows) if rows else
+               Paragraph("Not timed" + (" (a predicted report: no GPU ran)." if predicted else "."))]
     if device.long:
-        blocks += [("h", 3, "Long calls and layouts"),
-                   ("p", "Each variant at the families' longest calls and the sweep lengths past the "
-                         f"fixtures, on {device.long[0].inputs or 'synthetic tensors'}: relative "
-                         "L2 of sampled query rows against float32 (budget from the numerics model on the "
-                         "same rows), and whether each layout's output equals the contiguous call's bit for "
-                         "bit."),
-                   ("table", ["variant", "call", "used by", "outcome", "relative L2", "layouts identical",
-                              "reasons"], [_long_row(c) for c in device.long])]
+        blocks += [Heading(3, "Long calls and layouts"),
+                   Paragraph("Each variant at the families' longest calls and the sweep lengths past the "
+                             f"fixtures, on {device.long[0].inputs or 'synthetic tensors'}: relative "
+                             "L2 of sampled query rows against float32 (budget from the numerics model on "
+                             "the same rows), and whether each layout's output equals the contiguous call's "
+                             "bit for bit."),
+                   Table(["variant", "call", "used by", "outcome", "relative L2", "layouts identical",
+                          "reasons"], [_long_row(c) for c in device.long])]
     if device.span is not None:
         blocks += _span_blocks(device.span)
     problems = [r for r in [*device.cells, *device.speed, *(device.long or []), *(device.span or [])]
                 if r.stderr_tail or r.traceback]
     if problems:
-        blocks.append(("h", 3, "Crashes, hangs and errors"))
+        blocks.append(Heading(3, "Crashes, hangs and errors"))
         for r in problems:
-            blocks += [("p", f"{_what_ran(r)}: {r.outcome.value}: {r.detail}"),
-                       ("pre", (r.stderr_tail or r.traceback)[-2000:])]
+            blocks += [Paragraph(f"{_what_ran(r)}: {r.outcome.value}: {r.detail}"),
+                       Preformatted((r.stderr_tail or r.traceback)[-2000:])]
     return blocks
 
 
@@ -317,7 +349,7 @@ def _what_ran(r: report_model.Cell | report_model.Speed | report_model.LongCheck
     return f"{r.variant} on a span of {r.span:,} elements ({r.layout}, span probe)"
 
 
-def _span_blocks(probes: list[report_model.SpanProbe]) -> list[tuple]:
+def _span_blocks(probes: list[report_model.SpanProbe]) -> list[Block]:
     """The span probes (span_check) and, per variant, the largest span right in every layout."""
     from sage_qual.qualification import span_check  # imports torch: only for a report with probes
 
@@ -327,15 +359,15 @@ def _span_blocks(probes: list[report_model.SpanProbe]) -> list[tuple]:
              f"{p.tokens:,} x {p.heads} heads x {p.head_dim}, {p.kv_tokens:,} keys"
              + (f" (ran {p.ran_tokens} tokens, {p.ran_heads} heads)" if p.ran_tokens else ""),
              p.outcome.value, _number(p.rel_l2), p.detail] for p in probes]
-    return [("h", 3, "Span limits"),
-            ("p", "Each probed variant called directly on one long query near the kernels' 32-bit element "
-                  "limit, contiguous and as a view into a fused QKV projection; right means relative L2 of "
-                  "sampled rows against float32 under 0.15; a crash is a fault or an abort, contained in "
-                  "its worker. Largest span right in every layout, with every smaller probe right: "
-                  f"{said or 'none probed'}. The profile's max_span_elements takes the smallest of these "
-                  "over the variants it serves, never above 2^31 - 1."),
-            ("table", ["variant", "layout", "side of limit", "query span", "call", "outcome", "relative L2",
-                       "detail"], rows)]
+    return [Heading(3, "Span limits"),
+            Paragraph("Each probed variant called directly on one long query near the kernels' 32-bit "
+                      "element limit, contiguous and as a view into a fused QKV projection; right means "
+                      "relative L2 of sampled rows against float32 under 0.15; a crash is a fault or an "
+                      "abort, contained in its worker. Largest span right in every layout, with every "
+                      f"smaller probe right: {said or 'none probed'}. The profile's max_span_elements takes "
+                      "the smallest of these over the variants it serves, never above 2^31 - 1."),
+            Table(["variant", "layout", "side of limit", "query span", "call", "outcome", "relative L2",
+                   "detail"], rows)]
 
 
 def _long_row(c: report_model.LongCheck) -> list:
@@ -391,19 +423,19 @@ def markdown_table(headers, rows) -> list[str]:
     return [markdown_row(headers), "|" + "---|" * len(headers), *map(markdown_row, rows)]
 
 
-def _markdown(blocks: list[tuple]) -> str:
+def _markdown(blocks: list[Block]) -> str:
     lines = []
     for block in blocks:
-        if block[0] == "h":  # a heading is one line, whatever a host name holds
-            lines += ["#" * block[1] + " " + " ".join(block[2].splitlines()), ""]
-        elif block[0] == "p":
-            lines += [block[1], ""]
-        elif block[0] == "pre":
-            lines += ["```text", block[1].rstrip(), "```", ""]
-        elif block[0] == "img":
-            lines += [f"![{block[2]}]({block[1]})", ""]
-        elif block[0] == "table":
-            lines += markdown_table(block[1], block[2]) + [""]
+        if isinstance(block, Heading):  # a heading is one line, whatever a host name holds
+            lines += ["#" * block.level + " " + " ".join(block.text.splitlines()), ""]
+        elif isinstance(block, Paragraph):
+            lines += [block.text, ""]
+        elif isinstance(block, Preformatted):
+            lines += ["```text", block.text.rstrip(), "```", ""]
+        elif isinstance(block, Image):
+            lines += [f"![{block.alt}]({block.file})", ""]
+        else:
+            lines += markdown_table(block.headers, block.rows) + [""]
     return "\n".join(lines)
 
 
@@ -412,22 +444,22 @@ def _inline_html(text: str) -> str:
     return re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(text))
 
 
-def _html(blocks: list[tuple], out_dir: Path, data: Report) -> str:
+def _html(blocks: list[Block], out_dir: Path, data: Report) -> str:
     parts = []
     for block in blocks:
-        if block[0] == "h":
-            parts.append(f"<h{block[1]}>{html.escape(block[2])}</h{block[1]}>")
-        elif block[0] == "p":
-            parts.append(f"<p>{_inline_html(block[1])}</p>")
-        elif block[0] == "pre":
-            parts.append(f"<pre>{html.escape(block[1])}</pre>")
-        elif block[0] == "img":  # embedded, so the page is one self-contained file
-            encoded = base64.b64encode((out_dir / block[1]).read_bytes()).decode()
-            parts.append(f'<img alt="{html.escape(block[2])}" src="data:image/png;base64,{encoded}">')
-        elif block[0] == "table":
-            head = "".join(f"<th>{html.escape(str(h))}</th>" for h in block[1])
+        if isinstance(block, Heading):
+            parts.append(f"<h{block.level}>{html.escape(block.text)}</h{block.level}>")
+        elif isinstance(block, Paragraph):
+            parts.append(f"<p>{_inline_html(block.text)}</p>")
+        elif isinstance(block, Preformatted):
+            parts.append(f"<pre>{html.escape(block.text)}</pre>")
+        elif isinstance(block, Image):  # embedded, so the page is one self-contained file
+            encoded = base64.b64encode((out_dir / block.file).read_bytes()).decode()
+            parts.append(f'<img alt="{html.escape(block.alt)}" src="data:image/png;base64,{encoded}">')
+        else:
+            head = "".join(f"<th>{html.escape(str(h))}</th>" for h in block.headers)
             body = "".join("<tr>" + "".join(f"<td>{_inline_html(str(x))}</td>" for x in row) + "</tr>"
-                           for row in block[2])
+                           for row in block.rows)
             parts.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
     style = ("body{font-family:sans-serif;margin:2em;max-width:110em}"
              "table{border-collapse:collapse;margin:1em 0}"
