@@ -178,10 +178,17 @@ def _blocks(data: Report, decisions: list[verdict.GpuDecision], images: dict) ->
     return blocks
 
 
-def left_out(data: Report) -> list[tuple[str, str, list[str]]]:
-    """The fixtures of the run's directories and families that --quick left out: (name, family,
-    the known failures its calibration records: variants measured non-finite or over the fixture's
-    published bound)."""
+@dataclass(frozen=True)
+class LeftOut:
+    """A fixture a --quick run left out, and the known failures its calibration records: variants
+    measured non-finite or over the fixture's published bound."""
+    fixture: str
+    family: str
+    failures: list[str]
+
+
+def left_out(data: Report) -> list[LeftOut]:
+    """The fixtures of the run's directories and families that --quick left out."""
     from sage_qual.fixtures import fileformat
     from sage_qual.qualification.families import family_of, normalize
     from sage_qual.serving.variants import VARIANTS
@@ -212,13 +219,13 @@ def left_out(data: Report) -> list[tuple[str, str, list[str]]]:
                 status = (fixture.calibration.get("status", "no calibration")
                           if isinstance(fixture.calibration, dict) else "no calibration")
                 failures.append(f"none known: no kernel ran this file ({status})")
-            found.append((fixture.name, owner.name if owner else normalize(fixture.family), failures))
+            found.append(LeftOut(fixture.name, owner.name if owner else normalize(fixture.family), failures))
     return found
 
 
 def _left_out_blocks(data: Report) -> list[Block]:
-    rows = [[name, family, "; ".join(failures) or "none: every kernel its calibration ran passed"]
-            for name, family, failures in left_out(data)]
+    rows = [[f.fixture, f.family, "; ".join(f.failures) or "none: every kernel its calibration ran passed"]
+            for f in left_out(data)]
     text = ("A --quick run: the smallest fixture of each family only. The verdicts below say nothing about "
             "the fixtures it left out, and the stress fixtures that carry the known failures are among "
             "them, so a family can pass here and fail the full run. `sage-qual gate` refuses this report.")
