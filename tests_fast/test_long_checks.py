@@ -262,14 +262,15 @@ def test_an_edited_long_check_is_refused():
 def test_the_profile_holds_the_range_and_layouts():
     typed, gpu = decided(fail_at=16384)
     built = profile.build(typed, [gpu])
-    flux = built["gpus"][0]["families"]["FLUX.1"]
-    assert (flux["max_query_tokens"], flux["max_key_tokens"]) == (8192, 8192)
-    assert flux["layouts"] == ["contiguous", "transposed", "nhd", "fused_qkv"]
-    assert flux["reasons"][0]["kind"] == "long"
-    off = built["gpus"][0]["families"]["Wan 2.2"]  # kept off: no range
-    assert off.get("max_query_tokens") is None and off.get("layouts") is None
+    flux = built.gpus[0].families["FLUX.1"]
+    assert (flux.max_query_tokens, flux.max_key_tokens) == (8192, 8192)
+    assert flux.layouts == ["contiguous", "transposed", "nhd", "fused_qkv"]
+    assert flux.reasons[0].kind == "long"
+    off = built.gpus[0].families["Wan 2.2"]  # kept off: no range
+    assert off.max_query_tokens is None and off.layouts is None
     legacy = profile.build(report.load(SAMPLE), verdict.decide(report.load(SAMPLE)))
-    assert "max_query_tokens" not in legacy["gpus"][0]["families"]["FLUX.1"]  # absent: no bound known
+    legacy_flux = legacy.gpus[0].families["FLUX.1"]  # enabled, but no long checks: no bound known
+    assert legacy_flux.variant and (legacy_flux.max_query_tokens, legacy_flux.layouts) == (None, None)
 
 
 def test_gate_and_merge_say_the_verified_range():
