@@ -307,12 +307,12 @@ def _cell_row(c: report_model.Cell) -> list:
 def _device_blocks(data: Report, device: report_model.Device, images: dict) -> list[Block]:
     predicted = data.predicted
     blocks = [Heading(2, "Predicted by the numerics model (CPU)" if predicted else
-               "cuda:%d %s" % (device.index, gpu_label(device.name, device.capability)))]
+                      "cuda:%d %s" % (device.index, gpu_label(device.name, device.capability)))]
     key = f"cuda:{device.index}"
     if key in images:
-        blocks.append(Image(images[key],
-                       "predicted relative L2 over the fixture's published bound" if predicted
-                       else "accuracy: relative L2 over its budget, per variant and fixture"))
+        alt = ("predicted relative L2 over the fixture's published bound" if predicted
+               else "accuracy: relative L2 over its budget, per variant and fixture")
+        blocks.append(Image(images[key], alt))
     blocks += [Heading(3, "Accuracy and memory per variant and fixture"),
                Paragraph("Against a float32 reference; 'x SDPA' is the error over that of PyTorch SDPA in "
                          "the input precision; memory is the extra peak in bytes per q/k/v element; "
