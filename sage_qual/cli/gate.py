@@ -61,9 +61,10 @@ def _gate(args: argparse.Namespace) -> int:
         message = f"internal error: {type(error).__name__}: {error}".splitlines()[0]
         decision = gate.GateDecision(args.family, ExitCode.USAGE, message + " (--debug shows where)")
     if args.junit_xml:
-        cases = [junit.case(model, d, args.require_speedup) for model, d in decision.gpus]
         if decision.problem:
             cases = [junit.Case("gate", decision.family, junit.Outcome.ERROR, decision.problem)]
+        else:
+            cases = [junit.case(model, d, args.require_speedup) for model, d in decision.gpus]
         junit.write(args.junit_xml, f"sage-qual gate {decision.family}", cases)
     if args.json:
         print(json.dumps(decision.as_json(), indent=1))

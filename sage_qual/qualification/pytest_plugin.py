@@ -35,10 +35,10 @@ from typing import TYPE_CHECKING
 import pytest
 
 from sage_qual.qualification import families as families_mod
+from sage_qual.serving.variants import capability_label
 
 if TYPE_CHECKING:  # imported where a check runs: the plugin costs nothing until asked
     from sage_qual.qualification.report_model import Cell
-from sage_qual.serving.variants import capability_label
 
 DEFAULT_TARGET = "wrapper"
 REQUIRE_GPU_VARIABLE = "SAGE_QUAL_REQUIRE_GPU"
