@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import sage_qual
+from sage_qual import records
 from sage_qual.qualification import profile as building
 from sage_qual.qualification import report, speed, verdict
 from sage_qual.qualification.speed import break_even
@@ -182,7 +183,7 @@ def test_profile_thresholds_decide_which_calls_are_served(fake):
 
 def test_profile_from_a_file(fake, tmp_path):
     path = tmp_path / "profile.json"
-    building.save(make_profile(entry=make_entry("sm90-fp8-cuda", 1024, 64)), path)
+    building.save(profile.load(make_profile(entry=make_entry("sm90-fp8-cuda", 1024, 64))), path)
     status = sage_qual.install(profile=path)
     assert status.enabled and status.devices[0].variant.name == "sm90-fp8-cuda"
     assert attention(1024, kv_tokens=64).served == 1
@@ -235,7 +236,7 @@ def test_install_refuses_an_unreadable_profile_file(fake, tmp_path):
 def test_profile_built_by_certify_installs(fake, tmp_path):
     """A profile from a (sample) report, made to match this fake machine, selects its entry."""
     data = report.load(Path(__file__).parent / "data" / "sample_rtx4090.json")
-    built = building.build(data, verdict.decide(data))
+    built = records.dump(building.build(data, verdict.decide(data)))
     assert profile.load(built).gpus[0].name == "NVIDIA GeForce RTX 4090"
     built["gpus"][0].update(name=H200.name, capability=list(H200.capability), memory_gib=H200.memory_gib)
     built["gpus"][0]["environment"].update(torch=torch.__version__, sageattention="2.2.0", torch_cuda="13.0")
@@ -244,10 +245,20 @@ def test_profile_built_by_certify_installs(fake, tmp_path):
     assert dict(attention(2048).fallbacks) == {"short": 1}  # sample break-even: 4608 query tokens
 
 
+@pytest.mark.parametrize("run", ["certify-b", "certify-e"])
+def test_the_built_profile_is_the_one_run_13_wrote(run, tmp_path):
+    """The record-building profile gives what certify wrote for run 13 (docs/results/run13-h200x2), as
+    the wrapper reads it: the verified ranges, layouts, reasons and span limit of every entry."""
+    folder = Path(__file__).resolve().parents[1] / "docs" / "results" / "run13-h200x2" / run
+    data = report.load(folder / "report.json")
+    building.save(building.build(data, verdict.decide(data)), tmp_path / "profile.json")
+    assert profile.load(tmp_path / "profile.json") == profile.load(folder / "profile.json")
+
+
 def test_the_profile_schema_accepts_what_certify_builds():
     jsonschema = pytest.importorskip("jsonschema")
     data = report.load(Path(__file__).parent / "data" / "sample_h200_2gpu.json")
-    built = building.build(data, verdict.decide(data))
+    built = records.dump(building.build(data, verdict.decide(data)))
     assert list(jsonschema.Draft202012Validator(profile.json_schema()).iter_errors(built)) == []
 
 

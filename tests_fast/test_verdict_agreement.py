@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from sage_qual import records
 from sage_qual.qualification import certify, gate, judge, report, verdict
 from sage_qual.qualification.families import FAMILIES, find
 from sage_qual.serving.variants import VARIANTS
@@ -207,7 +208,7 @@ def served_numbers(entry: dict) -> str | None:
 
 def from_markdown(data: dict, tmp_path: Path, monkeypatch) -> dict:
     monkeypatch.setattr(report, "_plots", lambda *args: {})  # the tables are what is compared
-    report.render(data, tmp_path)
+    report.render(report.parse(data, "r.json"), tmp_path)
     found, model, in_verdicts = {}, None, False
     for line in (tmp_path / "report.md").read_text().splitlines():
         if line.startswith("## "):
@@ -228,7 +229,7 @@ def from_markdown(data: dict, tmp_path: Path, monkeypatch) -> dict:
 def from_merge(data: dict) -> dict:
     rows = gate.merge_rows([(Path("r.json"), report.parse(copy.deepcopy(data), "r.json"))])
     found = {}
-    for row in json.loads(json.dumps(rows)):
+    for row in json.loads(json.dumps([records.dump(row) for row in rows])):  # as merge --json prints
         model = "%s (sm_%d%d)" % (row["gpu"], *row["capability"])
         for family, v in row["families"].items():
             found[(model, family)] = (v["verdict"], v["variant"], served_numbers(v))

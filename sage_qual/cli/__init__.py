@@ -142,7 +142,8 @@ def _refuse(args: argparse.Namespace, problem: str, code: int = ExitCode.USAGE) 
 
         try:
             junit.write(args.junit_xml, f"sage-qual {args.command}",
-                        [junit.Case(f"sage-qual {args.command}", "cannot decide", "error", problem)])
+                        [junit.Case(f"sage-qual {args.command}", "cannot decide", junit.Outcome.ERROR,
+                                    problem)])
         except UsageError as error:
             print(f"sage-qual {args.command}: {error}", file=sys.stderr)
     return code
