@@ -120,7 +120,7 @@ def _run(args: argparse.Namespace) -> int:
         return _refuse(args, str(error))
     except KeyboardInterrupt:
         return _refuse(args, "interrupted", ExitCode.INTERRUPTED)
-    except Exception as error:  # noqa: BLE001: any other failure is a bug, and "cannot decide"
+    except Exception as error:  # any other failure is a bug, and "cannot decide"
         if getattr(args, "debug", False):
             traceback.print_exc()
         where = traceback.extract_tb(error.__traceback__)[-1]
