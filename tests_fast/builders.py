@@ -1,14 +1,40 @@
 """Builders shared by the fast suite's test modules (test modules import this, never each other):
 serving profiles and the machine they are matched against (test_profile and the modules reading
-profiles), and the long-check records certify writes for the sample H200 report (test_long_checks,
-test_profile_range_contract)."""
+profiles), and certify reports built through the report's own records (`report_model`) and written
+with `records.dump`, so a report a test builds is one certify could write, and the test names only
+what it is about: every builder takes keyword overrides of its defaults. A test of a malformed
+report builds a valid one here and then breaks the dumped dict, so it shows which key is wrong."""
 
+import hashlib
+import json
+import statistics
 from pathlib import Path
 
 import torch
 
+from sage_qual import records
 from sage_qual.qualification import families
+from sage_qual.qualification.report_model import (
+    AccuracyClass,
+    Cell,
+    Device,
+    DType,
+    EnvironmentRecord,
+    FixtureKind,
+    FixtureRecord,
+    GpuInfo,
+    LongCheck,
+    Options,
+    Outcome,
+    Reason,
+    ReasonKind,
+    Report,
+    ShapeSpec,
+    ShapeUse,
+    Speed,
+)
 from sage_qual.serving import profile
+from sage_qual.serving.variants import VARIANTS
 from sage_qual.testing import FakeGpu
 
 SAMPLE = Path(__file__).parent / "data" / "sample_h200_2gpu.json"
@@ -51,21 +77,102 @@ def machine(gpu, torch_version=None, sageattention="2.2.0", torch_cuda="13.0"):
                            torch_cuda, sageattention)
 
 
+# Report records ---------------------------------------------------------------------------------
+FIXTURE_BOUNDS = {"fp16": {"max_rel_l2": 0.05, "min_cosine": 0.99},
+                  "fp8": {"max_rel_l2": 0.12, "min_cosine": 0.98}}
+H200_DEVICE = ("NVIDIA H200", [9, 0], 139.8)  # name, capability, memory_gib as torch reports them
+MEASURED = (Outcome.PASS, Outcome.FAIL)
+
+
+def read(cls, data: dict):
+    """`data` (JSON as certify writes it, e.g. `certify.speed_shapes`' entries) as a `cls` record."""
+    return records.parse(cls, data, "tests_fast/builders.py", "fix the test's data")
+
+
+def reason(kind: str, detail: str) -> Reason:
+    return Reason(ReasonKind(kind), detail)
+
+
+def fixture(name="fx0", family="flux.1", **fields) -> FixtureRecord:
+    values = {"kind": FixtureKind.REPLICA, "dtype": DType.BFLOAT16, "q": [1, 2, 256, 128],
+              "k": [1, 2, 256, 128], "sha256": hashlib.sha256(name.encode()).hexdigest(),
+              "bounds": FIXTURE_BOUNDS, "provenance": "tests_fast/builders.py", **fields}
+    return FixtureRecord(name=name, family=family, **values)
+
+
+def cell(variant: str, fixture_: FixtureRecord, outcome="pass", **fields) -> Cell:
+    """`variant` on `fixture_`: measured (pass, fail) halfway inside the fixture's bounds for the
+    variant's accuracy class, else a cell that did not run, with a detail."""
+    outcome = Outcome(outcome)
+    if outcome in MEASURED:
+        accuracy = VARIANTS[variant].accuracy_class
+        bounds = fixture_.bounds[accuracy]
+        values = {"accuracy_class": AccuracyClass(accuracy), "bounds": bounds, "finite": True,
+                  "rel_l2": bounds["max_rel_l2"] / 2, "worst_head_cosine": (1 + bounds["min_cosine"]) / 2,
+                  "extra_bytes_per_element": 1.5}
+    else:
+        values = {"detail": f"test {outcome.value}"}
+    return Cell(variant, fixture_.name, outcome, **{**values, **fields})
+
+
+def timing(kernel: str, shape: str, samples_ms=(1.0,), outcome="pass", **fields) -> Speed:
+    """`kernel` at the shape keyed `shape`: the median of `samples_ms` (none: it did not run)."""
+    ms = statistics.median(samples_ms) if samples_ms else None
+    return Speed(kernel, shape, Outcome(outcome), ms, samples_ms=list(samples_ms), **fields)
+
+
+def device(cells=(), speed=(), index=0, gpu=H200_DEVICE, **fields) -> Device:
+    name, capability, memory_gib = gpu
+    return Device(index, name, list(capability), memory_gib, **{"not_supported": {}, "cells": list(cells),
+                                                                "speed": list(speed), **fields})
+
+
+def environment(devices, **fields) -> EnvironmentRecord:
+    """The machine record of a box holding `devices`, every variant runnable on each."""
+    gpus = [GpuInfo(d.index, d.name, d.capability, d.memory_gib, runnable_variants=list(VARIANTS))
+            for d in devices]
+    values = {"sage_qual": "0.1.0", "python": "3.11", "os": "Linux", "torch": "2.11.0+cu130",
+              "torch_cuda": "13.0", "cudnn": "91900", "driver": "580.159.04", "triton": "3.6.0",
+              "sageattention": "2.2.0", "sageattention_problem": "", "extensions": {}, **fields}
+    return EnvironmentRecord(gpus=gpus, **values)
+
+
+def report(devices, fixtures, shapes=None, variants=None, families_=("FLUX.1",), **fields) -> Report:
+    """A complete report of `devices` (`shapes`: key -> ShapeEntry, every key their timings name);
+    `variants` defaults to those their cells and timings ran, in that order."""
+    devices = list(devices)
+    if variants is None:
+        variants = list(dict.fromkeys([c.variant for d in devices for c in d.cells]
+                                      + [t.kernel for d in devices for t in d.speed if t.kernel != "sdpa"]))
+    options = Options(devices=[d.index for d in devices], variants=list(variants), families=list(families_),
+                      fixture_dirs=[], quick=False, timeout_s=90.0)
+    values = {"kind": "sage-qual-report", "schema_version": 2, "complete": True, "stopped": "",
+              "started": "2026-11-30T10:00:00+00:00", "finished": "2026-11-30T10:05:00+00:00",
+              "host": "test-box", "command": "tests_fast/builders.py", "options": options,
+              "environment": environment(devices), "fixtures": list(fixtures), "shapes": shapes or {},
+              "devices": devices, **fields}
+    return Report(**values)
+
+
+def write(path: Path, report_: Report) -> Path:
+    """`report_` as report.json at `path`, as certify writes it."""
+    path.write_text(json.dumps(records.dump(report_)))
+    return path
+
+
 # Long-check records ------------------------------------------------------------------------------
 GOOD = {"rel_l2": 0.05, "worst_head_cosine": 0.999}
 BOUNDS = {"max_rel_l2": 0.06, "min_cosine": 0.99}
 
 
-def record(variant, heads, tokens, families_, layouts, outcome="pass", metrics=GOOD, identical=None):
-    shape = families.self_attention(heads, tokens).as_dict()
-    uses = [{"family": f, "label": "test"} for f in families_] or [{"family": None, "label": "sweep"}]
-    entry = {"variant": variant, "shape": shape, "uses": uses, "layouts": layouts, "outcome": outcome}
-    if outcome in ("pass", "fail"):
+def record(variant, heads, tokens, families_, layouts, outcome="pass", metrics=GOOD, identical=None) -> dict:
+    shape = read(ShapeSpec, families.self_attention(heads, tokens).as_dict())
+    uses = [ShapeUse(f, "test") for f in families_] or [ShapeUse(None, "sweep")]
+    values = {"detail": "the worker ran this task when it died (killed by SIGSEGV)"}
+    if Outcome(outcome) in MEASURED:
         same = {name: True for name in layouts if name != "contiguous"} if identical is None else identical
-        entry.update(bounds=BOUNDS, metrics=dict(metrics), finite=True, identical=same)
-    else:
-        entry["detail"] = "the worker ran this task when it died (killed by SIGSEGV)"
-    return entry
+        values = {"bounds": BOUNDS, "metrics": dict(metrics), "finite": True, "identical": same}
+    return records.dump(LongCheck(variant, shape, uses, list(layouts), Outcome(outcome), **values))
 
 
 def long_records(variant, fail_at=None, how="accuracy"):
