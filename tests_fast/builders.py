@@ -7,7 +7,6 @@ report builds a valid one here and then breaks the dumped dict, so it shows whic
 
 import hashlib
 import json
-import statistics
 from pathlib import Path
 
 import torch
@@ -115,10 +114,9 @@ def cell(variant: str, fixture_: FixtureRecord, outcome="pass", **fields) -> Cel
     return Cell(variant, fixture_.name, outcome, **{**values, **fields})
 
 
-def timing(kernel: str, shape: str, samples_ms=(1.0,), outcome="pass", **fields) -> Speed:
-    """`kernel` at the shape keyed `shape`: the median of `samples_ms` (none: it did not run)."""
-    ms = statistics.median(samples_ms) if samples_ms else None
-    return Speed(kernel, shape, Outcome(outcome), ms, samples_ms=list(samples_ms), **fields)
+def timing(kernel: str, shape: str, ms=1.0, outcome="pass", **fields) -> Speed:
+    """`kernel` at the shape keyed `shape` taking `ms` (None: it did not run)."""
+    return Speed(kernel, shape, Outcome(outcome), ms, **fields)
 
 
 def device(cells=(), speed=(), index=0, gpu=H200_DEVICE, **fields) -> Device:

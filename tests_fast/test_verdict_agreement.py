@@ -13,6 +13,7 @@ import io
 import json
 import random
 import re
+import statistics
 from contextlib import redirect_stdout
 from pathlib import Path
 
@@ -61,7 +62,7 @@ def _cell(rng: random.Random, variant: str, fixture: FixtureRecord) -> Cell | No
 
 def _timing(rng: random.Random, kernel: str, key: str, ms: float) -> Speed:
     samples = [ms * rng.uniform(0.97, 1.03) for _ in range(rng.choice([5, 10, 20]))]
-    return builders.timing(kernel, key, samples)
+    return builders.timing(kernel, key, statistics.median(samples), samples_ms=samples)
 
 
 def make_report(seed: int) -> dict:
@@ -90,7 +91,7 @@ def make_report(seed: int) -> dict:
             speed.append(_timing(rng, "sdpa", key, sdpa_ms))
             for v in variants:
                 if rng.random() < 0.03:
-                    speed.append(builders.timing(v, key, (), "oom", detail="test oom"))
+                    speed.append(builders.timing(v, key, None, "oom", detail="test oom"))
                     continue
                 factor = 1.6 if flops > crossover[(v, gpu[0])] else 0.7
                 speed.append(_timing(rng, v, key, sdpa_ms / factor))
