@@ -109,6 +109,9 @@ BAD_ENTRIES = {
     "no head dims": (make_entry(head_dims=()), "default.head_dims: empty"),
     "thresholds without variant": ({**make_entry(variant=None), "min_query_tokens": 4096},
                                    "default.variant: null, but thresholds are given"),
+    "reason of a kind no verdict gives": (
+        make_entry(variant=None, reasons=[{"kind": "vibes", "detail": "x"}]),
+        "default.reasons[0].kind: is the string 'vibes', expected one of 'accuracy'"),
 }
 
 
