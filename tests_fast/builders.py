@@ -43,29 +43,40 @@ RTX4090 = FakeGpu((8, 9), "Fake RTX 4090", 24.0)
 
 
 # Serving profiles ---------------------------------------------------------------------------------
-def make_entry(variant="sm89-fp8-cuda", min_q=2048, min_k=512, head_dims=(128,), reasons=()):
-    return {"variant": variant, "min_query_tokens": min_q if variant else None,
-            "min_key_tokens": min_k if variant else None, "head_dims": list(head_dims) if variant else None,
-            "reasons": list(reasons)}
+def make_entry(variant="sm89-fp8-cuda", min_q=2048, min_k=512, head_dims=(128,), reasons=()) -> dict:
+    """A profile entry serving `variant` from these lengths, or (variant None) nothing, for `reasons`."""
+    served = variant is not None
+    return records.dump(profile.Entry(variant, min_q if served else None, min_k if served else None,
+                                      list(head_dims) if served else None, list(reasons)))
 
 
 def make_gpu(gpu=H200, entry=None, families=None, torch_version=None, sageattention="2.2.0",
-             torch_cuda="13.0"):
-    return {"name": gpu.name, "capability": list(gpu.capability), "memory_gib": gpu.memory_gib,
-            "environment": {"torch": torch_version or torch.__version__, "torch_cuda": torch_cuda,
-                            "driver": "580.159.04", "sageattention": sageattention, "triton": "3.6.0"},
-            "default": entry or make_entry(), "families": families or {}}
+             torch_cuda="13.0") -> dict:
+    environment = profile.ProfileEnvironment(torch_version or torch.__version__, torch_cuda, "580.159.04",
+                                             sageattention, "3.6.0")
+    entries = {name: read(profile.Entry, e) for name, e in (families or {}).items()}
+    return records.dump(profile.ProfileGpu(gpu.name, list(gpu.capability), gpu.memory_gib, environment,
+                                           read(profile.Entry, entry or make_entry()), entries))
 
 
-def make_profile(*gpus, **one):
-    return {"kind": "sage-qual-profile", "schema_version": 2, "created": "2026-11-29T20:00:00+00:00",
-            "host": "test", "fixtures": {}, "gpus": list(gpus) or [make_gpu(**one)]}
+def make_profile(*gpus, **one) -> dict:
+    """A profile of `gpus` (make_gpu's), or of one make_gpu(**one)."""
+    certified = [read(profile.ProfileGpu, gpu) for gpu in gpus or [make_gpu(**one)]]
+    return records.dump(profile.Profile("sage-qual-profile", 2, "2026-11-29T20:00:00+00:00", "test", {},
+                                        certified))
+
+
+def with_default(entry) -> dict:
+    """make_profile() with its default entry replaced by `entry` as given (a test's broken one)."""
+    data = make_profile()
+    data["gpus"][0]["default"] = entry
+    return data
 
 
 def refusal(entry) -> str:
     """What `profile.load` says of a profile whose default entry is `entry` (it must refuse it)."""
     try:
-        profile.load(make_profile(entry=entry))
+        profile.load(with_default(entry))
     except profile.ProfileError as refused:
         return str(refused)
     raise AssertionError(f"the profile with entry {entry!r} was accepted")
