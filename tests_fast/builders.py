@@ -6,7 +6,6 @@ what it is about: every builder takes keyword overrides of its defaults. A test 
 report builds a valid one here and then breaks the dumped dict, so it shows which key is wrong."""
 
 import hashlib
-import json
 from pathlib import Path
 
 import torch
@@ -163,18 +162,15 @@ def report(devices, fixtures, shapes=None, variants=None, families_=("FLUX.1",),
     return Report(**values)
 
 
-def write(path: Path, report_: Report) -> Path:
-    """`report_` as report.json at `path`, as certify writes it."""
-    path.write_text(json.dumps(records.dump(report_)))
-    return path
-
-
 # Long-check records ------------------------------------------------------------------------------
 GOOD = {"rel_l2": 0.05, "worst_head_cosine": 0.999}
 BOUNDS = {"max_rel_l2": 0.06, "min_cosine": 0.99}
 
 
-def record(variant, heads, tokens, families_, layouts, outcome="pass", metrics=GOOD, identical=None) -> dict:
+def long_check(variant, heads, tokens, families_, layouts, outcome="pass", metrics=GOOD,
+               identical=None) -> dict:
+    """A LongCheck record's JSON: `variant` at `tokens` with `heads`, for `families_` (none: the
+    sweep), `layouts` bit-identical unless `identical` says otherwise."""
     shape = read(ShapeSpec, families.self_attention(heads, tokens).as_dict())
     uses = [ShapeUse(f, "test") for f in families_] or [ShapeUse(None, "sweep")]
     values = {"detail": "the worker ran this task when it died (killed by SIGSEGV)"}
@@ -190,15 +186,15 @@ def long_records(variant, fail_at=None, how="accuracy"):
     everything = list(families.LAYOUTS)
     planned = [(24, 8192, [], everything), (24, 16384, [], everything), (24, 32768, [], everything),
                (24, 16896, ["FLUX.1", "Qwen-Image"], everything), (40, 75600, ["Wan 2.2"], everything)]
-    records = []
+    checks = []
     for heads, tokens, users, layouts in planned:
         if tokens != fail_at:
-            records.append(record(variant, heads, tokens, users, layouts))
+            checks.append(long_check(variant, heads, tokens, users, layouts))
         elif how == "accuracy":
-            records.append(record(variant, heads, tokens, users, layouts, "fail", {**GOOD, "rel_l2": 0.2}))
+            checks.append(long_check(variant, heads, tokens, users, layouts, "fail", {**GOOD, "rel_l2": 0.2}))
         elif how == "layout":
-            records.append(record(variant, heads, tokens, users, layouts, "fail",
-                                  identical={"transposed": False, "fused_qkv": True, "nhd": True}))
+            checks.append(long_check(variant, heads, tokens, users, layouts, "fail",
+                                     identical={"transposed": False, "fused_qkv": True, "nhd": True}))
         else:
-            records.append(record(variant, heads, tokens, users, layouts, how))
-    return records
+            checks.append(long_check(variant, heads, tokens, users, layouts, how))
+    return checks
