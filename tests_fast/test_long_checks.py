@@ -4,6 +4,7 @@ what was verified. The verdict tests add long checks to the sample H200 report, 
 enabled with sm90-fp8-cuda from 4608 query tokens and Qwen-Image with sm89-fp8-cuda from 4608."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -255,6 +256,20 @@ def test_an_edited_long_check_is_refused():
         report.parse(data, "sample")
     data["devices"][0]["long"][0]["metrics"]["rel_l2"] = -0.1
     with pytest.raises(ReportError, match="metrics.rel_l2"):
+        report.parse(data, "sample")
+
+
+@pytest.mark.parametrize("outcome, how, key, missing", [
+    ("pass", None, "bounds", "missing for a long check whose outcome is 'pass'"),
+    ("fail", "accuracy", "finite", "missing for a long check whose outcome is 'fail'"),
+    ("crash", "crash", "detail", "empty for a long check whose outcome is 'crash' (it says why)")])
+def test_a_long_check_without_what_its_outcome_needs_is_refused_naming_the_key(outcome, how, key, missing):
+    data = json.loads(SAMPLE.read_text())
+    data["devices"][0]["long"] = long_records("sm90-fp8-cuda", fail_at=8192 if how else None, how=how)
+    assert data["devices"][0]["long"][0]["outcome"] == outcome
+    report.parse(data, "sample")  # as built, it reads (parsing leaves data as it is)
+    data["devices"][0]["long"][0][key] = None if key != "detail" else ""
+    with pytest.raises(ReportError, match=rf"devices\[0\]\.long\[0\]\.{key}: {re.escape(missing)}"):
         report.parse(data, "sample")
 
 

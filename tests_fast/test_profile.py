@@ -17,7 +17,18 @@ from sage_qual.serving import profile
 from sage_qual.serving.config import DEFAULT_CONFIG, KERNEL_TABLE
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention, on_device
 
-from .builders import H100, H200, RTX4090, machine, make_entry, make_gpu, make_profile, refusal
+from .builders import (
+    H100,
+    H200,
+    RTX4090,
+    machine,
+    make_entry,
+    make_gpu,
+    make_profile,
+    reason,
+    refusal,
+    with_default,
+)
 
 TORCH_SDPA = F.scaled_dot_product_attention  # torch's own, read before any install
 
@@ -99,17 +110,21 @@ def test_a_device_the_profile_does_not_describe_keeps_the_defaults_and_says_why(
 
 
 BAD_ENTRIES = {
-    "unknown variant": (make_entry(variant="sm91-turbo"),
+    "unknown variant": ({**make_entry(), "variant": "sm91-turbo"},
                         "default.variant: 'sm91-turbo' is not a SageAttention"),
-    "negative threshold": (make_entry(min_q=-5), "default.min_query_tokens: is -5, expected a token count"),
+    "negative threshold": ({**make_entry(), "min_query_tokens": -5},
+                           "default.min_query_tokens: is -5, expected a token count"),
     "threshold a string": ({**make_entry(), "min_key_tokens": "512"},
                            "default.min_key_tokens: is the string '512', expected an integer"),
     "float threshold": ({**make_entry(), "min_key_tokens": 512.5}, "default.min_key_tokens: is a number"),
-    "head dim the kernels do not take": (make_entry(head_dims=(96,)),
+    "head dim the kernels do not take": ({**make_entry(), "head_dims": [96]},
                                          "96 is not a head size the kernels take"),
-    "no head dims": (make_entry(head_dims=()), "default.head_dims: empty"),
+    "no head dims": ({**make_entry(), "head_dims": []}, "default.head_dims: empty"),
     "thresholds without variant": ({**make_entry(variant=None), "min_query_tokens": 4096},
                                    "default.variant: null, but thresholds are given"),
+    "reason of a kind no verdict gives": (
+        {**make_entry(variant=None), "reasons": [{"kind": "vibes", "detail": "x"}]},
+        "default.reasons[0].kind: is the string 'vibes', expected one of 'accuracy'"),
 }
 
 
@@ -214,12 +229,12 @@ def test_a_mixed_box_applies_the_profile_per_device():
 
 
 @pytest.mark.parametrize("bad, message", [
-    (make_profile(entry=make_entry(variant=None, reasons=[{"kind": "accuracy",
-                                                            "detail": "sm90-fp8-cuda on qwen: L2 0.3"}])),
+    (make_profile(entry=make_entry(variant=None, reasons=[reason("accuracy",
+                                                                 "sm90-fp8-cuda on qwen: L2 0.3")])),
      "the profile certifies no SageAttention variant on Fake H200 (sm_90): sm90-fp8-cuda on qwen: L2 0.3"),
     ({"kind": "something"}, "is not a sage-qual profile"),
-    (make_profile(entry=make_entry(variant="sm91-turbo")), "is not a SageAttention variant"),
-    (make_profile(entry=make_entry(min_q=-1)), "expected a token count of at least 1"),
+    (with_default({**make_entry(), "variant": "sm91-turbo"}), "is not a SageAttention variant"),
+    (with_default({**make_entry(), "min_query_tokens": -1}), "expected a token count of at least 1"),
 ])
 def test_install_refuses_a_profile_that_cannot_be_used(fake, bad, message):
     status = sage_qual.install(profile=copy.deepcopy(bad))

@@ -6,6 +6,7 @@ The sample H200 report serves FLUX.1 with sm90-fp8-cuda and Qwen-Image with sm89
 """
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
@@ -15,6 +16,8 @@ import torch
 from sage_qual import limits, records
 from sage_qual.fixtures.fileformat import save_fixture
 from sage_qual.qualification import certify, fault_hooks, profile, report, span_check, verdict
+from sage_qual.qualification.report_model import Outcome, SpanProbe
+from sage_qual.records import dump
 from sage_qual.serving import profile as serving_profile
 
 SAMPLE = Path(__file__).parent / "data" / "sample_h200_2gpu.json"
@@ -44,12 +47,10 @@ def probes(variant, outcomes=None):
     for case, limit in PLANNED:
         keys = ((case.layout, case.side, case.span), (case.layout, case.side))
         outcome = next((o for key, o in (outcomes or {}).items() if key in keys), "pass")
-        entry = {"variant": variant, **case.__dict__, "limit": limit, "outcome": outcome}
-        if outcome == "pass":
-            entry.update(rel_l2=0.04, worst_row=0.05)
-        else:
-            entry["detail"] = "the worker ran this task when it died (killed by SIGABRT)"
-        records.append(entry)
+        found = ({"rel_l2": 0.04, "worst_row": 0.05} if outcome == "pass"
+                 else {"detail": "the worker ran this task when it died (killed by SIGABRT)"})
+        probe = SpanProbe(variant, **dataclasses.asdict(case), limit=limit, outcome=Outcome(outcome), **found)
+        records.append(dump(probe))
     return records
 
 
