@@ -13,7 +13,6 @@ from sage_qual.serving.profile import (
     KIND,
     SCHEMA_VERSION,
     Entry,
-    EntryReason,
     Profile,
     ProfileEnvironment,
     ProfileGpu,
@@ -43,7 +42,7 @@ def _entry(decision: FamilyDecision) -> Entry:
     length (max_query_tokens, max_key_tokens) in the verified layouts; for a report without long
     checks these stay null: no upper bound, any layout."""
     verified = decision.range_verified
-    reasons = [EntryReason(r.kind.value, r.detail) for r in decision.reasons + decision.range_reasons]
+    reasons = decision.reasons + decision.range_reasons
     return Entry(decision.variant, decision.min_query_tokens, decision.min_key_tokens, decision.head_dims,
                  reasons, decision.max_query_tokens if verified else None,
                  decision.max_key_tokens if verified else None, decision.layouts if verified else None)
