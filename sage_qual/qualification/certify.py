@@ -356,7 +356,7 @@ def _conclude(data: dict, out: Path, options: Options) -> None:
     if data["complete"]:
         profile.save(profile.build(report.parse(data, str(out / "report.json")), decisions),
                      out / "profile.json")
-    report.render(data, out)
+    report.render(report.parse(data, str(out / "report.json")), out)
     print(summary(data, out))
     if options.junit_xml:
         junit.write(options.junit_xml, f"sage-qual certify {data['host']}",

@@ -118,7 +118,7 @@ def run(options: Options) -> dict:
                 data["devices"][0]["long"].append(record)
                 tick(f"{name} at {check['shape']['q_tokens']} tokens: {record['outcome']}")
     writer.update(_finish)
-    report.render(data, out)
+    report.render(report.parse(data, str(out / "report.json")), out)
     print(summary(data), end="")
     print(f"sage-qual certify --emulate: PREDICTED report in {out / 'report.md'} (`sage-qual gate` "
           "refuses it: certify on the GPU to enable a family)")

@@ -111,7 +111,7 @@ def _run(options: Options, target: targets.Target, chosen: list, fixtures: list,
         writer.update(lambda d: d.update(stopped=f"internal error: {errors[0]!r}"))
     if not data["stopped"]:
         writer.update(_finish)
-    report.render(data, out)
+    report.render(report.parse(data, str(out / "report.json")), out)
     print(summary(data, out), end="")
     if errors:
         raise errors[0]
