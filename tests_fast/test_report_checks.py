@@ -288,7 +288,7 @@ def test_a_long_checks_metric_at_its_range_edge_reads(name, value):
 @pytest.mark.parametrize("missing", ["bounds", "finite"])
 def test_a_measured_long_check_has_its_budget_and_finiteness(missing):
     assert refused(lambda d: d["devices"][0]["long"][0].update({missing: None})) == (
-        "devices[0].long[0].bounds: missing for a long check whose outcome is 'pass'")
+        f"devices[0].long[0].{missing}: missing for a long check whose outcome is 'pass'")
 
 
 def test_a_long_check_that_did_not_run_says_why():
