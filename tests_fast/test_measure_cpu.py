@@ -274,6 +274,16 @@ def test_accuracy_with_gqa_and_a_scale_compares_like_for_like():
     assert acc.sdpa_rel_l2 < 0.01 and acc.rel_l2 < 0.01
 
 
+def test_accuracy_shares_kv_heads_whatever_the_token_counts():
+    # 4 query heads over 2 K/V heads, with as many query tokens as K/V heads and as many K/V tokens
+    # as query heads: the grouping is read from the head counts only.
+    q = randn(1, 4, 2, 16, seed=1, dtype=torch.bfloat16)
+    k, v = randn(1, 2, 4, 16, seed=2, dtype=torch.bfloat16), randn(1, 2, 4, 16, seed=3, dtype=torch.bfloat16)
+    ref = measure.reference(q, k, v)
+    acc = measure.accuracy(ref.to(torch.bfloat16), q, k, v, ref=ref)
+    assert acc.sdpa_rel_l2 < 0.01 and acc.rel_l2 < 0.01
+
+
 def test_accuracy_of_an_input_precision_that_sdpa_reproduces_exactly_is_an_infinite_ratio(monkeypatch):
     q, k, v = (randn(1, 1, 64, 16, seed=s) for s in (1, 2, 3))
     ref = measure.reference(q, k, v)
