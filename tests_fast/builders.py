@@ -3,11 +3,12 @@ serving profiles and the machine they are matched against (test_profile and the 
 profiles), and the long-check records certify writes for the sample H200 report (test_long_checks,
 test_profile_range_contract)."""
 
+import json
 from pathlib import Path
 
 import torch
 
-from sage_qual.qualification import families
+from sage_qual.qualification import families, report_model
 from sage_qual.serving import profile
 from sage_qual.testing import FakeGpu
 
@@ -86,3 +87,15 @@ def long_records(variant, fail_at=None, how="accuracy"):
         else:
             records.append(record(variant, heads, tokens, users, layouts, how))
     return records
+
+
+# A report being written ---------------------------------------------------------------------------
+def report_being_written(shapes: dict | None = None, speed: list | None = None):
+    """The sample H200 report as a run starts it (complete=false), with `shapes` as its timed shapes
+    and `speed` as cuda:0's timings, both in report.json's form: a `report.Writer`'s start for the
+    unit tests of what certify appends."""
+    data = {k: v for k, v in json.loads(SAMPLE.read_text()).items() if k != "gpus"}
+    data.update(schema_version=2, complete=False, finished=None, shapes=shapes or {})
+    data["devices"] = [dict(data["devices"][0], speed=speed or [])]
+    data["options"]["devices"] = [0]
+    return report_model.from_dict(data, "sample")

@@ -9,11 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from sage_qual import cli
+from sage_qual import cli, records
 from sage_qual.errors import UsageError
 from sage_qual.fixtures.fileformat import save_fixture
 from sage_qual.qualification import certify, fault_hooks, report, target_certify
 from sage_qual.qualification import pool as workers
+
+from .builders import report_being_written
 
 BOUNDS = {"fp16": {"max_rel_l2": 0.05, "min_cosine": 0.99}, "fp8": {"max_rel_l2": 0.08, "min_cosine": 0.99}}
 
@@ -140,7 +142,7 @@ def test_junit_xml_has_a_case_per_gpu_model_and_family(tmp_path, monkeypatch):
             junit_xml=junit,
         )
     )
-    assert data["complete"]
+    assert data.complete
     cases = ET.parse(junit).getroot().findall("testsuite/testcase")
     assert [(c.get("classname"), c.get("name")) for c in cases] == [
         ("Fake H200 (sm_90)", "FLUX.1"),
@@ -178,7 +180,7 @@ def test_an_interval_with_an_end_near_the_bar_is_refined_too():
 def test_after_a_sweep_the_lengths_around_its_crossover_are_queued(tmp_path):
     """A variant whose lower bound crosses SDPA between 4096 and 8192 tokens at head_dim 128 gets
     seven refined lengths, each with SDPA (not yet timed there) and the variant."""
-    shapes = certify.speed_shapes([], quick=False)
+    shapes = {key: records.dump(entry) for key, entry in certify.speed_shapes([], quick=False).items()}
     speed = []
     for key, entry in shapes.items():
         tokens = entry["shape"]["q_tokens"]
@@ -193,14 +195,15 @@ def test_after_a_sweep_the_lengths_around_its_crossover_are_queued(tmp_path):
                 "samples_ms": [0.5 if faster else 2.0] * 5,
             }
         )
-    data = {"shapes": shapes, "devices": [{"speed": speed}]}
-    writer = report.Writer(tmp_path / "report.json", data)
+    writer = report.Writer(tmp_path / "report.json", report_being_written(shapes, speed))
     run = certify._DeviceRun(0, [], [], {}, certify.Options(tmp_path), writer, 0)  # a full run, not --quick
     tasks = run._refinement([{"kind": "speed", "variant": "sm90-fp8-cuda"}])
     keys = [f"b1 h24 q{n} k{n} d128 bfloat16" for n in (4480, 4864, 5248, 5760, 6272, 6912, 7552)]
     # SDPA was not timed there: the variant and SDPA are timed in turn in one worker
     assert [(t["id"], t["kind"]) for t in tasks] == [(f"sm90-fp8-cuda+sdpa@{k}", "paired") for k in keys]
-    assert all(data["shapes"][k]["uses"][0]["family"] is None for k in keys)
+    written = json.loads((tmp_path / "report.json").read_text())["shapes"]
+    labels = [f"refined self {n}, head_dim 128" for n in (4480, 4864, 5248, 5760, 6272, 6912, 7552)]
+    assert [written[k]["uses"] for k in keys] == [[{"family": None, "label": label}] for label in labels]
     assert run._refinement([{"kind": "cell", "variant": "sm90-fp8-cuda"}]) == []
     quick = certify._DeviceRun(0, [], [], {}, certify.Options(tmp_path, quick=True), writer, 0)
     assert quick._refinement([{"kind": "speed", "variant": "sm89-fp8-cuda"}]) == []  # a pre-flight

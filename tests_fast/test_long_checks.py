@@ -303,12 +303,11 @@ def test_the_report_renders_the_long_checks(tmp_path, monkeypatch):
 # The CPU path: certify --emulate -----------------------------------------------------------------
 def test_emulate_predicts_the_long_checks(tmp_path, capsys):
     options = emulate.Options(tmp_path, variants=["sm90-fp8-cuda"], families=["Qwen-Image"], quick=True)
-    data = emulate.run(options)
-    checks = data["devices"][0]["long"]
-    assert sorted(c["shape"]["q_tokens"] for c in checks) == [16384, 16896]
+    checks = emulate.run(options).devices[0].long
+    assert sorted(c.shape.q_tokens for c in checks) == [16384, 16896]
     for check in checks:
-        assert check["outcome"] == "pass" and check["detail"] == emulate.PREDICTED
-        assert check["ran_heads"] == 1 and check["finite"] and check["inputs"] == long_check.INPUTS
-        last_tile = (check["shape"]["q_tokens"] - 1) // 128 * 128
-        assert check["rows"] == [0, last_tile]  # EMULATE_BLOCKS: the first and the last block
+        assert check.outcome == "pass" and check.detail == emulate.PREDICTED
+        assert check.ran_heads == 1 and check.finite and check.inputs == long_check.INPUTS
+        last_tile = (check.shape.q_tokens - 1) // 128 * 128
+        assert check.rows == [0, last_tile]  # EMULATE_BLOCKS: the first and the last block
     report.load(tmp_path / "report.json")  # reads back, its evidence consistent

@@ -2,11 +2,15 @@
 the fastest SDPA backend call by call in turn in one worker (fake GPU and fake kernel on CPU), and
 records both timings, each as the report's speed records hold them."""
 
+import json
+
 import pytest
 
 from sage_qual import records
-from sage_qual.qualification import certify, families, fault_hooks, measure, report, worker
-from sage_qual.qualification.report_model import Speed
+from sage_qual.qualification import certify, certify_run, families, fault_hooks, measure, report, worker
+from sage_qual.qualification.report_model import Outcome, Speed
+
+from .builders import report_being_written
 
 
 @pytest.fixture
@@ -55,23 +59,33 @@ def test_the_variant_and_sdpa_are_timed_in_turn_after_their_warm_ups(bench, monk
     records.parse(Speed, {"kernel": "sdpa", "shape": "k", **sdpa}, "paired", "")
 
 
+def started(tmp_path):
+    """A writer on a report with one timed shape, "k", and no timing yet; the device run on its GPU."""
+    shape = {"shape": families.self_attention(24, 8192, 128).as_dict(),
+             "uses": [{"family": None, "label": "k"}]}
+    writer = report.Writer(tmp_path / "report.json", report_being_written({"k": shape}))
+    return writer, certify._DeviceRun(0, [], [], {}, certify.Options(tmp_path), writer, 0)
+
+
 def test_a_paired_result_becomes_two_speed_records(tmp_path):
-    writer = report.Writer(tmp_path / "report.json", {"shapes": {}, "devices": [{"speed": []}]})
-    run = certify._DeviceRun(0, [], [], {}, certify.Options(tmp_path), writer, 0)
+    writer, run = started(tmp_path)
     task = {"id": "sm90-fp8-cuda+sdpa@k", "kind": "paired", "variant": "sm90-fp8-cuda", "key": "k"}
     sdpa = {"outcome": "pass", "ms": 2.0, "samples_ms": [2.0, 2.0, 2.0], "best_backend": "cudnn",
             "backends": {"cudnn": 2.0}, "refused": {}}
     ours = {"outcome": "pass", "ms": 1.5, "samples_ms": [1.4, 1.5, 1.6]}
-    run._record({task["id"]: task}, task["id"], {**ours, "sdpa": sdpa}, certify._Progress(1))
-    assert writer.data["devices"][0]["speed"] == [{"kernel": "sdpa", "shape": "k", **sdpa},
-                                                   {"kernel": "sm90-fp8-cuda", "shape": "k", **ours}]
+    run._record({task["id"]: task}, task["id"], {**ours, "sdpa": sdpa}, certify_run.Progress(1))
+    on_disk = json.loads((tmp_path / "report.json").read_text())["devices"][0]["speed"]
+    assert [(r["kernel"], r["shape"], r["ms"], r["samples_ms"]) for r in on_disk] == [
+        ("sdpa", "k", 2.0, [2.0, 2.0, 2.0]), ("sm90-fp8-cuda", "k", 1.5, [1.4, 1.5, 1.6])]
+    assert writer.report.devices[0].speed == [
+        records.parse(Speed, {"kernel": "sdpa", "shape": "k", **sdpa}, "", ""),
+        records.parse(Speed, {"kernel": "sm90-fp8-cuda", "shape": "k", **ours}, "", "")]
 
 
 def test_a_paired_task_that_crashed_records_the_variant_only(tmp_path):
-    writer = report.Writer(tmp_path / "report.json", {"shapes": {}, "devices": [{"speed": []}]})
-    run = certify._DeviceRun(0, [], [], {}, certify.Options(tmp_path), writer, 0)
+    writer, run = started(tmp_path)
     task = {"id": "v+sdpa@k", "kind": "paired", "variant": "sm90-fp8-cuda", "key": "k"}
     crashed = {"outcome": "crash", "detail": "boom"}
-    run._record({task["id"]: task}, task["id"], crashed, certify._Progress(1))
-    assert writer.data["devices"][0]["speed"] == [
-        {"kernel": "sm90-fp8-cuda", "shape": "k", "ms": None, "outcome": "crash", "detail": "boom"}]
+    run._record({task["id"]: task}, task["id"], crashed, certify_run.Progress(1))
+    assert writer.report.devices[0].speed == [
+        Speed(kernel="sm90-fp8-cuda", shape="k", ms=None, outcome=Outcome.CRASH, detail="boom")]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sage_qual import limits
+from sage_qual import limits, records
 from sage_qual.fixtures.fileformat import save_fixture
 from sage_qual.qualification import certify, fault_hooks, profile, report, span_check, verdict
 from sage_qual.serving import profile as serving_profile
@@ -139,8 +139,9 @@ def test_certify_probes_in_workers_and_records_an_abort_and_a_fault_as_findings(
     hook = {"gpus": [{"name": "Fake H200", "capability": [9, 0]}], "span_faults": {"sm90-fp8-cuda": rules}}
     monkeypatch.setenv(fault_hooks.TEST_HOOK, json.dumps(hook))
     out = tmp_path / "out"
-    data = certify.run(certify.Options(out, devices="0", variants=["sm90-fp8-cuda"], families=["FLUX.1"],
-                                       fixture_dirs=[str(fixtures)], timeout=30.0))
+    data = records.dump(certify.run(certify.Options(
+        out, devices="0", variants=["sm90-fp8-cuda"], families=["FLUX.1"], fixture_dirs=[str(fixtures)],
+        timeout=30.0)))
     assert data["complete"] and not data["stopped"]
     found = {(p["layout"], p["side"], p["span"]): p for p in data["devices"][0]["span"]}
     assert set(found) == {(c.layout, c.side, c.span) for c in CASES}  # the default kernel, every case

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from sage_qual.qualification import certify, gate, judge, report, verdict
+from sage_qual import records
+from sage_qual.qualification import certify, gate, judge, report, summary, verdict
 from sage_qual.qualification.families import FAMILIES, find
 from sage_qual.serving.variants import VARIANTS
 
@@ -132,7 +133,8 @@ def make_report(seed: int) -> dict:
         }
         for n in range(rng.randint(1, 5))
     ]
-    shapes = certify.speed_shapes(chosen, quick=rng.random() < 0.3)
+    planned = certify.speed_shapes(chosen, quick=rng.random() < 0.3)
+    shapes = {key: records.dump(entry) for key, entry in planned.items()}
     # Each variant pays from its own crossover, scaled per GPU model: some pay nowhere.
     crossover = {(v, m[0]): rng.choice([1e9, 1e10, 3e10, 1e11, 1e12, 1e14]) for v in variants for m in models}
     devices = []
@@ -256,7 +258,7 @@ SUMMARY_LINE = re.compile(
 
 def from_summary(data: dict, tmp_path: Path) -> dict:
     with redirect_stdout(io.StringIO()) as text:
-        print(certify.summary(data, tmp_path))
+        print(summary.text(report.parse(data, "report.json"), tmp_path))
     found = {}
     for line in text.getvalue().splitlines()[1:]:
         match = SUMMARY_LINE.match(line)

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 def local_fixture_files(directories: list[str] | None, family: Family) -> dict[str, Fixture]:
     """This machine's fixtures that count for the family, loaded: name -> fixture."""
     from sage_qual.fixtures import fileformat
-    from sage_qual.qualification.certify import check_finite, fixture_dirs
+    from sage_qual.qualification.certify_run import check_finite, fixture_dirs
 
     found = {}
     for directory in fixture_dirs(directories):

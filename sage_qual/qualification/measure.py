@@ -7,6 +7,7 @@ error of PyTorch's SDPA in the input precision against the same reference.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -44,7 +45,10 @@ class Accuracy:
     max_abs_error: float = float("nan")
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """The numbers as a report stores them: JSON has no NaN or infinity, so such a number is
+        null (`finite` says what happened); the one place every producer of a cell cleans them."""
+        return {name: (None if isinstance(x, float) and not math.isfinite(x) else x)
+                for name, x in asdict(self).items()}
 
 
 def reference(q, k, v, scale: float | None = None) -> torch.Tensor:

@@ -9,6 +9,7 @@ report_schema.json is generated from `report_model` (`write_schema()`); `load()`
 from __future__ import annotations
 
 import base64
+import dataclasses
 import html
 import json
 import math
@@ -55,23 +56,51 @@ def parse(data: dict, where: str) -> Report:
 
 
 class Writer:
-    """Holds the report being built; every change is written to disk at once, atomically."""
+    """Holds the report being built, a `Report` record; every change is written to disk at once,
+    atomically, as `records.dump` writes it: checked by the reader's rules, so a run cannot write a
+    report that `load()` would refuse (a NaN, a duplicate result, a missing detail). A change that
+    would not read back is refused (RecordError) and leaves the report as it was."""
 
-    def __init__(self, path: Path, data: dict):
-        self.path, self.data = Path(path), data
+    def __init__(self, path: Path, built: Report):
+        self.path = Path(path)
         self.lock = threading.Lock()
-        self.write()
-
-    def update(self, change) -> None:
         with self.lock:
-            change(self.data)
-            self.write()
+            self._commit(built)
 
-    def write(self) -> None:
-        text = json.dumps(self.data, indent=1, allow_nan=False)
+    def replace(self, **fields) -> None:
+        """Top-level fields changed (complete, finished, stopped)."""
+        with self.lock:
+            self._commit(dataclasses.replace(self.report, **fields))
+
+    def append(self, position: int, field: str, *items) -> None:
+        """Records added to the list `field` (cells, speed, long, span) of the device at `position`
+        in `devices`; with no items, an empty list where the field was null (its check began)."""
+        with self.lock:
+            device = self.report.devices[position]
+            self._replace_device(position, **{field: [*(getattr(device, field) or []), *items]})
+
+    def replace_device(self, position: int, **fields) -> None:
+        """Fields of the device at `position` replaced (a GPU found unable to run the target)."""
+        with self.lock:
+            self._replace_device(position, **fields)
+
+    def add_shapes(self, entries: dict) -> None:
+        """Timed shapes (key -> ShapeEntry) added where the report has none of that key yet."""
+        with self.lock:
+            new = {key: entry for key, entry in entries.items() if key not in self.report.shapes}
+            self._commit(dataclasses.replace(self.report, shapes={**self.report.shapes, **new}))
+
+    def _replace_device(self, position: int, **fields) -> None:
+        devices = list(self.report.devices)
+        devices[position] = dataclasses.replace(devices[position], **fields)
+        self._commit(dataclasses.replace(self.report, devices=devices))
+
+    def _commit(self, changed: Report) -> None:
+        text = json.dumps(records.dump(changed), indent=1)
         temporary = self.path.with_name(self.path.name + ".tmp")
         temporary.write_text(text + "\n")
         os.replace(temporary, self.path)
+        self.report = changed
 
 
 # Rendering -------------------------------------------------------------------------------------

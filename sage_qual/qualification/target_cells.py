@@ -7,8 +7,6 @@ that GPU, as certify judges a variant.
 
 from __future__ import annotations
 
-import math
-
 from sage_qual import limits
 from sage_qual.fixtures import fileformat
 from sage_qual.qualification import budgets, judge, measure, targets
@@ -56,10 +54,6 @@ def measure_cell(target: targets.Target, fixture: fileformat.Fixture, capability
     per_element = extra / measure.elements(q, k, v)
     reasons = judge.cell_reasons(acc, per_element, bounds, memory_bound)
     return {"outcome": "fail" if reasons else "pass", "reasons": reasons,
-            "accuracy_class": variant.accuracy_class, "bounds": bounds, **_json_numbers(acc.as_dict()),
+            "accuracy_class": variant.accuracy_class, "bounds": bounds, **acc.as_dict(),
             "extra_bytes_per_element": per_element}
 
-
-def _json_numbers(values: dict) -> dict:
-    """JSON has no NaN or infinity: such numbers become null (`finite` says what happened)."""
-    return {k: (None if isinstance(x, float) and not math.isfinite(x) else x) for k, x in values.items()}

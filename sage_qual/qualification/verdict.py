@@ -60,6 +60,24 @@ class Verdict(str, enum.Enum):
     KEEP_OFF = "keep off"
 
 
+class Evidence(str, enum.Enum):
+    """What a family's fixtures say of one variant or integration, speed aside (the summaries of
+    certify --target and --emulate, which time nothing)."""
+    SAFE = "safe"  # passed every fixture of the family
+    NOT_SAFE = "NOT SAFE"  # failed, crashed or ran out of time or memory on one
+    NOT_QUALIFIED = "not qualified"  # no evidence: no fixtures, or calls it did not take or serve
+
+
+@dataclass(frozen=True)
+class Finding(Reason):
+    """A reason found on one cell: `detail` says where and why in one sentence, the other fields
+    say the same in parts, so a summary can group findings without parsing that sentence."""
+    variant: str = ""
+    fixture: str = ""
+    device: int = 0
+    cause: str = ""  # `detail` without the where
+
+
 @dataclass(frozen=True)
 class Thresholds:
     min_query_tokens: int
@@ -79,7 +97,7 @@ class FamilyDecision:
     head_dims: list[int] | None = None
     reasons: list[Reason] = field(default_factory=list)
     certified: list[str] = field(default_factory=list)  # variants that passed every fixture
-    rejected: dict[str, list[Reason]] = field(default_factory=dict)
+    rejected: dict[str, list[Finding]] = field(default_factory=dict)  # per variant, every cell it failed
     speedups: dict[str, float] = field(default_factory=dict)  # own shape label -> lower bound
     # The verified range (enable only): None with range_verified False for a report without long checks.
     max_query_tokens: int | None = None
@@ -91,6 +109,19 @@ class FamilyDecision:
     @property
     def label(self) -> str:
         return self.family or "default"
+
+    def evidence(self, variant: str) -> Evidence:
+        if variant in self.certified:
+            return Evidence.SAFE
+        # Skips (calls not taken or not served) and missing fixtures are no evidence either way;
+        # anything measured, crashed or left unrun is.
+        if all(r.kind in (ReasonKind.NO_FIXTURES, ReasonKind.SKIP) for r in self.why_not(variant)):
+            return Evidence.NOT_QUALIFIED
+        return Evidence.NOT_SAFE
+
+    def why_not(self, variant: str) -> list[Reason]:
+        """Why `variant` was not certified for the family: its own findings, else the family's reasons."""
+        return self.rejected.get(variant) or self.reasons
 
     def served_from(self) -> str:
         if self.min_query_tokens is None:
@@ -387,9 +418,11 @@ class _Model:
             where = f"{variant} on {fixture} (cuda:{device.index})"
             cell = self.cells.get((variant, fixture, device.index))
             if cell is None:
-                reasons.append(Reason(ReasonKind.INCOMPLETE, f"{where}: not run"))
+                reasons.append(Finding(ReasonKind.INCOMPLETE, f"{where}: not run", variant, fixture,
+                                       device.index, "not run"))
             else:
-                reasons += [Reason(r.kind, f"{where}: {r.detail}") for r in judged(self.report, cell)]
+                reasons += [Finding(r.kind, f"{where}: {r.detail}", variant, fixture, device.index, r.detail)
+                            for r in judged(self.report, cell)]
         return reasons
 
     def _choose(self, candidates: list[str], own: list[str], relevant: list[str],
