@@ -52,7 +52,7 @@ def run(options: Options) -> Report:
     target = resolve(options.target)
     plan = certify_run.plan(options.out, options.command, [target.name], options.families,
                             options.fixture_dirs, options.quick, options.timeout, options.junit_xml)
-    return certify_run.run(plan, TargetRun(target, options.devices))
+    return certify_run.run(plan, TargetRun(target.name, options.devices))
 
 
 class TargetRun:
@@ -60,8 +60,8 @@ class TargetRun:
     a worker."""
     predicted, writes_profile = False, False
 
-    def __init__(self, target: targets.Target, devices: str):
-        self.target, self.integration, self.devices = target.name, target, devices
+    def __init__(self, target: str, devices: str):
+        self.target, self.devices = target, devices
         self.workers: pool.Pool | None = None
 
     def prepare(self, plan: certify_run.Plan) -> certify_run.Machine:
