@@ -210,8 +210,7 @@ def check(variant: Variant, q, k, v, layouts: list[str], kernel: Kernel | None,
     reasons = judge.cell_reasons(metrics, 0.0, bounds, math.inf) + judge.layout_reasons(identical, layouts)
     finite = metrics.pop("finite")
     return {"outcome": "fail" if reasons else "pass", "reasons": reasons, "bounds": bounds,
-            "metrics": {key: (None if isinstance(x, float) and not math.isfinite(x) else x)
-                        for key, x in metrics.items()},
+            "metrics": measure.json_numbers(metrics),
             "finite": finite, "model_finite": expected["model_finite"], "rows": starts,
             "row_block": SAMPLE_ROWS, "identical": identical, "inputs": INPUTS}
 

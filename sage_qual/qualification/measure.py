@@ -45,10 +45,15 @@ class Accuracy:
     max_abs_error: float = float("nan")
 
     def as_dict(self) -> dict:
-        """The numbers as a report stores them: JSON has no NaN or infinity, so such a number is
-        null (`finite` says what happened); the one place every producer of a cell cleans them."""
-        return {name: (None if isinstance(x, float) and not math.isfinite(x) else x)
-                for name, x in asdict(self).items()}
+        """The numbers as a report stores them (`json_numbers`)."""
+        return json_numbers(asdict(self))
+
+
+def json_numbers(values: dict) -> dict:
+    """Measured numbers as a report stores them: JSON has no NaN or infinity, so such a number is
+    null (`finite` says what happened)."""
+    return {name: (None if isinstance(x, float) and not math.isfinite(x) else x)
+            for name, x in values.items()}
 
 
 def reference(q, k, v, scale: float | None = None) -> torch.Tensor:
