@@ -162,3 +162,31 @@ def imported_test_modules(path: Path) -> list[str]:
 def test_no_test_module_imports_another():
     offenders = {p.name: imported_test_modules(p) for d in TEST_DIRS for p in sorted(d.glob("*.py"))}
     assert {name: found for name, found in offenders.items() if found} == {}
+
+
+# The README's layout table names every module, so the map a newcomer reads is the code's.
+README = PACKAGE.parent / "README.md"
+
+
+def _layout_rows() -> dict[str, str]:
+    text = README.read_text().split("## Layout", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 2 and cells[0].startswith("`sage_qual"):
+            rows[cells[0]] = cells[1]
+    return rows
+
+
+def test_the_readme_layout_table_names_every_module():
+    rows = _layout_rows()
+    missing = []
+    for name, path in MODULES.items():
+        if path.name in ("__init__.py", "__main__.py"):
+            continue
+        stem = path.stem
+        package = path.parent.relative_to(PACKAGE.parent).as_posix()  # sage_qual or sage_qual/serving
+        text = " ".join(f"{key} {job}" for key, job in rows.items() if key.startswith(f"`{package}/"))
+        if f"`{stem}`" not in text and f"`{stem}.py`" not in text and f"{stem}.py`" not in text:
+            missing.append(name)
+    assert not missing, f"README.md's layout table does not name: {missing}"
