@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from sage_qual import records
+from sage_qual import cli, records
 from sage_qual.fixtures.fileformat import save_fixture
 from sage_qual.qualification import (
     certify,
@@ -197,3 +197,12 @@ def test_the_target_summary_words_are_the_verdicts_evidence(tmp_path):
     assert flux.endswith("safe: every fixture of the family passed")
     flux2 = next(line for line in lines if " FLUX.2 " in line)
     assert "not qualified: no fixtures of FLUX.2 in this run" in flux2
+
+
+def test_a_prediction_writes_no_junit_and_says_so(tmp_path, capsys):
+    assert cli.main(["certify", "--emulate", "--junit-xml", str(tmp_path / "x.xml"), "--out",
+                     str(tmp_path / "out")]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "leave out --junit-xml" in error and "\n" not in error
+    assert not (tmp_path / "out").exists()
+    assert "leave out --junit-xml" in (tmp_path / "x.xml").read_text()  # CI sees the refusal as an error
