@@ -6,6 +6,7 @@ and the backends' execute replaced where a test is about the run around them).""
 import dataclasses
 import json
 import threading
+import xml.etree.ElementTree as ET
 
 import pytest
 import torch
@@ -206,3 +207,12 @@ def test_a_prediction_writes_no_junit_and_says_so(tmp_path, capsys):
     assert "leave out --junit-xml" in error and "\n" not in error
     assert not (tmp_path / "out").exists()
     assert "leave out --junit-xml" in (tmp_path / "x.xml").read_text()  # CI sees the refusal as an error
+
+
+def test_a_target_run_writes_junit_as_certify_does(box, monkeypatch):
+    options = target_certify.Options(box / "out", "sageattn", families=["FLUX.1"],
+                                     fixture_dirs=[str(box / "fixtures")], junit_xml=box / "target.xml")
+    run_without_tasks(monkeypatch, target_certify.TargetRun, lambda *args: None, target_certify.run, options)
+    cases = ET.parse(box / "target.xml").getroot().findall("testsuite/testcase")
+    assert [(c.get("classname"), c.get("name")) for c in cases] == [("Fake H200 (sm_90)", "FLUX.1")]
+    assert cases[0].find("failure").get("message") == "keep off"  # no cell ran: no evidence
