@@ -1,15 +1,38 @@
 """Builders shared by the fast suite's test modules (test modules import this, never each other):
 serving profiles and the machine they are matched against (test_profile and the modules reading
-profiles), and the long-check records certify writes for the sample H200 report (test_long_checks,
-test_profile_range_contract)."""
+profiles), and certify reports built through the report's own records (`report_model`) and written
+with `records.dump`, so a report a test builds is one certify could write, and the test names only
+what it is about: every builder takes keyword overrides of its defaults. A test of a malformed
+report builds a valid one here and then breaks the dumped dict, so it shows which key is wrong."""
 
-import json
+import hashlib
 from pathlib import Path
 
 import torch
 
-from sage_qual.qualification import families, report_model
+from sage_qual import records
+from sage_qual.qualification import families
+from sage_qual.qualification.report_model import (
+    AccuracyClass,
+    Cell,
+    Device,
+    DType,
+    EnvironmentRecord,
+    FixtureKind,
+    FixtureRecord,
+    GpuInfo,
+    LongCheck,
+    Options,
+    Outcome,
+    Reason,
+    ReasonKind,
+    Report,
+    ShapeSpec,
+    ShapeUse,
+    Speed,
+)
 from sage_qual.serving import profile
+from sage_qual.serving.variants import VARIANTS
 from sage_qual.testing import FakeGpu
 
 SAMPLE = Path(__file__).parent / "data" / "sample_h200_2gpu.json"
@@ -19,29 +42,40 @@ RTX4090 = FakeGpu((8, 9), "Fake RTX 4090", 24.0)
 
 
 # Serving profiles ---------------------------------------------------------------------------------
-def make_entry(variant="sm89-fp8-cuda", min_q=2048, min_k=512, head_dims=(128,), reasons=()):
-    return {"variant": variant, "min_query_tokens": min_q if variant else None,
-            "min_key_tokens": min_k if variant else None, "head_dims": list(head_dims) if variant else None,
-            "reasons": list(reasons)}
+def make_entry(variant="sm89-fp8-cuda", min_q=2048, min_k=512, head_dims=(128,), reasons=()) -> dict:
+    """A profile entry serving `variant` from these lengths, or (variant None) nothing, for `reasons`."""
+    served = variant is not None
+    return records.dump(profile.Entry(variant, min_q if served else None, min_k if served else None,
+                                      list(head_dims) if served else None, list(reasons)))
 
 
 def make_gpu(gpu=H200, entry=None, families=None, torch_version=None, sageattention="2.2.0",
-             torch_cuda="13.0"):
-    return {"name": gpu.name, "capability": list(gpu.capability), "memory_gib": gpu.memory_gib,
-            "environment": {"torch": torch_version or torch.__version__, "torch_cuda": torch_cuda,
-                            "driver": "580.159.04", "sageattention": sageattention, "triton": "3.6.0"},
-            "default": entry or make_entry(), "families": families or {}}
+             torch_cuda="13.0") -> dict:
+    environment = profile.ProfileEnvironment(torch_version or torch.__version__, torch_cuda, "580.159.04",
+                                             sageattention, "3.6.0")
+    entries = {name: read(profile.Entry, e) for name, e in (families or {}).items()}
+    return records.dump(profile.ProfileGpu(gpu.name, list(gpu.capability), gpu.memory_gib, environment,
+                                           read(profile.Entry, entry or make_entry()), entries))
 
 
-def make_profile(*gpus, **one):
-    return {"kind": "sage-qual-profile", "schema_version": 2, "created": "2026-11-29T20:00:00+00:00",
-            "host": "test", "fixtures": {}, "gpus": list(gpus) or [make_gpu(**one)]}
+def make_profile(*gpus, **one) -> dict:
+    """A profile of `gpus` (make_gpu's), or of one make_gpu(**one)."""
+    certified = [read(profile.ProfileGpu, gpu) for gpu in gpus or [make_gpu(**one)]]
+    return records.dump(profile.Profile("sage-qual-profile", 2, "2026-11-29T20:00:00+00:00", "test", {},
+                                        certified))
+
+
+def with_default(entry) -> dict:
+    """make_profile() with its default entry replaced by `entry` as given (a test's broken one)."""
+    data = make_profile()
+    data["gpus"][0]["default"] = entry
+    return data
 
 
 def refusal(entry) -> str:
     """What `profile.load` says of a profile whose default entry is `entry` (it must refuse it)."""
     try:
-        profile.load(make_profile(entry=entry))
+        profile.load(with_default(entry))
     except profile.ProfileError as refused:
         return str(refused)
     raise AssertionError(f"the profile with entry {entry!r} was accepted")
@@ -52,21 +86,98 @@ def machine(gpu, torch_version=None, sageattention="2.2.0", torch_cuda="13.0"):
                            torch_cuda, sageattention)
 
 
+# Report records ---------------------------------------------------------------------------------
+FIXTURE_BOUNDS = {"fp16": {"max_rel_l2": 0.05, "min_cosine": 0.99},
+                  "fp8": {"max_rel_l2": 0.12, "min_cosine": 0.98}}
+H200_DEVICE = ("NVIDIA H200", [9, 0], 139.8)  # name, capability, memory_gib as torch reports them
+MEASURED = (Outcome.PASS, Outcome.FAIL)
+
+
+def read(cls, data: dict):
+    """`data` (JSON as certify writes it, e.g. `certify.speed_shapes`' entries) as a `cls` record."""
+    return records.parse(cls, data, "tests_fast/builders.py", "fix the test's data")
+
+
+def reason(kind: str, detail: str) -> Reason:
+    return Reason(ReasonKind(kind), detail)
+
+
+def fixture(name="fx0", family="flux.1", **fields) -> FixtureRecord:
+    values = {"kind": FixtureKind.REPLICA, "dtype": DType.BFLOAT16, "q": [1, 2, 256, 128],
+              "k": [1, 2, 256, 128], "sha256": hashlib.sha256(name.encode()).hexdigest(),
+              "bounds": FIXTURE_BOUNDS, "provenance": "tests_fast/builders.py", **fields}
+    return FixtureRecord(name=name, family=family, **values)
+
+
+def cell(variant: str, fixture_: FixtureRecord, outcome="pass", **fields) -> Cell:
+    """`variant` on `fixture_`: measured (pass, fail) halfway inside the fixture's bounds for the
+    variant's accuracy class, else a cell that did not run, with a detail."""
+    outcome = Outcome(outcome)
+    if outcome in MEASURED:
+        accuracy = VARIANTS[variant].accuracy_class
+        bounds = fixture_.bounds[accuracy]
+        values = {"accuracy_class": AccuracyClass(accuracy), "bounds": bounds, "finite": True,
+                  "rel_l2": bounds["max_rel_l2"] / 2, "worst_head_cosine": (1 + bounds["min_cosine"]) / 2,
+                  "extra_bytes_per_element": 1.5}
+    else:
+        values = {"detail": f"test {outcome.value}"}
+    return Cell(variant, fixture_.name, outcome, **{**values, **fields})
+
+
+def timing(kernel: str, shape: str, ms=1.0, outcome="pass", **fields) -> Speed:
+    """`kernel` at the shape keyed `shape` taking `ms` (None: it did not run)."""
+    return Speed(kernel, shape, Outcome(outcome), ms, **fields)
+
+
+def device(cells=(), speed=(), index=0, gpu=H200_DEVICE, **fields) -> Device:
+    name, capability, memory_gib = gpu
+    return Device(index, name, list(capability), memory_gib, **{"not_supported": {}, "cells": list(cells),
+                                                                "speed": list(speed), **fields})
+
+
+def environment(devices, **fields) -> EnvironmentRecord:
+    """The machine record of a box holding `devices`, every variant runnable on each."""
+    gpus = [GpuInfo(d.index, d.name, d.capability, d.memory_gib, runnable_variants=list(VARIANTS))
+            for d in devices]
+    values = {"sage_qual": "0.1.0", "python": "3.11", "os": "Linux", "torch": "2.11.0+cu130",
+              "torch_cuda": "13.0", "cudnn": "91900", "driver": "580.159.04", "triton": "3.6.0",
+              "sageattention": "2.2.0", "sageattention_problem": "", "extensions": {}, **fields}
+    return EnvironmentRecord(gpus=gpus, **values)
+
+
+def report(devices, fixtures, shapes=None, variants=None, families_=("FLUX.1",), **fields) -> Report:
+    """A complete report of `devices` (`shapes`: key -> ShapeEntry, every key their timings name);
+    `variants` defaults to those their cells and timings ran, in that order."""
+    devices = list(devices)
+    if variants is None:
+        variants = list(dict.fromkeys([c.variant for d in devices for c in d.cells]
+                                      + [t.kernel for d in devices for t in d.speed if t.kernel != "sdpa"]))
+    options = Options(devices=[d.index for d in devices], variants=list(variants), families=list(families_),
+                      fixture_dirs=[], quick=False, timeout_s=90.0)
+    values = {"kind": "sage-qual-report", "schema_version": 2, "complete": True, "stopped": "",
+              "started": "2026-11-30T10:00:00+00:00", "finished": "2026-11-30T10:05:00+00:00",
+              "host": "test-box", "command": "tests_fast/builders.py", "options": options,
+              "environment": environment(devices), "fixtures": list(fixtures), "shapes": shapes or {},
+              "devices": devices, **fields}
+    return Report(**values)
+
+
 # Long-check records ------------------------------------------------------------------------------
 GOOD = {"rel_l2": 0.05, "worst_head_cosine": 0.999}
 BOUNDS = {"max_rel_l2": 0.06, "min_cosine": 0.99}
 
 
-def record(variant, heads, tokens, families_, layouts, outcome="pass", metrics=GOOD, identical=None):
-    shape = families.self_attention(heads, tokens).as_dict()
-    uses = [{"family": f, "label": "test"} for f in families_] or [{"family": None, "label": "sweep"}]
-    entry = {"variant": variant, "shape": shape, "uses": uses, "layouts": layouts, "outcome": outcome}
-    if outcome in ("pass", "fail"):
+def long_check(variant, heads, tokens, families_, layouts, outcome="pass", metrics=GOOD,
+               identical=None) -> dict:
+    """A LongCheck record's JSON: `variant` at `tokens` with `heads`, for `families_` (none: the
+    sweep), `layouts` bit-identical unless `identical` says otherwise."""
+    shape = read(ShapeSpec, families.self_attention(heads, tokens).as_dict())
+    uses = [ShapeUse(f, "test") for f in families_] or [ShapeUse(None, "sweep")]
+    values = {"detail": "the worker ran this task when it died (killed by SIGSEGV)"}
+    if Outcome(outcome) in MEASURED:
         same = {name: True for name in layouts if name != "contiguous"} if identical is None else identical
-        entry.update(bounds=BOUNDS, metrics=dict(metrics), finite=True, identical=same)
-    else:
-        entry["detail"] = "the worker ran this task when it died (killed by SIGSEGV)"
-    return entry
+        values = {"bounds": BOUNDS, "metrics": dict(metrics), "finite": True, "identical": same}
+    return records.dump(LongCheck(variant, shape, uses, list(layouts), Outcome(outcome), **values))
 
 
 def long_records(variant, fail_at=None, how="accuracy"):
@@ -75,27 +186,15 @@ def long_records(variant, fail_at=None, how="accuracy"):
     everything = list(families.LAYOUTS)
     planned = [(24, 8192, [], everything), (24, 16384, [], everything), (24, 32768, [], everything),
                (24, 16896, ["FLUX.1", "Qwen-Image"], everything), (40, 75600, ["Wan 2.2"], everything)]
-    records = []
+    checks = []
     for heads, tokens, users, layouts in planned:
         if tokens != fail_at:
-            records.append(record(variant, heads, tokens, users, layouts))
+            checks.append(long_check(variant, heads, tokens, users, layouts))
         elif how == "accuracy":
-            records.append(record(variant, heads, tokens, users, layouts, "fail", {**GOOD, "rel_l2": 0.2}))
+            checks.append(long_check(variant, heads, tokens, users, layouts, "fail", {**GOOD, "rel_l2": 0.2}))
         elif how == "layout":
-            records.append(record(variant, heads, tokens, users, layouts, "fail",
-                                  identical={"transposed": False, "fused_qkv": True, "nhd": True}))
+            checks.append(long_check(variant, heads, tokens, users, layouts, "fail",
+                                     identical={"transposed": False, "fused_qkv": True, "nhd": True}))
         else:
-            records.append(record(variant, heads, tokens, users, layouts, how))
-    return records
-
-
-# A report being written ---------------------------------------------------------------------------
-def report_being_written(shapes: dict | None = None, speed: list | None = None):
-    """The sample H200 report as a run starts it (complete=false), with `shapes` as its timed shapes
-    and `speed` as cuda:0's timings, both in report.json's form: a `report.Writer`'s start for the
-    unit tests of what certify appends."""
-    data = {k: v for k, v in json.loads(SAMPLE.read_text()).items() if k != "gpus"}
-    data.update(schema_version=2, complete=False, finished=None, shapes=shapes or {})
-    data["devices"] = [dict(data["devices"][0], speed=speed or [])]
-    data["options"]["devices"] = [0]
-    return report_model.from_dict(data, "sample")
+            checks.append(long_check(variant, heads, tokens, users, layouts, how))
+    return checks

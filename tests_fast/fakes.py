@@ -6,14 +6,18 @@ H100, and the RTX 4090 sample's device joins as cuda:2; `write_fleet` writes eve
 names as a small real file and records its checksum. `within_budget` gives numbers inside a budget.
 """
 
-import copy
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from sage_qual import records
 from sage_qual.fixtures import fileformat
-from sage_qual.serving.variants import VARIANTS
+from sage_qual.qualification import report_model
+from sage_qual.qualification.report_model import Outcome
+
+from . import builders
 
 DATA = Path(__file__).parent / "data"
 H200, H100, RTX4090 = "NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA GeForce RTX 4090"
@@ -35,42 +39,29 @@ def write_fixture(directory: Path, name: str, family: str, bounds: dict, seed: i
     return fileformat.load_fixture(path).sha256
 
 
-def passing_cell(template: dict, fixture: dict, variant: str) -> dict:
-    bounds = fixture["bounds"][VARIANTS[variant].accuracy_class]
-    return {**template, "variant": variant, "fixture": fixture["name"], "outcome": "pass", "reasons": [],
-            "accuracy_class": VARIANTS[variant].accuracy_class, "bounds": bounds, "finite": True,
-            "rel_l2": bounds["max_rel_l2"] / 2, "worst_head_cosine": (1 + bounds["min_cosine"]) / 2,
-            "extra_bytes_per_element": 1.5}
-
-
 def gpu_entry(template: dict, index: int, name: str) -> dict:
     return {**template, "index": index, "name": name, "capability": CAPABILITY[name]}
 
 
 def fleet_report() -> dict:
     """One complete report: cuda:0 H200, cuda:1 H100, cuda:2 RTX 4090."""
-    data, rtx = load("sample_h200_2gpu.json"), load("sample_rtx4090.json")
-    data.pop("gpus", None)  # the stored analysis of version 1: verdicts come from the evidence
-    data["host"] = "fleet-box"
-    selected = data["options"]["variants"]
-    selected += [v for v in rtx["options"]["variants"] if v not in selected]
-    data["options"]["devices"] = [0, 1, 2]
-    h200, h100 = data["devices"]
-    h100["name"] = H100
-    device = copy.deepcopy(rtx["devices"][0])
-    device["index"] = 2
-    template = next(c for c in device["cells"] if c["outcome"] == "pass")
-    skip = next(c for c in device["cells"] if c["outcome"] == "skip")
-    for fixture in data["fixtures"]:  # the RTX sample ran three of the five fixtures
-        if not any(c["fixture"] == fixture["name"] for c in device["cells"]):
-            device["cells"] += [passing_cell(template, fixture, v)
-                                for v in ("sm89-fp8-cuda", "sm86-fp16-triton")]
-            device["cells"].append({**skip, "fixture": fixture["name"]})
-    data["devices"].append(device)
-    gpu = data["environment"]["gpus"][0]
-    data["environment"]["gpus"] = [gpu_entry(gpu, 0, H200), gpu_entry(gpu, 1, H100),
-                                   {**rtx["environment"]["gpus"][0], "index": 2}]
-    return data
+    data, rtx = (report_model.from_dict(load(name), name) for name in ("sample_h200_2gpu.json",
+                                                                        "sample_rtx4090.json"))
+    h200, h100 = data.devices
+    device = replace(rtx.devices[0], index=2)
+    skip = next(c for c in device.cells if c.outcome == Outcome.SKIP)
+    added = []
+    for fixture in data.fixtures:  # the RTX sample ran three of the five fixtures
+        if not any(c.fixture == fixture.name for c in device.cells):
+            added += [builders.cell(v, fixture) for v in ("sm89-fp8-cuda", "sm86-fp16-triton")]
+            added.append(replace(skip, fixture=fixture.name))
+    devices = [h200, replace(h100, name=H100), replace(device, cells=device.cells + added)]
+    gpus = [replace(data.environment.gpus[0], index=n, name=name, capability=CAPABILITY[name])
+            for n, name in enumerate((H200, H100))] + [replace(rtx.environment.gpus[0], index=2)]
+    variants = data.options.variants + [v for v in rtx.options.variants if v not in data.options.variants]
+    return records.dump(replace(data, host="fleet-box", devices=devices,
+                                options=replace(data.options, devices=[0, 1, 2], variants=variants),
+                                environment=replace(data.environment, gpus=gpus)))
 
 
 def write_fleet(directory: Path, data: dict) -> tuple[Path, Path, dict]:

@@ -16,6 +16,8 @@ from sage_qual.serving import defaults, profile
 from sage_qual.serving.config import DEFAULT_CONFIG, KERNEL_TABLE
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
 
+from .builders import make_entry, make_gpu, make_profile, reason
+
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 SOURCES = [RESULTS / "run2-h200-certify-full" / "profile.json",
            RESULTS / "run8-h200x2-final" / "certify" / "certify-a" / "profile.json",
@@ -160,24 +162,14 @@ def test_a_broken_data_file_is_one_line_naming_it(tmp_path, content, message):
 
 # The builder: adding a GPU model from a certify run ----------------------------------------------
 def certify_profile(tmp_path, name, entry, families, capability=(8, 9), torch_version="2.13.0"):
-    gpu = {"name": name, "capability": list(capability), "memory_gib": 24.0,
-           "environment": {"torch": torch_version, "torch_cuda": "13.0", "driver": "1",
-                           "sageattention": "2.2.0", "triton": "3.6.0"},
-           "default": entry, "families": families}
+    gpu = make_gpu(FakeGpu(capability, name, 24.0), entry, families, torch_version)
     count = len(list(tmp_path.iterdir()))
     path = tmp_path / f"{name}-{count}.json"
-    path.write_text(json.dumps({"kind": "sage-qual-profile", "schema_version": 2,
-                                "created": f"2026-12-{count + 1:02d}T00:00:00+00:00",
-                                "host": "h", "fixtures": {}, "gpus": [gpu]}))
+    path.write_text(json.dumps({**make_profile(gpu), "created": f"2026-12-{count + 1:02d}T00:00:00+00:00"}))
     return path
 
 
-def served(variant, q, k, dims):
-    return {"variant": variant, "min_query_tokens": q, "min_key_tokens": k, "head_dims": dims, "reasons": []}
-
-
-OFF = {"variant": None, "min_query_tokens": None, "min_key_tokens": None, "head_dims": None,
-       "reasons": [{"kind": "non_finite", "detail": "sm89-fp8-cuda on flux: NaN"}]}
+OFF = make_entry(None, reasons=[reason("non_finite", "sm89-fp8-cuda on flux: NaN")])
 
 
 def test_the_command_adds_a_gpu_model_and_keeps_the_others(tmp_path, capsys):
@@ -187,12 +179,13 @@ def test_the_command_adds_a_gpu_model_and_keeps_the_others(tmp_path, capsys):
     data.write_text(defaults.DATA.read_text())
     runs = tmp_path / "runs"
     runs.mkdir()
-    first = certify_profile(runs, "RTX 4090", OFF, {"FLUX.1": served("sm89-fp8-cuda", 2048, 512, [64, 128]),
-                                                    "SDXL": served("sm89-fp8-cuda", 4096, 512, [64]),
-                                                    "Wan 2.2": OFF})
-    second = certify_profile(runs, "RTX 4090", OFF, {"FLUX.1": served("sm89-fp8-cuda", 3072, 256, [128]),
-                                                     "SDXL": served("sm89-fp8-cuda-fp32acc", 4096, 512, [64]),
-                                                     "Wan 2.2": served("sm89-fp8-cuda", 1024, 512, [128])})
+    sm89 = "sm89-fp8-cuda"
+    first = certify_profile(runs, "RTX 4090", OFF, {
+        "FLUX.1": make_entry(sm89, 2048, 512, [64, 128]), "SDXL": make_entry(sm89, 4096, 512, [64]),
+        "Wan 2.2": OFF})
+    second = certify_profile(runs, "RTX 4090", OFF, {
+        "FLUX.1": make_entry(sm89, 3072, 256, [128]), "Wan 2.2": make_entry(sm89, 1024, 512, [128]),
+        "SDXL": make_entry("sm89-fp8-cuda-fp32acc", 4096, 512, [64])})
     assert defaults.main([str(first), str(second), "--out", str(data)]) == 0
     assert "NVIDIA H200 (sm_90), RTX 4090 (sm_89)" in capsys.readouterr().out
     measured, sources = defaults.read(data)

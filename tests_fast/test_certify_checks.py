@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from sage_qual import cli, records
+from sage_qual import cli
 from sage_qual.errors import UsageError
 from sage_qual.fixtures.fileformat import save_fixture
 from sage_qual.qualification import certify, fault_hooks, report, target_certify
 from sage_qual.qualification import pool as workers
 
-from .builders import report_being_written
+from . import builders
 
 BOUNDS = {"fp16": {"max_rel_l2": 0.05, "min_cosine": 0.99}, "fp8": {"max_rel_l2": 0.08, "min_cosine": 0.99}}
 
@@ -180,22 +180,15 @@ def test_an_interval_with_an_end_near_the_bar_is_refined_too():
 def test_after_a_sweep_the_lengths_around_its_crossover_are_queued(tmp_path):
     """A variant whose lower bound crosses SDPA between 4096 and 8192 tokens at head_dim 128 gets
     seven refined lengths, each with SDPA (not yet timed there) and the variant."""
-    shapes = {key: records.dump(entry) for key, entry in certify.speed_shapes([], quick=False).items()}
+    shapes = certify.speed_shapes([], quick=False)
     speed = []
     for key, entry in shapes.items():
-        tokens = entry["shape"]["q_tokens"]
-        speed.append({"kernel": "sdpa", "shape": key, "outcome": "pass", "ms": 1.0, "samples_ms": [1.0] * 5})
-        faster = tokens >= 8192 and entry["shape"]["head_dim"] == 128
-        speed.append(
-            {
-                "kernel": "sm90-fp8-cuda",
-                "shape": key,
-                "outcome": "pass",
-                "ms": 0.5 if faster else 2.0,
-                "samples_ms": [0.5 if faster else 2.0] * 5,
-            }
-        )
-    writer = report.Writer(tmp_path / "report.json", report_being_written(shapes, speed))
+        ms = 0.5 if entry.shape.q_tokens >= 8192 and entry.shape.head_dim == 128 else 2.0
+        speed += [builders.timing("sdpa", key, 1.0, samples_ms=[1.0] * 5),
+                  builders.timing("sm90-fp8-cuda", key, ms, samples_ms=[ms] * 5)]
+    begun = builders.report([builders.device(speed=speed)], [], shapes, ["sm90-fp8-cuda"], complete=False,
+                            finished=None)
+    writer = report.Writer(tmp_path / "report.json", begun)
     run = certify._DeviceRun(0, [], [], {}, certify.Options(tmp_path), writer, 0)  # a full run, not --quick
     tasks = run._refinement([{"kind": "speed", "variant": "sm90-fp8-cuda"}])
     keys = [f"b1 h24 q{n} k{n} d128 bfloat16" for n in (4480, 4864, 5248, 5760, 6272, 6912, 7552)]

@@ -26,7 +26,7 @@ from sage_qual.qualification import (
 from sage_qual.qualification.report_model import Cell, Device, Outcome, Report
 from sage_qual.serving.env_record import EnvironmentRecord, GpuInfo
 
-from .builders import report_being_written
+from . import builders
 
 BOUNDS = {"fp16": {"max_rel_l2": 0.05, "min_cosine": 0.99}, "fp8": {"max_rel_l2": 0.08, "min_cosine": 0.99}}
 H200 = GpuInfo(index=0, name="Fake H200", capability=[9, 0], memory_gib=141.0, kernel="sm90-fp8-cuda")
@@ -160,10 +160,14 @@ def test_parallel_jobs_finish_before_the_first_error_is_raised():
 
 
 # The summary, from verdict.decide() only -----------------------------------------------------------
-def predicted_report() -> Report:
-    """The sample H200 report on its first device, complete and marked predicted."""
-    return dataclasses.replace(report_being_written(), complete=True,
-                               finished="2026-12-01T02:00:00+00:00", predicted=True)
+def one_gpu_report(sdxl="pass", **fields) -> Report:
+    """sm90-fp8-cuda on two FLUX.1 fixtures (one with "): " in its name), passing, and on an SDXL
+    one (`sdxl`: its outcome), on one H200; FLUX.1, FLUX.2 (no fixtures) and SDXL chosen."""
+    flux = [builders.fixture("flux (block 5): an odd name", "flux.1"), builders.fixture("flux", "flux.1")]
+    cells = [builders.cell("sm90-fp8-cuda", f) for f in flux]
+    fixtures = flux + [builders.fixture("sdxl", "sdxl")]
+    device = builders.device(cells + [builders.cell("sm90-fp8-cuda", fixtures[2], sdxl)])
+    return builders.report([device], fixtures, families_=("FLUX.1", "FLUX.2", "SDXL"), **fields)
 
 
 def test_the_predicted_summary_groups_by_fixture_whatever_a_reason_says(tmp_path, monkeypatch):
@@ -173,31 +177,28 @@ def test_the_predicted_summary_groups_by_fixture_whatever_a_reason_says(tmp_path
     monkeypatch.setattr(judge, "cell_reasons", lambda *args, **kwargs: [
         {"kind": "accuracy", "detail": "relative L2 (budget 0.1): 0.5"},
         {"kind": "non_finite", "detail": "odd): wording"}])
-    written = predicted_report()
-    renamed = {"flux1-block5": "flux (block 5): an odd name"}
-    fixtures = [dataclasses.replace(f, name=renamed.get(f.name, f.name)) for f in written.fixtures]
-    cells = [dataclasses.replace(c, fixture=renamed.get(c.fixture, c.fixture))
-             for c in written.devices[0].cells]
-    written = dataclasses.replace(written, fixtures=fixtures,
-                                  devices=[dataclasses.replace(written.devices[0], cells=cells)])
-    lines = summary.text(written, tmp_path).splitlines()
-    flux = [line for line in lines if line.startswith("  would fail FLUX.1: sm90-fp8-cuda ")]
-    assert flux == ["  would fail FLUX.1: sm90-fp8-cuda on flux (block 5): an odd name: "
-                    "relative L2 (budget 0.1): 0.5; odd): wording"]
+    lines = summary.text(one_gpu_report(predicted=True), tmp_path).splitlines()
+    failures = [line for line in lines if line.startswith("  would fail ")]
+    assert failures == [
+        f"  would fail {family}: sm90-fp8-cuda on {fixture}: relative L2 (budget 0.1): 0.5; odd): wording"
+        for family, fixture in [("FLUX.1", "flux (block 5): an odd name"), ("FLUX.1", "flux"),
+                                ("SDXL", "sdxl")]]
     row = next(line for line in lines if line.startswith("sm90-fp8-cuda "))
-    assert row.split()[2:] == ["FAIL"] * 4  # FLUX.1, Qwen-Image, SDXL and Wan 2.2 have fixtures here
+    assert row.split()[2:] == ["FAIL", "FAIL"]  # FLUX.1 and SDXL, the families with fixtures
+    assert lines[-1] == "  no fixtures, not predicted: FLUX.2"
 
 
 def test_the_target_summary_words_are_the_verdicts_evidence(tmp_path):
     """certify --target: safe, NOT SAFE or not qualified, as `FamilyDecision.evidence` says."""
-    written = dataclasses.replace(predicted_report(), predicted=False, target="sm90-fp8-cuda")
-    lines = summary.text(written, tmp_path).splitlines()
-    assert lines[0] == ("sage-qual certify --target sm90-fp8-cuda: complete; report in "
-                        f"{tmp_path / 'report.md'}")
-    flux = next(line for line in lines if " FLUX.1 " in line)
-    assert flux.endswith("safe: every fixture of the family passed")
-    flux2 = next(line for line in lines if " FLUX.2 " in line)
-    assert "not qualified: no fixtures of FLUX.2 in this run" in flux2
+    lines = summary.text(one_gpu_report("crash", target="sm90-fp8-cuda"), tmp_path).splitlines()
+    assert lines == [
+        f"sage-qual certify --target sm90-fp8-cuda: complete; report in {tmp_path / 'report.md'}",
+        "  NVIDIA H200 (sm_90)  FLUX.1       safe: every fixture of the family passed",
+        "  NVIDIA H200 (sm_90)  FLUX.2       not qualified: no fixtures of FLUX.2 in this run: not certified",
+        "  NVIDIA H200 (sm_90)  SDXL         NOT SAFE: sm90-fp8-cuda on sdxl (cuda:0): test crash"]
+    skipped = summary.text(one_gpu_report("skip", target="sm90-fp8-cuda"), tmp_path).splitlines()
+    assert skipped[-1] == ("  NVIDIA H200 (sm_90)  SDXL         not qualified: "
+                           "sm90-fp8-cuda on sdxl (cuda:0): test skip")
 
 
 def test_a_prediction_writes_no_junit_and_says_so(tmp_path, capsys):

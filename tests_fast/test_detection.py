@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from sage_qual import records
 from sage_qual.fixtures import numerics
 from sage_qual.fixtures.fileformat import list_fixtures, load_fixture, shipped_dir
 from sage_qual.limits import MEMORY_BOUND
@@ -29,6 +30,8 @@ from sage_qual.qualification import (
 )
 from sage_qual.serving.variants import VARIANTS
 from sage_qual.testing import FakeSageAttention
+
+from . import builders
 
 VARIANT = VARIANTS["sm90-fp8-cuda"]  # the kernel the field reports were tried with (H200)
 # A complete two-H200 report (B's test data): its speed evidence, our fixtures and cells.
@@ -91,24 +94,27 @@ def baseline(bench, failing):
     return frozenset().union(*(detection.owners(f) for f in fixtures if f.name in failing))
 
 
-def _cell(fixture, metrics: dict) -> dict:
+def _record(fixture) -> report_model.FixtureRecord:
+    return builders.fixture(fixture.name, fixture.family, kind=report_model.FixtureKind(fixture.kind),
+                            dtype=report_model.DType(str(fixture.dtype).removeprefix("torch.")),
+                            q=list(fixture.q.shape), k=list(fixture.k.shape), sha256=fixture.sha256,
+                            bounds=fixture.bounds, provenance=fixture.provenance)
+
+
+def _cell(fixture, metrics: dict) -> report_model.Cell:
     budget = budgets.budget(VARIANT, fixture)
-    reasons = judge.cell_reasons(metrics, EXTRA_BYTES, budget, MEMORY_BOUND)
+    reasons = [builders.reason(**r) for r in judge.cell_reasons(metrics, EXTRA_BYTES, budget, MEMORY_BOUND)]
     numbers = {k: (None if isinstance(x, float) and not math.isfinite(x) else x) for k, x in metrics.items()}
-    return {"variant": VARIANT.name, "fixture": fixture.name, "outcome": "fail" if reasons else "pass",
-            "reasons": reasons, "accuracy_class": VARIANT.accuracy_class, "bounds": budget, **numbers,
-            "extra_bytes_per_element": EXTRA_BYTES, "seconds": 0.1}
+    return builders.cell(VARIANT.name, _record(fixture), "fail" if reasons else "pass", reasons=reasons,
+                         bounds=budget, **numbers, extra_bytes_per_element=EXTRA_BYTES, seconds=0.1)
 
 
 def kept_off_by_the_gate(fixtures, outputs, references) -> frozenset[str]:
     """The families `verdict.decide()` keeps off for a report holding these outputs' cells."""
     data = json.loads(SAMPLE.read_text())
     data["options"]["variants"] = [VARIANT.name]
-    data["fixtures"] = [{"name": f.name, "family": f.family, "kind": f.kind,
-                         "dtype": str(f.dtype).removeprefix("torch."), "q": list(f.q.shape),
-                         "k": list(f.k.shape), "sha256": f.sha256, "bounds": f.bounds,
-                         "provenance": f.provenance} for f in fixtures]
-    cells = [_cell(f, measure.errors(outputs[f.name], references[f.name])) for f in fixtures]
+    data["fixtures"] = [records.dump(_record(f)) for f in fixtures]
+    cells = [records.dump(_cell(f, measure.errors(outputs[f.name], references[f.name]))) for f in fixtures]
     for device in data["devices"]:
         device["cells"] = cells
         # the report holds one variant: the sample's timings of the others go with the rest of it

@@ -7,7 +7,6 @@ the timings are the test's. FLUX.1's own calls are its two joint shapes; its bre
 the sweep at head_dim 128. SDPA takes 1 ms everywhere, so a variant's speedup at a shape is 1 / ms.
 """
 
-import copy
 import json
 import statistics
 from pathlib import Path
@@ -16,9 +15,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sage_qual import records
 from sage_qual.qualification import families, report, speed, verdict
 
-from .fakes import passing_cell
+from . import builders
 
 # Each example parses and decides whole reports (~0.1 s): few examples, chosen to tie often.
 PROPERTY = settings(max_examples=10, deadline=None, derandomize=True, database=None)
@@ -47,29 +47,23 @@ def timed_report(ms_per_device: list[dict], variants=VARIANTS, every_shape=False
     """A complete report with one H200 per entry of `ms_per_device`, each passing every cell and
     taking ms[(variant, shape key)] (SLOWER where not given). FLUX.1's shapes only, unless
     `every_shape`."""
-    data = sample()
-    data["options"]["families"] = [FAMILY.name, "SDXL"]
+    typed = report.parse(sample(), "sample")
+    shapes = typed.shapes
     if not every_shape:
-        own, sweep, _ = shape_keys(data)
-        data["shapes"] = {k: data["shapes"][k] for k in own + sweep}
-    template = data["devices"][0]
-    sdpa = next(r for r in template["speed"] if r["kernel"] == "sdpa")
-    data["options"]["variants"] = list(variants)
+        own, sweep, _ = shape_keys(sample())
+        shapes = {k: shapes[k] for k in own + sweep}
+    template = typed.devices[0]
+    best = next(t for t in template.speed if t.kernel == "sdpa").best_backend
+    gpu = (template.name, template.capability, template.memory_gib)
     devices = []
     for index, ms in enumerate(ms_per_device):
-        device = copy.deepcopy(template)
-        device.update(index=index, not_supported={})
-        device["cells"] = [passing_cell(template["cells"][0], f, v) for v in variants
-                           for f in data["fixtures"]]
-        device["speed"] = []
-        for key in data["shapes"]:
-            device["speed"].append({**sdpa, "shape": key, "ms": 1.0, "backends": {sdpa["best_backend"]: 1.0}})
-            device["speed"] += [{"kernel": v, "shape": key, "outcome": "pass", "ms": ms.get((v, key), SLOWER),
-                                 "seconds": 0.1} for v in variants]
-        devices.append(device)
-    data["devices"] = devices
-    data["environment"]["gpus"] = [{**data["environment"]["gpus"][0], "index": d["index"]} for d in devices]
-    return data
+        cells = [builders.cell(v, f) for v in variants for f in typed.fixtures]
+        speed = []
+        for key in shapes:
+            speed.append(builders.timing("sdpa", key, best_backend=best, backends={best: 1.0}))
+            speed += [builders.timing(v, key, ms.get((v, key), SLOWER), seconds=0.1) for v in variants]
+        devices.append(builders.device(cells, speed, index, gpu))
+    return records.dump(builders.report(devices, typed.fixtures, shapes, variants, [FAMILY.name, "SDXL"]))
 
 
 def family_verdict(data: dict, family=FAMILY) -> dict:
@@ -264,8 +258,6 @@ def test_speedups_count_only_where_sdpa_was_timed_and_failures_as_none():
 
 def test_speedup_lower_bound_uses_both_sides_samples():
     data = timed_report([{}])
-    data["schema_version"] = 2  # timing samples exist from version 2 on, which stores no analysis
-    del data["gpus"]
     key = shape_keys(data)[0][0]
     ours = record(data, 0, "sm90-fp8-cuda", key)
     ours.update(ms=0.5, samples_ms=[0.5 * (1 + 0.5 * (i - 9.5) / 9.5) for i in range(20)])

@@ -14,16 +14,18 @@ from pathlib import Path
 
 import pytest
 
-from sage_qual import cli
+from sage_qual import cli, records
 from sage_qual.fixtures import fileformat
 from sage_qual.qualification import budgets, families, pool, report
 from sage_qual.qualification import gate as gate_module
 from sage_qual.serving.variants import VARIANTS
 
+from .builders import reason
 from .fakes import H200, fleet_report, gpu_entry, write_fleet
 from .fakes import within_budget as _within
 
 FAILING = "sm90-fp8-cuda"
+OVER_BUDGET = records.dump(reason("accuracy", "rel_l2 over its budget"))
 
 
 @pytest.fixture
@@ -45,7 +47,7 @@ def flux_report(tmp_path, monkeypatch):
         if cell["variant"] == FAILING and failing is None:
             failing = index
             cell.update(outcome="fail", rel_l2=budget["max_rel_l2"] * 3,
-                        reasons=[{"kind": "accuracy", "detail": "rel_l2 over its budget"}])
+                        reasons=[OVER_BUDGET])
     assert failing is not None
     path.write_text(json.dumps(data))
     environment = data["environment"]
@@ -153,7 +155,7 @@ def test_a_tighter_budget_decides_as_it_stands(capsys, flux_report):
     for cell in data["devices"][0]["cells"]:
         if cell.get("bounds") and cell["variant"] != FAILING and "max_head_rel_l2" in cell["bounds"]:
             cell["bounds"]["max_rel_l2"] = cell["rel_l2"] / 2
-            cell.update(outcome="fail", reasons=[{"kind": "accuracy", "detail": "rel_l2 over its budget"}])
+            cell.update(outcome="fail", reasons=[OVER_BUDGET])
     path.write_text(json.dumps(data))
     code, out, err = gate(capsys, path, fixtures)
     assert (code, err) == (1, "") and out.startswith("FLUX.1 on NVIDIA H200 (sm_90): keep off")

@@ -11,10 +11,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sage_qual import cli
+from sage_qual import cli, records
 from sage_qual.errors import UsageError
 from sage_qual.qualification import families, gate, pool, report, verdict
 from sage_qual.qualification.families import Family
+
+from .builders import reason
 
 DATA = Path(__file__).parent / "data"
 H200 = DATA / "sample_h200_2gpu.json"
@@ -81,7 +83,7 @@ def test_a_stored_pass_outcome_does_not_hide_failing_numbers():
     for device in data["devices"]:  # the stored reasons and outcomes are what an edit would change
         for cell in device["cells"]:
             if cell["outcome"] == "fail":
-                cell["reasons"] = [{"kind": "accuracy", "detail": "stored"}]
+                cell["reasons"] = [records.dump(reason("accuracy", "stored"))]
     qwen = decision(data, "Qwen-Image")
     assert all("stored" not in r.detail for r in qwen.rejected["sm90-fp8-cuda"])  # judged again
 

@@ -58,24 +58,27 @@ def test_gate_line_for_one_head_size_and_a_problem():
         "stale report: torch differs"]
 
 
+def fleet(verdict_, variant=None, low=(None, None), reasons=(), upper=None, layouts=None):
+    kinds = [ReasonKind(kind) for kind in reasons]
+    return gate.FleetVerdict(Verdict(verdict_), variant, *low, upper, layouts, kinds)
+
+
+FLUX = fleet("enable", "sm90-fp8-cuda", (4608, 512))
+
+
 def row(**changes):
-    base = {"host": "box-a", "report": "box-a/report.json", "gpu": "NVIDIA H200", "capability": [9, 0],
-            "devices": [0, 1],
-            "complete": True, "predicted": False, "target": None,
-            "driver": "580.1", "torch": "2.11.0", "sageattention": "2.2.0",
-            "families": {"FLUX.1": {"verdict": "enable", "variant": "sm90-fp8-cuda", "min_query_tokens": 4608,
-                                    "min_key_tokens": 512, "reasons": []},
-                         "SDXL": {"verdict": "safe, no speedup", "variant": None, "min_query_tokens": None,
-                                  "min_key_tokens": None, "reasons": ["speed"]},
-                         "Wan 2.2": {"verdict": "keep off", "variant": None, "min_query_tokens": None,
-                                     "min_key_tokens": None, "reasons": ["crash", "oom"]}}}
-    return {**base, **changes}
+    base = dict(host="box-a", report="box-a/report.json", complete=True, predicted=False, target="",
+                driver="580.1", torch="2.11.0", sageattention="2.2.0", gpu="NVIDIA H200", capability=[9, 0],
+                devices=[0, 1], families={"FLUX.1": FLUX,
+                                          "SDXL": fleet("safe, no speedup", reasons=["speed"]),
+                                          "Wan 2.2": fleet("keep off", reasons=["crash", "oom"])})
+    return gate.FleetRow(**{**base, **changes})
 
 
 def test_merge_table_for_every_kind_of_row():
     rows = [row(),
-            row(host="box-b", gpu="NVIDIA GeForce RTX 4090", capability=[8, 9], devices=[0], driver=None,
-                sageattention=None, families={"FLUX.1": row()["families"]["FLUX.1"]}),
+            row(host="box-b", gpu="NVIDIA GeForce RTX 4090", capability=[8, 9], devices=[0], driver="",
+                sageattention="", families={"FLUX.1": FLUX}),
             row(host="box-c", complete=False, families={}),
             row(host="box-d", predicted=True)]
     assert gate.merge_markdown(rows).splitlines() == [
@@ -93,8 +96,8 @@ def test_merge_table_for_every_kind_of_row():
 
 
 def test_merge_table_gives_the_verified_range_and_layouts():
-    wan = {"verdict": "enable", "variant": "sm90-fp8-cuda", "min_query_tokens": 9728, "min_key_tokens": 9728,
-           "max_query_tokens": 75600, "layouts": ["contiguous", "transposed", "fused_qkv"], "reasons": []}
+    wan = fleet("enable", "sm90-fp8-cuda", (9728, 9728), upper=75600,
+                layouts=["contiguous", "transposed", "fused_qkv"])
     table = gate.merge_markdown([row(families={"Wan 2.2": wan})]).splitlines()
     assert table[2] == ("| box-a | NVIDIA H200 | 90 | 2 | 580.1 | 2.11.0 | 2.2.0 | enable: sm90-fp8-cuda "
                         "9,728 to 75,600 tokens (contiguous, transposed, fused_qkv) |")

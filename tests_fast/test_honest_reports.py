@@ -80,7 +80,8 @@ def test_a_predicted_report_claims_no_timing_and_no_gpu(predicted_quick):
 
 def test_a_predicted_plot_sets_the_prediction_against_the_published_bound(predicted_quick):
     data, _ = predicted_quick
-    published = {f["name"]: f["bounds"] for f in data["fixtures"]}
-    for cell in data["devices"][0]["cells"]:
+    typed = report.parse(data, "report.json")
+    published = {f.name: f.bounds for f in typed.fixtures}
+    for cell in typed.devices[0].cells:
         assert report.heat_ratio(cell, published) == pytest.approx(
-            cell["rel_l2"] / PUBLISHED[cell["accuracy_class"]]["max_rel_l2"])
+            cell.rel_l2 / PUBLISHED[cell.accuracy_class.value]["max_rel_l2"])

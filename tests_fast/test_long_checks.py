@@ -3,8 +3,8 @@ what a check finds on defective kernels, and how the verdict, the profile and ga
 what was verified. The verdict tests add long checks to the sample H200 report, where FLUX.1 is
 enabled with sm90-fp8-cuda from 4608 query tokens and Qwen-Image with sm89-fp8-cuda from 4608."""
 
-import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -259,18 +259,33 @@ def test_an_edited_long_check_is_refused():
         report.parse(data, "sample")
 
 
+@pytest.mark.parametrize("outcome, how, key, missing", [
+    ("pass", None, "bounds", "missing for a long check whose outcome is 'pass'"),
+    ("fail", "accuracy", "finite", "missing for a long check whose outcome is 'fail'"),
+    ("crash", "crash", "detail", "empty for a long check whose outcome is 'crash' (it says why)")])
+def test_a_long_check_without_what_its_outcome_needs_is_refused_naming_the_key(outcome, how, key, missing):
+    data = json.loads(SAMPLE.read_text())
+    data["devices"][0]["long"] = long_records("sm90-fp8-cuda", fail_at=8192 if how else None, how=how)
+    assert data["devices"][0]["long"][0]["outcome"] == outcome
+    report.parse(data, "sample")  # as built, it reads (parsing leaves data as it is)
+    data["devices"][0]["long"][0][key] = None if key != "detail" else ""
+    with pytest.raises(ReportError, match=rf"devices\[0\]\.long\[0\]\.{key}: {re.escape(missing)}"):
+        report.parse(data, "sample")
+
+
 # Profile, gate, merge ----------------------------------------------------------------------------
 def test_the_profile_holds_the_range_and_layouts():
     typed, gpu = decided(fail_at=16384)
     built = profile.build(typed, [gpu])
-    flux = built["gpus"][0]["families"]["FLUX.1"]
-    assert (flux["max_query_tokens"], flux["max_key_tokens"]) == (8192, 8192)
-    assert flux["layouts"] == ["contiguous", "transposed", "nhd", "fused_qkv"]
-    assert flux["reasons"][0]["kind"] == "long"
-    off = built["gpus"][0]["families"]["Wan 2.2"]  # kept off: no range
-    assert off.get("max_query_tokens") is None and off.get("layouts") is None
+    flux = built.gpus[0].families["FLUX.1"]
+    assert (flux.max_query_tokens, flux.max_key_tokens) == (8192, 8192)
+    assert flux.layouts == ["contiguous", "transposed", "nhd", "fused_qkv"]
+    assert flux.reasons[0].kind == "long"
+    off = built.gpus[0].families["Wan 2.2"]  # kept off: no range
+    assert off.max_query_tokens is None and off.layouts is None
     legacy = profile.build(report.load(SAMPLE), verdict.decide(report.load(SAMPLE)))
-    assert "max_query_tokens" not in legacy["gpus"][0]["families"]["FLUX.1"]  # absent: no bound known
+    legacy_flux = legacy.gpus[0].families["FLUX.1"]  # enabled, but no long checks: no bound known
+    assert legacy_flux.variant and (legacy_flux.max_query_tokens, legacy_flux.layouts) == (None, None)
 
 
 def test_gate_and_merge_say_the_verified_range():
@@ -282,7 +297,7 @@ def test_gate_and_merge_say_the_verified_range():
                         "(layouts: contiguous, transposed, nhd, fused_qkv)")
     assert lines[1].startswith("  - range: verified only below 32,768 query tokens")
     (row,) = gate.merge_rows([(Path("r.json"), typed)])
-    assert row["families"]["FLUX.1"]["max_query_tokens"] == 16896
+    assert row.families["FLUX.1"].max_query_tokens == 16896
     assert "enable: sm90-fp8-cuda 4,608 to 16,896 tokens (contiguous, transposed, nhd, fused_qkv)" in \
         gate.merge_markdown([row])
 
@@ -292,7 +307,7 @@ def test_the_report_renders_the_long_checks(tmp_path, monkeypatch):
     for device in data["devices"]:
         device["long"] = long_records("sm90-fp8-cuda", fail_at=32768)
     monkeypatch.setattr(report, "_plots", lambda *args: {})
-    report.render(copy.deepcopy(data), tmp_path)
+    report.render(report.parse(data, "r.json"), tmp_path)
     md = (tmp_path / "report.md").read_text()
     assert "### Long calls and layouts" in md
     assert ("| sm90-fp8-cuda | 75,600 / 75,600 tokens, 40 heads x 128 bfloat16 | Wan 2.2 test | pass | "

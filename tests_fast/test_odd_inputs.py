@@ -49,7 +49,7 @@ def test_a_lone_surrogate_in_a_host_name_is_printed_as_its_escape(tmp_path):
 def test_report_md_and_html_are_written_with_a_lone_surrogate(tmp_path):
     data = json.loads(SAMPLE.read_text())
     data["host"] = "box-\udcff"
-    report.render(data, tmp_path)
+    report.render(report.parse(data, "r.json"), tmp_path)
     assert "box-\\udcff" in (tmp_path / "report.md").read_text(encoding="utf-8")
     assert "box-\\udcff" in (tmp_path / "report.html").read_text(encoding="utf-8")
 
@@ -101,7 +101,7 @@ def test_fixtures_show_takes_the_file_name_as_it_sits_in_fixtures(capsys):
 def test_a_host_name_with_a_line_break_keeps_report_mds_heading_one_line(tmp_path):
     data = json.loads(SAMPLE.read_text())
     data["host"] = "rack\n# injected"
-    report.render(data, tmp_path)
+    report.render(report.parse(data, "r.json"), tmp_path)
     lines = (tmp_path / "report.md").read_text().splitlines()
     assert lines[0] == "# SageAttention certification, rack # injected"
     assert "# injected" not in lines[1:]

@@ -8,9 +8,9 @@ import pytest
 
 from sage_qual import records
 from sage_qual.qualification import certify, certify_run, families, fault_hooks, measure, report, worker
-from sage_qual.qualification.report_model import Outcome, Speed
+from sage_qual.qualification.report_model import Outcome, ShapeEntry, ShapeSpec, ShapeUse, Speed
 
-from .builders import report_being_written
+from . import builders
 
 
 @pytest.fixture
@@ -60,10 +60,12 @@ def test_the_variant_and_sdpa_are_timed_in_turn_after_their_warm_ups(bench, monk
 
 
 def started(tmp_path):
-    """A writer on a report with one timed shape, "k", and no timing yet; the device run on its GPU."""
-    shape = {"shape": families.self_attention(24, 8192, 128).as_dict(),
-             "uses": [{"family": None, "label": "k"}]}
-    writer = report.Writer(tmp_path / "report.json", report_being_written({"k": shape}))
+    """A writer on a run's report with one timed shape, "k", and no timing yet; the device run on its GPU."""
+    entry = ShapeEntry(builders.read(ShapeSpec, families.self_attention(24, 8192, 128).as_dict()),
+                       [ShapeUse(None, "k")])
+    begun = builders.report([builders.device()], [], {"k": entry}, ["sm90-fp8-cuda"], complete=False,
+                            finished=None)
+    writer = report.Writer(tmp_path / "report.json", begun)
     return writer, certify._DeviceRun(0, [], [], {}, certify.Options(tmp_path), writer, 0)
 
 

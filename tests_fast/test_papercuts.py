@@ -28,7 +28,7 @@ def test_help_states_every_default(command):
 
 def test_report_html_shows_code_not_backticks(tmp_path):
     data = json.loads((ROOT / "tests_fast" / "data" / "sample_h200_2gpu.json").read_text())
-    report.render(data, tmp_path)
+    report.render(report.parse(data, "r.json"), tmp_path)
     page = (tmp_path / "report.html").read_text()
     assert "`" not in page and f"<code>{data['command']}</code>" in page
 

@@ -14,7 +14,8 @@ import torch
 
 from sage_qual.fixtures import fileformat
 from sage_qual.qualification import families as families_mod
-from sage_qual.qualification import target_cells, targets
+from sage_qual.qualification import report_model, target_cells, targets
+from sage_qual.qualification.pytest_plugin import check_cell
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "downstream_app"
@@ -157,6 +158,33 @@ def fake_h200():
     fake = FakeSageAttention()
     with FakeCuda([FakeGpu((9, 0), "Fake H200")]), fake.installed():
         yield fake
+
+
+def test_the_check_a_test_calls_returns_the_cell_record(fake_h200):
+    target, fixture = targets.resolve("wrapper:sm90-fp8-cuda"), _fixture("sdxl_1024_level1")
+    cell = check_cell(target, fixture, (9, 0), _CpuBench())
+    assert isinstance(cell, report_model.Cell)
+    assert (cell.variant, cell.fixture, cell.outcome) == ("wrapper:sm90-fp8-cuda", "sdxl_1024_level1",
+                                                          report_model.Outcome.PASS)
+    assert cell.accuracy_class == report_model.AccuracyClass.FP8
+    assert cell.finite is True and cell.reasons == []
+    assert 0 < cell.rel_l2 <= cell.bounds["max_rel_l2"] and cell.extra_bytes_per_element == 0
+
+
+def test_the_check_fails_the_test_with_every_reason(fake_h200):
+    fake_h200.return_value(lambda exact: exact * 1.5)
+    with pytest.raises(pytest.fail.Exception,
+                       match=r"^sage-qual: wrapper:sm90-fp8-cuda on flux1_1024: relative L2 .*; "):
+        check_cell(targets.resolve("wrapper:sm90-fp8-cuda"), _fixture("flux1_1024"), (9, 0), _CpuBench())
+
+
+def test_the_check_skips_a_call_the_target_leaves_to_torch(fake_h200):
+    fixture = _fixture("krea2_b0_outlier_gqa")
+    small = fileformat.Fixture(**{**fixture.__dict__, "q": fixture.q[:, :, :64], "k": fixture.k[:, :, :32],
+                                  "v": fixture.v[:, :, :32]})
+    with pytest.raises(pytest.skip.Exception,
+                       match=r"^sage-qual: wrapper does not take this call: short: tokens=64/32"):
+        check_cell(targets.resolve("wrapper"), small, (9, 0), _CpuBench())
 
 
 class _CpuBench:

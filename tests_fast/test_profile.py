@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import sage_qual
+from sage_qual import records
 from sage_qual.qualification import profile as building
 from sage_qual.qualification import report, speed, verdict
 from sage_qual.qualification.speed import break_even
@@ -16,7 +17,18 @@ from sage_qual.serving import profile
 from sage_qual.serving.config import DEFAULT_CONFIG, KERNEL_TABLE
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention, on_device
 
-from .builders import H100, H200, RTX4090, machine, make_entry, make_gpu, make_profile, refusal
+from .builders import (
+    H100,
+    H200,
+    RTX4090,
+    machine,
+    make_entry,
+    make_gpu,
+    make_profile,
+    reason,
+    refusal,
+    with_default,
+)
 
 TORCH_SDPA = F.scaled_dot_product_attention  # torch's own, read before any install
 
@@ -98,17 +110,21 @@ def test_a_device_the_profile_does_not_describe_keeps_the_defaults_and_says_why(
 
 
 BAD_ENTRIES = {
-    "unknown variant": (make_entry(variant="sm91-turbo"),
+    "unknown variant": ({**make_entry(), "variant": "sm91-turbo"},
                         "default.variant: 'sm91-turbo' is not a SageAttention"),
-    "negative threshold": (make_entry(min_q=-5), "default.min_query_tokens: is -5, expected a token count"),
+    "negative threshold": ({**make_entry(), "min_query_tokens": -5},
+                           "default.min_query_tokens: is -5, expected a token count"),
     "threshold a string": ({**make_entry(), "min_key_tokens": "512"},
                            "default.min_key_tokens: is the string '512', expected an integer"),
     "float threshold": ({**make_entry(), "min_key_tokens": 512.5}, "default.min_key_tokens: is a number"),
-    "head dim the kernels do not take": (make_entry(head_dims=(96,)),
+    "head dim the kernels do not take": ({**make_entry(), "head_dims": [96]},
                                          "96 is not a head size the kernels take"),
-    "no head dims": (make_entry(head_dims=()), "default.head_dims: empty"),
+    "no head dims": ({**make_entry(), "head_dims": []}, "default.head_dims: empty"),
     "thresholds without variant": ({**make_entry(variant=None), "min_query_tokens": 4096},
                                    "default.variant: null, but thresholds are given"),
+    "reason of a kind no verdict gives": (
+        {**make_entry(variant=None), "reasons": [{"kind": "vibes", "detail": "x"}]},
+        "default.reasons[0].kind: is the string 'vibes', expected one of 'accuracy'"),
 }
 
 
@@ -182,7 +198,7 @@ def test_profile_thresholds_decide_which_calls_are_served(fake):
 
 def test_profile_from_a_file(fake, tmp_path):
     path = tmp_path / "profile.json"
-    building.save(make_profile(entry=make_entry("sm90-fp8-cuda", 1024, 64)), path)
+    building.save(profile.load(make_profile(entry=make_entry("sm90-fp8-cuda", 1024, 64))), path)
     status = sage_qual.install(profile=path)
     assert status.enabled and status.devices[0].variant.name == "sm90-fp8-cuda"
     assert attention(1024, kv_tokens=64).served == 1
@@ -213,12 +229,12 @@ def test_a_mixed_box_applies_the_profile_per_device():
 
 
 @pytest.mark.parametrize("bad, message", [
-    (make_profile(entry=make_entry(variant=None, reasons=[{"kind": "accuracy",
-                                                            "detail": "sm90-fp8-cuda on qwen: L2 0.3"}])),
+    (make_profile(entry=make_entry(variant=None, reasons=[reason("accuracy",
+                                                                 "sm90-fp8-cuda on qwen: L2 0.3")])),
      "the profile certifies no SageAttention variant on Fake H200 (sm_90): sm90-fp8-cuda on qwen: L2 0.3"),
     ({"kind": "something"}, "is not a sage-qual profile"),
-    (make_profile(entry=make_entry(variant="sm91-turbo")), "is not a SageAttention variant"),
-    (make_profile(entry=make_entry(min_q=-1)), "expected a token count of at least 1"),
+    (with_default({**make_entry(), "variant": "sm91-turbo"}), "is not a SageAttention variant"),
+    (with_default({**make_entry(), "min_query_tokens": -1}), "expected a token count of at least 1"),
 ])
 def test_install_refuses_a_profile_that_cannot_be_used(fake, bad, message):
     status = sage_qual.install(profile=copy.deepcopy(bad))
@@ -235,7 +251,7 @@ def test_install_refuses_an_unreadable_profile_file(fake, tmp_path):
 def test_profile_built_by_certify_installs(fake, tmp_path):
     """A profile from a (sample) report, made to match this fake machine, selects its entry."""
     data = report.load(Path(__file__).parent / "data" / "sample_rtx4090.json")
-    built = building.build(data, verdict.decide(data))
+    built = records.dump(building.build(data, verdict.decide(data)))
     assert profile.load(built).gpus[0].name == "NVIDIA GeForce RTX 4090"
     built["gpus"][0].update(name=H200.name, capability=list(H200.capability), memory_gib=H200.memory_gib)
     built["gpus"][0]["environment"].update(torch=torch.__version__, sageattention="2.2.0", torch_cuda="13.0")
@@ -244,10 +260,20 @@ def test_profile_built_by_certify_installs(fake, tmp_path):
     assert dict(attention(2048).fallbacks) == {"short": 1}  # sample break-even: 4608 query tokens
 
 
+@pytest.mark.parametrize("run", ["certify-b", "certify-e"])
+def test_the_built_profile_is_the_one_run_13_wrote(run, tmp_path):
+    """The record-building profile gives what certify wrote for run 13 (docs/results/run13-h200x2), as
+    the wrapper reads it: the verified ranges, layouts, reasons and span limit of every entry."""
+    folder = Path(__file__).resolve().parents[1] / "docs" / "results" / "run13-h200x2" / run
+    data = report.load(folder / "report.json")
+    building.save(building.build(data, verdict.decide(data)), tmp_path / "profile.json")
+    assert profile.load(tmp_path / "profile.json") == profile.load(folder / "profile.json")
+
+
 def test_the_profile_schema_accepts_what_certify_builds():
     jsonschema = pytest.importorskip("jsonschema")
     data = report.load(Path(__file__).parent / "data" / "sample_h200_2gpu.json")
-    built = building.build(data, verdict.decide(data))
+    built = records.dump(building.build(data, verdict.decide(data)))
     assert list(jsonschema.Draft202012Validator(profile.json_schema()).iter_errors(built)) == []
 
 

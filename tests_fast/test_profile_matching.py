@@ -19,11 +19,11 @@ from sage_qual.limits import STATUS_LINE_LIMIT
 from sage_qual.serving import profile
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
 
-from .builders import H200, machine, make_entry, make_gpu, make_profile
+from .builders import H200, machine, make_entry, make_gpu, make_profile, reason
 from .helpers import records
 
 CURRENT = Path(__file__).resolve().parent.parent / "docs/results/current/certify-gpu0/profile.json"
-OFF = make_entry(variant=None, reasons=[{"kind": "non_finite", "detail": "sm90-fp8-cuda on flux1_ip: NaN"}])
+OFF = make_entry(variant=None, reasons=[reason("non_finite", "sm90-fp8-cuda on flux1_ip: NaN")])
 
 
 def install(gpus=(H200,), sage=True, **options):

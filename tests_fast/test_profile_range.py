@@ -72,7 +72,7 @@ def test_a_malformed_entry_is_refused_in_one_line(name):
 ])
 def test_a_malformed_span_limit_is_refused(value, message):
     with pytest.raises(profile.ProfileError) as refused:
-        profile.load(make_profile({**make_gpu(), "max_span_elements": value}))
+        profile.load({**make_profile(), "gpus": [{**make_gpu(), "max_span_elements": value}]})
     assert message in str(refused.value)
 
 

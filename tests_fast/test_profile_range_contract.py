@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import sage_qual
+from sage_qual import records
 from sage_qual.qualification import profile as building
 from sage_qual.qualification import report, verdict
 from sage_qual.serving import profile
@@ -31,7 +32,7 @@ def built_profile(fail_at=None) -> dict:
     for device in data["devices"]:
         device["long"] = long_records("sm90-fp8-cuda", fail_at) + long_records("sm89-fp8-cuda", fail_at)
     typed = report.parse(data, "sample")
-    built = building.build(typed, verdict.decide(typed))
+    built = records.dump(building.build(typed, verdict.decide(typed)))
     built["gpus"][0].update(name=H200.name, capability=list(H200.capability), memory_gib=H200.memory_gib)
     built["gpus"][0]["environment"].update(torch=torch.__version__, sageattention="2.2.0", torch_cuda="13.0")
     return built

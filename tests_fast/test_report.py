@@ -270,7 +270,7 @@ def test_writer_refuses_what_the_reader_would_refuse(tmp_path, change):
 
 def test_render_complete_report(tmp_path):
     data = sample()
-    files = report.render(data, tmp_path)
+    files = report.render(report.parse(data, "r.json"), tmp_path)
     names = {f.name for f in files}
     assert {"report.md", "report.html", "accuracy-cuda0.png", "accuracy-cuda1.png", "speedup-0.png"} <= names
     md = (tmp_path / "report.md").read_text()
@@ -293,13 +293,13 @@ def test_render_ignores_a_stored_verdict_section(tmp_path):
     data = sample()
     for verdict in data["gpus"][0]["families"]:
         verdict["verdict"] = "enable"
-    report.render(data, tmp_path)
+    report.render(report.parse(data, "r.json"), tmp_path)
     assert "| Wan 2.2 | keep off |" in (tmp_path / "report.md").read_text()
 
 
 def test_render_partial_report_says_so(tmp_path):
     data = sample("sample_partial.json")
-    report.render(data, tmp_path)
+    report.render(report.parse(data, "r.json"), tmp_path)
     md = (tmp_path / "report.md").read_text()
     assert "PARTIAL REPORT" in md and "No verdicts are drawn" in md
     assert "### Verdicts" not in md
@@ -313,7 +313,7 @@ def test_one_row_heatmap_is_not_squashed_and_avoids_red_green(tmp_path):
     data = sample()
     device = data["devices"][0]
     device["cells"] = [c for c in device["cells"] if c["variant"] == "sm90-fp8-cuda"]
-    report.render(data, tmp_path)
+    report.render(report.parse(data, "r.json"), tmp_path)
     width, height = Image.open(tmp_path / "accuracy-cuda0.png").size
     assert height >= report.MIN_HEIGHT_INCHES * 110 - 1  # dpi 110
     assert matplotlib.colormaps["cividis"]  # the sequential, colour-blind-safe map the heatmap uses

@@ -5,12 +5,16 @@ line naming the file and the entry."""
 
 import copy
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from sage_qual import cli, jsonfile
+from sage_qual import cli, jsonfile, records
 from sage_qual.qualification import report
+from sage_qual.qualification.report_model import Cell, Outcome
+
+from .builders import read, reason
 
 SAMPLE = Path(__file__).parent / "data" / "sample_h200_2gpu.json"
 
@@ -32,10 +36,10 @@ def failing_copy_first(data: dict) -> None:
     a verdict taken per (variant, fixture) would see only the pass."""
     cells = data["devices"][0]["cells"]
     index = next(n for n, c in enumerate(cells) if c["outcome"] == "pass")
-    failing = copy.deepcopy(cells[index])
-    failing.update(outcome="fail", rel_l2=failing["bounds"]["max_rel_l2"] * 3,
-                   reasons=[{"kind": "accuracy", "detail": "relative L2 over its bound"}])
-    cells.insert(index, failing)
+    passing = read(Cell, cells[index])
+    failing = replace(passing, outcome=Outcome.FAIL, rel_l2=passing.bounds["max_rel_l2"] * 3,
+                      reasons=[reason("accuracy", "relative L2 over its bound")])
+    cells.insert(index, records.dump(failing))
 
 
 def test_a_cell_held_twice_is_refused(tmp_path):

@@ -6,6 +6,7 @@ The sample H200 report serves FLUX.1 with sm90-fp8-cuda and Qwen-Image with sm89
 """
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
@@ -15,6 +16,8 @@ import torch
 from sage_qual import limits, records
 from sage_qual.fixtures.fileformat import save_fixture
 from sage_qual.qualification import certify, fault_hooks, profile, report, span_check, verdict
+from sage_qual.qualification.report_model import Outcome, SpanProbe
+from sage_qual.records import dump
 from sage_qual.serving import profile as serving_profile
 
 SAMPLE = Path(__file__).parent / "data" / "sample_h200_2gpu.json"
@@ -44,12 +47,10 @@ def probes(variant, outcomes=None):
     for case, limit in PLANNED:
         keys = ((case.layout, case.side, case.span), (case.layout, case.side))
         outcome = next((o for key, o in (outcomes or {}).items() if key in keys), "pass")
-        entry = {"variant": variant, **case.__dict__, "limit": limit, "outcome": outcome}
-        if outcome == "pass":
-            entry.update(rel_l2=0.04, worst_row=0.05)
-        else:
-            entry["detail"] = "the worker ran this task when it died (killed by SIGABRT)"
-        records.append(entry)
+        found = ({"rel_l2": 0.04, "worst_row": 0.05} if outcome == "pass"
+                 else {"detail": "the worker ran this task when it died (killed by SIGABRT)"})
+        probe = SpanProbe(variant, **dataclasses.asdict(case), limit=limit, outcome=Outcome(outcome), **found)
+        records.append(dump(probe))
     return records
 
 
@@ -62,7 +63,7 @@ def built(span_by_variant, devices=(0, 1)):
         if n in devices:
             device["span"] = [p for variant, found in span_by_variant.items() for p in found]
     typed = report.parse(data, "sample")
-    return data, typed, profile.build(typed, verdict.decide(typed))["gpus"][0]
+    return data, typed, records.dump(profile.build(typed, verdict.decide(typed)))["gpus"][0]
 
 
 @pytest.mark.parametrize("sm90, sm89, expected", [
@@ -82,8 +83,8 @@ def test_the_profile_takes_the_smallest_safe_span_of_the_served_variants(sm90, s
 
 
 def test_no_span_limit_in_the_profile_unless_every_served_variant_was_probed():
-    assert "max_span_elements" not in built({})[2]  # a report without probes: the wrapper's default
-    assert "max_span_elements" not in built({"sm90-fp8-cuda": probes("sm90-fp8-cuda")})[2]  # sm89 unprobed
+    assert built({})[2]["max_span_elements"] is None  # a report without probes: the wrapper's default
+    assert built({"sm90-fp8-cuda": probes("sm90-fp8-cuda")})[2]["max_span_elements"] is None  # sm89 unprobed
     # probed on one device of the model only: its probes count for the model
     assert built({"sm90-fp8-cuda": probes("sm90-fp8-cuda", H200_LIKE),
                   "sm89-fp8-cuda": probes("sm89-fp8-cuda")}, devices=(1,))[2]["max_span_elements"] == BELOW
@@ -114,7 +115,7 @@ def test_an_edited_span_probe_is_refused():
 def test_the_report_renders_the_probes_and_the_largest_safe_span(tmp_path, monkeypatch):
     data, _, _ = built({"sm90-fp8-cuda": probes("sm90-fp8-cuda", H200_LIKE)}, devices=(0,))
     monkeypatch.setattr(report, "_plots", lambda *args: {})
-    report.render(data, tmp_path)
+    report.render(report.parse(data, "r.json"), tmp_path)
     md = (tmp_path / "report.md").read_text()
     assert "### Span limits" in md
     assert "sm90-fp8-cuda: 2,146,959,360 elements" in md

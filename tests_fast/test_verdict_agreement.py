@@ -22,9 +22,12 @@ import pytest
 from sage_qual import records
 from sage_qual.qualification import certify, gate, judge, report, summary, verdict
 from sage_qual.qualification.families import FAMILIES, find
+from sage_qual.qualification.report_model import Cell, FixtureRecord, Speed
 from sage_qual.serving.variants import VARIANTS
 
-MODELS = [
+from . import builders
+
+MODELS = [  # name, capability, memory_gib
     ("NVIDIA H200", [9, 0], 139.8),
     ("NVIDIA H100 80GB HBM3", [9, 0], 79.6),
     ("NVIDIA GeForce RTX 4090", [8, 9], 23.6),
@@ -35,48 +38,13 @@ BOUNDS = {"fp16": {"max_rel_l2": 0.05, "min_cosine": 0.99}, "fp8": {"max_rel_l2"
 REPORTS = 30
 
 
-def _environment(models: list) -> dict:
-    gpus = [
-        {
-            "index": i,
-            "name": name,
-            "capability": cap,
-            "memory_gib": memory,
-            "kernel": "",
-            "no_kernel_reason": "",
-            "runnable_variants": list(VARIANTS),
-        }
-        for i, (name, cap, memory) in enumerate(models)
-    ]
-    return {
-        "sage_qual": "0.1.0",
-        "python": "3.11",
-        "os": "Linux",
-        "torch": "2.11.0+cu130",
-        "torch_cuda": "13.0",
-        "cudnn": "91900",
-        "driver": "580.159.04",
-        "triton": "3.6.0",
-        "sageattention": "2.2.0",
-        "sageattention_problem": "",
-        "extensions": {},
-        "gpus": gpus,
-    }
-
-
-def _cell(rng: random.Random, variant: str, fixture: dict) -> dict | None:
+def _cell(rng: random.Random, variant: str, fixture: FixtureRecord) -> Cell | None:
     roll = rng.random()
     if roll < 0.04:
         return None  # never recorded: the variant is incomplete on this device
     if roll < 0.12:
-        outcome = rng.choice(["crash", "oom", "timeout", "skip"])
-        return {
-            "variant": variant,
-            "fixture": fixture["name"],
-            "outcome": outcome,
-            "detail": f"test {outcome}",
-        }
-    bounds = dict(fixture["bounds"][VARIANTS[variant].accuracy_class])
+        return builders.cell(variant, fixture, rng.choice(["crash", "oom", "timeout", "skip"]))
+    bounds = dict(fixture.bounds[VARIANTS[variant].accuracy_class])
     failing = roll < 0.25
     rel_l2 = bounds["max_rel_l2"] * (rng.uniform(1.1, 4) if failing else rng.uniform(0.2, 0.95))
     metrics = {
@@ -87,28 +55,14 @@ def _cell(rng: random.Random, variant: str, fixture: dict) -> dict | None:
         "error_vs_sdpa": rel_l2 / 0.002,
     }
     extra = rng.uniform(1.2, 1.8)
-    reasons = judge.cell_reasons(metrics, extra, bounds, 2.5)
-    return {
-        "variant": variant,
-        "fixture": fixture["name"],
-        "outcome": "fail" if reasons else "pass",
-        "reasons": reasons,
-        "accuracy_class": VARIANTS[variant].accuracy_class,
-        "bounds": bounds,
-        **metrics,
-        "extra_bytes_per_element": extra,
-    }
+    reasons = [builders.reason(**r) for r in judge.cell_reasons(metrics, extra, bounds, 2.5)]
+    return builders.cell(variant, fixture, "fail" if reasons else "pass", reasons=reasons, bounds=bounds,
+                         extra_bytes_per_element=extra, **metrics)
 
 
-def _timing(rng: random.Random, kernel: str, key: str, ms: float) -> dict:
+def _timing(rng: random.Random, kernel: str, key: str, ms: float) -> Speed:
     samples = [ms * rng.uniform(0.97, 1.03) for _ in range(rng.choice([5, 10, 20]))]
-    return {
-        "kernel": kernel,
-        "shape": key,
-        "outcome": "pass",
-        "ms": statistics.median(samples),
-        "samples_ms": samples,
-    }
+    return builders.timing(kernel, key, statistics.median(samples), samples_ms=samples)
 
 
 def make_report(seed: int) -> dict:
@@ -119,74 +73,30 @@ def make_report(seed: int) -> dict:
         ["sm90-fp8-cuda", "sm89-fp8-cuda", "sm80-fp16-cuda", "sm89-fp8-cuda-fp32acc"], rng.randint(1, 3)
     )
     chosen = rng.sample(FAMILIES, rng.randint(1, len(FAMILIES)))
-    fixtures = [
-        {
-            "name": f"fx{n}",
-            "family": rng.choice(FIXTURE_FAMILIES),
-            "kind": "replica",
-            "dtype": "bfloat16",
-            "q": [1, 2, 256, 128],
-            "k": [1, 2, 256, 128],
-            "sha256": f"{n:064x}",
-            "bounds": BOUNDS,
-            "provenance": "generated for the agreement test",
-        }
-        for n in range(rng.randint(1, 5))
-    ]
-    planned = certify.speed_shapes(chosen, quick=rng.random() < 0.3)
-    shapes = {key: records.dump(entry) for key, entry in planned.items()}
+    fixtures = [builders.fixture(f"fx{n}", rng.choice(FIXTURE_FAMILIES), sha256=f"{n:064x}", bounds=BOUNDS,
+                                 provenance="generated for the agreement test")
+                for n in range(rng.randint(1, 5))]
+    shapes = certify.speed_shapes(chosen, quick=rng.random() < 0.3)
     # Each variant pays from its own crossover, scaled per GPU model: some pay nowhere.
     crossover = {(v, m[0]): rng.choice([1e9, 1e10, 3e10, 1e11, 1e12, 1e14]) for v in variants for m in models}
     devices = []
-    for index, (name, cap, memory) in enumerate(devices_models):
+    for index, gpu in enumerate(devices_models):
         cells = [c for v in variants for f in fixtures if (c := _cell(rng, v, f)) is not None]
         speed = []
         for key, entry in shapes.items():
-            s = entry["shape"]
-            flops = 4.0 * s["batch"] * s["heads"] * s["head_dim"] * s["q_tokens"] * s["kv_tokens"]
+            s = entry.shape
+            flops = 4.0 * s.batch * s.heads * s.head_dim * s.q_tokens * s.kv_tokens
             sdpa_ms = flops / 4.5e11 + 0.02
             speed.append(_timing(rng, "sdpa", key, sdpa_ms))
             for v in variants:
                 if rng.random() < 0.03:
-                    speed.append(
-                        {"kernel": v, "shape": key, "outcome": "oom", "ms": None, "detail": "test oom"}
-                    )
+                    speed.append(builders.timing(v, key, None, "oom", detail="test oom"))
                     continue
-                factor = 1.6 if flops > crossover[(v, name)] else 0.7
+                factor = 1.6 if flops > crossover[(v, gpu[0])] else 0.7
                 speed.append(_timing(rng, v, key, sdpa_ms / factor))
-        devices.append(
-            {
-                "index": index,
-                "name": name,
-                "capability": cap,
-                "memory_gib": memory,
-                "not_supported": {},
-                "cells": cells,
-                "speed": speed,
-            }
-        )
-    return {
-        "kind": "sage-qual-report",
-        "schema_version": 2,
-        "complete": True,
-        "stopped": "",
-        "started": "2026-11-30T10:00:00+00:00",
-        "finished": "2026-11-30T10:05:00+00:00",
-        "host": f"generated-{seed}",
-        "command": "generated for the agreement test",
-        "options": {
-            "devices": list(range(len(devices))),
-            "variants": variants,
-            "families": [f.name for f in chosen],
-            "fixture_dirs": [],
-            "quick": False,
-            "timeout_s": 90.0,
-        },
-        "environment": _environment(devices_models),
-        "fixtures": fixtures,
-        "shapes": shapes,
-        "devices": devices,
-    }
+        devices.append(builders.device(cells, speed, index, gpu))
+    return records.dump(builders.report(devices, fixtures, shapes, variants, [f.name for f in chosen],
+                                        host=f"generated-{seed}", command="generated for the agreement test"))
 
 
 # Each output, read back as its user reads it ----------------------------------------------------
@@ -209,7 +119,7 @@ def served_numbers(entry: dict) -> str | None:
 
 def from_markdown(data: dict, tmp_path: Path, monkeypatch) -> dict:
     monkeypatch.setattr(report, "_plots", lambda *args: {})  # the tables are what is compared
-    report.render(data, tmp_path)
+    report.render(report.parse(data, "r.json"), tmp_path)
     found, model, in_verdicts = {}, None, False
     for line in (tmp_path / "report.md").read_text().splitlines():
         if line.startswith("## "):
@@ -230,7 +140,7 @@ def from_markdown(data: dict, tmp_path: Path, monkeypatch) -> dict:
 def from_merge(data: dict) -> dict:
     rows = gate.merge_rows([(Path("r.json"), report.parse(copy.deepcopy(data), "r.json"))])
     found = {}
-    for row in json.loads(json.dumps(rows)):
+    for row in json.loads(json.dumps([records.dump(row) for row in rows])):  # as merge --json prints
         model = "%s (sm_%d%d)" % (row["gpu"], *row["capability"])
         for family, v in row["families"].items():
             found[(model, family)] = (v["verdict"], v["variant"], served_numbers(v))

@@ -120,7 +120,7 @@ def _run(args: argparse.Namespace) -> int:
         return _refuse(args, str(error))
     except KeyboardInterrupt:
         return _refuse(args, "interrupted", ExitCode.INTERRUPTED)
-    except Exception as error:  # noqa: BLE001: any other failure is a bug, and "cannot decide"
+    except Exception as error:  # any other failure is a bug, and "cannot decide"
         if getattr(args, "debug", False):
             traceback.print_exc()
         where = traceback.extract_tb(error.__traceback__)[-1]
@@ -142,7 +142,8 @@ def _refuse(args: argparse.Namespace, problem: str, code: int = ExitCode.USAGE) 
 
         try:
             junit.write(args.junit_xml, f"sage-qual {args.command}",
-                        [junit.Case(f"sage-qual {args.command}", "cannot decide", "error", problem)])
+                        [junit.Case(f"sage-qual {args.command}", "cannot decide", junit.Outcome.ERROR,
+                                    problem)])
         except UsageError as error:
             print(f"sage-qual {args.command}: {error}", file=sys.stderr)
     return code

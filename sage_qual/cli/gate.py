@@ -13,6 +13,7 @@ import sys
 import traceback
 from pathlib import Path
 
+from sage_qual import records
 from sage_qual.errors import ExitCode, UsageError
 from sage_qual.qualification import gate, junit, report
 from sage_qual.qualification.families import FAMILIES
@@ -60,8 +61,10 @@ def _gate(args: argparse.Namespace) -> int:
         message = f"internal error: {type(error).__name__}: {error}".splitlines()[0]
         decision = gate.GateDecision(args.family, ExitCode.USAGE, message + " (--debug shows where)")
     if args.junit_xml:
-        cases = ([junit.Case("gate", decision.family, "error", decision.problem)] if decision.problem else
-                 [junit.case(model, d, args.require_speedup) for model, d in decision.gpus])
+        if decision.problem:
+            cases = [junit.Case("gate", decision.family, junit.Outcome.ERROR, decision.problem)]
+        else:
+            cases = [junit.case(model, d, args.require_speedup) for model, d in decision.gpus]
         junit.write(args.junit_xml, f"sage-qual gate {decision.family}", cases)
     if args.json:
         print(json.dumps(decision.as_json(), indent=1))
@@ -76,7 +79,8 @@ def _gate(args: argparse.Namespace) -> int:
 def _merge(args: argparse.Namespace) -> int:
     rows = gate.merge_rows([(path, _read(path)) for path in args.reports])
     if args.json:
-        answer = {"command": "merge", "exit_code": ExitCode.OK, "problem": "", "rows": rows}
+        answer = {"command": "merge", "exit_code": ExitCode.OK, "problem": "",
+                  "rows": [records.dump(row) for row in rows]}
         print(json.dumps(answer, indent=1))
     else:
         print(gate.merge_markdown(rows))

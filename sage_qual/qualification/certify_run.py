@@ -365,7 +365,7 @@ def conclude(written: Report, plan: Plan, backend: Backend) -> None:
     decisions = verdict.decide(written)
     if written.complete and backend.writes_profile:
         profile.save(profile.build(written, decisions), plan.out / "profile.json")
-    report.render(records.dump(written), plan.out)  # render reads report.json's form
+    report.render(written, plan.out)
     print(summary.text(written, plan.out, decisions))
     if plan.junit_xml:
         junit.write(plan.junit_xml, f"sage-qual certify {written.host}",

@@ -339,62 +339,91 @@ def gate(report_path: Path, family_name: str, fixture_dirs: list[str] | None = N
 
 
 # merge -------------------------------------------------------------------------------------------------
-def merge_rows(reports: list[tuple[Path, Report]]) -> list[dict]:
+@dataclass(frozen=True)
+class FleetVerdict:
+    """One family on one GPU model of a report, as the fleet table and `merge --json` give it."""
+    verdict: Verdict
+    variant: str | None
+    min_query_tokens: int | None
+    min_key_tokens: int | None
+    max_query_tokens: int | None  # None: no upper bound verified (a report without long checks)
+    layouts: list[str] | None
+    reasons: list[report_model.ReasonKind]  # each kind once, sorted: the details are in report.md
+
+    @classmethod
+    def of(cls, decision: FamilyDecision) -> FleetVerdict:
+        kinds = sorted({r.kind for r in decision.reasons}, key=lambda kind: kind.value)
+        return cls(decision.verdict, decision.variant, decision.min_query_tokens, decision.min_key_tokens,
+                   decision.max_query_tokens, decision.layouts, kinds)
+
+    def text(self) -> str:
+        """The table cell: the served range of an enabled family, else the verdict and reason kinds."""
+        if self.verdict != Verdict.ENABLE:
+            return f"{self.verdict.value}: " + ", ".join(kind.value for kind in self.reasons)
+        if self.max_query_tokens is None:
+            return f"enable: {self.variant} >= {self.min_query_tokens}/{self.min_key_tokens}"
+        return (f"enable: {self.variant} {self.min_query_tokens:,} to {self.max_query_tokens:,} tokens "
+                f"({', '.join(self.layouts)})")
+
+
+@dataclass(frozen=True)
+class FleetRow:
+    """One GPU model of one report: where it ran and each family's verdict (none for a partial report:
+    one row per device then, as no verdict is drawn)."""
+    host: str
+    report: str  # the report file
+    complete: bool
+    predicted: bool
+    target: str
+    driver: str
+    torch: str
+    sageattention: str
+    gpu: str
+    capability: list[int]
+    devices: list[int]
+    families: dict[str, FleetVerdict]
+
+
+def merge_rows(reports: list[tuple[Path, Report]]) -> list[FleetRow]:
     rows = []
     for path, data in reports:
         env = data.environment
-        common = {"host": data.host, "report": str(path), "complete": data.complete,
-                  "predicted": data.predicted, "target": data.target,
-                  "driver": env.driver, "torch": env.torch, "sageattention": env.sageattention}
+        common = dict(host=data.host, report=str(path), complete=data.complete, predicted=data.predicted,
+                      target=data.target, driver=env.driver, torch=env.torch, sageattention=env.sageattention)
         if not data.complete:
-            for device in data.devices:
-                rows.append({**common, "gpu": device.name, "capability": list(device.capability),
-                             "devices": [device.index], "families": {}})
+            rows += [FleetRow(**common, gpu=device.name, capability=list(device.capability),
+                              devices=[device.index], families={}) for device in data.devices]
             continue
-        for gpu in verdict.decide(data):
-            rows.append({**common, "gpu": gpu.name, "capability": list(gpu.capability),
-                         "devices": gpu.devices,
-                         "families": {v.family: {"verdict": v.verdict.value, "variant": v.variant,
-                                                 "min_query_tokens": v.min_query_tokens,
-                                                 "min_key_tokens": v.min_key_tokens,
-                                                 "max_query_tokens": v.max_query_tokens,
-                                                 "layouts": v.layouts,
-                                                 "reasons": sorted({r.kind.value for r in v.reasons})}
-                                      for v in gpu.families}})
+        rows += [FleetRow(**common, gpu=gpu.name, capability=list(gpu.capability), devices=gpu.devices,
+                          families={v.family: FleetVerdict.of(v) for v in gpu.families})
+                 for gpu in verdict.decide(data)]
     return rows
 
 
-def merge_markdown(rows: list[dict]) -> str:
-    names = [f.name for f in FAMILIES if any(f.name in row["families"] for row in rows)]
-    targets = any(row["target"] for row in rows)  # certify --target reports: which integration
+def merge_markdown(rows: list[FleetRow]) -> str:
+    names = [f.name for f in FAMILIES if any(f.name in row.families for row in rows)]
+    targets = any(row.target for row in rows)  # certify --target reports: which integration
     hosts = {}  # two reports from one host: each row names its report file
     for row in rows:
-        hosts.setdefault(row["host"], set()).add(row["report"])
+        hosts.setdefault(row.host, set()).add(row.report)
     files = any(len(reports) > 1 for reports in hosts.values())
     header = (["host"] + ["report"] * files + ["GPU", "sm", "GPUs", "driver", "torch", "sageattention"]
               + ["target"] * targets + names)
     body = []
     for row in rows:
-        cells = [row["host"]] + [row["report"]] * files + [
-            row["gpu"], "%d%d" % tuple(row["capability"]), str(len(row["devices"])), row["driver"] or "-",
-            row["torch"], row["sageattention"] or "-"]
+        cells = [row.host] + [row.report] * files + [
+            row.gpu, "%d%d" % tuple(row.capability), str(len(row.devices)), row.driver or "-", row.torch,
+            row.sageattention or "-"]
         if targets:
-            cells.append(row["target"] or "(variants)")
+            cells.append(row.target or "(variants)")
         for name in names:
-            verdict = row["families"].get(name)
-            if not row["complete"]:
+            if not row.complete:
                 cells.append("partial report")
-            elif row["predicted"]:
+            elif row.predicted:
                 cells.append("predicted, not measured")
-            elif verdict is None:
+            elif name not in row.families:
                 cells.append("not run")
-            elif verdict["verdict"] == Verdict.ENABLE.value:
-                upper = verdict.get("max_query_tokens")
-                low_q, low_k = verdict["min_query_tokens"], verdict["min_key_tokens"]
-                span = (f"{low_q:,} to {upper:,} tokens ({', '.join(verdict['layouts'])})"
-                        if upper is not None else f">= {low_q}/{low_k}")
-                cells.append(f"enable: {verdict['variant']} {span}")
             else:
-                cells.append(f"{verdict['verdict']}: " + ", ".join(verdict["reasons"]))
+                cells.append(row.families[name].text())
         body.append(cells)
     return "\n".join(report.markdown_table(header, body))

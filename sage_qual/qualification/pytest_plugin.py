@@ -11,7 +11,8 @@ in the app's own test suite, on sage-qual's activation fixtures and budgets.
 - `sage_qual_fixture`: one test per fixture (of the marker's families, else all), on the GPU;
   `sage_qual_budget`: the budget certify gives that fixture for the kernel the target runs here;
   `sage_qual_target`: the resolved `Target`; `sage_qual_check(fixture)`: runs the target on it as
-  certify does and fails with the reasons unless SageAttention served the call within budget.
+  certify does, skips or fails with the reasons unless SageAttention served the call within budget,
+  and returns the `report_model.Cell` record (`cell.rel_l2`, `cell.bounds`, ...).
 - Without a CUDA GPU, or when the target cannot run on this one, these tests skip with the reason;
   with `--sage-qual-require-gpu` (or SAGE_QUAL_REQUIRE_GPU=1) a run without a GPU is one failure
   with the reason instead, so a CI runner that lost its GPU goes red.
@@ -29,11 +30,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from sage_qual.qualification import families as families_mod
 from sage_qual.serving.variants import capability_label
+
+if TYPE_CHECKING:  # imported where a check runs: the plugin costs nothing until asked
+    from sage_qual.qualification.report_model import Cell
 
 DEFAULT_TARGET = "wrapper"
 REQUIRE_GPU_VARIABLE = "SAGE_QUAL_REQUIRE_GPU"
@@ -297,19 +302,29 @@ class _CudaBench:
         return measure.extra_peak_bytes(fn, 0)
 
 
+def check_cell(target, fixture, capability: tuple[int, int], bench) -> Cell:
+    """The target on one fixture, measured and judged as certify's cell (`target_cells.measure_cell`),
+    as a test takes it: skipped unless the target served the call, failed with every reason unless
+    within budget, else the `report_model.Cell` that certify --target would store (variant: the
+    target's name)."""
+    from sage_qual import records
+    from sage_qual.qualification import report_model, target_cells
+
+    measured = target_cells.measure_cell(target, fixture, capability, bench,
+                                         families_mod.memory_bound(fixture.family))
+    cell = records.parse(report_model.Cell, {"variant": target.name, "fixture": fixture.name, **measured},
+                         f"{target.name} on {fixture.name}", "measure_cell built a cell the report refuses: "
+                         "a sage-qual bug")
+    if cell.outcome == report_model.Outcome.SKIP:
+        pytest.skip(f"sage-qual: {cell.detail}")
+    if cell.outcome != report_model.Outcome.PASS:
+        reasons = "; ".join(r.detail for r in cell.reasons) or cell.detail
+        pytest.fail(f"sage-qual: {target.name} on {fixture.name}: {reasons}", pytrace=False)
+    return cell
+
+
 @pytest.fixture
 def sage_qual_check(request, sage_qual_target):
-    """check(fixture) -> the cell record; fails the test with every reason unless served in budget."""
-    from sage_qual.qualification import target_cells
-
-    def check(fixture) -> dict:
-        cell = target_cells.measure_cell(sage_qual_target, fixture, _capability(request.config), _CudaBench(),
-                                         families_mod.memory_bound(fixture.family))
-        if cell["outcome"] == "skip":
-            pytest.skip(f"sage-qual: {cell['detail']}")
-        if cell["outcome"] != "pass":
-            reasons = "; ".join(r["detail"] for r in cell.get("reasons", [])) or cell.get("detail", "")
-            pytest.fail(f"sage-qual: {sage_qual_target.name} on {fixture.name}: {reasons}", pytrace=False)
-        return cell
-
-    return check
+    """check(fixture) -> its `report_model.Cell` (rel_l2, worst_head_cosine, bounds, ...); skips or
+    fails the test with every reason unless the target served the call within budget."""
+    return lambda fixture: check_cell(sage_qual_target, fixture, _capability(request.config), _CudaBench())

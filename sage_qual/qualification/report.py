@@ -16,6 +16,7 @@ import math
 import os
 import re
 import threading
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -104,13 +105,46 @@ class Writer:
 
 
 # Rendering -------------------------------------------------------------------------------------
-# A report is rendered as a list of blocks, each turned into Markdown or HTML:
-# ("h", level, text), ("p", text), ("pre", text), ("table", headers, rows), ("img", file, alt).
+# A report is rendered as a list of blocks, each turned into Markdown or HTML. Every block is built
+# from the typed record (`parse` or `load`), never from report.json's dict, so what renders is what
+# the checks passed.
 
-def render(data: dict, out_dir: Path) -> list[Path]:
-    """Write report.md, report.html and the plots next to report.json; returns the files."""
+@dataclass(frozen=True)
+class Heading:
+    level: int
+    text: str
+
+
+@dataclass(frozen=True)
+class Paragraph:
+    text: str  # Markdown: `code` spans become <code> in HTML
+
+
+@dataclass(frozen=True)
+class Preformatted:
+    text: str
+
+
+@dataclass(frozen=True)
+class Table:
+    headers: list[str]
+    rows: list[list]
+
+
+@dataclass(frozen=True)
+class Image:
+    file: str  # next to report.md
+    alt: str
+
+
+Block = Heading | Paragraph | Preformatted | Table | Image
+
+
+def render(data: Report, out_dir: Path) -> list[Path]:
+    """Write report.md, report.html and the plots for the report `data` (from `parse` or `load`) into
+    `out_dir`; returns the files."""
     out_dir = Path(out_dir)
-    decisions = verdict.decide(parse(data, str(out_dir / "report.json")))
+    decisions = verdict.decide(data)
     images = _plots(data, decisions, out_dir)
     blocks = _blocks(data, decisions, images)
     (out_dir / "report.md").write_text(safe_text(_markdown(blocks)), encoding="utf-8")
@@ -130,53 +164,69 @@ def status_line(complete: bool, started: str, finished: str | None, stopped: str
             "it measured before it stopped. No verdicts are drawn from a partial run.")
 
 
-def _status(data: dict) -> str:
-    return status_line(data["complete"], data["started"], data["finished"], data["stopped"])
+def _status(data: Report) -> str:
+    return status_line(data.complete, data.started, data.finished, data.stopped)
 
 
-def _blocks(data: dict, decisions: list[verdict.GpuDecision], images: dict) -> list[tuple]:
-    predicted = "PREDICTED " if data.get("predicted") else ""
-    blocks = [("h", 1, f"{predicted}SageAttention certification, {data['host']}"), ("p", _status(data)),
-              ("p", f"Command: `{data['command']}`")]
+def _uses(uses: list[report_model.ShapeUse]) -> str:
+    """The family calls and sweep points a shape stands for, as the tables show them."""
+    return "; ".join((u.family + " " if u.family else "") + u.label for u in uses)
+
+
+def _reasons(record: report_model.Cell | report_model.LongCheck) -> str:
+    """The reasons a cell or long check failed, else its detail (why it did not run)."""
+    return "; ".join(r.detail for r in record.reasons) or record.detail
+
+
+def _blocks(data: Report, decisions: list[verdict.GpuDecision], images: dict) -> list[Block]:
+    predicted = "PREDICTED " if data.predicted else ""
+    blocks = [Heading(1, f"{predicted}SageAttention certification, {data.host}"), Paragraph(_status(data)),
+              Paragraph(f"Command: `{data.command}`")]
     if predicted:
-        blocks.append(("p", "PREDICTED: every cell below was computed by the CPU numerics model of its "
-                            "variant (certify --emulate); no GPU ran and nothing here was measured. "
-                            "`sage-qual gate` refuses this report: certify on the GPU to enable a family."))
-    if data.get("target"):
-        blocks.append(("p", f"Target: `{data['target']}` (certify --target): this integration stands where a "
-                            "variant stands in every table below."))
-    if data.get("environment"):
-        from sage_qual.serving import environment  # imports torch: only where a report is rendered
+        blocks.append(Paragraph("PREDICTED: every cell below was computed by the CPU numerics model of its "
+                                "variant (certify --emulate); no GPU ran and nothing here was measured. "
+                                "`sage-qual gate` refuses this report: certify on the GPU to enable a "
+                                "family."))
+    if data.target:
+        blocks.append(Paragraph(f"Target: `{data.target}` (certify --target): this integration stands "
+                                "where a variant stands in every table below."))
+    from sage_qual.serving import environment  # imports torch: only where a report is rendered
 
-        blocks += [("h", 2, "Environment"),
-                   ("pre", environment.render_text(environment.from_dict(data["environment"])))]
-    blocks += [("h", 2, "Fixtures"), ("table", ["fixture", "family", "kind", "q", "k/v", "dtype", "sha256"],
-               [[f["name"], f["family"], f["kind"], "x".join(map(str, f["q"])), "x".join(map(str, f["k"])),
-                 f["dtype"], f["sha256"]] for f in data["fixtures"]])]
-    if any(f["kind"] == "replica" for f in data["fixtures"]):
-        blocks.append(("p", "Fixtures of kind 'replica' are generated to reproduce published statistics, "
-                            "not recorded from a model: every verdict below rests on them as such."))
-    if data["options"]["quick"]:
+    blocks += [Heading(2, "Environment"), Preformatted(environment.render_text(data.environment))]
+    blocks += [Heading(2, "Fixtures"), Table(["fixture", "family", "kind", "q", "k/v", "dtype", "sha256"],
+               [[f.name, f.family, f.kind.value, "x".join(map(str, f.q)), "x".join(map(str, f.k)),
+                 f.dtype.value, f.sha256] for f in data.fixtures])]
+    if any(f.kind == report_model.FixtureKind.REPLICA for f in data.fixtures):
+        blocks.append(Paragraph("Fixtures of kind 'replica' are generated to reproduce published statistics, "
+                                "not recorded from a model: every verdict below rests on them as such."))
+    if data.options.quick:
         blocks += _left_out_blocks(data)
     for gpu in decisions:
         blocks += _predicted_blocks(gpu) if predicted else _gpu_blocks(gpu, images)
-    for device in data["devices"]:
+    for device in data.devices:
         blocks += _device_blocks(data, device, images)
     return blocks
 
 
-def left_out(data: dict) -> list[tuple[str, str, list[str]]]:
-    """The fixtures of the run's directories and families that --quick left out: (name, family,
-    the known failures its calibration records: variants measured non-finite or over the fixture's
-    published bound)."""
+@dataclass(frozen=True)
+class LeftOut:
+    """A fixture a --quick run left out, and the known failures its calibration records: variants
+    measured non-finite or over the fixture's published bound."""
+    fixture: str
+    family: str
+    failures: list[str]
+
+
+def left_out(data: Report) -> list[LeftOut]:
+    """The fixtures of the run's directories and families that --quick left out."""
     from sage_qual.fixtures import fileformat
     from sage_qual.qualification.families import family_of, normalize
     from sage_qual.serving.variants import VARIANTS
 
-    ran = {f["name"] for f in data["fixtures"]}
-    chosen = set(data["options"]["families"])
+    ran = {f.name for f in data.fixtures}
+    chosen = set(data.options.families)
     found = []
-    for directory in data["options"]["fixture_dirs"]:
+    for directory in data.options.fixture_dirs:
         try:
             fixtures = [fileformat.load_fixture(p) for p in fileformat.list_fixtures(directory)]
         except fileformat.FixtureError:
@@ -199,23 +249,21 @@ def left_out(data: dict) -> list[tuple[str, str, list[str]]]:
                 status = (fixture.calibration.get("status", "no calibration")
                           if isinstance(fixture.calibration, dict) else "no calibration")
                 failures.append(f"none known: no kernel ran this file ({status})")
-            found.append((fixture.name, owner.name if owner else normalize(fixture.family), failures))
+            found.append(LeftOut(fixture.name, owner.name if owner else normalize(fixture.family), failures))
     return found
 
 
-def _left_out_blocks(data: dict) -> list[tuple]:
-    rows = [[name, family, "; ".join(failures) or "none: every kernel its calibration ran passed"]
-            for name, family, failures in left_out(data)]
+def _left_out_blocks(data: Report) -> list[Block]:
+    rows = [[f.fixture, f.family, "; ".join(f.failures) or "none: every kernel its calibration ran passed"]
+            for f in left_out(data)]
     text = ("A --quick run: the smallest fixture of each family only. The verdicts below say nothing about "
             "the fixtures it left out, and the stress fixtures that carry the known failures are among "
             "them, so a family can pass here and fail the full run. `sage-qual gate` refuses this report.")
-    blocks = [("h", 2, "Left out by --quick"), ("p", text)]
+    blocks = [Heading(2, "Left out by --quick"), Paragraph(text)]
     if rows:
-        blocks.append(("table", ["fixture", "family", "known failures (its calibration run)"], rows))
+        blocks.append(Table(["fixture", "family", "known failures (its calibration run)"], rows))
     return blocks
-
-
-def _predicted_blocks(gpu: verdict.GpuDecision) -> list[tuple]:
+def _predicted_blocks(gpu: verdict.GpuDecision) -> list[Block]:
     """A predicted report's verdicts: what the numerics model says of accuracy per family; speed was
     not timed, so nothing here speaks of speed or of where a variant runs."""
     rows = []
@@ -228,10 +276,10 @@ def _predicted_blocks(gpu: verdict.GpuDecision) -> list[tuple]:
         why = "; ".join(r.detail for r in v.reasons if r.kind != report_model.ReasonKind.SPEED)
         rows.append([v.family or "(default: all fixtures)", prediction, ", ".join(v.certified) or "-",
                      why or "-"])
-    return [("h", 2, "Predicted accuracy verdicts"),
-            ("p", "From the numerics model's cells below, accuracy only. Speed: not timed (no GPU ran), so "
-                  "no variant is enabled and no break-even exists: certify on the GPU for those."),
-            ("table", ["family", "prediction", "variants that would pass every fixture", "why not"], rows)]
+    return [Heading(2, "Predicted accuracy verdicts"),
+            Paragraph("From the numerics model's cells below, accuracy only. Speed: not timed (no GPU ran), "
+                      "so no variant is enabled and no break-even exists: certify on the GPU for those."),
+            Table(["family", "prediction", "variants that would pass every fixture", "why not"], rows)]
 
 
 def verdict_rows(gpu: verdict.GpuDecision) -> list[list[str]]:
@@ -242,7 +290,7 @@ def verdict_rows(gpu: verdict.GpuDecision) -> list[list[str]]:
             for v in gpu.families + [gpu.default]]
 
 
-def _gpu_blocks(gpu: verdict.GpuDecision, images: dict) -> list[tuple]:
+def _gpu_blocks(gpu: verdict.GpuDecision, images: dict) -> list[Block]:
     devices = ", ".join(f"cuda:{i}" for i in gpu.devices)
     variants = []
     for name, v in gpu.variants.items():
@@ -253,148 +301,145 @@ def _gpu_blocks(gpu: verdict.GpuDecision, images: dict) -> list[tuple]:
                                            f"{'/'.join(map(str, even.head_dims))}")
         shapes = f"{even.served_shapes} / {even.measured_shapes}" if even else "-"
         variants.append([name, runs, served, shapes])
-    blocks = [("h", 2, f"{gpu.model}, {devices}"),
-              ("h", 3, "Verdicts"),
-              ("p", "enable: a variant passed every fixture and its measured speed serves some of the "
-                    "family's shapes; safe, no speedup: it passed, but its measured speed serves none of "
-                    "them (a profile serves nothing); keep off: no variant passed. Speedups are the lower "
-                    "end of a 95 % confidence interval. An enabled family is served from its break-even up "
-                    "to the longest call its long checks verified, in the layouts whose views gave the "
-                    "contiguous output bit for bit."),
-              ("table", ["family", "verdict", "variant", "served (verified range and layouts)",
-                         "speedup at its shapes", "reasons"], verdict_rows(gpu)),
-              ("h", 3, "Break-even per variant"),
-              ("p", "The head sizes and the query and key lengths from which each variant measured faster "
-                    "than the fastest SDPA backend (lower 95 % bound) at every measured shape; '-' where "
-                    "it never was (or does not run here)."),
-              ("table", ["variant", "runs here", "served from (query / key tokens)",
-                         "shapes served / measured"], variants)]
+    blocks = [Heading(2, f"{gpu.model}, {devices}"),
+              Heading(3, "Verdicts"),
+              Paragraph("enable: a variant passed every fixture and its measured speed serves some of the "
+                        "family's shapes; safe, no speedup: it passed, but its measured speed serves none of "
+                        "them (a profile serves nothing); keep off: no variant passed. Speedups are the "
+                        "lower end of a 95 % confidence interval. An enabled family is served from its "
+                        "break-even up to the longest call its long checks verified, in the layouts whose "
+                        "views gave the contiguous output bit for bit."),
+              Table(["family", "verdict", "variant", "served (verified range and layouts)",
+                     "speedup at its shapes", "reasons"], verdict_rows(gpu)),
+              Heading(3, "Break-even per variant"),
+              Paragraph("The head sizes and the query and key lengths from which each variant measured "
+                        "faster than the fastest SDPA backend (lower 95 % bound) at every measured shape; "
+                        "'-' where it never was (or does not run here)."),
+              Table(["variant", "runs here", "served from (query / key tokens)",
+                     "shapes served / measured"], variants)]
     if gpu.name in images:
-        blocks.append(("img", images[gpu.name], "speedup against the fastest SDPA backend"))
+        blocks.append(Image(images[gpu.name], "speedup against the fastest SDPA backend"))
     return blocks
 
 
-def _cell_row(c: dict) -> list:
-    bounds, smooth = c.get("bounds"), c.get("smooth_k_on")
+def _cell_row(c: report_model.Cell) -> list:
     accuracy = ["-", "-"]
-    if bounds:
-        accuracy = [f"{_number(c.get('rel_l2'))} (<= {_number(bounds['max_rel_l2'])})",
-                    f"{_number(c.get('worst_head_cosine'), 4)} (>= {_number(bounds['min_cosine'], 4)})"]
-    return [c["variant"], c["fixture"], c["outcome"], *accuracy, _number(c.get("error_vs_sdpa")),
-            _number(c.get("extra_bytes_per_element")),
-            f"{_number(smooth['rel_l2'])} / {_number(smooth['worst_head_cosine'], 4)}" if smooth else "-",
-            "; ".join(r["detail"] for r in c.get("reasons", [])) or c.get("detail", "")]
+    if c.bounds:
+        accuracy = [f"{_number(c.rel_l2)} (<= {_number(c.bounds['max_rel_l2'])})",
+                    f"{_number(c.worst_head_cosine, 4)} (>= {_number(c.bounds['min_cosine'], 4)})"]
+    smooth = c.smooth_k_on
+    return [c.variant, c.fixture, c.outcome.value, *accuracy, _number(c.error_vs_sdpa),
+            _number(c.extra_bytes_per_element),
+            f"{_number(smooth.rel_l2)} / {_number(smooth.worst_head_cosine, 4)}" if smooth else "-",
+            _reasons(c)]
 
 
-def _device_blocks(data: dict, device: dict, images: dict) -> list[tuple]:
-    predicted = data.get("predicted")
-    blocks = [("h", 2, "Predicted by the numerics model (CPU)" if predicted else
-               "cuda:%d %s" % (device["index"], gpu_label(device["name"], device["capability"])))]
-    key = f"cuda:{device['index']}"
+def _device_blocks(data: Report, device: report_model.Device, images: dict) -> list[Block]:
+    predicted = data.predicted
+    blocks = [Heading(2, "Predicted by the numerics model (CPU)" if predicted else
+                      "cuda:%d %s" % (device.index, gpu_label(device.name, device.capability)))]
+    key = f"cuda:{device.index}"
     if key in images:
-        blocks.append(("img", images[key],
-                       "predicted relative L2 over the fixture's published bound" if predicted
-                       else "accuracy: relative L2 over its budget, per variant and fixture"))
-    blocks += [("h", 3, "Accuracy and memory per variant and fixture"),
-               ("p", "Against a float32 reference; 'x SDPA' is the error over that of PyTorch SDPA in the "
-                     "input precision; memory is the extra peak in bytes per q/k/v element; 'smooth_k on' "
-                     "gives relative L2 / worst cosine with K smoothing on (outlier fixtures; the wrapper "
-                     "runs it off)."),
-               ("table", ["variant", "fixture", "outcome", "relative L2", "worst head cosine", "x SDPA",
-                          "bytes/elem", "smooth_k on", "reasons"], [_cell_row(c) for c in device["cells"]])]
+        alt = ("predicted relative L2 over the fixture's published bound" if predicted
+               else "accuracy: relative L2 over its budget, per variant and fixture")
+        blocks.append(Image(images[key], alt))
+    blocks += [Heading(3, "Accuracy and memory per variant and fixture"),
+               Paragraph("Against a float32 reference; 'x SDPA' is the error over that of PyTorch SDPA in "
+                         "the input precision; memory is the extra peak in bytes per q/k/v element; "
+                         "'smooth_k on' gives relative L2 / worst cosine with K smoothing on (outlier "
+                         "fixtures; the wrapper runs it off)."),
+               Table(["variant", "fixture", "outcome", "relative L2", "worst head cosine", "x SDPA",
+                      "bytes/elem", "smooth_k on", "reasons"], [_cell_row(c) for c in device.cells])]
     headers, rows = _speed_table(data, device)
-    blocks += [("h", 3, "Speed"), ("table", headers, rows) if rows else
-               ("p", "Not timed" + (" (a predicted report: no GPU ran)." if predicted else "."))]
-    if device.get("long"):
-        blocks += [("h", 3, "Long calls and layouts"),
-                   ("p", "Each variant at the families' longest calls and the sweep lengths past the "
-                         f"fixtures, on {device['long'][0].get('inputs') or 'synthetic tensors'}: relative "
-                         "L2 of sampled query rows against float32 (budget from the numerics model on the "
-                         "same rows), and whether each layout's output equals the contiguous call's bit for "
-                         "bit."),
-                   ("table", ["variant", "call", "used by", "outcome", "relative L2", "layouts identical",
-                              "reasons"], [_long_row(c) for c in device["long"]])]
-    if device.get("span") is not None:
-        blocks += _span_blocks(device["span"])
-    problems = [c for c in device["cells"] + device["speed"] + (device.get("long") or [])
-                + (device.get("span") or []) if c.get("stderr_tail") or c.get("traceback")]
+    blocks += [Heading(3, "Speed"), Table(headers, rows) if rows else
+               Paragraph("Not timed" + (" (a predicted report: no GPU ran)." if predicted else "."))]
+    if device.long:
+        blocks += [Heading(3, "Long calls and layouts"),
+                   Paragraph("Each variant at the families' longest calls and the sweep lengths past the "
+                             f"fixtures, on {device.long[0].inputs or 'synthetic tensors'}: relative "
+                             "L2 of sampled query rows against float32 (budget from the numerics model on "
+                             "the same rows), and whether each layout's output equals the contiguous call's "
+                             "bit for bit."),
+                   Table(["variant", "call", "used by", "outcome", "relative L2", "layouts identical",
+                          "reasons"], [_long_row(c) for c in device.long])]
+    if device.span is not None:
+        blocks += _span_blocks(device.span)
+    problems = [r for r in [*device.cells, *device.speed, *(device.long or []), *(device.span or [])]
+                if r.stderr_tail or r.traceback]
     if problems:
-        blocks.append(("h", 3, "Crashes, hangs and errors"))
-        for c in problems:
-            shape = c.get("shape")
-            if isinstance(shape, dict):
-                shape = f"{shape['q_tokens']} tokens, {shape['heads']} heads (long check)"
-            if "side" in c:
-                shape = f"a span of {c['span']:,} elements ({c['layout']}, span probe)"
-            what = f"{c.get('variant') or c.get('kernel')} on {c.get('fixture') or shape}"
-            blocks += [("p", f"{what}: {c['outcome']}: {c.get('detail', '')}"),
-                       ("pre", (c.get("stderr_tail") or c.get("traceback"))[-2000:])]
+        blocks.append(Heading(3, "Crashes, hangs and errors"))
+        for r in problems:
+            blocks += [Paragraph(f"{_what_ran(r)}: {r.outcome.value}: {r.detail}"),
+                       Preformatted((r.stderr_tail or r.traceback)[-2000:])]
     return blocks
 
 
-def _span_blocks(probes: list[dict]) -> list[tuple]:
+def _what_ran(r: report_model.Cell | report_model.Speed | report_model.LongCheck
+              | report_model.SpanProbe) -> str:
+    """Which kernel ran on what, for the heading of a crash's stderr."""
+    if isinstance(r, report_model.Cell):
+        return f"{r.variant} on {r.fixture}"
+    if isinstance(r, report_model.Speed):
+        return f"{r.kernel} on {r.shape}"
+    if isinstance(r, report_model.LongCheck):
+        return f"{r.variant} on {r.shape.q_tokens} tokens, {r.shape.heads} heads (long check)"
+    return f"{r.variant} on a span of {r.span:,} elements ({r.layout}, span probe)"
+
+
+def _span_blocks(probes: list[report_model.SpanProbe]) -> list[Block]:
     """The span probes (span_check) and, per variant, the largest span right in every layout."""
     from sage_qual.qualification import span_check  # imports torch: only for a report with probes
 
-    typed = [records.parse(report_model.SpanProbe, p, "span probe", report_model.FIX)
-             for p in probes]
-    safe = {v: span_check.largest_safe(typed, v) for v in dict.fromkeys(p.variant for p in typed)}
+    safe = {v: span_check.largest_safe(probes, v) for v in dict.fromkeys(p.variant for p in probes)}
     said = "; ".join(f"{v}: {'none' if n is None else f'{n:,} elements'}" for v, n in safe.items())
-    rows = [[p["variant"], p["layout"], f"{p['side']} {p['limit']:,}", f"{p['span']:,}",
-             f"{p['tokens']:,} x {p['heads']} heads x {p['head_dim']}, {p['kv_tokens']:,} keys"
-             + (f" (ran {p['ran_tokens']} tokens, {p['ran_heads']} heads)" if p.get("ran_tokens") else ""),
-             p["outcome"], _number(p.get("rel_l2")), p.get("detail", "")] for p in probes]
-    return [("h", 3, "Span limits"),
-            ("p", "Each probed variant called directly on one long query near the kernels' 32-bit element "
-                  "limit, contiguous and as a view into a fused QKV projection; right means relative L2 of "
-                  "sampled rows against float32 under 0.15; a crash is a fault or an abort, contained in "
-                  "its worker. Largest span right in every layout, with every smaller probe right: "
-                  f"{said or 'none probed'}. The profile's max_span_elements takes the smallest of these "
-                  "over the variants it serves, never above 2^31 - 1."),
-            ("table", ["variant", "layout", "side of limit", "query span", "call", "outcome", "relative L2",
-                       "detail"], rows)]
+    rows = [[p.variant, p.layout, f"{p.side} {p.limit:,}", f"{p.span:,}",
+             f"{p.tokens:,} x {p.heads} heads x {p.head_dim}, {p.kv_tokens:,} keys"
+             + (f" (ran {p.ran_tokens} tokens, {p.ran_heads} heads)" if p.ran_tokens else ""),
+             p.outcome.value, _number(p.rel_l2), p.detail] for p in probes]
+    return [Heading(3, "Span limits"),
+            Paragraph("Each probed variant called directly on one long query near the kernels' 32-bit "
+                      "element limit, contiguous and as a view into a fused QKV projection; right means "
+                      "relative L2 of sampled rows against float32 under 0.15; a crash is a fault or an "
+                      "abort, contained in its worker. Largest span right in every layout, with every "
+                      f"smaller probe right: {said or 'none probed'}. The profile's max_span_elements takes "
+                      "the smallest of these over the variants it serves, never above 2^31 - 1."),
+            Table(["variant", "layout", "side of limit", "query span", "call", "outcome", "relative L2",
+                   "detail"], rows)]
 
 
-def _long_row(c: dict) -> list:
-    shape, bounds = c["shape"], c.get("bounds")
-    heads = shape["heads"] if shape["heads"] == shape["kv_heads"] else f"{shape['heads']}/{shape['kv_heads']}"
-    call = (f"{shape['q_tokens']:,} / {shape['kv_tokens']:,} tokens, {heads} heads x {shape['head_dim']} "
-            f"{shape['dtype']}")
-    if c.get("ran_tokens") or c.get("ran_heads"):
-        ran_tokens, ran_heads = c.get("ran_tokens") or shape["q_tokens"], c.get("ran_heads") or heads
-        call += f" (ran {ran_tokens} tokens, {ran_heads} heads)"
-    rel = c.get("metrics", {}).get("rel_l2")
-    accuracy = f"{_number(rel)} (<= {_number(bounds['max_rel_l2'])})" if bounds else "-"
-    identical = ", ".join(f"{name} {'yes' if same else 'NO'}"
-                          for name, same in c.get("identical", {}).items())
-    uses = "; ".join((u["family"] + " " if u["family"] else "") + u["label"] for u in c["uses"])
-    return [c["variant"], call, uses,
-            c["outcome"], accuracy, identical or "-",
-            "; ".join(r["detail"] for r in c.get("reasons", [])) or c.get("detail", "")]
+def _long_row(c: report_model.LongCheck) -> list:
+    shape = c.shape
+    heads = shape.heads if shape.heads == shape.kv_heads else f"{shape.heads}/{shape.kv_heads}"
+    call = (f"{shape.q_tokens:,} / {shape.kv_tokens:,} tokens, {heads} heads x {shape.head_dim} "
+            f"{shape.dtype.value}")
+    if c.ran_tokens or c.ran_heads:
+        call += f" (ran {c.ran_tokens or shape.q_tokens} tokens, {c.ran_heads or heads} heads)"
+    accuracy = "-"
+    if c.bounds:
+        accuracy = f"{_number(c.metrics.get('rel_l2'))} (<= {_number(c.bounds['max_rel_l2'])})"
+    identical = ", ".join(f"{name} {'yes' if same else 'NO'}" for name, same in c.identical.items())
+    return [c.variant, call, _uses(c.uses), c.outcome.value, accuracy, identical or "-", _reasons(c)]
 
 
-def _speed_table(data: dict, device: dict) -> tuple[list, list]:
-    variants = [v for v in data["options"]["variants"] if v not in device["not_supported"]]
-    by = {(r["kernel"], r["shape"]): r for r in device["speed"]}
+def _speed_table(data: Report, device: report_model.Device) -> tuple[list, list]:
+    variants = [v for v in data.options.variants if v not in device.not_supported]
+    by = {(r.kernel, r.shape): r for r in device.speed}
     rows = []
-    for key, entry in data["shapes"].items():
+    for key, entry in data.shapes.items():
         sdpa = by.get(("sdpa", key))
         if sdpa is None:
             continue
-        row = [key, "; ".join((u["family"] + " " if u["family"] else "") + u["label"] for u in entry["uses"]),
-               f"{_number(sdpa['ms'])} ms ({sdpa.get('best_backend') or sdpa['outcome']})"]
+        row = [key, _uses(entry.uses), f"{_number(sdpa.ms)} ms ({sdpa.best_backend or sdpa.outcome.value})"]
         for v in variants:
             r = by.get((v, key))
             if r is None:
                 row.append("")
-            elif r.get("ms") and sdpa["ms"]:
-                row.append(f"{r['ms']:.3g} ms ({sdpa['ms'] / r['ms']:.2f}x)")
+            elif r.ms and sdpa.ms:
+                row.append(f"{r.ms:.3g} ms ({sdpa.ms / r.ms:.2f}x)")
             else:
-                row.append(r["outcome"])
+                row.append(r.outcome.value)
         rows.append(row)
     return ["shape", "used by", "fastest SDPA"] + variants, rows
-
-
 def safe_text(text: str) -> str:
     """Text any UTF-8 file or terminal takes: a lone surrogate (a host name read from undecodable
     bytes) becomes its escape, \\udcff, instead of failing the write."""
@@ -415,19 +460,19 @@ def markdown_table(headers, rows) -> list[str]:
     return [markdown_row(headers), "|" + "---|" * len(headers), *map(markdown_row, rows)]
 
 
-def _markdown(blocks: list[tuple]) -> str:
+def _markdown(blocks: list[Block]) -> str:
     lines = []
     for block in blocks:
-        if block[0] == "h":  # a heading is one line, whatever a host name holds
-            lines += ["#" * block[1] + " " + " ".join(block[2].splitlines()), ""]
-        elif block[0] == "p":
-            lines += [block[1], ""]
-        elif block[0] == "pre":
-            lines += ["```text", block[1].rstrip(), "```", ""]
-        elif block[0] == "img":
-            lines += [f"![{block[2]}]({block[1]})", ""]
-        elif block[0] == "table":
-            lines += markdown_table(block[1], block[2]) + [""]
+        if isinstance(block, Heading):  # a heading is one line, whatever a host name holds
+            lines += ["#" * block.level + " " + " ".join(block.text.splitlines()), ""]
+        elif isinstance(block, Paragraph):
+            lines += [block.text, ""]
+        elif isinstance(block, Preformatted):
+            lines += ["```text", block.text.rstrip(), "```", ""]
+        elif isinstance(block, Image):
+            lines += [f"![{block.alt}]({block.file})", ""]
+        else:
+            lines += markdown_table(block.headers, block.rows) + [""]
     return "\n".join(lines)
 
 
@@ -436,36 +481,36 @@ def _inline_html(text: str) -> str:
     return re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(text))
 
 
-def _html(blocks: list[tuple], out_dir: Path, data: dict) -> str:
+def _html(blocks: list[Block], out_dir: Path, data: Report) -> str:
     parts = []
     for block in blocks:
-        if block[0] == "h":
-            parts.append(f"<h{block[1]}>{html.escape(block[2])}</h{block[1]}>")
-        elif block[0] == "p":
-            parts.append(f"<p>{_inline_html(block[1])}</p>")
-        elif block[0] == "pre":
-            parts.append(f"<pre>{html.escape(block[1])}</pre>")
-        elif block[0] == "img":  # embedded, so the page is one self-contained file
-            encoded = base64.b64encode((out_dir / block[1]).read_bytes()).decode()
-            parts.append(f'<img alt="{html.escape(block[2])}" src="data:image/png;base64,{encoded}">')
-        elif block[0] == "table":
-            head = "".join(f"<th>{html.escape(str(h))}</th>" for h in block[1])
+        if isinstance(block, Heading):
+            parts.append(f"<h{block.level}>{html.escape(block.text)}</h{block.level}>")
+        elif isinstance(block, Paragraph):
+            parts.append(f"<p>{_inline_html(block.text)}</p>")
+        elif isinstance(block, Preformatted):
+            parts.append(f"<pre>{html.escape(block.text)}</pre>")
+        elif isinstance(block, Image):  # embedded, so the page is one self-contained file
+            encoded = base64.b64encode((out_dir / block.file).read_bytes()).decode()
+            parts.append(f'<img alt="{html.escape(block.alt)}" src="data:image/png;base64,{encoded}">')
+        else:
+            head = "".join(f"<th>{html.escape(str(h))}</th>" for h in block.headers)
             body = "".join("<tr>" + "".join(f"<td>{_inline_html(str(x))}</td>" for x in row) + "</tr>"
-                           for row in block[2])
+                           for row in block.rows)
             parts.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
     style = ("body{font-family:sans-serif;margin:2em;max-width:110em}"
              "table{border-collapse:collapse;margin:1em 0}"
              "td,th{border:1px solid #bbb;padding:.2em .5em;font-size:90%;text-align:left;vertical-align:top}"
              "pre{background:#f4f4f4;padding:1em;overflow:auto}img{max-width:100%}"
              ".partial{background:#fdd;padding:1em;font-weight:bold}")
-    banner = "" if data["complete"] else f'<p class="partial">{html.escape(_status(data))}</p>'
-    title = f"sage-qual report {html.escape(data['host'])}"
+    banner = "" if data.complete else f'<p class="partial">{html.escape(_status(data))}</p>'
+    title = f"sage-qual report {html.escape(data.host)}"
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{title}</title><style>{style}</style>"
             f"</head><body>{banner}{''.join(parts)}</body></html>\n")
 
 
 # Plots -----------------------------------------------------------------------------------------
-def _plots(data: dict, decisions: list[verdict.GpuDecision], out_dir: Path) -> dict[str, str]:
+def _plots(data: Report, decisions: list[verdict.GpuDecision], out_dir: Path) -> dict[str, str]:
     """Plot files by what they show ("cuda:N" heatmaps, GPU names for speedups); none without matplotlib."""
     try:
         import matplotlib
@@ -476,13 +521,13 @@ def _plots(data: dict, decisions: list[verdict.GpuDecision], out_dir: Path) -> d
         return {}
     images = {}
     published = None
-    if data.get("predicted"):  # its budget is the prediction plus a margin: the published bound says more
-        published = {f["name"]: f["bounds"] for f in data["fixtures"]}
-    for device in data["devices"]:
-        if device["cells"]:
-            name = f"accuracy-cuda{device['index']}.png"
+    if data.predicted:  # its budget is the prediction plus a margin: the published bound says more
+        published = {f.name: f.bounds for f in data.fixtures}
+    for device in data.devices:
+        if device.cells:
+            name = f"accuracy-cuda{device.index}.png"
             _heatmap(plt, device, out_dir / name, published)
-            images[f"cuda:{device['index']}"] = name
+            images[f"cuda:{device.index}"] = name
     for n, gpu in enumerate(decisions):
         name = f"speedup-{n}.png"
         if _speedup_plot(plt, data, gpu, out_dir / name):
@@ -495,36 +540,37 @@ def _plots(data: dict, decisions: list[verdict.GpuDecision], out_dir: Path) -> d
 ROW_INCHES, COLUMN_INCHES, MIN_HEIGHT_INCHES = 0.5, 1.1, 3.2
 
 
-def heat_ratio(cell: dict, published: dict | None = None) -> float | None:
+def heat_ratio(cell: report_model.Cell, published: dict | None = None) -> float | None:
     """What a heatmap cell shows: relative L2 over the cell's budget, or over the fixture's published
     bound for its class when `published` (fixture -> class -> limits) is given; None: no number."""
-    bounds = cell.get("bounds")
+    bounds = cell.bounds
     if published is not None:
-        bounds = published.get(cell["fixture"], {}).get(cell.get("accuracy_class") or "")
-    if cell.get("rel_l2") is None or not bounds:
+        accuracy_class = cell.accuracy_class.value if cell.accuracy_class else ""
+        bounds = published.get(cell.fixture, {}).get(accuracy_class)
+    if cell.rel_l2 is None or not bounds:
         return None
-    return cell["rel_l2"] / bounds["max_rel_l2"]
+    return cell.rel_l2 / bounds["max_rel_l2"]
 
 
-def _heatmap(plt, device: dict, path: Path, published: dict | None = None) -> None:
+def _heatmap(plt, device: report_model.Device, path: Path, published: dict | None = None) -> None:
     """Relative L2 over the cell's budget; with `published` (fixture -> class -> limits, for a
     predicted report) over the fixture's published bound instead."""
     import numpy as np
 
-    variants = list(dict.fromkeys(c["variant"] for c in device["cells"]))
-    fixtures = list(dict.fromkeys(c["fixture"] for c in device["cells"]))
+    variants = list(dict.fromkeys(c.variant for c in device.cells))
+    fixtures = list(dict.fromkeys(c.fixture for c in device.cells))
     values = np.full((len(variants), len(fixtures)), np.nan)
     height = max(MIN_HEIGHT_INCHES, 2.2 + ROW_INCHES * len(variants))
     figure, axes = plt.subplots(figsize=(3 + COLUMN_INCHES * len(fixtures), height))
     # Sequential and colour-blind safe (cividis: dark blue = far within the bound, yellow = over it);
     # the outcome word is printed in every cell, so nothing rests on colour alone.
     colours = plt.get_cmap("cividis").with_extremes(bad="#d9d9d9")
-    for c in device["cells"]:
-        i, j = variants.index(c["variant"]), fixtures.index(c["fixture"])
+    for c in device.cells:
+        i, j = variants.index(c.variant), fixtures.index(c.fixture)
         ratio = heat_ratio(c, published)
         if ratio is not None:
             values[i, j] = math.log10(max(ratio, 1e-2))
-        text = c["outcome"] if ratio is None else f"{c['outcome']}\n{ratio:.2f}"
+        text = c.outcome.value if ratio is None else f"{c.outcome.value}\n{ratio:.2f}"
         dark = ratio is not None and values[i, j] < -0.5
         axes.text(j, i, text, ha="center", va="center", fontsize=7, color="white" if dark else "black")
     shown = axes.imshow(values, cmap=colours, vmin=-2, vmax=1, aspect="auto")
@@ -537,27 +583,26 @@ def _heatmap(plt, device: dict, path: Path, published: dict | None = None) -> No
     else:
         figure.colorbar(shown, ax=axes, label="log10(rel. L2 / budget)")
         axes.set_title("cuda:%d %s: relative L2 / budget against float32 (> 1 fails; grey: no number)"
-                       % (device["index"], device["name"]), fontsize=9)
+                       % (device.index, device.name), fontsize=9)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
 
 
-def _speedup_plot(plt, data: dict, gpu: verdict.GpuDecision, path: Path) -> bool:
+def _speedup_plot(plt, data: Report, gpu: verdict.GpuDecision, path: Path) -> bool:
     """Speedup over the fastest SDPA backend against tokens, generic self-attention, per head size:
     the median ratio, with a bar down to the lower 95 % bound the decisions use."""
-    generic = {k: s["shape"] for k, s in data["shapes"].items()
-               if not any(u["family"] for u in s["uses"])
-               and s["shape"]["q_tokens"] == s["shape"]["kv_tokens"]}
-    head_dims = sorted({s["head_dim"] for s in generic.values()}, reverse=True)
+    generic = {k: s.shape for k, s in data.shapes.items()
+               if not any(u.family for u in s.uses) and s.shape.q_tokens == s.shape.kv_tokens}
+    head_dims = sorted({s.head_dim for s in generic.values()}, reverse=True)
     if not head_dims:
         return False
     figure, axes = plt.subplots(1, len(head_dims), figsize=(6 * len(head_dims), 4.2), squeeze=False)
     for ax, head_dim in zip(axes[0], head_dims, strict=True):
-        keys = sorted((k for k, s in generic.items() if s["head_dim"] == head_dim),
-                      key=lambda k: generic[k]["q_tokens"])
+        keys = sorted((k for k, s in generic.items() if s.head_dim == head_dim),
+                      key=lambda k: generic[k].q_tokens)
         for variant in (v for v, info in gpu.variants.items() if info.runnable):
-            points = [(generic[k]["q_tokens"], *gpu.speedups[(variant, k)]) for k in keys
+            points = [(generic[k].q_tokens, *gpu.speedups[(variant, k)]) for k in keys
                       if (variant, k) in gpu.speedups]
             if not points:
                 continue

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from sage_qual import jsonfile, records
 from sage_qual.qualification.families import FAMILIES
-from sage_qual.serving.env_record import EnvironmentRecord, GpuInfo  # noqa: F401 (part of the report's model)
+from sage_qual.serving.env_record import EnvironmentRecord, GpuIdentity, GpuInfo, Reason, ReasonKind  # noqa: F401 (part of the report's model)
 from sage_qual.serving.variants import VARIANTS
 
 KIND = "sage-qual-report"
@@ -42,21 +42,6 @@ class Outcome(str, enum.Enum):
     TIMEOUT = "timeout"
 
 
-class ReasonKind(str, enum.Enum):
-    ACCURACY = "accuracy"
-    NON_FINITE = "non_finite"
-    MEMORY = "memory"
-    SPEED = "speed"
-    CRASH = "crash"
-    OOM = "oom"
-    TIMEOUT = "timeout"
-    SKIP = "skip"
-    NO_FIXTURES = "no_fixtures"
-    INCOMPLETE = "incomplete"
-    LAYOUT = "layout"  # a long check's output on a view differs from its output on contiguous copies
-    LONG = "long"  # a long check failed or did not run: the verified range stops below its length
-
-
 class DType(str, enum.Enum):
     FLOAT16 = "float16"
     BFLOAT16 = "bfloat16"
@@ -73,12 +58,6 @@ class AccuracyClass(str, enum.Enum):
 
 
 @dataclass(frozen=True)
-class Reason:
-    kind: ReasonKind
-    detail: str
-
-
-@dataclass(frozen=True)
 class SmoothK:
     """The same kernel with K smoothing on (outlier fixtures only)."""
     rel_l2: float | None
@@ -92,8 +71,26 @@ _NOT_NEGATIVE = {"minimum": 0}
 _COSINE = {"minimum": -1.001, "maximum": 1.001}
 
 
+class _Measured:
+    """What a cell and a long check share: an outcome that is measured (pass, fail) or says why not."""
+
+    @property
+    def measured(self) -> bool:
+        return self.outcome in (Outcome.PASS, Outcome.FAIL)
+
+    def _outcome_problems(self, what: str, needed: tuple[str, ...]) -> list[tuple[str, str]]:
+        """A measured one lacking a field in `needed`, or an unmeasured one without its detail."""
+        if self.measured:
+            missing = [name for name in needed if getattr(self, name) is None]
+            if missing:
+                return [(missing[0], f"missing for a {what} whose outcome is {self.outcome.value!r}")]
+        elif not self.detail:
+            return [("detail", f"empty for a {what} whose outcome is {self.outcome.value!r} (it says why)")]
+        return []
+
+
 @dataclass(frozen=True)
-class Cell:
+class Cell(_Measured):
     """One variant on one fixture; the numbers only when it ran to the end (null: not finite)."""
     variant: str
     fixture: str
@@ -122,18 +119,9 @@ class Cell:
     stderr_tail: str = ""
     traceback: str = ""
 
-    @property
-    def measured(self) -> bool:
-        return self.outcome in (Outcome.PASS, Outcome.FAIL)
-
     def check(self) -> list[tuple[str, str]]:
-        if self.measured:  # memory is measured on a GPU only (Report.check: not for predictions)
-            missing = [name for name in ("bounds", "finite") if getattr(self, name) is None]
-            if missing:
-                return [(missing[0], f"missing for a cell whose outcome is {self.outcome.value!r}")]
-        elif not self.detail:
-            return [("detail", f"empty for a cell whose outcome is {self.outcome.value!r} (it says why)")]
-        return []
+        # memory is measured on a GPU only (Report.check: not for predictions)
+        return self._outcome_problems("cell", ("bounds", "finite"))
 
 
 @dataclass(frozen=True)
@@ -203,7 +191,7 @@ class ShapeEntry:
 
 
 @dataclass(frozen=True)
-class LongCheck:
+class LongCheck(_Measured):
     """A variant at one long call (`sage_qual.qualification.long_check`): accuracy on sampled query
     rows of synthetic tensors, judged against the numerics model's budget for those rows, and
     whether each declared layout gave the contiguous call's output bit for bit."""
@@ -233,21 +221,12 @@ class LongCheck:
     stderr_tail: str = ""
     traceback: str = ""
 
-    @property
-    def measured(self) -> bool:
-        return self.outcome in (Outcome.PASS, Outcome.FAIL)
-
     def check(self) -> list[tuple[str, str]]:
         for name, value in self.metrics.items():  # an edited number outside its range would pass its limit
             low, high = (-1.001, 1.001) if "cosine" in name else (0.0, math.inf)
             if value is not None and not low <= value <= high:
                 return [(f"metrics.{name}", f"{value} is outside [{low}, {high}]")]
-        if self.measured and (self.bounds is None or self.finite is None):
-            return [("bounds", f"missing for a long check whose outcome is {self.outcome.value!r}")]
-        if not self.measured and not self.detail:
-            return [("detail", f"empty for a long check whose outcome is {self.outcome.value!r} "
-                               "(it says why)")]
-        return []
+        return self._outcome_problems("long check", ("bounds", "finite"))
 
 
 @dataclass(frozen=True)
@@ -310,11 +289,7 @@ class Options:
 
 
 @dataclass(frozen=True)
-class Device:
-    index: int = field(metadata={"minimum": 0})
-    name: str
-    capability: list[int] = field(metadata={"length": 2, "minimum": 0})
-    memory_gib: float = field(metadata={"minimum": 0})
+class Device(GpuIdentity):
     not_supported: dict[str, list[str]] = field(metadata={"description": "variant -> why it cannot run here"})
     cells: list[Cell]
     speed: list[Speed]

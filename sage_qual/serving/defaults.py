@@ -168,7 +168,7 @@ def _family_entry(name: str, runs: list[tuple[str, profile.ProfileGpu]]) -> dict
     off = [(file, e) for file, e in entries if not e.variant]
     if off:
         file, e = off[0]
-        return {**_entry_dict(None), "reasons": [dataclasses.asdict(r) for r in e.reasons]
+        return {**_entry_dict(None), "reasons": [records.dump(r) for r in e.reasons]
                 or [{"kind": "speed", "detail": f"kept off in {file}"}]}
     variants = sorted({e.variant for _, e in entries})
     if len(variants) > 1:

@@ -1,20 +1,48 @@
-"""The machine record `sage-qual env` prints and report.json stores, defined once.
+"""The records report.json shares with the serving side, defined once: the machine record
+`sage-qual env` prints, a GPU's identity, and a verdict's reason (profiles store those too).
 
-Torch-free, so the report model can type it without importing what collects it
+Torch-free, so the report model can type them without importing what collects the machine record
 (`environment`). Read back strictly with `records.parse`.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 
+class ReasonKind(str, enum.Enum):
+    ACCURACY = "accuracy"
+    NON_FINITE = "non_finite"
+    MEMORY = "memory"
+    SPEED = "speed"
+    CRASH = "crash"
+    OOM = "oom"
+    TIMEOUT = "timeout"
+    SKIP = "skip"
+    NO_FIXTURES = "no_fixtures"
+    INCOMPLETE = "incomplete"
+    LAYOUT = "layout"  # a long check's output on a view differs from its output on contiguous copies
+    LONG = "long"  # a long check failed or did not run: the verified range stops below its length
+
+
 @dataclass(frozen=True)
-class GpuInfo:
+class Reason:  # why a cell failed or a GPU keeps a family off
+    kind: ReasonKind
+    detail: str
+
+
+@dataclass(frozen=True)
+class GpuIdentity:
+    """Which GPU: its index on the machine, model name, compute capability and memory."""
     index: int = field(metadata={"minimum": 0})
     name: str
     capability: list[int] = field(metadata={"length": 2, "minimum": 0})
     memory_gib: float = field(metadata={"minimum": 0})
+
+
+@dataclass(frozen=True)
+class GpuInfo(GpuIdentity):
     kernel: str = ""  # the variant the wrapper would use, or "" when none
     no_kernel_reason: str = ""
     runnable_variants: list[str] = field(default_factory=list)  # every variant that can run here

@@ -41,6 +41,7 @@ from sage_qual import jsonfile, records
 from sage_qual.limits import one_line
 from sage_qual.serving import platform, sage_package
 from sage_qual.serving.config import DEFAULT_CONFIG, LAYOUTS, WrapperConfig, served_from
+from sage_qual.serving.env_record import Reason
 from sage_qual.serving.variants import VARIANTS, capability_label, gpu_label
 
 KIND = "sage-qual-profile"
@@ -58,19 +59,13 @@ class ProfileError(ValueError):
 
 
 @dataclass(frozen=True)
-class EntryReason:
-    kind: str
-    detail: str
-
-
-@dataclass(frozen=True)
 class Entry:
     """What the wrapper serves on a certified GPU model: a variant from these lengths, or nothing."""
     variant: str | None
     min_query_tokens: int | None
     min_key_tokens: int | None
     head_dims: list[int] | None
-    reasons: list[EntryReason] = field(default_factory=list)
+    reasons: list[Reason] = field(default_factory=list)
     # The verified range and layouts (null: no upper bound, any layout; absent in older profiles).
     max_query_tokens: int | None = None
     max_key_tokens: int | None = None
