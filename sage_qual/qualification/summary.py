@@ -82,8 +82,8 @@ def _predicted(written: Report, decisions: list[verdict.GpuDecision]) -> list[st
     for family in families:
         for variant in variants:
             causes: dict[str, list[str]] = {}  # fixture -> why it would fail there
-            for finding in family.rejected.get(variant, []):
-                causes.setdefault(finding.fixture, []).append(finding.cause)
+            for finding in family.findings.get(variant, []):
+                causes.setdefault(finding.fixture, []).append(finding.reason.detail)
             lines += [f"  would fail {family.label}: {variant} on {fixture}: {'; '.join(why)}"
                       for fixture, why in causes.items()]
     skipped = sorted(set(written.options.families) - {f.label for f in families})

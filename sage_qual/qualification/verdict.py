@@ -69,13 +69,18 @@ class Evidence(str, enum.Enum):
 
 
 @dataclass(frozen=True)
-class Finding(Reason):
-    """A reason found on one cell: `detail` says where and why in one sentence, the other fields
-    say the same in parts, so a summary can group findings without parsing that sentence."""
-    variant: str = ""
-    fixture: str = ""
-    device: int = 0
-    cause: str = ""  # `detail` without the where
+class Finding:
+    """Why a variant fails a family on one cell, in parts (a summary groups them without parsing a
+    sentence): where, and the cell's own reason."""
+    variant: str
+    fixture: str
+    device: int
+    reason: Reason
+
+    def as_reason(self) -> Reason:
+        """The finding in one sentence, as gate, report.md and the profile give it."""
+        return Reason(self.reason.kind, f"{self.variant} on {self.fixture} (cuda:{self.device}): "
+                                        f"{self.reason.detail}")
 
 
 @dataclass(frozen=True)
@@ -97,7 +102,7 @@ class FamilyDecision:
     head_dims: list[int] | None = None
     reasons: list[Reason] = field(default_factory=list)
     certified: list[str] = field(default_factory=list)  # variants that passed every fixture
-    rejected: dict[str, list[Finding]] = field(default_factory=dict)  # per variant, every cell it failed
+    findings: dict[str, list[Finding]] = field(default_factory=dict)  # per variant failing, every cell
     speedups: dict[str, float] = field(default_factory=dict)  # own shape label -> lower bound
     # The verified range (enable only): None with range_verified False for a report without long checks.
     max_query_tokens: int | None = None
@@ -118,6 +123,11 @@ class FamilyDecision:
         if all(r.kind in (ReasonKind.NO_FIXTURES, ReasonKind.SKIP) for r in self.why_not(variant)):
             return Evidence.NOT_QUALIFIED
         return Evidence.NOT_SAFE
+
+    @property
+    def rejected(self) -> dict[str, list[Reason]]:
+        """Per variant that failed the family, why, one sentence per cell (`findings`)."""
+        return {variant: [f.as_reason() for f in found] for variant, found in self.findings.items()}
 
     def why_not(self, variant: str) -> list[Reason]:
         """Why `variant` was not certified for the family: its own findings, else the family's reasons."""
@@ -309,7 +319,7 @@ class _Model:
         for variant in self.runnable:
             failures = [r for fixture in fixtures for r in self._failures(variant, fixture)]
             if failures:
-                result.rejected[variant] = failures
+                result.findings[variant] = failures
             else:
                 result.certified.append(variant)
         if not result.certified:
@@ -412,18 +422,14 @@ class _Model:
             result.max_query_tokens = result.max_key_tokens = result.layouts = None
         return result
 
-    def _failures(self, variant: str, fixture: str) -> list[Reason]:
-        reasons = []
+    def _failures(self, variant: str, fixture: str) -> list[Finding]:
+        found = []
         for device in self.devices:
-            where = f"{variant} on {fixture} (cuda:{device.index})"
             cell = self.cells.get((variant, fixture, device.index))
-            if cell is None:
-                reasons.append(Finding(ReasonKind.INCOMPLETE, f"{where}: not run", variant, fixture,
-                                       device.index, "not run"))
-            else:
-                reasons += [Finding(r.kind, f"{where}: {r.detail}", variant, fixture, device.index, r.detail)
-                            for r in judged(self.report, cell)]
-        return reasons
+            missing = [Reason(ReasonKind.INCOMPLETE, "not run")]
+            reasons = missing if cell is None else judged(self.report, cell)
+            found += [Finding(variant, fixture, device.index, reason) for reason in reasons]
+        return found
 
     def _choose(self, candidates: list[str], own: list[str], relevant: list[str],
                 min_speedup: float) -> tuple[str, Thresholds | None]:
