@@ -254,6 +254,17 @@ def test_writer_rewrites_the_file_after_each_change(tmp_path, validator):
     assert report.load(tmp_path / "report.json") == writer.report
 
 
+def test_appends_write_what_a_whole_dump_writes(tmp_path):
+    # Appends dump only what they add: the file must still be the whole record's dump, each time.
+    partial = report.parse(as_version_2(sample("sample_partial.json")), "sample_partial.json")
+    writer = report.Writer(tmp_path / "report.json", partial)
+    for position, field, items in [(1, "cells", partial.devices[0].cells[:2]), (0, "speed", []),
+                                   (1, "speed", partial.devices[0].speed[:1]), (1, "cells", [])]:
+        writer.append(position, field, *items)
+        assert json.loads((tmp_path / "report.json").read_text()) == records.dump(writer.report)
+    assert writer.report.devices[1].cells[-2:] == partial.devices[0].cells[:2]
+
+
 @pytest.mark.parametrize("change", [
     {"rel_l2": float("inf")},  # JSON has no infinity
     {"outcome": "crash"},  # a crash says why in its detail
