@@ -5,13 +5,13 @@ by the gate's `verdict.decide()`, must keep off exactly the families the defect 
 the clean kernel keeps off already). docs/detection.md holds the matrix."""
 
 import json
-import math
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from sage_qual import records
 from sage_qual.fixtures import numerics
 from sage_qual.fixtures.fileformat import list_fixtures, load_fixture, shipped_dir
 from sage_qual.limits import MEMORY_BOUND
@@ -25,10 +25,14 @@ from sage_qual.qualification import (
     measure,
     report,
     report_model,
+    tasks,
     verdict,
 )
+from sage_qual.qualification.report_model import Outcome, ReasonKind
 from sage_qual.serving.variants import VARIANTS
 from sage_qual.testing import FakeSageAttention
+
+from .builders import long_task
 
 VARIANT = VARIANTS["sm90-fp8-cuda"]  # the kernel the field reports were tried with (H200)
 # A complete two-H200 report (B's test data): its speed evidence, our fixtures and cells.
@@ -94,10 +98,8 @@ def baseline(bench, failing):
 def _cell(fixture, metrics: dict) -> dict:
     budget = budgets.budget(VARIANT, fixture)
     reasons = judge.cell_reasons(metrics, EXTRA_BYTES, budget, MEMORY_BOUND)
-    numbers = {k: (None if isinstance(x, float) and not math.isfinite(x) else x) for k, x in metrics.items()}
-    return {"variant": VARIANT.name, "fixture": fixture.name, "outcome": "fail" if reasons else "pass",
-            "reasons": reasons, "accuracy_class": VARIANT.accuracy_class, "bounds": budget, **numbers,
-            "extra_bytes_per_element": EXTRA_BYTES, "seconds": 0.1}
+    return records.dump(tasks.judged_cell(VARIANT.name, fixture.name, metrics, budget, reasons,
+                                          VARIANT.accuracy_class, EXTRA_BYTES, seconds=0.1))
 
 
 def kept_off_by_the_gate(fixtures, outputs, references) -> frozenset[str]:
@@ -154,7 +156,7 @@ def test_a_few_wrong_elements_fail_every_fixture_the_clean_kernel_passes(bench, 
     assert set(caught) == {f.name for f in fixtures} - failing
     assert off == defect.reaches == detection.ALL
     alone = [name for name, reasons in caught.items()
-             if [r["detail"].split(" |")[0] for r in reasons] == ["largest element error"]]
+             if [r.detail.split(" |")[0] for r in reasons] == ["largest element error"]]
     assert len(alone) >= 4, f"only the element-wise limit fails {alone}"
 
 
@@ -293,10 +295,11 @@ def _modelled_kernel(defect):
     return kernel
 
 
-def _caught_by_layout_check(defect, q, k, v, family) -> bool:
-    found = long_check.check(VARIANT, q, k, v, list(family.layouts), _modelled_kernel(defect))
-    assert not [r for r in found["reasons"] if r["kind"] != "layout"], found["reasons"]
-    return found["outcome"] == "fail"
+def _caught_by_layout_check(defect, shape, q, k, v, family) -> bool:
+    task = long_task(shape, family.layouts, VARIANT.name)
+    found = long_check.check(task, q, k, v, _modelled_kernel(defect))
+    assert not [r for r in found.reasons if r.kind != ReasonKind.LAYOUT], found.reasons
+    return found.outcome == Outcome.FAIL
 
 
 def test_the_long_checks_catch_the_view_defect_on_exactly_the_families_it_reaches():
@@ -314,7 +317,7 @@ def test_the_long_checks_catch_the_view_defect_on_exactly_the_families_it_reache
     def caught_by(defect, family):
         key = (defect.name, tuple(family.layouts))
         if key not in outcomes:
-            outcomes[key] = _caught_by_layout_check(defect, q, k, v, family)
+            outcomes[key] = _caught_by_layout_check(defect, shape, q, k, v, family)
         return outcomes[key]
 
     assert {f.name for f in declared if caught_by(defect, f)} == defect.reaches
@@ -332,7 +335,7 @@ def test_the_long_checks_catch_the_span_defect_on_exactly_the_families_it_reache
     limit = detection.call_space(stand_ins[0]).max_span
     defect = detection.wrong_past_span(limit, stand_ins)
     assert defect.reaches == {"fused_qkv"}
-    assert {f.name for f in stand_ins if _caught_by_layout_check(defect, q, k, v, f)} == {"fused_qkv"}
+    assert {f.name for f in stand_ins if _caught_by_layout_check(defect, shape, q, k, v, f)} == {"fused_qkv"}
 
 
 def test_the_long_checks_catch_the_length_defect_on_exactly_the_families_it_reaches():
@@ -345,8 +348,10 @@ def test_the_long_checks_catch_the_length_defect_on_exactly_the_families_it_reac
     assert defect.reaches == {"384"}
     caught = set()
     for family in stand_ins:
-        q, k, v = long_check.synthetic(family.calls[0].largest, "cpu")
-        found = long_check.check(VARIANT, q, k, v, ["contiguous"], _modelled_kernel(defect))
-        if found["outcome"] == "fail":
+        shape = family.calls[0].largest
+        q, k, v = long_check.synthetic(shape, "cpu")
+        task = long_task(shape, ["contiguous"], VARIANT.name)
+        found = long_check.check(task, q, k, v, _modelled_kernel(defect))
+        if found.outcome == Outcome.FAIL:
             caught.add(family.name)
     assert caught == defect.reaches

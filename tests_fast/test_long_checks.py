@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from sage_qual.qualification import certify, emulate, families, gate, long_check, profile, report, verdict
-from sage_qual.qualification.report_model import ReportError
+from sage_qual.qualification.report_model import Outcome, ReasonKind, ReportError
 from sage_qual.serving.variants import VARIANTS
 
-from .builders import SAMPLE, long_records
+from .builders import SAMPLE, long_records, long_task
 
 FP8 = VARIANTS["sm90-fp8-cuda"]
 
@@ -78,9 +78,11 @@ def test_a_quick_plan_checks_the_longest_call_only_and_cross_calls_never_fuse():
 
 
 # The check itself --------------------------------------------------------------------------------
-def tensors(heads=4, kv_heads=2, tokens=300, head_dim=64):
-    shape = families.self_attention(heads, tokens, head_dim, kv_heads=kv_heads)
-    return long_check.synthetic(shape, "cpu")
+SHAPE = families.self_attention(4, 300, 64, kv_heads=2)
+
+
+def tensors():
+    return long_check.synthetic(SHAPE, "cpu")
 
 
 def test_layouts_hold_the_same_values_with_their_own_strides():
@@ -133,10 +135,14 @@ def exact(q, k, v, tensor_layout):
 
 
 def test_a_correct_kernel_passes_in_every_layout():
-    result = long_check.check(FP8, *tensors(), list(families.LAYOUTS), exact)
-    assert result["outcome"] == "pass" and result["reasons"] == []
-    assert result["identical"] == {"transposed": True, "fused_qkv": True, "nhd": True}
-    assert result["metrics"]["rel_l2"] < result["bounds"]["max_rel_l2"] and result["finite"]
+    task = long_task(SHAPE, families.LAYOUTS)
+    result = long_check.check(task, *tensors(), exact)
+    assert result.outcome == Outcome.PASS and result.reasons == []
+    assert result.identical == {"transposed": True, "fused_qkv": True, "nhd": True}
+    assert result.metrics["rel_l2"] < result.bounds["max_rel_l2"] and result.finite
+    # the task's call, as the report stores it
+    assert (result.variant, result.shape, result.uses) == (task.variant, task.shape, task.uses)
+    assert result.layouts == task.layouts
 
 
 def test_a_kernel_wrong_only_on_views_fails_its_layouts():
@@ -144,9 +150,9 @@ def test_a_kernel_wrong_only_on_views_fails_its_layouts():
         out = exact(q, k, v, tensor_layout)
         return out + 1e-2 if not v.is_contiguous() else out
 
-    result = long_check.check(FP8, *tensors(), list(families.LAYOUTS), strided_bug)
-    assert result["identical"] == {"transposed": False, "fused_qkv": False, "nhd": True}
-    assert [r["detail"] for r in result["reasons"]] == [
+    result = long_check.check(long_task(SHAPE, families.LAYOUTS), *tensors(), strided_bug)
+    assert result.identical == {"transposed": False, "fused_qkv": False, "nhd": True}
+    assert [r.detail for r in result.reasons] == [
         "layout transposed: output differs from the same kernel's on contiguous copies",
         "layout fused_qkv: output differs from the same kernel's on contiguous copies"]
 
@@ -157,15 +163,18 @@ def test_a_kernel_wrong_only_in_the_last_rows_fails_its_accuracy():
         out[:, :, -40:] = 0  # rows past an offset limit left unwritten
         return out
 
-    result = long_check.check(FP8, *tensors(), ["contiguous"], tail_bug)
-    assert result["outcome"] == "fail"
-    assert any(r["detail"].startswith("worst query-row block's relative L2") for r in result["reasons"])
+    result = long_check.check(long_task(SHAPE, ["contiguous"]), *tensors(), tail_bug)
+    assert result.outcome == Outcome.FAIL
+    assert any(r.detail.startswith("worst query-row block's relative L2") for r in result.reasons)
 
 
 def test_a_non_finite_kernel_fails():
-    result = long_check.check(FP8, *tensors(), ["contiguous"], lambda *a: exact(*a) * float("nan"))
-    assert result["outcome"] == "fail" and result["finite"] is False
-    assert result["reasons"][0]["kind"] == "non_finite"
+    def nan(*args):
+        return exact(*args) * float("nan")
+
+    result = long_check.check(long_task(SHAPE, ["contiguous"]), *tensors(), nan)
+    assert result.outcome == Outcome.FAIL and result.finite is False
+    assert result.reasons[0].kind == ReasonKind.NON_FINITE
 
 
 # The verdict's range -----------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from sage_qual import records
 from sage_qual.qualification import certify, gate, judge, report, verdict
 from sage_qual.qualification.families import FAMILIES, find
 from sage_qual.serving.variants import VARIANTS
@@ -91,7 +92,7 @@ def _cell(rng: random.Random, variant: str, fixture: dict) -> dict | None:
         "variant": variant,
         "fixture": fixture["name"],
         "outcome": "fail" if reasons else "pass",
-        "reasons": reasons,
+        "reasons": [records.dump(reason) for reason in reasons],
         "accuracy_class": VARIANTS[variant].accuracy_class,
         "bounds": bounds,
         **metrics,

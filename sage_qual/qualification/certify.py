@@ -24,12 +24,13 @@ from pathlib import Path
 
 import torch
 
-from sage_qual import limits
+from sage_qual import limits, records
 from sage_qual.errors import UsageError
 from sage_qual.fixtures import fileformat
 from sage_qual.qualification import families as families_mod
 from sage_qual.qualification import junit, long_check, profile, report, span_check, verdict
 from sage_qual.qualification import pool as workers
+from sage_qual.qualification import tasks as tasks_mod
 from sage_qual.qualification.speed import intervals_to_refine, speedup_bounds
 from sage_qual.serving.variants import VARIANTS
 
@@ -330,21 +331,18 @@ def _span_threads(data: dict, writer: report.Writer, pool: workers.Pool, options
     return threads
 
 
-def _span_job(tasks: list[dict], index: int, position: int, writer: report.Writer, pool: workers.Pool,
+def _span_job(job: list, index: int, position: int, writer: report.Writer, pool: workers.Pool,
               options: Options, progress: "_Progress", stop: threading.Event) -> None:
     parent_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     visible = parent_visible.split(",")[index] if parent_visible else str(index)
     cache = tempfile.mkdtemp(prefix=f"sage-qual-triton-span-cuda{index}-")  # one writer per cache
-    by_id = {task["id"]: task for task in tasks}
-
-    def record(task_id: str, result: dict) -> None:
-        task = by_id[task_id]
-        probe = {"variant": task["variant"], **task["case"], "limit": task["limit"], **result}
+    def record(task, result) -> None:
+        probe = records.dump(result)
         writer.update(lambda d: d["devices"][position]["span"].append(probe))
         progress.tick(f"cuda:{index}", probe)
 
     try:
-        workers.run_tasks(tasks, pool.take, options.timeout, limits.startup_timeout(options.timeout), record,
+        workers.run_tasks(job, pool.take, options.timeout, limits.startup_timeout(options.timeout), record,
                           stop, env={"CUDA_VISIBLE_DEVICES": visible, "TRITON_CACHE_DIR": cache})
     finally:
         shutil.rmtree(cache, ignore_errors=True)
@@ -442,17 +440,16 @@ class _DeviceRun:
         self.timeout, self.quick = options.timeout, options.quick
         self.error: BaseException | None = None
         speed = {key: _timing(entry["shape"], options.quick) for key, entry in shapes.items()}
-        self.jobs = [[{"id": f"sdpa@{key}", "kind": "sdpa", "key": key, "shape": shapes[key]["shape"],
-                       "warmup": w, "repeats": r} for key, (w, r) in speed.items()]]
+        spec = {key: tasks_mod.shape_spec(entry["shape"]) for key, entry in shapes.items()}
+        self.jobs = [[tasks_mod.SdpaTask(f"sdpa@{key}", key, spec[key], w, r)
+                      for key, (w, r) in speed.items()]]
         for variant in variants:
             self.jobs.append(
-                [{"id": f"{variant}|{f.name}", "kind": "cell", "variant": variant, "fixture_name": f.name,
-                  "fixture": str(f.path), "memory_bound": families_mod.memory_bound(f.family)}
-                 for f in fixtures]
-                + [{"id": f"{variant}@{key}", "kind": "speed", "variant": variant, "key": key,
-                    "shape": shapes[key]["shape"], "warmup": w, "repeats": r}
+                [tasks_mod.CellTask(f"{variant}|{f.name}", variant, f.name, str(f.path),
+                                families_mod.memory_bound(f.family)) for f in fixtures]
+                + [tasks_mod.SpeedTask(f"{variant}@{key}", variant, key, spec[key], w, r)
                    for key, (w, r) in speed.items()]
-                + [{"id": f"{variant}~{key}", "kind": "long", "variant": variant, **check}
+                + [tasks_mod.long_task(f"{variant}~{key}", variant, check)
                    for key, check in (checks or {}).items()])
         self.task_count = sum(len(job) for job in self.jobs)
 
@@ -475,8 +472,7 @@ class _DeviceRun:
                     # in a full run, the span probes' first worker after the last).
                     spawn = functools.partial(pool.take, prefetch=n + 1 < len(self.jobs) or part == 0
                                               or not self.quick)
-                    by_id = {task["id"]: task for task in tasks}
-                    record = functools.partial(self._record, by_id, progress=progress)
+                    record = functools.partial(self._record, progress=progress)
                     workers.run_tasks(tasks, spawn, self.timeout, limits.startup_timeout(self.timeout),
                                       record, stop, env=env)
                     if stop.is_set():
@@ -486,10 +482,10 @@ class _DeviceRun:
         finally:
             shutil.rmtree(cache, ignore_errors=True)
 
-    def _refinement(self, job: list[dict]) -> list[dict]:
+    def _refinement(self, job: list) -> list:
         """Timing tasks at refined lengths of generic self-attention around the crossover of the
         variant this job swept, with SDPA at those lengths where this GPU has not timed it yet."""
-        variants = {task["variant"] for task in job if task["kind"] == "speed"}
+        variants = {task.variant for task in job if isinstance(task, tasks_mod.SpeedTask)}
         if not variants or self.quick:  # a pre-flight's thresholds are not the ones a profile keeps
             return []
         (variant,) = variants
@@ -522,37 +518,26 @@ class _DeviceRun:
                 data["shapes"].setdefault(key, entry)
 
         self.writer.update(add)
-        tasks = []
+        refined = []
         for key, entry in new.items():
             warmup, repeats = _timing(entry["shape"], self.quick)
-            common = {"key": key, "shape": entry["shape"], "warmup": warmup, "repeats": repeats}
             if (variant, key) in by:
                 continue
-            if ("sdpa", key) not in by:  # near the crossover: both timed in turn in one worker
-                tasks.append({"id": f"{variant}+sdpa@{key}", "kind": "paired", "variant": variant, **common})
-            else:  # another variant's refinement timed SDPA here already
-                tasks.append({"id": f"{variant}@{key}", "kind": "speed", "variant": variant, **common})
-        return tasks
+            timing = tasks_mod.PairedTask if ("sdpa", key) not in by else tasks_mod.SpeedTask
+            # Paired near the crossover: both timed in turn in one worker; else another variant's
+            # refinement timed SDPA here already.
+            task_id = f"{variant}+sdpa@{key}" if timing is tasks_mod.PairedTask else f"{variant}@{key}"
+            shape = tasks_mod.shape_spec(entry["shape"])
+            refined.append(timing(task_id, variant, key, shape, warmup, repeats))
+        return refined
 
-    def _record(self, tasks: dict, task_id: str, result: dict, progress: "_Progress") -> None:
-        task = tasks[task_id]
-        if task["kind"] == "cell":
-            record = {"variant": task["variant"], "fixture": task["fixture_name"], **result}
-            field = "cells"
-        elif task["kind"] == "long":
-            record = {key: task[key] for key in ("variant", "shape", "uses", "layouts")} | result
-            field = "long"
-        else:  # a timing: of the fastest SDPA backend, or of a variant (paired: with SDPA's)
-            kernel = "sdpa" if task["kind"] == "sdpa" else task["variant"]
-            paired = result.get("sdpa") if task["kind"] == "paired" else None
-            record = {"kernel": kernel, "shape": task["key"], "ms": None,
-                      **{name: value for name, value in result.items() if name != "sdpa"}}
-            field = "speed"
-            if isinstance(paired, dict):
-                sdpa = {"kernel": "sdpa", "shape": task["key"], "ms": None, **paired}
-                self.writer.update(lambda d: d["devices"][self.position][field].append(sdpa))
-        self.writer.update(lambda d: d["devices"][self.position][field].append(record))
-        progress.tick(f"cuda:{self.index}", record)
+    def _record(self, task, result, progress: "_Progress") -> None:
+        """The task's report records (`tasks.report_entries`) appended to this device's lists."""
+        device = self.position
+        for field, record in tasks_mod.report_entries(result):
+            entry = records.dump(record)
+            self.writer.update(lambda d, into=field, entry=entry: d["devices"][device][into].append(entry))
+        progress.tick(f"cuda:{self.index}", entry)
 
 
 class _Progress:

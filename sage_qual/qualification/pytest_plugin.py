@@ -285,7 +285,7 @@ def sage_qual_budget(request, sage_qual_fixture, sage_qual_target) -> dict:
     variant = sage_qual_target.variant(_capability(request.config))
     if variant is None:
         pytest.skip(f"sage-qual: {sage_qual_target.name} has no kernel for this GPU")
-    return budgets.budget(variant, sage_qual_fixture)
+    return budgets.budget(variant, sage_qual_fixture).limits()
 
 
 class _CudaBench:
@@ -300,11 +300,13 @@ class _CudaBench:
 @pytest.fixture
 def sage_qual_check(request, sage_qual_target):
     """check(fixture) -> the cell record; fails the test with every reason unless served in budget."""
+    from sage_qual import records
     from sage_qual.qualification import target_cells
 
     def check(fixture) -> dict:
-        cell = target_cells.measure_cell(sage_qual_target, fixture, _capability(request.config), _CudaBench(),
-                                         families_mod.memory_bound(fixture.family))
+        measured = target_cells.measure_cell(sage_qual_target, fixture, _capability(request.config),
+                                             _CudaBench(), families_mod.memory_bound(fixture.family))
+        cell = records.dump(measured)
         if cell["outcome"] == "skip":
             pytest.skip(f"sage-qual: {cell['detail']}")
         if cell["outcome"] != "pass":

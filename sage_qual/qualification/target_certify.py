@@ -1,7 +1,7 @@
 """`sage-qual certify --target NAME`: the fixtures, budgets and verdicts of certify, run on an
 integration (`targets.resolve(NAME)`) instead of on our variants.
 
-Each cell runs in certify's isolated workers (task kind "target", `target_cells.run_task`): the target is
+Each cell runs in certify's isolated workers (task kind "target_cell", `target_cells.run_cell`): the target is
 enabled as its app enables it, called on the fixture in SDPA's layout, and judged by the same
 `judge.cell_reasons` against the fixture's bounds for the kernel class the integration runs on
 that GPU. A call the integration claims not to take is a skip with its claim
@@ -25,11 +25,11 @@ import tempfile
 import threading
 from pathlib import Path
 
-from sage_qual import limits
+from sage_qual import limits, records
 from sage_qual.errors import UsageError
-from sage_qual.qualification import certify, pool, report, targets, verdict
+from sage_qual.qualification import certify, pool, report, targets, tasks, verdict
 from sage_qual.qualification import families as families_mod
-from sage_qual.qualification.report_model import ReasonKind
+from sage_qual.qualification.report_model import Outcome, ReasonKind
 
 
 @dataclasses.dataclass
@@ -134,14 +134,14 @@ def _device_cells(position: int, target: targets.Target, fixtures: list, options
     visible = parent_visible.split(",")[device["index"]] if parent_visible else str(device["index"])
     cache = tempfile.mkdtemp(prefix=f"sage-qual-triton-cuda{device['index']}-")
     env = {"CUDA_VISIBLE_DEVICES": visible, "TRITON_CACHE_DIR": cache}
-    results: dict[str, dict] = {}
+    results: list[tasks.MachineResult] = []
     try:
         run = functools.partial(pool.run_tasks, spawn=workers.take, timeout=options.timeout,
                                 startup_timeout=limits.startup_timeout(options.timeout), stop=stop, env=env)
-        run([{"id": "machine", "kind": "target", "action": "machine", "target": target.name}],
-            on_result=results.__setitem__)
-        machine = results["machine"]
-        reasons = machine.get("reasons") if machine["outcome"] == "pass" else [machine.get("detail", "crash")]
+        run([tasks.TargetMachineTask("machine", target.name)],
+            on_result=lambda task, result: results.append(result))
+        (machine,) = results
+        reasons = machine.reasons if machine.outcome == Outcome.PASS else [machine.detail]
         if reasons:
             def skip(d):
                 d["devices"][position]["not_supported"][target.name] = reasons
@@ -152,17 +152,16 @@ def _device_cells(position: int, target: targets.Target, fixtures: list, options
 
             writer.update(skip)
             return
-        tasks = [{"id": f.name, "kind": "target", "action": "cell", "target": target.name,
-                  "fixture": str(f.path), "capability": device["capability"],
-                  "memory_bound": families_mod.memory_bound(f.family)} for f in fixtures]
+        cells = [tasks.TargetCellTask(f.name, target.name, f.name, str(f.path), device["capability"],
+                                      families_mod.memory_bound(f.family)) for f in fixtures]
 
-        def record(task_id, result):
-            cell = {"variant": target.name, "fixture": task_id, **result}
-            writer.update(lambda d: d["devices"][position]["cells"].append(cell))
-            print(f"cuda:{device['index']} {target.name} x {task_id}: {result['outcome']}"
-                  + (f" -- {result.get('detail')}" if result.get("detail") else ""), flush=True)
+        def record(task, cell):
+            entry = records.dump(cell)
+            writer.update(lambda d: d["devices"][position]["cells"].append(entry))
+            print(f"cuda:{device['index']} {target.name} x {task.id}: {cell.outcome.value}"
+                  + (f" -- {cell.detail}" if cell.detail else ""), flush=True)
 
-        run(tasks, on_result=record)
+        run(cells, on_result=record)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
 
