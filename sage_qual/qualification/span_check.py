@@ -80,13 +80,13 @@ def run_case(task: SpanTask, variant, package, bench) -> SpanProbe:
     ran = span_probe.scaled(planned, bench.tokens(planned.tokens), bench.heads(planned.heads, planned.heads),
                             bench.tokens(planned.kv_tokens))
     found = span_probe.check_case(variant, package, ran, bench.device)
-    right = found["outcome"] == "ok"
+    right = found.outcome == span_probe.Verdict.OK
     detail = "" if right else (
-        f"wrong on sampled rows: relative L2 {found['rel_l2']:.3g} (right: below {span_probe.MAX_REL_L2}), "
-        f"worst row {found['worst_row']:.3g} (right: below {span_probe.MAX_WORST_ROW})")
+        f"wrong on sampled rows: relative L2 {found.rel_l2:.3g} (right: below {span_probe.MAX_REL_L2}), "
+        f"worst row {found.worst_row:.3g} (right: below {span_probe.MAX_WORST_ROW})")
     scaled = {} if ran == planned else {"ran_tokens": ran.tokens, "ran_heads": ran.heads,
                                         "ran_span": ran.span}
-    numbers = finite_or_none({"rel_l2": found["rel_l2"], "worst_row": found["worst_row"]})
+    numbers = finite_or_none({"rel_l2": found.rel_l2, "worst_row": found.worst_row})
     return task.record(Outcome.PASS if right else Outcome.FAIL, detail=detail, **numbers, **scaled)
 
 
