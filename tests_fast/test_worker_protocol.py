@@ -2,6 +2,7 @@
 unchanged, a message that breaks the protocol ends the run with one line naming the key (never a
 KeyError deep in the parent), and whatever ends a task early becomes that task's own report record."""
 
+import json
 import queue
 from pathlib import Path
 
@@ -196,3 +197,16 @@ def test_a_worker_that_dies_in_a_task_gives_that_task_a_crash_record():
         LONG.variant, LONG.shape, LONG.layouts, Outcome.CRASH)
     assert result.detail == "the worker ran this task when it died (exit code 1)"
     assert result.stderr_tail == "the worker's last words"
+
+
+def test_a_worker_given_a_malformed_job_exits_naming_the_key(tmp_path):
+    process = pool.Process(pool.worker_env(), tmp_path / "worker.log")
+    job = {"tasks": [{**tasks.dump_task(SPEED), "kind": "sped"}], "env": {}}
+    process.proc.stdin.write((json.dumps(job) + "\n").encode())
+    process.proc.stdin.flush()
+    assert process.messages.get(timeout=120) is None  # nothing sent, not even "ready"
+    assert process.ended() == "exit code 1"
+    last = process.stderr_tail().strip().splitlines()[-1]
+    assert last.endswith("a task from the parent: kind: is 'sped', expected one of 'env', 'cell', 'sdpa', "
+                         "'speed', 'paired', 'long', 'span', 'target_machine', 'target_cell'; " + tasks.FIX)
+    process.close()
