@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from sage_qual.qualification import families, tasks
+from sage_qual.qualification.report_model import ShapeUse
 from sage_qual.serving import profile
 from sage_qual.testing import FakeGpu
 
@@ -90,6 +91,6 @@ def long_records(variant, fail_at=None, how="accuracy"):
 
 def long_task(shape: families.Shape, layouts, variant: str = "sm90-fp8-cuda") -> tasks.LongTask:
     """A long check's task at `shape` in `layouts`, standing for one test call."""
-    return tasks.long_task(f"{variant}~{shape.key}", variant, {
-        "shape": shape.as_dict(), "uses": [{"family": None, "label": "a test's call"}],
-        "layouts": list(layouts)})
+    planned = tasks.LongPlan(tasks.shape_spec(shape.as_dict()), [ShapeUse(None, "a test's call")],
+                             list(layouts))
+    return tasks.long_task(f"{variant}~{shape.key}", variant, planned)

@@ -10,7 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from sage_qual.qualification import certify, emulate, families, gate, long_check, profile, report, verdict
+from sage_qual.qualification import (
+    certify,
+    emulate,
+    families,
+    gate,
+    long_check,
+    profile,
+    report,
+    tasks,
+    verdict,
+)
 from sage_qual.qualification.report_model import Outcome, ReasonKind, ReportError
 from sage_qual.serving.variants import VARIANTS
 
@@ -54,27 +64,28 @@ def test_a_broken_declaration_is_named():
 # Planning ----------------------------------------------------------------------------------------
 def test_the_plan_checks_every_family_longest_call_and_the_sweep_past_the_fixtures():
     plan = long_check.plan(list(families.FAMILIES), certify.SELF_TOKENS, longest_fixture=4608)
-    lengths = sorted({c["shape"]["q_tokens"] for c in plan.values()})
+    lengths = sorted({c.shape.q_tokens for c in plan.values()})
     assert lengths == [8192, 13728, 16384, 16896, 32768, 75600]
-    generic = [c for c in plan.values() if all(u["family"] is None for u in c["uses"])]
-    assert sorted(c["shape"]["q_tokens"] for c in generic) == [8192, 16384, 32768]
-    assert all(c["layouts"] == list(families.LAYOUTS) for c in generic)  # every layout some family declares
+    generic = [c for c in plan.values() if all(u.family is None for u in c.uses)]
+    assert sorted(c.shape.q_tokens for c in generic) == [8192, 16384, 32768]
+    assert all(c.layouts == list(families.LAYOUTS) for c in generic)  # every layout some family declares
     shared = plan[families.self_attention(24, 16896).key]  # FLUX.1 and Qwen-Image: one check
-    assert [u["family"] for u in shared["uses"]] == ["FLUX.1", "Qwen-Image"]
-    assert shared["layouts"] == ["contiguous", "transposed", "fused_qkv", "nhd"]  # the union of both
+    assert [u.family for u in shared.uses] == ["FLUX.1", "Qwen-Image"]
+    assert shared.layouts == ["contiguous", "transposed", "fused_qkv", "nhd"]  # the union of both
     wan = plan[families.self_attention(40, 75600).key]
-    assert [u["family"] for u in wan["uses"]] == ["Wan 2.2"] and "fused_qkv" in wan["layouts"]
+    assert [u.family for u in wan.uses] == ["Wan 2.2"] and "fused_qkv" in wan.layouts
+    assert wan.shape == tasks.shape_spec(families.self_attention(40, 75600).as_dict())
     assert len(plan) <= len(families.FAMILIES) + 3  # the bound the cost estimate rests on
 
 
 def test_a_quick_plan_checks_the_longest_call_only_and_cross_calls_never_fuse():
     quick = long_check.plan(list(families.FAMILIES), certify.QUICK_SELF_TOKENS, 4608, quick=True)
-    assert sorted(c["shape"]["q_tokens"] for c in quick.values()) == [16384, 75600]
+    assert sorted(c.shape.q_tokens for c in quick.values()) == [16384, 75600]
     cross = families.Family("X", (), calls=(families.site("c", families.cross_attention(8, 100, 20000),
                                                           families.cross_attention(8, 100, 20000)),),
                             layouts=("contiguous", "fused_qkv", "nhd"))
     (check,) = long_check.plan([cross], (), 4608).values()
-    assert check["layouts"] == ["contiguous", "nhd"]
+    assert check.layouts == ["contiguous", "nhd"]
 
 
 # The check itself --------------------------------------------------------------------------------

@@ -68,7 +68,7 @@ RESULTS = [
     (LONG, LONG.record(Outcome.PASS, bounds=BUDGET, metrics={"rel_l2": 0.05, "worst_head_cosine": None},
                        finite=True, identical={"transposed": True}, rows=[0, 128], row_block=128)),
     (SPAN, SPAN.record(Outcome.CRASH, detail="it died (killed by SIGABRT)", stderr_tail="Assertion")),
-    (tasks.TargetMachineTask("machine", "wrapper"), tasks.MachineResult(Outcome.PASS, ["no kernel"], [9, 0])),
+    (tasks.TargetMachineTask("machine", "wrapper"), tasks.MachineResult(Outcome.PASS, ["no kernel"])),
 ]
 
 
@@ -178,6 +178,13 @@ def test_a_message_that_breaks_the_protocol_is_one_line_naming_the_key(message, 
     assert error.key == key and problem in str(error), str(error)
     assert process.killed
     assert "\n" not in str(error) and "worker-1.log" in str(error) and "sage-qual bug" in str(error)
+
+
+def test_an_environment_that_passed_without_the_environment_is_refused():
+    message = {"type": "result", "id": "env", "seconds": 1.0, "result": {"outcome": "pass"}}
+    with pytest.raises(records.RecordError) as raised:
+        _run([{"type": "ready"}, {"type": "start", "id": "env"}, message], task=tasks.EnvTask("env"))
+    assert raised.value.key == "environment" and "outcome is 'pass'" in str(raised.value)
 
 
 def test_a_worker_that_follows_the_protocol_gives_typed_results():

@@ -13,7 +13,7 @@ Cost on one H200 (estimated from certify's timings, long_check's docstring; not 
 import pytest
 
 from sage_qual.qualification import families, long_check, tasks, worker
-from sage_qual.qualification.report_model import Outcome
+from sage_qual.qualification.report_model import Outcome, ShapeUse
 
 from .conftest import VARIANT_NAMES
 
@@ -26,8 +26,8 @@ LAYOUTS = list(families.LAYOUTS)
 
 def long_task(variant_name: str, call: str) -> tasks.LongTask:
     """The long check certify's plan gives for this call, as its worker task."""
-    return tasks.long_task("long", variant_name, {"shape": CALLS[call].as_dict(), "layouts": LAYOUTS,
-                                                  "uses": [{"family": None, "label": call}]})
+    planned = tasks.LongPlan(tasks.shape_spec(CALLS[call].as_dict()), [ShapeUse(None, call)], LAYOUTS)
+    return tasks.long_task("long", variant_name, planned)
 
 
 def spied(package, variant):

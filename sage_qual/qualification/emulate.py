@@ -32,7 +32,6 @@ from sage_qual import records
 from sage_qual.errors import UsageError
 from sage_qual.fixtures import fileformat
 from sage_qual.qualification import budgets, certify, judge, long_check, measure, report, tasks, verdict
-from sage_qual.qualification.families import Shape
 from sage_qual.qualification.report_model import ReasonKind
 from sage_qual.serving import environment
 from sage_qual.serving.variants import VARIANTS, Variant, capability_label
@@ -67,10 +66,10 @@ def predict_cell(variant: Variant, fixture: fileformat.Fixture, ref: torch.Tenso
                                           seconds=round(time.monotonic() - start, 3)))
 
 
-def predict_long(variant: Variant, check: dict, cache: dict) -> dict:
+def predict_long(variant: Variant, check: tasks.LongPlan, cache: dict) -> dict:
     """One planned long check predicted (module docstring); calls alike after the head reduction
     are computed once (`cache`)."""
-    task = tasks.long_task(f"{variant.name}~{Shape(**check['shape']).key}", variant.name, check)
+    task = tasks.long_task(f"{variant.name}~predicted", variant.name, check)
     shape = task.shape
     heads = shape.heads // shape.kv_heads
     key = (variant.name, heads, shape.q_tokens, shape.kv_tokens, shape.head_dim, shape.dtype)
@@ -115,7 +114,7 @@ def run(options: Options) -> dict:
             for check in checks.values():
                 record = predict_long(VARIANTS[name], check, predicted)
                 data["devices"][0]["long"].append(record)
-                tick(f"{name} at {check['shape']['q_tokens']} tokens: {record['outcome']}")
+                tick(f"{name} at {check.shape.q_tokens} tokens: {record['outcome']}")
     writer.update(_finish)
     report.render(data, out)
     print(summary(data), end="")

@@ -45,8 +45,8 @@ from sage_qual.fixtures import numerics
 from sage_qual.qualification import budgets, judge, measure
 from sage_qual.qualification import families as families_mod
 from sage_qual.qualification.families import Shape
-from sage_qual.qualification.report_model import DType, LongCheck, Outcome, ShapeSpec
-from sage_qual.qualification.tasks import LongTask, finite_or_none
+from sage_qual.qualification.report_model import DType, LongCheck, Outcome, ShapeSpec, ShapeUse
+from sage_qual.qualification.tasks import LongPlan, LongTask, finite_or_none, shape_spec
 from sage_qual.serving.variants import VARIANTS, Variant
 
 SAMPLE_BLOCKS = 4
@@ -63,22 +63,23 @@ GENERIC_HEADS = 24
 
 # Planning --------------------------------------------------------------------------------------
 def plan(chosen: list[families_mod.Family], sweep_tokens, longest_fixture: int,
-         quick: bool = False) -> dict[str, dict]:
-    """The checks to run on every variant, by shape key: {"shape", "uses", "layouts"}.
+         quick: bool = False) -> dict[str, LongPlan]:
+    """The checks to run on every variant, by shape key.
 
     Each chosen family's longest call in its declared layouts, and each generic sweep length past
     the longest fixture (head_dim 128, 24 heads, as the sweep times it) in every layout a chosen
     family declares. Families sharing a shape share its check. quick (a pre-flight, which times no
     family shape, so only its default entry can be enabled): the longest of the families' calls only."""
-    checks: dict[str, dict] = {}
+    shapes: dict[str, Shape] = {}
+    uses: dict[str, list[ShapeUse]] = {}
+    wanted: dict[str, set[str]] = {}
 
     def add(shape: Shape, family: str | None, label: str, layouts) -> None:
-        entry = checks.setdefault(shape.key, {"shape": shape.as_dict(), "uses": [], "layouts": []})
-        entry["uses"].append({"family": family, "label": label})
-        wanted = set(entry["layouts"]) | set(layouts)
+        shapes.setdefault(shape.key, shape)
+        uses.setdefault(shape.key, []).append(ShapeUse(family, label))
+        wanted.setdefault(shape.key, set()).update(layouts)
         if shape.q_tokens != shape.kv_tokens:  # one fused projection gives as many queries as keys
-            wanted.discard("fused_qkv")
-        entry["layouts"] = [name for name in families_mod.LAYOUTS if name in wanted]
+            wanted[shape.key].discard("fused_qkv")
 
     every = {name for family in chosen for name in family.layouts} or {"contiguous"}
     for tokens in sweep_tokens:
@@ -92,7 +93,9 @@ def plan(chosen: list[families_mod.Family], sweep_tokens, longest_fixture: int,
         longest = family.longest
         add(longest, family.name, f"longest call: {longest.q_tokens} query / {longest.kv_tokens} key tokens",
             family.layouts)
-    return checks
+    return {key: LongPlan(shape_spec(shape.as_dict()), uses[key],
+                          [name for name in families_mod.LAYOUTS if name in wanted[key]])
+            for key, shape in shapes.items()}
 
 
 # Tensors ---------------------------------------------------------------------------------------

@@ -15,10 +15,9 @@ from sage_qual.serving.variants import capability_label
 
 
 def machine(task: tasks.TargetMachineTask) -> tasks.MachineResult:
-    """Why the target cannot run on this GPU ([]: it can), and the GPU's capability."""
-    box = targets.box_facts()
-    return task.record(Outcome.PASS, reasons=targets.resolve(task.target).machine_reasons(box),
-                       capability=list(box.capability) if box else None)
+    """Why the target cannot run on this GPU ([]: it can)."""
+    target = targets.resolve(task.target)
+    return task.record(Outcome.PASS, reasons=target.machine_reasons(targets.box_facts()))
 
 
 def run_cell(task: tasks.TargetCellTask, bench) -> Cell:

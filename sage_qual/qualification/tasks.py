@@ -67,6 +67,12 @@ def finite_or_none(values: dict) -> dict:
     return {k: (None if isinstance(x, float) and not math.isfinite(x) else x) for k, x in values.items()}
 
 
+def shape_spec(shape: dict) -> ShapeSpec:
+    """A planned shape (`families.Shape.as_dict()`) as the report's record of it."""
+    return records.parse(ShapeSpec, shape, "a planned shape",
+                         "families wrote a wrong shape (a sage-qual bug)")
+
+
 # Results that are no report record --------------------------------------------------------------
 @dataclass(frozen=True)
 class EnvResult:
@@ -80,13 +86,17 @@ class EnvResult:
     stderr_tail: str = ""
     traceback: str = ""
 
+    def check(self) -> list[tuple[str, str]]:
+        if self.outcome == Outcome.PASS and self.environment is None:
+            return [("environment", "missing in a result whose outcome is 'pass'")]
+        return []
+
 
 @dataclass(frozen=True)
 class MachineResult:
     """certify --target's first task per GPU: why the integration cannot run on it ([]: it can)."""
     outcome: Outcome
     reasons: list[str] = field(default_factory=list)
-    capability: list[int] | None = None
     detail: str = ""
     seconds: float | None = None
     stderr_tail: str = ""
@@ -195,16 +205,16 @@ class LongTask:
         return LongCheck(self.variant, self.shape, self.uses, self.layouts, outcome, **fields)
 
 
-def shape_spec(shape: dict) -> ShapeSpec:
-    """A planned shape (`families.Shape.as_dict()`) as the report's record of it."""
-    return records.parse(ShapeSpec, shape, "a planned shape",
-                         "families wrote a wrong shape (a sage-qual bug)")
+@dataclass(frozen=True)
+class LongPlan:
+    """A long call every variant is checked at (`long_check.plan`)."""
+    shape: ShapeSpec
+    uses: list[ShapeUse]  # the family calls and sweep points it stands for
+    layouts: list[str]
 
 
-def long_task(task_id: str, variant: str, planned: dict) -> LongTask:
-    """`long_check.plan()`'s entry ({"shape", "uses", "layouts"}) as `variant`'s task."""
-    return records.parse(LongTask, {"id": task_id, "variant": variant, **planned}, "a planned long check",
-                         "long_check.plan wrote a wrong entry (a sage-qual bug)")
+def long_task(task_id: str, variant: str, planned: LongPlan) -> LongTask:
+    return LongTask(task_id, variant, planned.shape, planned.uses, planned.layouts)
 
 
 @dataclass(frozen=True)
