@@ -208,7 +208,7 @@ def test_each_gpu_has_its_workers_and_its_own_triton_cache(run):
 ])
 def test_cell_reasons(acc, per_element, kinds):
     reasons = judge.cell_reasons(acc, per_element, BOUNDS["fp8"], 2.5)
-    assert [r["kind"] for r in reasons] == kinds
+    assert [r.kind.value for r in reasons] == kinds
 
 
 PASSED = Cell(variant="sm90-fp8-cuda", fixture="f", outcome=Outcome.PASS, rel_l2=0.01,

@@ -23,7 +23,7 @@ from sage_qual.qualification import (
     summary,
     target_certify,
 )
-from sage_qual.qualification.report_model import Cell, Device, Outcome, Report
+from sage_qual.qualification.report_model import Cell, Device, Outcome, Reason, ReasonKind, Report
 from sage_qual.serving.env_record import EnvironmentRecord, GpuInfo
 
 from . import builders
@@ -175,8 +175,8 @@ def test_the_predicted_summary_groups_by_fixture_whatever_a_reason_says(tmp_path
     and a reason wording holding "): " (what the old summary split the composed sentence at) change
     nothing."""
     monkeypatch.setattr(judge, "cell_reasons", lambda *args, **kwargs: [
-        {"kind": "accuracy", "detail": "relative L2 (budget 0.1): 0.5"},
-        {"kind": "non_finite", "detail": "odd): wording"}])
+        Reason(ReasonKind.ACCURACY, "relative L2 (budget 0.1): 0.5"),
+        Reason(ReasonKind.NON_FINITE, "odd): wording")])
     lines = summary.text(one_gpu_report(predicted=True), tmp_path).splitlines()
     failures = [line for line in lines if line.startswith("  would fail ")]
     assert failures == [

@@ -37,8 +37,11 @@ def test_the_cases_are_a_rung_then_the_boundary_in_each_layout():
     assert all(c.span <= rung for c in CASES[:2])
     jobs = span_check.jobs("v", PLANNED)
     # below cases and the first above case in one worker, the other above case in its own
-    assert [[t["case"]["side"] for t in job] for job in jobs] == [["below"] * 4 + ["above"], ["above"]]
-    assert len({t["id"] for job in jobs for t in job}) == 6
+    assert [[t.side for t in job] for job in jobs] == [["below"] * 4 + ["above"], ["above"]]
+    assert len({t.id for job in jobs for t in job}) == 6
+    # each task carries its case and the limit it sits at, as the report's probe will
+    assert [(t.layout, t.side, t.span, t.limit) for job in jobs for t in job] == sorted(
+        [(c.layout, c.side, c.span, limit) for c, limit in PLANNED], key=lambda x: x[1] == "above")
 
 
 def probes(variant, outcomes=None):

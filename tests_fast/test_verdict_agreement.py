@@ -55,7 +55,7 @@ def _cell(rng: random.Random, variant: str, fixture: FixtureRecord) -> Cell | No
         "error_vs_sdpa": rel_l2 / 0.002,
     }
     extra = rng.uniform(1.2, 1.8)
-    reasons = [builders.reason(**r) for r in judge.cell_reasons(metrics, extra, bounds, 2.5)]
+    reasons = judge.cell_reasons(metrics, extra, bounds, 2.5)
     return builders.cell(variant, fixture, "fail" if reasons else "pass", reasons=reasons, bounds=bounds,
                          extra_bytes_per_element=extra, **metrics)
 

@@ -20,16 +20,15 @@ from sage_qual.fixtures import fileformat
 from sage_qual.qualification import certify_run, long_check, report, span_check, verdict
 from sage_qual.qualification import families as families_mod
 from sage_qual.qualification import pool as workers
+from sage_qual.qualification import tasks as tasks_mod
 from sage_qual.qualification.report_model import (
     Cell,
-    LongCheck,
     Outcome,
     Report,
     ShapeEntry,
     ShapeSpec,
     ShapeUse,
     SpanProbe,
-    Speed,
 )
 from sage_qual.qualification.speed import intervals_to_refine, speedup_bounds
 
@@ -205,19 +204,14 @@ class GpuPool:
         return jobs
 
 
-def _span_job(tasks: list[dict], index: int, position: int, writer: report.Writer, pool: workers.Pool,
+def _span_job(job: list, index: int, position: int, writer: report.Writer, pool: workers.Pool,
               options: Options, progress: certify_run.Progress, stop: threading.Event) -> None:
-    by_id = {task["id"]: task for task in tasks}
-
-    def record(task_id: str, result: dict) -> None:
-        task = by_id[task_id]
-        probe = certify_run.result_record(SpanProbe, {"variant": task["variant"], **task["case"],
-                                                      "limit": task["limit"], **result})
+    def record(task, probe: SpanProbe) -> None:
         writer.append(position, "span", probe)
         progress.tick(f"cuda:{index}", probe)
 
     with certify_run.gpu_env(index) as env:  # a cache per job: the jobs of one GPU run side by side
-        workers.run_tasks(tasks, pool.take, options.timeout, limits.startup_timeout(options.timeout), record,
+        workers.run_tasks(job, pool.take, options.timeout, limits.startup_timeout(options.timeout), record,
                           stop, env=env)
 
 
@@ -229,18 +223,15 @@ class _DeviceRun:
         self.index, self.writer, self.position = index, writer, position
         self.timeout, self.quick = options.timeout, options.quick
         speed = {key: _timing(entry.shape, options.quick) for key, entry in shapes.items()}
-        self.jobs = [[{"id": f"sdpa@{key}", "kind": "sdpa", "key": key,
-                       "shape": records.dump(shapes[key].shape), "warmup": w, "repeats": r}
+        self.jobs = [[tasks_mod.SdpaTask(f"sdpa@{key}", key, shapes[key].shape, w, r)
                       for key, (w, r) in speed.items()]]
         for variant in variants:
             self.jobs.append(
-                [{"id": f"{variant}|{f.name}", "kind": "cell", "variant": variant, "fixture_name": f.name,
-                  "fixture": str(f.path), "memory_bound": families_mod.memory_bound(f.family)}
-                 for f in fixtures]
-                + [{"id": f"{variant}@{key}", "kind": "speed", "variant": variant, "key": key,
-                    "shape": records.dump(shapes[key].shape), "warmup": w, "repeats": r}
+                [tasks_mod.CellTask(f"{variant}|{f.name}", variant, f.name, str(f.path),
+                                    families_mod.memory_bound(f.family)) for f in fixtures]
+                + [tasks_mod.SpeedTask(f"{variant}@{key}", variant, key, shapes[key].shape, w, r)
                    for key, (w, r) in speed.items()]
-                + [{"id": f"{variant}~{key}", "kind": "long", "variant": variant, **check}
+                + [tasks_mod.long_task(f"{variant}~{key}", variant, check)
                    for key, check in (checks or {}).items()])
         self.task_count = sum(len(job) for job in self.jobs)
 
@@ -257,17 +248,16 @@ class _DeviceRun:
                     # in a full run, the span probes' first worker after the last).
                     spawn = functools.partial(pool.take, prefetch=n + 1 < len(self.jobs) or part == 0
                                               or not self.quick)
-                    by_id = {task["id"]: task for task in tasks}
-                    record = functools.partial(self._record, by_id, progress=progress)
+                    record = functools.partial(self._record, progress=progress)
                     workers.run_tasks(tasks, spawn, self.timeout, limits.startup_timeout(self.timeout),
                                       record, stop, env=env)
                     if stop.is_set():
                         return
 
-    def _refinement(self, job: list[dict]) -> list[dict]:
+    def _refinement(self, job: list) -> list:
         """Timing tasks at refined lengths of generic self-attention around the crossover of the
         variant this job swept, with SDPA at those lengths where this GPU has not timed it yet."""
-        variants = {task["variant"] for task in job if task["kind"] == "speed"}
+        variants = {task.variant for task in job if isinstance(task, tasks_mod.SpeedTask)}
         if not variants or self.quick:  # a pre-flight's thresholds are not the ones a profile keeps
             return []
         (variant,) = variants
@@ -294,40 +284,22 @@ class _DeviceRun:
                 label = f"refined self {tokens}, head_dim {head_dim}"
                 new[shape.key] = ShapeEntry(_spec(shape), [ShapeUse(None, label)])
         self.writer.add_shapes(new)
-        tasks = []
+        refined = []
         for key, entry in new.items():
             warmup, repeats = _timing(entry.shape, self.quick)
-            common = {"key": key, "shape": records.dump(entry.shape), "warmup": warmup, "repeats": repeats}
             if (variant, key) in by:
                 continue
-            if ("sdpa", key) not in by:  # near the crossover: both timed in turn in one worker
-                tasks.append({"id": f"{variant}+sdpa@{key}", "kind": "paired", "variant": variant, **common})
-            else:  # another variant's refinement timed SDPA here already
-                tasks.append({"id": f"{variant}@{key}", "kind": "speed", "variant": variant, **common})
-        return tasks
+            timing = tasks_mod.PairedTask if ("sdpa", key) not in by else tasks_mod.SpeedTask
+            # Paired near the crossover: both timed in turn in one worker; else another variant's
+            # refinement timed SDPA here already.
+            task_id = f"{variant}+sdpa@{key}" if timing is tasks_mod.PairedTask else f"{variant}@{key}"
+            refined.append(timing(task_id, variant, key, entry.shape, warmup, repeats))
+        return refined
 
-    def _record(self, tasks: dict, task_id: str, result: dict, progress: certify_run.Progress) -> None:
-        task = tasks[task_id]
-        if task["kind"] == "cell":
-            record = certify_run.result_record(
-                Cell, {"variant": task["variant"], "fixture": task["fixture_name"], **result})
-            field = "cells"
-        elif task["kind"] == "long":
-            record = certify_run.result_record(
-                LongCheck, {key: task[key] for key in ("variant", "shape", "uses", "layouts")} | result)
-            field = "long"
-        else:  # a timing: of the fastest SDPA backend, or of a variant (paired: with SDPA's)
-            kernel = "sdpa" if task["kind"] == "sdpa" else task["variant"]
-            paired = result.get("sdpa") if task["kind"] == "paired" else None
-            record = certify_run.result_record(Speed, {
-                "kernel": kernel, "shape": task["key"], "ms": None,
-                **{name: value for name, value in result.items() if name != "sdpa"}})
-            field = "speed"
-            if isinstance(paired, dict):
-                sdpa = certify_run.result_record(Speed, {"kernel": "sdpa", "shape": task["key"], "ms": None,
-                                                         **paired})
-                self.writer.append(self.position, field, sdpa)
-        self.writer.append(self.position, field, record)
+    def _record(self, task, result, progress: certify_run.Progress) -> None:
+        """The task's report records (`tasks.report_entries`) appended to this device's lists."""
+        for field, record in tasks_mod.report_entries(result):
+            self.writer.append(self.position, field, record)
         progress.tick(f"cuda:{self.index}", record)
 
 

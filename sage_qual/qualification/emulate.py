@@ -21,15 +21,14 @@ from __future__ import annotations
 import math
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from sage_qual.errors import UsageError
 from sage_qual.fixtures import fileformat
-from sage_qual.qualification import budgets, certify, certify_run, judge, long_check, measure, report
-from sage_qual.qualification.families import Shape
+from sage_qual.qualification import budgets, certify, certify_run, judge, long_check, measure, report, tasks
 from sage_qual.qualification.report_model import Cell, Device, LongCheck, Report
 from sage_qual.serving import environment
 from sage_qual.serving.variants import VARIANTS, Variant
@@ -59,28 +58,26 @@ def predict_cell(variant: Variant, fixture: fileformat.Fixture, ref: torch.Tenso
     # Peak memory is a GPU measurement the model cannot make: no memory figure is stored, and the
     # judgement's memory term gets zero against no bound, so it cannot fire.
     reasons = judge.cell_reasons(acc, 0.0, bounds, math.inf)
-    return certify_run.result_record(Cell, {
-        "variant": variant.name, "fixture": fixture.name, "outcome": "fail" if reasons else "pass",
-        "detail": PREDICTED, "reasons": reasons, "accuracy_class": variant.accuracy_class, "bounds": bounds,
-        **acc.as_dict(), "extra_bytes_per_element": None, "seconds": round(time.monotonic() - start, 3)})
+    return tasks.judged_cell(variant.name, fixture.name, acc.as_dict(), bounds, reasons,
+                             variant.accuracy_class, None, detail=PREDICTED,
+                             seconds=round(time.monotonic() - start, 3))
 
 
-def predict_long(variant: Variant, check: dict, cache: dict) -> LongCheck:
+def predict_long(variant: Variant, check: tasks.LongPlan, cache: dict) -> LongCheck:
     """One planned long check predicted (module docstring); calls alike after the head reduction
     are computed once (`cache`)."""
-    shape = Shape(**check["shape"])
+    task = tasks.long_task(f"{variant.name}~predicted", variant.name, check)
+    shape = task.shape
     heads = shape.heads // shape.kv_heads
     key = (variant.name, heads, shape.q_tokens, shape.kv_tokens, shape.head_dim, shape.dtype)
     if key not in cache:
         start = time.monotonic()
         q, k, v = long_check.synthetic(shape, "cpu", heads=heads)
-        result = long_check.check(variant, q, k, v, check["layouts"], None, blocks=EMULATE_BLOCKS)
-        cache[key] = {**result, "seconds": round(time.monotonic() - start, 3)}
-    result = dict(cache[key])
-    result["identical"] = {name: True for name in check["layouts"] if name != "contiguous"}
-    return certify_run.result_record(LongCheck, {
-        "variant": variant.name, "shape": check["shape"], "uses": check["uses"], "layouts": check["layouts"],
-        **result, "detail": PREDICTED, "ran_heads": heads if heads != shape.heads else None})
+        result = long_check.check(task, q, k, v, None, blocks=EMULATE_BLOCKS)
+        cache[key] = replace(result, seconds=round(time.monotonic() - start, 3))
+    return replace(cache[key], shape=task.shape, uses=task.uses, layouts=task.layouts,
+                   identical={name: True for name in task.layouts if name != "contiguous"}, detail=PREDICTED,
+                   ran_heads=heads if heads != shape.heads else None)
 
 
 def run(options: Options) -> Report:

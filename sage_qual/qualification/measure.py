@@ -7,7 +7,6 @@ error of PyTorch's SDPA in the input precision against the same reference.
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -16,6 +15,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from sage_qual import records
 from sage_qual.serving.torch_sdpa import TORCH_SDPA  # torch's own, whatever is bound over it
 from sage_qual.serving.variants import Variant
 
@@ -45,15 +45,8 @@ class Accuracy:
     max_abs_error: float = float("nan")
 
     def as_dict(self) -> dict:
-        """The numbers as a report stores them (`json_numbers`)."""
-        return json_numbers(asdict(self))
-
-
-def json_numbers(values: dict) -> dict:
-    """Measured numbers as a report stores them: JSON has no NaN or infinity, so such a number is
-    null (`finite` says what happened)."""
-    return {name: (None if isinstance(x, float) and not math.isfinite(x) else x)
-            for name, x in values.items()}
+        """The numbers as a report stores them (`records.finite_or_none`)."""
+        return records.finite_or_none(asdict(self))
 
 
 def reference(q, k, v, scale: float | None = None) -> torch.Tensor:

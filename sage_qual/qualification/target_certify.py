@@ -1,7 +1,7 @@
 """`sage-qual certify --target NAME`: the fixtures, budgets and verdicts of certify, run on an
 integration (`targets.resolve(NAME)`) instead of on our variants.
 
-Each cell runs in certify's isolated workers (task kind "target", `target_cells.run_task`): the target is
+Each cell runs in certify's isolated workers (task kind "target_cell", `target_cells.run_cell`): the target is
 enabled as its app enables it, called on the fixture in SDPA's layout, and judged by the same
 `judge.cell_reasons` against the fixture's bounds for the kernel class the integration runs on
 that GPU. A call the integration claims not to take is a skip with its claim
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from sage_qual import limits
 from sage_qual.errors import UsageError
-from sage_qual.qualification import certify_run, pool, report, targets
+from sage_qual.qualification import certify_run, pool, report, targets, tasks
 from sage_qual.qualification import families as families_mod
 from sage_qual.qualification.report_model import Cell, Outcome, Report
 
@@ -90,27 +90,26 @@ class TargetRun:
         """One GPU's cells, each in a worker."""
         device = writer.report.devices[position]
         name = self.target
-        results: dict[str, dict] = {}
+        results: list[tasks.MachineResult] = []
         with certify_run.gpu_env(device.index) as env:
             run = functools.partial(pool.run_tasks, spawn=self.workers.take, timeout=plan.timeout,
                                     startup_timeout=limits.startup_timeout(plan.timeout), stop=stop, env=env)
-            run([{"id": "machine", "kind": "target", "action": "machine", "target": name}],
-                on_result=results.__setitem__)
-            machine = results["machine"]
-            reasons = (machine.get("reasons") if machine["outcome"] == "pass"
-                       else [machine.get("detail", "crash")])
+            run([tasks.TargetMachineTask("machine", name)],
+                on_result=lambda task, result: results.append(result))
+            if not results:  # stopped before the machine check answered
+                return
+            (machine,) = results
+            reasons = machine.reasons if machine.outcome == Outcome.PASS else [machine.detail]
             if reasons:
                 skips = [Cell(variant=name, fixture=f.name, outcome=Outcome.SKIP, detail="; ".join(reasons))
                          for f in plan.fixtures]
                 writer.replace_device(position, not_supported={name: reasons}, cells=skips)
                 return
-            tasks = [{"id": f.name, "kind": "target", "action": "cell", "target": name,
-                      "fixture": str(f.path), "capability": device.capability,
-                      "memory_bound": families_mod.memory_bound(f.family)} for f in plan.fixtures]
+            cells = [tasks.TargetCellTask(f.name, name, f.name, str(f.path), list(device.capability),
+                                          families_mod.memory_bound(f.family)) for f in plan.fixtures]
 
-            def record(task_id, result):
-                cell = certify_run.result_record(Cell, {"variant": name, "fixture": task_id, **result})
+            def record(task, cell: Cell) -> None:
                 writer.append(position, "cells", cell)
                 progress.tick(f"cuda:{device.index}", cell)
 
-            run(tasks, on_result=record)
+            run(cells, on_result=record)

@@ -199,9 +199,7 @@ def judged(report: Report, cell: Cell) -> list[Reason]:
     metrics["finite"] = bool(cell.finite)
     # A predicted cell (certify --emulate) has no memory number: only its accuracy is judged.
     extra = 0.0 if cell.extra_bytes_per_element is None and report.predicted else cell.extra_bytes_per_element
-    reasons = judge.cell_reasons(metrics, extra, dict(cell.bounds),
-                                 memory_bound(fixture.family))
-    return [Reason(ReasonKind(r["kind"]), r["detail"]) for r in reasons]
+    return judge.cell_reasons(metrics, extra, dict(cell.bounds), memory_bound(fixture.family))
 
 
 def long_judged(check: LongCheck) -> list[Reason]:
@@ -212,9 +210,9 @@ def long_judged(check: LongCheck) -> list[Reason]:
     metrics["finite"] = bool(check.finite)
     reasons = judge.cell_reasons(metrics, 0.0, dict(check.bounds), math.inf)
     reasons += judge.layout_reasons(check.identical, check.layouts)
-    reasons += [{"kind": "layout", "detail": f"layout {name}: unknown to this sage-qual"}
+    reasons += [Reason(ReasonKind.LAYOUT, f"layout {name}: unknown to this sage-qual")
                 for name in check.layouts if name not in LAYOUTS]
-    return [Reason(ReasonKind(r["kind"]), r["detail"]) for r in reasons]
+    return reasons
 
 
 def check_evidence(report: Report, where: str) -> None:
