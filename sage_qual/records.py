@@ -206,6 +206,12 @@ def dump(record) -> dict:
     return data
 
 
+def finite_or_none(values: dict) -> dict:
+    """Numbers as a record stores them: JSON has no NaN or infinity, so such a number is null (the
+    record's `finite` says what happened)."""
+    return {k: (None if isinstance(x, float) and not math.isfinite(x) else x) for k, x in values.items()}
+
+
 def _plain(value):
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}

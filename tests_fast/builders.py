@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from sage_qual import records
-from sage_qual.qualification import families
+from sage_qual.qualification import families, tasks
 from sage_qual.qualification.report_model import (
     AccuracyClass,
     Cell,
@@ -198,3 +198,10 @@ def long_records(variant, fail_at=None, how="accuracy"):
         else:
             checks.append(long_check(variant, heads, tokens, users, layouts, how))
     return checks
+
+
+def long_task(shape: families.Shape, layouts, variant: str = "sm90-fp8-cuda") -> tasks.LongTask:
+    """A long check's task at `shape` in `layouts`, standing for one test call."""
+    planned = tasks.LongPlan(tasks.shape_spec(shape.as_dict()), [ShapeUse(None, "a test's call")],
+                             list(layouts))
+    return tasks.long_task(f"{variant}~{shape.key}", variant, planned)

@@ -10,6 +10,7 @@ import torch
 
 from sage_qual.fixtures.fileformat import list_fixtures, load_fixture, shipped_dir
 from sage_qual.qualification import budgets, judge, measure
+from sage_qual.qualification.report_model import Reason, ReasonKind
 from sage_qual.serving.variants import VARIANTS
 
 FIXTURES = {p.stem: p for p in list_fixtures(shipped_dir())}
@@ -27,7 +28,7 @@ def loaded():
     return load
 
 
-def _reasons(out, ref, budget) -> list[dict]:
+def _reasons(out, ref, budget) -> list[Reason]:
     return judge.cell_reasons(measure.errors(out, ref), 0.0, budget, math.inf)
 
 
@@ -39,11 +40,11 @@ def test_every_budget_can_be_met(variant_name, fixture_name, loaded):
     variant = VARIANTS[variant_name]
     budget = budgets.budget(variant, fixture)
     # Every limit of the judgement is derived, and each stays in its metric's range.
-    assert set(budget) == set(judge.LIMITS)
-    assert -1.0 <= budget["min_cosine"] < 1.0
-    assert 0.0 < budget["min_norm_ratio"] <= 1.0 <= budget["max_norm_ratio"]
-    assert budget["max_abs"] >= 0.0
-    assert all(budget[limit] >= 0.0 for limit in budgets.ERRORS)
+    assert set(budget.limits()) == set(judge.LIMITS)
+    assert -1.0 <= budget.min_cosine < 1.0
+    assert 0.0 < budget.min_norm_ratio <= 1.0 <= budget.max_norm_ratio
+    assert budget.max_abs >= 0.0
+    assert all(getattr(budget, limit) >= 0.0 for limit in budgets.ERRORS)
     # The exact output passes.
     assert _reasons(ref, ref, budget) == []
     # A kernel that returns what the model predicts passes, unless the model predicts non-finite.
@@ -52,7 +53,7 @@ def test_every_budget_can_be_met(variant_name, fixture_name, loaded):
     if expected["model_finite"]:
         assert reasons == [], reasons
     else:
-        assert [r["kind"] for r in reasons][:1] == ["non_finite"]
+        assert [r.kind for r in reasons][:1] == [ReasonKind.NON_FINITE]
 
 
 def test_a_cosine_the_model_rounds_above_one_gives_a_bound_below_one():
@@ -60,14 +61,14 @@ def test_a_cosine_the_model_rounds_above_one_gives_a_bound_below_one():
     found = {"rel_l2": 0.001, "worst_head_rel_l2": 0.001, "worst_batch_rel_l2": 0.001,
              "worst_block_rel_l2": 0.001, "norm_ratio": 1.0, "worst_head_cosine": 1.0000405,
              "max_abs_error": 8.0, "rounding": 54.8}
-    assert budgets.from_expected(found)["min_cosine"] == budgets.MAX_MIN_COSINE < 1.0
+    assert budgets.from_expected(found).min_cosine == budgets.MAX_MIN_COSINE < 1.0
 
 
 def test_the_element_wise_bound_is_twice_the_models_error_plus_output_rounding():
     found = {"rel_l2": 0.05, "worst_head_rel_l2": 0.05, "worst_batch_rel_l2": 0.05,
              "worst_block_rel_l2": 0.06, "norm_ratio": 1.0, "worst_head_cosine": 0.999,
              "max_abs_error": 0.25, "rounding": 0.0625}
-    assert budgets.from_expected(found)["max_abs"] == pytest.approx(2 * 0.25 + 0.0625)
+    assert budgets.from_expected(found).max_abs == pytest.approx(2 * 0.25 + 0.0625)
 
 
 def test_the_rounding_allowance_is_two_epsilons_of_the_output_dtype_at_the_largest_value():
@@ -95,4 +96,4 @@ def test_one_element_off_by_three_output_rms_fails_only_the_element_wise_limit(v
     flat = out.flatten().clone()
     flat[flat.numel() // 3] += 3 * rms
     reasons = _reasons(flat.view_as(out), ref, budgets.budget(variant, fixture))
-    assert [r["detail"].split(" |")[0] for r in reasons] == ["largest element error"], reasons
+    assert [r.detail.split(" |")[0] for r in reasons] == ["largest element error"], reasons

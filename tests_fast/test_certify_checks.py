@@ -12,8 +12,10 @@ import torch
 from sage_qual import cli
 from sage_qual.errors import UsageError
 from sage_qual.fixtures.fileformat import save_fixture
-from sage_qual.qualification import certify, fault_hooks, report, target_certify
+from sage_qual.qualification import certify, families, fault_hooks, report, target_certify, tasks
 from sage_qual.qualification import pool as workers
+
+from . import builders
 
 BOUNDS = {"fp16": {"max_rel_l2": 0.05, "min_cosine": 0.99}, "fp8": {"max_rel_l2": 0.08, "min_cosine": 0.99}}
 
@@ -140,7 +142,7 @@ def test_junit_xml_has_a_case_per_gpu_model_and_family(tmp_path, monkeypatch):
             junit_xml=junit,
         )
     )
-    assert data["complete"]
+    assert data.complete
     cases = ET.parse(junit).getroot().findall("testsuite/testcase")
     assert [(c.get("classname"), c.get("name")) for c in cases] == [
         ("Fake H200 (sm_90)", "FLUX.1"),
@@ -181,26 +183,29 @@ def test_after_a_sweep_the_lengths_around_its_crossover_are_queued(tmp_path):
     shapes = certify.speed_shapes([], quick=False)
     speed = []
     for key, entry in shapes.items():
-        tokens = entry["shape"]["q_tokens"]
-        speed.append({"kernel": "sdpa", "shape": key, "outcome": "pass", "ms": 1.0, "samples_ms": [1.0] * 5})
-        faster = tokens >= 8192 and entry["shape"]["head_dim"] == 128
-        speed.append(
-            {
-                "kernel": "sm90-fp8-cuda",
-                "shape": key,
-                "outcome": "pass",
-                "ms": 0.5 if faster else 2.0,
-                "samples_ms": [0.5 if faster else 2.0] * 5,
-            }
-        )
-    data = {"shapes": shapes, "devices": [{"speed": speed}]}
-    writer = report.Writer(tmp_path / "report.json", data)
+        ms = 0.5 if entry.shape.q_tokens >= 8192 and entry.shape.head_dim == 128 else 2.0
+        speed += [builders.timing("sdpa", key, 1.0, samples_ms=[1.0] * 5),
+                  builders.timing("sm90-fp8-cuda", key, ms, samples_ms=[ms] * 5)]
+    begun = builders.report([builders.device(speed=speed)], [], shapes, ["sm90-fp8-cuda"], complete=False,
+                            finished=None)
+    writer = report.Writer(tmp_path / "report.json", begun)
     run = certify._DeviceRun(0, [], [], {}, certify.Options(tmp_path), writer, 0)  # a full run, not --quick
-    tasks = run._refinement([{"kind": "speed", "variant": "sm90-fp8-cuda"}])
+    shape = tasks.shape_spec(families.self_attention(24, 4096).as_dict())
+
+    def swept(variant):
+        return [tasks.SpeedTask(f"{variant}@k", variant, "k", shape, 1, 5)]
+
+    refined = run._refinement(swept("sm90-fp8-cuda"))
     keys = [f"b1 h24 q{n} k{n} d128 bfloat16" for n in (4480, 4864, 5248, 5760, 6272, 6912, 7552)]
     # SDPA was not timed there: the variant and SDPA are timed in turn in one worker
-    assert [(t["id"], t["kind"]) for t in tasks] == [(f"sm90-fp8-cuda+sdpa@{k}", "paired") for k in keys]
-    assert all(data["shapes"][k]["uses"][0]["family"] is None for k in keys)
-    assert run._refinement([{"kind": "cell", "variant": "sm90-fp8-cuda"}]) == []
+    paired = tasks.TaskKind.PAIRED
+    assert [(t.id, t.KIND) for t in refined] == [(f"sm90-fp8-cuda+sdpa@{k}", paired) for k in keys]
+    assert [(t.variant, t.key, t.shape.q_tokens) for t in refined] == [
+        ("sm90-fp8-cuda", k, int(k.split()[2][1:])) for k in keys]
+    written = json.loads((tmp_path / "report.json").read_text())["shapes"]
+    labels = [f"refined self {n}, head_dim 128" for n in (4480, 4864, 5248, 5760, 6272, 6912, 7552)]
+    assert [written[k]["uses"] for k in keys] == [[{"family": None, "label": label}] for label in labels]
+    cell = tasks.CellTask("sm90-fp8-cuda|f", "sm90-fp8-cuda", "f", "f.safetensors", 2.5)
+    assert run._refinement([cell]) == []
     quick = certify._DeviceRun(0, [], [], {}, certify.Options(tmp_path, quick=True), writer, 0)
-    assert quick._refinement([{"kind": "speed", "variant": "sm89-fp8-cuda"}]) == []  # a pre-flight
+    assert quick._refinement(swept("sm89-fp8-cuda")) == []  # a pre-flight

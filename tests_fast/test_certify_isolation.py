@@ -24,10 +24,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from sage_qual import records
 from sage_qual.cli import UsageError
 from sage_qual.fixtures.fileformat import save_fixture
-from sage_qual.qualification import certify, fault_hooks, judge, pool, report, verdict
+from sage_qual.qualification import certify, certify_run, fault_hooks, judge, pool, report, verdict
 from sage_qual.qualification.measure import Accuracy
+from sage_qual.qualification.report_model import Cell, Outcome
 
 jsonschema = pytest.importorskip("jsonschema")  # a test dependency; the GPU box lacks it
 
@@ -83,8 +85,9 @@ def run(tmp_path_factory):
             mp.setattr(torch.cuda, name, no_cuda)
         watcher.start()
         start = time.monotonic()
-        data = certify.run(certify.Options(out, devices="0,1", variants=["sm90-fp8-cuda", "sm89-fp8-cuda"],
-                                           fixture_dirs=[str(fixtures)], quick=True, timeout=3.0))
+        data = records.dump(certify.run(certify.Options(
+            out, devices="0,1", variants=["sm90-fp8-cuda", "sm89-fp8-cuda"], fixture_dirs=[str(fixtures)],
+            quick=True, timeout=3.0)))
         seconds = time.monotonic() - start
         done.set()
     return {"data": data, "out": out, "snapshot": snapshots[0] if snapshots else None, "seconds": seconds}
@@ -112,7 +115,7 @@ def test_a_crash_costs_its_cell_only(run):
     assert "test fault: aborting the worker" in crashed["stderr_tail"]
     passed = h200[("sm90-fp8-cuda", "b-qwen-outlier")]  # in a fresh worker
     assert passed["outcome"] == "pass" and passed["rel_l2"] < 0.01 and passed["worst_head_cosine"] > 0.999
-    assert passed["smooth_k_on"]["finite"] and "smooth_k_on" not in h200[("sm89-fp8-cuda", "a-cross")]
+    assert passed["smooth_k_on"]["finite"] and h200[("sm89-fp8-cuda", "a-cross")]["smooth_k_on"] is None
 
 
 def test_a_hang_times_out_and_two_endings_skip_the_rest_of_the_variant(run):
@@ -205,17 +208,17 @@ def test_each_gpu_has_its_workers_and_its_own_triton_cache(run):
 ])
 def test_cell_reasons(acc, per_element, kinds):
     reasons = judge.cell_reasons(acc, per_element, BOUNDS["fp8"], 2.5)
-    assert [r["kind"] for r in reasons] == kinds
+    assert [r.kind.value for r in reasons] == kinds
 
 
-PASSED = {"variant": "sm90-fp8-cuda", "fixture": "f", "outcome": "pass", "rel_l2": 0.01,
-          "worst_head_cosine": 0.999}
-CRASHED = {"variant": "sm90-fp8-cuda", "fixture": "g", "outcome": "crash",
-           "detail": "the worker died (SIGSEGV)"}
+PASSED = Cell(variant="sm90-fp8-cuda", fixture="f", outcome=Outcome.PASS, rel_l2=0.01,
+              worst_head_cosine=0.999)
+CRASHED = Cell(variant="sm90-fp8-cuda", fixture="g", outcome=Outcome.CRASH,
+               detail="the worker died (SIGSEGV)")
 
 
 def test_progress_is_plain_lines_in_a_log(capsys):
-    progress = certify._Progress(2)
+    progress = certify_run.Progress(2)
     progress.tick("cuda:0", PASSED)
     progress.tick("cuda:1", CRASHED)
     progress.close()
@@ -228,7 +231,7 @@ def test_progress_is_plain_lines_in_a_log(capsys):
 
 def test_progress_is_a_bar_on_a_terminal_with_problems_printed(capsys, monkeypatch):
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
-    progress = certify._Progress(2)
+    progress = certify_run.Progress(2)
     progress.tick("cuda:0", PASSED)
     progress.tick("cuda:1", CRASHED)
     progress.close()
@@ -324,8 +327,8 @@ def test_quick_without_variants_runs_each_gpus_own_kernel(tmp_path, monkeypatch)
     """--quick is a pre-flight: only the kernel the wrapper would use on each GPU runs."""
     fixtures = write_fixtures(tmp_path / "fixtures")
     monkeypatch.setenv(fault_hooks.TEST_HOOK, json.dumps({"gpus": [H200, RTX4090], "faults": {}}))
-    data = certify.run(certify.Options(tmp_path / "out", devices="0,1", families=["FLUX.1"],
-                                       fixture_dirs=[str(fixtures)], quick=True, timeout=30.0))
+    data = records.dump(certify.run(certify.Options(tmp_path / "out", devices="0,1", families=["FLUX.1"],
+                                                    fixture_dirs=[str(fixtures)], quick=True, timeout=30.0)))
     ran = [{c["variant"] for c in device["cells"] if c["outcome"] != "skip"} for device in data["devices"]]
     assert ran == [{"sm90-fp8-cuda"}, {"sm89-fp8-cuda"}]
     assert validate(data) == []

@@ -14,7 +14,7 @@ import torch
 
 from sage_qual.cli import main
 from sage_qual.fixtures.fileformat import load_fixture, save_fixture, shipped_dir
-from sage_qual.qualification import emulate, fault_hooks, report, target_certify
+from sage_qual.qualification import emulate, fault_hooks, report, summary, target_certify
 
 H200 = {"name": "Fake H200", "capability": [9, 0]}
 A100 = {"name": "Fake A100", "capability": [8, 0]}
@@ -85,7 +85,7 @@ def test_a_failing_fixture_keeps_its_family_unsafe_and_no_other(tmp_path, fake_g
     data = target_certify.run(target_certify.Options(tmp_path / "out", "sageattn",
                                                      fixture_dirs=[str(directory)],
                                                      families=["FLUX.1", "Qwen-Image"]))
-    lines = target_certify.summary(data, tmp_path / "out").splitlines()
+    lines = summary.text(data, tmp_path / "out").splitlines()
     assert any("FLUX.1" in line and line.endswith("safe: every fixture of the family passed")
                for line in lines), lines
     qwen = next(line for line in lines if "Qwen-Image" in line)
@@ -99,7 +99,7 @@ def test_the_wrappers_first_call_check_keeps_a_noisy_kernel_away_from_the_app(tm
     data = target_certify.run(target_certify.Options(
         tmp_path / "out", "wrapper:sm90-fp8-cuda", fixture_dirs=[str(fixtures_dir(tmp_path / "f"))],
         families=["Qwen-Image"]))
-    qwen = target_certify.summary(data, tmp_path / "out").splitlines()[1]
+    qwen = summary.text(data, tmp_path / "out").splitlines()[1]
     assert "not qualified: " in qwen
     assert "did not run SageAttention on this call: kernel_error: first-call" in qwen
 
@@ -172,7 +172,7 @@ def test_the_prediction_is_the_numerics_models_output_judged_against_its_budget(
     cell = emulate.predict_cell(variant, fixture, measure.reference(fixture.q, fixture.k, fixture.v))
     expected = measure.accuracy(numerics.predict(variant, fixture.q, fixture.k, fixture.v),
                                 fixture.q, fixture.k, fixture.v)
-    assert cell["rel_l2"] == pytest.approx(expected.rel_l2) and cell["accuracy_class"] == "fp8"
-    assert cell["bounds"] == budgets.budget(variant, fixture)
-    reasons = judge.cell_reasons(expected, 0.0, cell["bounds"], math.inf)
-    assert cell["outcome"] == ("fail" if reasons else "pass")
+    assert cell.rel_l2 == pytest.approx(expected.rel_l2) and cell.accuracy_class == "fp8"
+    assert cell.bounds == budgets.budget(variant, fixture).limits()
+    reasons = judge.cell_reasons(expected, 0.0, cell.bounds, math.inf)
+    assert cell.outcome == ("fail" if reasons else "pass")

@@ -5,7 +5,6 @@ by the gate's `verdict.decide()`, must keep off exactly the families the defect 
 the clean kernel keeps off already). docs/detection.md holds the matrix."""
 
 import json
-import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -28,6 +27,7 @@ from sage_qual.qualification import (
     report_model,
     verdict,
 )
+from sage_qual.qualification.report_model import Outcome, ReasonKind
 from sage_qual.serving.variants import VARIANTS
 from sage_qual.testing import FakeSageAttention
 
@@ -103,10 +103,10 @@ def _record(fixture) -> report_model.FixtureRecord:
 
 def _cell(fixture, metrics: dict) -> report_model.Cell:
     budget = budgets.budget(VARIANT, fixture)
-    reasons = [builders.reason(**r) for r in judge.cell_reasons(metrics, EXTRA_BYTES, budget, MEMORY_BOUND)]
-    numbers = {k: (None if isinstance(x, float) and not math.isfinite(x) else x) for k, x in metrics.items()}
+    reasons = judge.cell_reasons(metrics, EXTRA_BYTES, budget, MEMORY_BOUND)
+    numbers = records.finite_or_none(metrics)
     return builders.cell(VARIANT.name, _record(fixture), "fail" if reasons else "pass", reasons=reasons,
-                         bounds=budget, **numbers, extra_bytes_per_element=EXTRA_BYTES, seconds=0.1)
+                         bounds=budget.limits(), **numbers, extra_bytes_per_element=EXTRA_BYTES, seconds=0.1)
 
 
 def kept_off_by_the_gate(fixtures, outputs, references) -> frozenset[str]:
@@ -160,7 +160,7 @@ def test_a_few_wrong_elements_fail_every_fixture_the_clean_kernel_passes(bench, 
     assert set(caught) == {f.name for f in fixtures} - failing
     assert off == defect.reaches == detection.ALL
     alone = [name for name, reasons in caught.items()
-             if [r["detail"].split(" |")[0] for r in reasons] == ["largest element error"]]
+             if [r.detail.split(" |")[0] for r in reasons] == ["largest element error"]]
     assert len(alone) >= 4, f"only the element-wise limit fails {alone}"
 
 
@@ -299,10 +299,11 @@ def _modelled_kernel(defect):
     return kernel
 
 
-def _caught_by_layout_check(defect, q, k, v, family) -> bool:
-    found = long_check.check(VARIANT, q, k, v, list(family.layouts), _modelled_kernel(defect))
-    assert not [r for r in found["reasons"] if r["kind"] != "layout"], found["reasons"]
-    return found["outcome"] == "fail"
+def _caught_by_layout_check(defect, shape, q, k, v, family) -> bool:
+    task = builders.long_task(shape, family.layouts, VARIANT.name)
+    found = long_check.check(task, q, k, v, _modelled_kernel(defect))
+    assert not [r for r in found.reasons if r.kind != ReasonKind.LAYOUT], found.reasons
+    return found.outcome == Outcome.FAIL
 
 
 def test_the_long_checks_catch_the_view_defect_on_exactly_the_families_it_reaches():
@@ -320,7 +321,7 @@ def test_the_long_checks_catch_the_view_defect_on_exactly_the_families_it_reache
     def caught_by(defect, family):
         key = (defect.name, tuple(family.layouts))
         if key not in outcomes:
-            outcomes[key] = _caught_by_layout_check(defect, q, k, v, family)
+            outcomes[key] = _caught_by_layout_check(defect, shape, q, k, v, family)
         return outcomes[key]
 
     assert {f.name for f in declared if caught_by(defect, f)} == defect.reaches
@@ -338,7 +339,7 @@ def test_the_long_checks_catch_the_span_defect_on_exactly_the_families_it_reache
     limit = detection.call_space(stand_ins[0]).max_span
     defect = detection.wrong_past_span(limit, stand_ins)
     assert defect.reaches == {"fused_qkv"}
-    assert {f.name for f in stand_ins if _caught_by_layout_check(defect, q, k, v, f)} == {"fused_qkv"}
+    assert {f.name for f in stand_ins if _caught_by_layout_check(defect, shape, q, k, v, f)} == {"fused_qkv"}
 
 
 def test_the_long_checks_catch_the_length_defect_on_exactly_the_families_it_reaches():
@@ -351,8 +352,10 @@ def test_the_long_checks_catch_the_length_defect_on_exactly_the_families_it_reac
     assert defect.reaches == {"384"}
     caught = set()
     for family in stand_ins:
-        q, k, v = long_check.synthetic(family.calls[0].largest, "cpu")
-        found = long_check.check(VARIANT, q, k, v, ["contiguous"], _modelled_kernel(defect))
-        if found["outcome"] == "fail":
+        shape = family.calls[0].largest
+        q, k, v = long_check.synthetic(shape, "cpu")
+        task = builders.long_task(shape, ["contiguous"], VARIANT.name)
+        found = long_check.check(task, q, k, v, _modelled_kernel(defect))
+        if found.outcome == Outcome.FAIL:
             caught.add(family.name)
     assert caught == defect.reaches

@@ -28,7 +28,7 @@ APP = "my_app_not_installed.attention:sage_sdpa"  # a certify --target function 
 
 
 def derive(cell: dict, variant, fixtures: dict) -> None:
-    budget = budgets.budget(variant, fixtures[cell["fixture"]])
+    budget = budgets.budget(variant, fixtures[cell["fixture"]]).limits()
     cell.update(bounds=budget, **_within(budget))
 
 

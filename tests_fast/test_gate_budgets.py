@@ -42,7 +42,7 @@ def flux_report(tmp_path, monkeypatch):
     for index, cell in enumerate(data["devices"][0]["cells"]):
         if cell["outcome"] not in ("pass", "fail") or cell["fixture"] not in counted:
             continue
-        budget = budgets.budget(VARIANTS[cell["variant"]], loaded[cell["fixture"]])
+        budget = budgets.budget(VARIANTS[cell["variant"]], loaded[cell["fixture"]]).limits()
         cell.update(bounds=budget, outcome="pass", reasons=[], **_within(budget))
         if cell["variant"] == FAILING and failing is None:
             failing = index
@@ -227,7 +227,7 @@ def test_budgets_derived_on_an_h200_pass_against_this_cpu(tmp_path, monkeypatch)
     # Run 8 predates the element-wise limit (issue 16): compare the limits it derived. The GPU-to-CPU
     # spread of max_abs is checked by tests_gpu/test_numerics_vs_kernel.py.
     monkeypatch.setattr(gate_module, "derived_budget", lambda variant, fixture, cache: {
-        k: x for k, x in budgets.budget(variant, fixture).items() if k != "max_abs"})
+        k: x for k, x in budgets.budget(variant, fixture).limits().items() if k != "max_abs"})
     qwen = families.find("Qwen-Image")
     fixtures = gate_module.local_fixture_files(None, qwen)
     for path in H200_RUNS:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sage_qual import records
 from sage_qual.fixtures.fileformat import save_fixture
 from sage_qual.qualification import emulate, report
 
@@ -54,8 +55,9 @@ def predicted_quick(tmp_path_factory):
         "sm86-fp16-triton": {"finite": False, "rel_l2": float("inf")},
         "sm89-fp8-cuda": {"finite": True, "rel_l2": 0.25},
         "sm90-fp8-cuda": {"finite": True, "rel_l2": 0.02}}})
-    data = emulate.run(emulate.Options(root / "out", variants=["sm90-fp8-cuda", "sm80-fp16-cuda"],
-                                       families=["SDXL"], fixture_dirs=[str(fixtures)], quick=True))
+    data = records.dump(emulate.run(emulate.Options(
+        root / "out", variants=["sm90-fp8-cuda", "sm80-fp16-cuda"], families=["SDXL"],
+        fixture_dirs=[str(fixtures)], quick=True)))
     return data, (root / "out" / "report.md").read_text()
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from sage_qual.qualification import judge, measure
+from sage_qual.qualification.report_model import Budget, Reason, ReasonKind
 
 BUDGET = {"max_rel_l2": 0.055, "max_head_rel_l2": 0.06, "max_batch_rel_l2": 0.06, "max_block_rel_l2": 0.08,
           "min_norm_ratio": 0.99, "max_norm_ratio": 1.01, "min_cosine": 0.998, "max_abs": 0.5}
@@ -17,7 +18,7 @@ GOOD = {"rel_l2": 0.05, "worst_head_rel_l2": 0.055, "worst_batch_rel_l2": 0.05, 
 
 
 def kinds(metrics, per_element=1.0, budget=BUDGET):
-    return [r["kind"] for r in judge.cell_reasons(metrics, per_element, budget, 2.5)]
+    return [r.kind.value for r in judge.cell_reasons(metrics, per_element, budget, 2.5)]
 
 
 def test_a_cell_within_every_limit_passes():
@@ -36,7 +37,34 @@ def test_a_cell_within_every_limit_passes():
 ])
 def test_each_limit_fails_alone(metric, value, says):
     reasons = judge.cell_reasons({**GOOD, metric: value}, 1.0, BUDGET, 2.5)
-    assert len(reasons) == 1 and reasons[0]["kind"] == "accuracy" and says in reasons[0]["detail"]
+    assert len(reasons) == 1 and reasons[0].kind == ReasonKind.ACCURACY and says in reasons[0].detail
+
+
+def test_reasons_are_records_with_the_texts_reports_hold():
+    """The texts stored in reports and matched by gate, summaries and docs, word for word."""
+    worst = {**GOOD, "rel_l2": 0.06, "finite": False}
+    assert judge.cell_reasons(worst, 3.0, BUDGET, 2.5) == [
+        Reason(ReasonKind.NON_FINITE, "output not finite where the reference is"),
+        Reason(ReasonKind.ACCURACY, "relative L2 0.06 > 0.055 (SDPA in the input precision: 0.002)"),
+        Reason(ReasonKind.MEMORY, "extra peak 3.00 bytes per q/k/v element > 2.5")]
+    assert judge.cell_reasons({**GOOD, "norm_ratio": None}, None, BUDGET, 2.5) == [
+        Reason(ReasonKind.ACCURACY, "output norm / reference norm (norm_ratio) not measured"),
+        Reason(ReasonKind.MEMORY, "extra peak memory not measured")]
+    assert judge.cell_reasons(GOOD, 1.0, {"min_cosine": "0.9"}, 2.5) == [
+        Reason(ReasonKind.ACCURACY, "budget min_cosine is not a number: '0.9'")]
+    assert judge.layout_reasons({"transposed": False}, ["contiguous", "transposed", "fused_qkv"]) == [
+        Reason(ReasonKind.LAYOUT, "layout transposed: output differs from the same kernel's on contiguous "
+                                  "copies"),
+        Reason(ReasonKind.LAYOUT, "layout fused_qkv: not compared with contiguous")]
+    assert judge.layout_reasons({"transposed": True}, ["contiguous", "transposed"]) == []
+
+
+def test_a_budget_record_judges_as_its_stored_limits():
+    budget = Budget(**BUDGET)
+    for metric, value in (("rel_l2", 0.06), ("worst_head_cosine", 0.99), ("max_abs_error", 0.6)):
+        metrics = {**GOOD, metric: value}
+        found = judge.cell_reasons(metrics, 1.0, budget, 2.5)
+        assert found and found == judge.cell_reasons(metrics, 1.0, budget.limits(), 2.5)
 
 
 @pytest.mark.parametrize("value", [None, math.nan, "0.01", True])

@@ -10,11 +10,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from sage_qual.qualification import certify, emulate, families, gate, long_check, profile, report, verdict
-from sage_qual.qualification.report_model import ReportError
+from sage_qual.qualification import (
+    certify,
+    emulate,
+    families,
+    gate,
+    long_check,
+    profile,
+    report,
+    tasks,
+    verdict,
+)
+from sage_qual.qualification.report_model import Outcome, ReasonKind, ReportError
 from sage_qual.serving.variants import VARIANTS
 
-from .builders import SAMPLE, long_records
+from .builders import SAMPLE, long_records, long_task
 
 FP8 = VARIANTS["sm90-fp8-cuda"]
 
@@ -54,33 +64,36 @@ def test_a_broken_declaration_is_named():
 # Planning ----------------------------------------------------------------------------------------
 def test_the_plan_checks_every_family_longest_call_and_the_sweep_past_the_fixtures():
     plan = long_check.plan(list(families.FAMILIES), certify.SELF_TOKENS, longest_fixture=4608)
-    lengths = sorted({c["shape"]["q_tokens"] for c in plan.values()})
+    lengths = sorted({c.shape.q_tokens for c in plan.values()})
     assert lengths == [8192, 13728, 16384, 16896, 32768, 75600]
-    generic = [c for c in plan.values() if all(u["family"] is None for u in c["uses"])]
-    assert sorted(c["shape"]["q_tokens"] for c in generic) == [8192, 16384, 32768]
-    assert all(c["layouts"] == list(families.LAYOUTS) for c in generic)  # every layout some family declares
+    generic = [c for c in plan.values() if all(u.family is None for u in c.uses)]
+    assert sorted(c.shape.q_tokens for c in generic) == [8192, 16384, 32768]
+    assert all(c.layouts == list(families.LAYOUTS) for c in generic)  # every layout some family declares
     shared = plan[families.self_attention(24, 16896).key]  # FLUX.1 and Qwen-Image: one check
-    assert [u["family"] for u in shared["uses"]] == ["FLUX.1", "Qwen-Image"]
-    assert shared["layouts"] == ["contiguous", "transposed", "fused_qkv", "nhd"]  # the union of both
+    assert [u.family for u in shared.uses] == ["FLUX.1", "Qwen-Image"]
+    assert shared.layouts == ["contiguous", "transposed", "fused_qkv", "nhd"]  # the union of both
     wan = plan[families.self_attention(40, 75600).key]
-    assert [u["family"] for u in wan["uses"]] == ["Wan 2.2"] and "fused_qkv" in wan["layouts"]
+    assert [u.family for u in wan.uses] == ["Wan 2.2"] and "fused_qkv" in wan.layouts
+    assert wan.shape == tasks.shape_spec(families.self_attention(40, 75600).as_dict())
     assert len(plan) <= len(families.FAMILIES) + 3  # the bound the cost estimate rests on
 
 
 def test_a_quick_plan_checks_the_longest_call_only_and_cross_calls_never_fuse():
     quick = long_check.plan(list(families.FAMILIES), certify.QUICK_SELF_TOKENS, 4608, quick=True)
-    assert sorted(c["shape"]["q_tokens"] for c in quick.values()) == [16384, 75600]
+    assert sorted(c.shape.q_tokens for c in quick.values()) == [16384, 75600]
     cross = families.Family("X", (), calls=(families.site("c", families.cross_attention(8, 100, 20000),
                                                           families.cross_attention(8, 100, 20000)),),
                             layouts=("contiguous", "fused_qkv", "nhd"))
     (check,) = long_check.plan([cross], (), 4608).values()
-    assert check["layouts"] == ["contiguous", "nhd"]
+    assert check.layouts == ["contiguous", "nhd"]
 
 
 # The check itself --------------------------------------------------------------------------------
-def tensors(heads=4, kv_heads=2, tokens=300, head_dim=64):
-    shape = families.self_attention(heads, tokens, head_dim, kv_heads=kv_heads)
-    return long_check.synthetic(shape, "cpu")
+SHAPE = families.self_attention(4, 300, 64, kv_heads=2)
+
+
+def tensors():
+    return long_check.synthetic(SHAPE, "cpu")
 
 
 def test_layouts_hold_the_same_values_with_their_own_strides():
@@ -133,10 +146,14 @@ def exact(q, k, v, tensor_layout):
 
 
 def test_a_correct_kernel_passes_in_every_layout():
-    result = long_check.check(FP8, *tensors(), list(families.LAYOUTS), exact)
-    assert result["outcome"] == "pass" and result["reasons"] == []
-    assert result["identical"] == {"transposed": True, "fused_qkv": True, "nhd": True}
-    assert result["metrics"]["rel_l2"] < result["bounds"]["max_rel_l2"] and result["finite"]
+    task = long_task(SHAPE, families.LAYOUTS)
+    result = long_check.check(task, *tensors(), exact)
+    assert result.outcome == Outcome.PASS and result.reasons == []
+    assert result.identical == {"transposed": True, "fused_qkv": True, "nhd": True}
+    assert result.metrics["rel_l2"] < result.bounds["max_rel_l2"] and result.finite
+    # the task's call, as the report stores it
+    assert (result.variant, result.shape, result.uses) == (task.variant, task.shape, task.uses)
+    assert result.layouts == task.layouts
 
 
 def test_a_kernel_wrong_only_on_views_fails_its_layouts():
@@ -144,9 +161,9 @@ def test_a_kernel_wrong_only_on_views_fails_its_layouts():
         out = exact(q, k, v, tensor_layout)
         return out + 1e-2 if not v.is_contiguous() else out
 
-    result = long_check.check(FP8, *tensors(), list(families.LAYOUTS), strided_bug)
-    assert result["identical"] == {"transposed": False, "fused_qkv": False, "nhd": True}
-    assert [r["detail"] for r in result["reasons"]] == [
+    result = long_check.check(long_task(SHAPE, families.LAYOUTS), *tensors(), strided_bug)
+    assert result.identical == {"transposed": False, "fused_qkv": False, "nhd": True}
+    assert [r.detail for r in result.reasons] == [
         "layout transposed: output differs from the same kernel's on contiguous copies",
         "layout fused_qkv: output differs from the same kernel's on contiguous copies"]
 
@@ -157,15 +174,18 @@ def test_a_kernel_wrong_only_in_the_last_rows_fails_its_accuracy():
         out[:, :, -40:] = 0  # rows past an offset limit left unwritten
         return out
 
-    result = long_check.check(FP8, *tensors(), ["contiguous"], tail_bug)
-    assert result["outcome"] == "fail"
-    assert any(r["detail"].startswith("worst query-row block's relative L2") for r in result["reasons"])
+    result = long_check.check(long_task(SHAPE, ["contiguous"]), *tensors(), tail_bug)
+    assert result.outcome == Outcome.FAIL
+    assert any(r.detail.startswith("worst query-row block's relative L2") for r in result.reasons)
 
 
 def test_a_non_finite_kernel_fails():
-    result = long_check.check(FP8, *tensors(), ["contiguous"], lambda *a: exact(*a) * float("nan"))
-    assert result["outcome"] == "fail" and result["finite"] is False
-    assert result["reasons"][0]["kind"] == "non_finite"
+    def nan(*args):
+        return exact(*args) * float("nan")
+
+    result = long_check.check(long_task(SHAPE, ["contiguous"]), *tensors(), nan)
+    assert result.outcome == Outcome.FAIL and result.finite is False
+    assert result.reasons[0].kind == ReasonKind.NON_FINITE
 
 
 # The verdict's range -----------------------------------------------------------------------------
@@ -318,12 +338,11 @@ def test_the_report_renders_the_long_checks(tmp_path, monkeypatch):
 # The CPU path: certify --emulate -----------------------------------------------------------------
 def test_emulate_predicts_the_long_checks(tmp_path, capsys):
     options = emulate.Options(tmp_path, variants=["sm90-fp8-cuda"], families=["Qwen-Image"], quick=True)
-    data = emulate.run(options)
-    checks = data["devices"][0]["long"]
-    assert sorted(c["shape"]["q_tokens"] for c in checks) == [16384, 16896]
+    checks = emulate.run(options).devices[0].long
+    assert sorted(c.shape.q_tokens for c in checks) == [16384, 16896]
     for check in checks:
-        assert check["outcome"] == "pass" and check["detail"] == emulate.PREDICTED
-        assert check["ran_heads"] == 1 and check["finite"] and check["inputs"] == long_check.INPUTS
-        last_tile = (check["shape"]["q_tokens"] - 1) // 128 * 128
-        assert check["rows"] == [0, last_tile]  # EMULATE_BLOCKS: the first and the last block
+        assert check.outcome == "pass" and check.detail == emulate.PREDICTED
+        assert check.ran_heads == 1 and check.finite and check.inputs == long_check.INPUTS
+        last_tile = (check.shape.q_tokens - 1) // 128 * 128
+        assert check.rows == [0, last_tile]  # EMULATE_BLOCKS: the first and the last block
     report.load(tmp_path / "report.json")  # reads back, its evidence consistent

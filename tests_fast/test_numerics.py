@@ -169,9 +169,12 @@ def test_budget_is_the_expectation_grown_by_the_margin():
                 "worst_block_rel_l2": 0.08, "norm_ratio": 0.999, "worst_head_cosine": 0.9988,
                 "max_abs_error": 0.3, "rounding": 0.05}
     budget = budgets.from_expected(expected, margin=0.1)
-    assert budget["max_rel_l2"] == pytest.approx(0.055) and budget["max_block_rel_l2"] == pytest.approx(0.088)
-    assert budget["min_norm_ratio"] == pytest.approx(0.994)
-    assert budget["max_norm_ratio"] == pytest.approx(1.005)  # a kernel nearer exact than the model passes
-    assert budget["min_cosine"] == pytest.approx(1 - 0.0012 * 1.21, abs=1e-6)
-    assert budget["max_abs"] == pytest.approx(0.65)  # not grown by the margin: 2x plus rounding
+    assert budget.max_rel_l2 == pytest.approx(0.055) and budget.max_block_rel_l2 == pytest.approx(0.088)
+    assert budget.min_norm_ratio == pytest.approx(0.994)
+    assert budget.max_norm_ratio == pytest.approx(1.005)  # a kernel nearer exact than the model passes
+    assert budget.min_cosine == pytest.approx(1 - 0.0012 * 1.21, abs=1e-6)
+    assert budget.max_abs == pytest.approx(0.65)  # not grown by the margin: 2x plus rounding
+    # stored in this order (report.json's bounds, gate's budget cache)
+    assert list(budget.limits()) == ["max_rel_l2", "max_head_rel_l2", "max_batch_rel_l2", "max_block_rel_l2",
+                                     "min_norm_ratio", "max_norm_ratio", "min_cosine", "max_abs"]
 

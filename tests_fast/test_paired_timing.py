@@ -2,11 +2,26 @@
 the fastest SDPA backend call by call in turn in one worker (fake GPU and fake kernel on CPU), and
 records both timings, each as the report's speed records hold them."""
 
+import json
+
 import pytest
 
 from sage_qual import records
-from sage_qual.qualification import certify, families, fault_hooks, measure, report, worker
-from sage_qual.qualification.report_model import Speed
+from sage_qual.qualification import (
+    certify,
+    certify_run,
+    families,
+    fault_hooks,
+    measure,
+    report,
+    tasks,
+    worker,
+)
+from sage_qual.qualification.report_model import Outcome, ShapeEntry, ShapeSpec, ShapeUse, Speed
+
+from . import builders
+
+SHAPE = tasks.shape_spec(families.self_attention(24, 8192, 128).as_dict())
 
 
 @pytest.fixture
@@ -30,9 +45,8 @@ def test_the_variant_and_sdpa_are_timed_in_turn_after_their_warm_ups(bench, monk
 
     monkeypatch.setattr(measure, "call_kernel", logged("ours", call_kernel))
     monkeypatch.setattr(measure, "TORCH_SDPA", logged("sdpa", torch_sdpa))
-    shape = families.self_attention(24, 8192, 128).as_dict()
-    task = {"id": "t", "kind": "paired", "variant": "sm90-fp8-cuda", "key": "k", "shape": shape,
-            "warmup": 2, "repeats": 5}
+    shape = tasks.shape_spec(families.self_attention(24, 8192, 128).as_dict())
+    task = tasks.PairedTask("t", "sm90-fp8-cuda", "k", shape, warmup=2, repeats=5)
     asked = []  # (warm-up, repeats) of each timing the worker asks for
     timings_ms = bench.timings_ms
 
@@ -42,36 +56,46 @@ def test_the_variant_and_sdpa_are_timed_in_turn_after_their_warm_ups(bench, monk
 
     monkeypatch.setattr(bench, "timings_ms", timed)
     result = worker.Worker(bench, {}).run(task)
-    assert result["outcome"] == "pass", result
+    assert result.outcome == Outcome.PASS, result
     # after the backends' screen: both warmed up, then one timed call of each in turn
     assert asked[-12:] == [(2, 0), (2, 0)] + [(0, 1), (0, 1)] * 5
     assert order[-10:] == ["ours", "sdpa"] * 5
-    sdpa = result["sdpa"]
-    assert len(result["samples_ms"]) == len(sdpa["samples_ms"]) == 5
-    assert sdpa["best_backend"] == min(sdpa["backends"], key=sdpa["backends"].get)
-    # each half reads as a speed record of the report (unknown keys, types and the median checked)
-    ours = {n: v for n, v in result.items() if n != "sdpa"}
-    records.parse(Speed, {"kernel": "sm90-fp8-cuda", "shape": "k", **ours}, "paired", "")
-    records.parse(Speed, {"kernel": "sdpa", "shape": "k", **sdpa}, "paired", "")
+    ours, sdpa = result.ours, result.sdpa
+    assert (ours.kernel, ours.shape, sdpa.kernel, sdpa.shape) == ("sm90-fp8-cuda", "k", "sdpa", "k")
+    assert len(ours.samples_ms) == len(sdpa.samples_ms) == 5
+    assert sdpa.best_backend == min(sdpa.backends, key=sdpa.backends.get)
+    # each half reads back as a speed record of the report (types and the median checked)
+    for speed in (ours, sdpa):
+        assert records.parse(Speed, records.dump(speed), "paired", "") == speed
+
+
+def started(tmp_path):
+    """A writer on a run's report with one timed shape, "k", and no timing yet; the device run on its GPU."""
+    entry = ShapeEntry(builders.read(ShapeSpec, families.self_attention(24, 8192, 128).as_dict()),
+                       [ShapeUse(None, "k")])
+    begun = builders.report([builders.device()], [], {"k": entry}, ["sm90-fp8-cuda"], complete=False,
+                            finished=None)
+    writer = report.Writer(tmp_path / "report.json", begun)
+    return writer, certify._DeviceRun(0, [], [], {}, certify.Options(tmp_path), writer, 0)
 
 
 def test_a_paired_result_becomes_two_speed_records(tmp_path):
-    writer = report.Writer(tmp_path / "report.json", {"shapes": {}, "devices": [{"speed": []}]})
-    run = certify._DeviceRun(0, [], [], {}, certify.Options(tmp_path), writer, 0)
-    task = {"id": "sm90-fp8-cuda+sdpa@k", "kind": "paired", "variant": "sm90-fp8-cuda", "key": "k"}
-    sdpa = {"outcome": "pass", "ms": 2.0, "samples_ms": [2.0, 2.0, 2.0], "best_backend": "cudnn",
-            "backends": {"cudnn": 2.0}, "refused": {}}
-    ours = {"outcome": "pass", "ms": 1.5, "samples_ms": [1.4, 1.5, 1.6]}
-    run._record({task["id"]: task}, task["id"], {**ours, "sdpa": sdpa}, certify._Progress(1))
-    assert writer.data["devices"][0]["speed"] == [{"kernel": "sdpa", "shape": "k", **sdpa},
-                                                   {"kernel": "sm90-fp8-cuda", "shape": "k", **ours}]
+    writer, run = started(tmp_path)
+    task = tasks.PairedTask("sm90-fp8-cuda+sdpa@k", "sm90-fp8-cuda", "k", SHAPE, 1, 3)
+    sdpa = task.sdpa_record(Outcome.PASS, 2.0, samples_ms=[2.0, 2.0, 2.0], best_backend="cudnn",
+                            backends={"cudnn": 2.0})
+    paired = task.record(Outcome.PASS, 1.5, samples_ms=[1.4, 1.5, 1.6], sdpa=sdpa)
+    run._record(task, paired, certify_run.Progress(1))
+    on_disk = json.loads((tmp_path / "report.json").read_text())["devices"][0]["speed"]
+    assert [(r["kernel"], r["shape"], r["ms"], r["samples_ms"]) for r in on_disk] == [
+        ("sdpa", "k", 2.0, [2.0, 2.0, 2.0]), ("sm90-fp8-cuda", "k", 1.5, [1.4, 1.5, 1.6])]
+    assert on_disk[0]["best_backend"] == "cudnn" and on_disk[1]["best_backend"] == ""
+    assert writer.report.devices[0].speed == [sdpa, paired.ours]
 
 
 def test_a_paired_task_that_crashed_records_the_variant_only(tmp_path):
-    writer = report.Writer(tmp_path / "report.json", {"shapes": {}, "devices": [{"speed": []}]})
-    run = certify._DeviceRun(0, [], [], {}, certify.Options(tmp_path), writer, 0)
-    task = {"id": "v+sdpa@k", "kind": "paired", "variant": "sm90-fp8-cuda", "key": "k"}
-    crashed = {"outcome": "crash", "detail": "boom"}
-    run._record({task["id"]: task}, task["id"], crashed, certify._Progress(1))
-    assert writer.data["devices"][0]["speed"] == [
-        {"kernel": "sm90-fp8-cuda", "shape": "k", "ms": None, "outcome": "crash", "detail": "boom"}]
+    writer, run = started(tmp_path)
+    task = tasks.PairedTask("v+sdpa@k", "sm90-fp8-cuda", "k", SHAPE, 1, 3)
+    run._record(task, task.record(Outcome.CRASH, detail="boom"), certify_run.Progress(1))
+    assert writer.report.devices[0].speed == [
+        Speed(kernel="sm90-fp8-cuda", shape="k", ms=None, outcome=Outcome.CRASH, detail="boom")]

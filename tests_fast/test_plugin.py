@@ -16,6 +16,7 @@ from sage_qual.fixtures import fileformat
 from sage_qual.qualification import families as families_mod
 from sage_qual.qualification import report_model, target_cells, targets
 from sage_qual.qualification.pytest_plugin import check_cell
+from sage_qual.qualification.report_model import AccuracyClass, Cell, Outcome
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "downstream_app"
@@ -201,7 +202,8 @@ def _fixture(name: str) -> fileformat.Fixture:
 def test_a_served_call_within_budget_passes(fake_h200):
     cell = target_cells.measure_cell(targets.resolve("wrapper:sm90-fp8-cuda"), _fixture("sdxl_1024_level1"),
                                      (9, 0), _CpuBench())
-    assert cell["outcome"] == "pass" and cell["accuracy_class"] == "fp8"
+    assert cell.outcome == Outcome.PASS and cell.accuracy_class == AccuracyClass.FP8
+    assert (cell.variant, cell.fixture) == ("wrapper:sm90-fp8-cuda", "sdxl_1024_level1")
     assert fake_h200.calls and fake_h200.calls[0].function == "sageattn_qk_int8_pv_fp8_cuda_sm90"
 
 
@@ -209,8 +211,8 @@ def test_a_result_out_of_budget_fails_with_the_numbers(fake_h200):
     fake_h200.return_value(lambda exact: exact * 1.5)
     cell = target_cells.measure_cell(targets.resolve("wrapper:sm90-fp8-cuda"), _fixture("flux1_1024"),
                                      (9, 0), _CpuBench())
-    assert cell["outcome"] == "fail"
-    assert any(r["detail"].startswith("relative L2 ") for r in cell["reasons"]), cell["reasons"]
+    assert cell.outcome == Outcome.FAIL
+    assert any(r.detail.startswith("relative L2 ") for r in cell.reasons), cell.reasons
 
 
 def test_a_call_the_integration_leaves_to_torch_is_not_evidence(fake_h200):
@@ -219,8 +221,8 @@ def test_a_call_the_integration_leaves_to_torch_is_not_evidence(fake_h200):
     small = fileformat.Fixture(**{**fixture.__dict__, "q": fixture.q[:, :, :64], "k": fixture.k[:, :, :32],
                                   "v": fixture.v[:, :, :32]})
     cell = target_cells.measure_cell(targets.resolve("wrapper"), small, (9, 0), _CpuBench())
-    assert cell == {"outcome": "skip",
-                    "detail": "wrapper does not take this call: short: tokens=64/32 (needs >= 1536/512)"}
+    assert cell == Cell("wrapper", fixture.name, Outcome.SKIP,
+                        "wrapper does not take this call: short: tokens=64/32 (needs >= 1536/512)")
     assert fake_h200.calls == []
 
 
@@ -232,5 +234,5 @@ def test_a_function_that_claims_everything_but_runs_torch_is_a_skip_with_why(fak
     monkeypatch.setitem(sys.modules, "plain_app_xyz", app)
     cell = target_cells.measure_cell(targets.resolve("plain_app_xyz:attention"), _fixture("flux1_1024"),
                                      (9, 0), _CpuBench())
-    assert cell["outcome"] == "skip"
-    assert "did not run SageAttention on this call: no SageAttention function was called" in cell["detail"]
+    assert cell.outcome == Outcome.SKIP
+    assert "did not run SageAttention on this call: no SageAttention function was called" in cell.detail

@@ -6,12 +6,13 @@ version 1 still reads.
 """
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
-from sage_qual import cli
+from sage_qual import cli, records
 from sage_qual.qualification import report, report_model
 
 jsonschema = pytest.importorskip("jsonschema")  # a test dependency; the GPU box lacks it
@@ -240,21 +241,42 @@ def test_gate_refuses_a_report_whose_cells_were_edited_to_pass(tmp_path, capsys)
 
 # Writing and rendering -------------------------------------------------------------------------
 def test_writer_rewrites_the_file_after_each_change(tmp_path, validator):
-    data = as_version_2(sample("sample_partial.json"))
-    writer = report.Writer(tmp_path / "report.json", data)
-    cell = copy.deepcopy(data["devices"][0]["cells"][0])
-    writer.update(lambda d: d["devices"][1]["cells"].append(cell))
+    partial = report.parse(as_version_2(sample("sample_partial.json")), "sample_partial.json")
+    writer = report.Writer(tmp_path / "report.json", partial)
+    cell = partial.devices[0].cells[0]
+    writer.append(1, "cells", cell)
     on_disk = json.loads((tmp_path / "report.json").read_text())
-    assert on_disk["devices"][1]["cells"] == [cell]
+    assert on_disk["devices"][1]["cells"] == [records.dump(cell)]
     assert on_disk["complete"] is False
     assert errors(validator, on_disk) == []
     assert not list(tmp_path.glob("*.tmp"))
+    writer.replace(complete=True, finished="2026-12-01T02:00:00+00:00")
+    assert report.load(tmp_path / "report.json") == writer.report
 
 
-def test_writer_refuses_non_finite_numbers(tmp_path):
-    writer = report.Writer(tmp_path / "report.json", {"kind": report.KIND})
-    with pytest.raises(ValueError):
-        writer.update(lambda d: d.update(x=float("inf")))
+def test_appends_write_what_a_whole_dump_writes(tmp_path):
+    # Appends dump only what they add: the file must still be the whole record's dump, each time.
+    partial = report.parse(as_version_2(sample("sample_partial.json")), "sample_partial.json")
+    writer = report.Writer(tmp_path / "report.json", partial)
+    for position, field, items in [(1, "cells", partial.devices[0].cells[:2]), (0, "speed", []),
+                                   (1, "speed", partial.devices[0].speed[:1]), (1, "cells", [])]:
+        writer.append(position, field, *items)
+        assert json.loads((tmp_path / "report.json").read_text()) == records.dump(writer.report)
+    assert writer.report.devices[1].cells[-2:] == partial.devices[0].cells[:2]
+
+
+@pytest.mark.parametrize("change", [
+    {"rel_l2": float("inf")},  # JSON has no infinity
+    {"outcome": "crash"},  # a crash says why in its detail
+])
+def test_writer_refuses_what_the_reader_would_refuse(tmp_path, change):
+    partial = report.parse(as_version_2(sample("sample_partial.json")), "sample_partial.json")
+    writer = report.Writer(tmp_path / "report.json", partial)
+    before = (tmp_path / "report.json").read_text()
+    broken = dataclasses.replace(partial.devices[0].cells[0], detail="", **change)
+    with pytest.raises(records.RecordError):
+        writer.append(1, "cells", broken)
+    assert (tmp_path / "report.json").read_text() == before and writer.report == partial  # unchanged
 
 
 def test_render_complete_report(tmp_path):

@@ -37,8 +37,11 @@ def test_the_cases_are_a_rung_then_the_boundary_in_each_layout():
     assert all(c.span <= rung for c in CASES[:2])
     jobs = span_check.jobs("v", PLANNED)
     # below cases and the first above case in one worker, the other above case in its own
-    assert [[t["case"]["side"] for t in job] for job in jobs] == [["below"] * 4 + ["above"], ["above"]]
-    assert len({t["id"] for job in jobs for t in job}) == 6
+    assert [[t.side for t in job] for job in jobs] == [["below"] * 4 + ["above"], ["above"]]
+    assert len({t.id for job in jobs for t in job}) == 6
+    # each task carries its case and the limit it sits at, as the report's probe will
+    assert [(t.layout, t.side, t.span, t.limit) for job in jobs for t in job] == sorted(
+        [(c.layout, c.side, c.span, limit) for c, limit in PLANNED], key=lambda x: x[1] == "above")
 
 
 def probes(variant, outcomes=None):
@@ -140,8 +143,9 @@ def test_certify_probes_in_workers_and_records_an_abort_and_a_fault_as_findings(
     hook = {"gpus": [{"name": "Fake H200", "capability": [9, 0]}], "span_faults": {"sm90-fp8-cuda": rules}}
     monkeypatch.setenv(fault_hooks.TEST_HOOK, json.dumps(hook))
     out = tmp_path / "out"
-    data = certify.run(certify.Options(out, devices="0", variants=["sm90-fp8-cuda"], families=["FLUX.1"],
-                                       fixture_dirs=[str(fixtures)], timeout=30.0))
+    data = records.dump(certify.run(certify.Options(
+        out, devices="0", variants=["sm90-fp8-cuda"], families=["FLUX.1"], fixture_dirs=[str(fixtures)],
+        timeout=30.0)))
     assert data["complete"] and not data["stopped"]
     found = {(p["layout"], p["side"], p["span"]): p for p in data["devices"][0]["span"]}
     assert set(found) == {(c.layout, c.side, c.span) for c in CASES}  # the default kernel, every case

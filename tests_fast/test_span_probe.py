@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
-from sage_qual import limits
+from sage_qual import limits, records
 from sage_qual.qualification import span_probe
-from sage_qual.qualification.span_probe import SpanCase, SpanFinding
+from sage_qual.qualification.span_probe import Checked, SpanCase, SpanFinding, Verdict
 from sage_qual.testing import FakeSageAttention
 
 
@@ -81,8 +81,28 @@ def test_the_child_stops_at_a_fault(capsys):
         fake.raise_error(RuntimeError("an illegal memory access was encountered"))
 
     reported = child_output(capsys, small_cases(), fault)
-    assert reported == [{"outcome": "fault",
-                         "error": "RuntimeError: an illegal memory access was encountered"}]
+    assert [records.parse(Checked, line, "child", "") for line in reported] == [
+        Checked(Verdict.FAULT, error="RuntimeError: an illegal memory access was encountered")]
+
+
+def test_the_child_sends_a_non_finite_error_as_null(capsys):
+    def nan(fake):
+        fake.return_value(lambda exact: exact * float("nan"))
+
+    reported = child_output(capsys, small_cases()[:1], nan)
+    assert reported == [{"outcome": "wrong", "rel_l2": None, "worst_row": None, "error": ""}]
+
+
+@pytest.mark.parametrize("line, key", [
+    ('{"outcome": "fine", "rel_l2": 0.01}', "outcome"),
+    ('{"outcome": "ok", "rel_l2": "0.01"}', "rel_l2"),
+    ('{"outcome": "ok", "relative_l2": 0.01}', "relative_l2"),
+])
+def test_a_child_line_the_parent_cannot_read_is_one_line_naming_the_key(line, key):
+    with pytest.raises(records.RecordError) as raised:
+        span_probe.run_probe("sm90-fp8-cuda", small_cases()[:1], command=fake_child(f"print({line!r})"),
+                             timeout=30)
+    assert raised.value.key == key and "\n" not in str(raised.value) and "sage-qual bug" in str(raised.value)
 
 
 def fake_child(body: str) -> list[str]:

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from sage_qual import records
-from sage_qual.qualification import certify, gate, judge, report, verdict
+from sage_qual.qualification import certify, gate, judge, report, summary, verdict
 from sage_qual.qualification.families import FAMILIES, find
-from sage_qual.qualification.report_model import Cell, FixtureRecord, ShapeEntry, Speed
+from sage_qual.qualification.report_model import Cell, FixtureRecord, Speed
 from sage_qual.serving.variants import VARIANTS
 
 from . import builders
@@ -55,7 +55,7 @@ def _cell(rng: random.Random, variant: str, fixture: FixtureRecord) -> Cell | No
         "error_vs_sdpa": rel_l2 / 0.002,
     }
     extra = rng.uniform(1.2, 1.8)
-    reasons = [builders.reason(**r) for r in judge.cell_reasons(metrics, extra, bounds, 2.5)]
+    reasons = judge.cell_reasons(metrics, extra, bounds, 2.5)
     return builders.cell(variant, fixture, "fail" if reasons else "pass", reasons=reasons, bounds=bounds,
                          extra_bytes_per_element=extra, **metrics)
 
@@ -76,8 +76,7 @@ def make_report(seed: int) -> dict:
     fixtures = [builders.fixture(f"fx{n}", rng.choice(FIXTURE_FAMILIES), sha256=f"{n:064x}", bounds=BOUNDS,
                                  provenance="generated for the agreement test")
                 for n in range(rng.randint(1, 5))]
-    shapes = {key: builders.read(ShapeEntry, entry)
-              for key, entry in certify.speed_shapes(chosen, quick=rng.random() < 0.3).items()}
+    shapes = certify.speed_shapes(chosen, quick=rng.random() < 0.3)
     # Each variant pays from its own crossover, scaled per GPU model: some pay nowhere.
     crossover = {(v, m[0]): rng.choice([1e9, 1e10, 3e10, 1e11, 1e12, 1e14]) for v in variants for m in models}
     devices = []
@@ -169,7 +168,7 @@ SUMMARY_LINE = re.compile(
 
 def from_summary(data: dict, tmp_path: Path) -> dict:
     with redirect_stdout(io.StringIO()) as text:
-        print(certify.summary(data, tmp_path))
+        print(summary.text(report.parse(data, "report.json"), tmp_path))
     found = {}
     for line in text.getvalue().splitlines()[1:]:
         match = SUMMARY_LINE.match(line)

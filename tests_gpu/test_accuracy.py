@@ -43,8 +43,8 @@ def test_variant_on_fixture(variant_name, fixture_path, sage, runnable, wrapper_
     record(test="accuracy", variant=variant.name, fixture=fixture.name, kind=fixture.kind,
            family=fixture.family, **accuracy.as_dict(), model_rel_l2=expected["rel_l2"],
            model_finite=expected["model_finite"], model_hazards="; ".join(expected["model_hazards"]),
-           **{f"budget_{key}": x for key, x in budget.items()},
-           reasons="; ".join(r["detail"] for r in reasons))
+           **{f"budget_{key}": x for key, x in budget.limits().items()},
+           reasons="; ".join(r.detail for r in reasons))
     label = f"{variant.name} on {fixture.kind} fixture {fixture.name}"
     if expected["model_hazards"] and not accuracy.finite:
         pytest.xfail(f"{label}: non-finite output where the numerics model names a hazard: "
@@ -53,7 +53,7 @@ def test_variant_on_fixture(variant_name, fixture_path, sage, runnable, wrapper_
         assert not accuracy.finite, (f"{label}: the numerics model predicts a non-finite output, the "
                                      f"kernel's is finite ({accuracy.rel_l2:.4g}): the model is wrong here")
         pytest.xfail(f"{label}: non-finite output, as the numerics model predicts (a kernel defect)")
-    assert not reasons, f"{label}: " + "; ".join(r["detail"] for r in reasons)
+    assert not reasons, f"{label}: " + "; ".join(r.detail for r in reasons)
 
     # Through the wrapper, forced to this variant: served, and bit-identical to the direct call.
     with wrapper_serving(variant), sage_qual.sage_attention_scope() as report:

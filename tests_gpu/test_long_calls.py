@@ -12,7 +12,8 @@ Cost on one H200 (estimated from certify's timings, long_check's docstring; not 
 
 import pytest
 
-from sage_qual.qualification import families, long_check, worker
+from sage_qual.qualification import families, long_check, tasks, worker
+from sage_qual.qualification.report_model import Outcome, ShapeUse
 
 from .conftest import VARIANT_NAMES
 
@@ -21,6 +22,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.gpu]
 CALLS = {"4k": families.self_attention(24, 4096), "32k": families.self_attention(24, 32768),
          "75.6k": families.find("Wan 2.2").longest}
 LAYOUTS = list(families.LAYOUTS)
+
+
+def long_task(variant_name: str, call: str) -> tasks.LongTask:
+    """The long check certify's plan gives for this call, as its worker task."""
+    planned = tasks.LongPlan(tasks.shape_spec(CALLS[call].as_dict()), [ShapeUse(None, call)], LAYOUTS)
+    return tasks.long_task("long", variant_name, planned)
 
 
 def spied(package, variant):
@@ -54,19 +61,19 @@ def test_long_call_in_every_layout(variant_name, call, sage, runnable, record):
     shape = CALLS[call]
     q, k, v = long_check.synthetic(shape, "cuda")
     kernel, calls = spied(sage, variant)
-    result = long_check.check(variant, q, k, v, LAYOUTS, kernel)
-    metrics, bounds = result["metrics"], result["bounds"]
+    result = long_check.check(long_task(variant_name, call), q, k, v, kernel)
+    metrics, bounds = result.metrics, result.bounds
     record(test="long_call", variant=variant_name, kind=call, rel_l2=metrics["rel_l2"],
            max_rel_l2=bounds["max_rel_l2"], worst_block_rel_l2=metrics["worst_block_rel_l2"],
-           identical=",".join(name for name, same in result["identical"].items() if same))
+           identical=",".join(name for name, same in result.identical.items() if same))
     # The variant's kernel served every call: contiguous first, then each view, as passed.
     assert [c["layout"] for c in calls] == ["HND", "HND", "HND", "NHD"]
     heads, kv_heads, dim = shape.heads, shape.kv_heads, shape.head_dim
     assert calls[1]["q_stride"][2] == heads * dim  # transposed: [B, N, H, D] memory
     assert calls[2]["v_stride"][2] == (heads + 2 * kv_heads) * dim  # fused QKV: one projection's stride
-    assert result["finite"], f"{variant_name} at {call}: output not finite"
-    assert result["identical"] == {"transposed": True, "fused_qkv": True, "nhd": True}, result["reasons"]
-    assert result["reasons"] == [], result["reasons"]
+    assert result.finite, f"{variant_name} at {call}: output not finite"
+    assert result.identical == {"transposed": True, "fused_qkv": True, "nhd": True}, result.reasons
+    assert result.reasons == [], result.reasons
     assert metrics["rel_l2"] <= bounds["max_rel_l2"]
     # the 8-bit kernel's own error, of the size the model predicts (within 1.5 % on the fixtures,
     # docs/numerics.md), not an exact fallback's bf16 rounding (0.0017 here with the fake kernel)
@@ -77,9 +84,9 @@ def test_certify_worker_runs_a_long_task(sage, gpu0):
     """The task kind certify sends: the wrapper's kernel on this GPU at 32,768 tokens in every layout."""
     if gpu0.kernel is None:
         pytest.skip(f"no kernel for this GPU: {gpu0.no_kernel_reason}")
-    task = {"id": "long", "kind": "long", "variant": gpu0.kernel.name, "shape": CALLS["32k"].as_dict(),
-            "layouts": LAYOUTS, "uses": []}
+    task = long_task(gpu0.kernel.name, "32k")
     result = worker.Worker(worker.GpuBench(), {}).run(task)
-    assert result["outcome"] == "pass", result.get("reasons") or result.get("detail")
-    assert result["ran_tokens"] is None and result["rows"][-1] == 32768 - long_check.SAMPLE_ROWS
-    assert result["identical"] == {"transposed": True, "fused_qkv": True, "nhd": True}
+    assert result.outcome == Outcome.PASS, result.reasons or result.detail
+    assert result.ran_tokens is None and result.rows[-1] == 32768 - long_check.SAMPLE_ROWS
+    assert result.identical == {"transposed": True, "fused_qkv": True, "nhd": True}
+    assert (result.variant, result.shape, result.layouts) == (task.variant, task.shape, task.layouts)

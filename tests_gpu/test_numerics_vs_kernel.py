@@ -95,7 +95,7 @@ def _report(variant, name, found, expected, record) -> None:
     row = model_check.Row(variant.name, name, rel, found["finite"], expected["rel_l2"],
                           expected["model_finite"], bool(expected.get("model_hazards")),
                           kernel_max_abs=found["max_abs_error"], model_max_abs=expected["max_abs_error"],
-                          max_abs_budget=budgets.from_expected(expected)["max_abs"])
+                          max_abs_budget=budgets.from_expected(expected).max_abs)
     _rows.append(row)
     detail = {"variant": variant.name, "fixture": name, "kernel": found, "model": expected,
               "ratio": row.ratio, "agrees": row.agrees, "max_abs_ratio": row.max_abs_ratio,
@@ -137,4 +137,5 @@ def test_element_wise_budgets_derived_on_the_gpu_pass_the_gates_check_on_the_cpu
             on_gpu, on_cpu = (budgets.from_expected(budgets.expected(variant, f.q, f.k, f.v))
                               for f in (gpu_fixture, cpu_fixture))
             where = f"{variant.name} on {cpu_fixture.name}"
-            assert gate_module._looser(where, on_gpu, on_cpu) == "", (on_gpu["max_abs"], on_cpu["max_abs"])
+            assert gate_module._looser(where, on_gpu.limits(), on_cpu.limits()) == "", (on_gpu.max_abs,
+                                                                                         on_cpu.max_abs)

@@ -16,6 +16,8 @@ import pytest
 from sage_qual import limits
 from sage_qual.qualification import pool as workers
 from sage_qual.qualification import span_check, span_probe
+from sage_qual.qualification.report_model import Outcome, SpanProbe
+from sage_qual.qualification.tasks import SpanTask
 
 pytestmark = [pytest.mark.slow, pytest.mark.gpu]
 
@@ -28,11 +30,11 @@ def test_span_probes_of_the_wrapper_kernel_run_in_certify_workers(gpu0, tmp_path
     pool = workers.Pool(tmp_path)
     results, lock = {}, threading.Lock()
 
-    def on_result(task_id: str, result: dict) -> None:
+    def on_result(task: SpanTask, result: SpanProbe) -> None:
         with lock:
-            results[task_id] = result
+            results[task.id] = result
 
-    def run(n: int, tasks: list[dict]) -> None:
+    def run(n: int, tasks: list[SpanTask]) -> None:
         env = {"CUDA_VISIBLE_DEVICES": visible, "TRITON_CACHE_DIR": str(tmp_path / f"triton-{n}")}
         workers.run_tasks(tasks, pool.take, 240.0, 300.0, on_result, env=env)
 
@@ -43,20 +45,19 @@ def test_span_probes_of_the_wrapper_kernel_run_in_certify_workers(gpu0, tmp_path
         thread.join()
     pool.close()
     tasks = [task for job in jobs for task in job]
-    assert set(results) == {task["id"] for task in tasks}  # every case has a finding: nothing lost
-    findings = []
+    assert set(results) == {task.id for task in tasks}  # every case has a finding: nothing lost
+    # each finding is the report's probe of its task's case
+    assert all((results[t.id].variant, results[t.id].layout, results[t.id].side, results[t.id].span,
+                results[t.id].limit) == (variant, t.layout, t.side, t.span, t.limit) for t in tasks)
     for task in tasks:
-        case, result = span_probe.SpanCase(**task["case"]), results[task["id"]]
-        record(test="span-certify", variant=variant, kind=f"{case.layout} {case.tokens}", side=case.side,
-               span=case.span, outcome=result["outcome"], rel_l2=result.get("rel_l2"),
-               error=(result.get("detail") or "")[:200])
-        findings.append(span_probe.SpanFinding(variant, case, "ok" if result["outcome"] == "pass"
-                                               else result["outcome"]))
-    wrong = [(task["id"], results[task["id"]]) for task in tasks
-             if task["case"]["side"] == "below" and results[task["id"]]["outcome"] != "pass"]
+        result = results[task.id]
+        record(test="span-certify", variant=variant, kind=f"{task.layout} {task.tokens}", side=task.side,
+               span=task.span, outcome=result.outcome.value, rel_l2=result.rel_l2, error=result.detail[:200])
+    findings = span_check.findings([results[t.id] for t in tasks], variant)
+    wrong = [(task.id, results[task.id]) for task in tasks
+             if task.side == "below" and results[task.id].outcome != Outcome.PASS]
     assert not wrong, f"within the default span limit: {wrong}"
-    assert all(results[t["id"]]["rel_l2"] < span_probe.MAX_REL_L2 for t in tasks
-               if results[t["id"]]["outcome"] == "pass")
-    smallest_below = min(t["case"]["span"] for t in tasks
-                         if t["case"]["side"] == "below" and t["limit"] == limits.MAX_SPAN_ELEMENTS)
+    assert all(results[t.id].rel_l2 < span_probe.MAX_REL_L2 for t in tasks
+               if results[t.id].outcome == Outcome.PASS)
+    smallest_below = min(t.span for t in tasks if t.side == "below" and t.limit == limits.MAX_SPAN_ELEMENTS)
     assert span_probe.largest_safe_span(findings, variant) >= smallest_below

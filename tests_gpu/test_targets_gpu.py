@@ -9,6 +9,7 @@ import torch
 from sage_qual.fixtures.fileformat import load_fixture
 from sage_qual.limits import MEMORY_BOUND
 from sage_qual.qualification import budgets, measure, target_cells, targets
+from sage_qual.qualification.report_model import Outcome
 
 from .conftest import FIXTURE_PATHS, VARIANT_NAMES
 
@@ -36,17 +37,17 @@ def test_target_cell(name, fixture_path, box, record):
         pytest.skip(f"{name} cannot run here: {'; '.join(reasons)}")
     fixture = load_fixture(fixture_path, device="cuda")
     cell = target_cells.measure_cell(target, fixture, box.capability, CudaBench(), MEMORY_BOUND)
-    record(test="target", variant=name, fixture=fixture.name, kind=fixture.kind, outcome=cell["outcome"],
-           rel_l2=cell.get("rel_l2"), worst_head_cosine=cell.get("worst_head_cosine"),
-           detail=cell.get("detail") or "; ".join(r["detail"] for r in cell.get("reasons", [])))
-    assert cell["outcome"] in ("pass", "fail", "skip")
+    record(test="target", variant=name, fixture=fixture.name, kind=fixture.kind, outcome=cell.outcome.value,
+           rel_l2=cell.rel_l2, worst_head_cosine=cell.worst_head_cosine,
+           detail=cell.detail or "; ".join(r.detail for r in cell.reasons))
+    assert cell.outcome in (Outcome.PASS, Outcome.FAIL, Outcome.SKIP)
     # A call the integration claims to take must reach SageAttention: a skip is a claim, never silence.
-    if cell["outcome"] == "skip":
-        foreseen = _foreseen_non_finite(target, fixture, box, cell["detail"])
+    if cell.outcome == Outcome.SKIP:
+        foreseen = _foreseen_non_finite(target, fixture, box, cell.detail)
         if foreseen:
             pytest.xfail(foreseen)
-        claimed = "does not take this call" in cell["detail"] or "has no kernel" in cell["detail"]
-        assert claimed, cell["detail"]
+        claimed = "does not take this call" in cell.detail or "has no kernel" in cell.detail
+        assert claimed, cell.detail
 
 
 def _foreseen_non_finite(target, fixture, box, detail: str) -> str:

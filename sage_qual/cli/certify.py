@@ -60,26 +60,25 @@ def _command(args: argparse.Namespace) -> int:
 
 
 def _certify(args: argparse.Namespace) -> int:
-    from sage_qual.qualification.certify import Options, run  # torch: only when a command runs
+    # torch: only when a command runs
+    from sage_qual.qualification import certify, emulate, target_certify
 
+    command = "sage-qual " + shlex.join(sys.argv[1:])
     if args.target is not None:
-        from sage_qual.qualification import target_certify
-
         if args.emulate or args.variants:
             raise UsageError("--target qualifies one integration: leave out --emulate and --variants")
-        options = target_certify.Options(args.out, args.target, args.devices, _split(args.families),
-                                         args.fixtures, args.quick, args.timeout,
-                                         "sage-qual " + shlex.join(sys.argv[1:]))
-        return _until_stopped(target_certify.run, options)
+        return _until_stopped(target_certify.run, target_certify.Options(
+            args.out, args.target, args.devices, _split(args.families), args.fixtures, args.quick,
+            args.timeout, command, args.junit_xml))
     if args.emulate:
-        from sage_qual.qualification import emulate
-
-        emulate.run(emulate.Options(args.out, _split(args.variants), _split(args.families), args.fixtures,
-                                    args.quick, "sage-qual " + shlex.join(sys.argv[1:])))
-        return ExitCode.OK
-    options = Options(args.out, args.devices, _split(args.variants), _split(args.families), args.fixtures,
-                      args.quick, args.timeout, "sage-qual " + shlex.join(sys.argv[1:]), args.junit_xml)
-    return _until_stopped(run, options)
+        if args.junit_xml:  # a CI job reads JUnit as decided; a prediction decides nothing (gate refuses it)
+            raise UsageError("--emulate only predicts, and --junit-xml records decisions: leave out "
+                             "--junit-xml")
+        return _until_stopped(emulate.run, emulate.Options(
+            args.out, _split(args.variants), _split(args.families), args.fixtures, args.quick, command))
+    return _until_stopped(certify.run, certify.Options(
+        args.out, args.devices, _split(args.variants), _split(args.families), args.fixtures, args.quick,
+        args.timeout, command, args.junit_xml))
 
 
 def _until_stopped(run_certify, options) -> int:
@@ -90,7 +89,7 @@ def _until_stopped(run_certify, options) -> int:
 
     previous = signal.signal(signal.SIGTERM, terminate)
     try:
-        data = run_certify(options)
+        written = run_certify(options)
     finally:
         signal.signal(signal.SIGTERM, previous)
-    return ExitCode.OK if data["complete"] else ExitCode.INTERRUPTED
+    return ExitCode.OK if written.complete else ExitCode.INTERRUPTED

@@ -34,6 +34,7 @@ import torch
 from sage_qual.fixtures import numerics
 from sage_qual.fixtures.fileformat import Fixture
 from sage_qual.qualification import measure
+from sage_qual.qualification.report_model import Budget
 from sage_qual.serving.variants import Variant
 
 # Kernel against model on every shipped fixture where both are finite: at most 1.5 % apart in
@@ -85,21 +86,21 @@ def metrics_of(predicted: torch.Tensor, ref: torch.Tensor) -> dict:
     return found
 
 
-def from_expected(found: dict, margin: float = MARGIN) -> dict:
+def from_expected(found: dict, margin: float = MARGIN) -> Budget:
     """The budget for a cell whose model metrics are `found`."""
     grow = 1.0 + margin
-    budget = {limit: _round_up(found[metric] * grow) for limit, metric in ERRORS.items()}
     tolerance = max(margin * found["rel_l2"], NORM_FLOOR)
-    # Between the model's ratio and 1, widened by the tolerance: a kernel closer to exact passes.
-    budget["min_norm_ratio"] = _round_down(min(found["norm_ratio"], 1.0) - tolerance)
-    budget["max_norm_ratio"] = _round_up(max(found["norm_ratio"], 1.0) + tolerance)
     # At most MAX_MIN_COSINE: a float32 cosine of a head the model reproduces almost exactly used to
     # exceed 1 (1.0000405 for sm80-fp16-cuda on qwen_image_b52_value_offset gave a bound of 1.000049
     # that nothing met, issue 19); measure now sums in float64, within 1e-15 of 1 for equal tensors.
     cosine = 1.0 - (1.0 - found["worst_head_cosine"]) * grow * grow
-    budget["min_cosine"] = _round_down(min(MAX_MIN_COSINE, cosine))
-    budget["max_abs"] = _round_up(MAX_ABS_FACTOR * found["max_abs_error"] + found["rounding"])
-    return budget
+    return Budget(
+        **{limit: _round_up(found[metric] * grow) for limit, metric in ERRORS.items()},
+        # Between the model's ratio and 1, widened by the tolerance: a kernel closer to exact passes.
+        min_norm_ratio=_round_down(min(found["norm_ratio"], 1.0) - tolerance),
+        max_norm_ratio=_round_up(max(found["norm_ratio"], 1.0) + tolerance),
+        min_cosine=_round_down(min(MAX_MIN_COSINE, cosine)),
+        max_abs=_round_up(MAX_ABS_FACTOR * found["max_abs_error"] + found["rounding"]))
 
 
 # Budgets are stored to 6 decimals, rounded outwards (the 1e-9 keeps 0.055000000000000007 at 0.055).
@@ -111,11 +112,11 @@ def _round_down(x: float) -> float:
     return math.floor(x * 1e6 + 1e-9) / 1e6
 
 
-_CACHE: dict[tuple[str, str, str], tuple[dict, dict, torch.Tensor]] = {}
+_CACHE: dict[tuple[str, str, str], tuple[dict, Budget, torch.Tensor]] = {}
 _REFERENCES: dict[tuple[str, str], torch.Tensor] = {}
 
 
-def _cached(variant: Variant, fixture: Fixture) -> tuple[dict, dict, torch.Tensor]:
+def _cached(variant: Variant, fixture: Fixture) -> tuple[dict, Budget, torch.Tensor]:
     device = str(fixture.q.device)
     key = (fixture.sha256, variant.name, device)
     if key not in _CACHE:
@@ -129,9 +130,9 @@ def _cached(variant: Variant, fixture: Fixture) -> tuple[dict, dict, torch.Tenso
     return _CACHE[key]
 
 
-def budget(variant: Variant, fixture: Fixture) -> dict:
-    """The budget of `variant` on `fixture` (limits only, as `judge.cell_reasons` reads them)."""
-    return dict(_cached(variant, fixture)[1])
+def budget(variant: Variant, fixture: Fixture) -> Budget:
+    """The budget of `variant` on `fixture`, as `judge.cell_reasons` reads it."""
+    return _cached(variant, fixture)[1]
 
 
 def expectation(variant: Variant, fixture: Fixture) -> dict:

@@ -33,6 +33,7 @@ from sage_qual.fixtures.fileformat import Fixture
 from sage_qual.qualification import budgets, judge, measure
 from sage_qual.qualification.families import FAMILIES, counts_for
 from sage_qual.qualification.report import markdown_table
+from sage_qual.qualification.report_model import Reason
 from sage_qual.serving.variants import Numerics, Variant
 
 ALL = frozenset(f.name for f in FAMILIES)
@@ -320,7 +321,7 @@ def owners(fixture: Fixture) -> frozenset[str]:
     return frozenset(f.name for f in FAMILIES if counts_for(f, fixture.family))
 
 
-def fails(variant: Variant, fixture: Fixture, out: torch.Tensor, ref: torch.Tensor) -> list[dict]:
+def fails(variant: Variant, fixture: Fixture, out: torch.Tensor, ref: torch.Tensor) -> list[Reason]:
     """certify's judgement of one output against the float32 reference (memory not measured here)."""
     return judge.cell_reasons(measure.errors(out, ref), 0.0, budgets.budget(variant, fixture), math.inf)
 
@@ -333,7 +334,7 @@ def failing(variant: Variant, fixtures: list[Fixture], clean: dict[str, torch.Te
 
 def kept_off(variant: Variant, fixtures: list[Fixture], clean: dict[str, torch.Tensor],
              references: dict[str, torch.Tensor], defect: Defect,
-             already_failing: frozenset[str]) -> tuple[frozenset[str], dict[str, list[dict]]]:
+             already_failing: frozenset[str]) -> tuple[frozenset[str], dict[str, list[Reason]]]:
     """(families a fixture that passed with the clean kernel now keeps off, those fixtures with their
     reasons). `clean`: the kernel's output per fixture name; `references`: float32 attention;
     `already_failing`: `failing(...)` (such a cell cannot show another defect)."""

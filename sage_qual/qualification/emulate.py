@@ -18,23 +18,20 @@ sampled row blocks, to keep the CPU cost at seconds per check.
 
 from __future__ import annotations
 
-import datetime
 import math
-import socket
-import sys
+import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from sage_qual.errors import UsageError
 from sage_qual.fixtures import fileformat
-from sage_qual.qualification import budgets, certify, judge, long_check, measure, report, verdict
-from sage_qual.qualification.families import Shape
-from sage_qual.qualification.report_model import ReasonKind
+from sage_qual.qualification import budgets, certify, certify_run, judge, long_check, measure, report, tasks
+from sage_qual.qualification.report_model import Cell, Device, LongCheck, Report
 from sage_qual.serving import environment
-from sage_qual.serving.variants import VARIANTS, Variant, capability_label
+from sage_qual.serving.variants import VARIANTS, Variant
 
 PREDICTED = "predicted by the CPU numerics model (sage_qual.fixtures.numerics), not measured on a GPU"
 EMULATE_BLOCKS = 2  # sampled row blocks per predicted long check: the first and the last
@@ -51,8 +48,8 @@ class Options:
     command: str = "sage_qual.qualification.emulate.run()"
 
 
-def predict_cell(variant: Variant, fixture: fileformat.Fixture, ref: torch.Tensor) -> dict:
-    """One (variant, fixture) cell in certify's record layout, judged like a measured one."""
+def predict_cell(variant: Variant, fixture: fileformat.Fixture, ref: torch.Tensor) -> Cell:
+    """One (variant, fixture) cell as certify records it, judged like a measured one."""
     start = time.monotonic()
     # The model's output (K smoothing off, as served) and the budget derived from it, computed once.
     out = budgets.prediction(variant, fixture)
@@ -61,169 +58,66 @@ def predict_cell(variant: Variant, fixture: fileformat.Fixture, ref: torch.Tenso
     # Peak memory is a GPU measurement the model cannot make: no memory figure is stored, and the
     # judgement's memory term gets zero against no bound, so it cannot fire.
     reasons = judge.cell_reasons(acc, 0.0, bounds, math.inf)
-    return {"variant": variant.name, "fixture": fixture.name, "outcome": "fail" if reasons else "pass",
-            "detail": PREDICTED, "reasons": reasons, "accuracy_class": variant.accuracy_class,
-            "bounds": bounds,
-            **_finite(acc.as_dict()), "extra_bytes_per_element": None,
-            "seconds": round(time.monotonic() - start, 3)}
+    return tasks.judged_cell(variant.name, fixture.name, acc.as_dict(), bounds, reasons,
+                             variant.accuracy_class, None, detail=PREDICTED,
+                             seconds=round(time.monotonic() - start, 3))
 
 
-def predict_long(variant: Variant, check: dict, cache: dict) -> dict:
+def predict_long(variant: Variant, check: tasks.LongPlan, cache: dict) -> LongCheck:
     """One planned long check predicted (module docstring); calls alike after the head reduction
     are computed once (`cache`)."""
-    shape = Shape(**check["shape"])
+    task = tasks.long_task(f"{variant.name}~predicted", variant.name, check)
+    shape = task.shape
     heads = shape.heads // shape.kv_heads
     key = (variant.name, heads, shape.q_tokens, shape.kv_tokens, shape.head_dim, shape.dtype)
     if key not in cache:
         start = time.monotonic()
         q, k, v = long_check.synthetic(shape, "cpu", heads=heads)
-        result = long_check.check(variant, q, k, v, check["layouts"], None, blocks=EMULATE_BLOCKS)
-        cache[key] = {**result, "seconds": round(time.monotonic() - start, 3)}
-    result = dict(cache[key])
-    result["identical"] = {name: True for name in check["layouts"] if name != "contiguous"}
-    return {"variant": variant.name, "shape": check["shape"], "uses": check["uses"],
-            "layouts": check["layouts"], **result, "detail": PREDICTED,
-            "ran_heads": heads if heads != shape.heads else None}
+        result = long_check.check(task, q, k, v, None, blocks=EMULATE_BLOCKS)
+        cache[key] = replace(result, seconds=round(time.monotonic() - start, 3))
+    return replace(cache[key], shape=task.shape, uses=task.uses, layouts=task.layouts,
+                   identical={name: True for name in task.layouts if name != "contiguous"}, detail=PREDICTED,
+                   ran_heads=heads if heads != shape.heads else None)
 
 
-def run(options: Options) -> dict:
-    variants = certify.select_variants(options.variants)
-    chosen = certify.select_families(options.families)
-    directories = certify.fixture_dirs(options.fixture_dirs)
-    fixtures = certify.select_fixtures(directories, chosen, options.families is None, options.quick)
-    if not fixtures:
+def run(options: Options) -> Report:
+    plan = certify_run.plan(options.out, options.command, certify_run.select_variants(options.variants),
+                            options.families, options.fixture_dirs, options.quick)
+    if not plan.fixtures:
         raise UsageError("no fixtures selected: give --fixtures DIR with *.safetensors fixtures, or other "
                          "--families")
-    out = Path(options.out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise UsageError(f"cannot write to {out}: {error.strerror or error}") from None
-    data = _new_report(options, variants, chosen, fixtures, directories)
-    writer = report.Writer(out / "report.json", data)
-    cells = data["devices"][0]["cells"]
-    with _progress(len(variants) * len(fixtures)) as tick:
-        for fixture in fixtures:
-            ref = measure.reference(fixture.q, fixture.k, fixture.v)
-            for name in variants:
-                cell = predict_cell(VARIANTS[name], fixture, ref)
-                cells.append(cell)
-                tick(f"{name} x {fixture.name}: {cell['outcome']} (rel L2 {_number(cell['rel_l2'])})")
-    checks = certify.long_checks(chosen, fixtures, options.quick)
-    predicted: dict[tuple, dict] = {}
-    with _progress(len(variants) * len(checks)) as tick:
-        for name in variants:
-            for check in checks.values():
-                record = predict_long(VARIANTS[name], check, predicted)
-                data["devices"][0]["long"].append(record)
-                tick(f"{name} at {check['shape']['q_tokens']} tokens: {record['outcome']}")
-    writer.update(_finish)
-    report.render(report.parse(data, str(out / "report.json")), out)
-    print(summary(data), end="")
-    print(f"sage-qual certify --emulate: PREDICTED report in {out / 'report.md'} (`sage-qual gate` "
-          "refuses it: certify on the GPU to enable a family)")
-    return data
+    return certify_run.run(plan, Emulation())
 
 
-def _new_report(options: Options, variants: list[str], chosen: list, fixtures: list,
-                directories: list) -> dict:
-    now = _now()
-    return {
-        "kind": report.KIND, "schema_version": report.SCHEMA_VERSION, "complete": False, "stopped": "",
-        "predicted": True, "started": now, "finished": None, "host": socket.gethostname(),
-        "command": options.command,
-        "options": {"devices": [0], "variants": variants, "families": [f.name for f in chosen],
-                    "fixture_dirs": directories, "quick": options.quick, "timeout_s": 0.0},
-        "environment": asdict(environment.collect()),
-        "fixtures": [certify._fixture_record(f) for f in fixtures],
-        "shapes": {},
-        "devices": [{"index": 0, "name": DEVICE_NAME, "capability": [0, 0], "memory_gib": 0.0,
-                     "not_supported": {}, "cells": [], "speed": [], "long": []}],
-    }
+class Emulation:
+    """The backend of `certify --emulate`: every variant's numerics model, in this process, on one
+    pseudo-device."""
+    predicted, target, writes_profile = True, "", False
 
+    def prepare(self, plan: certify_run.Plan) -> certify_run.Machine:
+        device = Device(index=0, name=DEVICE_NAME, capability=[0, 0], memory_gib=0.0, not_supported={},
+                        cells=[], speed=[], long=[])
+        return certify_run.Machine(environment.collect(), [device])
 
-def _finish(data: dict) -> None:
-    data["complete"] = True
-    data["finished"] = _now()
+    def execute(self, plan: certify_run.Plan, writer: report.Writer, stop: threading.Event) -> None:
+        """Cells, then long checks; an interrupt (KeyboardInterrupt in this thread) stops between two."""
+        checks = certify.long_checks(plan.families, plan.fixtures, plan.quick)
+        progress = certify_run.Progress(len(plan.variants) * (len(plan.fixtures) + len(checks)), lines=False)
+        try:
+            for fixture in plan.fixtures:
+                ref = measure.reference(fixture.q, fixture.k, fixture.v)
+                for name in plan.variants:
+                    cell = predict_cell(VARIANTS[name], fixture, ref)
+                    writer.append(0, "cells", cell)
+                    progress.tick("cpu", cell)
+            predicted: dict[tuple, dict] = {}
+            for name in plan.variants:
+                for check in checks.values():
+                    record = predict_long(VARIANTS[name], check, predicted)
+                    writer.append(0, "long", record)
+                    progress.tick("cpu", record)
+        finally:
+            progress.close()
 
-
-def family_matrix(data: dict) -> dict[str, dict[str, list[str]]]:
-    """Per family with fixtures in the run, per variant: why it would fail (from `verdict.decide()`,
-    the verdict gate and report.md give; [] = would pass every fixture of the family)."""
-    matrix: dict[str, dict[str, list[str]]] = {}
-    for gpu in verdict.decide(report.parse(data, "predicted report")):
-        for family in gpu.families:
-            if all(r.kind == ReasonKind.NO_FIXTURES for r in family.reasons) and family.reasons:
-                continue
-            matrix[family.label] = {v: [r.detail for r in family.rejected.get(v, [])]
-                                    for v in data["options"]["variants"]}
-    return matrix
-
-
-def summary(data: dict) -> str:
-    """The terminal table: per variant (and the GPUs that run it by default), which families it
-    would pass or fail (predicted), then every predicted failure with its reason."""
-    matrix = family_matrix(data)
-    variants = data["options"]["variants"]
-    lines = [f"PREDICTED (CPU numerics model, no GPU ran): {len(data['fixtures'])} fixture(s), "
-             f"{len(variants)} variant(s); FAIL = would fail at least one fixture of the family"]
-    width = max(map(len, variants)) + 2
-    lines.append("variant".ljust(width) + "default on".ljust(16) + " ".join(f.ljust(10) for f in matrix))
-    for variant in variants:
-        native = ",".join(map(capability_label, VARIANTS[variant].native_on)) or "-"
-        row = " ".join(("FAIL" if matrix[f][variant] else "pass").ljust(10) for f in matrix)
-        lines.append(variant.ljust(width) + native[:15].ljust(16) + row)
-    for family, row in matrix.items():
-        for reasons in row.values():
-            # One line per variant and fixture: its reasons share the "VARIANT on FIXTURE (...): " prefix.
-            grouped: dict[str, list[str]] = {}
-            # A non-finite output leaves every metric "not measured": the first reason says it all.
-            reasons = [r for r in reasons if not r.endswith("not measured")] or reasons
-            for reason in reasons:
-                where, _, what = reason.partition("): ")
-                # The one pseudo-device is the model, not a GPU: its "(cuda:0)" says nothing.
-                grouped.setdefault(where.removesuffix(" (cuda:0") if what else "", []).append(what or reason)
-            lines += [f"  would fail {family}: {where}: {'; '.join(whats)}" if where else
-                      f"  would fail {family}: {'; '.join(whats)}" for where, whats in grouped.items()]
-    skipped = sorted(set(data["options"]["families"]) - set(matrix))
-    if skipped:
-        lines.append(f"  no fixtures, not predicted: {', '.join(skipped)}")
-    return "\n".join(lines) + "\n"
-
-
-class _progress:
-    """A tqdm bar on a terminal; nothing per cell in a log (the summary follows)."""
-
-    def __init__(self, total: int):
-        self.bar = None
-        if sys.stderr.isatty():
-            try:
-                from tqdm import tqdm
-            except ImportError:  # tqdm comes with the [report] and [test] extras
-                return
-            self.bar = tqdm(total=total, unit="cell", desc="emulating", dynamic_ncols=True, file=sys.stderr)
-
-    def __enter__(self):
-        def tick(line: str) -> None:
-            if self.bar is not None:
-                self.bar.update(1)
-                self.bar.set_postfix_str(line[:60])
-
-        return tick
-
-    def __exit__(self, *exc):
-        if self.bar is not None:
-            self.bar.close()
-
-
-def _finite(values: dict) -> dict:
-    """JSON has no NaN or infinity: such numbers become null (`finite` says what happened)."""
-    return {k: (None if isinstance(x, float) and not math.isfinite(x) else x) for k, x in values.items()}
-
-
-def _number(x) -> str:
-    return "-" if x is None else f"{x:.3g}"
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    def close(self) -> None:
+        """Nothing to end: no worker ran."""

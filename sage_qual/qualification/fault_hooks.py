@@ -19,6 +19,8 @@ import time
 
 import torch
 
+from sage_qual.qualification.tasks import TaskKind
+
 TEST_HOOK = "SAGE_QUAL_TEST_WORKER"
 FAULTS = {
     "crash": "abort the worker process",
@@ -77,13 +79,13 @@ class FakeBench:
         self.sage.behave()
 
 
-def span_fault(settings: dict, task: dict) -> str | None:
-    """The fault `span_faults` assigns a span probe task: that of the variant's first rule whose
-    span it exceeds, in a layout the rule names (None: none, or not a span task)."""
-    rules = settings.get(task.get("variant"), []) if task["kind"] == "span" else []
-    case = task.get("case", {})
-    return next((rule["fault"] for rule in rules if case["span"] > rule["above"]
-                 and case["layout"] in rule.get("layouts", [case["layout"]])), None)
+def span_fault(settings: dict, task) -> str | None:
+    """The fault `span_faults` assigns a span probe task (`tasks.SpanTask`): that of the variant's
+    first rule whose span it exceeds, in a layout the rule names (None: none, or not a span task)."""
+    if task.KIND != TaskKind.SPAN:
+        return None
+    return next((rule["fault"] for rule in settings.get(task.variant, []) if task.span > rule["above"]
+                 and task.layout in rule.get("layouts", [task.layout])), None)
 
 
 def inject(fault: str | None, bench) -> None:

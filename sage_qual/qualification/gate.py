@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 def local_fixture_files(directories: list[str] | None, family: Family) -> dict[str, Fixture]:
     """This machine's fixtures that count for the family, loaded: name -> fixture."""
     from sage_qual.fixtures import fileformat
-    from sage_qual.qualification.certify import check_finite, fixture_dirs
+    from sage_qual.qualification.certify_run import check_finite, fixture_dirs
 
     found = {}
     for directory in fixture_dirs(directories):
@@ -127,14 +127,14 @@ def _cache_path(run_folder: Path) -> Path:
 
 
 def derived_budget(variant: Variant, fixture: Fixture, cache: dict) -> dict:
-    """`budgets.budget(variant, fixture)`, through `cache` (key: variant and fixture sha256)."""
+    """`budgets.budget(variant, fixture)`'s limits, through `cache` (key: variant and fixture sha256)."""
     from sage_qual.qualification import budgets
 
     key = f"{variant.name} {fixture.sha256}"
     found = cache.get(key)
     if not (isinstance(found, dict) and found
             and all(isinstance(x, float) and math.isfinite(x) for x in found.values())):
-        cache[key] = budgets.budget(variant, fixture)
+        cache[key] = budgets.budget(variant, fixture).limits()
     return cache[key]
 
 

@@ -3,10 +3,11 @@
 certify's worker calls it as it measures, the verdict recomputes it from the stored metrics, and the
 GPU tests assert with it, so a cell cannot pass in one place and fail in another.
 
-A budget is a mapping of limits, per variant and fixture, derived from the numerics model
-(`sage_qual.qualification.budgets.budget`). Every limit present is checked against its metric; a metric
-that is missing or not a number for a limit that is present is a reason too, so a report stripped
-of a number cannot pass. Finiteness is always checked.
+A budget is a `report_model.Budget`, per variant and fixture, derived from the numerics model
+(`sage_qual.qualification.budgets.budget`), or a stored cell's mapping of limits (`Cell.bounds`).
+Every limit present is checked against its metric; a metric that is missing or not a number for a
+limit that is present is a reason too, so a report stripped of a number cannot pass. Finiteness is
+always checked.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, is_dataclass
+
+from sage_qual.qualification.report_model import Budget, Reason, ReasonKind
 
 # limit -> (metric, "max" or "min", what it says)
 LIMITS = {
@@ -34,26 +37,27 @@ def _number(value) -> float | None:
     return float(value)
 
 
-def cell_reasons(metrics, per_element: float | None, budget: Mapping, memory_bound: float) -> list[dict]:
+def cell_reasons(metrics, per_element: float | None, budget: Budget | Mapping,
+                 memory_bound: float) -> list[Reason]:
     """Why a cell fails, each reason with its numbers; empty when it passes.
 
     `metrics`: a `measure.Accuracy` or a mapping with its field names (a stored cell).
     """
     found = asdict(metrics) if is_dataclass(metrics) else dict(metrics)
+    budget = budget.limits() if isinstance(budget, Budget) else budget
     reasons = []
     finite = found.get("finite") is True
     if not finite:
-        reasons.append({"kind": "non_finite", "detail": "output not finite where the reference is"})
+        reasons.append(Reason(ReasonKind.NON_FINITE, "output not finite where the reference is"))
     for limit, (metric, side, label) in LIMITS.items():
         if limit not in budget:
             continue
         bound, value = _number(budget[limit]), _number(found.get(metric))
         if bound is None:
-            reasons.append({"kind": "accuracy",
-                            "detail": f"budget {limit} is not a number: {budget[limit]!r}"})
+            reasons.append(Reason(ReasonKind.ACCURACY, f"budget {limit} is not a number: {budget[limit]!r}"))
         elif value is None or math.isnan(value):
             # A non-finite output has no errors to measure: that reason was given once, above.
-            missing = {"kind": "accuracy", "detail": f"{label} ({metric}) not measured"}
+            missing = Reason(ReasonKind.ACCURACY, f"{label} ({metric}) not measured")
             if finite and missing not in reasons:
                 reasons.append(missing)
         elif (side == "max" and not value <= bound) or (side == "min" and not value >= bound):
@@ -61,17 +65,16 @@ def cell_reasons(metrics, per_element: float | None, budget: Mapping, memory_bou
             extra = ""
             if metric == "rel_l2" and _number(found.get("sdpa_rel_l2")) is not None:
                 extra = f" (SDPA in the input precision: {found['sdpa_rel_l2']:.3g})"
-            reasons.append({"kind": "accuracy",
-                            "detail": f"{label} {value:.4g} {relation} {bound:.4g}{extra}"})
+            reasons.append(Reason(ReasonKind.ACCURACY, f"{label} {value:.4g} {relation} {bound:.4g}{extra}"))
     if per_element is None:
-        reasons.append({"kind": "memory", "detail": "extra peak memory not measured"})
+        reasons.append(Reason(ReasonKind.MEMORY, "extra peak memory not measured"))
     elif per_element > memory_bound:
-        reasons.append({"kind": "memory",
-                        "detail": f"extra peak {per_element:.2f} bytes per q/k/v element > {memory_bound:g}"})
+        reasons.append(Reason(ReasonKind.MEMORY,
+                              f"extra peak {per_element:.2f} bytes per q/k/v element > {memory_bound:g}"))
     return reasons
 
 
-def layout_reasons(identical: Mapping, layouts) -> list[dict]:
+def layout_reasons(identical: Mapping, layouts) -> list[Reason]:
     """A long check's reason per declared layout other than contiguous whose output was not the
     contiguous call's bit for bit (`identical`: layout -> bool), or that was not compared."""
     reasons = []
@@ -79,8 +82,8 @@ def layout_reasons(identical: Mapping, layouts) -> list[dict]:
         if name == "contiguous":
             continue
         if name not in identical:
-            reasons.append({"kind": "layout", "detail": f"layout {name}: not compared with contiguous"})
+            reasons.append(Reason(ReasonKind.LAYOUT, f"layout {name}: not compared with contiguous"))
         elif identical[name] is not True:
-            reasons.append({"kind": "layout", "detail": f"layout {name}: output differs from the same "
-                                                        "kernel's on contiguous copies"})
+            reasons.append(Reason(ReasonKind.LAYOUT, f"layout {name}: output differs from the same kernel's "
+                                                     "on contiguous copies"))
     return reasons

@@ -41,11 +41,14 @@ from typing import Callable
 
 import torch
 
+from sage_qual import records
 from sage_qual.fixtures import numerics
 from sage_qual.qualification import budgets, judge, measure
 from sage_qual.qualification import families as families_mod
 from sage_qual.qualification.families import Shape
-from sage_qual.serving.variants import Variant
+from sage_qual.qualification.report_model import DType, LongCheck, Outcome, ShapeSpec, ShapeUse
+from sage_qual.qualification.tasks import LongPlan, LongTask, shape_spec
+from sage_qual.serving.variants import VARIANTS, Variant
 
 SAMPLE_BLOCKS = 4
 SAMPLE_ROWS = 128  # a multiple of every variant's Q tile (16, 32 or 128 rows): whole tiles are sampled
@@ -61,22 +64,23 @@ GENERIC_HEADS = 24
 
 # Planning --------------------------------------------------------------------------------------
 def plan(chosen: list[families_mod.Family], sweep_tokens, longest_fixture: int,
-         quick: bool = False) -> dict[str, dict]:
-    """The checks to run on every variant, by shape key: {"shape", "uses", "layouts"}.
+         quick: bool = False) -> dict[str, LongPlan]:
+    """The checks to run on every variant, by shape key.
 
     Each chosen family's longest call in its declared layouts, and each generic sweep length past
     the longest fixture (head_dim 128, 24 heads, as the sweep times it) in every layout a chosen
     family declares. Families sharing a shape share its check. quick (a pre-flight, which times no
     family shape, so only its default entry can be enabled): the longest of the families' calls only."""
-    checks: dict[str, dict] = {}
+    shapes: dict[str, Shape] = {}
+    uses: dict[str, list[ShapeUse]] = {}
+    wanted: dict[str, set[str]] = {}
 
     def add(shape: Shape, family: str | None, label: str, layouts) -> None:
-        entry = checks.setdefault(shape.key, {"shape": shape.as_dict(), "uses": [], "layouts": []})
-        entry["uses"].append({"family": family, "label": label})
-        wanted = set(entry["layouts"]) | set(layouts)
+        shapes.setdefault(shape.key, shape)
+        uses.setdefault(shape.key, []).append(ShapeUse(family, label))
+        wanted.setdefault(shape.key, set()).update(layouts)
         if shape.q_tokens != shape.kv_tokens:  # one fused projection gives as many queries as keys
-            wanted.discard("fused_qkv")
-        entry["layouts"] = [name for name in families_mod.LAYOUTS if name in wanted]
+            wanted[shape.key].discard("fused_qkv")
 
     every = {name for family in chosen for name in family.layouts} or {"contiguous"}
     for tokens in sweep_tokens:
@@ -90,16 +94,18 @@ def plan(chosen: list[families_mod.Family], sweep_tokens, longest_fixture: int,
         longest = family.longest
         add(longest, family.name, f"longest call: {longest.q_tokens} query / {longest.kv_tokens} key tokens",
             family.layouts)
-    return checks
+    return {key: LongPlan(shape_spec(shape.as_dict()), uses[key],
+                          [name for name in families_mod.LAYOUTS if name in wanted[key]])
+            for key, shape in shapes.items()}
 
 
 # Tensors ---------------------------------------------------------------------------------------
-def synthetic(shape: Shape, device, tokens=lambda n: n, heads: int | None = None) -> tuple:
+def synthetic(shape: Shape | ShapeSpec, device, tokens=lambda n: n, heads: int | None = None) -> tuple:
     """Seeded [B, H, N, D] q, k, v of the shape's dtype (see INPUTS); `tokens` maps the planned
     token counts to those run (test fakes cut them), `heads` runs fewer query heads (emulation:
     whole K/V groups, each head's arithmetic being independent of the others')."""
     generator = torch.Generator(device).manual_seed(SEED)
-    dtype = getattr(torch, shape.dtype)
+    dtype = getattr(torch, DType(shape.dtype).value)  # families.Shape holds a name, ShapeSpec a DType
     heads = shape.heads if heads is None else heads
     kv_heads = max(1, heads * shape.kv_heads // shape.heads)
 
@@ -177,13 +183,13 @@ def sampled_reference(q_rows, k, v) -> torch.Tensor:
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, str], torch.Tensor]
 
 
-def check(variant: Variant, q, k, v, layouts: list[str], kernel: Kernel | None,
-          blocks: int = SAMPLE_BLOCKS) -> dict:
-    """Judge `kernel(q, k, v, tensor_layout)` on q, k, v (contiguous HND) and its layouts.
+def check(task: LongTask, q, k, v, kernel: Kernel | None, blocks: int = SAMPLE_BLOCKS) -> LongCheck:
+    """Judge `kernel(q, k, v, tensor_layout)` on q, k, v (contiguous HND) and the task's layouts.
 
     kernel None: predict (certify --emulate): the numerics model stands for the kernel on the
     sampled rows, and every layout is identical by construction (the model reads values, not memory).
-    Returns the fields of a report's long check (metrics, bounds, reasons, outcome, identical)."""
+    Returns the report's long check of the task (tokens and heads as planned: the caller says what ran)."""
+    variant, layouts = VARIANTS[task.variant], task.layouts
     tokens = q.shape[2]
     starts = sample_starts(tokens, blocks)
     scheme = variant.numerics.at_head_dim(q.shape[-1])
@@ -209,11 +215,10 @@ def check(variant: Variant, q, k, v, layouts: list[str], kernel: Kernel | None,
     metrics = measure.errors(out_rows, ref_rows)
     reasons = judge.cell_reasons(metrics, 0.0, bounds, math.inf) + judge.layout_reasons(identical, layouts)
     finite = metrics.pop("finite")
-    return {"outcome": "fail" if reasons else "pass", "reasons": reasons, "bounds": bounds,
-            "metrics": {key: (None if isinstance(x, float) and not math.isfinite(x) else x)
-                        for key, x in metrics.items()},
-            "finite": finite, "model_finite": expected["model_finite"], "rows": starts,
-            "row_block": SAMPLE_ROWS, "identical": identical, "inputs": INPUTS}
+    return task.record(Outcome.FAIL if reasons else Outcome.PASS, reasons=reasons, bounds=bounds.limits(),
+                       metrics=records.finite_or_none(metrics), finite=finite,
+                       model_finite=expected["model_finite"], rows=starts, row_block=SAMPLE_ROWS,
+                       identical=identical, inputs=INPUTS)
 
 
 def kernel_of(package, variant: Variant) -> Kernel:

@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from sage_qual import records
 from sage_qual.serving.torch_sdpa import TORCH_SDPA  # torch's own, whatever is bound over it
 from sage_qual.serving.variants import Variant
 
@@ -44,7 +45,8 @@ class Accuracy:
     max_abs_error: float = float("nan")
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """The numbers as a report stores them (`records.finite_or_none`)."""
+        return records.finite_or_none(asdict(self))
 
 
 def reference(q, k, v, scale: float | None = None) -> torch.Tensor:

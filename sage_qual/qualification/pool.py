@@ -1,10 +1,11 @@
 """The parent's side of certify's worker processes: start them, feed them a job, follow them.
 
 A worker (`sage_qual.qualification.worker`, its own process) runs one job of tasks on one GPU
-and streams JSON lines back; this module starts workers ahead of need (`Pool`), kills one that
-sends nothing for the task timeout, turns a death into a "crash" or "timeout" result for the task
-it was in, and runs the rest in a fresh worker (`run_tasks`). It never imports torch and never
-touches CUDA: a fault in a kernel can only take a worker down.
+and streams JSON lines back (`tasks`: the typed tasks, messages and results); this module starts
+workers ahead of need (`Pool`), kills one that sends nothing for the task timeout, turns a death
+into a "crash" or "timeout" result for the task it was in, and runs the rest in a fresh worker
+(`run_tasks`). A message that breaks the protocol ends the run with one line naming its key. It
+never imports torch and never touches CUDA: a fault in a kernel can only take a worker down.
 """
 
 from __future__ import annotations
@@ -21,7 +22,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from sage_qual import records
 from sage_qual.limits import MAX_WORKER_FAILURES
+from sage_qual.qualification import tasks as tasks_mod
+from sage_qual.qualification.report_model import Outcome
+from sage_qual.qualification.tasks import MessageType, Result, Task
 
 WORKER_MODULE = "sage_qual.qualification.worker"
 EXIT_POISONED = 70  # a worker's exit code when a CUDA error left its context unusable
@@ -53,10 +58,11 @@ class Process:
                 continue
         self.messages.put(None)
 
-    def start(self, tasks: list[dict], env: dict[str, str] | None = None) -> None:
+    def start(self, tasks: list[Task], env: dict[str, str] | None = None) -> None:
         """Send the job; `env` is applied in the worker before anything touches CUDA or Triton."""
+        job = tasks_mod.Job([tasks_mod.dump_task(task) for task in tasks], env or {})
         try:
-            self.proc.stdin.write((json.dumps({"tasks": tasks, "env": env or {}}) + "\n").encode())
+            self.proc.stdin.write((json.dumps(records.dump(job)) + "\n").encode())
             self.proc.stdin.flush()
         except OSError:  # it died before reading its job: the reader reports the end
             pass
@@ -103,24 +109,29 @@ class Process:
             return ""
 
 
-def run_tasks(tasks: list[dict], spawn: Callable[[], Process], timeout: float, startup_timeout: float,
-              on_result: Callable[[str, dict], None], stop: threading.Event | None = None,
+def run_tasks(tasks: list[Task], spawn: Callable[[], Process], timeout: float, startup_timeout: float,
+              on_result: Callable[[Task, Result], None], stop: threading.Event | None = None,
               max_failures: int = MAX_WORKER_FAILURES, env: dict[str, str] | None = None) -> None:
-    """Run tasks in workers until each has a result or the run is stopped.
+    """Run tasks in workers until each has a result (`on_result(task, result)`) or the run is stopped.
 
     A task that kills its worker (signal, exit) gets "crash" with the stderr tail; one that sends
     nothing for `timeout` seconds gets "timeout" and its worker is killed (the first task of a
     worker, which sets up CUDA and compiles kernels, gets `startup_timeout`). The other tasks go
     on in a fresh worker. After `max_failures` such endings the rest are skipped, so one broken
-    variant cannot eat the time budget of the whole run.
+    variant cannot eat the time budget of the whole run. A message that breaks the protocol raises
+    `records.RecordError` (its worker killed).
     """
-    pending = {task["id"]: task for task in tasks}
+    pending = {task.id: task for task in tasks}
     failures = 0
     while pending and not (stop and stop.is_set()):
         process = spawn()
         process.start(list(pending.values()), env)
-        how, current, progressed, waited = _follow(process, pending, timeout, startup_timeout, on_result,
-                                                   stop)
+        try:
+            how, current, progressed, waited = _follow(process, pending, timeout, startup_timeout, on_result,
+                                                       stop)
+        except records.RecordError:
+            process.kill()
+            raise
         if how in ("done", "stopped"):
             process.close()
             break
@@ -129,31 +140,32 @@ def run_tasks(tasks: list[dict], spawn: Callable[[], Process], timeout: float, s
         ended = (f"it sent nothing for {waited:g} s and was killed" if how == "timeout"
                  else f"it died ({process.ended()})")
         if current is not None:
-            pending.pop(current)
-            on_result(current, {"outcome": "timeout" if how == "timeout" else "crash",
-                                "detail": f"the worker ran this task when {ended}", "stderr_tail": tail})
+            task = pending.pop(current)
+            on_result(task, task.record(Outcome.TIMEOUT if how == "timeout" else Outcome.CRASH,
+                                        detail=f"the worker ran this task when {ended}", stderr_tail=tail))
         elif progressed:  # it reported its last task, then exited (a poisoned CUDA context): go on
             continue
         else:  # it never started a task: the rest would fail the same way
-            for task_id in list(pending):
-                on_result(task_id, {"outcome": "crash", "detail": f"a worker failed to start: {ended}",
-                                    "stderr_tail": tail})
+            for task in list(pending.values()):
+                on_result(task, task.record(Outcome.CRASH, detail=f"a worker failed to start: {ended}",
+                                            stderr_tail=tail))
             break
         failures += 1
         if failures >= max_failures:
-            for task_id in list(pending):
-                on_result(task_id, {"outcome": "skip", "detail": f"not run: workers of this job crashed or "
-                                                                 f"hung {failures} times"})
+            for task in list(pending.values()):
+                on_result(task, task.record(Outcome.SKIP, detail=f"not run: workers of this job crashed or "
+                                                                 f"hung {failures} times"))
             break
 
 
-def _follow(process: Process, pending: dict, timeout: float, startup_timeout: float,
+def _follow(process: Process, pending: dict[str, Task], timeout: float, startup_timeout: float,
             on_result: Callable, stop: threading.Event | None) -> tuple[str, str | None, bool, float]:
     """Feed the worker's results to on_result.
 
     Returns how it ended, the task it was in, whether it reported any result, and how long it
     was given for its last message.
     """
+    where = f"a message of the worker logging to {process.log_path}"
     current, progressed, allowed = None, False, startup_timeout
     deadline = time.monotonic() + allowed
     while True:
@@ -168,16 +180,20 @@ def _follow(process: Process, pending: dict, timeout: float, startup_timeout: fl
             continue
         if message is None:
             return "exited", current, progressed, allowed
-        kind = message["type"]
-        allowed = startup_timeout if kind in ("ready", "start") and not progressed else timeout
+        message = tasks_mod.parse_message(message, where)
+        if message.type in (MessageType.START, MessageType.RESULT) and message.id not in pending:
+            raise records.RecordError(where, "id", f"{message.id!r} is no task of this job still waiting "
+                                                   "for its result", tasks_mod.FIX)
+        starting = message.type in (MessageType.READY, MessageType.START) and not progressed
+        allowed = startup_timeout if starting else timeout
         deadline = time.monotonic() + allowed
-        if kind == "start":
-            current = message["id"]
-        elif kind == "result":
-            pending.pop(message["id"], None)
-            on_result(message["id"], {**message["result"], "seconds": message["seconds"]})
+        if message.type == MessageType.START:
+            current = message.id
+        elif message.type == MessageType.RESULT:
+            task = pending.pop(message.id)
+            on_result(task, tasks_mod.parse_result(task, message, where))
             current, progressed = None, True
-        elif kind == "done":
+        elif message.type == MessageType.DONE:
             return "done", None, progressed, allowed
 
 
@@ -186,18 +202,18 @@ class WorkerError(RuntimeError):
 
 
 def collect_environment(log_path: Path, timeout: float) -> dict:
-    """This machine's environment and unsupported variants, collected in a worker: collecting
-    initializes CUDA, which the parent must not."""
-    results = {}
-    run_tasks([{"id": "env", "kind": "env"}], lambda: Process(worker_env(), log_path), timeout, timeout,
-              results.__setitem__)
-    result = results["env"]
-    if result["outcome"] != "pass":
-        tail = (result.get("stderr_tail") or result.get("traceback") or "").strip().splitlines()
+    """This machine's environment and unsupported variants (`tasks.EnvResult`'s JSON), collected in
+    a worker: collecting initializes CUDA, which the parent must not."""
+    results = []
+    run_tasks([tasks_mod.EnvTask("env")], lambda: Process(worker_env(), log_path), timeout, timeout,
+              lambda task, result: results.append(result))
+    (result,) = results
+    if result.outcome != Outcome.PASS:
+        tail = (result.stderr_tail or result.traceback).strip().splitlines()
         last = f" (last stderr line: {tail[-1]})" if tail else ""
-        raise WorkerError(f"collecting this machine's environment failed: {result['outcome']}: "
-                          f"{result.get('detail', '')}{last}")
-    return result
+        raise WorkerError(f"collecting this machine's environment failed: {result.outcome.value}: "
+                          f"{result.detail}{last}")
+    return records.dump(result)
 
 
 class Pool:

@@ -65,6 +65,24 @@ class SmoothK:
     finite: bool
 
 
+@dataclass(frozen=True)
+class Budget:
+    """A cell's limits, derived from the numerics model (`qualification/budgets.py`); `judge` checks
+    each against its metric. A report stores them as `Cell.bounds`, a mapping (`limits()`), since
+    a report written before a limit existed (max_abs) holds fewer."""
+    max_rel_l2: float
+    max_head_rel_l2: float
+    max_batch_rel_l2: float
+    max_block_rel_l2: float
+    min_norm_ratio: float
+    max_norm_ratio: float
+    min_cosine: float
+    max_abs: float
+
+    def limits(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
 _NOT_NEGATIVE = {"minimum": 0}
 # float32 rounding puts a cosine at 1.0000001 (run 8's reports, docs/results/run8-h200x2-final/certify/):
 # 1e-3 of room.

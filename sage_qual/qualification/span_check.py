@@ -38,11 +38,12 @@ every shape of that span right. An above case is a finding of the report; it rai
 from __future__ import annotations
 
 import dataclasses
-import math
 
-from sage_qual import limits
+from sage_qual import limits, records
 from sage_qual.qualification import span_probe
+from sage_qual.qualification.report_model import Outcome, SpanProbe
 from sage_qual.qualification.span_probe import SpanCase, SpanFinding
+from sage_qual.qualification.tasks import SpanTask
 
 RUNG_FRACTION = 8  # the rung's limit: the boundary's / 8 (2^28 elements, 0.5 GB of bf16)
 
@@ -59,36 +60,34 @@ def task_id(variant: str, case: SpanCase) -> str:
     return f"{variant}^span {case.layout} {case.side} {case.span}"
 
 
-def jobs(variant: str, planned: list[tuple[SpanCase, int]]) -> list[list[dict]]:
+def jobs(variant: str, planned: list[tuple[SpanCase, int]]) -> list[list[SpanTask]]:
     """Worker jobs for one variant: every below case and the first above case in one job (a fault
     there ends its worker, with nothing after it), each further above case in a job of its own, so
     one that aborts costs its own worker only and the jobs run side by side."""
-    def task(case: SpanCase, limit: int) -> dict:
-        return {"id": task_id(variant, case), "kind": "span", "variant": variant, "limit": limit,
-                "case": dataclasses.asdict(case)}
+    def task(case: SpanCase, limit: int) -> SpanTask:
+        return SpanTask(task_id(variant, case), variant, limit, **dataclasses.asdict(case))
 
     below = [task(*c) for c in planned if c[0].side == "below"]
     above = [task(*c) for c in planned if c[0].side != "below"]
     return [below + above[:1]] + [[t] for t in above[1:]]
 
 
-def run_case(variant, package, case: dict, bench) -> dict:
-    """A worker's "span" task: the kernel on one case (cut down on fake GPUs: `bench.tokens`/`heads`),
+def run_case(task: SpanTask, variant, package, bench) -> SpanProbe:
+    """A worker's span task: the kernel on its case (cut down on fake GPUs: `bench.tokens`/`heads`),
     "pass" when right on the sampled rows, "fail" when wrong; a fault raises."""
-    planned = SpanCase(**case)
+    planned = SpanCase(task.layout, task.side, task.tokens, task.span, task.heads, task.head_dim,
+                       task.kv_tokens)
     ran = span_probe.scaled(planned, bench.tokens(planned.tokens), bench.heads(planned.heads, planned.heads),
                             bench.tokens(planned.kv_tokens))
     found = span_probe.check_case(variant, package, ran, bench.device)
-    rel_l2, worst_row = (x if math.isfinite(x) else None for x in (found["rel_l2"], found["worst_row"]))
-    result = {"outcome": "pass" if found["outcome"] == "ok" else "fail", "rel_l2": rel_l2,
-              "worst_row": worst_row}
-    if result["outcome"] == "fail":
-        result["detail"] = (f"wrong on sampled rows: relative L2 {found['rel_l2']:.3g} (right: below "
-                            f"{span_probe.MAX_REL_L2}), worst row {found['worst_row']:.3g} (right: below "
-                            f"{span_probe.MAX_WORST_ROW})")
-    if ran != planned:
-        result.update(ran_tokens=ran.tokens, ran_heads=ran.heads, ran_span=ran.span)
-    return result
+    right = found.outcome == span_probe.Verdict.OK
+    detail = "" if right else (
+        f"wrong on sampled rows: relative L2 {found.rel_l2:.3g} (right: below {span_probe.MAX_REL_L2}), "
+        f"worst row {found.worst_row:.3g} (right: below {span_probe.MAX_WORST_ROW})")
+    scaled = {} if ran == planned else {"ran_tokens": ran.tokens, "ran_heads": ran.heads,
+                                        "ran_span": ran.span}
+    numbers = records.finite_or_none({"rel_l2": found.rel_l2, "worst_row": found.worst_row})
+    return task.record(Outcome.PASS if right else Outcome.FAIL, detail=detail, **numbers, **scaled)
 
 
 def findings(probes, variant: str) -> list[SpanFinding]:

@@ -13,13 +13,15 @@ sampled query rows (the last 64 always: offsets past the limit are the last toke
 float32 reference. `largest_safe_span()` is what a profile may certify from the findings.
 
 The child: `python -m sage_qual.qualification.span_probe VARIANT CASES_JSON [--device cuda]`,
-one JSON line per case, printed as each is done, so the cases before an abort survive it.
+one JSON line per case (a `Checked` record, read strictly by the parent), printed as each is done,
+so the cases before an abort survive it.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import enum
 import json
 import os
 import subprocess
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sage_qual import limits
+from sage_qual import limits, records
 from sage_qual.serving.eligibility import extent
 
 LAYOUTS = ("contiguous", "fused_qkv")
@@ -50,6 +52,27 @@ class SpanCase:
     heads: int = HEADS
     head_dim: int = HEAD_DIM
     kv_tokens: int = KV_TOKENS
+
+
+class Verdict(str, enum.Enum):
+    """What a child says of one case (what ended a child is the parent's finding, `SpanFinding`)."""
+    OK = "ok"
+    WRONG = "wrong"
+    FAULT = "fault"  # it raised: a fault poisons the child's context, so nothing after it counts
+
+
+@dataclass(frozen=True)
+class Checked:
+    """One case as the child checked it: the sampled rows' errors (null on the wire: not finite)."""
+    outcome: Verdict
+    rel_l2: float | None = None
+    worst_row: float | None = None
+    error: str = ""
+
+    def sendable(self) -> Checked:
+        """The same with non-finite errors as None: JSON has no NaN or infinity."""
+        errors = records.finite_or_none({"rel_l2": self.rel_l2, "worst_row": self.worst_row})
+        return dataclasses.replace(self, **errors)
 
 
 @dataclass(frozen=True)
@@ -120,6 +143,7 @@ def largest_safe_span(findings: list[SpanFinding], variant: str) -> int | None:
 # --- The parent: children per variant --------------------------------------------------------------
 
 CHILD = [sys.executable, "-m", "sage_qual.qualification.span_probe"]
+CHILD_FIX = "the child and its parent disagree on what a case's line holds, a sage-qual bug: report it"
 
 
 def run_probe(variant: str, cases: list[SpanCase], command: list[str] = CHILD,
@@ -133,11 +157,14 @@ def run_probe(variant: str, cases: list[SpanCase], command: list[str] = CHILD,
     except subprocess.TimeoutExpired as expired:  # its output so far comes as bytes on POSIX
         out = expired.stdout or b""
         lines, code, tail = (out.decode() if isinstance(out, bytes) else out).splitlines(), None, "timed out"
-    reported = [json.loads(line) for line in lines if line.startswith("{")]
+    reported = [records.parse(Checked, json.loads(line), f"span probe child of {variant}", CHILD_FIX)
+                for line in lines if line.startswith("{")]
     findings = []
     for index, case in enumerate(cases):
         if index < len(reported):
-            findings.append(SpanFinding(variant, case, **reported[index]))
+            found = reported[index]
+            findings.append(SpanFinding(variant, case, found.outcome.value, found.rel_l2, found.worst_row,
+                                        found.error))
         elif index > len(reported):
             findings.append(SpanFinding(variant, case, "not run: an earlier case ended the child"))
         else:
@@ -179,8 +206,9 @@ def _tensors(case: SpanCase, device: str):
     return q, k[:, :, :case.kv_tokens], v[:, :, :case.kv_tokens]
 
 
-def check_case(variant, package, case: SpanCase, device: str) -> dict:
-    """One case in this process: "ok" or "wrong" with the sampled rows' errors (a fault raises)."""
+def check_case(variant, package, case: SpanCase, device: str) -> Checked:
+    """One case in this process: ok or wrong with the sampled rows' errors, which may be NaN or
+    infinite here (a fault raises)."""
     from sage_qual.qualification import measure
 
     q, k, v = _tensors(case, device)
@@ -197,7 +225,7 @@ def check_case(variant, package, case: SpanCase, device: str) -> dict:
     rel_l2 = (diff.norm() / ref.norm()).item()
     worst_row = (diff.norm(dim=-1) / ref.norm(dim=-1)).max().item()  # nan when a row is not finite
     right = rel_l2 < MAX_REL_L2 and worst_row < MAX_WORST_ROW
-    return {"outcome": "ok" if right else "wrong", "rel_l2": rel_l2, "worst_row": worst_row}
+    return Checked(Verdict.OK if right else Verdict.WRONG, rel_l2, worst_row)
 
 
 def main(argv: list[str]) -> int:
@@ -212,9 +240,9 @@ def main(argv: list[str]) -> int:
             found = check_case(variant, package, case, device)
         except Exception as error:  # a fault poisons this process's context: nothing after it counts
             described = f"{type(error).__name__}: {error}"[:300]
-            print(json.dumps({"outcome": "fault", "error": described}), flush=True)
+            print(json.dumps(records.dump(Checked(Verdict.FAULT, error=described))), flush=True)
             return 0
-        print(json.dumps(found), flush=True)
+        print(json.dumps(records.dump(found.sendable())), flush=True)
         if device == "cuda":
             torch.cuda.empty_cache()
     return 0

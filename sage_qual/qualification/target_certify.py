@@ -1,7 +1,7 @@
 """`sage-qual certify --target NAME`: the fixtures, budgets and verdicts of certify, run on an
 integration (`targets.resolve(NAME)`) instead of on our variants.
 
-Each cell runs in certify's isolated workers (task kind "target", `target_cells.run_task`): the target is
+Each cell runs in certify's isolated workers (task kind "target_cell", `target_cells.run_cell`): the target is
 enabled as its app enables it, called on the fixture in SDPA's layout, and judged by the same
 `judge.cell_reasons` against the fixture's bounds for the kernel class the integration runs on
 that GPU. A call the integration claims not to take is a skip with its claim
@@ -16,20 +16,15 @@ In the report the target stands where a variant stands (`options.variants == [NA
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import functools
-import os
-import shutil
-import socket
-import tempfile
 import threading
 from pathlib import Path
 
 from sage_qual import limits
 from sage_qual.errors import UsageError
-from sage_qual.qualification import certify, pool, report, targets, verdict
+from sage_qual.qualification import certify_run, pool, report, targets, tasks
 from sage_qual.qualification import families as families_mod
-from sage_qual.qualification.report_model import ReasonKind
+from sage_qual.qualification.report_model import Cell, Outcome, Report
 
 
 @dataclasses.dataclass
@@ -42,9 +37,9 @@ class Options:
     quick: bool = False
     timeout: float = limits.TASK_TIMEOUT
     command: str = "sage_qual.qualification.target_certify.run()"
+    junit_xml: Path | None = None  # also write JUnit XML, one test case per GPU model and family
 
 
-# The parent's side ------------------------------------------------------------------------------
 def resolve(name: str) -> targets.Target:
     try:
         return targets.resolve(name)
@@ -52,147 +47,69 @@ def resolve(name: str) -> targets.Target:
         raise UsageError(str(error)) from None
 
 
-def run(options: Options) -> dict:
-    certify.check_numbers(options)
+def run(options: Options) -> Report:
+    certify_run.check_numbers(options.timeout, options.devices)
     target = resolve(options.target)
-    chosen = certify.select_families(options.families)
-    directories = certify.fixture_dirs(options.fixture_dirs)
-    fixtures = certify.select_fixtures(directories, chosen, options.families is None, options.quick)
-    out = Path(options.out)
-    with certify.output_directory(out) as logs:
-        workers = pool.Pool(logs)
+    plan = certify_run.plan(options.out, options.command, [target.name], options.families,
+                            options.fixture_dirs, options.quick, options.timeout, options.junit_xml)
+    return certify_run.run(plan, TargetRun(target.name, options.devices))
+
+
+class TargetRun:
+    """The backend of `certify --target`: per GPU, the target's machine check, then each fixture in
+    a worker."""
+    predicted, writes_profile = False, False
+
+    def __init__(self, target: str, devices: str):
+        self.target, self.devices = target, devices
+        self.workers: pool.Pool | None = None
+
+    def prepare(self, plan: certify_run.Plan) -> certify_run.Machine:
+        self.workers = pool.Pool(certify_run.logs_directory(plan.out))
+        collected = certify_run.gpu_machine(
+            plan, self.devices, "certify --target needs the GPU it qualifies the integration on",
+            needs_sageattention=False)
+        gpus = collected.environment.gpus
+        return certify_run.Machine(collected.environment,
+                                   [certify_run.gpu_device(gpus[i], {}, [], None) for i in collected.indices])
+
+    def execute(self, plan: certify_run.Plan, writer: report.Writer, stop: threading.Event) -> None:
+        progress = certify_run.Progress(len(plan.fixtures) * len(writer.report.devices))
         try:
-            try:
-                collected = pool.collect_environment(logs / "environment.log",
-                                                     limits.startup_timeout(options.timeout))
-            except pool.WorkerError as error:
-                raise UsageError(str(error)) from None
-            return _run(options, target, chosen, fixtures, directories, collected, out, workers)
+            certify_run.parallel([functools.partial(self._device_cells, n, plan, writer, progress, stop)
+                                  for n in range(len(writer.report.devices))], stop)
         finally:
-            workers.close()
+            progress.close()
 
+    def close(self) -> None:
+        if self.workers is not None:
+            self.workers.close()
 
-def _run(options: Options, target: targets.Target, chosen: list, fixtures: list, directories: list,
-         collected: dict, out: Path, workers: pool.Pool) -> dict:
-    env = collected["environment"]
-    if not env["gpus"]:
-        raise UsageError("no CUDA GPU is visible here (CPU-only torch, no driver, or CUDA_VISIBLE_DEVICES "
-                         "empty): certify --target needs the GPU it qualifies the integration on")
-    devices = certify._device_indices(options.devices, len(env["gpus"]))
-    data = {
-        "kind": report.KIND, "schema_version": report.SCHEMA_VERSION, "complete": False, "stopped": "",
-        "target": target.name, "started": _now(), "finished": None, "host": socket.gethostname(),
-        "command": options.command,
-        "options": {"devices": devices, "variants": [target.name], "families": [f.name for f in chosen],
-                    "fixture_dirs": directories, "quick": options.quick, "timeout_s": options.timeout},
-        "environment": env, "fixtures": [certify._fixture_record(f) for f in fixtures], "shapes": {},
-        "devices": [{"index": i, "name": env["gpus"][i]["name"], "capability": env["gpus"][i]["capability"],
-                     "memory_gib": env["gpus"][i]["memory_gib"], "not_supported": {}, "cells": [],
-                     "speed": []}
-                    for i in devices],
-    }
-    writer = report.Writer(out / "report.json", data)
-    stop, errors = threading.Event(), []
-    threads = [threading.Thread(target=_device_run, daemon=True,
-                                args=(n, target, fixtures, options, writer, workers, stop, errors))
-               for n in range(len(devices))]
-    for thread in threads:
-        thread.start()
-    try:
-        while any(thread.is_alive() for thread in threads):
-            for thread in threads:
-                thread.join(timeout=0.5)
-    except KeyboardInterrupt:  # SIGINT, or SIGTERM through the command line's handler
-        stop.set()
-        for thread in threads:
-            thread.join()
-        writer.update(lambda d: d.update(stopped="interrupted (SIGINT or SIGTERM)"))
-    if errors and not data["stopped"]:
-        writer.update(lambda d: d.update(stopped=f"internal error: {errors[0]!r}"))
-    if not data["stopped"]:
-        writer.update(_finish)
-    report.render(report.parse(data, str(out / "report.json")), out)
-    print(summary(data, out), end="")
-    if errors:
-        raise errors[0]
-    return data
+    def _device_cells(self, position: int, plan: certify_run.Plan, writer: report.Writer,
+                      progress: certify_run.Progress, stop: threading.Event) -> None:
+        """One GPU's cells, each in a worker."""
+        device = writer.report.devices[position]
+        name = self.target
+        results: list[tasks.MachineResult] = []
+        with certify_run.gpu_env(device.index) as env:
+            run = functools.partial(pool.run_tasks, spawn=self.workers.take, timeout=plan.timeout,
+                                    startup_timeout=limits.startup_timeout(plan.timeout), stop=stop, env=env)
+            run([tasks.TargetMachineTask("machine", name)],
+                on_result=lambda task, result: results.append(result))
+            if not results:  # stopped before the machine check answered
+                return
+            (machine,) = results
+            reasons = machine.reasons if machine.outcome == Outcome.PASS else [machine.detail]
+            if reasons:
+                skips = [Cell(variant=name, fixture=f.name, outcome=Outcome.SKIP, detail="; ".join(reasons))
+                         for f in plan.fixtures]
+                writer.replace_device(position, not_supported={name: reasons}, cells=skips)
+                return
+            cells = [tasks.TargetCellTask(f.name, name, f.name, str(f.path), list(device.capability),
+                                          families_mod.memory_bound(f.family)) for f in plan.fixtures]
 
+            def record(task, cell: Cell) -> None:
+                writer.append(position, "cells", cell)
+                progress.tick(f"cuda:{device.index}", cell)
 
-def _device_run(position: int, target: targets.Target, fixtures: list, options: Options,
-                writer: report.Writer, workers: pool.Pool, stop: threading.Event, errors: list) -> None:
-    """One GPU's cells, each in a worker; an error of this thread is handed to the main thread."""
-    try:
-        _device_cells(position, target, fixtures, options, writer, workers, stop)
-    except BaseException as error:
-        errors.append(error)
-
-
-def _device_cells(position: int, target: targets.Target, fixtures: list, options: Options,
-                  writer: report.Writer, workers: pool.Pool, stop: threading.Event) -> None:
-    device = writer.data["devices"][position]
-    parent_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    visible = parent_visible.split(",")[device["index"]] if parent_visible else str(device["index"])
-    cache = tempfile.mkdtemp(prefix=f"sage-qual-triton-cuda{device['index']}-")
-    env = {"CUDA_VISIBLE_DEVICES": visible, "TRITON_CACHE_DIR": cache}
-    results: dict[str, dict] = {}
-    try:
-        run = functools.partial(pool.run_tasks, spawn=workers.take, timeout=options.timeout,
-                                startup_timeout=limits.startup_timeout(options.timeout), stop=stop, env=env)
-        run([{"id": "machine", "kind": "target", "action": "machine", "target": target.name}],
-            on_result=results.__setitem__)
-        machine = results["machine"]
-        reasons = machine.get("reasons") if machine["outcome"] == "pass" else [machine.get("detail", "crash")]
-        if reasons:
-            def skip(d):
-                d["devices"][position]["not_supported"][target.name] = reasons
-                d["devices"][position]["cells"] += [
-                    {"variant": target.name, "fixture": f.name, "outcome": "skip",
-                     "detail": "; ".join(reasons)}
-                    for f in fixtures]
-
-            writer.update(skip)
-            return
-        tasks = [{"id": f.name, "kind": "target", "action": "cell", "target": target.name,
-                  "fixture": str(f.path), "capability": device["capability"],
-                  "memory_bound": families_mod.memory_bound(f.family)} for f in fixtures]
-
-        def record(task_id, result):
-            cell = {"variant": target.name, "fixture": task_id, **result}
-            writer.update(lambda d: d["devices"][position]["cells"].append(cell))
-            print(f"cuda:{device['index']} {target.name} x {task_id}: {result['outcome']}"
-                  + (f" -- {result.get('detail')}" if result.get("detail") else ""), flush=True)
-
-        run(tasks, on_result=record)
-    finally:
-        shutil.rmtree(cache, ignore_errors=True)
-
-
-def _finish(data: dict) -> None:
-    data["complete"] = True
-    data["finished"] = _now()
-
-
-def summary(data: dict, out: Path) -> str:
-    """Per GPU and family, from `verdict.decide()` (the verdict gate and report.md give): safe when
-    the integration passed every fixture of the family, NOT SAFE with every reason when one failed,
-    crashed or ran out of time or memory, not qualified when it has no evidence (no fixtures, or
-    calls it does not take or did not serve)."""
-    name = data["target"]
-    lines = [f"sage-qual certify --target {name}: report in {out / 'report.md'}"]
-    for gpu in verdict.decide(report.parse(data, str(out / "report.json"))):
-        for family in gpu.families:
-            if name in family.certified:
-                state = "safe: every fixture of the family passed"
-            else:
-                reasons = family.rejected.get(name) or family.reasons
-                # Skips (calls the integration does not take or did not serve) and missing fixtures
-                # are no evidence either way; anything measured or crashed is.
-                unproven = all(r.kind in (ReasonKind.NO_FIXTURES, ReasonKind.SKIP) for r in reasons)
-                verdict_word = "not qualified: " if unproven else "NOT SAFE: "
-                state = verdict_word + "; ".join(r.detail for r in reasons)
-            lines.append("  %s  %-12s %s" % (gpu.model, family.label, state))
-    return "\n".join(lines) + "\n"
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+            run(cells, on_result=record)

@@ -60,6 +60,29 @@ class Verdict(str, enum.Enum):
     KEEP_OFF = "keep off"
 
 
+class Evidence(str, enum.Enum):
+    """What a family's fixtures say of one variant or integration, speed aside (the summaries of
+    certify --target and --emulate, which time nothing)."""
+    SAFE = "safe"  # passed every fixture of the family
+    NOT_SAFE = "NOT SAFE"  # failed, crashed or ran out of time or memory on one
+    NOT_QUALIFIED = "not qualified"  # no evidence: no fixtures, or calls it did not take or serve
+
+
+@dataclass(frozen=True)
+class Finding:
+    """Why a variant fails a family on one cell, in parts (a summary groups them without parsing a
+    sentence): where, and the cell's own reason."""
+    variant: str
+    fixture: str
+    device: int
+    reason: Reason
+
+    def as_reason(self) -> Reason:
+        """The finding in one sentence, as gate, report.md and the profile give it."""
+        return Reason(self.reason.kind, f"{self.variant} on {self.fixture} (cuda:{self.device}): "
+                                        f"{self.reason.detail}")
+
+
 @dataclass(frozen=True)
 class Thresholds:
     min_query_tokens: int
@@ -79,7 +102,7 @@ class FamilyDecision:
     head_dims: list[int] | None = None
     reasons: list[Reason] = field(default_factory=list)
     certified: list[str] = field(default_factory=list)  # variants that passed every fixture
-    rejected: dict[str, list[Reason]] = field(default_factory=dict)
+    findings: dict[str, list[Finding]] = field(default_factory=dict)  # per variant failing, every cell
     speedups: dict[str, float] = field(default_factory=dict)  # own shape label -> lower bound
     # The verified range (enable only): None with range_verified False for a report without long checks.
     max_query_tokens: int | None = None
@@ -91,6 +114,24 @@ class FamilyDecision:
     @property
     def label(self) -> str:
         return self.family or "default"
+
+    def evidence(self, variant: str) -> Evidence:
+        if variant in self.certified:
+            return Evidence.SAFE
+        # Skips (calls not taken or not served) and missing fixtures are no evidence either way;
+        # anything measured, crashed or left unrun is.
+        if all(r.kind in (ReasonKind.NO_FIXTURES, ReasonKind.SKIP) for r in self.why_not(variant)):
+            return Evidence.NOT_QUALIFIED
+        return Evidence.NOT_SAFE
+
+    @property
+    def rejected(self) -> dict[str, list[Reason]]:
+        """Per variant that failed the family, why, one sentence per cell (`findings`)."""
+        return {variant: [f.as_reason() for f in found] for variant, found in self.findings.items()}
+
+    def why_not(self, variant: str) -> list[Reason]:
+        """Why `variant` was not certified for the family: its own findings, else the family's reasons."""
+        return self.rejected.get(variant) or self.reasons
 
     def served_from(self) -> str:
         if self.min_query_tokens is None:
@@ -158,9 +199,7 @@ def judged(report: Report, cell: Cell) -> list[Reason]:
     metrics["finite"] = bool(cell.finite)
     # A predicted cell (certify --emulate) has no memory number: only its accuracy is judged.
     extra = 0.0 if cell.extra_bytes_per_element is None and report.predicted else cell.extra_bytes_per_element
-    reasons = judge.cell_reasons(metrics, extra, dict(cell.bounds),
-                                 memory_bound(fixture.family))
-    return [Reason(ReasonKind(r["kind"]), r["detail"]) for r in reasons]
+    return judge.cell_reasons(metrics, extra, dict(cell.bounds), memory_bound(fixture.family))
 
 
 def long_judged(check: LongCheck) -> list[Reason]:
@@ -171,9 +210,9 @@ def long_judged(check: LongCheck) -> list[Reason]:
     metrics["finite"] = bool(check.finite)
     reasons = judge.cell_reasons(metrics, 0.0, dict(check.bounds), math.inf)
     reasons += judge.layout_reasons(check.identical, check.layouts)
-    reasons += [{"kind": "layout", "detail": f"layout {name}: unknown to this sage-qual"}
+    reasons += [Reason(ReasonKind.LAYOUT, f"layout {name}: unknown to this sage-qual")
                 for name in check.layouts if name not in LAYOUTS]
-    return [Reason(ReasonKind(r["kind"]), r["detail"]) for r in reasons]
+    return reasons
 
 
 def check_evidence(report: Report, where: str) -> None:
@@ -278,7 +317,7 @@ class _Model:
         for variant in self.runnable:
             failures = [r for fixture in fixtures for r in self._failures(variant, fixture)]
             if failures:
-                result.rejected[variant] = failures
+                result.findings[variant] = failures
             else:
                 result.certified.append(variant)
         if not result.certified:
@@ -381,16 +420,14 @@ class _Model:
             result.max_query_tokens = result.max_key_tokens = result.layouts = None
         return result
 
-    def _failures(self, variant: str, fixture: str) -> list[Reason]:
-        reasons = []
+    def _failures(self, variant: str, fixture: str) -> list[Finding]:
+        found = []
         for device in self.devices:
-            where = f"{variant} on {fixture} (cuda:{device.index})"
             cell = self.cells.get((variant, fixture, device.index))
-            if cell is None:
-                reasons.append(Reason(ReasonKind.INCOMPLETE, f"{where}: not run"))
-            else:
-                reasons += [Reason(r.kind, f"{where}: {r.detail}") for r in judged(self.report, cell)]
-        return reasons
+            missing = [Reason(ReasonKind.INCOMPLETE, "not run")]
+            reasons = missing if cell is None else judged(self.report, cell)
+            found += [Finding(variant, fixture, device.index, reason) for reason in reasons]
+        return found
 
     def _choose(self, candidates: list[str], own: list[str], relevant: list[str],
                 min_speedup: float) -> tuple[str, Thresholds | None]:

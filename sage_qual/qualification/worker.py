@@ -10,10 +10,11 @@ the worker exits. Results leave as JSON lines on the original stdout; file descr
 at stderr first, so whatever Triton, CUDA or a print writes there lands in the stderr log whose
 tail the parent keeps for crash reports.
 
-Messages: {"type": "ready"} once it has its job, then per task
-{"type": "start", "id"} and {"type": "result", "id", "seconds", "result"}, and {"type": "done"}.
-A task the worker survives always gets a result (oom and crash included); after a CUDA error that
-poisons the context it reports the task and exits, and the parent runs the rest in a new worker.
+The job and the messages are `tasks`' records: the job's tasks (`tasks.parse_task`), then a
+"ready" message once it has its job, per task "start" and "result" (the task's report record), and
+"done". A task the worker survives always gets a result (oom and crash included); after a CUDA
+error that poisons the context it reports the task and exits, and the parent runs the rest in a new
+worker.
 
 All numbers come from `sage_qual.qualification.measure`, the functions `pytest -m slow` uses.
 """
@@ -25,7 +26,6 @@ import dataclasses
 import importlib
 import importlib.util
 import json
-import math
 import os
 import statistics
 import sys
@@ -35,12 +35,13 @@ import traceback
 
 import torch
 
+from sage_qual import records
 from sage_qual.fixtures import fileformat
-from sage_qual.limits import MEMORY_BOUND
-from sage_qual.qualification import budgets, fault_hooks, long_check, measure, span_check
-from sage_qual.qualification.families import Shape
+from sage_qual.qualification import budgets, fault_hooks, long_check, measure, span_check, tasks
 from sage_qual.qualification.judge import cell_reasons
 from sage_qual.qualification.pool import EXIT_POISONED
+from sage_qual.qualification.report_model import Outcome, ShapeSpec, SmoothK
+from sage_qual.qualification.tasks import MessageType
 from sage_qual.serving import environment, failures, sage_package
 from sage_qual.serving.assess import assess_machine
 from sage_qual.serving.variants import VARIANTS
@@ -94,39 +95,39 @@ class Worker:
             self._package = sage_package.load()
         return self._package
 
-    def run(self, task: dict) -> dict:
+    def run(self, task: tasks.Task) -> tasks.Result:
         try:
-            fault_hooks.inject(self.faults.get(task["id"]) or fault_hooks.span_fault(self.span_faults, task),
+            fault_hooks.inject(self.faults.get(task.id) or fault_hooks.span_fault(self.span_faults, task),
                                self.bench)
-            return getattr(self, "_" + task["kind"])(task)
+            return getattr(self, "_" + task.KIND.value)(task)
         except Exception as error:
             first_line = (str(error).strip().splitlines() or [""])[0]
             detail = f"{type(error).__name__}: {first_line}"[:500]
             if failures.is_out_of_memory(error):
-                return {"outcome": "oom", "detail": detail}
-            return {"outcome": "crash", "detail": detail, "traceback": traceback.format_exc()[-3000:]}
+                return task.record(Outcome.OOM, detail=detail)
+            return task.record(Outcome.CRASH, detail=detail, traceback=traceback.format_exc()[-3000:])
         finally:
             self.bench.release()
 
     # Tasks ---------------------------------------------------------------------------------
-    def _kernel(self, task: dict):
+    def _kernel(self, task):
         """The task's variant, the loaded package, and why the package cannot run it (None when it can)."""
-        variant = VARIANTS[task["variant"]]
+        variant = VARIANTS[task.variant]
         package = self.package()
         return variant, package, sage_package.kernel_problem(package, variant)
 
-    def _env(self, task: dict) -> dict:
+    def _env(self, task: tasks.EnvTask) -> tasks.EnvResult:
         machine = assess_machine()
         env = environment.collect(machine=machine)
         # Per visible GPU, each variant that cannot run on it and why (the parent has no CUDA).
         not_supported = {str(gpu.index): gpu.not_supported() for gpu in machine.gpus}
-        return {"outcome": "pass", "environment": dataclasses.asdict(env), "not_supported": not_supported}
+        return task.record(Outcome.PASS, environment=env, not_supported=not_supported)
 
-    def _cell(self, task: dict) -> dict:
+    def _cell(self, task: tasks.CellTask):
         variant, package, problem = self._kernel(task)
         if problem:
-            return {"outcome": "skip", "detail": problem}
-        fixture = fileformat.load_fixture(task["fixture"], device=self.bench.device)
+            return task.record(Outcome.SKIP, detail=problem)
+        fixture = fileformat.load_fixture(task.fixture, device=self.bench.device)
         q, k, v = fixture.q, fixture.k, fixture.v
         ref = measure.reference(q, k, v)
         out, extra = self.bench.extra_peak_bytes(lambda: measure.call_kernel(package, variant, q, k, v))
@@ -134,40 +135,40 @@ class Worker:
         del out
         bounds = budgets.budget(variant, fixture)  # derived from the numerics model
         per_element = extra / measure.elements(q, k, v)
-        reasons = cell_reasons(acc, per_element, bounds, task.get("memory_bound", MEMORY_BOUND))
-        result = {
-            "outcome": "fail" if reasons else "pass",
-            "reasons": reasons,
-            "accuracy_class": variant.accuracy_class,
-            "bounds": bounds,
-            **_clean(acc.as_dict()),
-            "extra_bytes_per_element": per_element,
-        }
+        reasons = cell_reasons(acc, per_element, bounds, task.memory_bound)
+        smooth_k_on = None
         if is_outlier(fixture.name):  # the wrapper's smoothing-off choice, checked where it matters
             rel_l2, cosine, finite = measure.compare(
                 measure.call_kernel(package, variant, q, k, v, smooth_k=True), ref)
-            result["smooth_k_on"] = _clean({"rel_l2": rel_l2, "worst_head_cosine": cosine, "finite": finite})
-        return result
+            smooth_k_on = SmoothK(**records.finite_or_none(
+                {"rel_l2": rel_l2, "worst_head_cosine": cosine, "finite": finite}))
+        return tasks.judged_cell(task.variant, task.fixture_name, acc.as_dict(), bounds, reasons,
+                                 variant.accuracy_class, per_element, smooth_k_on=smooth_k_on)
 
-    def _target(self, task: dict) -> dict:
-        """`certify --target`: an integration instead of a variant (its module runs the task)."""
+    def _target_machine(self, task: tasks.TargetMachineTask):
+        """`certify --target`: why the integration cannot run on this GPU (its module answers)."""
         from sage_qual.qualification import target_cells
 
-        return target_cells.run_task(task, self.bench)
+        return target_cells.machine(task)
 
-    def _sdpa(self, task: dict) -> dict:
+    def _target_cell(self, task: tasks.TargetCellTask):
+        """`certify --target`: the integration instead of a variant on a fixture (its module runs it)."""
+        from sage_qual.qualification import target_cells
+
+        return target_cells.run_cell(task, self.bench)
+
+    def _sdpa(self, task: tasks.SdpaTask):
         """The fastest SDPA backend: each one timed briefly (SCREEN), the fastest then timed in full."""
-        q, k, v = self._tensors(task["shape"])
+        q, k, v = self._tensors(task.shape)
         timings, screened, refused = self._screen_sdpa(q, k, v)
         if not screened:
-            return {"outcome": "skip", "ms": None, "detail": "no SDPA backend takes this shape",
-                    "refused": refused}
+            return task.record(Outcome.SKIP, detail="no SDPA backend takes this shape", refused=refused)
         best = min(screened, key=screened.get)
-        samples = timings(best, task["warmup"], task["repeats"])
-        return {"outcome": "pass", "ms": statistics.median(samples), "samples_ms": samples,
-                "best_backend": best, "backends": screened, "refused": refused}
+        samples = timings(best, task.warmup, task.repeats)
+        return task.record(Outcome.PASS, statistics.median(samples), samples_ms=samples, best_backend=best,
+                           backends=screened, refused=refused)
 
-    def _paired(self, task: dict) -> dict:
+    def _paired(self, task: tasks.PairedTask):
         """A variant and the fastest SDPA backend at one shape, timed call by call in turn in this
         worker, so that drift of the GPU (clock, temperature, another process) hits both alike and
         cancels in their ratio: the sm90 kernel's times moved up to 10 % between H200 runs while
@@ -175,28 +176,28 @@ class Worker:
         SDPA's under "sdpa"."""
         variant, package, problem = self._kernel(task)
         if problem:
-            return {"outcome": "skip", "detail": problem,
-                    "sdpa": {"outcome": "skip", "ms": None, "detail": f"not timed: {problem}"}}
-        q, k, v = self._tensors(task["shape"])
+            return task.record(Outcome.SKIP, detail=problem,
+                               sdpa=task.sdpa_record(Outcome.SKIP, detail=f"not timed: {problem}"))
+        q, k, v = self._tensors(task.shape)
         timings, screened, refused = self._screen_sdpa(q, k, v)
         if not screened:
-            return {"outcome": "skip", "detail": "no SDPA backend takes this shape",
-                    "sdpa": {"outcome": "skip", "ms": None, "detail": "no SDPA backend takes this shape",
-                             "refused": refused}}
+            nothing = "no SDPA backend takes this shape"
+            return task.record(Outcome.SKIP, detail=nothing,
+                               sdpa=task.sdpa_record(Outcome.SKIP, detail=nothing, refused=refused))
         best = min(screened, key=screened.get)
 
         def ours():
             return measure.call_kernel(package, variant, q, k, v)
 
-        self.bench.timings_ms(ours, task["warmup"], 0)
-        timings(best, task["warmup"], 0)
+        self.bench.timings_ms(ours, task.warmup, 0)
+        timings(best, task.warmup, 0)
         ours_ms, sdpa_ms = [], []
-        for _ in range(task["repeats"]):
+        for _ in range(task.repeats):
             ours_ms += self.bench.timings_ms(ours, 0, 1)
             sdpa_ms += timings(best, 0, 1)
-        return {"outcome": "pass", "ms": statistics.median(ours_ms), "samples_ms": ours_ms,
-                "sdpa": {"outcome": "pass", "ms": statistics.median(sdpa_ms), "samples_ms": sdpa_ms,
-                         "best_backend": best, "backends": screened, "refused": refused}}
+        sdpa = task.sdpa_record(Outcome.PASS, statistics.median(sdpa_ms), samples_ms=sdpa_ms,
+                                best_backend=best, backends=screened, refused=refused)
+        return task.record(Outcome.PASS, statistics.median(ours_ms), samples_ms=ours_ms, sdpa=sdpa)
 
     def _screen_sdpa(self, q, k, v):
         """SDPA's backends at these tensors, each timed briefly (SCREEN): (a function that times one
@@ -221,39 +222,38 @@ class Worker:
                 self.bench.release()
         return timings, screened, refused
 
-    def _speed(self, task: dict) -> dict:
+    def _speed(self, task: tasks.SpeedTask):
         variant, package, problem = self._kernel(task)
         if problem:
-            return {"outcome": "skip", "detail": problem}
-        q, k, v = self._tensors(task["shape"])
+            return task.record(Outcome.SKIP, detail=problem)
+        q, k, v = self._tensors(task.shape)
         samples = self.bench.timings_ms(lambda: measure.call_kernel(package, variant, q, k, v),
-                                        task["warmup"], task["repeats"])
-        return {"outcome": "pass", "ms": statistics.median(samples), "samples_ms": samples}
+                                        task.warmup, task.repeats)
+        return task.record(Outcome.PASS, statistics.median(samples), samples_ms=samples)
 
-    def _long(self, task: dict) -> dict:
+    def _long(self, task: tasks.LongTask):
         """A long check (`long_check`): the variant at one long call, in each layout of the task."""
         variant, package, problem = self._kernel(task)
         if problem:
-            return {"outcome": "skip", "detail": problem}
-        s = Shape(**task["shape"])
+            return task.record(Outcome.SKIP, detail=problem)
+        s = task.shape
         heads = self.bench.heads(s.heads, s.kv_heads)
         q, k, v = long_check.synthetic(s, self.bench.device, self.bench.tokens, heads)
-        result = long_check.check(variant, q, k, v, task["layouts"], long_check.kernel_of(package, variant))
+        result = long_check.check(task, q, k, v, long_check.kernel_of(package, variant))
         ran = q.shape[2]
-        return {**result, "ran_tokens": ran if ran != s.q_tokens else None,
-                "ran_heads": heads if heads != s.heads else None}
+        return dataclasses.replace(result, ran_tokens=ran if ran != s.q_tokens else None,
+                                   ran_heads=heads if heads != s.heads else None)
 
-    def _span(self, task: dict) -> dict:
+    def _span(self, task: tasks.SpanTask):
         """A span probe (`span_check`): the variant on one tensor span near the 32-bit limit."""
         variant, package, problem = self._kernel(task)
         if problem:
-            return {"outcome": "skip", "detail": problem}
-        return span_check.run_case(variant, package, task["case"], self.bench)
+            return task.record(Outcome.SKIP, detail=problem)
+        return span_check.run_case(task, variant, package, self.bench)
 
-    def _tensors(self, shape: dict):
-        s = Shape(**shape)
+    def _tensors(self, s: ShapeSpec):
         generator = torch.Generator(self.bench.device).manual_seed(0)
-        dtype = getattr(torch, s.dtype)
+        dtype = getattr(torch, s.dtype.value)
 
         def make(heads, tokens):
             return torch.randn(s.batch, heads, self.bench.tokens(tokens), s.head_dim, dtype=dtype,
@@ -265,11 +265,6 @@ class Worker:
 def is_outlier(fixture_name: str) -> bool:
     """Outlier fixtures (a Q/K channel far above the rest) are named so, as tests_gpu selects them."""
     return "outlier" in fixture_name
-
-
-def _clean(values: dict) -> dict:
-    """JSON has no NaN or infinity: such numbers become null (`finite` says what happened)."""
-    return {k: (None if isinstance(x, float) and not math.isfinite(x) else x) for k, x in values.items()}
 
 
 def _exit_when_orphaned() -> None:
@@ -302,31 +297,31 @@ def main(argv: list[str]) -> int:
     line = sys.stdin.readline()
     if not line:  # a spare worker the parent did not need
         return 0
-    job = json.loads(line)
-    os.environ.update(job["env"])  # its GPU and Triton cache: before anything reads them
-    first = job["tasks"][0]["id"] if job["tasks"] else "-"
-    print(f"sage-qual worker {os.getpid()}: {len(job['tasks'])} task(s), first {first}, env {job['env']}",
+    job = records.parse(tasks.Job, json.loads(line), "the job from the parent", tasks.FIX)
+    os.environ.update(job.env)  # its GPU and Triton cache: before anything reads them
+    todo = [tasks.parse_task(task) for task in job.tasks]
+    first = todo[0].id if todo else "-"
+    print(f"sage-qual worker {os.getpid()}: {len(todo)} task(s), first {first}, env {job.env}",
           file=sys.stderr, flush=True)
     threading.Thread(target=_exit_when_orphaned, daemon=True).start()
 
-    def send(message: dict) -> None:
-        channel.write(json.dumps(message, allow_nan=False) + "\n")
+    def send(message: tasks.Message) -> None:
+        channel.write(json.dumps(records.dump(message), allow_nan=False) + "\n")
 
     hook = fault_hooks.read()
     bench = fault_hooks.FakeBench(hook["gpus"]) if "gpus" in hook else GpuBench()
     worker = Worker(bench, hook.get("faults", {}), hook.get("span_faults"))
-    send({"type": "ready"})
-    for task in job["tasks"]:
-        send({"type": "start", "id": task["id"]})
+    send(tasks.Message(MessageType.READY))
+    for task in todo:
+        send(tasks.Message(MessageType.START, task.id))
         start = time.monotonic()
         result = worker.run(task)
-        send({"type": "result", "id": task["id"], "seconds": round(time.monotonic() - start, 3),
-              "result": result})
-        if result["outcome"] == "crash" and not bench.healthy():
-            print(f"sage-qual worker: the CUDA context is unusable after {task['id']}; exiting",
+        send(tasks.result_message(task, round(time.monotonic() - start, 3), result))
+        if result.outcome == Outcome.CRASH and not bench.healthy():
+            print(f"sage-qual worker: the CUDA context is unusable after {task.id}; exiting",
                   file=sys.stderr, flush=True)
             return EXIT_POISONED
-    send({"type": "done"})
+    send(tasks.Message(MessageType.DONE))
     return 0
 
 
