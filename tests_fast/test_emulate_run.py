@@ -8,6 +8,7 @@ import io
 import json
 import math
 import socket
+import types
 
 import pytest
 import torch
@@ -30,7 +31,9 @@ def write(directory, name, zero_v_channel=False, seed=0):
                  provenance="tests_fast: random data", bounds=BOUNDS)
 
 
-@pytest.fixture(scope="module")
+# One run per test (about a second): a run shared by the module would be attributed to its first
+# test only, and mutmut would run that test alone against a mutant of the run.
+@pytest.fixture
 def emulated(tmp_path_factory):
     root = tmp_path_factory.mktemp("emulate")
     fixtures = root / "fixtures"
@@ -173,3 +176,16 @@ def test_an_output_that_cannot_be_made_is_a_usage_error(tmp_path):
     with pytest.raises(UsageError, match=r"^cannot write to .*file.out: "):
         emulate.run(emulate.Options(tmp_path / "file" / "out", variants=["sm80-fp16-cuda"], families=["SDXL"],
                                     fixture_dirs=[str(fixtures)]))
+
+
+def test_a_cells_seconds_are_the_time_its_prediction_took(tmp_path, monkeypatch):
+    fixtures = tmp_path / "fixtures"
+    fixtures.mkdir()
+    write(fixtures, "timed", seed=4)
+    fixture = load_fixture(fixtures / "timed.safetensors")
+    clock = iter([100.0, 100.12345])
+    monkeypatch.setattr(emulate, "time", types.SimpleNamespace(monotonic=lambda: next(clock)))
+    cell = emulate.predict_cell(VARIANTS["sm80-fp16-cuda"], fixture,
+                                measure.reference(fixture.q, fixture.k, fixture.v))
+    seconds = cell["seconds"] if isinstance(cell, dict) else cell.seconds
+    assert seconds == 0.123

@@ -323,7 +323,7 @@ class FakeCudaClock:
 
     def __init__(self, elapsed, memory=()):
         self.elapsed, self.memory = list(elapsed), list(memory)
-        self.recorded, self.synchronized, self.reset = 0, 0, 0
+        self.recorded, self.synchronized, self.reset, self.devices = 0, 0, 0, []
         clock = self
 
         class Event:
@@ -337,6 +337,7 @@ class FakeCudaClock:
                 pass
 
             def elapsed_time(self, end):
+                assert isinstance(end, Event) and end is not self  # from this event to the end event
                 return clock.elapsed.pop(0)
 
         self.Event = Event
@@ -345,15 +346,21 @@ class FakeCudaClock:
         monkeypatch.setattr(torch.cuda, "Event", self.Event)
         monkeypatch.setattr(torch.cuda, "synchronize", self._synchronize)
         monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", self._reset)
-        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: self.memory.pop(0))
-        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: self.memory.pop(0))
+        monkeypatch.setattr(torch.cuda, "memory_allocated", self._memory)
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", self._memory)
         return self
 
     def _synchronize(self, device=None):
         self.synchronized += 1
+        self.devices.append(device)
 
     def _reset(self, device=None):
         self.reset += 1
+        self.devices.append(device)
+
+    def _memory(self, device=None):
+        self.devices.append(device)
+        return self.memory.pop(0)
 
 
 def counter():
@@ -404,6 +411,22 @@ def test_pipelined_ms_defaults_to_twenty_calls(monkeypatch):
 def test_extra_peak_bytes_leaves_out_the_output(monkeypatch):
     # 1000 bytes held before; the peak reaches 1000 + 4096; the output is 64 float32 = 256 bytes.
     clock = FakeCudaClock([], memory=[1000, 1000 + 4096]).install(monkeypatch)
-    out, extra = measure.extra_peak_bytes(lambda: torch.zeros(64), device=0)
+    out, extra = measure.extra_peak_bytes(lambda: torch.zeros(64), device=3)
     assert out.shape == (64,) and extra == 4096 - 256
     assert clock.reset == 1 and clock.synchronized == 2
+    assert clock.devices == [3] * 5  # every counter of the device asked about
+
+
+def test_timings_default_to_five_warm_up_calls_and_twenty_repeats(monkeypatch):
+    FakeCudaClock([1.0] * 20).install(monkeypatch)
+    fn, calls = counter()
+    assert measure.timings_ms(fn) == [1.0] * 20 and len(calls) == 25
+
+
+def test_pipelined_host_time_is_microseconds_per_call(monkeypatch):
+    FakeCudaClock([40.0]).install(monkeypatch)
+    ticks = iter([10.0, 10.004])
+    monkeypatch.setattr(measure, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
+    fn, _ = counter()
+    gpu_ms, host_us = measure.pipelined_ms(fn, calls=8)
+    assert gpu_ms == 5.0 and host_us == pytest.approx(500.0)  # 4 ms of host time over 8 calls

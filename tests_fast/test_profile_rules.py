@@ -334,3 +334,36 @@ def test_an_entry_at_its_edges_reads():
 
 def test_a_profile_certifies_at_least_one_gpu():
     assert refusal(gpus=[]) == "gpus: empty: a profile certifies at least one GPU model"
+
+
+def test_memory_then_cuda_decide_between_entries_of_one_model():
+    # Memory within 1 GiB (exactly 1 included) comes before the software.
+    read = load(gpu(memory=139.5, torch_cuda="12.8"), gpu(memory=150.0))
+    assert profile.nearest(read, machine(memory=140.5)).memory_gib == 139.5
+    # Then CUDA: the entry with this machine's CUDA, wherever it stands in the file.
+    read = load(gpu(torch_cuda="12.8"), gpu(torch_cuda="13.0", torch="2.10.0+cu130"))
+    assert profile.nearest(read, machine()).environment.torch_cuda == "13.0"
+    # An unknown GPU of a known capability: the entry whose memory matches, not the first.
+    read = load(gpu(), gpu(name="NVIDIA H100", memory=79.6))
+    assert profile.nearest(read, machine(name="NVIDIA GH200", memory=79.0)).name == "NVIDIA H100"
+
+
+def test_a_profile_file_that_cannot_be_used_is_named_in_the_error(tmp_path):
+    foreign = tmp_path / "other.json"
+    foreign.write_text('{"kind": "something"}')
+    with pytest.raises(profile.ProfileError) as error:
+        profile.load(foreign)
+    assert str(error.value) == f"{foreign} is not a sage-qual profile (written by `sage-qual certify`)"
+    newer = tmp_path / "newer.json"
+    newer.write_text('{"kind": "sage-qual-profile", "schema_version": 9}')
+    with pytest.raises(profile.ProfileError, match=f"^{newer} has profile schema version 9; "):
+        profile.load(newer)
+    cut = tmp_path / "cut.json"
+    cut.write_text('{"kind": "sage-qual-pro')
+    with pytest.raises(profile.ProfileError) as error:
+        profile.load(cut)
+    assert str(error.value).startswith(f"profile {cut} is not JSON, or cut short: ")
+    assert str(error.value).endswith("; " + profile.FIX)
+    with pytest.raises(profile.ProfileError) as error:
+        profile.load(tmp_path)  # a directory
+    assert str(error.value).startswith(f"cannot read profile {tmp_path}: ")

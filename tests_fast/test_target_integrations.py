@@ -369,3 +369,10 @@ def test_the_wrappers_own_scope_details_come_first_in_the_not_served_detail():
     scope.fell_back("short", "tokens=%d", (16,))
     evidence = targets.Evidence(scope=scope, fallbacks={"install": "no GPU"})
     assert evidence.not_served_detail() == "short: tokens=16; install: no GPU"
+
+
+def test_an_unknown_target_lists_every_builtin_name_and_the_app_form():
+    with pytest.raises(targets.TargetError) as error:
+        targets.resolve("nonsense")
+    assert str(error.value) == (f"unknown target 'nonsense': give one of {', '.join(targets.builtin_names())} or "
+                                "an app's module:function")
