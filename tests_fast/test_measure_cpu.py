@@ -429,4 +429,4 @@ def test_pipelined_host_time_is_microseconds_per_call(monkeypatch):
     monkeypatch.setattr(measure, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
     fn, _ = counter()
     gpu_ms, host_us = measure.pipelined_ms(fn, calls=8)
-    assert gpu_ms == 5.0 and host_us == pytest.approx(500.0)  # 4 ms of host time over 8 calls
+    assert gpu_ms == 5.0 and host_us == pytest.approx(500.0, rel=1e-9)  # 4 ms of host time over 8 calls
