@@ -189,3 +189,22 @@ def test_a_cells_seconds_are_the_time_its_prediction_took(tmp_path, monkeypatch)
                                 measure.reference(fixture.q, fixture.k, fixture.v))
     seconds = cell["seconds"] if isinstance(cell, dict) else cell.seconds
     assert seconds == 0.123
+
+
+def test_calls_alike_after_the_head_reduction_share_one_prediction_but_keep_their_own_record(monkeypatch):
+    from sage_qual.qualification import families, long_check
+
+    # FLUX.1 (24 heads) and FLUX.2 (32 heads) at 16,896 tokens: one group of heads each, one computation.
+    planned = long_check.plan([families.find("FLUX.1"), families.find("FLUX.2")], (), 10**6)
+    flux1, flux2 = sorted(planned.values(), key=lambda p: p.shape.heads)
+    clock = iter([50.0, 50.12345])  # the one computation's start and end
+    monkeypatch.setattr(emulate, "time", types.SimpleNamespace(monotonic=lambda: next(clock)))
+    cache = {}
+    first = emulate.predict_long(VARIANTS["sm80-fp16-cuda"], flux1, cache)
+    second = emulate.predict_long(VARIANTS["sm80-fp16-cuda"], flux2, cache)
+    assert len(cache) == 1 and first.seconds == second.seconds == 0.123
+    assert (first.shape.heads, second.shape.heads) == (24, 32) and first.ran_heads == second.ran_heads == 1
+    assert [u.family for u in first.uses] == ["FLUX.1"] and [u.family for u in second.uses] == ["FLUX.2"]
+    assert first.identical == {"transposed": True, "fused_qkv": True, "nhd": True}
+    assert second.identical == {"transposed": True, "nhd": True}
+    assert first.detail == second.detail == emulate.PREDICTED
