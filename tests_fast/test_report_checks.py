@@ -186,6 +186,7 @@ def test_a_second_long_check_of_one_variant_and_shape_is_refused():
     message = refused(lambda d: d["devices"][0]["long"].append(copy.deepcopy(LONG)))
     assert message.startswith("devices[0].long[1]: a second result for sm90-fp8-cuda on ")
     assert message.endswith(" (the first is long[0]): one result per pair")
+    assert " heads=24 kv_heads=24 kv_tokens=16896 q_tokens=16896 (the first" in message  # the shape, key by key
     # Another shape is another check.
     other = {**copy.deepcopy(LONG), "shape": {**SHAPE, "q_tokens": 4608, "kv_tokens": 4608}}
     assert len(reads(lambda d: d["devices"][0]["long"].append(other)).devices[0].long) == 2
