@@ -88,15 +88,25 @@ def test_a_version_1_report_drops_its_stored_analysis_and_reads_as_version_2():
 
 
 def test_a_missing_file_says_to_certify(tmp_path):
-    with pytest.raises(ReportError, match="no report there: run `sage-qual certify` first"):
+    with pytest.raises(ReportError) as error:
         report_model.load(tmp_path / "report.json")
+    assert str(error.value) == f"{tmp_path / 'report.json'}: no report there: run `sage-qual certify` first"
 
 
 def test_a_cut_short_file_says_what_to_do(tmp_path):
     path = tmp_path / "report.json"
     path.write_text(json.dumps(valid())[:-20])
-    with pytest.raises(ReportError, match=r"not JSON, or cut short .*run `sage-qual certify` again"):
+    with pytest.raises(ReportError) as error:
         report_model.load(path)
+    assert str(error.value).startswith(f"{path}: not JSON, or cut short (")
+    assert str(error.value).endswith("); " + report_model.FIX)
+
+
+def test_an_unreadable_path_says_to_give_a_readable_report(tmp_path):
+    with pytest.raises(ReportError) as error:
+        report_model.load(tmp_path)  # a directory
+    assert str(error.value).startswith(f"{tmp_path}: cannot be read (")
+    assert str(error.value).endswith("); give a readable report.json")
 
 
 def test_a_report_file_reads(tmp_path):
