@@ -430,3 +430,28 @@ def test_pipelined_host_time_is_microseconds_per_call(monkeypatch):
     fn, _ = counter()
     gpu_ms, host_us = measure.pipelined_ms(fn, calls=8)
     assert gpu_ms == 5.0 and host_us == pytest.approx(500.0, rel=1e-9)  # 4 ms of host time over 8 calls
+
+
+def test_relative_errors_do_not_depend_on_the_outputs_scale():
+    # Attention outputs can be far below 1 (values near zero): no floor of 1 on any norm.
+    ref = randn(2, 3, 70, 8)
+    out = ref + 0.05 * randn(2, 3, 70, 8, seed=1)
+    big, small = measure.errors(out, ref), measure.errors(out * 1e-4, ref * 1e-4)
+    for name in ("rel_l2", "worst_head_rel_l2", "worst_batch_rel_l2", "worst_block_rel_l2", "norm_ratio",
+                 "worst_head_cosine"):
+        assert small[name] == pytest.approx(big[name], rel=1e-4), name
+
+
+def test_the_cosine_leaves_out_positions_where_the_reference_is_not_finite():
+    ref = randn(1, 1, 64, 8)
+    out = ref + 0.3 * randn(1, 1, 64, 8, seed=1)
+    ref_holes, out_holes = ref.clone(), out.clone()
+    for (row, col), ref_value, out_value in (((3, 1), math.nan, math.nan), ((5, 2), math.inf, math.inf),
+                                             ((7, 3), -math.inf, -math.inf)):
+        ref_holes[0, 0, row, col], out_holes[0, 0, row, col] = ref_value, out_value
+    valid = torch.isfinite(ref_holes)
+    expected = torch.nn.functional.cosine_similarity(torch.where(valid, out, 0.0).flatten().double(),
+                                                     torch.where(valid, ref, 0.0).flatten().double(), dim=0).item()
+    found = measure.errors(out_holes, ref_holes)
+    assert found["finite"] is True
+    assert found["worst_head_cosine"] == pytest.approx(expected, abs=1e-9)
