@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from sage_qual import cli, records
+from sage_qual.errors import UsageError
 from sage_qual.fixtures.fileformat import save_fixture
 from sage_qual.qualification import (
     certify,
@@ -143,6 +144,21 @@ def test_an_internal_error_is_said_in_the_report_then_raised_in_every_mode(box, 
     assert not written.complete and written.stopped == "internal error: RuntimeError('a bug in a backend')"
     assert "PARTIAL: internal error: RuntimeError('a bug in a backend')" in capsys.readouterr().out
     assert "PARTIAL REPORT" in (options.out / "report.md").read_text()
+
+
+@pytest.mark.parametrize("mode", ["certify", "target", "emulate"])
+def test_a_result_recorded_twice_stops_the_conclusion_in_every_mode(box, monkeypatch, mode):
+    """Appends check what they add, not the rules across results: the conclusion reads the whole
+    report back, so a backend that appends a duplicate is one line, not a verdict on it."""
+    name, run, options, backend = next(m for m in modes(box) if m[0] == mode)
+
+    def twice(self, plan, writer, stop):
+        cell = Cell(variant=plan.variants[0], fixture="flux", outcome=Outcome.SKIP, detail="recorded")
+        writer.append(0, "cells", cell, cell)
+
+    with pytest.raises(UsageError, match="does not read back.*devices\\[0\\]"):
+        run_without_tasks(monkeypatch, backend, twice, run, options)
+    assert len(json.loads((options.out / "report.json").read_text())["devices"][0]["cells"]) == 2  # kept
 
 
 def test_parallel_jobs_finish_before_the_first_error_is_raised():
