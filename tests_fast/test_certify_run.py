@@ -27,6 +27,7 @@ from sage_qual.qualification.report_model import Cell, Device, Outcome, Reason, 
 from sage_qual.serving.env_record import EnvironmentRecord, GpuInfo
 
 from . import builders
+from .fakes import env_result
 
 BOUNDS = {"fp16": {"max_rel_l2": 0.05, "min_cosine": 0.99}, "fp8": {"max_rel_l2": 0.08, "min_cosine": 0.99}}
 H200 = GpuInfo(index=0, name="Fake H200", capability=[9, 0], memory_gib=141.0, kernel="sm90-fp8-cuda")
@@ -53,8 +54,8 @@ class NoWorkers:
 def box(monkeypatch, tmp_path):
     """One fake H200 as the environment worker would report it, and one small FLUX.1 fixture."""
     monkeypatch.setattr(pool, "Pool", NoWorkers)
-    monkeypatch.setattr(pool, "collect_environment", lambda *args, **kwargs: {
-        "environment": records.dump(ENVIRONMENT), "not_supported": {"0": {}}})
+    monkeypatch.setattr(pool, "collect_environment", lambda *args, **kwargs: env_result(
+        ENVIRONMENT, {"0": {}}))
     NoWorkers.closed = 0
     generator = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 128, 64, generator=generator).to(torch.bfloat16) for _ in range(3))

@@ -333,10 +333,11 @@ def decide(data: Report, family: Family, here: dict, fixtures: Mapping[str, Fixt
 
 
 def this_machine() -> dict:
-    """This machine's environment, collected in a worker process (collecting initializes CUDA,
-    which the caller must not)."""
+    """This machine's environment (the JSON of its `EnvironmentRecord`, as a report stores it),
+    collected in a worker process (collecting initializes CUDA, which the caller must not)."""
     with tempfile.TemporaryDirectory(prefix="sage-qual-gate-") as logs:
-        return pool.collect_environment(Path(logs) / "environment.log", limits.STARTUP_TIMEOUT)["environment"]
+        collected = pool.collect_environment(Path(logs) / "environment.log", limits.STARTUP_TIMEOUT)
+    return records.dump(collected.environment)
 
 
 def gate(report_path: Path, family_name: str, fixture_dirs: list[str] | None = None,
