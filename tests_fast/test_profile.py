@@ -158,6 +158,21 @@ def test_a_version_1_profile_still_reads():
     assert only.config.min_query_tokens == 2048
 
 
+@pytest.mark.parametrize("change, message", [
+    ({"gpu": {"name": "Fake H200", "capability": [9]}}, "profile: gpu.capability: has 1 items, expected 2"),
+    ({"gpus": []}, "profile: gpus: unknown key"),
+    ({"default": {**make_entry(), "variant": "sm99-nope"}}, "profile: default.variant: 'sm99-nope' is not"),
+])
+def test_a_broken_version_1_profile_names_its_own_key(change, message):
+    """A version 1 file is read by its own record: a problem names the key as that file spells it."""
+    old = {"kind": "sage-qual-profile", "schema_version": 1, "created": "c", "host": "h",
+           "gpu": {"name": "Fake H200", "capability": [9, 0]}, "environment": make_gpu()["environment"],
+           "fixtures": {}, "default": make_entry(), "families": {}, **change}
+    with pytest.raises(profile.ProfileError) as refused:
+        profile.load(old)
+    assert str(refused.value).startswith(message) and "\n" not in str(refused.value), str(refused.value)
+
+
 # install(profile=...) --------------------------------------------------------------------------
 @pytest.fixture
 def fake():
