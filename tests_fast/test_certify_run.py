@@ -218,3 +218,14 @@ def test_a_target_run_writes_junit_as_certify_does(box, monkeypatch):
     cases = ET.parse(box / "target.xml").getroot().findall("testsuite/testcase")
     assert [(c.get("classname"), c.get("name")) for c in cases] == [("Fake H200 (sm_90)", "FLUX.1")]
     assert cases[0].find("failure").get("message") == "keep off"  # no cell ran: no evidence
+
+
+def test_certify_json_answers_where_the_report_is_and_whether_the_run_completed(box, capsys):
+    """`certify --json`: one CertifyAnswer on stdout (the run's own lines go to stderr)."""
+    out = box / "emulated"
+    code = cli.main(["certify", "--emulate", "--json", "--out", str(out), "--families", "FLUX.1",
+                     "--variants", "sm90-fp8-cuda", "--fixtures", str(box / "fixtures")])
+    answer = json.loads(capsys.readouterr().out)
+    assert answer == {"command": "certify", "exit_code": code, "problem": "",
+                      "report": str(out / "report.json"), "complete": code == 0}
+    assert json.loads((out / "report.json").read_text())["complete"] is answer["complete"]
