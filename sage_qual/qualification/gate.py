@@ -320,7 +320,7 @@ def decide_stored(data: Report, family: Family, here: dict, local: Mapping[str, 
 
 def decide(data: Report, family: Family, here: dict, fixtures: Mapping[str, Fixture],
            require_speedup: bool, source: str = "report.json") -> GateDecision:
-    """gate's answer for one family on this machine (`here`: pool.collect_environment's record;
+    """gate's answer for one family on this machine (`here`: the environment's JSON, `this_machine()`;
     `fixtures`: this machine's fixtures that count for the family, loaded): every refusal, the
     verdicts, and each stored budget against the one derived here."""
     local = {name: fixture.sha256 for name, fixture in fixtures.items()}
