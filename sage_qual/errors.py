@@ -2,12 +2,14 @@
 
 Every command exits with an `ExitCode`. Bad input (a missing or malformed file, an unknown name,
 an out-of-range number) is a `UsageError`: one line on stderr naming the problem and the fix,
-exit 2, never a traceback and never the code that means "keep off".
+exit 2, never a traceback and never the code that means "keep off". With --json a command prints
+one `Answer` (or a record extending it) on stdout, written by `records.dump`.
 """
 
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 
 class ExitCode(enum.IntEnum):
@@ -20,3 +22,11 @@ class ExitCode(enum.IntEnum):
 
 class UsageError(Exception):
     """Bad input: printed as one line, exit code 2."""
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What every `--json` answer starts with: the command, its exit code and, with code 2, the problem."""
+    command: str
+    exit_code: int
+    problem: str

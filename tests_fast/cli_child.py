@@ -14,6 +14,8 @@ from types import SimpleNamespace
 from sage_qual import cli
 from sage_qual.qualification import families, gate, pool
 
+from .fakes import env_result
+
 SAMPLE = json.loads((Path(__file__).parent / "data" / "sample_h200_2gpu.json").read_text())
 
 
@@ -28,7 +30,7 @@ def _local_fixture_files(directories, family):
             for name, sha in _local_fixtures(directories, family).items()}
 
 
-pool.collect_environment = lambda *args, **kwargs: {"environment": SAMPLE["environment"]}
+pool.collect_environment = lambda *args, **kwargs: env_result(SAMPLE["environment"])
 gate.local_fixtures = _local_fixtures
 gate.local_fixture_files = _local_fixture_files
 gate.budget_problem = lambda *args: ""

@@ -14,7 +14,7 @@ import torch
 
 from sage_qual import records
 from sage_qual.fixtures import fileformat
-from sage_qual.qualification import report_model
+from sage_qual.qualification import report_model, tasks
 from sage_qual.qualification.report_model import Outcome
 
 from . import builders
@@ -41,6 +41,15 @@ def write_fixture(directory: Path, name: str, family: str, bounds: dict, seed: i
 
 def gpu_entry(template: dict, index: int, name: str) -> dict:
     return {**template, "index": index, "name": name, "capability": CAPABILITY[name]}
+
+
+def env_result(environment: dict | report_model.EnvironmentRecord,
+               not_supported: dict | None = None) -> tasks.EnvResult:
+    """What `pool.collect_environment` gives on a machine with `environment` (a report's
+    environment JSON or record): the environment task's passed result."""
+    if isinstance(environment, dict):
+        environment = builders.read(report_model.EnvironmentRecord, environment)
+    return tasks.EnvResult(tasks.Outcome.PASS, environment, not_supported or {})
 
 
 def fleet_report() -> dict:

@@ -94,7 +94,7 @@ def raw_thresholds(path: Path) -> set[int]:
                 low = speed.speedup_bounds(base.ms, base.samples_ms, r.ms, r.samples_ms)[0]
                 points.append((shape.q_tokens, shape.kv_tokens, shape.head_dim, low))
         thresholds = speed.break_even(points)
-        found.add(thresholds["min_query_tokens"] if thresholds else None)
+        found.add(thresholds.min_query_tokens if thresholds else None)
     return found
 
 
@@ -127,7 +127,7 @@ def steady_threshold(shapes: dict) -> int | None:
     steady = speed.steady_lower_bounds(shapes)
     points = [(tokens, tokens, 128, steady[key]) for key, (tokens, *_) in shapes.items()]
     thresholds = speed.break_even(points)
-    return thresholds["min_query_tokens"] if thresholds else None
+    return thresholds.min_query_tokens if thresholds else None
 
 
 @PROPERTY

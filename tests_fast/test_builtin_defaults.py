@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import sage_qual
+from sage_qual import records
 from sage_qual.limits import STATUS_LINE_LIMIT
 from sage_qual.serving import defaults, profile
 from sage_qual.serving.config import DEFAULT_CONFIG, KERNEL_TABLE
@@ -63,7 +64,7 @@ def test_the_packaged_data_is_what_the_builder_makes_of_the_runs_it_lists():
     """A hand edit of the data file, or a changed source, fails here: rebuild it with the command."""
     checkout = RESULTS.parent.parent
     _, sources = defaults.read()
-    built = defaults.build([checkout / s.file for s in sources], previous=None)
+    built = records.dump(defaults.build([checkout / s.file for s in sources], previous=None))
     for source in built["sources"]:  # the paths as the command was given them, relative to the checkout
         source["file"] = str(Path(source["file"]).relative_to(checkout))
     assert built == json.loads(defaults.DATA.read_text())

@@ -31,6 +31,9 @@ from sage_qual.qualification import certify, certify_run, fault_hooks, judge, po
 from sage_qual.qualification.measure import Accuracy
 from sage_qual.qualification.report_model import Cell, Outcome
 
+from . import builders
+from .fakes import env_result
+
 jsonschema = pytest.importorskip("jsonschema")  # a test dependency; the GPU box lacks it
 
 H200 = {"name": "Fake H200", "capability": [9, 0]}
@@ -243,9 +246,11 @@ def test_progress_is_a_bar_on_a_terminal_with_problems_printed(capsys, monkeypat
 # Bad input -------------------------------------------------------------------------------------
 @pytest.fixture
 def machine(monkeypatch):
-    here = {"environment": {"gpus": [{**H200, "index": 0, "memory_gib": 24.0}], "sageattention_problem": ""},
-            "not_supported": {"0": {}}}
-    monkeypatch.setattr(pool, "collect_environment", lambda *args, **kwargs: here)
+    """This machine as the environment worker reports it: the `devices` and environment `fields` a
+    test sets (one Fake H200 at cuda:0)."""
+    here = {"devices": [builders.device(gpu=(H200["name"], H200["capability"], 24.0))], "fields": {}}
+    monkeypatch.setattr(pool, "collect_environment", lambda *args, **kwargs: env_result(
+        builders.environment(here["devices"], **here["fields"]), {"0": {}}))
     return here
 
 
@@ -262,12 +267,12 @@ def test_bad_input(tmp_path, machine, options, message):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"gpus": []}, "no CUDA GPU is visible here"),
-    ({"sageattention_problem": "triton is not installed"},
+    ({"devices": []}, "no CUDA GPU is visible here"),
+    ({"fields": {"sageattention_problem": "triton is not installed"}},
      "sageattention cannot run here: triton is not installed"),
 ])
 def test_no_gpu_or_no_sageattention(tmp_path, machine, change, message):
-    machine["environment"].update(change)
+    machine.update(change)
     with pytest.raises(UsageError, match=message):
         certify.run(certify.Options(tmp_path / "out"))
 

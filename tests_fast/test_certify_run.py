@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from sage_qual import cli, records
+from sage_qual.errors import UsageError
 from sage_qual.fixtures.fileformat import save_fixture
 from sage_qual.qualification import (
     certify,
@@ -27,6 +28,7 @@ from sage_qual.qualification.report_model import Cell, Device, Outcome, Reason, 
 from sage_qual.serving.env_record import EnvironmentRecord, GpuInfo
 
 from . import builders
+from .fakes import env_result
 
 BOUNDS = {"fp16": {"max_rel_l2": 0.05, "min_cosine": 0.99}, "fp8": {"max_rel_l2": 0.08, "min_cosine": 0.99}}
 H200 = GpuInfo(index=0, name="Fake H200", capability=[9, 0], memory_gib=141.0, kernel="sm90-fp8-cuda")
@@ -53,8 +55,8 @@ class NoWorkers:
 def box(monkeypatch, tmp_path):
     """One fake H200 as the environment worker would report it, and one small FLUX.1 fixture."""
     monkeypatch.setattr(pool, "Pool", NoWorkers)
-    monkeypatch.setattr(pool, "collect_environment", lambda *args, **kwargs: {
-        "environment": records.dump(ENVIRONMENT), "not_supported": {"0": {}}})
+    monkeypatch.setattr(pool, "collect_environment", lambda *args, **kwargs: env_result(
+        ENVIRONMENT, {"0": {}}))
     NoWorkers.closed = 0
     generator = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 128, 64, generator=generator).to(torch.bfloat16) for _ in range(3))
@@ -145,6 +147,21 @@ def test_an_internal_error_is_said_in_the_report_then_raised_in_every_mode(box, 
     assert "PARTIAL REPORT" in (options.out / "report.md").read_text()
 
 
+@pytest.mark.parametrize("mode", ["certify", "target", "emulate"])
+def test_a_result_recorded_twice_stops_the_conclusion_in_every_mode(box, monkeypatch, mode):
+    """Appends check what they add, not the rules across results: the conclusion reads the whole
+    report back, so a backend that appends a duplicate is one line, not a verdict on it."""
+    name, run, options, backend = next(m for m in modes(box) if m[0] == mode)
+
+    def twice(self, plan, writer, stop):
+        cell = Cell(variant=plan.variants[0], fixture="flux", outcome=Outcome.SKIP, detail="recorded")
+        writer.append(0, "cells", cell, cell)
+
+    with pytest.raises(UsageError, match="does not read back.*devices\\[0\\]"):
+        run_without_tasks(monkeypatch, backend, twice, run, options)
+    assert len(json.loads((options.out / "report.json").read_text())["devices"][0]["cells"]) == 2  # kept
+
+
 def test_parallel_jobs_finish_before_the_first_error_is_raised():
     finished = []
 
@@ -217,3 +234,14 @@ def test_a_target_run_writes_junit_as_certify_does(box, monkeypatch):
     cases = ET.parse(box / "target.xml").getroot().findall("testsuite/testcase")
     assert [(c.get("classname"), c.get("name")) for c in cases] == [("Fake H200 (sm_90)", "FLUX.1")]
     assert cases[0].find("failure").get("message") == "keep off"  # no cell ran: no evidence
+
+
+def test_certify_json_answers_where_the_report_is_and_whether_the_run_completed(box, capsys):
+    """`certify --json`: one CertifyAnswer on stdout (the run's own lines go to stderr)."""
+    out = box / "emulated"
+    code = cli.main(["certify", "--emulate", "--json", "--out", str(out), "--families", "FLUX.1",
+                     "--variants", "sm90-fp8-cuda", "--fixtures", str(box / "fixtures")])
+    answer = json.loads(capsys.readouterr().out)
+    assert answer == {"command": "certify", "exit_code": code, "problem": "",
+                      "report": str(out / "report.json"), "complete": code == 0}
+    assert json.loads((out / "report.json").read_text())["complete"] is answer["complete"]

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from sage_qual import __version__, cli
+from sage_qual import __version__, cli, records
 from sage_qual.cli import env as cli_env
 from sage_qual.serving import environment
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
@@ -110,6 +110,16 @@ def test_json_round_trips():
     assert [g["capability"] for g in data["gpus"]] == [[8, 9], [8, 7]]
     assert [g["kernel"] for g in data["gpus"]] == ["sm89-fp8-cuda", ""]
     assert environment.from_dict(data) == env
+
+
+@pytest.mark.parametrize("change, key", [({"driver": 580}, "driver"), ({"uptime": "3 days"}, "uptime"),
+                                         ({"gpus": [{"index": 0}]}, "gpus[0].name")])
+def test_json_that_is_not_an_environment_is_one_line_naming_the_key(change, key):
+    with box():
+        data = json.loads(environment.to_json(environment.collect()))
+    with pytest.raises(records.RecordError) as refused:
+        environment.from_dict({**data, **change})
+    assert refused.value.key == key and "\n" not in str(refused.value)
 
 
 # The command ------------------------------------------------------------------------------------------

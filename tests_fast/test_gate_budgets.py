@@ -21,7 +21,7 @@ from sage_qual.qualification import gate as gate_module
 from sage_qual.serving.variants import VARIANTS
 
 from .builders import reason
-from .fakes import H200, fleet_report, gpu_entry, write_fleet
+from .fakes import H200, env_result, fleet_report, gpu_entry, write_fleet
 from .fakes import within_budget as _within
 
 FAILING = "sm90-fp8-cuda"
@@ -51,8 +51,8 @@ def flux_report(tmp_path, monkeypatch):
     assert failing is not None
     path.write_text(json.dumps(data))
     environment = data["environment"]
-    monkeypatch.setattr(pool, "collect_environment", lambda *args, **kwargs: {
-        "environment": {**environment, "gpus": [gpu_entry(environment["gpus"][0], 0, H200)]}})
+    monkeypatch.setattr(pool, "collect_environment", lambda *args, **kwargs: env_result(
+        {**environment, "gpus": [gpu_entry(environment["gpus"][0], 0, H200)]}))
     return path, fixtures, data, failing
 
 
@@ -108,7 +108,7 @@ def test_the_library_decision_rederives_the_budgets_too(flux_report):
     derived = data["devices"][0]["cells"][index]["bounds"]["max_rel_l2"]
     loosen(path, data, index, max_rel_l2=derived * 4)
     flux = families.find("FLUX.1")
-    here = pool.collect_environment()["environment"]  # the fixture's machine: an H200 at cuda:0
+    here = gate_module.this_machine()  # the fixture's machine: an H200 at cuda:0
     decision = gate_module.decide(report.load(path), flux, here,
                                   gate_module.local_fixture_files([str(fixtures)], flux), False, str(path))
     assert decision.code == 2

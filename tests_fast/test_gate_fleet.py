@@ -29,6 +29,7 @@ from .fakes import (
     H200_NVL,
     L40S,
     RTX4090,
+    env_result,
     fleet_report,
     gpu_entry,
     load,
@@ -53,7 +54,7 @@ def machine(monkeypatch):
     def here(*models):
         gpus = [gpu_entry(environment["gpus"][0], i, name) for i, name in enumerate(models)]
         monkeypatch.setattr(pool, "collect_environment",
-                            lambda *args, **kwargs: {"environment": {**environment, "gpus": gpus}})
+                            lambda *args, **kwargs: env_result({**environment, "gpus": gpus}))
     return here
 
 

@@ -17,6 +17,7 @@ from sage_qual.qualification import families, gate, pool, report, verdict
 from sage_qual.qualification.families import Family
 
 from .builders import reason
+from .fakes import env_result
 
 DATA = Path(__file__).parent / "data"
 H200 = DATA / "sample_h200_2gpu.json"
@@ -242,7 +243,7 @@ def test_partial_or_uncertified_family_cannot_decide():
 def machine(monkeypatch):
     """This machine's environment as collected in a worker, replaced by what a test sets."""
     here = {"environment": load(H200)["environment"]}
-    monkeypatch.setattr(pool, "collect_environment", lambda *args, **kwargs: here)
+    monkeypatch.setattr(pool, "collect_environment", lambda *args, **kwargs: env_result(here["environment"]))
     return here
 
 

@@ -12,7 +12,7 @@ import sage_qual
 from sage_qual import records
 from sage_qual.qualification import profile as building
 from sage_qual.qualification import report, speed, verdict
-from sage_qual.qualification.speed import break_even
+from sage_qual.qualification.speed import Thresholds, break_even
 from sage_qual.serving import profile
 from sage_qual.serving.config import DEFAULT_CONFIG, KERNEL_TABLE
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention, on_device
@@ -40,14 +40,14 @@ def self_points(speedups: dict[int, float], head_dim: int = 128):
 
 def test_break_even_is_the_first_length_from_which_every_shape_was_faster():
     result = break_even(self_points({1024: 0.8, 2048: 1.1, 4096: 1.3, 8192: 1.5}))
-    assert result == {"min_query_tokens": 2048, "min_key_tokens": 2048, "head_dims": [128],
-                      "served_shapes": 3, "measured_shapes": 4}
+    assert result == Thresholds(min_query_tokens=2048, min_key_tokens=2048, head_dims=[128],
+                                served_shapes=3, measured_shapes=4)
 
 
 def test_break_even_keeps_short_keys_out_when_they_were_slower():
     points = self_points({1024: 0.8, 2048: 1.1, 4096: 1.3}) + [(4096, 77, 128, 0.7), (4096, 512, 128, 1.05)]
     result = break_even(points)
-    assert (result["min_query_tokens"], result["min_key_tokens"], result["served_shapes"]) == (2048, 512, 3)
+    assert (result.min_query_tokens, result.min_key_tokens, result.served_shapes) == (2048, 512, 3)
 
 
 def test_break_even_none_when_never_faster_and_equal_is_not_faster():
@@ -63,7 +63,7 @@ def test_a_head_size_that_is_slower_everywhere_is_left_out():
     points = (self_points({1024: 0.9, 4096: 1.3, 16384: 1.6})
               + self_points({1024: 0.5, 4096: 0.8, 16384: 0.9}, head_dim=64))
     result = break_even(points)
-    assert (result["head_dims"], result["min_query_tokens"], result["served_shapes"]) == ([128], 4096, 2)
+    assert (result.head_dims, result.min_query_tokens, result.served_shapes) == ([128], 4096, 2)
 
 
 # Profiles: reading, validation, and each device's own configuration ---------------------------
@@ -156,6 +156,21 @@ def test_a_version_1_profile_still_reads():
     assert loaded.gpus[0].memory_gib is None and loaded.gpus[0].default.variant == "sm89-fp8-cuda"
     [only] = profile.device_configs(old, [machine(H200)])
     assert only.config.min_query_tokens == 2048
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"gpu": {"name": "Fake H200", "capability": [9]}}, "profile: gpu.capability: has 1 items, expected 2"),
+    ({"gpus": []}, "profile: gpus: unknown key"),
+    ({"default": {**make_entry(), "variant": "sm99-nope"}}, "profile: default.variant: 'sm99-nope' is not"),
+])
+def test_a_broken_version_1_profile_names_its_own_key(change, message):
+    """A version 1 file is read by its own record: a problem names the key as that file spells it."""
+    old = {"kind": "sage-qual-profile", "schema_version": 1, "created": "c", "host": "h",
+           "gpu": {"name": "Fake H200", "capability": [9, 0]}, "environment": make_gpu()["environment"],
+           "fixtures": {}, "default": make_entry(), "families": {}, **change}
+    with pytest.raises(profile.ProfileError) as refused:
+        profile.load(old)
+    assert str(refused.value).startswith(message) and "\n" not in str(refused.value), str(refused.value)
 
 
 # install(profile=...) --------------------------------------------------------------------------

@@ -6,6 +6,7 @@ Examples are derandomized so that CI and `tox -e mutate` see the same cases on e
 """
 
 import collections
+import dataclasses
 import itertools
 
 import pytest
@@ -41,7 +42,8 @@ def candidates(points):
     for size in range(1, len(dims) + 1):
         for head_dims in itertools.combinations(dims, size):
             for min_q, min_k in itertools.product({q for q, *_ in points}, {k for _, k, *_ in points}):
-                yield {"min_query_tokens": min_q, "min_key_tokens": min_k, "head_dims": list(head_dims)}
+                t = speed.Thresholds(min_q, min_k, list(head_dims), 0, len(points))
+                yield dataclasses.replace(t, served_shapes=len(served(t, points)))
 
 
 def feasible(thresholds, points, min_speedup):
@@ -73,13 +75,13 @@ def test_every_served_shape_was_faster_and_the_counts_are_true(points, min_speed
     assume(thresholds is not None)
     chosen = served(thresholds, points)
     assert chosen and all(s > min_speedup for *_, s in chosen)
-    assert thresholds["served_shapes"] == len(chosen)
-    assert thresholds["measured_shapes"] == len(points)
+    assert thresholds.served_shapes == len(chosen)
+    assert thresholds.measured_shapes == len(points)
     # Thresholds sit at measured values: nothing is served where nothing was measured.
-    assert thresholds["min_query_tokens"] in {q for q, *_ in points}
-    assert thresholds["min_key_tokens"] in {k for _, k, *_ in points}
-    assert thresholds["head_dims"] == sorted(set(thresholds["head_dims"]))
-    assert set(thresholds["head_dims"]) <= {d for _, _, d, _ in points}
+    assert thresholds.min_query_tokens in {q for q, *_ in points}
+    assert thresholds.min_key_tokens in {k for _, k, *_ in points}
+    assert thresholds.head_dims == sorted(set(thresholds.head_dims))
+    assert set(thresholds.head_dims) <= {d for _, _, d, _ in points}
 
 
 @PROPERTY
@@ -91,7 +93,7 @@ def test_break_even_serves_most_shapes_then_fewest_head_sizes_then_largest_thres
     assume(thresholds is not None)
 
     def rank(t):
-        return len(served(t, points)), -len(t["head_dims"]), t["min_query_tokens"], t["min_key_tokens"]
+        return len(served(t, points)), -len(t.head_dims), t.min_query_tokens, t.min_key_tokens
 
     best = max(rank(t) for t in candidates(points) if feasible(t, points, min_speedup))
     assert rank(thresholds) == best
@@ -111,7 +113,7 @@ def test_raising_speedups_never_serves_fewer_shapes(points, raises):
     faster = [(q, k, d, s + up) for (q, k, d, s), up in zip(points, raises, strict=False)]
     before, after = speed.break_even(points), speed.break_even(faster)
     if before is not None:
-        assert after is not None and after["served_shapes"] >= before["served_shapes"]
+        assert after is not None and after.served_shapes >= before.served_shapes
 
 
 @PROPERTY
@@ -131,7 +133,7 @@ def test_raising_speedups_never_unserves_a_shape_along_one_length(rows, raises):
 @PROPERTY
 @given(TOKENS, TOKENS, st.sets(HEAD_DIMS, min_size=1), HEAD_DIMS)
 def test_serves_at_exact_thresholds_and_not_one_below(min_q, min_k, head_dims, head_dim):
-    thresholds = {"min_query_tokens": min_q, "min_key_tokens": min_k, "head_dims": sorted(head_dims)}
+    thresholds = speed.Thresholds(min_q, min_k, sorted(head_dims), served_shapes=1, measured_shapes=1)
     inside = head_dim in head_dims
     assert speed.serves(thresholds, min_q, min_k, head_dim) is inside
     assert speed.serves(thresholds, min_q + 1, min_k + 1, head_dim) is inside

@@ -217,3 +217,25 @@ def test_a_worker_given_a_malformed_job_exits_naming_the_key(tmp_path):
     assert last.endswith("a task from the parent: kind: is 'sped', expected one of 'env', 'cell', 'sdpa', "
                          "'speed', 'paired', 'long', 'span', 'target_machine', 'target_cell'; " + tasks.FIX)
     process.close()
+
+
+def test_collect_environment_gives_the_workers_typed_result_or_one_line_why_not(monkeypatch, tmp_path):
+    """The environment task's answer reaches certify and gate as the `EnvResult` record the worker
+    sent; a worker that could not collect it is a WorkerError with its detail and last stderr line."""
+    _, sent = RESULTS[0]
+
+    def worker(result):
+        return lambda env, log_path, **kwargs: _Process([
+            {"type": "ready"}, {"type": "start", "id": "env"},
+            {"type": "result", "id": "env", "seconds": 0.5, "result": result}, {"type": "done"}])
+
+    monkeypatch.setattr(pool, "Process", worker(records.dump(sent)))
+    collected = pool.collect_environment(tmp_path / "environment.log", 5.0)
+    assert isinstance(collected, tasks.EnvResult)
+    assert (collected.environment, collected.not_supported) == (sent.environment, sent.not_supported)
+    crashed = {"outcome": "crash", "detail": "the worker died", "stderr_tail": "RuntimeError: no driver\n"}
+    monkeypatch.setattr(pool, "Process", worker(crashed))
+    with pytest.raises(pool.WorkerError) as refused:
+        pool.collect_environment(tmp_path / "environment.log", 5.0)
+    assert str(refused.value) == ("collecting this machine's environment failed: crash: the worker died "
+                                  "(last stderr line: RuntimeError: no driver)")

@@ -25,11 +25,11 @@ def test_env_certify_install_and_gpu_tests_agree(sage, gpu0, record):
     sage_qual.uninstall()
     record(test="assess", kind="agreement", runnable=", ".join(here.gpus[0].runnable_variants),
            kernel=here.gpus[0].kernel)
-    worker_gpus = collected["environment"]["gpus"]
-    assert [g["runnable_variants"] for g in worker_gpus] == [g.runnable_variants for g in here.gpus]
-    assert [g["kernel"] for g in worker_gpus] == [g.kernel for g in here.gpus]
+    worker_gpus = collected.environment.gpus
+    assert [g.runnable_variants for g in worker_gpus] == [g.runnable_variants for g in here.gpus]
+    assert [g.kernel for g in worker_gpus] == [g.kernel for g in here.gpus]
     for gpu in here.gpus:
-        skipped = set(collected["not_supported"][str(gpu.index)])
+        skipped = set(collected.not_supported[str(gpu.index)])
         assert set(gpu.runnable_variants) == set(VARIANTS) - skipped
     assert gpu0.runnable == here.gpus[0].runnable_variants
     assert status.enabled == any(g.kernel for g in here.gpus), status.reason

@@ -16,7 +16,8 @@ import os
 import sys
 import traceback
 
-from sage_qual.errors import ExitCode, UsageError
+from sage_qual import records
+from sage_qual.errors import Answer, ExitCode, UsageError
 from sage_qual.version import __version__
 
 # Commands whose exit code is a decision (gate's enable/keep off, compare's same/different, a
@@ -136,7 +137,7 @@ def _refuse(args: argparse.Namespace, problem: str, code: int = ExitCode.USAGE) 
     problem = _one_line(problem).encode("utf-8", "backslashreplace").decode("utf-8")
     print(f"sage-qual {args.command}: {problem}", file=sys.stderr)
     if getattr(args, "json", False):
-        print(json.dumps({"command": args.command, "exit_code": int(code), "problem": problem}))
+        print(json.dumps(records.dump(Answer(args.command, code, problem))))
     if getattr(args, "junit_xml", None):
         from sage_qual.qualification import junit
 

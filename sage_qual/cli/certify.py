@@ -8,10 +8,11 @@ import json
 import shlex
 import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-from sage_qual import limits
-from sage_qual.errors import ExitCode, UsageError
+from sage_qual import limits, records
+from sage_qual.errors import Answer, ExitCode, UsageError
 
 
 def _split(values: list[str] | None) -> list[str] | None:
@@ -49,13 +50,20 @@ def add_parser(subparsers) -> None:
     parser.set_defaults(func=_command)
 
 
+@dataclass(frozen=True)
+class CertifyAnswer(Answer):
+    """`certify --json`: where the report is and whether the run completed."""
+    report: str
+    complete: bool
+
+
 def _command(args: argparse.Namespace) -> int:
     if not args.json:
         return _certify(args)
     with contextlib.redirect_stdout(sys.stderr):  # stdout holds the one JSON object
         code = _certify(args)
-    print(json.dumps({"command": "certify", "exit_code": int(code), "problem": "",
-                      "report": str(args.out / "report.json"), "complete": code == ExitCode.OK}, indent=1))
+    answer = CertifyAnswer("certify", code, "", str(args.out / "report.json"), code == ExitCode.OK)
+    print(json.dumps(records.dump(answer), indent=1))
     return code
 
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
-from sage_qual.errors import ExitCode, UsageError
+from sage_qual import records
+from sage_qual.errors import Answer, ExitCode, UsageError
 from sage_qual.qualification import report, verdict
 
 DEFAULT_TOLERANCE = 0.10
@@ -78,14 +80,22 @@ def differences(first: dict[str, verdict.GpuDecision], second: dict[str, verdict
     return lines, found
 
 
+@dataclass(frozen=True)
+class CompareAnswer(Answer):
+    """`compare --json`: each entry's line, and those that differ beyond the tolerance."""
+    tolerance: float
+    entries: list[str]
+    differences: list[str]
+
+
 def _compare(args: argparse.Namespace) -> int:
     if not 0 <= args.tolerance < 1:
         raise UsageError(f"--tolerance is {args.tolerance:g}: give a fraction from 0 to below 1 (0.1 = 10 %)")
     lines, found = differences(_decide(args.first), _decide(args.second), args.tolerance)
     code = ExitCode.KEEP_OFF if found else ExitCode.OK
     if args.json:
-        print(json.dumps({"command": "compare", "exit_code": int(code), "problem": "",
-                          "tolerance": args.tolerance, "entries": lines, "differences": found}, indent=1))
+        answer = CompareAnswer("compare", code, "", args.tolerance, lines, found)
+        print(json.dumps(records.dump(answer), indent=1))
         return code
     print("\n".join(lines))
     if found:

@@ -11,10 +11,11 @@ import argparse
 import json
 import sys
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 from sage_qual import records
-from sage_qual.errors import ExitCode, UsageError
+from sage_qual.errors import Answer, ExitCode, UsageError
 from sage_qual.qualification import gate, junit, report
 from sage_qual.qualification.families import FAMILIES
 
@@ -76,12 +77,16 @@ def _gate(args: argparse.Namespace) -> int:
     return decision.code
 
 
+@dataclass(frozen=True)
+class MergeAnswer(Answer):
+    """`merge --json`: one row per GPU model of the reports."""
+    rows: list[gate.FleetRow]
+
+
 def _merge(args: argparse.Namespace) -> int:
     rows = gate.merge_rows([(path, _read(path)) for path in args.reports])
     if args.json:
-        answer = {"command": "merge", "exit_code": ExitCode.OK, "problem": "",
-                  "rows": [records.dump(row) for row in rows]}
-        print(json.dumps(answer, indent=1))
+        print(json.dumps(records.dump(MergeAnswer("merge", ExitCode.OK, "", rows)), indent=1))
     else:
         print(gate.merge_markdown(rows))
     return ExitCode.OK

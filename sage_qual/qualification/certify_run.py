@@ -27,7 +27,7 @@ from typing import Protocol
 
 import torch
 
-from sage_qual import limits, records
+from sage_qual import limits
 from sage_qual.errors import UsageError
 from sage_qual.fixtures import fileformat
 from sage_qual.qualification import families as families_mod
@@ -195,13 +195,6 @@ def header(plan: Plan, backend: Backend, machine: Machine) -> Report:
         shapes=machine.shapes, devices=machine.devices, predicted=backend.predicted, target=backend.target)
 
 
-def result_record(cls, data: dict):
-    """A worker's (or the model's) result as the report's record `cls`: a result the report could
-    not hold is a sage-qual bug, named by its key before it reaches report.json."""
-    return records.parse(cls, data, f"a {cls.__name__} result", "a sage-qual bug: report it with the "
-                                                                 "run's logs/")
-
-
 # Running ---------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class GpuMachine:
@@ -228,14 +221,14 @@ def gpu_machine(plan: Plan, devices: str, purpose: str, needs_sageattention: boo
                                              limits.startup_timeout(plan.timeout))
     except pool.WorkerError as error:
         raise UsageError(str(error)) from None
-    env = collected["environment"]
-    if not env["gpus"]:
+    env = collected.environment
+    if not env.gpus:
         raise UsageError("no CUDA GPU is visible here (CPU-only torch, no driver, or CUDA_VISIBLE_DEVICES "
                          f"empty): {purpose}")
-    if needs_sageattention and env["sageattention_problem"]:
-        raise UsageError(f"sageattention cannot run here: {env['sageattention_problem']}")
-    indices = device_indices(devices, len(env["gpus"]))
-    return GpuMachine(result_record(EnvironmentRecord, env), indices, collected.get("not_supported", {}))
+    if needs_sageattention and env.sageattention_problem:
+        raise UsageError(f"sageattention cannot run here: {env.sageattention_problem}")
+    indices = device_indices(devices, len(env.gpus))
+    return GpuMachine(env, indices, collected.not_supported)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -357,8 +350,8 @@ def _first_missing(path: Path) -> Path:
 def conclude(written: Report, plan: Plan, backend: Backend) -> None:
     """The profile (of a finished certify run), report.md/html, the summary and the JUnit XML."""
     path = str(plan.out / "report.json")
-    try:  # what this run wrote must read back: a bug, said in one line
-        verdict.check_evidence(written, path)
+    try:  # what this run wrote must read back, the rules across results included: a bug, in one line
+        written = report.load(path)
     except report.ReportError as error:
         raise UsageError(f"the run's own report does not read back, a sage-qual bug ({error}); report.json "
                          "keeps every measurement") from None

@@ -31,12 +31,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sage_qual import limits
+from sage_qual import limits, records
 from sage_qual.errors import ExitCode, UsageError
 from sage_qual.qualification import budget_cache, pool, report, report_model, verdict
 from sage_qual.qualification.families import FAMILIES, Family, counts_for, find
 from sage_qual.qualification.report_model import Report
 from sage_qual.qualification.verdict import FamilyDecision, Verdict
+from sage_qual.serving.env_record import Reason
 from sage_qual.serving.variants import VARIANTS, Variant, gpu_label
 
 if TYPE_CHECKING:
@@ -237,13 +238,36 @@ class GateDecision:
         return lines
 
     def as_json(self) -> dict:
-        return {"family": self.family, "exit_code": self.code, "problem": self.problem,
-                "gpus": [{"gpu": model, "verdict": d.verdict.value, "variant": d.variant,
-                          "min_query_tokens": d.min_query_tokens, "min_key_tokens": d.min_key_tokens,
-                          "max_query_tokens": d.max_query_tokens, "max_key_tokens": d.max_key_tokens,
-                          "layouts": d.layouts, "head_dims": d.head_dims, "certified": d.certified,
-                          "reasons": [{"kind": r.kind.value, "detail": r.detail} for r in d.reasons]}
-                         for model, d in self.gpus]}
+        """The `gate --json` answer (`GateAnswer`'s JSON)."""
+        return records.dump(GateAnswer(self.family, self.code, self.problem, [
+            GpuAnswer(model, d.verdict, d.variant, d.min_query_tokens, d.min_key_tokens, d.max_query_tokens,
+                      d.max_key_tokens, d.layouts, d.head_dims, d.certified, d.reasons)
+            for model, d in self.gpus]))
+
+
+@dataclass(frozen=True)
+class GpuAnswer:
+    """One GPU model here in `gate --json`: its verdict, what a profile serves and why not more."""
+    gpu: str
+    verdict: Verdict
+    variant: str | None
+    min_query_tokens: int | None
+    min_key_tokens: int | None
+    max_query_tokens: int | None
+    max_key_tokens: int | None
+    layouts: list[str] | None
+    head_dims: list[int] | None
+    certified: list[str]
+    reasons: list[Reason]
+
+
+@dataclass(frozen=True)
+class GateAnswer:
+    """`sage-qual gate --json`: the exit code, the problem (with code 2) or a verdict per GPU model."""
+    family: str
+    exit_code: int
+    problem: str
+    gpus: list[GpuAnswer]
 
 
 def report_problem(source: str, data: Report, family: Family) -> str:
@@ -296,7 +320,7 @@ def decide_stored(data: Report, family: Family, here: dict, local: Mapping[str, 
 
 def decide(data: Report, family: Family, here: dict, fixtures: Mapping[str, Fixture],
            require_speedup: bool, source: str = "report.json") -> GateDecision:
-    """gate's answer for one family on this machine (`here`: pool.collect_environment's record;
+    """gate's answer for one family on this machine (`here`: the environment's JSON, `this_machine()`;
     `fixtures`: this machine's fixtures that count for the family, loaded): every refusal, the
     verdicts, and each stored budget against the one derived here."""
     local = {name: fixture.sha256 for name, fixture in fixtures.items()}
@@ -309,10 +333,11 @@ def decide(data: Report, family: Family, here: dict, fixtures: Mapping[str, Fixt
 
 
 def this_machine() -> dict:
-    """This machine's environment, collected in a worker process (collecting initializes CUDA,
-    which the caller must not)."""
+    """This machine's environment (the JSON of its `EnvironmentRecord`, as a report stores it),
+    collected in a worker process (collecting initializes CUDA, which the caller must not)."""
     with tempfile.TemporaryDirectory(prefix="sage-qual-gate-") as logs:
-        return pool.collect_environment(Path(logs) / "environment.log", limits.STARTUP_TIMEOUT)["environment"]
+        collected = pool.collect_environment(Path(logs) / "environment.log", limits.STARTUP_TIMEOUT)
+    return records.dump(collected.environment)
 
 
 def gate(report_path: Path, family_name: str, fixture_dirs: list[str] | None = None,

@@ -201,9 +201,9 @@ class WorkerError(RuntimeError):
     """A worker could not do what the parent needs before any measurement (the environment)."""
 
 
-def collect_environment(log_path: Path, timeout: float) -> dict:
-    """This machine's environment and unsupported variants (`tasks.EnvResult`'s JSON), collected in
-    a worker: collecting initializes CUDA, which the parent must not."""
+def collect_environment(log_path: Path, timeout: float) -> tasks_mod.EnvResult:
+    """This machine's environment and unsupported variants, collected in a worker: collecting
+    initializes CUDA, which the parent must not. WorkerError unless the worker passed."""
     results = []
     run_tasks([tasks_mod.EnvTask("env")], lambda: Process(worker_env(), log_path), timeout, timeout,
               lambda task, result: results.append(result))
@@ -213,7 +213,7 @@ def collect_environment(log_path: Path, timeout: float) -> dict:
         last = f" (last stderr line: {tail[-1]})" if tail else ""
         raise WorkerError(f"collecting this machine's environment failed: {result.outcome.value}: "
                           f"{result.detail}{last}")
-    return records.dump(result)
+    return result
 
 
 class Pool:

@@ -72,10 +72,11 @@ class Writer:
             self._commit(built, records.dump(built))
 
     def replace(self, **fields) -> None:
-        """Top-level fields changed (complete, finished, stopped)."""
+        """Top-level flags changed (complete, finished, stopped: strings and booleans, written as
+        they are): the end of a run is written even when a result appended before it breaks a rule
+        across results, which the conclusion then names."""
         with self.lock:
-            changed = dataclasses.replace(self.report, **fields)
-            self._commit(changed, records.dump(changed))
+            self._commit(dataclasses.replace(self.report, **fields), {**self._data, **fields})
 
     def append(self, position: int, field: str, *items) -> None:
         """Records added to the list `field` (cells, speed, long, span) of the device at `position`

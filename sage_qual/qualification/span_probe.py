@@ -150,7 +150,7 @@ def run_probe(variant: str, cases: list[SpanCase], command: list[str] = CHILD,
               timeout: float = CHILD_TIMEOUT) -> list[SpanFinding]:
     """Each case's finding from one child; a case it did not report gets what ended the child
     (signal, exit code or timeout) if it was the first, and "not run" after that."""
-    payload = json.dumps([dataclasses.asdict(case) for case in cases])
+    payload = json.dumps([records.dump(case) for case in cases])
     try:
         result = subprocess.run([*command, variant, payload], capture_output=True, text=True, timeout=timeout)
         lines, code, tail = result.stdout.splitlines(), result.returncode, result.stderr.strip()[-300:]
@@ -233,7 +233,8 @@ def main(argv: list[str]) -> int:
     from sage_qual.serving.variants import VARIANTS
 
     device = argv[argv.index("--device") + 1] if "--device" in argv else "cuda"
-    variant, cases = VARIANTS[argv[0]], [SpanCase(**case) for case in json.loads(argv[1])]
+    variant, cases = VARIANTS[argv[0]], [records.parse(SpanCase, case, "span probe cases", CHILD_FIX)
+                                         for case in json.loads(argv[1])]
     package = sage_package.load()
     for case in cases:
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 # Two-sided 95 % normal quantile, for the distribution-free confidence interval of a median.
 Z_95 = 1.96
@@ -106,7 +107,18 @@ def intervals_to_refine(points: list[tuple[int, float, float]],
             if low_bound <= min_speedup < high_bound or low in near or high in near]
 
 
-def break_even(points: list[tuple[int, int, int, float]], min_speedup: float = 1.0) -> dict | None:
+@dataclass(frozen=True)
+class Thresholds:
+    """Where a variant pays: the head sizes and the query and key lengths from which it is served,
+    and how many of the measured shapes that serves."""
+    min_query_tokens: int
+    min_key_tokens: int
+    head_dims: list[int]
+    served_shapes: int
+    measured_shapes: int
+
+
+def break_even(points: list[tuple[int, int, int, float]], min_speedup: float = 1.0) -> Thresholds | None:
     """Where a variant pays, from measured (query tokens, key tokens, head_dim, speedup) points.
 
     The speedup given is what the decision trusts: the lower confidence bound. The wrapper serves
@@ -130,11 +142,10 @@ def break_even(points: list[tuple[int, int, int, float]], min_speedup: float = 1
                     key = (len(served), -len(head_dims), min_q, min_k)
                     if best_key is None or key > best_key:
                         best_key = key
-                        best = {"min_query_tokens": min_q, "min_key_tokens": min_k, "head_dims": head_dims,
-                                "served_shapes": len(served), "measured_shapes": len(points)}
+                        best = Thresholds(min_q, min_k, head_dims, len(served), len(points))
     return best
 
 
-def serves(thresholds: dict, q_tokens: int, kv_tokens: int, head_dim: int) -> bool:
-    return (q_tokens >= thresholds["min_query_tokens"] and kv_tokens >= thresholds["min_key_tokens"]
-            and head_dim in thresholds["head_dims"])
+def serves(thresholds: Thresholds, q_tokens: int, kv_tokens: int, head_dim: int) -> bool:
+    return (q_tokens >= thresholds.min_query_tokens and kv_tokens >= thresholds.min_key_tokens
+            and head_dim in thresholds.head_dims)

@@ -49,7 +49,7 @@ from sage_qual.qualification.report_model import (
     Report,
     ReportError,
 )
-from sage_qual.qualification.speed import break_even, serves, speedup_bounds, steady_lower_bounds
+from sage_qual.qualification.speed import Thresholds, break_even, serves, speedup_bounds, steady_lower_bounds
 from sage_qual.serving.config import KERNEL_TABLE, served_from
 from sage_qual.serving.variants import VARIANTS, gpu_label
 
@@ -81,15 +81,6 @@ class Finding:
         """The finding in one sentence, as gate, report.md and the profile give it."""
         return Reason(self.reason.kind, f"{self.variant} on {self.fixture} (cuda:{self.device}): "
                                         f"{self.reason.detail}")
-
-
-@dataclass(frozen=True)
-class Thresholds:
-    min_query_tokens: int
-    min_key_tokens: int
-    head_dims: list[int]
-    served_shapes: int
-    measured_shapes: int
 
 
 @dataclass
@@ -300,8 +291,7 @@ class _Model:
                  self.speedup[(variant, k)][0]) for k in keys if (variant, k) in self.speedup]
 
     def break_even(self, variant: str, keys: list[str], min_speedup: float = 1.0) -> Thresholds | None:
-        found = break_even(self.points(variant, keys), min_speedup) if variant in self.runnable else None
-        return Thresholds(**found) if found else None
+        return break_even(self.points(variant, keys), min_speedup) if variant in self.runnable else None
 
     def verdict(self, family: Family | None) -> FamilyDecision:
         result = FamilyDecision(family.name if family else None)
@@ -335,7 +325,7 @@ class _Model:
         chosen, thresholds = self._choose(result.certified, list(own), relevant, min_speedup)
         result.variant = chosen
         result.speedups = {own[k]: self.speedup[(chosen, k)][0] for k in own if (chosen, k) in self.speedup}
-        served = [serves(vars(thresholds), q, k, d) for q, k, d, _ in self.points(chosen, list(own))] \
+        served = [serves(thresholds, q, k, d) for q, k, d, _ in self.points(chosen, list(own))] \
             if thresholds else []
         if thresholds is None:
             result.reasons.append(Reason(ReasonKind.SPEED, f"{chosen} never measured faster than "
@@ -443,7 +433,7 @@ class _Model:
         ranked = sorted(candidates, key=lambda v: (total(v), candidates.index(v)))
         thresholds = {v: self.break_even(v, relevant, min_speedup) for v in ranked}
         serving = [v for v in ranked if thresholds[v] and any(
-            serves(vars(thresholds[v]), q, k, d) for q, k, d, _ in self.points(v, own))]
+            serves(thresholds[v], q, k, d) for q, k, d, _ in self.points(v, own))]
         paying = [v for v in ranked if thresholds[v]]
         chosen = (serving or paying or ranked)[0]
         return chosen, thresholds[chosen]

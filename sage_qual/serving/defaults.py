@@ -32,6 +32,7 @@ from sage_qual import jsonfile, records
 from sage_qual.limits import one_line
 from sage_qual.serving import profile
 from sage_qual.serving.config import DEFAULT_CONFIG, KERNEL_TABLE, WrapperConfig, served_from
+from sage_qual.serving.env_record import Reason, ReasonKind
 from sage_qual.serving.variants import capability_label
 
 DATA = Path(__file__).with_name("default_profile.json")
@@ -53,7 +54,9 @@ class DefaultProfile:
     kind: Literal["sage-qual-default-profile"]
     schema_version: Literal[1]
     sources: list[Source]
-    profile: Any  # a sage-qual profile, read by profile.load
+    # A profile.Profile when built; read back as parsed JSON, for profile.load (which upgrades and
+    # names what is wrong in a profile's words).
+    profile: Any
 
 
 def read(path: Path = DATA) -> tuple[profile.Profile, list[Source]]:
@@ -135,15 +138,16 @@ def most_conservative(entries: list[profile.Entry]) -> profile.Entry | None:
 
 
 # Building the data file from certify profiles ---------------------------------------------------
-def _entry_dict(chosen: profile.Entry | None, reasons: list[str] = ()) -> dict:
-    if chosen is None or not chosen.variant:
-        return {"variant": None, "min_query_tokens": None, "min_key_tokens": None, "head_dims": None,
-                "reasons": [{"kind": "speed", "detail": r} for r in reasons]}
-    return {"variant": chosen.variant, "min_query_tokens": chosen.min_query_tokens,
-            "min_key_tokens": chosen.min_key_tokens, "head_dims": list(chosen.head_dims), "reasons": []}
+def _off(reasons: list[Reason]) -> profile.Entry:
+    return profile.Entry(None, None, None, None, list(reasons))
 
 
-def _default_entry(runs: list[tuple[str, profile.ProfileGpu]]) -> dict:
+def _served_or_off(chosen: profile.Entry | None, why_not: str) -> profile.Entry:
+    """`chosen` when it serves a variant, else an entry that serves nothing for the speed reason `why_not`."""
+    return chosen if chosen is not None and chosen.variant else _off([Reason(ReasonKind.SPEED, why_not)])
+
+
+def _default_entry(runs: list[tuple[str, profile.ProfileGpu]]) -> profile.Entry:
     """Where the capability's first-choice kernel (of the default table) was measured faster in
     every run: the head sizes each run served it at, from the highest thresholds any run needed."""
     capability = tuple(runs[0][1].capability)
@@ -156,59 +160,56 @@ def _default_entry(runs: list[tuple[str, profile.ProfileGpu]]) -> dict:
         head_dims = set.intersection(*({d for e in entries for d in e.head_dims} for entries in per_run))
         served = [e for entries in per_run for e in entries if head_dims & set(e.head_dims)]
         if served:
-            return _entry_dict(profile.Entry(variant, max(e.min_query_tokens for e in served),
-                                             max(e.min_key_tokens for e in served), sorted(head_dims)))
-    return _entry_dict(None, ["the default kernel was never measured faster than torch's SDPA here"])
+            return profile.Entry(variant, max(e.min_query_tokens for e in served),
+                                 max(e.min_key_tokens for e in served), sorted(head_dims))
+    return _served_or_off(None, "the default kernel was never measured faster than torch's SDPA here")
 
 
-def _family_entry(name: str, runs: list[tuple[str, profile.ProfileGpu]]) -> dict:
+def _family_entry(name: str, runs: list[tuple[str, profile.ProfileGpu]]) -> profile.Entry:
     """Off where any run kept the family off; else that run's variant from the highest thresholds."""
     entries = [(file, profile.family_entry(gpu, name)) for file, gpu in runs]
     entries = [(file, e) for file, e in entries if e is not None]
     off = [(file, e) for file, e in entries if not e.variant]
     if off:
         file, e = off[0]
-        return {**_entry_dict(None), "reasons": [records.dump(r) for r in e.reasons]
-                or [{"kind": "speed", "detail": f"kept off in {file}"}]}
+        return _off(e.reasons or [Reason(ReasonKind.SPEED, f"kept off in {file}")])
     variants = sorted({e.variant for _, e in entries})
     if len(variants) > 1:
-        return _entry_dict(None, [f"the runs chose different variants ({', '.join(variants)})"])
-    merged = most_conservative([e for _, e in entries])
-    return _entry_dict(merged, ["the runs share no head size"])
+        return _served_or_off(None, f"the runs chose different variants ({', '.join(variants)})")
+    return _served_or_off(most_conservative([e for _, e in entries]), "the runs share no head size")
 
 
-def build(files: list[Path], previous: Path | None = DATA) -> dict:
-    """The data file from certify profiles: one entry per GPU model, merged over its runs; models
-    of `previous` that none of the files measured are kept with their sources."""
+def build(files: list[Path], previous: Path | None = DATA) -> DefaultProfile:
+    """The data file from certify profiles: one entry per GPU model, merged over its runs (without
+    the runs' verified ranges, layouts and span limits: the entries are speed rules); models of
+    `previous` that none of the files measured are kept with their sources."""
     runs: dict[tuple, list[tuple[str, profile.ProfileGpu, profile.Profile]]] = {}
     for file in files:
         loaded = profile.load(file)
         for gpu in loaded.gpus:
             key = (gpu.name.strip().casefold(), tuple(gpu.capability))
             runs.setdefault(key, []).append((str(file), gpu, loaded))
-    gpus, sources = [], []
+    gpus: list[profile.ProfileGpu] = []
+    sources: list[Source] = []
     if previous is not None and Path(previous).exists():
         kept, kept_sources = read(previous)
         for gpu in kept.gpus:
             if (gpu.name.strip().casefold(), tuple(gpu.capability)) not in runs:
-                gpus.append(dataclasses.asdict(gpu))
-                sources += [dataclasses.asdict(source) for source in kept_sources
-                            if profile.same_gpu_name(source.gpu, gpu.name)]
-    newest = None
+                gpus.append(gpu)
+                sources += [source for source in kept_sources if profile.same_gpu_name(source.gpu, gpu.name)]
+    newest = max((loaded for group in runs.values() for _, _, loaded in group), key=lambda p: p.created)
     for group in runs.values():
         group.sort(key=lambda run: run[2].created)
-        _, gpu, loaded = group[-1]
-        newest = loaded if newest is None or loaded.created > newest.created else newest
+        _, gpu, _ = group[-1]
         pairs = [(file, g) for file, g, _ in group]
         families = list(dict.fromkeys(name for _, g in pairs for name in g.families))
-        gpus.append({"name": gpu.name, "capability": list(gpu.capability), "memory_gib": gpu.memory_gib,
-                     "environment": dataclasses.asdict(gpu.environment), "default": _default_entry(pairs),
-                     "families": {name: _family_entry(name, pairs) for name in families}})
-        sources += [dataclasses.asdict(Source(file, g.name, p.created, p.host)) for file, g, p in group]
-    return {"kind": KIND, "schema_version": 1, "sources": sources,
-            "profile": {"kind": profile.KIND, "schema_version": profile.SCHEMA_VERSION,
-                        "created": newest.created if newest else "", "host": "sage-qual built-in defaults",
-                        "fixtures": dict(newest.fixtures) if newest else {}, "gpus": gpus}}
+        gpus.append(profile.ProfileGpu(gpu.name, list(gpu.capability), gpu.memory_gib, gpu.environment,
+                                       _default_entry(pairs), {name: _family_entry(name, pairs)
+                                                               for name in families}))
+        sources += [Source(file, g.name, p.created, p.host) for file, g, p in group]
+    return DefaultProfile(KIND, 1, sources, profile.Profile(
+        profile.KIND, profile.SCHEMA_VERSION, newest.created, "sage-qual built-in defaults",
+        dict(newest.fixtures), gpus))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,12 +223,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         built = build(args.profiles, args.out)
-        read_back = profile.load(built["profile"])
     except profile.ProfileError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    args.out.write_text(json.dumps(built, indent=1) + "\n")
-    print(f"wrote {args.out}: " + ", ".join(gpu.label for gpu in read_back.gpus))
+    args.out.write_text(json.dumps(records.dump(built), indent=1) + "\n")
+    print(f"wrote {args.out}: " + ", ".join(gpu.label for gpu in built.profile.gpus))
     return 0
 
 

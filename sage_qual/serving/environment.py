@@ -8,7 +8,6 @@ worker.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.metadata
 import json
 import platform as host
@@ -17,6 +16,7 @@ import sys
 
 import torch
 
+from sage_qual import records
 from sage_qual.serving import platform
 from sage_qual.serving.assess import MachineAssessment, assess_machine
 from sage_qual.serving.config import DEFAULT_CONFIG, WrapperConfig
@@ -74,12 +74,13 @@ def collect(config: WrapperConfig = DEFAULT_CONFIG,
 
 
 def to_json(env: Environment) -> str:
-    return json.dumps(dataclasses.asdict(env), indent=2)
+    return json.dumps(records.dump(env), indent=2)
 
 
 def from_dict(data: dict) -> Environment:
-    gpus = [Gpu(**{**g, "capability": list(g["capability"])}) for g in data.get("gpus", [])]
-    return Environment(**{**data, "gpus": gpus})
+    """`sage-qual env --json`'s output read back; RecordError (one line) when it is not one."""
+    return records.parse(Environment, data, "sage-qual env --json",
+                         "give the output of `sage-qual env --json`")
 
 
 def render_text(env: Environment) -> str:

@@ -155,13 +155,30 @@ def json_schema() -> dict:
                           f"https://sage-qual.invalid/profile/{SCHEMA_VERSION}")
 
 
-def _upgrade(data: dict) -> dict:
-    """A version 1 profile (one GPU model, no memory) as version 2."""
-    gpu = data.get("gpu") if isinstance(data.get("gpu"), dict) else {}
-    entry = {**gpu, "memory_gib": None, "environment": data.get("environment"),
-             "default": data.get("default"), "families": data.get("families")}
-    return {"kind": KIND, "schema_version": SCHEMA_VERSION, "created": data.get("created"),
-            "host": data.get("host"), "fixtures": data.get("fixtures"), "gpus": [entry]}
+@dataclass(frozen=True)
+class GpuV1:
+    name: str
+    capability: list[int] = field(metadata={"length": 2, "minimum": 0})
+
+
+@dataclass(frozen=True)
+class ProfileV1:
+    """Schema version 1: one GPU model at the top level, without its memory."""
+    kind: Literal["sage-qual-profile"]
+    schema_version: Literal[1]
+    created: str
+    host: str
+    fixtures: dict[str, str]
+    gpu: GpuV1
+    environment: ProfileEnvironment
+    default: Entry
+    families: dict[str, Entry]
+
+
+def _upgrade(old: ProfileV1) -> Profile:
+    """A version 1 profile as version 2: its one GPU model, with memory null (any)."""
+    gpu = ProfileGpu(old.gpu.name, old.gpu.capability, None, old.environment, old.default, old.families)
+    return Profile(KIND, SCHEMA_VERSION, old.created, old.host, old.fixtures, [gpu])
 
 
 def load(source) -> Profile:
@@ -177,12 +194,12 @@ def load(source) -> Profile:
     if not isinstance(data, dict) or data.get("kind") != KIND:
         raise ProfileError(f"{where} is not a sage-qual profile (written by `sage-qual certify`)")
     version = data.get("schema_version")
-    if version == 1:
-        data = _upgrade(data)
-    elif version != SCHEMA_VERSION or isinstance(version, bool):
+    if isinstance(version, bool) or version not in (1, SCHEMA_VERSION):
         raise ProfileError(f"{where} has profile schema version {version!r}; this sage-qual reads versions 1 "
                            f"and {SCHEMA_VERSION}: certify again (or upgrade sage-qual)")
     try:
+        if version == 1:
+            return _upgrade(records.parse(ProfileV1, data, where, FIX))
         return records.parse(Profile, data, where, FIX)
     except records.RecordError as error:
         raise ProfileError(str(error)) from None
