@@ -31,8 +31,11 @@ def test_every_variant_is_runnable_or_has_its_reasons():
     assert gpu.runnable == [n for n in VARIANTS if not gpu.reasons[n]]
     assert gpu.not_supported() == {n: list(w) for n, w in gpu.reasons.items() if w}
     assert "sm90-fp8-cuda" in gpu.runnable
-    ampere = assess.assess(0, BoxFacts((8, 0), (13, 0), frozenset({"_qattn_sm80", "_fused"}), True),
-                           package_of(FakeSageAttention()))
+    ampere = assess.assess(
+        0,
+        BoxFacts((8, 0), (13, 0), frozenset({"_qattn_sm80", "_fused"}), True),
+        package_of(FakeSageAttention()),
+    )
     assert ampere.runnable == [n for n in VARIANTS if not ampere.reasons[n]]
     assert "sm80-fp16-cuda" in ampere.runnable and "sm80-fp16-cuda" not in ampere.not_supported()
     assert ampere.not_supported()["sm90-fp8-cuda"] == list(ampere.reasons["sm90-fp8-cuda"]) != []
@@ -44,7 +47,9 @@ def test_a_function_the_package_lacks_is_a_reason_after_the_box_facts():
     assert gpu.reasons["sm90-fp8-cuda"] == (sage_package.kernel_problem(package, VARIANTS["sm90-fp8-cuda"]),)
     assert SM90 in gpu.reasons["sm90-fp8-cuda"][0]
     # The sm120 variants are refused by the box first; their function is not asked about.
-    assert gpu.reasons["sm120-fp8-perwarp"] == tuple(VARIANTS["sm120-fp8-perwarp"].not_supported_reasons(h200_box()))
+    assert gpu.reasons["sm120-fp8-perwarp"] == tuple(
+        VARIANTS["sm120-fp8-perwarp"].not_supported_reasons(h200_box())
+    )
     assert gpu.kernel is None
     assert gpu.no_kernel_reason == f"sm90-fp8-cuda: {gpu.reasons['sm90-fp8-cuda'][0]}"
 
@@ -85,10 +90,13 @@ def test_the_machine_is_every_gpu_with_the_package():
     assert [g.box.capability for g in machine.gpus] == [(9, 0), (8, 9)]
 
 
-@pytest.mark.parametrize("fake, says", [
-    (FakeSageAttention(version="1.0.6"), "SageAttention 1"),
-    (FakeSageAttention(triton=False), "triton is not installed"),
-])
+@pytest.mark.parametrize(
+    "fake, says",
+    [
+        (FakeSageAttention(version="1.0.6"), "SageAttention 1"),
+        (FakeSageAttention(triton=False), "triton is not installed"),
+    ],
+)
 def test_a_machine_without_a_usable_package_says_why_for_every_gpu(fake, says):
     with FakeCuda([FakeGpu((9, 0)), FakeGpu((8, 9))]), fake.installed():
         machine = assess.assess_machine()

@@ -16,8 +16,16 @@ from sage_qual.fixtures.fileformat import load_fixture, save_fixture
 from sage_qual.qualification import budgets, measure
 from sage_qual.serving.variants import VARIANTS
 
-FOUND = {"rel_l2": 0.05, "worst_head_rel_l2": 0.06, "worst_batch_rel_l2": 0.055, "worst_block_rel_l2": 0.08,
-         "norm_ratio": 0.98, "worst_head_cosine": 0.999, "max_abs_error": 0.3, "rounding": 0.01}
+FOUND = {
+    "rel_l2": 0.05,
+    "worst_head_rel_l2": 0.06,
+    "worst_batch_rel_l2": 0.055,
+    "worst_block_rel_l2": 0.08,
+    "norm_ratio": 0.98,
+    "worst_head_cosine": 0.999,
+    "max_abs_error": 0.3,
+    "rounding": 0.01,
+}
 
 
 def limits(budget) -> dict:
@@ -48,8 +56,8 @@ def test_the_norm_ratio_window_spans_the_model_and_one_widened_by_the_margin():
 def test_the_norm_ratio_tolerance_never_drops_below_bf16_rounding():
     tiny = {**FOUND, "rel_l2": 0.001, "norm_ratio": 1.0}  # 0.1 x 0.001 is below 2^-9
     budget = limits(budgets.from_expected(tiny))
-    assert budget["min_norm_ratio"] == math.floor((1 - 2 ** -9) * 1e6) / 1e6 == 0.998046
-    assert budget["max_norm_ratio"] == math.ceil((1 + 2 ** -9) * 1e6) / 1e6 == 1.001954
+    assert budget["min_norm_ratio"] == math.floor((1 - 2**-9) * 1e6) / 1e6 == 0.998046
+    assert budget["max_norm_ratio"] == math.ceil((1 + 2**-9) * 1e6) / 1e6 == 1.001954
 
 
 def test_the_cosine_bound_grows_its_distance_from_one_by_the_margin_squared():
@@ -87,6 +95,7 @@ def test_bounds_are_rounded_outwards_to_six_decimals():
 
 # The model's metrics ---------------------------------------------------------------------------------
 
+
 def test_metrics_of_a_finite_prediction_are_measures_errors_plus_the_rounding_allowance():
     ref = torch.randn(1, 2, 64, 16, generator=torch.Generator().manual_seed(0))
     predicted = (ref * 1.01).to(torch.bfloat16)
@@ -112,7 +121,8 @@ def test_metrics_of_a_non_finite_prediction_are_those_of_its_finite_elements():
     ref_with_hole = ref.clone()
     ref_with_hole[0, 0, 0, 0] = math.inf
     assert budgets.metrics_of(predicted.half(), ref_with_hole)["rounding"] == pytest.approx(
-        2.0 * torch.finfo(torch.float16).eps * ref.abs().max().item(), rel=1e-9)
+        2.0 * torch.finfo(torch.float16).eps * ref.abs().max().item(), rel=1e-9
+    )
 
 
 def test_expected_is_the_models_output_measured_against_the_reference():
@@ -123,10 +133,12 @@ def test_expected_is_the_models_output_measured_against_the_reference():
     want = budgets.metrics_of(numerics.predict(variant, q, k, v), ref)
     assert budgets.expected(variant, q, k, v) == want
     assert budgets.expected(variant, q, k, v, ref=ref * 2) == budgets.metrics_of(
-        numerics.predict(variant, q, k, v), ref * 2)
+        numerics.predict(variant, q, k, v), ref * 2
+    )
 
 
 # One (variant, fixture) pair, cached -------------------------------------------------------------------
+
 
 def small_fixture(tmp_path, name, seed, zero_v_channel=False):
     g = torch.Generator().manual_seed(seed)
@@ -134,8 +146,17 @@ def small_fixture(tmp_path, name, seed, zero_v_channel=False):
     if zero_v_channel:
         v[..., 3] = 0.0  # a V channel zero in every token: FP8 kernels return NaN (README, Known limits)
     bounds = {"fp16": {"max_rel_l2": 0.1, "min_cosine": 0.99}, "fp8": {"max_rel_l2": 0.1, "min_cosine": 0.99}}
-    path = save_fixture(tmp_path / f"{name}.safetensors", q, k, v, family="generic", kind="replica",
-                        source={"test": name}, provenance="tests_fast: random data", bounds=bounds)
+    path = save_fixture(
+        tmp_path / f"{name}.safetensors",
+        q,
+        k,
+        v,
+        family="generic",
+        kind="replica",
+        source={"test": name},
+        provenance="tests_fast: random data",
+        bounds=bounds,
+    )
     return load_fixture(path)
 
 
@@ -147,7 +168,9 @@ def test_a_pairs_budget_expectation_and_prediction_come_from_one_model_run(tmp_p
     assert torch.equal(budgets.prediction(variant, fixture), predicted)
     assert budgets.prediction(variant, fixture).dtype == torch.bfloat16
     expectation = budgets.expectation(variant, fixture)
-    assert {k: v for k, v in expectation.items() if k != "model_hazards"} == budgets.metrics_of(predicted, ref)
+    assert {k: v for k, v in expectation.items() if k != "model_hazards"} == budgets.metrics_of(
+        predicted, ref
+    )
     assert expectation["model_hazards"] == numerics.hazards(variant, fixture.q, fixture.k, fixture.v)
     assert limits(budgets.budget(variant, fixture)) == limits(budgets.from_expected(expectation))
 

@@ -26,9 +26,20 @@ def write(directory, name, zero_v_channel=False, seed=0):
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(1, 2, 96, 64, generator=g).to(torch.float16) for _ in range(3))
     if zero_v_channel:
-        v[..., 5] = 0.0  # a V channel zero in every token: every FP8 kernel returns NaN (README, Known limits)
-    save_fixture(directory / f"{name}.safetensors", q, k, v, family="SDXL", kind="replica", source={"t": name},
-                 provenance="tests_fast: random data", bounds=BOUNDS)
+        v[..., 5] = (
+            0.0  # a V channel zero in every token: every FP8 kernel returns NaN (README, Known limits)
+        )
+    save_fixture(
+        directory / f"{name}.safetensors",
+        q,
+        k,
+        v,
+        family="SDXL",
+        kind="replica",
+        source={"t": name},
+        provenance="tests_fast: random data",
+        bounds=BOUNDS,
+    )
 
 
 # One run per test (about a second): a run shared by the module would be attributed to its first
@@ -40,8 +51,9 @@ def emulated(tmp_path_factory):
     fixtures.mkdir()
     write(fixtures, "sdxl_plain", seed=1)
     write(fixtures, "sdxl_zero_v", zero_v_channel=True, seed=2)
-    options = emulate.Options(root / "out", variants=VARIANT_NAMES, families=["SDXL", "FLUX.1"],
-                              fixture_dirs=[str(fixtures)])
+    options = emulate.Options(
+        root / "out", variants=VARIANT_NAMES, families=["SDXL", "FLUX.1"], fixture_dirs=[str(fixtures)]
+    )
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         emulate.run(options)
@@ -67,14 +79,24 @@ def test_the_report_header_says_predicted_and_complete(emulated):
     assert data["predicted"] is True and data["complete"] is True and data["stopped"] == ""
     assert data["finished"] is not None and data["started"] <= data["finished"]
     assert data["host"] == socket.gethostname() and data["command"] == "sage_qual.qualification.emulate.run()"
-    assert data["options"] == {"devices": [0], "variants": VARIANT_NAMES, "families": ["SDXL", "FLUX.1"],
-                               "fixture_dirs": [str(fixtures)], "quick": False, "timeout_s": 0.0}
+    assert data["options"] == {
+        "devices": [0],
+        "variants": VARIANT_NAMES,
+        "families": ["SDXL", "FLUX.1"],
+        "fixture_dirs": [str(fixtures)],
+        "quick": False,
+        "timeout_s": 0.0,
+    }
     assert [f["name"] for f in data["fixtures"]] == ["sdxl_plain", "sdxl_zero_v"]
     assert data["fixtures"][0]["dtype"] == "float16" and data["fixtures"][0]["q"] == [1, 2, 96, 64]
     assert data["shapes"] == {}
     device = data["devices"][0]
     assert (device["index"], device["name"], device["capability"], device["memory_gib"]) == (
-        0, emulate.DEVICE_NAME, [0, 0], 0.0)
+        0,
+        emulate.DEVICE_NAME,
+        [0, 0],
+        0.0,
+    )
     assert device["not_supported"] == {} and device["speed"] == []
     # What it wrote reads back as a report, with its rendering next to it.
     loaded = report.load(root / "out" / "report.json")
@@ -103,7 +125,10 @@ def test_each_cell_is_judged_against_its_budget_like_a_measured_one(emulated):
 
 def test_a_non_finite_prediction_fails_and_stores_no_number(emulated):
     data, _, _, _ = emulated
-    fp8, fp16 = cells_of(data)[("sm90-fp8-cuda", "sdxl_zero_v")], cells_of(data)[("sm80-fp16-cuda", "sdxl_zero_v")]
+    fp8, fp16 = (
+        cells_of(data)[("sm90-fp8-cuda", "sdxl_zero_v")],
+        cells_of(data)[("sm80-fp16-cuda", "sdxl_zero_v")],
+    )
     assert fp8["outcome"] == "fail" and fp8["finite"] is False
     assert [r["kind"] for r in fp8["reasons"]][:1] == ["non_finite"]
     assert fp8["rel_l2"] is None and fp8["max_abs_error"] is None  # JSON has no NaN or infinity
@@ -132,8 +157,10 @@ def test_the_summary_tables_each_variant_and_lists_each_predicted_failure(emulat
     _, root, _, printed = emulated
     lines = printed.splitlines()
     start = lines.index(next(line for line in lines if line.startswith("PREDICTED (CPU numerics model")))
-    assert lines[start] == ("PREDICTED (CPU numerics model, no GPU ran): 2 fixture(s), 2 variant(s); FAIL = "
-                            "would fail at least one fixture of the family")
+    assert lines[start] == (
+        "PREDICTED (CPU numerics model, no GPU ran): 2 fixture(s), 2 variant(s); FAIL = "
+        "would fail at least one fixture of the family"
+    )
     width = len("sm80-fp16-cuda") + 2
     assert lines[start + 1] == "variant".ljust(width) + "default on".ljust(16) + "SDXL".ljust(10)
     assert lines[start + 2] == "sm90-fp8-cuda".ljust(width) + "sm_90".ljust(16) + "FAIL".ljust(10)
@@ -145,15 +172,25 @@ def test_the_summary_tables_each_variant_and_lists_each_predicted_failure(emulat
     assert "  no fixtures, not predicted: FLUX.1" in lines
     said = [line for line in lines if line.startswith("sage-qual certify --emulate: ")]
     assert len(said) == 1 and str(root / "out" / "report.md") in said[0]
-    assert "PREDICTED" in said[0] and "`sage-qual gate` refuses it: certify on the GPU to enable a family" in said[0]
+    assert (
+        "PREDICTED" in said[0]
+        and "`sage-qual gate` refuses it: certify on the GPU to enable a family" in said[0]
+    )
 
 
 def test_a_quick_run_predicts_the_smallest_fixture_and_the_longest_family_call(tmp_path):
     fixtures = tmp_path / "fixtures"
     fixtures.mkdir()
     write(fixtures, "one", seed=3)
-    emulate.run(emulate.Options(tmp_path / "out", variants=["sm80-fp16-cuda"], families=["SDXL"],
-                                fixture_dirs=[str(fixtures)], quick=True))
+    emulate.run(
+        emulate.Options(
+            tmp_path / "out",
+            variants=["sm80-fp16-cuda"],
+            families=["SDXL"],
+            fixture_dirs=[str(fixtures)],
+            quick=True,
+        )
+    )
     data = json.loads((tmp_path / "out" / "report.json").read_text())
     assert data["options"]["quick"] is True
     assert [c["shape"]["q_tokens"] for c in data["devices"][0]["long"]] == [1024, 4096, 16384, 16384]
@@ -162,9 +199,12 @@ def test_a_quick_run_predicts_the_smallest_fixture_and_the_longest_family_call(t
 def test_no_fixture_is_a_usage_error_that_says_what_to_give(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(UsageError) as error:
-        emulate.run(emulate.Options(tmp_path / "out", families=["SDXL"], fixture_dirs=[str(tmp_path / "empty")]))
-    assert str(error.value) == ("no fixtures selected: give --fixtures DIR with *.safetensors fixtures, or other "
-                                "--families")
+        emulate.run(
+            emulate.Options(tmp_path / "out", families=["SDXL"], fixture_dirs=[str(tmp_path / "empty")])
+        )
+    assert str(error.value) == (
+        "no fixtures selected: give --fixtures DIR with *.safetensors fixtures, or other --families"
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -174,8 +214,14 @@ def test_an_output_that_cannot_be_made_is_a_usage_error(tmp_path):
     write(fixtures, "one")
     (tmp_path / "file").write_text("x")
     with pytest.raises(UsageError, match=r"^cannot write to .*file.out: "):
-        emulate.run(emulate.Options(tmp_path / "file" / "out", variants=["sm80-fp16-cuda"], families=["SDXL"],
-                                    fixture_dirs=[str(fixtures)]))
+        emulate.run(
+            emulate.Options(
+                tmp_path / "file" / "out",
+                variants=["sm80-fp16-cuda"],
+                families=["SDXL"],
+                fixture_dirs=[str(fixtures)],
+            )
+        )
 
 
 def test_a_cells_seconds_are_the_time_its_prediction_took(tmp_path, monkeypatch):
@@ -185,8 +231,9 @@ def test_a_cells_seconds_are_the_time_its_prediction_took(tmp_path, monkeypatch)
     fixture = load_fixture(fixtures / "timed.safetensors")
     clock = iter([100.0, 100.12345])
     monkeypatch.setattr(emulate, "time", types.SimpleNamespace(monotonic=lambda: next(clock)))
-    cell = emulate.predict_cell(VARIANTS["sm80-fp16-cuda"], fixture,
-                                measure.reference(fixture.q, fixture.k, fixture.v))
+    cell = emulate.predict_cell(
+        VARIANTS["sm80-fp16-cuda"], fixture, measure.reference(fixture.q, fixture.k, fixture.v)
+    )
     seconds = cell["seconds"] if isinstance(cell, dict) else cell.seconds
     assert seconds == 0.123
 

@@ -23,6 +23,7 @@ def rel(a, b):
 
 # Whole-tensor numbers ------------------------------------------------------------------------------
 
+
 def test_an_exact_output_has_no_error():
     ref = randn(2, 3, 70, 16)
     found = measure.errors(ref.clone(), ref)
@@ -58,8 +59,9 @@ def test_the_worst_cosine_is_the_lowest_over_samples_and_heads():
     out = ref.clone()
     out[1, 2] = randn(64, 8, seed=5)  # one (item, head) replaced by unrelated values
     found = measure.errors(out, ref)
-    expected = torch.nn.functional.cosine_similarity(out[1, 2].flatten().double(),
-                                                     ref[1, 2].flatten().double(), dim=0).item()
+    expected = torch.nn.functional.cosine_similarity(
+        out[1, 2].flatten().double(), ref[1, 2].flatten().double(), dim=0
+    ).item()
     assert found["worst_head_cosine"] == pytest.approx(expected, abs=1e-9)
     assert found["worst_head_cosine"] < 0.5
 
@@ -86,6 +88,7 @@ def test_inputs_are_compared_in_float32():
 
 
 # Finiteness -----------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 def test_a_non_finite_output_where_the_reference_is_finite_fails_every_number(bad):
@@ -131,6 +134,7 @@ def test_compare_returns_relative_l2_cosine_and_finiteness():
 
 # Slices ----------------------------------------------------------------------------------------------
 
+
 def test_a_defect_in_one_head_shows_as_that_heads_error():
     ref = randn(2, 4, 64, 8)
     out = ref.clone()
@@ -149,8 +153,9 @@ def test_a_defect_in_one_batch_item_shows_as_that_items_error():
     out[1] *= 0.8
     found = measure.errors(out, ref)
     assert found["worst_batch_rel_l2"] == pytest.approx(0.2, rel=1e-5)
-    assert found["worst_head_rel_l2"] == pytest.approx(max(rel(out[:, h], ref[:, h]) for h in range(2)),
-                                                       rel=1e-5)
+    assert found["worst_head_rel_l2"] == pytest.approx(
+        max(rel(out[:, h], ref[:, h]) for h in range(2)), rel=1e-5
+    )
 
 
 def test_a_slice_whose_reference_is_zero_is_measured_against_the_mean_energy():
@@ -180,7 +185,8 @@ def test_the_worst_block_is_one_block_of_64_query_rows():
     out[0, 0, 64:128] = ref[0, 0, 64:128]
     out[0, 0, 63] *= 1.3  # one row of the first block: a 64th of its energy
     assert measure.errors(out, ref)["worst_block_rel_l2"] == pytest.approx(
-        rel(out[0, 0, :64], ref[0, 0, :64]), rel=1e-5)
+        rel(out[0, 0, :64], ref[0, 0, :64]), rel=1e-5
+    )
 
 
 def test_the_last_partial_block_is_measured_against_its_own_rows():
@@ -218,6 +224,7 @@ def test_a_full_block_of_zeros_uses_its_rows_share_across_items_and_heads():
 
 # The reference ------------------------------------------------------------------------------------
 
+
 def _attention(q, k, v, scale):
     weights = torch.softmax((q.double() @ k.double().transpose(-1, -2)) * scale, dim=-1)
     return (weights @ v.double()).float()
@@ -227,7 +234,7 @@ def test_the_reference_is_float32_attention_with_the_default_scale():
     q, k, v = (randn(1, 2, 40, 16, seed=s, dtype=torch.bfloat16) for s in (1, 2, 3))
     ref = measure.reference(q, k, v)
     assert ref.dtype == torch.float32
-    expected = _attention(q.float(), k.float(), v.float(), 16 ** -0.5)
+    expected = _attention(q.float(), k.float(), v.float(), 16**-0.5)
     assert torch.allclose(ref, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -241,12 +248,13 @@ def test_the_reference_shares_kv_heads_between_query_heads():
     q = randn(1, 4, 32, 16, seed=1)
     k, v = randn(1, 2, 24, 16, seed=2), randn(1, 2, 24, 16, seed=3)
     ref = measure.reference(q, k, v)
-    expected = _attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), 16 ** -0.5)
+    expected = _attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), 16**-0.5)
     assert ref.shape == (1, 4, 32, 16)
     assert torch.allclose(ref, expected, atol=1e-5, rtol=1e-5)
 
 
 # accuracy(): the kernel next to SDPA in the input precision ------------------------------------------
+
 
 def test_accuracy_reports_sdpa_in_the_input_precision_and_the_ratio():
     q, k, v = (randn(1, 2, 64, 16, seed=s, dtype=torch.bfloat16) for s in (1, 2, 3))
@@ -258,16 +266,23 @@ def test_accuracy_reports_sdpa_in_the_input_precision_and_the_ratio():
     assert acc.sdpa_rel_l2 == pytest.approx(sdpa_rel_l2, rel=1e-6)
     assert 0 < acc.sdpa_rel_l2 < 0.01  # bf16 rounding, not zero
     assert acc.error_vs_sdpa == pytest.approx(acc.rel_l2 / acc.sdpa_rel_l2, rel=1e-9)
-    assert acc.as_dict() == {**measure.errors(out, ref), "sdpa_rel_l2": acc.sdpa_rel_l2,
-                             "error_vs_sdpa": acc.error_vs_sdpa}
+    assert acc.as_dict() == {
+        **measure.errors(out, ref),
+        "sdpa_rel_l2": acc.sdpa_rel_l2,
+        "error_vs_sdpa": acc.error_vs_sdpa,
+    }
     # A given reference is used as it is (not recomputed).
     assert measure.accuracy(out, q, k, v, ref=ref * 2).rel_l2 == pytest.approx(
-        measure.errors(out, ref * 2)["rel_l2"], rel=1e-6)
+        measure.errors(out, ref * 2)["rel_l2"], rel=1e-6
+    )
 
 
 def test_accuracy_with_gqa_and_a_scale_compares_like_for_like():
     q = randn(1, 4, 64, 16, seed=1, dtype=torch.bfloat16)
-    k, v = randn(1, 2, 64, 16, seed=2, dtype=torch.bfloat16), randn(1, 2, 64, 16, seed=3, dtype=torch.bfloat16)
+    k, v = (
+        randn(1, 2, 64, 16, seed=2, dtype=torch.bfloat16),
+        randn(1, 2, 64, 16, seed=3, dtype=torch.bfloat16),
+    )
     ref = measure.reference(q, k, v, scale=0.3)
     acc = measure.accuracy(ref.to(torch.bfloat16), q, k, v, scale=0.3)
     # SDPA with the same scale and shared heads lands at rounding, as the kernel's exact output does.
@@ -294,6 +309,7 @@ def test_accuracy_of_an_input_precision_that_sdpa_reproduces_exactly_is_an_infin
 
 # The direct kernel call ------------------------------------------------------------------------------
 
+
 def test_call_kernel_calls_the_variants_function_with_its_keywords():
     seen = []
 
@@ -305,7 +321,7 @@ def test_call_kernel_calls_the_variants_function_with_its_keywords():
     package = types.SimpleNamespace(module=types.SimpleNamespace(**{variant.function: kernel}))
     q = randn(1, 1, 8, 64)
     assert measure.call_kernel(package, variant, q, q, q) is q
-    assert seen[-1] == {**variant.call_keywords(64 ** -0.5), "smooth_k": False}
+    assert seen[-1] == {**variant.call_keywords(64**-0.5), "smooth_k": False}
     measure.call_kernel(package, variant, q, q, q, scale=0.5, smooth_k=True)
     assert seen[-1] == {**variant.call_keywords(0.5), "smooth_k": True}
 
@@ -316,6 +332,7 @@ def test_elements_counts_every_tensor():
 
 
 # Timing and memory helpers on fake CUDA ---------------------------------------------------------------
+
 
 class FakeCudaClock:
     """torch.cuda's events, synchronize and memory counters as the helpers use them; elapsed
@@ -369,6 +386,7 @@ def counter():
     def fn():
         calls.append(1)
         return torch.zeros(4)
+
     return fn, calls
 
 
@@ -437,8 +455,14 @@ def test_relative_errors_do_not_depend_on_the_outputs_scale():
     ref = randn(2, 3, 70, 8)
     out = ref + 0.05 * randn(2, 3, 70, 8, seed=1)
     big, small = measure.errors(out, ref), measure.errors(out * 1e-4, ref * 1e-4)
-    for name in ("rel_l2", "worst_head_rel_l2", "worst_batch_rel_l2", "worst_block_rel_l2", "norm_ratio",
-                 "worst_head_cosine"):
+    for name in (
+        "rel_l2",
+        "worst_head_rel_l2",
+        "worst_batch_rel_l2",
+        "worst_block_rel_l2",
+        "norm_ratio",
+        "worst_head_cosine",
+    ):
         assert small[name] == pytest.approx(big[name], rel=1e-4), name
 
 
@@ -446,12 +470,18 @@ def test_the_cosine_leaves_out_positions_where_the_reference_is_not_finite():
     ref = randn(1, 1, 64, 8)
     out = ref + 0.3 * randn(1, 1, 64, 8, seed=1)
     ref_holes, out_holes = ref.clone(), out.clone()
-    for (row, col), ref_value, out_value in (((3, 1), math.nan, math.nan), ((5, 2), math.inf, math.inf),
-                                             ((7, 3), -math.inf, -math.inf)):
+    for (row, col), ref_value, out_value in (
+        ((3, 1), math.nan, math.nan),
+        ((5, 2), math.inf, math.inf),
+        ((7, 3), -math.inf, -math.inf),
+    ):
         ref_holes[0, 0, row, col], out_holes[0, 0, row, col] = ref_value, out_value
     valid = torch.isfinite(ref_holes)
-    expected = torch.nn.functional.cosine_similarity(torch.where(valid, out, 0.0).flatten().double(),
-                                                     torch.where(valid, ref, 0.0).flatten().double(), dim=0).item()
+    expected = torch.nn.functional.cosine_similarity(
+        torch.where(valid, out, 0.0).flatten().double(),
+        torch.where(valid, ref, 0.0).flatten().double(),
+        dim=0,
+    ).item()
     found = measure.errors(out_holes, ref_holes)
     assert found["finite"] is True
     assert found["worst_head_cosine"] == pytest.approx(expected, abs=1e-9)
