@@ -15,7 +15,7 @@ import torch
 
 from sage_qual.errors import UsageError
 from sage_qual.fixtures.fileformat import load_fixture, save_fixture
-from sage_qual.qualification import budgets, emulate, judge, measure, report
+from sage_qual.qualification import budgets, certify_run, emulate, judge, measure, report
 from sage_qual.serving.variants import VARIANTS
 
 VARIANT_NAMES = ["sm90-fp8-cuda", "sm80-fp16-cuda"]
@@ -26,9 +26,8 @@ def write(directory, name, zero_v_channel=False, seed=0):
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(1, 2, 96, 64, generator=g).to(torch.float16) for _ in range(3))
     if zero_v_channel:
-        v[..., 5] = (
-            0.0  # a V channel zero in every token: every FP8 kernel returns NaN (README, Known limits)
-        )
+        # A V channel zero in every token: every FP8 kernel returns NaN (README, Known limits).
+        v[..., 5] = 0.0
     save_fixture(
         directory / f"{name}.safetensors",
         q,
@@ -255,3 +254,38 @@ def test_calls_alike_after_the_head_reduction_share_one_prediction_but_keep_thei
     assert first.identical == {"transposed": True, "fused_qkv": True, "nhd": True}
     assert second.identical == {"transposed": True, "nhd": True}
     assert first.detail == second.detail == emulate.PREDICTED
+
+
+def test_progress_counts_every_prediction_on_the_cpu_without_a_line_each(tmp_path, monkeypatch):
+    """One tick per predicted cell and long check, all on the pseudo-device "cpu", and no line per
+    result (the summary follows): the bar's total is what the run then records."""
+    bars = []
+
+    class Bar:
+        def __init__(self, total, lines=True):
+            self.total, self.lines, self.ticks = total, lines, []
+            bars.append(self)
+
+        def tick(self, device, record):
+            self.ticks.append(device)
+
+        def grow(self, tasks):
+            self.total += tasks
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(certify_run, "Progress", Bar)
+    fixtures = tmp_path / "fixtures"
+    fixtures.mkdir()
+    write(fixtures, "one", seed=4)
+    options = emulate.Options(tmp_path / "out", variants=VARIANT_NAMES, families=["SDXL"],
+                              fixture_dirs=[str(fixtures)], quick=True)
+    with contextlib.redirect_stdout(io.StringIO()):
+        emulate.run(options)
+    data = json.loads((tmp_path / "out" / "report.json").read_text())
+    recorded = len(data["devices"][0]["cells"]) + len(data["devices"][0]["long"])
+    (bar,) = bars
+    assert bar.lines is False
+    assert bar.total == len(bar.ticks) == recorded == len(VARIANT_NAMES) * (1 + 4)
+    assert set(bar.ticks) == {"cpu"}
