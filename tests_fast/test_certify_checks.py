@@ -3,7 +3,6 @@ starts), fixtures with non-finite values, GPU indices this machine lacks; and it
 directory behind. With --junit-xml it writes one test case per GPU model and family."""
 
 import json
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -125,31 +124,6 @@ def test_a_missing_gpu_index_is_refused_and_leaves_no_output(tmp_path, monkeypat
     with pytest.raises(UsageError, match=r"there is no cuda:3: this machine shows 1 GPU\(s\)"):
         certify.run(certify.Options(out, devices="3", fixture_dirs=[str(fixture_dir(tmp_path))]))
     assert not (tmp_path / "new").exists()
-
-
-def test_junit_xml_has_a_case_per_gpu_model_and_family(tmp_path, monkeypatch):
-    monkeypatch.setenv(
-        fault_hooks.TEST_HOOK, json.dumps({"gpus": [{"name": "Fake H200", "capability": [9, 0]}]})
-    )
-    junit = tmp_path / "certify.xml"
-    data = certify.run(
-        certify.Options(
-            tmp_path / "out",
-            variants=["sm90-fp8-cuda"],
-            families=["FLUX.1", "SDXL"],
-            fixture_dirs=[str(fixture_dir(tmp_path))],
-            quick=True,
-            junit_xml=junit,
-        )
-    )
-    assert data.complete
-    cases = ET.parse(junit).getroot().findall("testsuite/testcase")
-    assert [(c.get("classname"), c.get("name")) for c in cases] == [
-        ("Fake H200 (sm_90)", "FLUX.1"),
-        ("Fake H200 (sm_90)", "SDXL"),
-    ]
-    sdxl = cases[1].find("failure")
-    assert sdxl is not None and sdxl.get("message") == "keep off" and "no fixtures of SDXL" in sdxl.text
 
 
 def test_refined_lengths_fall_between_the_crossing_sweep_points():

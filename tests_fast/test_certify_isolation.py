@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 import uuid
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -328,15 +329,39 @@ def test_a_killed_run_leaves_a_partial_report_and_no_workers(tmp_path):
     assert [p.name[:22] for p in tmp_path.glob("sage-qual-triton-*")] == ["sage-qual-triton-cuda0"]
 
 
-def test_quick_without_variants_runs_each_gpus_own_kernel(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    """A --quick run on two fake GPUs without --variants, writing JUnit XML too."""
+    base = tmp_path_factory.mktemp("quick")
+    fixtures = write_fixtures(base / "fixtures")
+    junit = base / "certify.xml"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(fault_hooks.TEST_HOOK, json.dumps({"gpus": [H200, RTX4090], "faults": {}}))
+        data = records.dump(certify.run(certify.Options(
+            base / "out", devices="0,1", families=["FLUX.1", "SDXL"], fixture_dirs=[str(fixtures)],
+            quick=True, timeout=30.0, junit_xml=junit)))
+    return data, junit
+
+
+def test_quick_without_variants_runs_each_gpus_own_kernel(quick_run):
     """--quick is a pre-flight: only the kernel the wrapper would use on each GPU runs."""
-    fixtures = write_fixtures(tmp_path / "fixtures")
-    monkeypatch.setenv(fault_hooks.TEST_HOOK, json.dumps({"gpus": [H200, RTX4090], "faults": {}}))
-    data = records.dump(certify.run(certify.Options(tmp_path / "out", devices="0,1", families=["FLUX.1"],
-                                                    fixture_dirs=[str(fixtures)], quick=True, timeout=30.0)))
+    data, _ = quick_run
     ran = [{c["variant"] for c in device["cells"] if c["outcome"] != "skip"} for device in data["devices"]]
     assert ran == [{"sm90-fp8-cuda"}, {"sm89-fp8-cuda"}]
     assert validate(data) == []
+
+
+def test_junit_xml_has_a_case_per_gpu_model_and_family(quick_run):
+    data, junit = quick_run
+    assert data["complete"]
+    cases = ET.parse(junit).getroot().findall("testsuite/testcase")
+    assert [(c.get("classname"), c.get("name")) for c in cases] == [
+        ("Fake H200 (sm_90)", "FLUX.1"), ("Fake H200 (sm_90)", "SDXL"),
+        ("Fake RTX 4090 (sm_89)", "FLUX.1"), ("Fake RTX 4090 (sm_89)", "SDXL")]
+    for sdxl in (cases[1], cases[3]):
+        failure = sdxl.find("failure")
+        assert failure is not None and failure.get("message") == "keep off"
+        assert "no fixtures of SDXL" in failure.text
 
 
 @pytest.mark.parametrize("hook, preloaded", [("", ["sageattention", "torch._dynamo"]),
