@@ -335,24 +335,44 @@ def quick_run(tmp_path_factory):
     base = tmp_path_factory.mktemp("quick")
     fixtures = write_fixtures(base / "fixtures")
     junit = base / "certify.xml"
+    workers = {"started": 0, "given a job": 0}
+    start_process, give_job = pool.Process.__init__, pool.Process.start
+
+    def started(process, *args, **kwargs):
+        workers["started"] += 1
+        start_process(process, *args, **kwargs)
+
+    def given_job(process, *args, **kwargs):
+        workers["given a job"] += 1
+        give_job(process, *args, **kwargs)
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(fault_hooks.TEST_HOOK, json.dumps({"gpus": [H200, RTX4090], "faults": {}}))
+        mp.setattr(pool.Process, "__init__", started)
+        mp.setattr(pool.Process, "start", given_job)
         data = records.dump(certify.run(certify.Options(
             base / "out", devices="0,1", families=["FLUX.1", "SDXL"], fixture_dirs=[str(fixtures)],
             quick=True, timeout=30.0, junit_xml=junit)))
-    return data, junit
+    return data, junit, workers
 
 
 def test_quick_without_variants_runs_each_gpus_own_kernel(quick_run):
     """--quick is a pre-flight: only the kernel the wrapper would use on each GPU runs."""
-    data, _ = quick_run
+    data, _, _ = quick_run
     ran = [{c["variant"] for c in device["cells"] if c["outcome"] != "skip"} for device in data["devices"]]
     assert ran == [{"sm90-fp8-cuda"}, {"sm89-fp8-cuda"}]
     assert validate(data) == []
 
 
+def test_a_quick_run_starts_no_worker_it_does_not_use(quick_run):
+    """Its jobs are known up front (per GPU the SDPA timing and one kernel): every worker started
+    ahead gets one (before, two per GPU were killed unused, each after a torch import)."""
+    _, _, workers = quick_run
+    assert workers == {"started": 5, "given a job": 5}  # the environment, then two jobs per GPU
+
+
 def test_junit_xml_has_a_case_per_gpu_model_and_family(quick_run):
-    data, junit = quick_run
+    data, junit, _ = quick_run
     assert data["complete"]
     cases = ET.parse(junit).getroot().findall("testsuite/testcase")
     assert [(c.get("classname"), c.get("name")) for c in cases] == [

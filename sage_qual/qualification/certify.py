@@ -238,15 +238,18 @@ class _DeviceRun:
     def run(self, pool: workers.Pool, progress: certify_run.Progress, stop: threading.Event) -> None:
         with certify_run.gpu_env(self.index) as env:
             for n, job in enumerate(self.jobs):
-                for part, tasks in enumerate((job, None)):
+                for tasks in (job, None):
                     if tasks is None:  # after a variant's sweep: time more lengths around its crossover
                         tasks = self._refinement(job)
                         progress.grow(len(tasks))
                     if not tasks:
                         continue
-                    # While this worker runs, the next one imports torch (when there is a next job;
-                    # in a full run, the span probes' first worker after the last).
-                    spawn = functools.partial(pool.take, prefetch=n + 1 < len(self.jobs) or part == 0
+                    # While this worker runs, the next ones import torch: SPARES_PER_GPU started
+                    # with the run, and one more per job taken while a job beyond them is left. A
+                    # full run always starts one (refinements and span probes follow); a quick run's
+                    # jobs are all known, so no spare is left unused (each cost a 1.5 s import on
+                    # two test cores, 7 s on the H200 host).
+                    spawn = functools.partial(pool.take, prefetch=n + SPARES_PER_GPU < len(self.jobs)
                                               or not self.quick)
                     record = functools.partial(self._record, progress=progress)
                     workers.run_tasks(tasks, spawn, self.timeout, limits.startup_timeout(self.timeout),
