@@ -167,15 +167,10 @@ class SpeedTask:
 
 
 @dataclass(frozen=True)
-class PairedTask:
+class PairedTask(SpeedTask):
+    """A SpeedTask whose worker also times SDPA at the shape, in turn with the variant."""
     KIND: ClassVar[TaskKind] = TaskKind.PAIRED
     RESULT: ClassVar[type] = Paired
-    id: str
-    variant: str
-    key: str
-    shape: ShapeSpec
-    warmup: int
-    repeats: int
 
     def record(self, outcome: Outcome, ms: float | None = None, sdpa: Speed | None = None,
                **fields) -> Paired:
