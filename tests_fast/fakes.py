@@ -29,14 +29,23 @@ def load(name: str) -> dict:
     return json.loads((DATA / name).read_text())
 
 
-def write_fixture(directory: Path, name: str, family: str, bounds: dict, seed: int = 0) -> str:
-    """A small valid fixture file; returns its sha256 as gate reads it."""
+def random_fixture(directory: Path, name: str, family: str, bounds: dict, seed: int = 0, tokens: int = 32,
+                   dtype: torch.dtype = torch.bfloat16, zero_v_channel: int | None = None) -> Path:
+    """A small valid fixture file of random q, k, v (1 batch, 2 heads, `tokens`, head_dim 64).
+    `zero_v_channel`: that V channel is zero in every token, where FP8 kernels, which scale V per
+    channel by its maximum, return NaN (README, Known limits)."""
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(1, 2, 32, 64, generator=g).to(torch.bfloat16) for _ in range(3))
-    path = fileformat.save_fixture(directory / f"{name}{fileformat.SUFFIX}", q, k, v, family=family,
+    q, k, v = (torch.randn(1, 2, tokens, 64, generator=g).to(dtype) for _ in range(3))
+    if zero_v_channel is not None:
+        v[..., zero_v_channel] = 0.0
+    return fileformat.save_fixture(directory / f"{name}{fileformat.SUFFIX}", q, k, v, family=family,
                                    kind="replica", source={"test": name},
                                    provenance="tests_fast/fakes.py: random data", bounds=bounds)
-    return fileformat.load_fixture(path).sha256
+
+
+def write_fixture(directory: Path, name: str, family: str, bounds: dict, seed: int = 0) -> str:
+    """A small valid fixture file; returns its sha256 as gate reads it."""
+    return fileformat.load_fixture(random_fixture(directory, name, family, bounds, seed)).sha256
 
 
 def gpu_entry(template: dict, index: int, name: str) -> dict:

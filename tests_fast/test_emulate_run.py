@@ -14,31 +14,20 @@ import pytest
 import torch
 
 from sage_qual.errors import UsageError
-from sage_qual.fixtures.fileformat import load_fixture, save_fixture
+from sage_qual.fixtures.fileformat import load_fixture
 from sage_qual.qualification import budgets, certify_run, emulate, judge, measure, report
 from sage_qual.serving.variants import VARIANTS
+
+from .fakes import random_fixture
 
 VARIANT_NAMES = ["sm90-fp8-cuda", "sm80-fp16-cuda"]
 BOUNDS = {"fp16": {"max_rel_l2": 0.1, "min_cosine": 0.99}, "fp8": {"max_rel_l2": 0.1, "min_cosine": 0.99}}
 
 
 def write(directory, name, zero_v_channel=False, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(1, 2, 96, 64, generator=g).to(torch.float16) for _ in range(3))
-    if zero_v_channel:
-        # A V channel zero in every token: every FP8 kernel returns NaN (README, Known limits).
-        v[..., 5] = 0.0
-    save_fixture(
-        directory / f"{name}.safetensors",
-        q,
-        k,
-        v,
-        family="SDXL",
-        kind="replica",
-        source={"t": name},
-        provenance="tests_fast: random data",
-        bounds=BOUNDS,
-    )
+    # zero_v_channel: every FP8 kernel returns NaN there (README, Known limits).
+    random_fixture(directory, name, "SDXL", BOUNDS, seed, tokens=96, dtype=torch.float16,
+                   zero_v_channel=5 if zero_v_channel else None)
 
 
 # One run per test (about a second): a run shared by the module would be attributed to its first
