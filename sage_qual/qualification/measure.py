@@ -79,7 +79,9 @@ def errors(out: torch.Tensor, ref: torch.Tensor) -> dict:
     valid = torch.isfinite(ref)
     finite = bool(torch.isfinite(out)[valid].all())
     ref0 = torch.where(valid, ref, 0.0)
-    diff = torch.where(valid, out - ref, 0.0).nan_to_num(nan=float("inf"))
+    # NaN and +-inf count as infinitely wrong (nan_to_num would map +-inf to float32's largest value).
+    diff = torch.where(valid, out - ref, 0.0).nan_to_num(nan=float("inf"), posinf=float("inf"),
+                                                         neginf=float("inf"))
     ref_norm = torch.linalg.vector_norm(ref0).clamp_min(1e-30)
     rel_l2 = (torch.linalg.vector_norm(diff) / ref_norm).item()
     flat_out = out.flatten(2).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
