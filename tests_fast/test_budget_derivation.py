@@ -18,6 +18,15 @@ from sage_qual.serving.variants import VARIANTS
 
 from .fakes import random_fixture
 
+
+@pytest.fixture(autouse=True)
+def empty_caches(monkeypatch):
+    """Each test starts with budgets' caches empty, as in a fresh process: a test that runs after
+    others (or in a mutant forked from a process that ran them, as mutmut does) still reaches the
+    model run and the cache logic it checks."""
+    monkeypatch.setattr(budgets, "_CACHE", {})
+    monkeypatch.setattr(budgets, "_REFERENCES", {})
+
 FOUND = {
     "rel_l2": 0.05,
     "worst_head_rel_l2": 0.06,
