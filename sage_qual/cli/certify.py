@@ -76,17 +76,21 @@ def _certify(args: argparse.Namespace) -> int:
         if args.emulate or args.variants:
             raise UsageError("--target qualifies one integration: leave out --emulate and --variants")
         return _until_stopped(target_certify.run, target_certify.Options(
-            args.out, args.target, args.devices, _split(args.families), args.fixtures, args.quick,
-            args.timeout, command, args.junit_xml))
+            args.out, args.target, command, **_on_workers(args)))
     if args.emulate:
         if args.junit_xml:  # a CI job reads JUnit as decided; a prediction decides nothing (gate refuses it)
             raise UsageError("--emulate only predicts, and --junit-xml records decisions: leave out "
                              "--junit-xml")
         return _until_stopped(emulate.run, emulate.Options(
             args.out, _split(args.variants), _split(args.families), args.fixtures, args.quick, command))
-    return _until_stopped(certify.run, certify.Options(
-        args.out, args.devices, _split(args.variants), _split(args.families), args.fixtures, args.quick,
-        args.timeout, command, args.junit_xml))
+    return _until_stopped(certify.run, certify.Options(args.out, _split(args.variants), command,
+                                                       **_on_workers(args)))
+
+
+def _on_workers(args: argparse.Namespace) -> dict:
+    """The options certify and certify --target share (`certify_run.WorkerRunOptions`)."""
+    return dict(devices=args.devices, families=_split(args.families), fixture_dirs=args.fixtures,
+                quick=args.quick, timeout=args.timeout, junit_xml=args.junit_xml)
 
 
 def _until_stopped(run_certify, options) -> int:

@@ -55,16 +55,10 @@ SPARES_PER_GPU = 2
 
 
 @dataclasses.dataclass
-class Options:
+class Options(certify_run.WorkerRunOptions):
     out: Path
-    devices: str = "all"
     variants: list[str] | None = None
-    families: list[str] | None = None
-    fixture_dirs: list[str] | None = None
-    quick: bool = False
-    timeout: float = limits.TASK_TIMEOUT
     command: str = "sage_qual.qualification.certify.run()"
-    junit_xml: Path | None = None  # also write JUnit XML, one test case per GPU model and family
 
 
 def run(options: Options) -> Report:

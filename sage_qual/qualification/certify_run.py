@@ -47,6 +47,18 @@ def now() -> str:
 
 
 # Selecting -------------------------------------------------------------------------------------
+@dataclasses.dataclass(kw_only=True)
+class WorkerRunOptions:
+    """What `certify` and `certify --target` are both given, besides the output folder and what
+    selects the kernel (their own `Options` add those)."""
+    devices: str = "all"
+    families: list[str] | None = None
+    fixture_dirs: list[str] | None = None
+    quick: bool = False
+    timeout: float = limits.TASK_TIMEOUT
+    junit_xml: Path | None = None  # also write JUnit XML, one test case per GPU model and family
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """What a run was asked to do, checked and selected before any worker starts or file is written."""

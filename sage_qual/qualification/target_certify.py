@@ -30,16 +30,10 @@ WORKERS_PER_GPU = 2  # the target's machine check, then its cells (a fresh worke
 
 
 @dataclasses.dataclass
-class Options:
+class Options(certify_run.WorkerRunOptions):
     out: Path
     target: str
-    devices: str = "all"
-    families: list[str] | None = None
-    fixture_dirs: list[str] | None = None
-    quick: bool = False
-    timeout: float = limits.TASK_TIMEOUT
     command: str = "sage_qual.qualification.target_certify.run()"
-    junit_xml: Path | None = None  # also write JUnit XML, one test case per GPU model and family
 
 
 def resolve(name: str) -> targets.Target:
