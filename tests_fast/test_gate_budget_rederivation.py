@@ -17,7 +17,7 @@ import pytest
 
 from sage_qual.qualification import budgets, families, report, targets
 from sage_qual.qualification import gate as gate_module
-from sage_qual.serving.variants import VARIANTS
+from sage_qual.serving.variants import VARIANTS, gpu_label
 
 from .fakes import CAPABILITY, H100, H200, L40S, RTX4090, fleet_report, write_fleet
 from .fakes import within_budget as _within
@@ -60,7 +60,7 @@ def as_target(data: dict, target: str, fixtures: dict) -> dict:
 
 
 def problem(data: dict, fixtures: dict, *models: str, family=FLUX) -> str:
-    here = {"gpus": [{"name": name, "capability": CAPABILITY[name]} for name in models]}
+    here = {gpu_label(name, CAPABILITY[name]) for name in models}
     return gate_module.budget_problem("report.json", report.parse(data, "report.json"), family, here,
                                       fixtures)
 

@@ -232,8 +232,8 @@ def test_budgets_derived_on_an_h200_pass_against_this_cpu(tmp_path, monkeypatch)
     fixtures = gate_module.local_fixture_files(None, qwen)
     for path in H200_RUNS:
         data = h200_run(path)
-        here = {"gpus": data["environment"]["gpus"]}
         typed = report.parse(data, path.name)
+        here = gate_module.models(typed.environment)
         assert gate_module.budget_problem(path.name, typed, qwen, here, fixtures) == ""
     index, cell = next((i, c) for i, c in enumerate(data["devices"][0]["cells"])
                        if c["fixture"].startswith("qwen") and c["outcome"] == "pass")

@@ -10,6 +10,7 @@ fixture the report names is written as a real file; the report records those fil
 (the builders: tests_fast/fakes.py).
 """
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -289,8 +290,8 @@ def test_gate_refuses_a_predicted_report(capsys, tmp_path, machine):
     machine(H200)
     code, out, err = gate(capsys, path, fixtures, "FLUX.1")
     assert code == 2 and out == "" and err.count("\n") == 1 and "predicted" in err
-    decision = gate_module.decide(report.parse(data, "report.json"), families.find("FLUX.1"),
-                                  data["environment"], {}, False)
+    typed = report.parse(data, "report.json")
+    decision = gate_module.decide(typed, families.find("FLUX.1"), typed.environment, {}, False)
     assert (decision.family, decision.code, decision.problem, decision.gpus) == (
         "FLUX.1", 2, "report.json is a predicted report (certify --emulate: the CPU numerics model, no GPU "
                      "ran), so it cannot enable a family: run `sage-qual certify` on the GPU", [])
@@ -301,8 +302,8 @@ def test_gate_decides_nothing_from_a_partial_report():
     partial = load("sample_partial.json")
     partial["stopped"] = "SIGTERM"
     data = report.parse(partial, "sample_partial.json")
-    decision = gate_module.decide(data, families.find("FLUX.1"), load("sample_h200_2gpu.json")["environment"],
-                                  {}, False)
+    here = report.parse(load("sample_h200_2gpu.json"), "sample_h200_2gpu.json").environment
+    decision = gate_module.decide(data, families.find("FLUX.1"), here, {}, False)
     status = report.status_line(False, data.started, data.finished, data.stopped)
     assert (decision.family, decision.code, decision.problem, decision.gpus) == (
         "FLUX.1", 2, f"report.json is a partial report ({status}): run certify to the end", [])
@@ -344,16 +345,17 @@ def test_a_component_missing_on_one_side_is_named_none(capsys, tmp_path, machine
 def test_a_family_the_report_did_not_certify_names_what_it_ran():
     fleet = fleet_report()
     fleet["options"]["families"] = ["SDXL", "Wan 2.2"]
-    decision = gate_module.decide(report.parse(fleet, "report.json"), families.find("FLUX.1"),
-                                  fleet["environment"], {}, False)
+    typed = report.parse(fleet, "report.json")
+    decision = gate_module.decide(typed, families.find("FLUX.1"), typed.environment, {}, False)
     assert (decision.family, decision.code, decision.problem) == (
         "FLUX.1", 2, "the report did not certify FLUX.1 (it ran: SDXL, Wan 2.2)")
 
 
 def test_every_difference_of_a_stale_report_is_listed():
     data = fleet_report()
-    here = {**data["environment"], "driver": "", "torch": "2.12.0"}
-    decision = gate_module.decide(report.parse(data, "report.json"), families.find("FLUX.1"), here, {}, False)
+    typed = report.parse(data, "report.json")
+    here = dataclasses.replace(typed.environment, driver="", torch="2.12.0")
+    decision = gate_module.decide(typed, families.find("FLUX.1"), here, {}, False)
     assert (decision.family, decision.code) == ("FLUX.1", 2)
     made = data["environment"]
     assert decision.problem.startswith(f"stale report: NVIDIA driver {made['driver']} in the report, none "

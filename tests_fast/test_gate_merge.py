@@ -15,7 +15,9 @@ from sage_qual import cli, records
 from sage_qual.errors import UsageError
 from sage_qual.qualification import families, gate, pool, report, verdict
 from sage_qual.qualification.families import Family
+from sage_qual.qualification.report_model import EnvironmentRecord
 
+from . import builders
 from .builders import reason
 from .fakes import env_result
 
@@ -39,7 +41,8 @@ def family_fixtures(data: dict, family: str) -> dict:
 
 
 def decide(data, family, here=None, local=None, require_speedup=False):
-    here = here or copy.deepcopy(data["environment"])
+    """`here`: this machine's environment as JSON (the report's own by default)."""
+    here = builders.read(EnvironmentRecord, here or data["environment"])
     local = family_fixtures(data, family) if local is None else local
     # the sample's budgets are hand-made, not derivable: decided on them as stored (as merge does)
     result = gate.decide_stored(typed(data), families.find(family), here, local, require_speedup)

@@ -153,7 +153,7 @@ def from_gate(data: dict) -> dict:
     for family_name in data["options"]["families"]:
         family = find(family_name)
         local = {f["name"]: f["sha256"] for f in data["fixtures"] if gate.counts_for(family, f["family"])}
-        answer = gate.decide_stored(typed, family, data["environment"], local, False).as_json()
+        answer = gate.decide_stored(typed, family, typed.environment, local, False).as_json()
         assert answer["exit_code"] in (0, 1), answer["problem"]
         for g in json.loads(json.dumps(answer))["gpus"]:
             found[(g["gpu"], family.name)] = (g["verdict"], g["variant"], served_numbers(g))

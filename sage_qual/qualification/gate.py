@@ -37,7 +37,7 @@ from sage_qual.qualification import budget_cache, pool, report, report_model, ve
 from sage_qual.qualification.families import FAMILIES, Family, counts_for, find
 from sage_qual.qualification.report_model import Report
 from sage_qual.qualification.verdict import FamilyDecision, Verdict
-from sage_qual.serving.env_record import Reason
+from sage_qual.serving.env_record import EnvironmentRecord, Reason
 from sage_qual.serving.variants import VARIANTS, Variant, gpu_label
 
 if TYPE_CHECKING:
@@ -62,19 +62,20 @@ def local_fixture_files(directories: list[str] | None, family: Family) -> dict[s
     return found
 
 
-def _model(gpu: dict) -> str:
-    return gpu_label(gpu["name"], gpu["capability"])
+def models(here: EnvironmentRecord) -> set[str]:
+    """The GPU models of a machine, as labels (`gpu_label`)."""
+    return {gpu_label(gpu.name, gpu.capability) for gpu in here.gpus}
 
 
-def stale(data: Report, family: Family, here: dict, local: dict[str, str]) -> list[str]:
+def stale(data: Report, family: Family, here: EnvironmentRecord, local: dict[str, str]) -> list[str]:
     """How the report's machine differs from this one, for this family; empty when it does not."""
     made, differences = data.environment, []
     for key, label in (("driver", "NVIDIA driver"), ("torch", "torch"), ("sageattention", "sageattention")):
-        if getattr(made, key) != here[key]:
-            differences.append(f"{label} {getattr(made, key) or 'none'} in the report, {here[key] or 'none'} "
-                               "here")
+        if getattr(made, key) != getattr(here, key):
+            differences.append(f"{label} {getattr(made, key) or 'none'} in the report, "
+                               f"{getattr(here, key) or 'none'} here")
     certified = {gpu_label(d.name, d.capability) for d in data.devices}
-    for model in sorted({_model(g) for g in here["gpus"]} - certified):
+    for model in sorted(models(here) - certified):
         differences.append(f"{model} here is not in the report")
     recorded = {f.name: f.sha256 for f in data.fixtures if counts_for(family, f.family)}
     for name in sorted(set(recorded) | set(local)):
@@ -151,12 +152,11 @@ def _cell_variant(data: Report, name: str, capability: tuple[int, int]) -> Varia
         return None
 
 
-def budget_problem(source: str, data: Report, family: Family, here: dict,
+def budget_problem(source: str, data: Report, family: Family, models_here: set[str],
                    fixtures: Mapping[str, Fixture]) -> str:
     """Empty when every measured cell gate decides on (this family's and generic fixtures, on the GPU
-    models here) stores a budget no looser than the one this machine derives from its fixture file;
-    else one line naming the first cell that does not."""
-    models_here = {_model(g) for g in here["gpus"]}
+    models here: `models()`) stores a budget no looser than the one this machine derives from its
+    fixture file; else one line naming the first cell that does not."""
     path, model = _cache_path(Path(source).parent), _model_digest()
     cache = budget_cache.Entries(budget_cache.load(path, model))
     known = len(cache)
@@ -183,7 +183,7 @@ def budget_problem(source: str, data: Report, family: Family, here: dict,
     if not budget_cache.spot_check(cache, list(cache.hits), lambda key: derived_budget(*by_key[key], {}),
                                    BUDGET_ABS_COSINE):
         budget_cache.save(path, model, {})  # an entry disagrees with the model here: derive them all
-        return budget_problem(source, data, family, here, fixtures)
+        return budget_problem(source, data, family, models_here, fixtures)
     if len(cache) > known:
         budget_cache.save(path, model, dict(cache))
     return problem
@@ -285,16 +285,16 @@ def report_problem(source: str, data: Report, family: Family) -> str:
     return ""
 
 
-def machine_problem(here: dict) -> str:
+def machine_problem(here: EnvironmentRecord) -> str:
     """Why no report can be matched to this machine; empty when one can."""
-    if not here["gpus"]:
+    if not here.gpus:
         return "no CUDA GPU is visible here, so no report can be matched to this machine"
-    if here.get("sageattention_problem"):
-        return f"sageattention cannot run here: {here['sageattention_problem']}"
+    if here.sageattention_problem:
+        return f"sageattention cannot run here: {here.sageattention_problem}"
     return ""
 
 
-def decide_stored(data: Report, family: Family, here: dict, local: Mapping[str, str],
+def decide_stored(data: Report, family: Family, here: EnvironmentRecord, local: Mapping[str, str],
                   require_speedup: bool, source: str = "report.json") -> GateDecision:
     """The decision with the report's stored budgets taken as they stand (as merge takes them):
     every refusal of `decide()` but the budget re-derivation. `local`: this machine's fixtures that
@@ -305,7 +305,7 @@ def decide_stored(data: Report, family: Family, here: dict, local: Mapping[str, 
         problem = f"stale report: {'; '.join(differences)}. Run `sage-qual certify` on this machine again"
     if problem:
         return GateDecision(family.name, ExitCode.USAGE, problem)
-    models_here = {_model(g) for g in here["gpus"]}
+    models_here = models(here)
     result = GateDecision(family.name, ExitCode.ENABLE)
     for gpu in verdict.decide(data):
         if gpu.model not in models_here:
@@ -318,30 +318,31 @@ def decide_stored(data: Report, family: Family, here: dict, local: Mapping[str, 
     return result
 
 
-def decide(data: Report, family: Family, here: dict, fixtures: Mapping[str, Fixture],
+def decide(data: Report, family: Family, here: EnvironmentRecord, fixtures: Mapping[str, Fixture],
            require_speedup: bool, source: str = "report.json") -> GateDecision:
-    """gate's answer for one family on this machine (`here`: the environment's JSON, `this_machine()`;
+    """gate's answer for one family on this machine (`here`: its environment, `this_machine()`;
     `fixtures`: this machine's fixtures that count for the family, loaded): every refusal, the
     verdicts, and each stored budget against the one derived here."""
     local = {name: fixture.sha256 for name, fixture in fixtures.items()}
     decision = decide_stored(data, family, here, local, require_speedup, source)
     if decision.code != ExitCode.USAGE:
-        problem = budget_problem(source, data, family, here, fixtures)
+        problem = budget_problem(source, data, family, models(here), fixtures)
         if problem:
             return GateDecision(family.name, ExitCode.USAGE, problem)
     return decision
 
 
-def this_machine() -> dict:
-    """This machine's environment (the JSON of its `EnvironmentRecord`, as a report stores it),
-    collected in a worker process (collecting initializes CUDA, which the caller must not)."""
+def this_machine() -> EnvironmentRecord:
+    """This machine's environment, collected in a worker process (collecting initializes CUDA,
+    which the caller must not)."""
     with tempfile.TemporaryDirectory(prefix="sage-qual-gate-") as logs:
         collected = pool.collect_environment(Path(logs) / "environment.log", limits.STARTUP_TIMEOUT)
-    return records.dump(collected.environment)
+    return collected.environment
 
 
 def gate(report_path: Path, family_name: str, fixture_dirs: list[str] | None = None,
-         require_speedup: bool = False, machine: Callable[[], dict] | None = None) -> GateDecision:
+         require_speedup: bool = False,
+         machine: Callable[[], EnvironmentRecord] | None = None) -> GateDecision:
     """`sage-qual gate`: read the report, this machine (`machine()`, default `this_machine`) and its
     fixtures, and decide. Bad input and every refusal come back as a decision with a problem."""
     try:
