@@ -177,3 +177,13 @@ def test_the_largest_element_error_has_its_own_wider_allowance():
     assert gate._looser("w", loosened, {"max_abs": 0.082421}).startswith("w: bounds.max_abs:")
     assert gate._looser("w", {"max_rel_l2": 0.093545}, {"max_rel_l2": 0.082421}).startswith(
         "w: bounds.max_rel_l2:")
+
+
+def test_gate_json_carries_the_whole_served_range():
+    answer = gate.GateDecision("FLUX.1", 0, gpus=[("H200 (sm_90)", enabled())]).as_json()
+    assert answer["gpus"] == [{
+        "gpu": "H200 (sm_90)", "verdict": "enable", "variant": "sm90-fp8-cuda",
+        "min_query_tokens": 4608, "min_key_tokens": 512, "max_query_tokens": 16384, "max_key_tokens": 16384,
+        "layouts": ["contiguous", "transposed"], "head_dims": [64, 128],
+        "certified": ["sm90-fp8-cuda", "sm80-fp16-cuda"],
+        "reasons": []}]
