@@ -101,8 +101,9 @@ def test_no_import_cycles():
 # Import cost, in a fresh interpreter: the layer table above is read from the source, so it cannot
 # see what an import pulls in at run time.
 HEAVY = ("torch", "sage_qual.serving.wrapper", "sageattention", "triton")
-LIGHT = ("sage_qual", "sage_qual.cli", "sage_qual.cli.gate", "sage_qual.qualification.report",
-         "sage_qual.qualification.gate", "sage_qual.qualification.pytest_plugin")
+LIGHT = ("sage_qual", "sage_qual.cli", "sage_qual.cli.gate", "sage_qual.cli.certify",
+         "sage_qual.qualification.report", "sage_qual.qualification.gate",
+         "sage_qual.qualification.run_options", "sage_qual.qualification.pytest_plugin")
 PROBE = """
 import importlib, runpy, sys
 for name in sys.argv[1].split(","):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from sage_qual import limits, records
 from sage_qual.errors import Answer, ExitCode, UsageError
+from sage_qual.qualification import run_options
 
 
 def _split(values: list[str] | None) -> list[str] | None:
@@ -68,6 +69,8 @@ def _command(args: argparse.Namespace) -> int:
 
 
 def _certify(args: argparse.Namespace) -> int:
+    if not args.emulate:  # a bad number is refused before torch is imported (1.6 s here)
+        run_options.check_numbers(args.timeout, args.devices)
     # torch: only when a command runs
     from sage_qual.qualification import certify, emulate, target_certify
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from sage_qual import limits, records
 from sage_qual.fixtures import fileformat
-from sage_qual.qualification import certify_run, long_check, report, span_check, verdict
+from sage_qual.qualification import certify_run, long_check, report, run_options, span_check, verdict
 from sage_qual.qualification import families as families_mod
 from sage_qual.qualification import pool as workers
 from sage_qual.qualification import tasks as tasks_mod
@@ -55,14 +55,14 @@ SPARES_PER_GPU = 2
 
 
 @dataclasses.dataclass
-class Options(certify_run.WorkerRunOptions):
+class Options(run_options.WorkerRunOptions):
     out: Path
     variants: list[str] | None = None
     command: str = "sage_qual.qualification.certify.run()"
 
 
 def run(options: Options) -> Report:
-    certify_run.check_numbers(options.timeout, options.devices)
+    run_options.check_numbers(options.timeout, options.devices)
     plan = certify_run.plan(options.out, options.command, certify_run.select_variants(options.variants),
                             options.families, options.fixture_dirs, options.quick, options.timeout,
                             options.junit_xml)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from sage_qual import limits
 from sage_qual.errors import UsageError
-from sage_qual.qualification import certify_run, pool, report, targets, tasks
+from sage_qual.qualification import certify_run, pool, report, run_options, targets, tasks
 from sage_qual.qualification import families as families_mod
 from sage_qual.qualification.report_model import Cell, Outcome, Report
 
@@ -30,7 +30,7 @@ WORKERS_PER_GPU = 2  # the target's machine check, then its cells (a fresh worke
 
 
 @dataclasses.dataclass
-class Options(certify_run.WorkerRunOptions):
+class Options(run_options.WorkerRunOptions):
     out: Path
     target: str
     command: str = "sage_qual.qualification.target_certify.run()"
@@ -44,7 +44,7 @@ def resolve(name: str) -> targets.Target:
 
 
 def run(options: Options) -> Report:
-    certify_run.check_numbers(options.timeout, options.devices)
+    run_options.check_numbers(options.timeout, options.devices)
     target = resolve(options.target)
     plan = certify_run.plan(options.out, options.command, [target.name], options.families,
                             options.fixture_dirs, options.quick, options.timeout, options.junit_xml)

@@ -1,0 +1,52 @@
+"""What `certify` and `certify --target` are given, and its checks: torch-free, so the command line
+refuses a bad number before it imports torch (1.6 s here) and before any worker starts or any file
+is written."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+from sage_qual import limits
+from sage_qual.errors import UsageError
+
+# The longest --timeout taken: an hour without a result is a hang by any measure (the slowest task
+# measured took 8.6 s, docs/results/run2-h200-certify-full/report.json).
+MAX_TIMEOUT_S = 3600.0
+
+
+@dataclasses.dataclass(kw_only=True)
+class WorkerRunOptions:
+    """What `certify` and `certify --target` are both given, besides the output folder and what
+    selects the kernel (their own `Options` add those)."""
+    devices: str = "all"
+    families: list[str] | None = None
+    fixture_dirs: list[str] | None = None
+    quick: bool = False
+    timeout: float = limits.TASK_TIMEOUT
+    junit_xml: Path | None = None  # also write JUnit XML, one test case per GPU model and family
+
+
+def check_numbers(timeout, devices: str) -> None:
+    """UsageError for a number out of range, before any worker starts or any file is written."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) \
+            or not 0 < timeout <= MAX_TIMEOUT_S:
+        raise UsageError(f"--timeout is {timeout!r}: give seconds above 0 and at most {MAX_TIMEOUT_S:g}")
+    requested_devices(devices)
+
+
+def requested_devices(text: str) -> list[int] | None:
+    """The GPU indices --devices names (None: all), checked for form before anything runs."""
+    if text == "all":
+        return None
+    try:
+        indices = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--devices takes GPU indices such as 0,1 or 'all', not {text!r}") from None
+    negative = [i for i in indices if i < 0]
+    if negative:
+        raise UsageError(f"--devices: {negative[0]} is not a GPU index (they count from 0)")
+    if not indices:
+        raise UsageError("--devices names no GPU")
+    return list(dict.fromkeys(indices))
