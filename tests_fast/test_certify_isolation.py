@@ -336,7 +336,7 @@ def quick_run(tmp_path_factory):
     fixtures = write_fixtures(base / "fixtures")
     junit = base / "certify.xml"
     workers = {"started": 0, "given a job": 0}
-    start_process, give_job = pool.Process.__init__, pool.Process.start
+    start_process, give_job, collect = pool.Process.__init__, pool.Process.start, pool.collect_environment
 
     def started(process, *args, **kwargs):
         workers["started"] += 1
@@ -346,10 +346,15 @@ def quick_run(tmp_path_factory):
         workers["given a job"] += 1
         give_job(process, *args, **kwargs)
 
+    def collect_environment(*args, **kwargs):
+        workers["started before the environment"] = workers["started"]
+        return collect(*args, **kwargs)
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(fault_hooks.TEST_HOOK, json.dumps({"gpus": [H200, RTX4090], "faults": {}}))
         mp.setattr(pool.Process, "__init__", started)
         mp.setattr(pool.Process, "start", given_job)
+        mp.setattr(pool, "collect_environment", collect_environment)
         data = records.dump(certify.run(certify.Options(
             base / "out", devices="0,1", families=["FLUX.1", "SDXL"], fixture_dirs=[str(fixtures)],
             quick=True, timeout=30.0, junit_xml=junit)))
@@ -368,7 +373,8 @@ def test_a_quick_run_starts_no_worker_it_does_not_use(quick_run):
     """Its jobs are known up front (per GPU the SDPA timing and one kernel): every worker started
     ahead gets one (before, two per GPU were killed unused, each after a torch import)."""
     _, _, workers = quick_run
-    assert workers == {"started": 5, "given a job": 5}  # the environment, then two jobs per GPU
+    # the environment, then two jobs per GPU; the first GPU's two started while it was collected
+    assert workers == {"started": 5, "given a job": 5, "started before the environment": 2}
 
 
 def test_junit_xml_has_a_case_per_gpu_model_and_family(quick_run):

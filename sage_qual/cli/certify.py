@@ -91,7 +91,7 @@ def _certify(args: argparse.Namespace) -> int:
 
 
 def _on_workers(args: argparse.Namespace) -> dict:
-    """The options certify and certify --target share (`certify_run.WorkerRunOptions`)."""
+    """The options certify and certify --target share (`run_options.WorkerRunOptions`)."""
     return dict(devices=args.devices, families=_split(args.families), fixture_dirs=args.fixtures,
                 quick=args.quick, timeout=args.timeout, junit_xml=args.junit_xml)
 

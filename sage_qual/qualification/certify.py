@@ -132,11 +132,9 @@ class GpuPool:
 
     def prepare(self, plan: certify_run.Plan) -> certify_run.Machine:
         self.pool = workers.Pool(certify_run.logs_directory(plan.out))
-        # The first GPU's workers import while the environment is collected.
-        self.pool.prefetch(SPARES_PER_GPU)
-        collected = certify_run.gpu_machine(plan, self.options.devices,
-                                            "certify needs the GPU it certifies", needs_sageattention=True)
-        self.pool.prefetch(SPARES_PER_GPU * (len(collected.indices) - 1))
+        collected = certify_run.gpu_machine(plan, self.options.devices, "certify needs the GPU it certifies",
+                                            needs_sageattention=True, workers=self.pool,
+                                            per_gpu=SPARES_PER_GPU)
         if not plan.fixtures:
             print("sage-qual certify: no fixtures selected: no family can be certified", file=sys.stderr)
         self.checks = long_checks(plan.families, plan.fixtures, plan.quick)

@@ -185,10 +185,14 @@ def logs_directory(out: Path) -> Path:
     return logs
 
 
-def gpu_machine(plan: Plan, devices: str, purpose: str, needs_sageattention: bool) -> GpuMachine:
+def gpu_machine(plan: Plan, devices: str, purpose: str, needs_sageattention: bool, workers: pool.Pool,
+                per_gpu: int) -> GpuMachine:
     """The GPUs a worker backend runs on, collected in a worker (collecting initializes CUDA, which
     this process must not); UsageError, saying `purpose`, when there is none, and when
-    `needs_sageattention` and sageattention cannot run."""
+    `needs_sageattention` and sageattention cannot run. `per_gpu` of `workers` are started ahead of
+    need for each chosen GPU, the first GPU's while the environment is collected (a worker's start
+    took about 7 s on the H200 host: docs/results/run9-h200x2-startup/worker-phases.txt)."""
+    workers.prefetch(per_gpu)
     try:
         collected = pool.collect_environment(plan.out / "logs" / "environment.log",
                                              limits.startup_timeout(plan.timeout))
@@ -201,6 +205,7 @@ def gpu_machine(plan: Plan, devices: str, purpose: str, needs_sageattention: boo
     if needs_sageattention and env.sageattention_problem:
         raise UsageError(f"sageattention cannot run here: {env.sageattention_problem}")
     indices = device_indices(devices, len(env.gpus))
+    workers.prefetch(per_gpu * (len(indices) - 1))
     return GpuMachine(env, indices, collected.not_supported)
 
 

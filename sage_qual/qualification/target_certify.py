@@ -26,7 +26,7 @@ from sage_qual.qualification import certify_run, pool, report, run_options, targ
 from sage_qual.qualification import families as families_mod
 from sage_qual.qualification.report_model import Cell, Outcome, Report
 
-WORKERS_PER_GPU = 2  # the target's machine check, then its cells (a fresh worker after a crash)
+WORKERS_PER_GPU = 2  # started ahead per GPU: the target's machine check and its cells take one each
 
 
 @dataclasses.dataclass
@@ -62,13 +62,9 @@ class TargetRun:
 
     def prepare(self, plan: certify_run.Plan) -> certify_run.Machine:
         self.workers = pool.Pool(certify_run.logs_directory(plan.out))
-        # A GPU's machine check and its cells each take a worker: both import (about 7 s on the H200
-        # host, docs/results/run9-h200x2-startup/worker-phases.txt) while the environment is collected.
-        self.workers.prefetch(WORKERS_PER_GPU)
         collected = certify_run.gpu_machine(
             plan, self.devices, "certify --target needs the GPU it qualifies the integration on",
-            needs_sageattention=False)
-        self.workers.prefetch(WORKERS_PER_GPU * (len(collected.indices) - 1))
+            needs_sageattention=False, workers=self.workers, per_gpu=WORKERS_PER_GPU)
         gpus = collected.environment.gpus
         return certify_run.Machine(collected.environment,
                                    [certify_run.gpu_device(gpus[i], {}, [], None) for i in collected.indices])
