@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from sage_qual.serving import platform
+from sage_qual.serving import contexts, platform
 from sage_qual.serving.variants import EXTENSIONS, KERNEL_FUNCTIONS, KernelFunction, upstream_pick
 
 _FAKE_INDEX = "_sage_qual_fake_cuda_index"
@@ -63,6 +63,8 @@ class FakeCuda(platform.CudaPlatform):
         self._torch_cuda = torch_cuda
         self.rocm = rocm
         self.current_device = 0
+        self.stream = "default"  # the fake current stream: "default" or "side"
+        self.capturing = False  # whether it is capturing a CUDA graph
         self.events: list[str] = []
         self._swap = None
 
@@ -102,6 +104,38 @@ class FakeCuda(platform.CudaPlatform):
     def autocast_enabled(self) -> bool:
         # The fake CUDA device is the CPU, so CPU autocast stands for CUDA autocast.
         return torch.is_autocast_enabled("cpu")
+
+    @contextlib.contextmanager
+    def side_stream(self):
+        """Run the block as if torch's current stream were a side stream."""
+        previous, self.stream = self.stream, "side"
+        try:
+            yield
+        finally:
+            self.stream = previous
+
+    @contextlib.contextmanager
+    def capture(self):
+        """Run the block as if a CUDA graph were being captured (on a side stream, as torch does)."""
+        previous = self.stream, self.capturing
+        self.stream, self.capturing = "side", True
+        try:
+            yield
+        finally:
+            self.stream, self.capturing = previous
+
+    def stream_contexts(self, index: int) -> tuple[str, ...]:
+        if self.capturing:
+            return (contexts.CAPTURE, contexts.SIDE_STREAM)
+        return (contexts.SIDE_STREAM,) if self.stream != "default" else ()
+
+    def run_on_legacy_stream(self, index: int, call):
+        self.events.append(f"legacy stream on {index}")
+        previous, self.stream = self.stream, "default"
+        try:
+            return call()
+        finally:
+            self.stream = previous
 
     def __enter__(self):
         self._swap = platform.use(self)
@@ -190,6 +224,11 @@ class FakeSageAttention:
     triton: whether `triton` looks installed.
     missing: kernel functions the module lacks.
     signature_drops: keyword names removed from every kernel's signature (they fall into **kwargs).
+    current_stream: kernel functions that launch on torch's current stream (None: those the registry
+        declares so, `KernelFunction.launches_on`). The others launch on the legacy default stream, as
+        thu-ml's CUDA kernels do: called while `FakeCuda` is on a side stream or capturing, they
+        return `legacy_stream_output(exact)` (zeros: the output buffer nothing wrote), as an
+        unordered or unrecorded launch does.
     """
 
     version: Optional[str] = "2.2.0"
@@ -198,6 +237,8 @@ class FakeSageAttention:
     triton: bool = True
     missing: tuple[str, ...] = ()
     signature_drops: tuple[str, ...] = ()
+    current_stream: Optional[tuple[str, ...]] = None
+    legacy_stream_output: Callable[[torch.Tensor], torch.Tensor] = torch.zeros_like
     calls: list[KernelCall] = field(default_factory=list)
     _behaviour: Optional[Callable] = None
 
@@ -241,7 +282,14 @@ class FakeSageAttention:
         if nhd:
             exact = ((exact[0].transpose(1, 2), exact[1]) if isinstance(exact, tuple)
                      else exact.transpose(1, 2))
+        if isinstance(cuda, FakeCuda) and cuda.stream != "default" and not self._on_current_stream(function):
+            exact = self.legacy_stream_output(exact)
         return exact if self._behaviour is None else self._behaviour(exact)
+
+    def _on_current_stream(self, function: KernelFunction) -> bool:
+        if self.current_stream is None:
+            return function.launches_on == "current"
+        return function.name in self.current_stream
 
     def _make_kernel(self, function: KernelFunction) -> Callable:
         """A function named and signed like the real one: q, k, v, its keywords (less

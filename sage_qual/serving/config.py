@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from sage_qual import limits
-from sage_qual.serving import variants
+from sage_qual.serving import contexts, variants
 from sage_qual.serving.variants import UPSTREAM_PICKS, VARIANTS, BoxFacts, Capability, Variant
 
 # Preference order per compute capability; the first variant this box can run wins. The default is
@@ -50,6 +50,10 @@ class WrapperConfig:
     # 100,000 x 56 view ran copy+kernel in 0.68x torch SDPA's time, and at 80,000 x 56 the copies
     # cost 2.4 % over the kernel on the views (docs/results/run12-h200x2/, docs/benchmarks.md).
     copy_past_span: bool = True
+    # Execution contexts the served variant is certified safe in (names in contexts.CONTEXTS);
+    # None: the variant's built-in rule (`contexts.builtin_safe`). A profile sets what certify verified,
+    # so a kernel build that launches on the current stream can be certified capture-safe.
+    contexts: tuple[str, ...] | None = None
 
     def __post_init__(self):
         for name in ("max_query_tokens", "max_key_tokens"):
@@ -66,6 +70,12 @@ class WrapperConfig:
             if isinstance(self.layouts, str) or unknown:
                 raise ValueError(f"WrapperConfig.layouts={self.layouts!r}: give a tuple of layout names "
                                  f"from {', '.join(LAYOUTS)}, or None for any layout")
+        if self.contexts is not None:
+            contexts.check_names(self.contexts, "WrapperConfig.contexts")
+
+    def safe_contexts(self, variant: Variant) -> tuple[str, ...]:
+        """The execution contexts `variant` may serve in under this config."""
+        return contexts.builtin_safe(variant) if self.contexts is None else tuple(self.contexts)
 
     def choose(self, capability: Capability,
                reasons: Mapping[str, Sequence[str]]) -> tuple[Variant | None, str]:

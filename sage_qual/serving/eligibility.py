@@ -32,6 +32,10 @@ REASONS = (
     "grad",
     "autocast",
     "device",  # not all on one CUDA device, no kernel for it, or the device was retired
+    # Execution contexts (`contexts.REASON`) the served variant is not certified safe in:
+    "capture",  # the current stream is capturing a CUDA graph
+    "stream",  # a side stream
+    "compile",  # inside code torch.compile compiled
     "memory",  # this scope ran out of memory once
     "kernel_error",  # the kernel raised (the device is retired) or failed its first-call check
     "cache_error",  # Triton cache write failure (OSError) for this call

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import ContextManager
+from typing import Callable, ContextManager
 
 import torch
+
+from sage_qual.serving import contexts
 
 
 # Cached once per device index for the process (the set of visible devices cannot change once
@@ -59,6 +61,32 @@ class CudaPlatform:
 
     def autocast_enabled(self) -> bool:
         return torch.is_autocast_enabled("cuda")
+
+    def stream_contexts(self, index: int) -> tuple[str, ...]:
+        """The stream contexts of a call on device `index` now: `capture` first (a capture runs on a
+        side stream, and is the reason to report), then `side_stream`; () on the default stream."""
+        if torch.cuda.is_current_stream_capturing():
+            return (contexts.CAPTURE, contexts.SIDE_STREAM)
+        if torch.cuda.current_stream(index) != torch.cuda.default_stream(index):
+            return (contexts.SIDE_STREAM,)
+        return ()
+
+    def run_on_legacy_stream(self, index: int, call: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """`call()` on the legacy default stream, ordered after the caller's stream and before its
+        next work, its output kept from reuse until the caller's stream is done with it.
+
+        For kernels that launch on the legacy stream whatever torch's current stream is: their
+        Triton quantizers then run there too. On one H200 (sm90 kernel, [1, 24, 16384, 128] bf16)
+        this made a side-stream call bit-identical to the default-stream call (docs/benchmarks.md
+        has its cost). Not for a capturing stream: the legacy stream cannot be captured.
+        """
+        caller, legacy = torch.cuda.current_stream(index), torch.cuda.default_stream(index)
+        legacy.wait_stream(caller)
+        with torch.cuda.stream(legacy):
+            out = call()
+        caller.wait_stream(legacy)
+        out.record_stream(caller)
+        return out
 
 
 _platform: CudaPlatform = CudaPlatform()

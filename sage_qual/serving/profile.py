@@ -17,11 +17,12 @@ profile was measured on it).
                "default": ENTRY, "families": {"FLUX.1": ENTRY, ...}}]}
     ENTRY = {"variant": name or null, "min_query_tokens": int or null, "min_key_tokens": int or null,
              "head_dims": [int] or null, "reasons": [{"kind", "detail"}],
-             "max_query_tokens": int or null, "max_key_tokens": int or null, "layouts": [name] or null}
+             "max_query_tokens": int or null, "max_key_tokens": int or null, "layouts": [name] or null,
+             "contexts": [name] or null}
 
 Optional, absent in older profiles (then: no upper bound, any layout, the default span limit):
-an entry's verified range (`max_query_tokens`, `max_key_tokens`) and `layouts` (names from
-`config.LAYOUTS`), and a GPU's `max_span_elements`, the largest element span and count of one
+an entry's verified range (`max_query_tokens`, `max_key_tokens`), `layouts` (names from
+`config.LAYOUTS`) and `contexts` (the execution contexts certified, names from `contexts.CONTEXTS`), and a GPU's `max_span_elements`, the largest element span and count of one
 tensor its kernels were shown to take (default `limits.MAX_SPAN_ELEMENTS`).
 
 Schema version 1 (one GPU model at the top level, no memory) still reads.
@@ -40,6 +41,7 @@ from packaging.version import InvalidVersion, Version
 from sage_qual import jsonfile, records
 from sage_qual.limits import one_line
 from sage_qual.serving import platform, sage_package
+from sage_qual.serving.contexts import CONTEXTS
 from sage_qual.serving.config import DEFAULT_CONFIG, LAYOUTS, WrapperConfig, served_from
 from sage_qual.serving.env_record import Reason
 from sage_qual.serving.variants import VARIANTS, capability_label, gpu_label
@@ -70,10 +72,13 @@ class Entry:
     max_query_tokens: int | None = None
     max_key_tokens: int | None = None
     layouts: list[str] | None = None
+    # The execution contexts certify verified the variant in (names in contexts.CONTEXTS; null or
+    # absent: the variant's built-in rule, `contexts.builtin_safe`).
+    contexts: list[str] | None = None
 
     def check(self) -> list[tuple[str, str]]:
         thresholds = (self.min_query_tokens, self.min_key_tokens, self.head_dims, self.max_query_tokens,
-                      self.max_key_tokens, self.layouts)
+                      self.max_key_tokens, self.layouts, self.contexts)
         if self.variant is None:
             if any(x is not None for x in thresholds):
                 return [("variant", "null, but thresholds are given: a profile serves nothing without a "
@@ -106,6 +111,12 @@ class Entry:
             unknown = [name for name in self.layouts if name not in LAYOUTS]
             if unknown:
                 return [("layouts", f"{unknown[0]!r} is not a layout sage-qual knows ({', '.join(LAYOUTS)})")]
+        if self.contexts is not None:
+            unknown = [name for name in self.contexts if name not in CONTEXTS]
+            if unknown or len(set(self.contexts)) != len(self.contexts):
+                what = f"{unknown[0]!r} is not" if unknown else "names a context twice, not"
+                return [("contexts", f"{what} a list of execution contexts sage-qual knows "
+                                     f"({', '.join(CONTEXTS)}); [] for none, null for the built-in rule")]
         return []
 
 
@@ -237,6 +248,7 @@ def apply(base: WrapperConfig, capability: tuple[int, int], chosen: Entry,
                                min_key_tokens=chosen.min_key_tokens, head_dims=tuple(chosen.head_dims),
                                max_query_tokens=chosen.max_query_tokens, max_key_tokens=chosen.max_key_tokens,
                                layouts=None if chosen.layouts is None else tuple(chosen.layouts),
+                               contexts=None if chosen.contexts is None else tuple(chosen.contexts),
                                max_span_elements=max_span_elements or base.max_span_elements)
 
 
@@ -308,13 +320,15 @@ def served_families(gpu: ProfileGpu) -> list[str]:
 
 
 def verified_range(chosen: Entry) -> str:
-    """The note's words for an entry's upper bounds and layouts ("" when it has none)."""
+    """The note's words for an entry's upper bounds, layouts and contexts ("" when it has none)."""
     words = ""
     if chosen.max_query_tokens is not None or chosen.max_key_tokens is not None:
         words += (f", up to {chosen.max_query_tokens or 'any'} query / {chosen.max_key_tokens or 'any'} "
                   "key tokens")
     if chosen.layouts is not None:
         words += f", layouts {', '.join(chosen.layouts)}"
+    if chosen.contexts is not None:
+        words += f", contexts {', '.join(chosen.contexts) or 'none (default stream only)'}"
     return words
 
 

@@ -96,6 +96,11 @@ class KernelFunction:
     keywords: tuple[tuple[str, Any], ...]
     choices: Mapping[str, tuple[Any, ...]]
     max_head_dim: int = 128
+    # Where its CUDA work runs: "current" (torch's current stream: Triton launches) or "legacy" (the
+    # legacy default stream: csrc/qattn/*.cu and csrc/fused/fused.cu launch `<<<grid, block>>>`
+    # with no stream). A "legacy" kernel is unordered with a side stream's work and is not recorded
+    # by a CUDA-graph capture (`contexts.builtin_safe`).
+    launches_on: str = "legacy"
 
     @property
     def defaults(self) -> dict[str, Any]:
@@ -179,6 +184,7 @@ KERNEL_FUNCTIONS: dict[str, KernelFunction] = {
             (("tensor_layout", "HND"), ("quantization_backend", "triton"), ("is_causal", False),
              ("attn_mask", None), ("sm_scale", None), ("smooth_k", True), ("return_lse", False)),
             {"tensor_layout": _LAYOUTS, "quantization_backend": ("triton", "cuda")},
+            launches_on="current",  # Triton quantizers and attention kernel, all on torch's stream
         ),
         KernelFunction(
             FP16_CUDA,

@@ -16,6 +16,7 @@ import torch
 
 from sage_qual.limits import one_line
 from sage_qual.serving import platform, sage_package, scope, torch_sdpa
+from sage_qual.serving.contexts import CAPTURE, COMPILE, REASON, SIDE_STREAM
 from sage_qual.serving.assess import assess, box_facts
 from sage_qual.serving.config import DEFAULT_CONFIG, WrapperConfig
 from sage_qual.serving.eligibility import SdpaCall, bind, copies_fit, refusal, within_span
@@ -41,6 +42,16 @@ class DeviceState:
     config: WrapperConfig = field(default=DEFAULT_CONFIG, repr=False)
     profile_note: str = ""  # which profile entry (or built-in default) applies, or why none does: one line
     profile_reasons: tuple[str, ...] = ()  # every reason that entry gives for serving nothing, in full
+
+    @property
+    def safe_contexts(self) -> tuple[str, ...]:
+        """Execution contexts its variant may serve in (its config's certified ones, else built in)."""
+        return self.config.safe_contexts(self.variant) if self.variant else ()
+
+    @property
+    def legacy_stream(self) -> bool:
+        """Whether its kernel launches on the legacy default stream (a side-stream call is bridged)."""
+        return bool(self.variant) and self.variant.kernel_function.launches_on == "legacy"
 
     @property
     def label(self) -> str:
@@ -218,10 +229,17 @@ def _probe(config: WrapperConfig, profile=None, family: str | None = None,
 
 def _make_sdpa(state: _Installed):
     """The function torch gets. Outside a scope it is one ContextVar read away from torch's own
-    (the benchmark in tests_fast/test_overhead_benchmarks.py measures what that costs)."""
-    original, active = state.original, _active.get
+    (the benchmark in tests_fast/test_overhead_benchmarks.py measures what that costs). While
+    torch.compile traces it, it emits one opaque operator whose body runs `_serve_compiled`."""
+    from sage_qual.serving import compiled
+
+    original, active, compiling = state.original, _active.get, torch.compiler.is_compiling
+    compiled.serve = _serve_compiled
+    graph_safe = frozenset(i for i, d in state.devices.items() if d.variant and CAPTURE in d.safe_contexts)
 
     def scaled_dot_product_attention(*args, **kwargs):
+        if compiling():  # before the ContextVar, which Dynamo cannot trace
+            return compiled.traced_call(original, graph_safe, *args, **kwargs)
         report = active()
         if report is None or _installed is not state:  # no scope, or uninstalled while kept
             return original(*args, **kwargs)
@@ -231,7 +249,16 @@ def _make_sdpa(state: _Installed):
     return scaled_dot_product_attention
 
 
-def _serve(state: _Installed, report: ScopeReport, args: tuple, kwargs: dict):
+def _serve_compiled(*args, **kwargs):
+    """The body of the compiled operator: the thread's scope as the compiled code runs, the
+    `compile` context, torch's own function outside a scope or once uninstalled."""
+    state, report = _installed, _active.get()
+    if state is None or report is None:
+        return torch_sdpa.TORCH_SDPA(*args, **kwargs)
+    return _serve(state, report, args, kwargs, compiled=True)
+
+
+def _serve(state: _Installed, report: ScopeReport, args: tuple, kwargs: dict, compiled: bool = False):
     original = state.original
     call, bad_arguments = bind(args, kwargs)
     if bad_arguments:
@@ -253,6 +280,9 @@ def _serve(state: _Installed, report: ScopeReport, args: tuple, kwargs: dict):
     if refused is None:
         device = _device_refusal(state, call, cuda, index, device)
         refused = ("device", "%s", (device,)) if isinstance(device, str) else None
+    if refused is None:
+        context = cuda.stream_contexts(device.index) + ((COMPILE,) if compiled else ())
+        refused = _context_refusal(device, context) if context else None
     if refused is None and report.out_of_memory:
         refused = ("memory", "this scope ran out of memory", ())
     if refused is not None:
@@ -260,15 +290,25 @@ def _serve(state: _Installed, report: ScopeReport, args: tuple, kwargs: dict):
         return original(*args, **kwargs)
 
     failed = False
+    kernel = state.kernels[device.index]
+    # A legacy-stream kernel called from a side stream is bridged onto the legacy stream (a capture
+    # never gets here unless certified capture-safe, and the legacy stream cannot be captured).
+    bridged = SIDE_STREAM in context and CAPTURE not in context and device.legacy_stream
+
+    def run():  # the copies are made here: out of memory for them is handled as for the kernel's own
+        given = within_span(call, config.max_span_elements) if copy else call
+        return kernel(given.query, given.key, given.value, sm_scale=call.sm_scale)
+
     with cuda.device_guard(device.index):
-        try:  # the copies are made here: out of memory for them is handled as for the kernel's own
-            given = within_span(call, config.max_span_elements) if copy else call
-            out = state.kernels[device.index](given.query, given.key, given.value, sm_scale=call.sm_scale)
-            check_key = (call.query.dtype, call.query.shape[-1])
-            if check_key not in device.checked:
+        try:
+            out = cuda.run_on_legacy_stream(device.index, run) if bridged else run()
+            # Checked once per context too: a process whose first call ran on the default stream still
+            # checks its first side-stream call. Never under capture, where reading a value is illegal.
+            check_key = (call.query.dtype, call.query.shape[-1], context)
+            if CAPTURE not in context and check_key not in device.checked:
                 problem = _first_call_problem(state, call, out)
                 if problem:
-                    why = f"first-call check failed for {_describe(call)}: {problem}"
+                    why = f"first-call check failed for {_describe(call, context)}: {problem}"
                     _retire(state, device, why)
                     report.fell_back("kernel_error", "%s", (why,))
                     failed = True
@@ -282,7 +322,7 @@ def _serve(state: _Installed, report: ScopeReport, args: tuple, kwargs: dict):
         # Torch runs only now, outside the except block: the exception's traceback keeps the kernel's
         # frames alive, and with them its quantized copies; an out-of-memory fallback inside the
         # block runs out of memory too (H200, docs/results/README.md, "Out-of-memory fallback").
-        out = given = None
+        out = None
         return original(*args, **kwargs)
     device.cache_errors = 0
     report.calls += 1
@@ -361,6 +401,20 @@ def _retire(state: _Installed, device: DeviceState, why: str) -> None:
                 device.label, why)
 
 
-def _describe(call: SdpaCall) -> str:
+def _describe(call: SdpaCall, context: tuple[str, ...] = ()) -> str:
     shapes = " ".join(str(list(t.shape)) for t in (call.query, call.key, call.value))
-    return f"q/k/v {shapes} {str(call.query.dtype).replace('torch.', '')}"
+    where = f" ({', '.join(context)})" if context else ""
+    return f"q/k/v {shapes} {str(call.query.dtype).replace('torch.', '')}{where}"
+
+
+_CONTEXT_WORDS = {SIDE_STREAM: "a side stream (torch's current stream is not the default stream)",
+                  CAPTURE: "CUDA-graph capture", COMPILE: "code compiled by torch.compile"}
+
+
+def _context_refusal(device: DeviceState, context: tuple[str, ...]):
+    """The refusal for the first context of the call its variant is not safe in, else None."""
+    for name in context:
+        if name not in device.safe_contexts:
+            return (REASON[name], "%s: %s is not certified safe there (safe in: %s)",
+                    (_CONTEXT_WORDS[name], device.variant.name, ", ".join(device.safe_contexts) or "none"))
+    return None
