@@ -186,4 +186,4 @@ def test_gate_json_carries_the_whole_served_range():
         "min_query_tokens": 4608, "min_key_tokens": 512, "max_query_tokens": 16384, "max_key_tokens": 16384,
         "layouts": ["contiguous", "transposed"], "head_dims": [64, 128],
         "certified": ["sm90-fp8-cuda", "sm80-fp16-cuda"],
-        "reasons": []}]
+        "reasons": [], "contexts": None}]

@@ -13,6 +13,8 @@ from sage_qual.qualification import families, pool, tasks
 from sage_qual.qualification.report_model import (
     AccuracyClass,
     Cell,
+    ContextCheck,
+    ContextRun,
     LongCheck,
     Outcome,
     Reason,
@@ -33,8 +35,9 @@ LONG = tasks.LongTask("sm90-fp8-cuda~k", "sm90-fp8-cuda", SHAPE, [ShapeUse(None,
                       ["contiguous", "transposed"])
 SPAN = tasks.SpanTask("sm90-fp8-cuda^span", "sm90-fp8-cuda", 2**31 - 1, "fused_qkv", "above", 99_865,
                       2_147_504_128, 56, 128, 1024)
+CONTEXT = tasks.ContextTask("sm90-fp8-cuda#contexts", "sm90-fp8-cuda", [1, 24, 16384, 128], "bfloat16")
 TASKS = [tasks.EnvTask("env"), CELL, tasks.SdpaTask("sdpa@k", "k", SHAPE, 3, 20), SPEED, PAIRED, LONG, SPAN,
-         tasks.TargetMachineTask("machine", "wrapper"),
+         CONTEXT, tasks.TargetMachineTask("machine", "wrapper"),
          tasks.TargetCellTask("flux1_1024", "wrapper", "flux1_1024", FIXTURE, [9, 0], 2.5)]
 
 
@@ -68,6 +71,11 @@ RESULTS = [
     (LONG, LONG.record(Outcome.PASS, bounds=BUDGET, metrics={"rel_l2": 0.05, "worst_head_cosine": None},
                        finite=True, identical={"transposed": True}, rows=[0, 128], row_block=128)),
     (SPAN, SPAN.record(Outcome.CRASH, detail="it died (killed by SIGABRT)", stderr_tail="Assertion")),
+    (CONTEXT, CONTEXT.record(Outcome.FAIL, detail="not bit-identical to the eager call: capture", runs=[
+        ContextRun("side_stream", 1, 1, True, True, 0.0, 0.0, 0.038),
+        ContextRun("capture", 1, 1, False, True, 0.09, 1.17, 1.17),
+        ContextRun("compile", 3, 3, True, True, 0.0, 0.0, 0.039),
+        ContextRun("compile_reduce_overhead", 3, 3, True, True, 0.0, 0.0, 0.039)])),
     (tasks.TargetMachineTask("machine", "wrapper"), tasks.MachineResult(Outcome.PASS, ["no kernel"])),
 ]
 
@@ -86,7 +94,7 @@ def test_every_ending_of_a_task_is_its_own_report_record():
     stored = [record for result in crashed[1:-2] for _, record in tasks.report_entries(result)]
     assert [(type(r), r.outcome, r.detail, r.stderr_tail) for r in stored] == [
         (kind, Outcome.CRASH, "it died", "tail")
-        for kind in (Cell, Speed, Speed, Speed, LongCheck, SpanProbe)]
+        for kind in (Cell, Speed, Speed, Speed, LongCheck, SpanProbe, ContextCheck)]
     assert (stored[0].variant, stored[0].fixture) == ("sm90-fp8-cuda", "flux1_1024")
     assert [stored[n].kernel for n in (1, 2, 3)] == ["sdpa", "sm90-fp8-cuda", "sm90-fp8-cuda"]
     assert (stored[5].variant, stored[5].layout, stored[5].span, stored[5].limit) == (
@@ -215,7 +223,7 @@ def test_a_worker_given_a_malformed_job_exits_naming_the_key(tmp_path):
     assert process.ended() == "exit code 1"
     last = process.stderr_tail().strip().splitlines()[-1]
     assert last.endswith("a task from the parent: kind: is 'sped', expected one of 'env', 'cell', 'sdpa', "
-                         "'speed', 'paired', 'long', 'span', 'target_machine', 'target_cell'; " + tasks.FIX)
+                         "'speed', 'paired', 'long', 'span', 'context', 'target_machine', 'target_cell'; " + tasks.FIX)
     process.close()
 
 

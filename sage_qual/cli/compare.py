@@ -1,8 +1,8 @@
 """`sage-qual compare A B`: do two certify reports of one machine give the same thresholds?
 
 Both reports are decided afresh (`verdict.decide`); per GPU model in both, and per family and the
-default entry, the verdicts must match and the query and key thresholds lie within --tolerance
-of each other (relative to the larger). Exit 0 when they do, 1 when not (each difference
+default entry, the verdicts, variants and certified execution contexts must match and the query
+and key thresholds lie within --tolerance of each other (relative to the larger). Exit 0 when they do, 1 when not (each difference
 printed), 2 on unreadable input.
 """
 
@@ -50,10 +50,12 @@ def _apart(a: int | None, b: int | None, tolerance: float) -> bool:
 
 
 def _entry(decision: verdict.FamilyDecision) -> str:
-    """verdict, variant and thresholds; '-' for what a verdict without a variant lacks."""
+    """verdict, variant, thresholds and the contexts certified; '-' for what a verdict without a
+    variant lacks."""
     thresholds = ("-" if decision.min_query_tokens is None else
                   f"{decision.min_query_tokens}/{decision.min_key_tokens}")
-    return f"{decision.verdict.value} {decision.variant or '-'} {thresholds}"
+    contexts = "" if decision.contexts is None else f" contexts [{', '.join(decision.contexts)}]"
+    return f"{decision.verdict.value} {decision.variant or '-'} {thresholds}{contexts}"
 
 
 def differences(first: dict[str, verdict.GpuDecision], second: dict[str, verdict.GpuDecision],
@@ -73,7 +75,7 @@ def differences(first: dict[str, verdict.GpuDecision], second: dict[str, verdict
                 continue
             line = f"{model} {a.label}: {_entry(a)} vs {_entry(b)}"
             lines.append(line)
-            if (a.verdict, a.variant) != (b.verdict, b.variant) or \
+            if (a.verdict, a.variant, a.contexts) != (b.verdict, b.variant, b.contexts) or \
                     _apart(a.min_query_tokens, b.min_query_tokens, tolerance) or \
                     _apart(a.min_key_tokens, b.min_key_tokens, tolerance):
                 found.append(line)

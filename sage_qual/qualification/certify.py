@@ -28,7 +28,6 @@ from sage_qual.qualification.report_model import (
     ShapeEntry,
     ShapeSpec,
     ShapeUse,
-    SpanProbe,
 )
 from sage_qual.qualification.speed import intervals_to_refine, speedup_bounds
 
@@ -156,8 +155,9 @@ class GpuPool:
         progress = certify_run.Progress(sum(r.task_count for r in runs))
         try:
             certify_run.parallel([functools.partial(r.run, self.pool, progress, stop) for r in runs], stop)
-            if not plan.quick:  # a pre-flight runs no span probes
-                certify_run.parallel(self._span_jobs(writer, progress, stop), stop)
+            if not plan.quick:  # a pre-flight runs no span probes and no context checks
+                certify_run.parallel(self._span_jobs(writer, progress, stop)
+                                     + self._context_jobs(writer, plan, progress, stop), stop)
         finally:
             progress.close()
 
@@ -191,16 +191,38 @@ class GpuPool:
             for variant in probed:
                 for tasks in span_check.jobs(variant, span_check.cases()):
                     progress.grow(len(tasks))
-                    jobs.append(functools.partial(_span_job, tasks, index, position, writer, self.pool,
+                    jobs.append(functools.partial(_worker_job, tasks, index, position, writer, self.pool,
                                                   self.options, progress, stop))
         return jobs
 
 
-def _span_job(job: list, index: int, position: int, writer: report.Writer, pool: workers.Pool,
-              options: Options, progress: certify_run.Progress, stop: threading.Event) -> None:
-    def record(task, probe: SpanProbe) -> None:
-        writer.append(position, "span", probe)
-        progress.tick(f"cuda:{index}", probe)
+    def _context_jobs(self, writer: report.Writer, plan: certify_run.Plan, progress: certify_run.Progress,
+                      stop: threading.Event) -> list:
+        """After the sweep, per GPU model on its first device: every variant it ran in every execution
+        context (`context_check`), each in a worker of its own, side by side with the span probes."""
+        built = writer.report
+        jobs, models = [], set()
+        for position, device in enumerate(built.devices):
+            if device.model in models:
+                continue
+            models.add(device.model)
+            writer.append(position, "contexts")
+            for variant in self._variants_to_run(device, built, plan):
+                task = tasks_mod.ContextTask(f"{variant}#contexts", variant, list(limits.CONTEXT_CHECK_SHAPE), "bfloat16")
+                progress.grow(1)
+                jobs.append(functools.partial(_worker_job, [task], device.index, position, writer, self.pool,
+                                              self.options, progress, stop))
+        return jobs
+
+
+def _worker_job(job: list, index: int, position: int, writer: report.Writer, pool: workers.Pool,
+                options: Options, progress: certify_run.Progress, stop: threading.Event) -> None:
+    """A job after the sweep (span probes, context checks) in workers of its own, its records appended
+    where `tasks.report_entries` puts them."""
+    def record(task, result) -> None:
+        for field, entry in tasks_mod.report_entries(result):
+            writer.append(position, field, entry)
+        progress.tick(f"cuda:{index}", result)
 
     with certify_run.gpu_env(index) as env:  # a cache per job: the jobs of one GPU run side by side
         workers.run_tasks(job, pool.take, options.timeout, limits.startup_timeout(options.timeout), record,

@@ -12,6 +12,7 @@ their 32-bit offsets. Without the variable the worker measures the real GPU and 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import sys
@@ -42,8 +43,13 @@ class FakeBench:
 
     device = "cpu"
 
-    def __init__(self, gpus: list[dict]):
+    def __init__(self, gpus: list[dict], compiles: bool = False):
         from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
+
+        if compiles:  # TorchDynamo imports triton.language as it loads: before the fake `triton` stands in
+            importlib.import_module("torch._dynamo")
+            importlib.import_module("torch._functorch.aot_autograd")
+            importlib.import_module("torch._inductor.codecache")
 
         fakes = [FakeGpu(tuple(g["capability"]), g["name"]) for g in gpus]
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -74,6 +80,11 @@ class FakeBench:
 
     def healthy(self) -> bool:
         return True
+
+    def context_place(self):
+        from sage_qual.qualification import context_check
+
+        return context_check.FakePlace()
 
     def release(self) -> None:
         self.sage.behave()

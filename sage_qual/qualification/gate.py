@@ -241,7 +241,7 @@ class GateDecision:
         """The `gate --json` answer (`GateAnswer`'s JSON)."""
         return records.dump(GateAnswer(self.family, self.code, self.problem, [
             GpuAnswer(model, d.verdict, d.variant, d.min_query_tokens, d.min_key_tokens, d.max_query_tokens,
-                      d.max_key_tokens, d.layouts, d.head_dims, d.certified, d.reasons)
+                      d.max_key_tokens, d.layouts, d.head_dims, d.certified, d.reasons, d.contexts)
             for model, d in self.gpus]))
 
 
@@ -259,6 +259,7 @@ class GpuAnswer:
     head_dims: list[int] | None
     certified: list[str]
     reasons: list[Reason]
+    contexts: list[str] | None = None  # the execution contexts certified (None: not checked, built-in rule)
 
 
 @dataclass(frozen=True)
@@ -375,12 +376,13 @@ class FleetVerdict:
     max_query_tokens: int | None  # None: no upper bound verified (a report without long checks)
     layouts: list[str] | None
     reasons: list[report_model.ReasonKind]  # each kind once, sorted: the details are in report.md
+    contexts: list[str] | None = None  # None: not checked (the variant's built-in rule)
 
     @classmethod
     def of(cls, decision: FamilyDecision) -> FleetVerdict:
         kinds = sorted({r.kind for r in decision.reasons}, key=lambda kind: kind.value)
         return cls(decision.verdict, decision.variant, decision.min_query_tokens, decision.min_key_tokens,
-                   decision.max_query_tokens, decision.layouts, kinds)
+                   decision.max_query_tokens, decision.layouts, kinds, decision.contexts)
 
     def text(self) -> str:
         """The table cell: the served range of an enabled family, else the verdict and reason kinds."""
@@ -388,8 +390,9 @@ class FleetVerdict:
             return f"{self.verdict.value}: " + ", ".join(kind.value for kind in self.reasons)
         if self.max_query_tokens is None:
             return f"enable: {self.variant} >= {self.min_query_tokens}/{self.min_key_tokens}"
+        contexts = "" if self.contexts is None else f"; contexts: {', '.join(self.contexts) or 'none'}"
         return (f"enable: {self.variant} {self.min_query_tokens:,} to {self.max_query_tokens:,} tokens "
-                f"({', '.join(self.layouts)})")
+                f"({', '.join(self.layouts)}{contexts})")
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from pathlib import Path
 from sage_qual import records
 from sage_qual.qualification import report_model, verdict
 from sage_qual.qualification.report_model import KIND, SCHEMA_VERSION, Report, ReportError
+from sage_qual.serving.contexts import CHECKS
 from sage_qual.serving.variants import gpu_label
 
 __all__ = ["KIND", "SCHEMA_VERSION", "Report", "ReportError", "Writer", "load", "render", "schema"]
@@ -375,8 +376,10 @@ def _device_blocks(data: Report, device: report_model.Device, images: dict) -> l
                           "reasons"], [_long_row(c) for c in device.long])]
     if device.span is not None:
         blocks += _span_blocks(device.span)
-    problems = [r for r in [*device.cells, *device.speed, *(device.long or []), *(device.span or [])]
-                if r.stderr_tail or r.traceback]
+    if device.contexts is not None:
+        blocks += _context_blocks(device.contexts)
+    problems = [r for r in [*device.cells, *device.speed, *(device.long or []), *(device.span or []),
+                            *(device.contexts or [])] if r.stderr_tail or r.traceback]
     if problems:
         blocks.append(Heading(3, "Crashes, hangs and errors"))
         for r in problems:
@@ -386,8 +389,10 @@ def _device_blocks(data: Report, device: report_model.Device, images: dict) -> l
 
 
 def _what_ran(r: report_model.Cell | report_model.Speed | report_model.LongCheck
-              | report_model.SpanProbe) -> str:
+              | report_model.SpanProbe | report_model.ContextCheck) -> str:
     """Which kernel ran on what, for the heading of a crash's stderr."""
+    if isinstance(r, report_model.ContextCheck):
+        return f"{r.variant} in every execution context (context check)"
     if isinstance(r, report_model.Cell):
         return f"{r.variant} on {r.fixture}"
     if isinstance(r, report_model.Speed):
@@ -395,6 +400,36 @@ def _what_ran(r: report_model.Cell | report_model.Speed | report_model.LongCheck
     if isinstance(r, report_model.LongCheck):
         return f"{r.variant} on {r.shape.q_tokens} tokens, {r.shape.heads} heads (long check)"
     return f"{r.variant} on a span of {r.span:,} elements ({r.layout}, span probe)"
+
+
+def _context_run(run: report_model.ContextRun | None) -> str:
+    if run is None:
+        return "-"
+    if run.passed:
+        return "identical"
+    if run.error:
+        return f"error: {run.error[:80]}"
+    if run.served < run.calls:
+        return f"served {run.served}/{run.calls}"
+    return "not finite" if not run.finite else f"differs (rel L2 {_number(run.rel_l2)})"
+
+
+def _context_blocks(checks: list[report_model.ContextCheck]) -> list[Block]:
+    """Each variant in each execution context: identical to the eager default-stream call, or not."""
+    rows = []
+    for check in checks:
+        runs = {run.name: run for run in check.runs}
+        shape = "x".join(map(str, check.ran_shape or check.shape))
+        rows.append([check.variant, shape, *(_context_run(runs.get(name)) for name in CHECKS),
+                     ", ".join(check.safe_contexts) or "none", check.outcome.value])
+    return [Heading(3, "Execution contexts"),
+            Paragraph("Each variant served through the wrapper on a busy side stream, captured in a CUDA "
+                      "graph and replayed on new values, and under torch.compile (default mode and "
+                      "reduce-overhead); 'identical' means every output equals the same call made eagerly "
+                      "on the default stream, bit for bit. The profile lets a variant serve only in the "
+                      "contexts every check of which passed; elsewhere it falls back (reasons stream, "
+                      "capture, compile)."),
+            Table(["variant", "call", *CHECKS, "safe in", "outcome"], rows)]
 
 
 def _span_blocks(probes: list[report_model.SpanProbe]) -> list[Block]:

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from sage_qual import jsonfile, records
 from sage_qual.qualification.families import FAMILIES
+from sage_qual.serving.contexts import CHECKS, CONTEXTS
 from sage_qual.serving.env_record import EnvironmentRecord, GpuIdentity, GpuInfo, Reason, ReasonKind  # noqa: F401 (part of the report's model)
 from sage_qual.serving.variants import VARIANTS
 
@@ -297,6 +298,82 @@ class FixtureRecord:
 
 
 @dataclass(frozen=True)
+class ContextRun:
+    """One check of a variant in an execution context (`contexts.CHECKS`): its outputs against the
+    same calls made eagerly on the default stream (`context_check`)."""
+    name: str = field(metadata={"description": "side_stream, capture, compile or compile_reduce_overhead"})
+    calls: int = field(metadata={"minimum": 0, "description": "calls the wrapper saw (replays not counted)"})
+    served: int = field(metadata={"minimum": 0, "description": "of them, those SageAttention served"})
+    bit_identical: bool = field(metadata={"description": "every output equal, bit for bit, to the eager call's"})
+    finite: bool
+    max_abs_diff: float | None = field(default=None, metadata={
+        "minimum": 0, "description": "largest element difference against the eager call (null: not run)"})
+    rel_l2: float | None = field(default=None, metadata={"minimum": 0})
+    torch_rel_l2: float | None = field(default=None, metadata={
+        "minimum": 0, "description": "largest relative L2 against torch's SDPA on the same values"})
+    fallbacks: dict[str, int] = field(default_factory=dict, metadata={"description": "reason -> calls"})
+    error: str = ""
+
+    @property
+    def context(self) -> str:
+        return CHECKS[self.name]
+
+    @property
+    def passed(self) -> bool:
+        """Every call served and bit-identical to the eager one: judged from the numbers."""
+        return (not self.error and self.calls > 0 and self.served == self.calls and self.bit_identical
+                and self.finite and self.max_abs_diff == 0)
+
+    def check(self) -> list[tuple[str, str]]:
+        if self.name not in CHECKS:
+            return [("name", f"{self.name!r} is not a context check ({', '.join(CHECKS)})")]
+        if self.served > self.calls:
+            return [("served", f"{self.served} is more than the {self.calls} calls")]
+        if self.bit_identical and (self.max_abs_diff != 0 or not self.finite or (self.rel_l2 or 0) != 0):
+            return [("bit_identical", "true, but the outputs differ (max_abs_diff, rel_l2 or finite say so)")]
+        return []
+
+
+def safe_contexts(runs: list[ContextRun]) -> list[str]:
+    """The contexts (in `contexts.CONTEXTS` order) with at least one check, all of which passed."""
+    return [name for name in CONTEXTS if any(r.context == name for r in runs)
+            and all(r.passed for r in runs if r.context == name)]
+
+
+@dataclass(frozen=True)
+class ContextCheck(_Measured):
+    """A variant in every execution context (`context_check`): pass when every check passed, fail
+    when one did not (the variant then serves only in the contexts that passed), or what ended its
+    worker."""
+    variant: str
+    shape: list[int] = field(metadata={"length": 4, "minimum": 1, "description": "[B, H, N, D] of each call"})
+    dtype: DType
+    outcome: Outcome
+    runs: list[ContextRun] = field(default_factory=list)
+    detail: str = ""
+    ran_shape: list[int] | None = field(default=None, metadata={
+        "length": 4, "minimum": 1, "description": "the shape actually run when not the planned one (test fakes)"})
+    seconds: float | None = None
+    stderr_tail: str = ""
+    traceback: str = ""
+
+    @property
+    def safe_contexts(self) -> list[str]:
+        return safe_contexts(self.runs) if self.measured else []
+
+    def check(self) -> list[tuple[str, str]]:
+        if not self.measured:
+            return self._outcome_problems("context check", ())
+        missing = [name for name in CHECKS if name not in {r.name for r in self.runs}]
+        if missing:
+            return [("runs", f"no {missing[0]} check in a context check whose outcome is {self.outcome.value!r}")]
+        passed = all(r.passed for r in self.runs)
+        if (self.outcome == Outcome.PASS) != passed:
+            return [("outcome", f"{self.outcome.value!r}, but its runs say {'pass' if passed else 'fail'}")]
+        return []
+
+
+@dataclass(frozen=True)
 class Options:
     devices: list[int] = field(metadata={"minimum": 0})
     variants: list[str]
@@ -315,6 +392,9 @@ class Device(GpuIdentity):
         "description": "long checks (null: a report written before sage-qual checked long calls)"})
     span: list[SpanProbe] | None = field(default=None, metadata={
         "description": "span probes (null: none ran: --quick, or a report from before them)"})
+    contexts: list[ContextCheck] | None = field(default=None, metadata={
+        "description": "execution-context checks (null: none ran: --quick, emulation, or a report from before "
+                       "them; each variant then keeps the built-in rule)"})
 
     @property
     def model(self) -> tuple[str, tuple[int, int]]:

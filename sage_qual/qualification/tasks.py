@@ -29,6 +29,8 @@ from sage_qual.qualification.report_model import (
     AccuracyClass,
     Budget,
     Cell,
+    ContextCheck,
+    DType,
     LongCheck,
     Outcome,
     Reason,
@@ -50,6 +52,7 @@ class TaskKind(str, enum.Enum):
     PAIRED = "paired"  # a variant and the fastest SDPA backend at a shape, timed call by call in turn
     LONG = "long"  # a variant at a long call, in the layouts integrations pass (`long_check`)
     SPAN = "span"  # a variant at the 32-bit span boundary (`span_check`)
+    CONTEXT = "context"  # a variant in every execution context (`context_check`)
     TARGET_MACHINE = "target_machine"  # certify --target: why the integration cannot run on this GPU
     TARGET_CELL = "target_cell"  # certify --target: the integration on a fixture (`target_cells`)
 
@@ -109,7 +112,7 @@ class Paired:
         return self.ours.outcome
 
 
-Result = Union[EnvResult, MachineResult, Cell, Speed, Paired, LongCheck, SpanProbe]
+Result = Union[EnvResult, MachineResult, Cell, Speed, Paired, LongCheck, SpanProbe, ContextCheck]
 
 
 # Tasks --------------------------------------------------------------------------------------------
@@ -228,6 +231,20 @@ class SpanTask:
 
 
 @dataclass(frozen=True)
+class ContextTask:
+    """A variant in every execution context at one call shape ([B, H, N, D] of `dtype`)."""
+    KIND: ClassVar[TaskKind] = TaskKind.CONTEXT
+    RESULT: ClassVar[type] = ContextCheck
+    id: str
+    variant: str
+    shape: list[int] = field(metadata={"length": 4, "minimum": 1})
+    dtype: str
+
+    def record(self, outcome: Outcome, **fields) -> ContextCheck:
+        return ContextCheck(self.variant, list(self.shape), DType(self.dtype), outcome, **fields)
+
+
+@dataclass(frozen=True)
 class TargetMachineTask:
     KIND: ClassVar[TaskKind] = TaskKind.TARGET_MACHINE
     RESULT: ClassVar[type] = MachineResult
@@ -254,8 +271,8 @@ class TargetCellTask:
         return Cell(self.target, self.fixture_name, outcome, **fields)
 
 
-Task = Union[EnvTask, CellTask, SdpaTask, SpeedTask, PairedTask, LongTask, SpanTask, TargetMachineTask,
-             TargetCellTask]
+Task = Union[EnvTask, CellTask, SdpaTask, SpeedTask, PairedTask, LongTask, SpanTask, ContextTask,
+             TargetMachineTask, TargetCellTask]
 TASKS: dict[TaskKind, type] = {cls.KIND: cls for cls in typing.get_args(Task)}
 
 
@@ -327,11 +344,11 @@ def timed(result: Result, seconds: float | None) -> Result:
 
 # Into the report ----------------------------------------------------------------------------------
 def report_entries(result: Result) -> list[tuple[str, Any]]:
-    """(the device's list it goes in: cells, speed, long or span; the record) for each report record
+    """(the device's list it goes in: cells, speed, long, span or contexts; the record) for each report record
     of a task's result, in the order they are appended (a paired timing: SDPA's, then the variant's)."""
     if isinstance(result, Paired):
         return [("speed", speed) for speed in (result.sdpa, result.ours) if speed is not None]
-    lists = {Cell: "cells", Speed: "speed", LongCheck: "long", SpanProbe: "span"}
+    lists = {Cell: "cells", Speed: "speed", LongCheck: "long", SpanProbe: "span", ContextCheck: "contexts"}
     return [(lists[type(result)], result)]
 
 

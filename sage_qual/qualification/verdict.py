@@ -51,6 +51,7 @@ from sage_qual.qualification.report_model import (
 )
 from sage_qual.qualification.speed import Thresholds, break_even, serves, speedup_bounds, steady_lower_bounds
 from sage_qual.serving.config import KERNEL_TABLE, served_from
+from sage_qual.serving.contexts import CONTEXTS, REASON
 from sage_qual.serving.variants import VARIANTS, gpu_label
 
 
@@ -100,7 +101,10 @@ class FamilyDecision:
     max_key_tokens: int | None = None
     layouts: list[str] | None = None
     range_verified: bool = False
-    range_reasons: list[Reason] = field(default_factory=list)  # why the range or layouts stop there
+    range_reasons: list[Reason] = field(default_factory=list)  # why the range, layouts or contexts stop there
+    # The execution contexts its variant passed every check of (enable only; None: none were checked,
+    # a --quick run or an older report: the wrapper keeps the variant's built-in rule).
+    contexts: list[str] | None = None
 
     @property
     def label(self) -> str:
@@ -143,7 +147,8 @@ class FamilyDecision:
         else:
             tokens = (f"from {self.min_query_tokens:,} to {self.max_query_tokens:,} query / "
                       f"{self.min_key_tokens:,} to {self.max_key_tokens:,} key tokens")
-        return f"{tokens}, head_dim {dims} (layouts: {', '.join(self.layouts)})"
+        contexts = "" if self.contexts is None else f"; contexts: {', '.join(self.contexts) or 'none'}"
+        return f"{tokens}, head_dim {dims} (layouts: {', '.join(self.layouts)}{contexts})"
 
 
 @dataclass
@@ -346,7 +351,33 @@ class _Model:
         result.min_query_tokens = thresholds.min_query_tokens
         result.min_key_tokens = thresholds.min_key_tokens
         result.head_dims = list(thresholds.head_dims)
-        return self._range(result, family)
+        result = self._range(result, family)
+        if result.variant:
+            result.contexts, reasons = self.contexts(result.variant)
+            result.range_reasons += reasons
+        return result
+
+    def contexts(self, variant: str) -> tuple[list[str] | None, list[Reason]]:
+        """The contexts `variant` passed every check of on every device that ran context checks, and
+        why each other one is left out; (None, []) when no device ran them."""
+        checked = [d for d in self.devices if d.contexts is not None]
+        if not checked:
+            return None, []
+        safe, reasons = set(CONTEXTS), []
+        for device in checked:
+            where = f"{variant} on cuda:{device.index}"
+            found = [c for c in device.contexts if c.variant == variant]
+            if not found or not found[-1].measured:
+                why = "not run" if not found else f"{found[-1].outcome.value}: {found[-1].detail}"
+                reasons.append(Reason(ReasonKind.CONTEXT, f"{where}: context check {why}; default stream only"))
+                safe = set()
+                continue
+            safe &= set(found[-1].safe_contexts)
+            for run in found[-1].runs:
+                if not run.passed:
+                    reasons.append(Reason(ReasonKind.CONTEXT, f"{where}, {run.name}: {_context_failure(run)}; "
+                                                              f"falls back there ({REASON[run.context]})"))
+        return [name for name in CONTEXTS if name in safe], reasons
 
     def _range(self, result: FamilyDecision, family: Family | None) -> FamilyDecision:
         """Bound an enabled decision by its variant's long checks (module docstring)."""
@@ -437,6 +468,18 @@ class _Model:
         paying = [v for v in ranked if thresholds[v]]
         chosen = (serving or paying or ranked)[0]
         return chosen, thresholds[chosen]
+
+
+def _context_failure(run) -> str:
+    """Why a context check did not pass, from its numbers."""
+    if run.error:
+        return run.error
+    if run.served < run.calls:
+        return f"served {run.served} of {run.calls} calls ({', '.join(run.fallbacks) or 'no reason'})"
+    if not run.finite:
+        return "output not finite"
+    return f"not bit-identical to the eager call (relative L2 {run.rel_l2:.3g})" if run.rel_l2 is not None \
+        else "not bit-identical to the eager call"
 
 
 def _call_key(check: LongCheck) -> str:

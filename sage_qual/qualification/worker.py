@@ -78,6 +78,11 @@ class GpuBench:
         except Exception:
             return False
 
+    def context_place(self):
+        from sage_qual.qualification import context_check
+
+        return context_check.Gpu()
+
     def release(self) -> None:
         with contextlib.suppress(Exception):  # a poisoned context fails here too; healthy() says so
             torch.cuda.empty_cache()
@@ -251,6 +256,21 @@ class Worker:
             return task.record(Outcome.SKIP, detail=problem)
         return span_check.run_case(task, variant, package, self.bench)
 
+    def _context(self, task: tasks.ContextTask):
+        """The variant in every execution context (`context_check`): pass when every check passed."""
+        from sage_qual.qualification import context_check
+
+        variant, package, problem = self._kernel(task)
+        if problem:
+            return task.record(Outcome.SKIP, detail=problem)
+        place = self.bench.context_place()
+        runs = context_check.check_variant(variant, place, tuple(task.shape), getattr(torch, task.dtype))
+        ran = list(place.kernel_shape(task.shape))
+        failed = [run.name for run in runs if not run.passed]
+        return task.record(Outcome.FAIL if failed else Outcome.PASS, runs=runs,
+                           detail=f"not bit-identical to the eager call: {', '.join(failed)}" if failed else "",
+                           ran_shape=ran if ran != list(task.shape) else None)
+
     def _tensors(self, s: ShapeSpec):
         generator = torch.Generator(self.bench.device).manual_seed(0)
         dtype = getattr(torch, s.dtype.value)
@@ -309,7 +329,8 @@ def main(argv: list[str]) -> int:
         channel.write(json.dumps(records.dump(message), allow_nan=False) + "\n")
 
     hook = fault_hooks.read()
-    bench = fault_hooks.FakeBench(hook["gpus"]) if "gpus" in hook else GpuBench()
+    compiles = any(task.KIND == tasks.TaskKind.CONTEXT for task in todo)
+    bench = fault_hooks.FakeBench(hook["gpus"], compiles) if "gpus" in hook else GpuBench()
     worker = Worker(bench, hook.get("faults", {}), hook.get("span_faults"))
     send(tasks.Message(MessageType.READY))
     for task in todo:

@@ -24,6 +24,7 @@ class ReasonKind(str, enum.Enum):
     INCOMPLETE = "incomplete"
     LAYOUT = "layout"  # a long check's output on a view differs from its output on contiguous copies
     LONG = "long"  # a long check failed or did not run: the verified range stops below its length
+    CONTEXT = "context"  # an execution-context check failed or did not run: the variant falls back there
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,16 @@ class CudaPlatform:
             return (contexts.SIDE_STREAM,)
         return ()
 
+    def launch(self, index: int, context: tuple[str, ...], legacy_stream: bool,
+               call: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Run a served kernel call in `context` (`stream_contexts`, plus `compile`): a kernel that
+        launches on the legacy stream (`legacy_stream`) called from a side stream is bridged onto
+        it (`run_on_legacy_stream`); never under capture, where the legacy stream cannot be captured
+        (and where only a capture-safe variant gets here)."""
+        if legacy_stream and contexts.SIDE_STREAM in context and contexts.CAPTURE not in context:
+            return self.run_on_legacy_stream(index, call)
+        return call()
+
     def run_on_legacy_stream(self, index: int, call: Callable[[], torch.Tensor]) -> torch.Tensor:
         """`call()` on the legacy default stream, ordered after the caller's stream and before its
         next work, its output kept from reuse until the caller's stream is done with it.

@@ -291,9 +291,6 @@ def _serve(state: _Installed, report: ScopeReport, args: tuple, kwargs: dict, co
 
     failed = False
     kernel = state.kernels[device.index]
-    # A legacy-stream kernel called from a side stream is bridged onto the legacy stream (a capture
-    # never gets here unless certified capture-safe, and the legacy stream cannot be captured).
-    bridged = SIDE_STREAM in context and CAPTURE not in context and device.legacy_stream
 
     def run():  # the copies are made here: out of memory for them is handled as for the kernel's own
         given = within_span(call, config.max_span_elements) if copy else call
@@ -301,7 +298,7 @@ def _serve(state: _Installed, report: ScopeReport, args: tuple, kwargs: dict, co
 
     with cuda.device_guard(device.index):
         try:
-            out = cuda.run_on_legacy_stream(device.index, run) if bridged else run()
+            out = cuda.launch(device.index, context, device.legacy_stream, run)
             # Checked once per context too: a process whose first call ran on the default stream still
             # checks its first side-stream call. Never under capture, where reading a value is illegal.
             check_key = (call.query.dtype, call.query.shape[-1], context)
