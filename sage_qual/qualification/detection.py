@@ -22,6 +22,7 @@ lengths in every declared layout) can catch them; on the fixtures they must keep
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -34,6 +35,8 @@ from sage_qual.qualification import budgets, judge, measure
 from sage_qual.qualification.families import FAMILIES, counts_for
 from sage_qual.qualification.report import markdown_table
 from sage_qual.qualification.report_model import Reason
+from sage_qual.serving import platform
+from sage_qual.serving.contexts import CAPTURE, COMPILE, SIDE_STREAM
 from sage_qual.serving.variants import Numerics, Variant
 
 ALL = frozenset(f.name for f in FAMILIES)
@@ -314,6 +317,58 @@ CALL_SPACE_DEFECTS: tuple[Defect, ...] = (
     wrong_on_views(),
     wrong_past_span(2 ** 27),
 )
+
+
+# Wrong only in an execution context: the eager cells see nothing, so they must keep no family off;
+# certify's context checks (`context_check`) must take exactly their context from the variant.
+@dataclass(frozen=True)
+class ContextDefect:
+    name: str
+    description: str
+    contexts: frozenset[str]  # where it fires
+    magnitude: float = 0.15
+
+    @property
+    def reaches(self) -> frozenset[str]:
+        """The contexts certify must not certify: where it fires, and capture when it fires on a side
+        stream (a CUDA graph is captured on one: torch refuses the default stream)."""
+        return self.contexts | ({CAPTURE} if SIDE_STREAM in self.contexts else set())
+
+    def apply(self, out: torch.Tensor, context: tuple[str, ...]) -> torch.Tensor:
+        """A fixed pattern of `magnitude` x the output's RMS (no generator: it must also run during a
+        capture) when the call's contexts meet the defect's."""
+        if not self.contexts & set(context):
+            return out
+        pattern = torch.linspace(-1.0, 1.0, out.numel(), device=out.device).view_as(out)
+        rms = out.float().square().mean().sqrt()
+        return (out.float() + self.magnitude * rms * pattern).to(out.dtype)
+
+
+CONTEXT_DEFECTS: tuple[ContextDefect, ...] = (
+    ContextDefect("side_stream_pattern", "15 % of the output's RMS off when the caller is on a side stream",
+                  frozenset({SIDE_STREAM})),
+    ContextDefect("capture_pattern", "15 % off when the call is captured into a CUDA graph (and so replayed)",
+                  frozenset({CAPTURE})),
+    ContextDefect("compile_pattern", "15 % off when called from code torch.compile compiled",
+                  frozenset({COMPILE})),
+)
+
+
+@contextlib.contextmanager
+def injected(defect: ContextDefect):
+    """The served calls' kernels, while the block runs, with `defect` applied to their output (the
+    platform's `launch`, which knows each call's contexts; the fake CUDA's or the real one)."""
+    cuda = platform.current()
+    launch = cuda.launch
+
+    def defective(index, context, legacy_stream, call):
+        return defect.apply(launch(index, context, legacy_stream, call), context)
+
+    cuda.launch = defective
+    try:
+        yield
+    finally:
+        del cuda.launch
 
 
 def owners(fixture: Fixture) -> frozenset[str]:

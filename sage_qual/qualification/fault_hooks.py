@@ -6,7 +6,9 @@ runs the job on the fake CUDA and fake sageattention of `sage_qual.testing` with
 {"span_faults": {variant: [{"above": N, "fault": F, "layouts": [...]}, ...]}} makes that variant's
 span probes (`span_check`) misbehave as F where the planned span exceeds N elements (in the layouts
 named; all when left out; the first rule that applies), as the real kernels fault or abort past
-their 32-bit offsets. Without the variable the worker measures the real GPU and nothing here runs.
+their 32-bit offsets; {"context_faults": {variant: defect}} applies that `detection.CONTEXT_DEFECTS`
+defect (by name) to the variant's served calls during its context check. Without the variable the
+worker measures the real GPU and nothing here runs.
 """
 
 from __future__ import annotations
@@ -97,6 +99,18 @@ def span_fault(settings: dict, task) -> str | None:
         return None
     return next((rule["fault"] for rule in settings.get(task.variant, []) if task.span > rule["above"]
                  and task.layout in rule.get("layouts", [task.layout])), None)
+
+
+def context_fault(name: str | None):
+    """The context defect `context_faults` names for a variant, applied for a block (none: nothing)."""
+    if name is None:
+        return contextlib.nullcontext()
+    from sage_qual.qualification import detection
+
+    known = {defect.name: defect for defect in detection.CONTEXT_DEFECTS}
+    if name not in known:
+        raise ValueError(f"unknown context defect {name!r} (known: {', '.join(known)})")
+    return detection.injected(known[name])
 
 
 def inject(fault: str | None, bench) -> None:

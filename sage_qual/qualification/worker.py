@@ -89,10 +89,12 @@ class GpuBench:
 
 
 class Worker:
-    def __init__(self, bench, faults: dict[str, str], span_faults: dict | None = None):
+    def __init__(self, bench, faults: dict[str, str], span_faults: dict | None = None,
+                 context_faults: dict[str, str] | None = None):
         self.bench = bench
         self.faults = faults
         self.span_faults = span_faults or {}
+        self.context_faults = context_faults or {}
         self._package = None
 
     def package(self):
@@ -264,7 +266,8 @@ class Worker:
         if problem:
             return task.record(Outcome.SKIP, detail=problem)
         place = self.bench.context_place()
-        runs = context_check.check_variant(variant, place, tuple(task.shape), getattr(torch, task.dtype))
+        with fault_hooks.context_fault(self.context_faults.get(task.variant)):
+            runs = context_check.check_variant(variant, place, tuple(task.shape), getattr(torch, task.dtype))
         ran = list(place.kernel_shape(task.shape))
         failed = [run.name for run in runs if not run.passed]
         return task.record(Outcome.FAIL if failed else Outcome.PASS, runs=runs,
@@ -331,7 +334,7 @@ def main(argv: list[str]) -> int:
     hook = fault_hooks.read()
     compiles = any(task.KIND == tasks.TaskKind.CONTEXT for task in todo)
     bench = fault_hooks.FakeBench(hook["gpus"], compiles) if "gpus" in hook else GpuBench()
-    worker = Worker(bench, hook.get("faults", {}), hook.get("span_faults"))
+    worker = Worker(bench, hook.get("faults", {}), hook.get("span_faults"), hook.get("context_faults"))
     send(tasks.Message(MessageType.READY))
     for task in todo:
         send(tasks.Message(MessageType.START, task.id))
