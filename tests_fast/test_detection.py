@@ -359,3 +359,27 @@ def test_the_long_checks_catch_the_length_defect_on_exactly_the_families_it_reac
         if found.outcome == Outcome.FAIL:
             caught.add(family.name)
     assert caught == defect.reaches
+
+
+def test_the_long_checks_judge_every_row_and_catch_a_band_in_the_middle():
+    """A band of wrong rows between the blocks the model samples (0, 1/3, 2/3, the end): the check
+    judges every row, so it fails exactly where the calls reach the band (issue 24)."""
+    stand_ins = tuple(SimpleNamespace(name=str(tokens), layouts=("contiguous",),
+                                      calls=(SimpleNamespace(largest=families.self_attention(2, tokens)),))
+                      for tokens in (1024, 2048))
+    defect = detection.wrong_in_band(1500, families=stand_ins)
+    assert defect.reaches == {"2048"}
+    band = range(int(2048 * 0.40), int(2048 * 0.45))
+    sampled = {row for start in long_check.sample_starts(2048) for row in range(start, start + long_check.SAMPLE_ROWS)}
+    assert not sampled & set(band)  # sampled rows alone would miss it
+    caught = set()
+    for family in stand_ins:
+        shape = family.calls[0].largest
+        q, k, v = long_check.synthetic(shape, "cpu")
+        found = long_check.check(builders.long_task(shape, ["contiguous"], VARIANT.name), q, k, v,
+                                 _modelled_kernel(defect))
+        assert found.judged_rows == shape.q_tokens
+        if found.outcome == Outcome.FAIL:
+            caught.add(family.name)
+    assert caught == defect.reaches
+

@@ -96,3 +96,33 @@ def test_a_defect_past_the_fixtures_fires_on_no_fixture(kernel, defect):
     for f in fixtures:
         out = defect.apply(detection.Call(f.q, f.k, f.v, clean[f.name], f.q.shape[-1] ** -0.5))
         assert torch.equal(out, clean[f.name]), f.name
+
+
+CONTEXT_SCRIPT = """
+import json
+from sage_qual.qualification import context_check, detection
+from sage_qual.qualification.report_model import safe_contexts
+from sage_qual.serving.variants import VARIANTS
+variant = VARIANTS[{variant!r}]
+found = {{"clean": safe_contexts(context_check.check_variant(variant))}}
+for defect in detection.CONTEXT_DEFECTS:
+    with detection.injected(defect):
+        found[defect.name] = safe_contexts(context_check.check_variant(variant))
+print(json.dumps(found))
+"""
+
+
+def test_a_context_defect_takes_exactly_its_contexts_from_the_real_kernel(gpu0, record):
+    """The GPU's own kernel with each context defect injected into its served output, checked as
+    certify checks it (`context_check`, every context trusted), in a child process: each must take
+    exactly the contexts it reaches and leave the others certified as they are without it."""
+    from .child import run_child
+
+    if gpu0.kernel is None:
+        pytest.skip(f"no kernel for this GPU: {gpu0.no_kernel_reason}")
+    found = run_child(CONTEXT_SCRIPT.format(variant=gpu0.kernel.name), timeout=420)
+    clean = found["clean"]
+    for defect in detection.CONTEXT_DEFECTS:
+        record(test="context-defect", variant=gpu0.kernel.name, fixture=defect.name, kind="random",
+               certified=",".join(found[defect.name]) or "none", clean=",".join(clean))
+        assert found[defect.name] == [c for c in clean if c not in defect.reaches], defect.name

@@ -248,6 +248,25 @@ def wrong_past_tokens(threshold: int, families=FAMILIES) -> Defect:
                   reached(lambda space: space.max_q_tokens > threshold, families), apply)
 
 
+def wrong_in_band(threshold: int, start: float = 0.40, end: float = 0.45, magnitude: float = 0.15,
+                  families=FAMILIES) -> Defect:
+    """On calls of more than `threshold` query tokens, the rows from `start` to `end` of the sequence
+    (a band in the middle: between the blocks a long check used to sample at 0, 1/3, 2/3 and the end)
+    are off by `magnitude` x the output's RMS; reaches the families whose calls have more tokens."""
+    def apply(c: Call) -> torch.Tensor:
+        rows = c.q.shape[2]
+        if rows <= threshold:
+            return c.out
+        first, last = int(rows * start), int(rows * end)
+        out = c.out.float().clone()
+        pattern = torch.linspace(-1.0, 1.0, out[:, :, first:last].numel(), device=out.device)
+        out[:, :, first:last] += magnitude * _rms(c.out).to(out.device) * pattern.view_as(out[:, :, first:last])
+        return out.to(c.out.dtype)
+    return Defect(f"band_past_{threshold}_off", f"past {threshold:,} query tokens, rows {start:.0%} to {end:.0%} "
+                  f"of the sequence off by {magnitude:g}x the output's RMS",
+                  reached(lambda space: space.max_q_tokens > threshold, families), apply)
+
+
 def wrong_on_views(magnitude: float = 0.15, seed: int = 0, families=FAMILIES) -> Defect:
     """Noise of `magnitude` x the output's RMS whenever q, k or v is not contiguous (strides read
     wrong); reaches the families whose integrations pass views."""
@@ -314,6 +333,7 @@ DEFECTS: tuple[Defect, ...] = (
 # caught by the call-space checks only.
 CALL_SPACE_DEFECTS: tuple[Defect, ...] = (
     wrong_past_tokens(20_000),
+    wrong_in_band(20_000),
     wrong_on_views(),
     wrong_past_span(2 ** 27),
 )

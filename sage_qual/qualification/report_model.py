@@ -211,8 +211,9 @@ class ShapeEntry:
 
 @dataclass(frozen=True)
 class LongCheck(_Measured):
-    """A variant at one long call (`sage_qual.qualification.long_check`): accuracy on sampled query
-    rows of synthetic tensors, judged against the numerics model's budget for those rows, and
+    """A variant at one long call (`sage_qual.qualification.long_check`): accuracy on every query row
+    of synthetic tensors (the sampled rows when predicted), judged against the numerics model's budget
+    on sampled rows, and
     whether each declared layout gave the contiguous call's output bit for bit."""
     variant: str
     shape: ShapeSpec = field(metadata={"description": "the call checked (the planned size)"})
@@ -229,8 +230,11 @@ class LongCheck(_Measured):
     identical: dict[str, bool] = field(default_factory=dict, metadata={
         "description": "layout -> the output on that view equals the contiguous call's, bit for bit"})
     rows: list[int] = field(default_factory=list, metadata={
-        "minimum": 0, "description": "first query row of each sampled block"})
+        "minimum": 0, "description": "first query row of each sampled block (the numerics model's rows)"})
     row_block: int | None = field(default=None, metadata={"minimum": 1})
+    judged_rows: int | None = field(default=None, metadata={
+        "minimum": 1, "description": "query rows the metrics cover: every row of the call that ran (a GPU "
+                                     "check), else the sampled rows (emulation; null in older reports)"})
     ran_tokens: int | None = field(default=None, metadata={
         "minimum": 1, "description": "tokens actually run when not the planned ones (test fakes, emulation)"})
     ran_heads: int | None = field(default=None, metadata={
