@@ -35,6 +35,7 @@ from sage_qual.serving import contexts, platform
 from sage_qual.serving.variants import EXTENSIONS, KERNEL_FUNCTIONS, KernelFunction, upstream_pick
 
 _FAKE_INDEX = "_sage_qual_fake_cuda_index"
+ROW_TILE = 128  # query rows the fake kernels compute at a time
 
 
 def on_device(tensor: torch.Tensor, index: int) -> torch.Tensor:
@@ -161,14 +162,21 @@ def exact_attention(q, k, v, sm_scale: float, is_causal: bool = False, attn_mask
     with `return_lse`, also the natural log of each row's softmax denominator, [B, H, N] float32."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1).float(), v.repeat_interleave(group, 1).float()
-    scores = (q.float() @ k.transpose(-1, -2)) * sm_scale
-    if is_causal:
-        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
-    if attn_mask is not None:
-        mask = attn_mask.expand(scores.shape)
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    out = (scores.softmax(-1) @ v).to(q.dtype)
-    return (out, scores.logsumexp(-1)) if return_lse else out
+    outs, lses = [], []
+    # Block by block of query rows, as the real kernels compute tile by tile: a block's output is then
+    # the same bits wherever it sits (a CPU matmul's result may depend on the row's place in the matrix).
+    for start in range(0, q.shape[2], ROW_TILE):
+        scores = (q[:, :, start:start + ROW_TILE].float() @ k.transpose(-1, -2)) * sm_scale
+        if is_causal:
+            rows = torch.arange(start, start + scores.shape[2]).unsqueeze(-1)
+            scores = scores.masked_fill(torch.arange(k.shape[2]) > rows, float("-inf"))
+        if attn_mask is not None:
+            mask = attn_mask.expand(*scores.shape[:2], q.shape[2], k.shape[2])[:, :, start:start + ROW_TILE]
+            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        outs.append(scores.softmax(-1) @ v)
+        lses.append(scores.logsumexp(-1))
+    out = torch.cat(outs, dim=2).to(q.dtype)
+    return (out, torch.cat(lses, dim=2)) if return_lse else out
 
 
 def _device_of(tensor: torch.Tensor) -> Optional[int]:

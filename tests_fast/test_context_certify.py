@@ -49,6 +49,14 @@ def test_the_checks_certify_what_the_fake_kernel_gets_right(fake_h200, variant):
         assert capture.served == capture.calls == 1 and not capture.bit_identical and capture.rel_l2 == 1.0
 
 
+@pytest.mark.parametrize("variant", [TRITON, SM90], ids=lambda v: v.name)
+def test_the_kernel_alone_is_wrong_off_the_legacy_stream_as_upstream_ships_it(fake_h200, variant):
+    runs = context_check.check_variant(variant, context_check.FakePlace(), through="kernel")
+    assert [run.name for run in runs] == ["side_stream", "capture"] and not any(run.error for run in runs)
+    assert all(run.served == run.calls == 1 for run in runs)
+    assert [run.passed for run in runs] == ([True, True] if variant is TRITON else [False, False])
+
+
 def test_under_the_built_in_rule_a_capture_falls_back_and_is_torchs(fake_h200):
     runs = {run.name: run for run in context_check.check_variant(SM90, context_check.FakePlace(), contexts=None)}
     capture = runs["capture"]
@@ -133,11 +141,14 @@ def test_certify_checks_every_variant_in_every_context_and_the_profile_keeps_wha
     assert checks[SM90.name].safe_contexts == CLEAN[SM90.name]
     assert checks[TRITON.name].safe_contexts == [SIDE_STREAM, CAPTURE]  # the injected compile defect
     assert checks[SM90.name].ran_shape == [1, 2, 64, 64] and checks[SM90.name].shape == [1, 24, 16384, 128]
-    # The fake's times mean nothing: make both variants ten times faster than SDPA, so the verdicts serve.
-    fast = dataclasses.replace(typed, devices=[dataclasses.replace(d, speed=[
-        s if s.kernel == "sdpa" or not s.ms else
-        dataclasses.replace(s, ms=s.ms / 10, samples_ms=[x / 10 for x in s.samples_ms]) for s in d.speed])
-        for d in typed.devices])
+    # The fake's times mean nothing: both variants ten times faster than SDPA at every shape, every
+    # sample alike (a noisy sample would widen the interval), so the verdicts serve.
+    def faster(device):
+        sdpa = {s.shape: s for s in device.speed if s.kernel == "sdpa"}
+        return [dataclasses.replace(s, ms=1.0, samples_ms=[1.0] * len(s.samples_ms)) if s.kernel == "sdpa" else
+                dataclasses.replace(s, ms=0.1, samples_ms=[0.1] * len(s.samples_ms))
+                if s.ms and s.shape in sdpa else s for s in device.speed]
+    fast = dataclasses.replace(typed, devices=[dataclasses.replace(d, speed=faster(d)) for d in typed.devices])
     (gpu,) = verdict.decide(fast)
     entries = records.dump(profile.build(fast, [gpu]))["gpus"][0]
     served = [(d, entries["families"][d.family] if d.family else entries["default"])

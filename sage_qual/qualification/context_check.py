@@ -140,10 +140,10 @@ class _Served:
 class _Direct(_Served):
     """A kernel called without the wrapper: every call counts as served (nothing can fall back)."""
 
-    def __call__(self, fn, *args):
+    def __call__(self, fn, *args, **kwargs):
         self.calls += 1
         self.served += 1
-        return fn(*args)
+        return fn(*args, **kwargs)
 
 
 def _run(name: str, counter: _Served, measure) -> ContextRun:

@@ -74,6 +74,15 @@ def cell_reasons(metrics, per_element: float | None, budget: Budget | Mapping,
     return reasons
 
 
+def row_order_reasons(rows_identical: bool | None) -> list[Reason]:
+    """A long check's reason when its row blocks, moved to other positions, gave other outputs."""
+    if rows_identical is False:
+        return [Reason(ReasonKind.ACCURACY, "row blocks moved to other positions gave other outputs: the "
+                                            "output depends on where a query row sits (a defect on part of "
+                                            "the rows)")]
+    return []
+
+
 def layout_reasons(identical: Mapping, layouts) -> list[Reason]:
     """A long check's reason per declared layout other than contiguous whose output was not the
     contiguous call's bit for bit (`identical`: layout -> bool), or that was not compared."""

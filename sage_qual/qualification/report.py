@@ -369,12 +369,12 @@ def _device_blocks(data: Report, device: report_model.Device, images: dict) -> l
         blocks += [Heading(3, "Long calls and layouts"),
                    Paragraph("Each variant at the families' longest calls and the sweep lengths past the "
                              f"fixtures, on {device.long[0].inputs or 'synthetic tensors'}: relative "
-                             + ("L2 against float32 of the query rows the call column names (every row on a "
-                                "GPU; budget from the numerics model on sampled rows)"
-                                if any(c.judged_rows for c in device.long) else
-                                "L2 of sampled query rows against float32 (budget from the numerics model on "
-                                "the same rows)")
-                             + ", and whether each layout's output equals the contiguous call's bit for bit."),
+                             "L2 of sampled query rows against float32 (budget from the numerics model on "
+                             "the same rows), and whether each layout's output equals the contiguous call's "
+                             "bit for bit" + ("; 'rows moved': every row's output unchanged, bit for bit, "
+                                              "with the query's 128-row blocks in reverse order"
+                                              if any(c.rows_identical is not None for c in device.long) else "")
+                             + "."),
                    Table(["variant", "call", "used by", "outcome", "relative L2", "layouts identical",
                           "reasons"], [_long_row(c) for c in device.long])]
     if device.span is not None:
@@ -463,13 +463,12 @@ def _long_row(c: report_model.LongCheck) -> list:
             f"{shape.dtype.value}")
     if c.ran_tokens or c.ran_heads:
         call += f" (ran {c.ran_tokens or shape.q_tokens} tokens, {c.ran_heads or heads} heads)"
-    if c.judged_rows is not None:
-        ran = c.ran_tokens or shape.q_tokens
-        call += ", every row judged" if c.judged_rows >= ran else f", {c.judged_rows:,} sampled rows judged"
     accuracy = "-"
     if c.bounds:
         accuracy = f"{_number(c.metrics.get('rel_l2'))} (<= {_number(c.bounds['max_rel_l2'])})"
     identical = ", ".join(f"{name} {'yes' if same else 'NO'}" for name, same in c.identical.items())
+    if c.rows_identical is not None:
+        identical = f"rows moved {'yes' if c.rows_identical else 'NO'}" + (f", {identical}" if identical else "")
     return [c.variant, call, _uses(c.uses), c.outcome.value, accuracy, identical or "-", _reasons(c)]
 
 

@@ -211,9 +211,9 @@ class ShapeEntry:
 
 @dataclass(frozen=True)
 class LongCheck(_Measured):
-    """A variant at one long call (`sage_qual.qualification.long_check`): accuracy on every query row
-    of synthetic tensors (the sampled rows when predicted), judged against the numerics model's budget
-    on sampled rows, and
+    """A variant at one long call (`sage_qual.qualification.long_check`): accuracy on sampled query
+    rows of synthetic tensors, judged against the numerics model's budget for those rows, whether
+    every row's output is the same wherever its block sits, and
     whether each declared layout gave the contiguous call's output bit for bit."""
     variant: str
     shape: ShapeSpec = field(metadata={"description": "the call checked (the planned size)"})
@@ -232,9 +232,10 @@ class LongCheck(_Measured):
     rows: list[int] = field(default_factory=list, metadata={
         "minimum": 0, "description": "first query row of each sampled block (the numerics model's rows)"})
     row_block: int | None = field(default=None, metadata={"minimum": 1})
-    judged_rows: int | None = field(default=None, metadata={
-        "minimum": 1, "description": "query rows the metrics cover: every row of the call that ran (a GPU "
-                                     "check), else the sampled rows (emulation; null in older reports)"})
+    rows_identical: bool | None = field(default=None, metadata={
+        "description": "every row: the output of each whole 128-row block, computed with the blocks in "
+                       "reverse order, equals its output in place, bit for bit (null: not compared: emulation, "
+                       "fewer than two whole blocks, or an older report)"})
     ran_tokens: int | None = field(default=None, metadata={
         "minimum": 1, "description": "tokens actually run when not the planned ones (test fakes, emulation)"})
     ran_heads: int | None = field(default=None, metadata={

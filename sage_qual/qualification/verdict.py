@@ -205,6 +205,7 @@ def long_judged(check: LongCheck) -> list[Reason]:
     metrics = {name: (math.nan if value is None else value) for name, value in check.metrics.items()}
     metrics["finite"] = bool(check.finite)
     reasons = judge.cell_reasons(metrics, 0.0, dict(check.bounds), math.inf)
+    reasons += judge.row_order_reasons(check.rows_identical)
     reasons += judge.layout_reasons(check.identical, check.layouts)
     reasons += [Reason(ReasonKind.LAYOUT, f"layout {name}: unknown to this sage-qual")
                 for name in check.layouts if name not in LAYOUTS]

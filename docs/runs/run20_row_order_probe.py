@@ -1,0 +1,26 @@
+"""Device run 20, call 3: does each kernel function give a query row block the same output wherever
+the block sits (long_check's every-row comparison), and do the long checks of code 23f0426+fix pass?
+
+Run on the GPU box after SageAttention is built: `python3 docs/runs/run20_row_order_probe.py`.
+Prints one JSON line per check: variant, call, outcome, rows_identical, reasons, seconds.
+"""
+
+import json
+import time
+
+from sage_qual.qualification import families, tasks, worker
+from sage_qual.qualification.report_model import ShapeUse
+
+CALLS = [("sm90-fp8-cuda", families.self_attention(24, 32768)), ("sm89-fp8-cuda", families.self_attention(24, 32768)),
+         ("sm80-fp16-cuda", families.self_attention(24, 32768)), ("sm86-fp16-triton", families.self_attention(24, 32768)),
+         ("sm90-fp8-cuda", families.self_attention(40, 75600))]
+bench = worker.Worker(worker.GpuBench(), {})
+for variant, shape in CALLS:
+    task = tasks.LongTask(f"{variant}~{shape.key}", variant, tasks.shape_spec(shape.as_dict()),
+                          [ShapeUse(None, "probe")], ["contiguous", "transposed", "fused_qkv", "nhd"])
+    start = time.monotonic()
+    result = bench.run(task)
+    print(json.dumps({"variant": variant, "tokens": shape.q_tokens, "heads": shape.heads,
+                      "outcome": result.outcome.value, "rows_identical": result.rows_identical,
+                      "identical": result.identical, "reasons": [r.detail for r in result.reasons],
+                      "detail": result.detail, "seconds": round(time.monotonic() - start, 1)}), flush=True)
