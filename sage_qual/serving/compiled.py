@@ -1,8 +1,10 @@
 """What torch.compile sees of an SDPA call once the wrapper is installed: one opaque operator.
 
-Without it, TorchDynamo breaks the graph at the scope's ContextVar and traces the wrapper's Python
-and the kernel into the graph, and `mode="reduce-overhead"` records the legacy-stream CUDA kernels
-into a CUDA graph that replays nothing (issue 24: the third call 77.6 relative L2 off on the H200).
+Without it, TorchDynamo breaks the graph at the scope's ContextVar (`ContextVar.get` is not
+traceable: torch 2.13 says so on the CPU) and traces the rest of the wrapper, the kernel with it, into
+the next graph, and `mode="reduce-overhead"` records the legacy-stream CUDA kernels into a CUDA graph
+that does not replay them (run 19 measured such a replay 1.0-1.41 relative L2 off for every CUDA
+variant, docs/results/run19-h200/).
 So, while compiling, the wrapper emits `sage_qual::sdpa` (or `sage_qual::sdpa_outside_cuda_graphs`)
 instead, following PyTorch's custom-operator guidance (torch.library.custom_op with a fake
 implementation). The operator's body runs when the compiled code runs: it reads the thread's scope
@@ -10,8 +12,9 @@ then, applies every rule the eager path applies (the `compile` context among the
 the kernel's or torch's output.
 
 Which operator is emitted is fixed when tracing, per device: where the served variant is not safe
-under capture, the operator carries `torch.Tag.cudagraph_unsafe` (torch >= 2.9; the device's
-2.11 and CI's 2.13 have it), so Inductor's CUDA graphs leave it out: the graph is not recorded (or,
+under capture, the operator carries `torch.Tag.cudagraph_unsafe` (read where it exists: torch's
+tags.yaml has it, Inductor's graph partition splits on it since pytorch/pytorch PR 149782, and the
+device's 2.11 and CI's 2.13 have it), so Inductor's CUDA graphs leave it out: the graph is not recorded (or,
 with `torch._inductor.config.graph_partition`, is split around it) and the kernel runs eagerly. On a
 torch without the tag, the body still sees the capture and falls back with the reason `capture`.
 """
