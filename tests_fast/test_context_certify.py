@@ -8,12 +8,12 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 # Dynamo imports triton.language when it loads: load it before a fake `triton` stands in.
 import torch._dynamo  # noqa: F401
 import torch._functorch.aot_autograd  # noqa: F401
 import torch._inductor.codecache  # noqa: F401
+import torch.nn.functional as F
 
 from sage_qual import records
 from sage_qual.fixtures.fileformat import save_fixture
@@ -58,7 +58,8 @@ def test_the_kernel_alone_is_wrong_off_the_legacy_stream_as_upstream_ships_it(fa
 
 
 def test_under_the_built_in_rule_a_capture_falls_back_and_is_torchs(fake_h200):
-    runs = {run.name: run for run in context_check.check_variant(SM90, context_check.FakePlace(), contexts=None)}
+    measured = context_check.check_variant(SM90, context_check.FakePlace(), contexts=None)
+    runs = {run.name: run for run in measured}
     capture = runs["capture"]
     assert capture.served == 0 and capture.fallbacks == {"capture": 1} and capture.torch_rel_l2 == 0.0
     assert runs["side_stream"].passed and runs["compile"].passed
@@ -111,7 +112,8 @@ def test_an_edited_context_check_is_refused_naming_the_key(edit, key):
 
 
 def test_a_context_is_safe_only_when_every_check_of_it_passed():
-    runs = [run("side_stream"), run("capture"), run("compile"), run("compile_reduce_overhead", served=2, calls=3)]
+    runs = [run("side_stream"), run("capture"), run("compile"),
+            run("compile_reduce_overhead", served=2, calls=3)]
     assert safe_contexts(runs) == [SIDE_STREAM, CAPTURE]
     assert safe_contexts(runs[:1]) == [SIDE_STREAM]  # unchecked contexts are never safe
     assert not run("side_stream", error="RuntimeError: capture invalidated").passed
@@ -134,7 +136,8 @@ def certified(tmp_path, monkeypatch, hook_extra=None):
     return out, report.load(out / "report.json")
 
 
-def test_certify_checks_every_variant_in_every_context_and_the_profile_keeps_what_passed(tmp_path, monkeypatch):
+def test_certify_checks_every_variant_in_every_context_and_the_profile_keeps_what_passed(tmp_path,
+                                                                                         monkeypatch):
     out, typed = certified(tmp_path, monkeypatch, {"context_faults": {TRITON.name: "compile_pattern"}})
     checks = {c.variant: c for c in typed.devices[0].contexts}
     assert set(checks) == {SM90.name, TRITON.name}
@@ -145,10 +148,12 @@ def test_certify_checks_every_variant_in_every_context_and_the_profile_keeps_wha
     # sample alike (a noisy sample would widen the interval), so the verdicts serve.
     def faster(device):
         sdpa = {s.shape: s for s in device.speed if s.kernel == "sdpa"}
-        return [dataclasses.replace(s, ms=1.0, samples_ms=[1.0] * len(s.samples_ms)) if s.kernel == "sdpa" else
-                dataclasses.replace(s, ms=0.1, samples_ms=[0.1] * len(s.samples_ms))
-                if s.ms and s.shape in sdpa else s for s in device.speed]
-    fast = dataclasses.replace(typed, devices=[dataclasses.replace(d, speed=faster(d)) for d in typed.devices])
+        def timed(s, ms):
+            return dataclasses.replace(s, ms=ms, samples_ms=[ms] * len(s.samples_ms))
+        return [timed(s, 1.0) if s.kernel == "sdpa" else timed(s, 0.1) if s.ms and s.shape in sdpa else s
+                for s in device.speed]
+    fast = dataclasses.replace(typed, devices=[dataclasses.replace(d, speed=faster(d))
+                                               for d in typed.devices])
     (gpu,) = verdict.decide(fast)
     entries = records.dump(profile.build(fast, [gpu]))["gpus"][0]
     served = [(d, entries["families"][d.family] if d.family else entries["default"])

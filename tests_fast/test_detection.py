@@ -376,7 +376,8 @@ def test_the_long_checks_compare_every_row_and_catch_a_band_in_the_middle():
     defect = detection.wrong_in_band(1500, families=stand_ins)
     assert defect.reaches == {"2048"}
     band = range(int(2048 * 0.40), int(2048 * 0.45))
-    sampled = {row for start in long_check.sample_starts(2048) for row in range(start, start + long_check.SAMPLE_ROWS)}
+    sampled = {row for start in long_check.sample_starts(2048)
+               for row in range(start, start + long_check.SAMPLE_ROWS)}
     assert not sampled & set(band)  # sampled rows alone would miss it
     caught = set()
     for family in stand_ins:

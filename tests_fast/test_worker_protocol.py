@@ -223,7 +223,8 @@ def test_a_worker_given_a_malformed_job_exits_naming_the_key(tmp_path):
     assert process.ended() == "exit code 1"
     last = process.stderr_tail().strip().splitlines()[-1]
     assert last.endswith("a task from the parent: kind: is 'sped', expected one of 'env', 'cell', 'sdpa', "
-                         "'speed', 'paired', 'long', 'span', 'context', 'target_machine', 'target_cell'; " + tasks.FIX)
+                         "'speed', 'paired', 'long', 'span', 'context', 'target_machine', 'target_cell'; "
+                         + tasks.FIX)
     process.close()
 
 

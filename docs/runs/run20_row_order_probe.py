@@ -11,9 +11,9 @@ import time
 from sage_qual.qualification import families, tasks, worker
 from sage_qual.qualification.report_model import ShapeUse
 
-CALLS = [("sm90-fp8-cuda", families.self_attention(24, 32768)), ("sm89-fp8-cuda", families.self_attention(24, 32768)),
-         ("sm80-fp16-cuda", families.self_attention(24, 32768)), ("sm86-fp16-triton", families.self_attention(24, 32768)),
-         ("sm90-fp8-cuda", families.self_attention(40, 75600))]
+CALLS = [(name, families.self_attention(24, 32768))
+         for name in ("sm90-fp8-cuda", "sm89-fp8-cuda", "sm80-fp16-cuda", "sm86-fp16-triton")]
+CALLS.append(("sm90-fp8-cuda", families.self_attention(40, 75600)))
 bench = worker.Worker(worker.GpuBench(), {})
 for variant, shape in CALLS:
     task = tasks.LongTask(f"{variant}~{shape.key}", variant, tasks.shape_spec(shape.as_dict()),

@@ -2,8 +2,8 @@
 
 Both reports are decided afresh (`verdict.decide`); per GPU model in both, and per family and the
 default entry, the verdicts, variants and certified execution contexts must match and the query
-and key thresholds lie within --tolerance of each other (relative to the larger). Exit 0 when they do, 1 when not (each difference
-printed), 2 on unreadable input.
+and key thresholds lie within --tolerance of each other (relative to the larger). Exit 0 when they
+do, 1 when not (each difference printed), 2 on unreadable input.
 """
 
 from __future__ import annotations

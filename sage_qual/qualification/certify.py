@@ -208,7 +208,8 @@ class GpuPool:
             models.add(device.model)
             writer.append(position, "contexts")
             for variant in self._variants_to_run(device, built, plan):
-                task = tasks_mod.ContextTask(f"{variant}#contexts", variant, list(limits.CONTEXT_CHECK_SHAPE), "bfloat16")
+                task = tasks_mod.ContextTask(f"{variant}#contexts", variant, list(limits.CONTEXT_CHECK_SHAPE),
+                                             "bfloat16")
                 progress.grow(1)
                 jobs.append(functools.partial(_worker_job, [task], device.index, position, writer, self.pool,
                                               self.options, progress, stop))

@@ -23,6 +23,8 @@ the aot_eager backend; no reduce-overhead on a CPU, so that check runs as the de
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -113,9 +115,12 @@ def _compare(outs, expected, torch_outs) -> dict:
     max_abs = max(float(d.abs().nan_to_num(float("inf")).max()) for d in diffs)
     finite = all(bool(torch.isfinite(o).all()) for o in outs)
     identical = all(torch.equal(o, e) for o, e in zip(outs, expected, strict=True))
-    number = (lambda x: x if x == x and x != float("inf") else None)  # NaN and inf as null
-    return {"bit_identical": identical, "finite": finite, "max_abs_diff": number(max_abs),
-            "rel_l2": number(rel), "torch_rel_l2": number(torch_rel)}
+    return {"bit_identical": identical, "finite": finite, "max_abs_diff": _finite_or_none(max_abs),
+            "rel_l2": _finite_or_none(rel), "torch_rel_l2": _finite_or_none(torch_rel)}
+
+
+def _finite_or_none(x: float) -> float | None:
+    return x if math.isfinite(x) else None  # NaN and inf as null
 
 
 class _Served:
@@ -152,8 +157,8 @@ def _run(name: str, counter: _Served, measure) -> ContextRun:
         outs, expected, torch_outs = measure()
     except Exception as error:  # a context the kernel cannot run in: recorded, never raised
         first = (str(error).strip().splitlines() or [""])[0]
-        return ContextRun(name, counter.calls, counter.served, False, False, fallbacks=dict(counter.fallbacks),
-                          error=f"{type(error).__name__}: {first}"[:500])
+        return ContextRun(name, counter.calls, counter.served, False, False,
+                          fallbacks=dict(counter.fallbacks), error=f"{type(error).__name__}: {first}"[:500])
     return ContextRun(name, counter.calls, counter.served, fallbacks=dict(counter.fallbacks),
                       **_compare(outs, expected, torch_outs))
 

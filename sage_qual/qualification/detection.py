@@ -260,10 +260,12 @@ def wrong_in_band(threshold: int, start: float = 0.40, end: float = 0.45, magnit
         first, last = int(rows * start), int(rows * end)
         out = c.out.float().clone()
         pattern = torch.linspace(-1.0, 1.0, out[:, :, first:last].numel(), device=out.device)
-        out[:, :, first:last] += magnitude * _rms(c.out).to(out.device) * pattern.view_as(out[:, :, first:last])
+        band = out[:, :, first:last]
+        band += magnitude * _rms(c.out).to(out.device) * pattern.view_as(band)
         return out.to(c.out.dtype)
-    return Defect(f"band_past_{threshold}_off", f"past {threshold:,} query tokens, rows {start:.0%} to {end:.0%} "
-                  f"of the sequence off by {magnitude:g}x the output's RMS",
+    return Defect(f"band_past_{threshold}_off",
+                  f"past {threshold:,} query tokens, rows {start:.0%} to {end:.0%} of the sequence off by "
+                  f"{magnitude:g}x the output's RMS",
                   reached(lambda space: space.max_q_tokens > threshold, families), apply)
 
 

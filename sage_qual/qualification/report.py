@@ -371,10 +371,8 @@ def _device_blocks(data: Report, device: report_model.Device, images: dict) -> l
                              f"fixtures, on {device.long[0].inputs or 'synthetic tensors'}: relative "
                              "L2 of sampled query rows against float32 (budget from the numerics model on "
                              "the same rows), and whether each layout's output equals the contiguous call's "
-                             "bit for bit" + ("; 'rows moved': every row's output unchanged, bit for bit, "
-                                              "with the query's 128-row blocks in reverse order"
-                                              if any(c.rows_identical is not None for c in device.long) else "")
-                             + "."),
+                             "bit for bit" + (ROWS_MOVED if any(c.rows_identical is not None
+                                                                for c in device.long) else "") + "."),
                    Table(["variant", "call", "used by", "outcome", "relative L2", "layouts identical",
                           "reasons"], [_long_row(c) for c in device.long])]
     if device.span is not None:
@@ -456,6 +454,10 @@ def _span_blocks(probes: list[report_model.SpanProbe]) -> list[Block]:
                    "detail"], rows)]
 
 
+ROWS_MOVED = ("; 'rows moved': every row's output unchanged, bit for bit, with the query's 128-row blocks "
+              "reversed")
+
+
 def _long_row(c: report_model.LongCheck) -> list:
     shape = c.shape
     heads = shape.heads if shape.heads == shape.kv_heads else f"{shape.heads}/{shape.kv_heads}"
@@ -468,7 +470,8 @@ def _long_row(c: report_model.LongCheck) -> list:
         accuracy = f"{_number(c.metrics.get('rel_l2'))} (<= {_number(c.bounds['max_rel_l2'])})"
     identical = ", ".join(f"{name} {'yes' if same else 'NO'}" for name, same in c.identical.items())
     if c.rows_identical is not None:
-        identical = f"rows moved {'yes' if c.rows_identical else 'NO'}" + (f", {identical}" if identical else "")
+        moved = f"rows moved {'yes' if c.rows_identical else 'NO'}"
+        identical = f"{moved}, {identical}" if identical else moved
     return [c.variant, call, _uses(c.uses), c.outcome.value, accuracy, identical or "-", _reasons(c)]
 
 

@@ -234,8 +234,8 @@ class LongCheck(_Measured):
     row_block: int | None = field(default=None, metadata={"minimum": 1})
     rows_identical: bool | None = field(default=None, metadata={
         "description": "every row: the output of each whole 128-row block, computed with the blocks in "
-                       "reverse order, equals its output in place, bit for bit (null: not compared: emulation, "
-                       "fewer than two whole blocks, or an older report)"})
+                       "reverse order, equals its output in place, bit for bit (null: not compared: "
+                       "emulation, fewer than two whole blocks, or an older report)"})
     ran_tokens: int | None = field(default=None, metadata={
         "minimum": 1, "description": "tokens actually run when not the planned ones (test fakes, emulation)"})
     ran_heads: int | None = field(default=None, metadata={
@@ -309,7 +309,8 @@ class ContextRun:
     name: str = field(metadata={"description": "side_stream, capture, compile or compile_reduce_overhead"})
     calls: int = field(metadata={"minimum": 0, "description": "calls the wrapper saw (replays not counted)"})
     served: int = field(metadata={"minimum": 0, "description": "of them, those SageAttention served"})
-    bit_identical: bool = field(metadata={"description": "every output equal, bit for bit, to the eager call's"})
+    bit_identical: bool = field(metadata={
+        "description": "every output equal, bit for bit, to the eager call's"})
     finite: bool
     max_abs_diff: float | None = field(default=None, metadata={
         "minimum": 0, "description": "largest element difference against the eager call (null: not run)"})
@@ -357,7 +358,8 @@ class ContextCheck(_Measured):
     runs: list[ContextRun] = field(default_factory=list)
     detail: str = ""
     ran_shape: list[int] | None = field(default=None, metadata={
-        "length": 4, "minimum": 1, "description": "the shape actually run when not the planned one (test fakes)"})
+        "length": 4, "minimum": 1,
+        "description": "the shape actually run when not the planned one (test fakes)"})
     seconds: float | None = None
     stderr_tail: str = ""
     traceback: str = ""
@@ -371,7 +373,8 @@ class ContextCheck(_Measured):
             return self._outcome_problems("context check", ())
         missing = [name for name in CHECKS if name not in {r.name for r in self.runs}]
         if missing:
-            return [("runs", f"no {missing[0]} check in a context check whose outcome is {self.outcome.value!r}")]
+            return [("runs", f"no {missing[0]} check in a context check whose outcome is "
+                             f"{self.outcome.value!r}")]
         passed = all(r.passed for r in self.runs)
         if (self.outcome == Outcome.PASS) != passed:
             return [("outcome", f"{self.outcome.value!r}, but its runs say {'pass' if passed else 'fail'}")]
@@ -398,8 +401,8 @@ class Device(GpuIdentity):
     span: list[SpanProbe] | None = field(default=None, metadata={
         "description": "span probes (null: none ran: --quick, or a report from before them)"})
     contexts: list[ContextCheck] | None = field(default=None, metadata={
-        "description": "execution-context checks (null: none ran: --quick, emulation, or a report from before "
-                       "them; each variant then keeps the built-in rule)"})
+        "description": "execution-context checks (null: none ran: --quick, emulation, or a report from "
+                       "before them; each variant then keeps the built-in rule)"})
 
     @property
     def model(self) -> tuple[str, tuple[int, int]]:

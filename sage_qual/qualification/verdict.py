@@ -370,14 +370,16 @@ class _Model:
             found = [c for c in device.contexts if c.variant == variant]
             if not found or not found[-1].measured:
                 why = "not run" if not found else f"{found[-1].outcome.value}: {found[-1].detail}"
-                reasons.append(Reason(ReasonKind.CONTEXT, f"{where}: context check {why}; default stream only"))
+                reasons.append(Reason(ReasonKind.CONTEXT,
+                                      f"{where}: context check {why}; default stream only"))
                 safe = set()
                 continue
             safe &= set(found[-1].safe_contexts)
             for run in found[-1].runs:
                 if not run.passed:
-                    reasons.append(Reason(ReasonKind.CONTEXT, f"{where}, {run.name}: {_context_failure(run)}; "
-                                                              f"falls back there ({REASON[run.context]})"))
+                    why = (f"{where}, {run.name}: {_context_failure(run)}; falls back there "
+                           f"({REASON[run.context]})")
+                    reasons.append(Reason(ReasonKind.CONTEXT, why))
         return [name for name in CONTEXTS if name in safe], reasons
 
     def _range(self, result: FamilyDecision, family: Family | None) -> FamilyDecision:

@@ -270,8 +270,8 @@ class Worker:
             runs = context_check.check_variant(variant, place, tuple(task.shape), getattr(torch, task.dtype))
         ran = list(place.kernel_shape(task.shape))
         failed = [run.name for run in runs if not run.passed]
-        return task.record(Outcome.FAIL if failed else Outcome.PASS, runs=runs,
-                           detail=f"not bit-identical to the eager call: {', '.join(failed)}" if failed else "",
+        detail = f"not bit-identical to the eager call: {', '.join(failed)}" if failed else ""
+        return task.record(Outcome.FAIL if failed else Outcome.PASS, runs=runs, detail=detail,
                            ran_shape=ran if ran != list(task.shape) else None)
 
     def _tensors(self, s: ShapeSpec):

@@ -62,8 +62,9 @@ def traced_call(original, graph_safe_devices: frozenset, query, key, value, attn
     """What the wrapper returns while Dynamo traces an SDPA call. Calls that need a gradient, run
     under autocast or have arguments torch would refuse are traced as torch's own (the operator has
     no backward, and autocast would change its output type); they are not counted by a scope."""
-    if unknown or not all(isinstance(t, Tensor) for t in (query, key, value)) or \
-            (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)) or \
+    tensors = (query, key, value)
+    if unknown or not all(isinstance(t, Tensor) for t in tensors) or \
+            (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) or \
             torch.is_autocast_enabled(query.device.type):
         return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                         scale=scale, enable_gqa=enable_gqa, **unknown)

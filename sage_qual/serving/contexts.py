@@ -22,7 +22,8 @@ CONTEXTS = (SIDE_STREAM, CAPTURE, COMPILE)
 
 # The checks certify runs (`qualification.context_check`), each in one context: a context is safe for
 # a variant when every check of it passed.
-CHECKS = {"side_stream": SIDE_STREAM, "capture": CAPTURE, "compile": COMPILE, "compile_reduce_overhead": COMPILE}
+CHECKS = {"side_stream": SIDE_STREAM, "capture": CAPTURE, "compile": COMPILE,
+          "compile_reduce_overhead": COMPILE}
 
 # The fallback reason of each context, as `eligibility.REASONS` lists them.
 REASON = {SIDE_STREAM: "stream", CAPTURE: "capture", COMPILE: "compile"}

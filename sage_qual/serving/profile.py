@@ -22,8 +22,10 @@ profile was measured on it).
 
 Optional, absent in older profiles (then: no upper bound, any layout, the default span limit):
 an entry's verified range (`max_query_tokens`, `max_key_tokens`), `layouts` (names from
-`config.LAYOUTS`) and `contexts` (the execution contexts certified, names from `contexts.CONTEXTS`), and a GPU's `max_span_elements`, the largest element span and count of one
-tensor its kernels were shown to take (default `limits.MAX_SPAN_ELEMENTS`).
+`config.LAYOUTS`) and `contexts` (the execution contexts certified, names from
+`contexts.CONTEXTS`; absent: the variant's built-in rule), and a GPU's `max_span_elements`, the
+largest element span and count of one tensor its kernels were shown to take (default
+`limits.MAX_SPAN_ELEMENTS`).
 
 Schema version 1 (one GPU model at the top level, no memory) still reads.
 """
@@ -41,8 +43,8 @@ from packaging.version import InvalidVersion, Version
 from sage_qual import jsonfile, records
 from sage_qual.limits import one_line
 from sage_qual.serving import platform, sage_package
-from sage_qual.serving.contexts import CONTEXTS
 from sage_qual.serving.config import DEFAULT_CONFIG, LAYOUTS, WrapperConfig, served_from
+from sage_qual.serving.contexts import CONTEXTS
 from sage_qual.serving.env_record import Reason
 from sage_qual.serving.variants import VARIANTS, capability_label, gpu_label
 

@@ -16,9 +16,9 @@ import torch
 
 from sage_qual.limits import one_line
 from sage_qual.serving import platform, sage_package, scope, torch_sdpa
-from sage_qual.serving.contexts import CAPTURE, COMPILE, REASON, SIDE_STREAM
 from sage_qual.serving.assess import assess, box_facts
 from sage_qual.serving.config import DEFAULT_CONFIG, WrapperConfig
+from sage_qual.serving.contexts import CAPTURE, COMPILE, REASON, SIDE_STREAM
 from sage_qual.serving.eligibility import SdpaCall, bind, copies_fit, refusal, within_span
 from sage_qual.serving.failures import Failure, classify
 from sage_qual.serving.scope import ScopeReport, _active
