@@ -16,19 +16,20 @@ import torch._inductor.codecache  # noqa: F401
 import torch.nn.functional as F
 
 from sage_qual import records
-from sage_qual.fixtures.fileformat import save_fixture
 from sage_qual.qualification import certify, context_check, detection, fault_hooks, profile, report, verdict
 from sage_qual.qualification.report_model import ContextCheck, ContextRun, DType, Outcome, safe_contexts
 from sage_qual.serving.contexts import CAPTURE, CHECKS, COMPILE, CONTEXTS, SIDE_STREAM
 from sage_qual.serving.variants import VARIANTS
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
 
+from . import fakes
 from .helpers import TORCH_SDPA
 
 TRITON, SM90 = VARIANTS["sm86-fp16-triton"], VARIANTS["sm90-fp8-cuda"]
 # On the fake, as on the H200 (docs/results/run19-h200/): the Triton kernel is right everywhere, a
 # legacy-stream kernel everywhere but under capture.
 CLEAN = {TRITON.name: list(CONTEXTS), SM90.name: [SIDE_STREAM, COMPILE]}
+BOUNDS = {name: {"max_rel_l2": 0.08, "min_cosine": 0.99} for name in ("fp16", "fp8")}
 
 
 @pytest.fixture
@@ -123,11 +124,7 @@ def test_a_context_is_safe_only_when_every_check_of_it_passed():
 def certified(tmp_path, monkeypatch, hook_extra=None):
     fixtures = tmp_path / "fixtures"
     fixtures.mkdir()
-    bounds = {name: {"max_rel_l2": 0.08, "min_cosine": 0.99} for name in ("fp16", "fp8")}
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 2, 64, 64, generator=g).to(torch.bfloat16) for _ in range(3))
-    save_fixture(fixtures / "c-flux.safetensors", q, k, v, family="flux.1", kind="replica",
-                 source={"test": 1}, provenance="random test data", bounds=bounds)
+    fakes.random_fixture(fixtures, "c-flux", "flux.1", BOUNDS, tokens=64)
     hook = {"gpus": [{"name": "Fake H200", "capability": [9, 0]}], **(hook_extra or {})}
     monkeypatch.setenv(fault_hooks.TEST_HOOK, json.dumps(hook))
     out = tmp_path / "out"

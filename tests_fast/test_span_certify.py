@@ -11,14 +11,14 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from sage_qual import limits, records
-from sage_qual.fixtures.fileformat import save_fixture
 from sage_qual.qualification import certify, fault_hooks, profile, report, span_check, verdict
 from sage_qual.qualification.report_model import Outcome, SpanProbe
 from sage_qual.records import dump
 from sage_qual.serving import profile as serving_profile
+
+from . import fakes
 
 SAMPLE = Path(__file__).parent / "data" / "sample_h200_2gpu.json"
 PLANNED = span_check.cases()
@@ -132,10 +132,7 @@ def test_certify_probes_in_workers_and_records_an_abort_and_a_fault_as_findings(
     fixtures = tmp_path / "fixtures"
     fixtures.mkdir()
     bounds = {name: {"max_rel_l2": 0.08, "min_cosine": 0.99} for name in ("fp16", "fp8")}
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 2, 64, 64, generator=g).to(torch.bfloat16) for _ in range(3))
-    save_fixture(fixtures / "c-flux.safetensors", q, k, v, family="flux.1", kind="replica",
-                 source={"test": 1}, provenance="random test data", bounds=bounds)
+    fakes.random_fixture(fixtures, "c-flux", "flux.1", bounds, tokens=64)
     # The fake sm90 kernel aborts its worker past 1e9 elements contiguous (from the boundary's below
     # case on) and raises an illegal memory access past the limit on the fused view.
     rules = [{"above": 10**9, "fault": "crash", "layouts": ["contiguous"]},
