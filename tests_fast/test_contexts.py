@@ -206,6 +206,16 @@ def test_the_compiled_operator_reads_the_scope_when_it_runs():
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
+def test_outside_a_scope_the_compiled_operator_calls_what_the_wrapper_wraps(torch_spy):
+    tensors = qkv()
+    with wrapped(gpus=(SM90,)) as (cuda, fake):
+        run = torch.compile(attention_times_two, backend="aot_eager", fullgraph=True)
+        out = run(*tensors)
+    assert len(torch_spy) == 1 and not fake.calls  # the function bound before install(), as eagerly
+    assert torch.equal(out, TORCH_SDPA(*tensors) * 2)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
 def test_a_config_without_compile_falls_back_with_the_reason_compile():
     config = dataclasses.replace(SMALL, contexts=(contexts.SIDE_STREAM,))
     tensors = qkv()

@@ -251,10 +251,13 @@ def _make_sdpa(state: _Installed):
 
 def _serve_compiled(*args, **kwargs):
     """The body of the compiled operator: the thread's scope as the compiled code runs, the
-    `compile` context, torch's own function outside a scope or once uninstalled."""
+    `compile` context; outside a scope what the wrapper wraps (torch's function, or a function bound
+    under it), and torch's own once uninstalled."""
     state, report = _installed, _active.get()
-    if state is None or report is None:
+    if state is None:
         return torch_sdpa.TORCH_SDPA(*args, **kwargs)
+    if report is None:
+        return state.original(*args, **kwargs)
     return _serve(state, report, args, kwargs, compiled=True)
 
 
