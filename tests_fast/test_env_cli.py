@@ -96,10 +96,13 @@ def test_render_text():
     rtx = lines_after(text, "cuda:0")
     assert rtx[0] == "cuda:0  RTX 4090  sm_89  24.0 GiB"
     assert rtx[1].split() == ["wrapper", "kernel", "sm89-fp8-cuda"]
-    assert rtx[2].startswith("  runnable here") and "sm89-fp8-cuda-fp32acc" in rtx[2]
+    # a legacy-stream CUDA kernel: bridged on side streams, an opaque operator under compile, never captured
+    assert rtx[2].startswith("  serves, built in default stream, side_stream, compile (")
+    assert rtx[3].startswith("  runnable here") and "sm89-fp8-cuda-fp32acc" in rtx[3]
     orin = lines_after(text, "cuda:1")
     assert orin[0] == "cuda:1  Jetson Orin  sm_87  32.0 GiB"
     assert orin[1].split()[:3] == ["wrapper", "kernel", "none:"] and "sm_87" in orin[1]
+    assert orin[2].startswith("  runnable here")  # no kernel: no contexts line
 
 
 def test_json_round_trips():

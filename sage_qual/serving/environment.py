@@ -20,8 +20,9 @@ from sage_qual import records
 from sage_qual.serving import platform
 from sage_qual.serving.assess import MachineAssessment, assess_machine
 from sage_qual.serving.config import DEFAULT_CONFIG, WrapperConfig
+from sage_qual.serving.contexts import builtin_safe
 from sage_qual.serving.env_record import EnvironmentRecord, GpuInfo
-from sage_qual.serving.variants import capability_label
+from sage_qual.serving.variants import VARIANTS, capability_label
 from sage_qual.version import __version__
 
 # The record (defined once, torch-free, as report.json stores it) under the names this module gives it.
@@ -101,5 +102,9 @@ def render_text(env: Environment) -> str:
         lines.append("cuda:%d  %s  %s  %.1f GiB"
                      % (gpu.index, gpu.name, capability_label(gpu.capability), gpu.memory_gib))
         lines.append(f"  wrapper kernel   {gpu.kernel or 'none: ' + gpu.no_kernel_reason}")
+        if gpu.kernel in VARIANTS:
+            contexts = ", ".join(builtin_safe(VARIANTS[gpu.kernel]))
+            lines.append(f"  serves, built in default stream, {contexts} (a certified profile says otherwise "
+                         "where it checked)")
         lines.append(f"  runnable here    {', '.join(gpu.runnable_variants) or 'none'}")
     return "\n".join(lines)
