@@ -121,21 +121,26 @@ def test_a_context_is_safe_only_when_every_check_of_it_passed():
 
 
 # certify end to end on the fake GPU -----------------------------------------------------------------
-def certified(tmp_path, monkeypatch, hook_extra=None):
-    fixtures = tmp_path / "fixtures"
+@pytest.fixture(scope="module")
+def certified(tmp_path_factory):
+    """One certify run on a fake H200 for the module's end-to-end tests: the sm90 and Triton
+    variants, with the compile defect injected into the Triton variant's context check."""
+    root = tmp_path_factory.mktemp("certify")
+    fixtures = root / "fixtures"
     fixtures.mkdir()
     fakes.random_fixture(fixtures, "c-flux", "flux.1", BOUNDS, tokens=64)
-    hook = {"gpus": [{"name": "Fake H200", "capability": [9, 0]}], **(hook_extra or {})}
-    monkeypatch.setenv(fault_hooks.TEST_HOOK, json.dumps(hook))
-    out = tmp_path / "out"
-    certify.run(certify.Options(out, devices="0", variants=[SM90.name, TRITON.name], families=["FLUX.1"],
-                                fixture_dirs=[str(fixtures)], timeout=60.0))
+    hook = {"gpus": [{"name": "Fake H200", "capability": [9, 0]}],
+            "context_faults": {TRITON.name: "compile_pattern"}}
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setenv(fault_hooks.TEST_HOOK, json.dumps(hook))
+        out = root / "out"
+        certify.run(certify.Options(out, devices="0", variants=[SM90.name, TRITON.name], families=["FLUX.1"],
+                                    fixture_dirs=[str(fixtures)], timeout=60.0))
     return out, report.load(out / "report.json")
 
 
-def test_certify_checks_every_variant_in_every_context_and_the_profile_keeps_what_passed(tmp_path,
-                                                                                         monkeypatch):
-    out, typed = certified(tmp_path, monkeypatch, {"context_faults": {TRITON.name: "compile_pattern"}})
+def test_certify_checks_every_variant_in_every_context_and_the_profile_keeps_what_passed(certified):
+    out, typed = certified
     checks = {c.variant: c for c in typed.devices[0].contexts}
     assert set(checks) == {SM90.name, TRITON.name}
     assert checks[SM90.name].safe_contexts == CLEAN[SM90.name]
@@ -167,9 +172,9 @@ def test_certify_checks_every_variant_in_every_context_and_the_profile_keeps_wha
     assert f"| {SM90.name} | 1x2x64x64 | identical | differs (rel L2 1) | identical | identical |" in md
 
 
-def test_a_decision_without_context_checks_keeps_the_built_in_rule(tmp_path, monkeypatch):
+def test_a_decision_without_context_checks_keeps_the_built_in_rule(certified):
     """A report from before the checks (contexts null), or whose checks a crash ended."""
-    out, typed = certified(tmp_path, monkeypatch)
+    out, typed = certified
     old = dataclasses.replace(typed, devices=[dataclasses.replace(d, contexts=None) for d in typed.devices])
     crashed = dataclasses.replace(typed, devices=[dataclasses.replace(d, contexts=[
         dataclasses.replace(c, outcome=Outcome.CRASH, runs=[], detail="the worker died") for c in d.contexts])

@@ -89,7 +89,7 @@ def test_collect_without_gpus():
 
 def test_render_text():
     with box(extensions=NOT_SM90):
-        text = environment.render_text(environment.collect())
+        text = environment.render_text(environment.collect(), contexts=True)
     assert text.splitlines()[0] == f"sage-qual      {__version__}"
     assert "sageattention  2.2.0" in text and "cannot serve" not in text
     assert lines_after(text, "  _qattn_sm90")[0].split()[1] == "ImportError:"
@@ -137,7 +137,7 @@ def test_env_command_prints_the_record(capsys, as_json):
     if as_json:
         assert environment.from_dict(json.loads(out)) == expected
     else:
-        assert out.rstrip("\n") == environment.render_text(expected)
+        assert out.rstrip("\n") == environment.render_text(expected, contexts=True)
 
 
 @pytest.mark.parametrize("argv", [
@@ -154,7 +154,7 @@ def test_cli_main_env(capsys, argv):
     if "--json" in argv:
         assert environment.from_dict(json.loads(out)) == expected
     else:
-        assert out.rstrip("\n") == environment.render_text(expected)
+        assert out.rstrip("\n") == environment.render_text(expected, contexts=True)
 
 
 def test_cli_version(capsys):

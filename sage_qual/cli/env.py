@@ -19,5 +19,5 @@ def _env(args: argparse.Namespace) -> int:
     from sage_qual.serving import environment  # torch: only when the command runs
 
     env = environment.collect()
-    print(environment.to_json(env) if args.json else environment.render_text(env))
+    print(environment.to_json(env) if args.json else environment.render_text(env, contexts=True))
     return ExitCode.OK

@@ -84,7 +84,9 @@ def from_dict(data: dict) -> Environment:
                          "give the output of `sage-qual env --json`")
 
 
-def render_text(env: Environment) -> str:
+def render_text(env: Environment, contexts: bool = False) -> str:
+    """The environment as text; `contexts`: also each GPU kernel's built-in execution contexts
+    (`sage-qual env`; a report's copy of the environment leaves them to its context checks)."""
     lines = [
         f"sage-qual      {env.sage_qual}",
         f"Python         {env.python} on {env.os}",
@@ -102,9 +104,9 @@ def render_text(env: Environment) -> str:
         lines.append("cuda:%d  %s  %s  %.1f GiB"
                      % (gpu.index, gpu.name, capability_label(gpu.capability), gpu.memory_gib))
         lines.append(f"  wrapper kernel   {gpu.kernel or 'none: ' + gpu.no_kernel_reason}")
-        if gpu.kernel in VARIANTS:
-            contexts = ", ".join(builtin_safe(VARIANTS[gpu.kernel]))
-            lines.append(f"  serves, built in default stream, {contexts} (a certified profile says otherwise "
+        if contexts and gpu.kernel in VARIANTS:
+            safe = ", ".join(builtin_safe(VARIANTS[gpu.kernel]))
+            lines.append(f"  serves, built in default stream, {safe} (a certified profile says otherwise "
                          "where it checked)")
         lines.append(f"  runnable here    {', '.join(gpu.runnable_variants) or 'none'}")
     return "\n".join(lines)
