@@ -15,6 +15,11 @@ meta tensors count as not on a GPU. The fake kernels are made from the variant r
 signature. Each records every call, refuses what the real kernel refuses (see `check_call`), and
 returns the exact attention computed in float32 (cast to the input dtype, as the real kernels
 return), unless told to raise or return something else.
+
+Execution contexts: `with cuda.side_stream():` and `with cuda.capture():` make calls run as if on a
+side stream or during a CUDA-graph capture. The fake kernels of thu-ml's CUDA functions then return
+zeros, as a launch on the legacy stream does there (unordered, or not recorded); the Triton one, which
+launches on the current stream, stays right (`FakeSageAttention.current_stream` changes which).
 """
 
 from __future__ import annotations
