@@ -71,7 +71,6 @@ class FakeCuda(platform.CudaPlatform):
         self.current_device = 0
         self.stream = "default"  # the fake current stream: "default" or "side"
         self.capturing = False  # whether it is capturing a CUDA graph
-        self.launching: tuple[str, ...] = ()  # the contexts of the served call whose kernel runs now
         self.events: list[str] = []
         self._swap = None
 
@@ -135,15 +134,6 @@ class FakeCuda(platform.CudaPlatform):
         if self.capturing:
             return (contexts.CAPTURE, contexts.SIDE_STREAM)
         return (contexts.SIDE_STREAM,) if self.stream != "default" else ()
-
-    def launch(self, index: int, context: tuple[str, ...], legacy_stream: bool, call):
-        """As the real platform's, with `launching` holding the call's contexts while the kernel runs
-        (a fake kernel's context defects read it)."""
-        previous, self.launching = self.launching, context
-        try:
-            return super().launch(index, context, legacy_stream, call)
-        finally:
-            self.launching = previous
 
     def run_on_legacy_stream(self, index: int, call):
         self.events.append(f"legacy stream on {index}")
