@@ -1,6 +1,8 @@
 """The exact text gate and merge print, from hand-made decisions and rows: a CI log or a fleet
 table read by people and scripts must say what the verdicts say, in every branch."""
 
+import dataclasses
+
 from sage_qual.qualification import gate, verdict
 from sage_qual.qualification.report_model import Reason, ReasonKind
 from sage_qual.qualification.verdict import FamilyDecision, Verdict
@@ -187,3 +189,13 @@ def test_gate_json_carries_the_whole_served_range():
         "layouts": ["contiguous", "transposed"], "head_dims": [64, 128],
         "certified": ["sm90-fp8-cuda", "sm80-fp16-cuda"],
         "reasons": [], "contexts": None}]
+
+
+def test_a_fleet_cell_names_the_contexts_certified_when_there_are_checks():
+    ranged = dict(verdict_="enable", variant="sm90-fp8-cuda", low=(9728, 9728), upper=32768,
+                  layouts=["contiguous", "transposed"])
+    checked = dataclasses.replace(fleet(**ranged), contexts=["side_stream", "compile"])
+    assert checked.text() == ("enable: sm90-fp8-cuda 9,728 to 32,768 tokens (contiguous, transposed; "
+                              "contexts: side_stream, compile)")
+    assert fleet(**ranged).text() == "enable: sm90-fp8-cuda 9,728 to 32,768 tokens (contiguous, transposed)"
+    assert dataclasses.replace(fleet(**ranged), contexts=[]).text().endswith("; contexts: none)")
