@@ -6,9 +6,9 @@ in it, and certify checks each variant in each (`qualification.context_check`).
 
 Measured on one H200 (SageAttention 2.2.0 from thu-ml's newest source for sm90, torch 2.11.0+cu130,
 [1, 24, 16384, 128] bf16, smoothing off; docs/results/run19-h200/): the CUDA kernels launch on the
-legacy default stream, so on a busy side stream the sm89/sm90 FP8 kernels returned NaN and the sm80
-FP16 kernel was 1.0 relative L2 off, and a CUDA-graph replay was 1.0-1.17 off; the Triton kernel,
-which launches on torch's current stream, was bit-identical in both.
+legacy default stream, so on a busy side stream the FP8 kernels (sm89, sm90, sm120 per-warp) returned
+NaN and the sm80 FP16 kernels were 1.0 relative L2 off, and a CUDA-graph replay was 1.0-1.41 off; the
+Triton kernel, which launches on torch's current stream, was bit-identical in both.
 """
 
 from __future__ import annotations
