@@ -78,7 +78,8 @@ def test_merge_and_gate_on_the_committed_h200_reports(fleet):
     assert "h200-a: same as the last release" in done.stdout
     assert "h200-b: no report of the last release" in done.stdout
     compared = (fleet / "out" / "compare-h200-a.txt").read_text()
-    assert compared.endswith("same verdicts, thresholds within 10%\n")
+    assert compared.endswith("same verdicts, variants, ranges, layouts and contexts, each threshold "
+                             "within 10%\n")
 
 
 def test_a_required_family_kept_off_fails_the_step(fleet):

@@ -404,7 +404,8 @@ def test_gate_refuses_a_local_fixture_with_non_finite_values(tmp_path):
 # compare ---------------------------------------------------------------------------------------
 def test_compare_same_report_and_moved_thresholds(capsys, tmp_path):
     code, out, _ = run_cli(capsys, "compare", str(H200), str(H200))
-    assert code == 0 and out.strip().endswith("same verdicts, thresholds within 10%")
+    assert code == 0 and out.strip().endswith(
+        "same verdicts, variants, ranges, layouts and contexts, each threshold within 10%")
     moved = load(H200)
     for device in moved["devices"]:  # sm90 now slower at 4608 tokens: FLUX.1's threshold moves up
         for record in device["speed"]:
@@ -413,8 +414,9 @@ def test_compare_same_report_and_moved_thresholds(capsys, tmp_path):
     path = tmp_path / "moved.json"
     path.write_text(json.dumps(moved))
     code, out, _ = run_cli(capsys, "compare", str(H200), str(path))
-    assert code == 1 and out.split("1 difference(s) beyond 10%:\n")[1].strip() == \
-        "NVIDIA H200 (sm_90) FLUX.1: enable sm90-fp8-cuda 4608/512 vs enable sm90-fp8-cuda 8192/512"
+    assert code == 1 and out.split("1 difference(s) beyond 10%:\n")[1].strip() == (
+        "NVIDIA H200 (sm_90) FLUX.1: enable sm90-fp8-cuda 4608/512 (no upper bound) head_dim 128 vs "
+        "enable sm90-fp8-cuda 8192/512 (no upper bound) head_dim 128")
     code, _, err = run_cli(capsys, "compare", str(H200), str(path), "--tolerance", "2")
     assert code == 2 and "--tolerance is 2" in err
 

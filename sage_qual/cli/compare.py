@@ -1,9 +1,14 @@
-"""`sage-qual compare A B`: do two certify reports of one machine give the same thresholds?
+"""`sage-qual compare A B`: do two certify reports of one machine serve the same calls?
 
-Both reports are decided afresh (`verdict.decide`); per GPU model in both, and per family and the
-default entry, the verdicts, variants and certified execution contexts must match and the query
-and key thresholds lie within --tolerance of each other (relative to the larger). Exit 0 when they
-do, 1 when not (each difference printed), 2 on unreadable input.
+Both reports are decided afresh (`verdict.decide`). Per GPU model and per family (and the default
+entry), everything a verdict serves is compared: the verdict, the variant, the head sizes, the
+verified layouts and execution contexts must be equal, and each of the four thresholds (the query
+and key tokens it serves from, and up to) must lie within --tolerance of the other report's, each on
+its own, relative to the larger. A verified upper bound against none is a difference. A GPU model,
+a family or a variant that ran in one report only is a difference too. Exit 0 when nothing differs,
+1 when something does (each difference printed), 2 on unreadable input and on reports that cannot
+be compared: partial, predicted (certify --emulate) or --quick runs (their thresholds are no
+profile's).
 """
 
 from __future__ import annotations
@@ -21,12 +26,14 @@ DEFAULT_TOLERANCE = 0.10
 
 
 def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser("compare", help="whether two certify reports give the same verdicts and "
-                                                   "thresholds (within a tolerance)")
+    parser = subparsers.add_parser("compare", help="whether two certify reports serve the same calls: "
+                                                   "verdicts, variants, ranges, head sizes, layouts and "
+                                                   "contexts, thresholds within a tolerance")
     parser.add_argument("first", type=Path, metavar="REPORT")
     parser.add_argument("second", type=Path, metavar="REPORT")
     parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
-                        help=f"largest relative threshold difference (default {DEFAULT_TOLERANCE:g})")
+                        help="largest relative difference of each threshold (the tokens served from "
+                             f"and up to, query and key), on its own (default {DEFAULT_TOLERANCE:g})")
     parser.add_argument("--json", action="store_true",
                         help="one JSON object on stdout: exit_code, problem, entries, differences")
     parser.set_defaults(func=_compare)
@@ -40,6 +47,12 @@ def _decide(path: Path) -> dict[str, verdict.GpuDecision]:
     if not data.complete:
         raise UsageError(f"{path}: complete: false: a partial report has no thresholds; run certify to "
                          "the end")
+    if data.predicted:
+        raise UsageError(f"{path}: predicted: true: certify --emulate measured nothing; compare reports "
+                         "certify wrote on the GPU")
+    if data.options.quick:
+        raise UsageError(f"{path}: options.quick: true: a --quick run times no family's shapes, so its "
+                         "thresholds are no profile's; compare full certify runs")
     return {gpu.model: gpu for gpu in verdict.decide(data)}
 
 
@@ -50,12 +63,27 @@ def _apart(a: int | None, b: int | None, tolerance: float) -> bool:
 
 
 def _entry(decision: verdict.FamilyDecision) -> str:
-    """verdict, variant, thresholds and the contexts certified; '-' for what a verdict without a
-    variant lacks."""
-    thresholds = ("-" if decision.min_query_tokens is None else
-                  f"{decision.min_query_tokens}/{decision.min_key_tokens}")
-    contexts = "" if decision.contexts is None else f" contexts [{', '.join(decision.contexts)}]"
-    return f"{decision.verdict.value} {decision.variant or '-'} {thresholds}{contexts}"
+    """Everything the decision serves: verdict, variant, the tokens from and up to, head sizes,
+    layouts and contexts; '-' for what a verdict without a variant lacks."""
+    words = f"{decision.verdict.value} {decision.variant or '-'}"
+    if decision.min_query_tokens is None:
+        return f"{words} -"
+    words += f" {decision.min_query_tokens}/{decision.min_key_tokens}"
+    words += (f" to {decision.max_query_tokens}/{decision.max_key_tokens}" if decision.range_verified
+              else " (no upper bound)")
+    words += f" head_dim {'/'.join(map(str, decision.head_dims))}"
+    if decision.layouts is not None:
+        words += f" layouts [{', '.join(decision.layouts)}]"
+    if decision.contexts is not None:
+        words += f" contexts [{', '.join(decision.contexts)}]"
+    return words
+
+
+def _differ(a: verdict.FamilyDecision, b: verdict.FamilyDecision, tolerance: float) -> bool:
+    exact = ("verdict", "variant", "head_dims", "layouts", "contexts", "range_verified")
+    thresholds = ("min_query_tokens", "min_key_tokens", "max_query_tokens", "max_key_tokens")
+    return any(getattr(a, name) != getattr(b, name) for name in exact) or \
+        any(_apart(getattr(a, name), getattr(b, name), tolerance) for name in thresholds)
 
 
 def differences(first: dict[str, verdict.GpuDecision], second: dict[str, verdict.GpuDecision],
@@ -67,17 +95,18 @@ def differences(first: dict[str, verdict.GpuDecision], second: dict[str, verdict
             found.append(f"{model}: in only one report")
             continue
         a_gpu, b_gpu = first[model], second[model]
+        ran = [{name for name, status in gpu.variants.items() if status.ran} for gpu in (a_gpu, b_gpu)]
+        found += [f"{model}: variant {name} ran in only one report" for name in sorted(ran[0] ^ ran[1])]
+        a_entries = {d.label: d for d in a_gpu.families + [a_gpu.default]}
         b_entries = {d.label: d for d in b_gpu.families + [b_gpu.default]}
-        for a in a_gpu.families + [a_gpu.default]:
-            b = b_entries.get(a.label)
-            if b is None:
-                found.append(f"{model} {a.label}: in only one report")
+        for label in [*a_entries, *(name for name in b_entries if name not in a_entries)]:
+            a, b = a_entries.get(label), b_entries.get(label)
+            if a is None or b is None:
+                found.append(f"{model} {label}: in only one report")
                 continue
-            line = f"{model} {a.label}: {_entry(a)} vs {_entry(b)}"
+            line = f"{model} {label}: {_entry(a)} vs {_entry(b)}"
             lines.append(line)
-            if (a.verdict, a.variant, a.contexts) != (b.verdict, b.variant, b.contexts) or \
-                    _apart(a.min_query_tokens, b.min_query_tokens, tolerance) or \
-                    _apart(a.min_key_tokens, b.min_key_tokens, tolerance):
+            if _differ(a, b, tolerance):
                 found.append(line)
     return lines, found
 
@@ -104,5 +133,6 @@ def _compare(args: argparse.Namespace) -> int:
         print(f"{len(found)} difference(s) beyond {args.tolerance:.0%}:")
         print("\n".join(f"  {line}" for line in found))
         return ExitCode.KEEP_OFF
-    print(f"same verdicts, thresholds within {args.tolerance:.0%}")
+    print("same verdicts, variants, ranges, layouts and contexts, each threshold within "
+          f"{args.tolerance:.0%}")
     return ExitCode.OK
