@@ -199,3 +199,13 @@ def test_a_fleet_cell_names_the_contexts_certified_when_there_are_checks():
                               "contexts: side_stream, compile)")
     assert fleet(**ranged).text() == "enable: sm90-fp8-cuda 9,728 to 32,768 tokens (contiguous, transposed)"
     assert dataclasses.replace(fleet(**ranged), contexts=[]).text().endswith("; contexts: none)")
+
+
+def test_a_fleet_cell_names_the_head_sizes_and_a_key_range_of_its_own():
+    served = dataclasses.replace(
+        fleet("enable", "sm90-fp8-cuda", (9728, 512), upper=16896, layouts=["contiguous"]),
+        max_key_tokens=4096, head_dims=[64, 128])
+    assert served.text() == ("enable: sm90-fp8-cuda 9,728 to 16,896 query / 512 to 4,096 key tokens, "
+                             "head_dim 64/128 (contiguous)")
+    unbounded = dataclasses.replace(fleet("enable", "sm90-fp8-cuda", (4608, 512)), head_dims=[128])
+    assert unbounded.text() == "enable: sm90-fp8-cuda >= 4608/512, head_dim 128"

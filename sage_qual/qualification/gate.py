@@ -377,22 +377,30 @@ class FleetVerdict:
     layouts: list[str] | None
     reasons: list[report_model.ReasonKind]  # each kind once, sorted: the details are in report.md
     contexts: list[str] | None = None  # None: not checked (the variant's built-in rule)
+    max_key_tokens: int | None = None  # None: no upper bound verified
+    head_dims: list[int] | None = None  # the head sizes served (None: nothing served)
 
     @classmethod
     def of(cls, decision: FamilyDecision) -> FleetVerdict:
         kinds = sorted({r.kind for r in decision.reasons}, key=lambda kind: kind.value)
         return cls(decision.verdict, decision.variant, decision.min_query_tokens, decision.min_key_tokens,
-                   decision.max_query_tokens, decision.layouts, kinds, decision.contexts)
+                   decision.max_query_tokens, decision.layouts, kinds, decision.contexts,
+                   decision.max_key_tokens, decision.head_dims)
 
     def text(self) -> str:
-        """The table cell: the served range of an enabled family, else the verdict and reason kinds."""
+        """The table cell: what an enabled family serves (variant, tokens, head sizes, layouts,
+        contexts), else the verdict and reason kinds."""
         if self.verdict != Verdict.ENABLE:
             return f"{self.verdict.value}: " + ", ".join(kind.value for kind in self.reasons)
+        dims = f", head_dim {'/'.join(map(str, self.head_dims))}" if self.head_dims else ""
         if self.max_query_tokens is None:
-            return f"enable: {self.variant} >= {self.min_query_tokens}/{self.min_key_tokens}"
+            return f"enable: {self.variant} >= {self.min_query_tokens}/{self.min_key_tokens}{dims}"
+        tokens = f"{self.min_query_tokens:,} to {self.max_query_tokens:,}"
+        if self.max_key_tokens is not None and \
+                (self.min_key_tokens, self.max_key_tokens) != (self.min_query_tokens, self.max_query_tokens):
+            tokens += f" query / {self.min_key_tokens:,} to {self.max_key_tokens:,} key"
         contexts = "" if self.contexts is None else f"; contexts: {', '.join(self.contexts) or 'none'}"
-        return (f"enable: {self.variant} {self.min_query_tokens:,} to {self.max_query_tokens:,} tokens "
-                f"({', '.join(self.layouts)}{contexts})")
+        return f"enable: {self.variant} {tokens} tokens{dims} ({', '.join(self.layouts)}{contexts})"
 
 
 @dataclass(frozen=True)
