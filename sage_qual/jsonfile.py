@@ -1,4 +1,5 @@
-"""Reading back the JSON files sage-qual writes (reports, profiles).
+"""Reading back the JSON files sage-qual writes (reports, profiles), and the one-line JSON answers
+of every `--json` command.
 
 Each file names its "kind" and "schema_version". The callers keep their own exception and
 messages, given here as format strings.
@@ -42,3 +43,10 @@ def check(data, where, kind: str, schema_version: int, error: type[Exception], *
     if found != schema_version:
         raise error(wrong_version.format(where=where, found=found, expected=schema_version))
     return data
+
+
+def line(data) -> str:
+    """`data` as one line of JSON: what every `--json` answer prints, so that answers appended to one
+    file read back one object per line (examples/fleet/certify-one.sh collects the gate's so)."""
+    return json.dumps(data)
+

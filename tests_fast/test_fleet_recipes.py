@@ -106,3 +106,20 @@ def test_no_reports_is_an_error(tmp_path):
     (tmp_path / "reports").mkdir()
     done = merge_and_gate(tmp_path, baseline=False)
     assert done.returncode == 2 and "no report.json under" in done.stderr
+
+
+def test_gate_answers_appended_as_certify_one_sh_appends_them_read_back_one_object_per_line(tmp_path):
+    """certify-one.sh's gate loop, run for real on a committed report: every `--json` answer is one
+    line, so the file holds one object per line (issue 27: indented answers broke merge_and_gate.sh)."""
+    script = (FLEET / "certify-one.sh").read_text()
+    loop = script[script.index(": > \"$out/gates.jsonl\""):script.index("exit \"$certified\"")]
+    out = tmp_path / "host"
+    out.mkdir()
+    shutil.copy(RESULTS / "current" / "certify-gpu0" / "report.json", out / "report.json")
+    families = 'families=("FLUX.1" "Wan 2.2" "Flux 9")\n'  # the last one is refused: exit 2, one line too
+    done = subprocess.run(["bash", "-c", f"out={out}; python={sys.executable}\n{families}{loop}"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr  # the loop ends with the last gate's exit: "Flux 9" refused
+    answers = [json.loads(line) for line in (out / "gates.jsonl").read_text().splitlines()]
+    assert len(answers) == 3 and all(set(a) >= {"exit_code", "problem"} for a in answers)
+    assert answers[2]["exit_code"] == 2 and "Flux 9" in answers[2]["problem"]

@@ -20,6 +20,5 @@ for family in "${families[@]}"; do
     # exit 0 enable, 1 keep off, 2 cannot decide: each answer is one JSON line; the merge step
     # reads a missing line as "not decided here", which keeps the family off.
     "$python" -m sage_qual gate --family "$family" --report "$out/report.json" --json >> "$out/gates.jsonl"
-    echo >> "$out/gates.jsonl"
 done
 exit "$certified"

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import os
 import sys
 import traceback
 
-from sage_qual import records
+from sage_qual import jsonfile, records
 from sage_qual.errors import Answer, ExitCode, UsageError
 from sage_qual.version import __version__
 
@@ -137,7 +136,7 @@ def _refuse(args: argparse.Namespace, problem: str, code: int = ExitCode.USAGE) 
     problem = _one_line(problem).encode("utf-8", "backslashreplace").decode("utf-8")
     print(f"sage-qual {args.command}: {problem}", file=sys.stderr)
     if getattr(args, "json", False):
-        print(json.dumps(records.dump(Answer(args.command, code, problem))))
+        print(jsonfile.line(records.dump(Answer(args.command, code, problem))))
     if getattr(args, "junit_xml", None):
         from sage_qual.qualification import junit
 

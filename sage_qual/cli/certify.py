@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import shlex
 import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from sage_qual import limits, records
+from sage_qual import jsonfile, limits, records
 from sage_qual.errors import Answer, ExitCode, UsageError
 from sage_qual.qualification import run_options
 
@@ -64,7 +63,7 @@ def _command(args: argparse.Namespace) -> int:
     with contextlib.redirect_stdout(sys.stderr):  # stdout holds the one JSON object
         code = _certify(args)
     answer = CertifyAnswer("certify", code, "", str(args.out / "report.json"), code == ExitCode.OK)
-    print(json.dumps(records.dump(answer), indent=1))
+    print(jsonfile.line(records.dump(answer)))
     return code
 
 

@@ -14,11 +14,10 @@ profile's).
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from sage_qual import records
+from sage_qual import jsonfile, records
 from sage_qual.errors import Answer, ExitCode, UsageError
 from sage_qual.qualification import report, verdict
 
@@ -126,7 +125,7 @@ def _compare(args: argparse.Namespace) -> int:
     code = ExitCode.KEEP_OFF if found else ExitCode.OK
     if args.json:
         answer = CompareAnswer("compare", code, "", args.tolerance, lines, found)
-        print(json.dumps(records.dump(answer), indent=1))
+        print(jsonfile.line(records.dump(answer)))
         return code
     print("\n".join(lines))
     if found:

@@ -88,7 +88,8 @@ def _show(args: argparse.Namespace) -> int:
         raise UsageError(str(error)) from None
     check_finite(fixture, path)  # what certify and gate would refuse, said here first
     info = describe(fixture)
-    print(json.dumps(_finite(info), indent=2, allow_nan=False) if args.json else render(info))
+    # one line, as every --json answer (jsonfile.line); no NaN, which JSON has not
+    print(json.dumps(_finite(info), allow_nan=False) if args.json else render(info))
     return ExitCode.OK
 
 

@@ -8,13 +8,12 @@ decide) with one line, its traceback only under `--debug`.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from sage_qual import records
+from sage_qual import jsonfile, records
 from sage_qual.errors import Answer, ExitCode, UsageError
 from sage_qual.qualification import gate, junit, report
 from sage_qual.qualification.families import FAMILIES
@@ -68,7 +67,7 @@ def _gate(args: argparse.Namespace) -> int:
             cases = [junit.case(model, d, args.require_speedup) for model, d in decision.gpus]
         junit.write(args.junit_xml, f"sage-qual gate {decision.family}", cases)
     if args.json:
-        print(json.dumps(decision.as_json(), indent=1))
+        print(jsonfile.line(decision.as_json()))
         return decision.code
     if decision.problem:
         print(f"sage-qual gate: {decision.problem}", file=sys.stderr)
@@ -86,7 +85,7 @@ class MergeAnswer(Answer):
 def _merge(args: argparse.Namespace) -> int:
     rows = gate.merge_rows([(path, _read(path)) for path in args.reports])
     if args.json:
-        print(json.dumps(records.dump(MergeAnswer("merge", ExitCode.OK, "", rows)), indent=1))
+        print(jsonfile.line(records.dump(MergeAnswer("merge", ExitCode.OK, "", rows))))
     else:
         print(gate.merge_markdown(rows))
     return ExitCode.OK

@@ -75,7 +75,7 @@ def collect(config: WrapperConfig = DEFAULT_CONFIG,
 
 
 def to_json(env: Environment) -> str:
-    return json.dumps(records.dump(env), indent=2)
+    return json.dumps(records.dump(env))  # one line, as every --json answer (jsonfile.line)
 
 
 def from_dict(data: dict) -> Environment:
