@@ -318,8 +318,8 @@ def test_gate_and_merge_say_the_verified_range():
     assert lines[1].startswith("  - range: verified only below 32,768 query tokens")
     (row,) = gate.merge_rows([(Path("r.json"), typed)])
     assert row.families["FLUX.1"].max_query_tokens == 16896
-    assert "enable: sm90-fp8-cuda 4,608 to 16,896 tokens (contiguous, transposed, nhd, fused_qkv)" in \
-        gate.merge_markdown([row])
+    assert ("enable: sm90-fp8-cuda 4,608 to 16,896 query / 512 to 16,896 key tokens, head_dim 128 "
+            "(contiguous, transposed, nhd, fused_qkv)") in gate.merge_markdown([row])
 
 
 def test_the_report_renders_the_long_checks(tmp_path, monkeypatch):
