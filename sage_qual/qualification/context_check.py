@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from sage_qual import limits
+from sage_qual.qualification import measure
 from sage_qual.qualification.report_model import ContextRun, safe_contexts
 from sage_qual.serving.contexts import COMPILE, CONTEXTS
 
@@ -106,17 +107,15 @@ class FakePlace:
 
 
 def _compare(outs, expected, torch_outs) -> dict:
-    diffs = [(o.float() - e.float()) for o, e in zip(outs, expected, strict=True)]
-    rel = max(float(torch.linalg.vector_norm(d) / torch.linalg.vector_norm(e.float()).clamp_min(1e-12))
-              for d, e in zip(diffs, expected, strict=True))
-    torch_rel = max(float(torch.linalg.vector_norm(o.float() - t.float())
-                          / torch.linalg.vector_norm(t.float()).clamp_min(1e-12))
-                    for o, t in zip(outs, torch_outs, strict=True))
-    max_abs = max(float(d.abs().nan_to_num(float("inf")).max()) for d in diffs)
-    finite = all(bool(torch.isfinite(o).all()) for o in outs)
-    identical = all(torch.equal(o, e) for o, e in zip(outs, expected, strict=True))
-    return {"bit_identical": identical, "finite": finite, "max_abs_diff": _finite_or_none(max_abs),
-            "rel_l2": _finite_or_none(rel), "torch_rel_l2": _finite_or_none(torch_rel)}
+    """Every output against the eager one (bit for bit, and `measure.errors`' worst relative L2 and
+    element error, null where not finite) and torch's (relative L2)."""
+    found = [measure.errors(o, e) for o, e in zip(outs, expected, strict=True)]
+    against_torch = [measure.errors(o, t)["rel_l2"] for o, t in zip(outs, torch_outs, strict=True)]
+    return {"bit_identical": all(torch.equal(o, e) for o, e in zip(outs, expected, strict=True)),
+            "finite": all(f["finite"] for f in found),
+            "max_abs_diff": _finite_or_none(max(f["max_abs_error"] for f in found)),
+            "rel_l2": _finite_or_none(max(f["rel_l2"] for f in found)),
+            "torch_rel_l2": _finite_or_none(max(against_torch))}
 
 
 def _finite_or_none(x: float) -> float | None:
