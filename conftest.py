@@ -12,7 +12,7 @@ import importlib.metadata
 
 import pytest
 
-from sage_qual.qualification.pytest_plugin import collapse_to_one_failure, require_gpu
+from sage_qual.qualification.integrations.pytest_plugin import collapse_to_one_failure, require_gpu
 
 pytest_plugins = ["pytester"]  # tests_fast runs pytest sessions in-process (test_plugin, test_require_gpu)
 

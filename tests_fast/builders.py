@@ -10,9 +10,10 @@ from pathlib import Path
 
 import torch
 
-from sage_qual import records
-from sage_qual.qualification import families, tasks
-from sage_qual.qualification.report_model import (
+from sage_qual import limits, records
+from sage_qual.qualification import families
+from sage_qual.qualification.evidence import tasks
+from sage_qual.qualification.evidence.report_model import (
     AccuracyClass,
     Cell,
     Device,
@@ -31,6 +32,7 @@ from sage_qual.qualification.report_model import (
     ShapeUse,
     Speed,
 )
+from sage_qual.qualification.run import options
 from sage_qual.serving import profile
 from sage_qual.serving.variants import VARIANTS
 from sage_qual.testing import FakeGpu
@@ -94,7 +96,7 @@ MEASURED = (Outcome.PASS, Outcome.FAIL)
 
 
 def read(cls, data: dict):
-    """`data` (JSON as certify writes it, e.g. `certify.speed_shapes`' entries) as a `cls` record."""
+    """`data` (JSON as certify writes it, e.g. `plan.speed_shapes`' entries) as a `cls` record."""
     return records.parse(cls, data, "tests_fast/builders.py", "fix the test's data")
 
 
@@ -202,6 +204,36 @@ def long_records(variant, fail_at=None, how="accuracy"):
 
 def long_task(shape: families.Shape, layouts, variant: str = "sm90-fp8-cuda") -> tasks.LongTask:
     """A long check's task at `shape` in `layouts`, standing for one test call."""
-    planned = tasks.LongPlan(tasks.shape_spec(shape.as_dict()), [ShapeUse(None, "a test's call")],
-                             list(layouts))
-    return tasks.long_task(f"{variant}~{shape.key}", variant, planned)
+    return tasks.LongTask(f"{variant}~{shape.key}", variant, tasks.shape_spec(shape.as_dict()),
+                          [ShapeUse(None, "a test's call")], list(layouts))
+
+
+# Run requests -------------------------------------------------------------------------------------
+def gpu_request(out, variants=None, *, devices="all", timeout=limits.TASK_TIMEOUT, families=None,
+                fixture_dirs=None, quick=False, junit_xml=None) -> options.RunRequest:
+    """`sage-qual certify` of our variants in workers (on the fake GPUs of the test hooks)."""
+    return options.RunRequest(out=out, subject=options.Variants(variants),
+                              executor=options.Workers(devices, timeout), families=families,
+                              fixture_dirs=fixture_dirs, quick=quick, junit_xml=junit_xml)
+
+
+def emulate_request(out, variants=None, families=None, fixture_dirs=None, quick=False) -> options.RunRequest:
+    """`sage-qual certify --emulate`: the numerics model in this process."""
+    return options.RunRequest(out=out, subject=options.Variants(variants), executor=options.InProcess(),
+                              families=families, fixture_dirs=fixture_dirs, quick=quick)
+
+
+def target_request(out, target, *, devices="all", timeout=limits.TASK_TIMEOUT, families=None,
+                   fixture_dirs=None, quick=False, junit_xml=None) -> options.RunRequest:
+    """`sage-qual certify --target NAME` in workers."""
+    return options.RunRequest(out=out, subject=options.Integration(target),
+                              executor=options.Workers(devices, timeout), families=families,
+                              fixture_dirs=fixture_dirs, quick=quick, junit_xml=junit_xml)
+
+
+def rendered(typed: Report, out: Path, left_out=()) -> list[Path]:
+    """report.md and report.html of `typed`, with the verdicts drawn from it as certify draws them."""
+    from sage_qual.qualification.decide import verdict
+    from sage_qual.qualification.render import report as report_view
+
+    return report_view.render(typed, out, verdict.decide(typed), left_out)

@@ -12,8 +12,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from sage_qual import cli, records
-from sage_qual.qualification import families, gate, pool, tasks
-from sage_qual.qualification.report_model import EnvironmentRecord
+from sage_qual.qualification import families, selection
+from sage_qual.qualification.decide import budget_check, gate
+from sage_qual.qualification.evidence import tasks
+from sage_qual.qualification.evidence.report_model import EnvironmentRecord
+from sage_qual.qualification.run import pool
 
 SAMPLE = json.loads((Path(__file__).parent / "data" / "sample_h200_2gpu.json").read_text())
 # Built here, not with tests_fast.fakes.env_result: that module imports torch, which a child of the
@@ -35,8 +38,8 @@ def _local_fixture_files(directories, family):
 
 pool.collect_environment = lambda *args, **kwargs: _ENVIRONMENT
 gate.local_fixtures = _local_fixtures
-gate.local_fixture_files = _local_fixture_files
-gate.budget_problem = lambda *args: ""
+selection.family_fixtures = _local_fixture_files
+budget_check.budget_problem = lambda *args: ""
 
 if __name__ == "__main__":
     sys.exit(cli.main(sys.argv[1:]))

@@ -14,8 +14,8 @@ import torch
 
 from sage_qual import records
 from sage_qual.fixtures import fileformat
-from sage_qual.qualification import report_model, tasks
-from sage_qual.qualification.report_model import Outcome
+from sage_qual.qualification.evidence import files, report_model, tasks
+from sage_qual.qualification.evidence.report_model import Outcome
 
 from . import builders
 
@@ -63,7 +63,7 @@ def env_result(environment: dict | report_model.EnvironmentRecord,
 
 def fleet_report() -> dict:
     """One complete report: cuda:0 H200, cuda:1 H100, cuda:2 RTX 4090."""
-    data, rtx = (report_model.from_dict(load(name), name) for name in ("sample_h200_2gpu.json",
+    data, rtx = (files.from_dict(load(name), name) for name in ("sample_h200_2gpu.json",
                                                                         "sample_rtx4090.json"))
     h200, h100 = data.devices
     device = replace(rtx.devices[0], index=2)

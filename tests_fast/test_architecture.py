@@ -5,6 +5,7 @@ Read from the source (ast), so a lazy import inside a function counts as much as
 """
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,49 @@ def test_imports_flow_one_way(module):
     assert not upward, f"{module} ({layer_of(module)}) imports a later layer: {upward}"
 
 
+# Inside qualification, the stages import one way too: each floor from its own and the floors
+# before it. selection and measure share a floor (neither needs the other); the self-test sits
+# below run, whose test hooks inject its defects into the fake kernels.
+STAGES = (("families",), ("evidence",), ("selection", "measure"), ("integrations",), ("decide",),
+          ("render",), ("selftest",), ("run",))
+STAGE_FLOOR = {stage: floor for floor, stages in enumerate(STAGES) for stage in stages}
+MAX_MODULES_PER_STAGE, MAX_MODULE_LINES = 8, 500
+
+
+def stage_of(module: str) -> str:
+    return module.split(".")[2]
+
+
+QUALIFICATION = sorted(m for m in MODULES if m.startswith("sage_qual.qualification.")
+                       and MODULES[m].name != "__init__.py")
+
+
+def test_every_qualification_module_is_in_a_stage():
+    assert {stage_of(m) for m in QUALIFICATION} <= set(STAGE_FLOOR)
+
+
+@pytest.mark.parametrize("module", QUALIFICATION)
+def test_qualification_stages_import_one_way(module):
+    floor = STAGE_FLOOR[stage_of(module)]
+    upward = sorted(m for m in GRAPH[module] if m in QUALIFICATION and STAGE_FLOOR[stage_of(m)] > floor)
+    assert not upward, f"{module} ({stage_of(module)}) imports a later stage: {upward}"
+
+
+@pytest.mark.parametrize("stage", sorted(s for s in STAGE_FLOOR if (PACKAGE / "qualification" / s).is_dir()))
+def test_a_stage_folder_holds_few_modules_each_short(stage):
+    modules = [p for p in (PACKAGE / "qualification" / stage).glob("*.py") if p.name != "__init__.py"]
+    assert 0 < len(modules) <= MAX_MODULES_PER_STAGE, [p.name for p in modules]
+    long = {p.name: n for p in modules if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long
+
+
+def test_render_reads_no_fixture_file():
+    """A view draws from the report and the decisions it is given (selection's records only as types)."""
+    for module in (m for m in QUALIFICATION if stage_of(m) == "render"):
+        assert "sage_qual.fixtures.fileformat" not in GRAPH[module], module
+        assert not re.search(r"list_fixtures|load_fixture|read_fixtures", MODULES[module].read_text()), module
+
+
 def test_nothing_imports_the_cli():
     importers = sorted(m for m, deps in GRAPH.items()
                        if layer_of(m) != "cli" and any(layer_of(d) == "cli" for d in deps))
@@ -102,8 +146,9 @@ def test_no_import_cycles():
 # see what an import pulls in at run time.
 HEAVY = ("torch", "sage_qual.serving.wrapper", "sageattention", "triton")
 LIGHT = ("sage_qual", "sage_qual.cli", "sage_qual.cli.gate", "sage_qual.cli.certify",
-         "sage_qual.qualification.report", "sage_qual.qualification.gate",
-         "sage_qual.qualification.run_options", "sage_qual.qualification.pytest_plugin")
+         "sage_qual.qualification.render.report", "sage_qual.qualification.decide.gate",
+         "sage_qual.qualification.decide.checked", "sage_qual.qualification.render.fleet",
+         "sage_qual.qualification.run.options", "sage_qual.qualification.integrations.pytest_plugin")
 PROBE = """
 import importlib, runpy, sys
 for name in sys.argv[1].split(","):

@@ -15,7 +15,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from sage_qual.cli import compare
-from sage_qual.qualification import report, speed, verdict
+from sage_qual.qualification.decide import checked, verdict
+from sage_qual.qualification.evidence import report_model
+from sage_qual.qualification.measure import speed
 
 DATA = Path(__file__).resolve().parent / "data"
 RUNS = [DATA / "h200_certify_a.json.gz", DATA / "h200_certify_b.json.gz"]
@@ -26,9 +28,9 @@ VARIANT = "sm90-fp8-cuda"
 PROPERTY = settings(max_examples=60, deadline=None, derandomize=True, database=None)
 
 
-def load(path: Path) -> report.Report:
+def load(path: Path) -> report_model.Report:
     with gzip.open(path, "rt", encoding="utf-8") as file:
-        return report.parse(json.load(file), str(path))
+        return checked.parse(json.load(file), str(path))
 
 
 def decided(path: Path) -> dict[str, verdict.GpuDecision]:
@@ -44,7 +46,7 @@ def test_two_h200_runs_give_the_same_verdicts_and_thresholds_within_ten_percent(
 
 
 def run11() -> list[dict[str, verdict.GpuDecision]]:
-    return [{gpu.model: gpu for gpu in verdict.decide(report.load(path))} for path in RUN11]
+    return [{gpu.model: gpu for gpu in verdict.decide(checked.load(path))} for path in RUN11]
 
 
 def test_two_h200s_of_run_11_give_the_same_verdict_and_variant_for_every_family():
@@ -72,7 +74,7 @@ RUN13 = {name: RESULTS / "run13-h200x2" / f"certify-{name}" / "report.json" for 
 
 @pytest.mark.parametrize("pair", ["bc", "cd", "bd", "de"])
 def test_run_13s_back_to_back_and_two_gpu_certify_runs_agree_within_ten_percent(pair):
-    first, second = ({gpu.model: gpu for gpu in verdict.decide(report.load(RUN13[name]))} for name in pair)
+    first, second = ({gpu.model: gpu for gpu in verdict.decide(checked.load(RUN13[name]))} for name in pair)
     lines, found = compare.differences(first, second, compare.DEFAULT_TOLERANCE)
     assert lines and not found, "\n".join(found)
     served = [d.min_query_tokens for gpu in first.values() for d in gpu.families if d.min_query_tokens]

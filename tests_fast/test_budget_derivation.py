@@ -13,7 +13,7 @@ import torch
 
 from sage_qual.fixtures import numerics
 from sage_qual.fixtures.fileformat import load_fixture
-from sage_qual.qualification import budgets, measure
+from sage_qual.qualification.measure import accuracy, budgets
 from sage_qual.serving.variants import VARIANTS
 
 from .fakes import random_fixture
@@ -112,7 +112,7 @@ def test_metrics_of_a_finite_prediction_are_measures_errors_plus_the_rounding_al
     predicted = (ref * 1.01).to(torch.bfloat16)
     found = budgets.metrics_of(predicted, ref)
     assert found["model_finite"] is True
-    assert found["rel_l2"] == measure.errors(predicted, ref)["rel_l2"]
+    assert found["rel_l2"] == accuracy.errors(predicted, ref)["rel_l2"]
     eps = torch.finfo(torch.bfloat16).eps
     assert found["rounding"] == pytest.approx(2.0 * eps * ref.abs().max().item(), rel=1e-9)
 
@@ -126,7 +126,7 @@ def test_metrics_of_a_non_finite_prediction_are_those_of_its_finite_elements():
     found = budgets.metrics_of(broken.half(), ref)
     assert found["model_finite"] is False
     repaired = torch.where(torch.isfinite(broken), broken.half().float(), ref)  # the reference's own values
-    assert found["rel_l2"] == measure.errors(repaired, ref)["rel_l2"]
+    assert found["rel_l2"] == accuracy.errors(repaired, ref)["rel_l2"]
     assert math.isfinite(found["max_abs_error"]) and found["finite"] is True
     # The rounding allowance is the output dtype's: fp16 here, over the finite reference.
     ref_with_hole = ref.clone()
@@ -140,7 +140,7 @@ def test_expected_is_the_models_output_measured_against_the_reference():
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 2, 64, 64, generator=g).to(torch.bfloat16) for _ in range(3))
     variant = VARIANTS["sm90-fp8-cuda"]
-    ref = measure.reference(q, k, v)
+    ref = accuracy.reference(q, k, v)
     want = budgets.metrics_of(numerics.predict(variant, q, k, v), ref)
     assert budgets.expected(variant, q, k, v) == want
     assert budgets.expected(variant, q, k, v, ref=ref * 2) == budgets.metrics_of(
@@ -160,7 +160,7 @@ def small_fixture(tmp_path, name, seed, zero_v_channel=False):
 def test_a_pairs_budget_expectation_and_prediction_come_from_one_model_run(tmp_path):
     fixture = small_fixture(tmp_path, "one", 1)
     variant = VARIANTS["sm89-fp8-cuda"]
-    ref = measure.reference(fixture.q, fixture.k, fixture.v)
+    ref = accuracy.reference(fixture.q, fixture.k, fixture.v)
     predicted = numerics.predict(variant, fixture.q, fixture.k, fixture.v)
     assert torch.equal(budgets.prediction(variant, fixture), predicted)
     assert budgets.prediction(variant, fixture).dtype == torch.bfloat16
@@ -177,7 +177,7 @@ def test_each_variant_and_fixture_has_its_own_budget(tmp_path):
     fp8, fp16 = VARIANTS["sm89-fp8-cuda"], VARIANTS["sm80-fp16-cuda"]
     for fixture in (first, second, first):  # back to a fixture whose reference was dropped
         for variant in (fp8, fp16):
-            ref = measure.reference(fixture.q, fixture.k, fixture.v)
+            ref = accuracy.reference(fixture.q, fixture.k, fixture.v)
             predicted = numerics.predict(variant, fixture.q, fixture.k, fixture.v)
             want = budgets.from_expected(budgets.metrics_of(predicted, ref))
             assert limits(budgets.budget(variant, fixture)) == limits(want), (variant.name, fixture.name)

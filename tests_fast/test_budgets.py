@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from sage_qual.fixtures.fileformat import list_fixtures, load_fixture, shipped_dir
-from sage_qual.qualification import budgets, judge, measure
-from sage_qual.qualification.report_model import Reason, ReasonKind
+from sage_qual.qualification.evidence.report_model import Reason, ReasonKind
+from sage_qual.qualification.measure import accuracy, budgets, judge
 from sage_qual.serving.variants import VARIANTS
 
 FIXTURES = {p.stem: p for p in list_fixtures(shipped_dir())}
@@ -23,13 +23,13 @@ def loaded():
     def load(name):
         if name not in cache:
             fixture = load_fixture(FIXTURES[name])
-            cache[name] = (fixture, measure.reference(fixture.q, fixture.k, fixture.v))
+            cache[name] = (fixture, accuracy.reference(fixture.q, fixture.k, fixture.v))
         return cache[name]
     return load
 
 
 def _reasons(out, ref, budget) -> list[Reason]:
-    return judge.cell_reasons(measure.errors(out, ref), 0.0, budget, math.inf)
+    return judge.cell_reasons(accuracy.errors(out, ref), 0.0, budget, math.inf)
 
 
 # Fixture outermost: the budgets' model run caches one fixture's reference at a time.

@@ -28,9 +28,13 @@ import torch
 from sage_qual import records
 from sage_qual.cli import UsageError
 from sage_qual.fixtures.fileformat import save_fixture
-from sage_qual.qualification import certify, certify_run, fault_hooks, judge, pool, report, verdict
-from sage_qual.qualification.measure import Accuracy
-from sage_qual.qualification.report_model import Cell, Outcome
+from sage_qual.qualification.decide import checked, verdict
+from sage_qual.qualification.evidence import files
+from sage_qual.qualification.evidence.report_model import Cell, Outcome
+from sage_qual.qualification.measure import judge
+from sage_qual.qualification.measure.accuracy import Accuracy
+from sage_qual.qualification.run import fault_hooks, pool
+from sage_qual.qualification.run.run import Progress, certify
 
 from . import builders
 from .fakes import env_result
@@ -56,7 +60,7 @@ def write_fixtures(directory: Path) -> Path:
 
 
 def validate(data: dict) -> list[str]:
-    return [e.message for e in jsonschema.Draft202012Validator(report.schema()).iter_errors(data)]
+    return [e.message for e in jsonschema.Draft202012Validator(files.schema()).iter_errors(data)]
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +93,7 @@ def run(tmp_path_factory):
             mp.setattr(torch.cuda, name, no_cuda)
         watcher.start()
         start = time.monotonic()
-        data = records.dump(certify.run(certify.Options(
+        data = records.dump(certify(builders.gpu_request(
             out, devices="0,1", variants=["sm90-fp8-cuda", "sm89-fp8-cuda"], fixture_dirs=[str(fixtures)],
             quick=True, timeout=3.0)))
         seconds = time.monotonic() - start
@@ -137,7 +141,7 @@ def test_fail_and_oom_are_reported_with_their_numbers_and_the_variant_goes_on(ru
     got = cells(run["data"], device)
     assert got[("sm89-fp8-cuda", "a-cross")]["outcome"] == "pass"
     noisy = got[("sm89-fp8-cuda", "b-qwen-outlier")]
-    # The budget is derived from the numerics model (qualification/budgets.py), not a fixed bound.
+    # The budget is derived from the numerics model (qualification/measure/budgets.py), not a fixed bound.
     bound = noisy["bounds"]["max_rel_l2"]
     assert noisy["outcome"] == "fail" and noisy["rel_l2"] > bound
     assert {r["kind"] for r in noisy["reasons"]} == {"accuracy"}
@@ -167,7 +171,7 @@ def test_sdpa_backends_that_refuse_are_skipped(run):
 
 
 def test_verdicts_name_every_reason(run):
-    h200, rtx = verdict.decide(report.parse(run["data"], "report.json"))
+    h200, rtx = verdict.decide(checked.parse(run["data"], "report.json"))
     flux = h200.family("FLUX.1")
     assert [r.kind.value for r in flux.reasons] == ["timeout", "oom"]
     qwen = h200.family("Qwen-Image")
@@ -222,7 +226,7 @@ CRASHED = Cell(variant="sm90-fp8-cuda", fixture="g", outcome=Outcome.CRASH,
 
 
 def test_progress_is_plain_lines_in_a_log(capsys):
-    progress = certify_run.Progress(2)
+    progress = Progress(2)
     progress.tick("cuda:0", PASSED)
     progress.tick("cuda:1", CRASHED)
     progress.close()
@@ -235,7 +239,7 @@ def test_progress_is_plain_lines_in_a_log(capsys):
 
 def test_progress_is_a_bar_on_a_terminal_with_problems_printed(capsys, monkeypatch):
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
-    progress = certify_run.Progress(2)
+    progress = Progress(2)
     progress.tick("cuda:0", PASSED)
     progress.tick("cuda:1", CRASHED)
     progress.close()
@@ -264,7 +268,7 @@ def machine(monkeypatch):
 ])
 def test_bad_input(tmp_path, machine, options, message):
     with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        certify.run(certify.Options(tmp_path / "out", **options))
+        certify(builders.gpu_request(tmp_path / "out", **options))
 
 
 @pytest.mark.parametrize("change, message", [
@@ -275,7 +279,7 @@ def test_bad_input(tmp_path, machine, options, message):
 def test_no_gpu_or_no_sageattention(tmp_path, machine, change, message):
     machine.update(change)
     with pytest.raises(UsageError, match=message):
-        certify.run(certify.Options(tmp_path / "out"))
+        certify(builders.gpu_request(tmp_path / "out"))
 
 
 # A killed run ----------------------------------------------------------------------------------
@@ -315,12 +319,12 @@ def test_a_killed_run_leaves_a_partial_report_and_no_workers(tmp_path):
     assert worker_pids(marker), "no worker running"
     parent.send_signal(signal.SIGKILL)
     parent.wait()
-    data = report.load(out / "report.json")
+    data = checked.load(out / "report.json")
     assert data.complete is False and data.finished is None
     assert [(r.kernel, r.shape) for r in data.devices[0].speed] == \
         [("sdpa", "b1 h24 q1024 k1024 d128 bfloat16")]
     assert validate(json.loads((out / "report.json").read_text())) == []
-    assert "PARTIAL REPORT" in report.status_line(data.complete, data.started, data.finished, data.stopped)
+    assert "PARTIAL REPORT" in checked.status_line(data.complete, data.started, data.finished, data.stopped)
     # Orphaned workers see their stdin end and exit, the hung one included.
     deadline = time.monotonic() + 10
     while worker_pids(marker) and time.monotonic() < deadline:
@@ -355,7 +359,7 @@ def quick_run(tmp_path_factory):
         mp.setattr(pool.Process, "__init__", started)
         mp.setattr(pool.Process, "start", given_job)
         mp.setattr(pool, "collect_environment", collect_environment)
-        data = records.dump(certify.run(certify.Options(
+        data = records.dump(certify(builders.gpu_request(
             base / "out", devices="0,1", families=["FLUX.1", "SDXL"], fixture_dirs=[str(fixtures)],
             quick=True, timeout=30.0, junit_xml=junit)))
     return data, junit, workers
@@ -401,7 +405,7 @@ def test_a_spare_worker_preloads_what_a_kernels_first_call_imports(tmp_path, hoo
     env = pool.worker_env()
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
     env[fault_hooks.TEST_HOOK] = hook
-    code = ("import sys; from sage_qual.qualification import worker; worker.preload(); "
+    code = ("import sys; from sage_qual.qualification.run import worker; worker.preload(); "
             "print([m for m in ('sageattention', 'torch._dynamo') if m in sys.modules])")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr

@@ -1,7 +1,7 @@
-"""The one certify run (`certify_run`) behind its three backends: certify's GPU pool, a target in a
-worker, the numerics model. The header, the end of a run (complete, interrupted, failed) and the
-summary are the run's, whatever backend executes the tasks; no worker starts here (a fake machine,
-and the backends' execute replaced where a test is about the run around them)."""
+"""The one certify run (`run.certify`) in its three modes: our variants in workers, a target in
+workers, the numerics model in this process. The header, the end of a run (complete, interrupted,
+failed) and the summary are the run's, whatever executor runs the tasks; no worker starts here (a
+fake machine, and the executors' run_slots replaced where a test is about the run around them)."""
 
 import dataclasses
 import json
@@ -14,17 +14,11 @@ import torch
 from sage_qual import cli, records
 from sage_qual.errors import UsageError
 from sage_qual.fixtures.fileformat import save_fixture
-from sage_qual.qualification import (
-    certify,
-    certify_run,
-    emulate,
-    judge,
-    pool,
-    report,
-    summary,
-    target_certify,
-)
-from sage_qual.qualification.report_model import Cell, Device, Outcome, Reason, ReasonKind, Report
+from sage_qual.qualification.decide import checked
+from sage_qual.qualification.evidence.report_model import Cell, Device, Outcome, Reason, ReasonKind, Report
+from sage_qual.qualification.measure import judge
+from sage_qual.qualification.render import summary
+from sage_qual.qualification.run import in_process, pool, run, workers
 from sage_qual.serving.env_record import EnvironmentRecord, GpuInfo
 
 from . import builders
@@ -38,7 +32,7 @@ ENVIRONMENT = EnvironmentRecord(sage_qual="0", python="3.11", os="Linux", torch=
 
 
 class NoWorkers:
-    """pool.Pool where no worker may start: the backends' tasks never run in these tests."""
+    """pool.Pool where no worker may start: the executors' tasks never run in these tests."""
     closed = 0
 
     def __init__(self, logs):
@@ -57,6 +51,8 @@ def box(monkeypatch, tmp_path):
     monkeypatch.setattr(pool, "Pool", NoWorkers)
     monkeypatch.setattr(pool, "collect_environment", lambda *args, **kwargs: env_result(
         ENVIRONMENT, {"0": {}}))
+    monkeypatch.setattr(workers.WorkerExecutor, "_target_machine",
+                        lambda self, target, indices: {index: {} for index in indices})
     NoWorkers.closed = 0
     generator = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 128, 64, generator=generator).to(torch.bfloat16) for _ in range(3))
@@ -67,30 +63,30 @@ def box(monkeypatch, tmp_path):
 
 
 def modes(root):
-    """Each mode's run on the box's fixture: (name, its run function, its options, its backend class)."""
+    """Each mode's request on the box's fixture: (name, the request, its executor class)."""
     chosen = {"families": ["FLUX.1"], "fixture_dirs": [str(root / "fixtures")]}
     variants = ["sm90-fp8-cuda"]
     return [
-        ("certify", certify.run, certify.Options(root / "certify", variants=variants, **chosen),
-         certify.GpuPool),
-        ("target", target_certify.run, target_certify.Options(root / "target", "sageattn", **chosen),
-         target_certify.TargetRun),
-        ("emulate", emulate.run, emulate.Options(root / "emulate", variants=variants, **chosen),
-         emulate.Emulation),
+        ("certify", builders.gpu_request(root / "certify", variants=variants, **chosen),
+         workers.WorkerExecutor),
+        ("target", builders.target_request(root / "target", "sageattn", **chosen), workers.WorkerExecutor),
+        ("emulate", builders.emulate_request(root / "emulate", variants=variants, **chosen),
+         in_process.InProcessExecutor),
     ]
 
 
-def run_without_tasks(monkeypatch, backend, execute, run, options):
-    monkeypatch.setattr(backend, "execute", execute)
-    return run(options)
+def run_without_tasks(monkeypatch, executor, run_slots, request):
+    monkeypatch.setattr(executor, "run_slots", run_slots)
+    monkeypatch.setattr(executor, "run_side_by_side", lambda *args, **kwargs: None)
+    return run.certify(request)
 
 
 def test_the_three_modes_start_the_same_report(box, monkeypatch):
     """One header builder: every mode's report.json has every key of a report, of its options and
     of each device entry, and differs from the others only where its mode says so."""
     headers = {}
-    for name, run, options, backend in modes(box):
-        written = run_without_tasks(monkeypatch, backend, lambda *args: None, run, options)
+    for name, options, executor in modes(box):
+        written = run_without_tasks(monkeypatch, executor, lambda *args, **kwargs: None, options)
         on_disk = json.loads((options.out / "report.json").read_text())
         assert on_disk == records.dump(written)
         headers[name] = on_disk
@@ -105,29 +101,29 @@ def test_the_three_modes_start_the_same_report(box, monkeypatch):
     assert [h["options"]["variants"] for h in headers.values()] == [["sm90-fp8-cuda"], ["sageattn"],
                                                                      ["sm90-fp8-cuda"]]
     assert [h["devices"][0]["name"] for h in headers.values()] == ["Fake H200", "Fake H200",
-                                                                     emulate.DEVICE_NAME]
+                                                                     in_process.DEVICE_NAME]
     assert headers["certify"]["fixtures"] == headers["target"]["fixtures"] == headers["emulate"]["fixtures"]
     assert (box / "certify" / "profile.json").exists()  # certify's only: the others time nothing
     assert not (box / "target" / "profile.json").exists() and not (box / "emulate" / "profile.json").exists()
 
 
 def one_cell_then(error):
-    """An execute that records one skipped cell, then meets `error` (an interrupt or a bug)."""
+    """A run_slots that records one skipped cell, then meets `error` (an interrupt or a bug)."""
 
-    def execute(self, plan, writer, stop):
-        writer.append(0, "cells", Cell(variant=plan.variants[0], fixture="flux", outcome=Outcome.SKIP,
-                                       detail="recorded before the end"))
+    def run_slots(self, jobs, writer, progress, stop, refine=None):
+        writer.append(0, "cells", Cell(variant=writer.report.options.variants[0], fixture="flux",
+                                       outcome=Outcome.SKIP, detail="recorded before the end"))
         raise error
 
-    return execute
+    return run_slots
 
 
 @pytest.mark.parametrize("mode", ["certify", "target", "emulate"])
 def test_an_interrupt_leaves_a_partial_report_in_every_mode(box, monkeypatch, capsys, mode):
-    name, run, options, backend = next(m for m in modes(box) if m[0] == mode)
-    written = run_without_tasks(monkeypatch, backend, one_cell_then(KeyboardInterrupt()), run, options)
-    assert not written.complete and written.stopped == certify_run.INTERRUPTED
-    assert report.load(options.out / "report.json") == written
+    name, options, executor = next(m for m in modes(box) if m[0] == mode)
+    written = run_without_tasks(monkeypatch, executor, one_cell_then(KeyboardInterrupt()), options)
+    assert not written.complete and written.stopped == run.INTERRUPTED
+    assert checked.load(options.out / "report.json") == written
     assert [c.detail for c in written.devices[0].cells] == ["recorded before the end"]
     assert "PARTIAL REPORT (interrupted" in (options.out / "report.md").read_text()
     assert capsys.readouterr().out.startswith("sage-qual certify")
@@ -137,11 +133,11 @@ def test_an_interrupt_leaves_a_partial_report_in_every_mode(box, monkeypatch, ca
 
 @pytest.mark.parametrize("mode", ["certify", "target", "emulate"])
 def test_an_internal_error_is_said_in_the_report_then_raised_in_every_mode(box, monkeypatch, capsys, mode):
-    name, run, options, backend = next(m for m in modes(box) if m[0] == mode)
+    name, options, executor = next(m for m in modes(box) if m[0] == mode)
     failing = one_cell_then(RuntimeError("a bug in a backend"))
     with pytest.raises(RuntimeError, match="a bug in a backend"):
-        run_without_tasks(monkeypatch, backend, failing, run, options)
-    written = report.load(options.out / "report.json")
+        run_without_tasks(monkeypatch, executor, failing, options)
+    written = checked.load(options.out / "report.json")
     assert not written.complete and written.stopped == "internal error: RuntimeError('a bug in a backend')"
     assert "PARTIAL: internal error: RuntimeError('a bug in a backend')" in capsys.readouterr().out
     assert "PARTIAL REPORT" in (options.out / "report.md").read_text()
@@ -151,14 +147,15 @@ def test_an_internal_error_is_said_in_the_report_then_raised_in_every_mode(box, 
 def test_a_result_recorded_twice_stops_the_conclusion_in_every_mode(box, monkeypatch, mode):
     """Appends check what they add, not the rules across results: the conclusion reads the whole
     report back, so a backend that appends a duplicate is one line, not a verdict on it."""
-    name, run, options, backend = next(m for m in modes(box) if m[0] == mode)
+    name, options, executor = next(m for m in modes(box) if m[0] == mode)
 
-    def twice(self, plan, writer, stop):
-        cell = Cell(variant=plan.variants[0], fixture="flux", outcome=Outcome.SKIP, detail="recorded")
+    def twice(self, jobs, writer, progress, stop, refine=None):
+        cell = Cell(variant=writer.report.options.variants[0], fixture="flux", outcome=Outcome.SKIP,
+                    detail="recorded")
         writer.append(0, "cells", cell, cell)
 
     with pytest.raises(UsageError, match="does not read back.*devices\\[0\\]"):
-        run_without_tasks(monkeypatch, backend, twice, run, options)
+        run_without_tasks(monkeypatch, executor, twice, options)
     assert len(json.loads((options.out / "report.json").read_text())["devices"][0]["cells"]) == 2  # kept
 
 
@@ -172,7 +169,7 @@ def test_parallel_jobs_finish_before_the_first_error_is_raised():
         finished.append(True)
 
     with pytest.raises(ValueError, match="first"):
-        certify_run.parallel([fails, works, works], threading.Event())
+        workers.parallel([fails, works, works], threading.Event())
     assert finished == [True, True]
 
 
@@ -228,9 +225,9 @@ def test_a_prediction_writes_no_junit_and_says_so(tmp_path, capsys):
 
 
 def test_a_target_run_writes_junit_as_certify_does(box, monkeypatch):
-    options = target_certify.Options(box / "out", "sageattn", families=["FLUX.1"],
-                                     fixture_dirs=[str(box / "fixtures")], junit_xml=box / "target.xml")
-    run_without_tasks(monkeypatch, target_certify.TargetRun, lambda *args: None, target_certify.run, options)
+    options = builders.target_request(box / "out", "sageattn", families=["FLUX.1"],
+                                      fixture_dirs=[str(box / "fixtures")], junit_xml=box / "target.xml")
+    run_without_tasks(monkeypatch, workers.WorkerExecutor, lambda *args, **kwargs: None, options)
     cases = ET.parse(box / "target.xml").getroot().findall("testsuite/testcase")
     assert [(c.get("classname"), c.get("name")) for c in cases] == [("Fake H200 (sm_90)", "FLUX.1")]
     assert cases[0].find("failure").get("message") == "keep off"  # no cell ran: no evidence

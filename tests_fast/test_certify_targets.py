@@ -14,7 +14,12 @@ import torch
 
 from sage_qual.cli import main
 from sage_qual.fixtures.fileformat import load_fixture, save_fixture, shipped_dir
-from sage_qual.qualification import emulate, fault_hooks, report, summary, target_certify
+from sage_qual.qualification.decide import checked
+from sage_qual.qualification.evidence import tasks
+from sage_qual.qualification.render import summary
+from sage_qual.qualification.run import fault_hooks, in_process, run
+
+from . import builders
 
 H200 = {"name": "Fake H200", "capability": [9, 0]}
 A100 = {"name": "Fake A100", "capability": [8, 0]}
@@ -51,7 +56,7 @@ def test_a_target_is_certified_per_family_in_workers(tmp_path, fake_gpus, capsys
     code = main(["certify", "--target", "wrapper:sm90-fp8-cuda", "--fixtures", str(directory),
                  "--families", "FLUX.1", "Qwen-Image", "--out", str(out)])
     assert code == 0
-    data = report.load(out / "report.json")  # strict: every key, type and cell's outcome checked
+    data = checked.load(out / "report.json")  # strict: every key, type and cell's outcome checked
     assert data.target == "wrapper:sm90-fp8-cuda" and data.options.variants == ["wrapper:sm90-fp8-cuda"]
     cells = {c.fixture: c for c in data.devices[0].cells}
     assert {c.outcome.value for c in cells.values()} == {"pass"}
@@ -82,7 +87,7 @@ def test_a_failing_fixture_keeps_its_family_unsafe_and_no_other(tmp_path, fake_g
     # sageattn() returns noise on the Qwen-Image fixture: nothing between it and the app checks it.
     fake_gpus(H200, faults={"qwen": "noise"})
     directory = fixtures_dir(tmp_path / "f")
-    data = target_certify.run(target_certify.Options(tmp_path / "out", "sageattn",
+    data = run.certify(builders.target_request(tmp_path / "out", "sageattn",
                                                      fixture_dirs=[str(directory)],
                                                      families=["FLUX.1", "Qwen-Image"]))
     lines = summary.text(data, tmp_path / "out").splitlines()
@@ -96,7 +101,7 @@ def test_the_wrappers_first_call_check_keeps_a_noisy_kernel_away_from_the_app(tm
     # The same noise behind our wrapper: its first-call check retires the GPU and PyTorch serves the
     # call, so the cell is no evidence for SageAttention either way.
     fake_gpus(H200, faults={"qwen": "noise"})
-    data = target_certify.run(target_certify.Options(
+    data = run.certify(builders.target_request(
         tmp_path / "out", "wrapper:sm90-fp8-cuda", fixture_dirs=[str(fixtures_dir(tmp_path / "f"))],
         families=["Qwen-Image"]))
     qwen = summary.text(data, tmp_path / "out").splitlines()[1]
@@ -126,7 +131,7 @@ def test_sigterm_leaves_a_partial_report_and_exit_130(tmp_path):
     parent.send_signal(signal.SIGTERM)
     stdout, stderr = parent.communicate(timeout=60)
     assert parent.returncode == 130, stderr
-    data = report.load(out / "report.json")
+    data = checked.load(out / "report.json")
     assert not data.complete and data.stopped == "interrupted (SIGINT or SIGTERM)"
     assert [c.fixture for c in data.devices[0].cells] == ["flux"]
     assert "Traceback" not in stderr and "PARTIAL REPORT" in (out / "report.md").read_text()
@@ -148,7 +153,7 @@ def test_emulate_predicts_each_variant_and_gate_refuses_the_report(tmp_path, cap
     directory = fixtures_dir(tmp_path / "f", zero_v_channel="qwen-image")
     assert main(["certify", "--emulate", "--fixtures", str(directory), "--variants", "sm90-fp8-cuda",
                  "sm80-fp16-cuda", "--families", "FLUX.1", "Qwen-Image", "--out", str(out)]) == 0
-    data = report.load(out / "report.json")
+    data = checked.load(out / "report.json")
     assert data.predicted and data.complete and data.devices[0].speed == []
     cells = data.devices[0].cells
     assert len(cells) == 4 and all(c.extra_bytes_per_element is None for c in cells)
@@ -164,13 +169,15 @@ def test_the_prediction_is_the_numerics_models_output_judged_against_its_budget(
     import math
 
     from sage_qual.fixtures import numerics
-    from sage_qual.qualification import budgets, judge, measure
+    from sage_qual.qualification.measure import accuracy, budgets, judge
     from sage_qual.serving.variants import VARIANTS
 
     fixture = load_fixture(sorted(shipped_dir().glob("*.safetensors"))[0])
     variant = VARIANTS["sm90-fp8-cuda"]
-    cell = emulate.predict_cell(variant, fixture, measure.reference(fixture.q, fixture.k, fixture.v))
-    expected = measure.accuracy(numerics.predict(variant, fixture.q, fixture.k, fixture.v),
+    task = tasks.CellTask(f"{variant.name}|{fixture.name}", variant.name, fixture.name, str(fixture.path),
+                          2.5)
+    cell = in_process.InProcessExecutor().worker.run(task)
+    expected = accuracy.accuracy(numerics.predict(variant, fixture.q, fixture.k, fixture.v),
                                 fixture.q, fixture.k, fixture.v)
     assert cell.rel_l2 == pytest.approx(expected.rel_l2) and cell.accuracy_class == "fp8"
     assert cell.bounds == budgets.budget(variant, fixture).limits()

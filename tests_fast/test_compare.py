@@ -10,8 +10,8 @@ import pytest
 
 from sage_qual import cli, records
 from sage_qual.cli import compare
-from sage_qual.qualification import report
-from sage_qual.qualification.verdict import FamilyDecision, GpuDecision, VariantStatus, Verdict
+from sage_qual.qualification.decide import checked
+from sage_qual.qualification.decide.verdict import FamilyDecision, GpuDecision, VariantStatus, Verdict
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 RUN8 = RESULTS / "run8-h200x2-final" / "certify" / "certify-a" / "report.json"  # no long checks
@@ -70,7 +70,7 @@ def test_what_one_report_lacks_is_a_difference():
 @pytest.mark.parametrize("field, words", [("predicted", "certify --emulate measured nothing"),
                                           ("quick", "a --quick run times no family's shapes")])
 def test_predicted_and_quick_reports_are_refused(tmp_path, capsys, field, words):
-    data = report.load(SAMPLE)
+    data = checked.load(SAMPLE)
     edited = (dataclasses.replace(data, predicted=True) if field == "predicted" else
               dataclasses.replace(data, options=dataclasses.replace(data.options, quick=True)))
     path = tmp_path / "edited.json"

@@ -16,13 +16,23 @@ import torch._inductor.codecache  # noqa: F401
 import torch.nn.functional as F
 
 from sage_qual import records
-from sage_qual.qualification import certify, context_check, detection, fault_hooks, profile, report, verdict
-from sage_qual.qualification.report_model import ContextCheck, ContextRun, DType, Outcome, safe_contexts
+from sage_qual.qualification.decide import checked, profile, verdict
+from sage_qual.qualification.evidence.report_model import (
+    ContextCheck,
+    ContextRun,
+    DType,
+    Outcome,
+    safe_contexts,
+)
+from sage_qual.qualification.measure import context_check
+from sage_qual.qualification.run import fault_hooks
+from sage_qual.qualification.run.run import certify
+from sage_qual.qualification.selftest import detection
 from sage_qual.serving.contexts import CAPTURE, CHECKS, COMPILE, CONTEXTS, SIDE_STREAM
 from sage_qual.serving.variants import VARIANTS
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
 
-from . import fakes
+from . import builders, fakes
 from .helpers import TORCH_SDPA
 
 TRITON, SM90 = VARIANTS["sm86-fp16-triton"], VARIANTS["sm90-fp8-cuda"]
@@ -134,9 +144,9 @@ def certified(tmp_path_factory):
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setenv(fault_hooks.TEST_HOOK, json.dumps(hook))
         out = root / "out"
-        certify.run(certify.Options(out, devices="0", variants=[SM90.name, TRITON.name], families=["FLUX.1"],
+        certify(builders.gpu_request(out, devices="0", variants=[SM90.name, TRITON.name], families=["FLUX.1"],
                                     fixture_dirs=[str(fixtures)], timeout=60.0))
-    return out, report.load(out / "report.json")
+    return out, checked.load(out / "report.json")
 
 
 def test_certify_checks_every_variant_in_every_context_and_the_profile_keeps_what_passed(certified):

@@ -1,6 +1,6 @@
 """The suite catches kernel defects, and only where they reach: the fake kernel (sage_qual.testing),
 returning what the numerics model says the H200's kernel returns, wrapped with each defect of
-`sage_qual.qualification.detection`; the cells certify would write for every shipped fixture, read
+`sage_qual.qualification.selftest.detection`; the cells certify would write for every shipped fixture, read
 by the gate's `verdict.decide()`, must keep off exactly the families the defect reaches (and those
 the clean kernel keeps off already). docs/detection.md holds the matrix."""
 
@@ -15,19 +15,13 @@ from sage_qual import records
 from sage_qual.fixtures import numerics
 from sage_qual.fixtures.fileformat import list_fixtures, load_fixture, shipped_dir
 from sage_qual.limits import MEMORY_BOUND
-from sage_qual.qualification import (
-    budgets,
-    detection,
-    emulate,
-    families,
-    judge,
-    long_check,
-    measure,
-    report,
-    report_model,
-    verdict,
-)
-from sage_qual.qualification.report_model import Outcome, ReasonKind
+from sage_qual.qualification import families
+from sage_qual.qualification.decide import checked, verdict
+from sage_qual.qualification.evidence import files, report_model
+from sage_qual.qualification.evidence.report_model import Outcome, ReasonKind
+from sage_qual.qualification.measure import accuracy, budgets, judge, long_check
+from sage_qual.qualification.run import run
+from sage_qual.qualification.selftest import detection
 from sage_qual.serving.variants import VARIANTS
 from sage_qual.testing import FakeSageAttention
 
@@ -58,9 +52,9 @@ def bench():
 
     fake.return_value(as_modelled)
     package = _Package(fake.module())
-    clean = {f.name: measure.call_kernel(package, VARIANT, f.q, f.k, f.v) for f in fixtures}
+    clean = {f.name: accuracy.call_kernel(package, VARIANT, f.q, f.k, f.v) for f in fixtures}
     assert [c.function for c in fake.calls] == [VARIANT.function] * len(fixtures)
-    references = {f.name: measure.reference(f.q, f.k, f.v) for f in fixtures}
+    references = {f.name: accuracy.reference(f.q, f.k, f.v) for f in fixtures}
     return fixtures, clean, references
 
 
@@ -114,12 +108,12 @@ def kept_off_by_the_gate(fixtures, outputs, references) -> frozenset[str]:
     data = json.loads(SAMPLE.read_text())
     data["options"]["variants"] = [VARIANT.name]
     data["fixtures"] = [records.dump(_record(f)) for f in fixtures]
-    cells = [records.dump(_cell(f, measure.errors(outputs[f.name], references[f.name]))) for f in fixtures]
+    cells = [records.dump(_cell(f, accuracy.errors(outputs[f.name], references[f.name]))) for f in fixtures]
     for device in data["devices"]:
         device["cells"] = cells
         # the report holds one variant: the sample's timings of the others go with the rest of it
         device["speed"] = [t for t in device["speed"] if t["kernel"] in ("sdpa", VARIANT.name)]
-    gpu = verdict.decide(report_model.from_dict(data, "detection test"))[0]
+    gpu = verdict.decide(files.from_dict(data, "detection test"))[0]
     return frozenset(d.family for d in gpu.families if d.verdict == verdict.Verdict.KEEP_OFF)
 
 
@@ -278,8 +272,8 @@ def test_certify_emulate_fails_every_cell_of_a_kernel_with_one_wrong_element(tmp
         return defect.apply(detection.Call(fixture.q, fixture.k, fixture.v, out, fixture.q.shape[-1] ** -0.5))
 
     monkeypatch.setattr(budgets, "prediction", defective)
-    emulate.run(emulate.Options(out=tmp_path, variants=[VARIANT.name]))
-    loaded = report.load(tmp_path / "report.json")
+    run.certify(builders.emulate_request(out=tmp_path, variants=[VARIANT.name]))
+    loaded = checked.load(tmp_path / "report.json")
     cells = loaded.devices[0].cells
     assert len(cells) == len(list_fixtures(shipped_dir()))
     assert all(c.outcome.value == "fail" for c in cells)

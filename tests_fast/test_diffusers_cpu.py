@@ -12,7 +12,7 @@ import torch
 import sage_qual
 from sage_qual.fixtures import fileformat
 from sage_qual.fixtures.recorder import record_sdpa
-from sage_qual.qualification import targets
+from sage_qual.qualification.integrations import targets
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention, exact_attention
 
 # diffusers (in the test extra) is imported by this module, at collection: before any fake triton.

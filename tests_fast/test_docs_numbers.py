@@ -9,7 +9,7 @@ import pytest
 
 from sage_qual import cli
 from sage_qual.fixtures.fileformat import list_fixtures, shipped_dir
-from sage_qual.qualification import report, verdict
+from sage_qual.qualification.decide import checked, verdict
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -24,18 +24,18 @@ def flat(text: str) -> str:
 
 
 def sm90_break_even(path: Path) -> int:
-    (gpu,) = verdict.decide(report.load(path))
+    (gpu,) = verdict.decide(checked.load(path))
     return gpu.variants["sm90-fp8-cuda"].break_even.min_query_tokens
 
 
 def test_the_fixture_count_is_the_shipped_one_and_the_reports_one():
     count = len(list_fixtures(shipped_dir()))
-    assert all(len(report.load(path).fixtures) == count for path in CURRENT)
+    assert all(len(checked.load(path).fixtures) == count for path in CURRENT)
     assert f"`fixtures/` holds {count} **replicas**" in flat(README)
 
 
 def test_the_error_ranges_are_the_current_reports():
-    cells = [c for path in CURRENT for d in report.load(path).devices for c in d.cells if c.measured]
+    cells = [c for path in CURRENT for d in checked.load(path).devices for c in d.cells if c.measured]
     kernels = [c.rel_l2 for c in cells if c.rel_l2 is not None]
     sdpa = [c.sdpa_rel_l2 for c in cells if c.sdpa_rel_l2 is not None]
     assert (f"the kernels land at {min(kernels):.2g}-{max(kernels):.2g} relative L2 against float32"
@@ -48,7 +48,7 @@ def test_the_break_even_ranges_are_the_committed_runs():
     low, high = min(current + run8), max(current + run8)
     assert (f"SDPA call by call near the crossover: {low:,} to {high:,} tokens for the sm90 kernel at "
             "head_dim 128") in flat(README)
-    runs = [report.load(RUN13 / f"certify-{n}" / "report.json") for n in "bcde"]
+    runs = [checked.load(RUN13 / f"certify-{n}" / "report.json") for n in "bcde"]
     decisions = [gpu for run in runs for gpu in verdict.decide(run)]
     run13 = {f.min_query_tokens for gpu in decisions for f in gpu.families if f.min_query_tokens}
     assert len(run13) == 1 and f"all gave {run13.pop():,} tokens" in flat(README)
@@ -71,7 +71,7 @@ def test_docstrings_cite_modules_that_exist(module):
     import importlib
     import re
 
-    text = importlib.import_module(f"sage_qual.qualification.{module}").__doc__
+    text = importlib.import_module(f"sage_qual.qualification.measure.{module}").__doc__
     for name in re.findall(r"`(sage_qual(?:\.\w+)+)", text):
         parts = name.split(".")
         for cut in range(len(parts), 1, -1):  # the longest importable prefix; the rest are attributes

@@ -5,6 +5,7 @@ terminal summary (the table, each predicted failure, families without fixtures),
 import contextlib
 import dataclasses
 import io
+import itertools
 import json
 import math
 import socket
@@ -15,9 +16,13 @@ import torch
 
 from sage_qual.errors import UsageError
 from sage_qual.fixtures.fileformat import load_fixture
-from sage_qual.qualification import budgets, certify_run, emulate, judge, measure, report
+from sage_qual.qualification.decide import checked
+from sage_qual.qualification.evidence import report_model, tasks
+from sage_qual.qualification.measure import accuracy, budgets, judge
+from sage_qual.qualification.run import in_process, plan, run
 from sage_qual.serving.variants import VARIANTS
 
+from . import builders
 from .fakes import random_fixture
 
 VARIANT_NAMES = ["sm90-fp8-cuda", "sm80-fp16-cuda"]
@@ -40,12 +45,12 @@ def emulated(tmp_path_factory):
     fixtures.mkdir()
     write(fixtures, "sdxl_plain", seed=1)
     write(fixtures, "sdxl_zero_v", zero_v_channel=True, seed=2)
-    options = emulate.Options(
+    options = builders.emulate_request(
         root / "out", variants=VARIANT_NAMES, families=["SDXL", "FLUX.1"], fixture_dirs=[str(fixtures)]
     )
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        emulate.run(options)
+        run.certify(options)
     # What the run wrote and printed (its return value is the same report, as a dict or a record).
     data = json.loads((root / "out" / "report.json").read_text())
     return data, root, fixtures, printed.getvalue()
@@ -64,10 +69,11 @@ def cells_of(data):
 
 def test_the_report_header_says_predicted_and_complete(emulated):
     data, root, fixtures, _ = emulated
-    assert data["kind"] == report.KIND and data["schema_version"] == report.SCHEMA_VERSION
+    assert data["kind"] == report_model.KIND and data["schema_version"] == report_model.SCHEMA_VERSION
     assert data["predicted"] is True and data["complete"] is True and data["stopped"] == ""
     assert data["finished"] is not None and data["started"] <= data["finished"]
-    assert data["host"] == socket.gethostname() and data["command"] == "sage_qual.qualification.emulate.run()"
+    assert data["host"] == socket.gethostname()
+    assert data["command"] == "sage_qual.qualification.run.run.certify()"
     assert data["options"] == {
         "devices": [0],
         "variants": VARIANT_NAMES,
@@ -82,13 +88,13 @@ def test_the_report_header_says_predicted_and_complete(emulated):
     device = data["devices"][0]
     assert (device["index"], device["name"], device["capability"], device["memory_gib"]) == (
         0,
-        emulate.DEVICE_NAME,
+        in_process.DEVICE_NAME,
         [0, 0],
         0.0,
     )
     assert device["not_supported"] == {} and device["speed"] == []
     # What it wrote reads back as a report, with its rendering next to it.
-    loaded = report.load(root / "out" / "report.json")
+    loaded = checked.load(root / "out" / "report.json")
     assert loaded.predicted and loaded.complete
     assert (root / "out" / "report.md").is_file()
 
@@ -98,13 +104,13 @@ def test_each_cell_is_judged_against_its_budget_like_a_measured_one(emulated):
     cells = cells_of(data)
     assert list(cells) == [(v, f) for f in ("sdxl_plain", "sdxl_zero_v") for v in VARIANT_NAMES]
     fixture = load_fixture(fixtures / "sdxl_plain.safetensors")
-    ref = measure.reference(fixture.q, fixture.k, fixture.v)
+    ref = accuracy.reference(fixture.q, fixture.k, fixture.v)
     for name in VARIANT_NAMES:
         cell, variant = cells[(name, "sdxl_plain")], VARIANTS[name]
-        acc = measure.accuracy(budgets.prediction(variant, fixture), fixture.q, fixture.k, fixture.v, ref)
+        acc = accuracy.accuracy(budgets.prediction(variant, fixture), fixture.q, fixture.k, fixture.v, ref)
         assert cell["bounds"] == limits(budgets.budget(variant, fixture))
         assert cell["reasons"] == judge.cell_reasons(acc, 0.0, cell["bounds"], math.inf) == []
-        assert cell["outcome"] == "pass" and cell["detail"] == emulate.PREDICTED
+        assert cell["outcome"] == "pass" and cell["detail"] == in_process.PREDICTED
         assert cell["accuracy_class"] == variant.accuracy_class
         assert cell["rel_l2"] == acc.rel_l2 and cell["worst_head_cosine"] == acc.worst_head_cosine
         assert cell["max_abs_error"] == acc.max_abs_error and cell["finite"] is True
@@ -132,7 +138,7 @@ def test_each_planned_long_check_is_predicted_on_one_group_of_heads(emulated):
     q_tokens = sorted(c["shape"]["q_tokens"] for c in per_variant)
     assert q_tokens == [1024, 2048, 4096, 8192, 16384, 16384, 16896, 32768]  # the sweep, SDXL's, FLUX.1's
     for check in checks:
-        assert check["detail"] == emulate.PREDICTED and check["outcome"] == "pass"
+        assert check["detail"] == in_process.PREDICTED and check["outcome"] == "pass"
         assert check["identical"] == {name: True for name in check["layouts"] if name != "contiguous"}
         shape = check["shape"]
         assert check["ran_heads"] == shape["heads"] // shape["kv_heads"]  # 1: every group is alike
@@ -171,8 +177,7 @@ def test_a_quick_run_predicts_the_smallest_fixture_and_the_longest_family_call(t
     fixtures = tmp_path / "fixtures"
     fixtures.mkdir()
     write(fixtures, "one", seed=3)
-    emulate.run(
-        emulate.Options(
+    run.certify(builders.emulate_request(
             tmp_path / "out",
             variants=["sm80-fp16-cuda"],
             families=["SDXL"],
@@ -182,16 +187,16 @@ def test_a_quick_run_predicts_the_smallest_fixture_and_the_longest_family_call(t
     )
     data = json.loads((tmp_path / "out" / "report.json").read_text())
     assert data["options"]["quick"] is True
-    assert [(c["fixture"], c["detail"]) for c in data["devices"][0]["cells"]] == [("one", emulate.PREDICTED)]
+    cells = data["devices"][0]["cells"]
+    assert [(c["fixture"], c["detail"]) for c in cells] == [("one", in_process.PREDICTED)]
     assert [c["shape"]["q_tokens"] for c in data["devices"][0]["long"]] == [1024, 4096, 16384, 16384]
 
 
 def test_no_fixture_is_a_usage_error_that_says_what_to_give(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(UsageError) as error:
-        emulate.run(
-            emulate.Options(tmp_path / "out", families=["SDXL"], fixture_dirs=[str(tmp_path / "empty")])
-        )
+        run.certify(builders.emulate_request(tmp_path / "out", families=["SDXL"],
+                                             fixture_dirs=[str(tmp_path / "empty")]))
     assert str(error.value) == (
         "no fixtures selected: give --fixtures DIR with *.safetensors fixtures, or other --families"
     )
@@ -204,8 +209,7 @@ def test_an_output_that_cannot_be_made_is_a_usage_error(tmp_path):
     write(fixtures, "one")
     (tmp_path / "file").write_text("x")
     with pytest.raises(UsageError, match=r"^cannot write to .*file.out: "):
-        emulate.run(
-            emulate.Options(
+        run.certify(builders.emulate_request(
                 tmp_path / "file" / "out",
                 variants=["sm80-fp16-cuda"],
                 families=["SDXL"],
@@ -218,33 +222,34 @@ def test_a_cells_seconds_are_the_time_its_prediction_took(tmp_path, monkeypatch)
     fixtures = tmp_path / "fixtures"
     fixtures.mkdir()
     write(fixtures, "timed", seed=4)
-    fixture = load_fixture(fixtures / "timed.safetensors")
-    clock = iter([100.0, 100.12345])
-    monkeypatch.setattr(emulate, "time", types.SimpleNamespace(monotonic=lambda: next(clock)))
-    cell = emulate.predict_cell(
-        VARIANTS["sm80-fp16-cuda"], fixture, measure.reference(fixture.q, fixture.k, fixture.v)
-    )
-    seconds = cell["seconds"] if isinstance(cell, dict) else cell.seconds
-    assert seconds == 0.123
+    clock = itertools.cycle([100.0, 100.12345])  # each task's start and end
+    monkeypatch.setattr(in_process, "time", types.SimpleNamespace(monotonic=lambda: next(clock)))
+    with contextlib.redirect_stdout(io.StringIO()):
+        written = run.certify(builders.emulate_request(tmp_path / "out", variants=["sm80-fp16-cuda"],
+                                                       families=["SDXL"], fixture_dirs=[str(fixtures)],
+                                                       quick=True))
+    (cell,) = written.devices[0].cells
+    assert cell.seconds == 0.123 and {check.seconds for check in written.devices[0].long} == {0.123}
 
 
 def test_calls_alike_after_the_head_reduction_share_one_prediction_but_keep_their_own_record(monkeypatch):
-    from sage_qual.qualification import families, long_check
+    from sage_qual.qualification import families
 
     # FLUX.1 (24 heads) and FLUX.2 (32 heads) at 16,896 tokens: one group of heads each, one computation.
-    planned = long_check.plan([families.find("FLUX.1"), families.find("FLUX.2")], (), 10**6)
+    planned = plan.long_checks([families.find("FLUX.1"), families.find("FLUX.2")], 10**6, quick=False,
+                               sweep_tokens=())
     flux1, flux2 = sorted(planned.values(), key=lambda p: p.shape.heads)
-    clock = iter([50.0, 50.12345])  # the one computation's start and end
-    monkeypatch.setattr(emulate, "time", types.SimpleNamespace(monotonic=lambda: next(clock)))
-    cache = {}
-    first = emulate.predict_long(VARIANTS["sm80-fp16-cuda"], flux1, cache)
-    second = emulate.predict_long(VARIANTS["sm80-fp16-cuda"], flux2, cache)
-    assert len(cache) == 1 and first.seconds == second.seconds == 0.123
+    executor = in_process.InProcessExecutor()
+    computed = []
+    real_run = executor.worker.run
+    monkeypatch.setattr(executor.worker, "run", lambda task: computed.append(task) or real_run(task))
+    first, second = (executor._long(tasks.LongTask(f"sm80-fp16-cuda~{n}", "sm80-fp16-cuda", p.shape, p.uses,
+                                                   p.layouts)) for n, p in enumerate((flux1, flux2)))
+    assert len(computed) == 1
     assert (first.shape.heads, second.shape.heads) == (24, 32) and first.ran_heads == second.ran_heads == 1
     assert [u.family for u in first.uses] == ["FLUX.1"] and [u.family for u in second.uses] == ["FLUX.2"]
     assert first.identical == {"transposed": True, "fused_qkv": True, "nhd": True}
     assert second.identical == {"transposed": True, "nhd": True}
-    assert first.detail == second.detail == emulate.PREDICTED
 
 
 def test_progress_counts_every_prediction_on_the_cpu_without_a_line_each(tmp_path, monkeypatch):
@@ -266,14 +271,14 @@ def test_progress_counts_every_prediction_on_the_cpu_without_a_line_each(tmp_pat
         def close(self):
             pass
 
-    monkeypatch.setattr(certify_run, "Progress", Bar)
+    monkeypatch.setattr(run, "Progress", Bar)
     fixtures = tmp_path / "fixtures"
     fixtures.mkdir()
     write(fixtures, "one", seed=4)
-    options = emulate.Options(tmp_path / "out", variants=VARIANT_NAMES, families=["SDXL"],
+    options = builders.emulate_request(tmp_path / "out", variants=VARIANT_NAMES, families=["SDXL"],
                               fixture_dirs=[str(fixtures)], quick=True)
     with contextlib.redirect_stdout(io.StringIO()):
-        emulate.run(options)
+        run.certify(options)
     data = json.loads((tmp_path / "out" / "report.json").read_text())
     recorded = len(data["devices"][0]["cells"]) + len(data["devices"][0]["long"])
     (bar,) = bars

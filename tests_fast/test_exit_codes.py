@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from sage_qual import cli
-from sage_qual.qualification import verdict
+from sage_qual.qualification.decide import verdict
 
 ROOT = Path(__file__).resolve().parents[1]
 H200 = ROOT / "tests_fast" / "data" / "sample_h200_2gpu.json"

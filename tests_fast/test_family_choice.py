@@ -16,7 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sage_qual import records
-from sage_qual.qualification import families, report, speed, verdict
+from sage_qual.qualification import families
+from sage_qual.qualification.decide import checked, verdict
+from sage_qual.qualification.measure import speed
 
 from . import builders
 
@@ -47,7 +49,7 @@ def timed_report(ms_per_device: list[dict], variants=VARIANTS, every_shape=False
     """A complete report with one H200 per entry of `ms_per_device`, each passing every cell and
     taking ms[(variant, shape key)] (SLOWER where not given). FLUX.1's shapes only, unless
     `every_shape`."""
-    typed = report.parse(sample(), "sample")
+    typed = checked.parse(sample(), "sample")
     shapes = typed.shapes
     if not every_shape:
         own, sweep, _ = shape_keys(sample())
@@ -67,7 +69,7 @@ def timed_report(ms_per_device: list[dict], variants=VARIANTS, every_shape=False
 
 
 def family_verdict(data: dict, family=FAMILY) -> dict:
-    (gpu,) = verdict.decide(report.parse(data, "test report"))
+    (gpu,) = verdict.decide(checked.parse(data, "test report"))
     decision = gpu.family(family.name)
     return {"verdict": decision.verdict.value, "variant": decision.variant,
             "min_query_tokens": decision.min_query_tokens, "min_key_tokens": decision.min_key_tokens,
@@ -184,7 +186,7 @@ def test_the_shapes_left_out_above_decide_other_families():
 
 # The evidence behind a choice ------------------------------------------------------------------------
 def model_decision(data: dict):
-    (gpu,) = verdict.decide(report.parse(data, "test report"))
+    (gpu,) = verdict.decide(checked.parse(data, "test report"))
     return gpu
 
 

@@ -1,4 +1,4 @@
-"""`gate.budget_problem` at its edges: which cells it re-derives (the GPU models here; a certify
+"""`budget_check.budget_problem` at its edges: which cells it re-derives (the GPU models here; a certify
 --target report with the target's variant on each GPU), what it says when a budget cannot be
 re-derived, where derived budgets are cached and when that file is written, and a stored limit
 exactly at its allowance.
@@ -15,8 +15,10 @@ import re
 
 import pytest
 
-from sage_qual.qualification import budgets, families, report, targets
-from sage_qual.qualification import gate as gate_module
+from sage_qual.qualification import families, selection
+from sage_qual.qualification.decide import budget_check, checked
+from sage_qual.qualification.integrations import targets
+from sage_qual.qualification.measure import budgets
 from sage_qual.serving.variants import VARIANTS, gpu_label
 
 from .fakes import CAPABILITY, H100, H200, L40S, RTX4090, fleet_report, write_fleet
@@ -37,7 +39,7 @@ def fleet(tmp_path, monkeypatch):
     """(report dict, FLUX.1's fixture files here, loaded), the cache under tmp_path/cache."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     _, directory, data = write_fleet(tmp_path, fleet_report())
-    fixtures = gate_module.local_fixture_files([str(directory)], FLUX)
+    fixtures = selection.family_fixtures([str(directory)], FLUX)
     assert list(fixtures) == [FIXTURE]
     for device in data["devices"]:
         for cell in device["cells"]:
@@ -61,7 +63,7 @@ def as_target(data: dict, target: str, fixtures: dict) -> dict:
 
 def problem(data: dict, fixtures: dict, *models: str, family=FLUX) -> str:
     here = {gpu_label(name, CAPABILITY[name]) for name in models}
-    return gate_module.budget_problem("report.json", report.parse(data, "report.json"), family, here,
+    return budget_check.budget_problem("report.json", checked.parse(data, "report.json"), family, here,
                                       fixtures)
 
 
@@ -191,10 +193,10 @@ def test_new_budgets_are_cached_beside_an_older_sage_quals_cache(fleet, tmp_path
 # A stored limit at its allowance ------------------------------------------------------------------------
 def test_a_limit_exactly_at_its_allowance_is_accepted_and_one_step_past_it_refused():
     derived = 0.104  # one whose derived + allowance is exact in floats
-    allowed = gate_module.BUDGET_ABS + gate_module.BUDGET_REL * derived
+    allowed = budget_check.BUDGET_ABS + budget_check.BUDGET_REL * derived
     stored = derived + allowed
     assert stored - derived == allowed
-    assert gate_module._looser("w", {"max_rel_l2": stored}, {"max_rel_l2": derived}) == ""
+    assert budget_check._looser("w", {"max_rel_l2": stored}, {"max_rel_l2": derived}) == ""
     past = math.nextafter(stored, 1.0)
-    assert gate_module._looser("w", {"max_rel_l2": past}, {"max_rel_l2": derived}).startswith(
+    assert budget_check._looser("w", {"max_rel_l2": past}, {"max_rel_l2": derived}).startswith(
         f"w: bounds.max_rel_l2: {past} in the report is looser than {derived}")

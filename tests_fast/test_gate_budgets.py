@@ -16,8 +16,11 @@ import pytest
 
 from sage_qual import cli, records
 from sage_qual.fixtures import fileformat
-from sage_qual.qualification import budgets, families, pool, report
-from sage_qual.qualification import gate as gate_module
+from sage_qual.qualification import families, selection
+from sage_qual.qualification.decide import budget_check, checked
+from sage_qual.qualification.decide import gate as gate_module
+from sage_qual.qualification.measure import budgets
+from sage_qual.qualification.run import pool, workers
 from sage_qual.serving.variants import VARIANTS
 
 from .builders import reason
@@ -94,7 +97,7 @@ def test_a_loosened_budget_is_refused_naming_file_cell_limit_and_values(capsys, 
 def test_a_loosened_budget_is_refused_in_json_and_junit(capsys, tmp_path, flux_report):
     path, fixtures, data, index = flux_report
     loosen(path, data, index, max_rel_l2=1.0)
-    junit = tmp_path / "gate.xml"
+    junit = tmp_path / "gate_module.xml"
     code, out, _ = gate(capsys, path, fixtures, "--json", "--junit-xml", str(junit))
     answer = json.loads(out)
     assert code == 2 and answer["exit_code"] == 2 and answer["gpus"] == []
@@ -103,17 +106,17 @@ def test_a_loosened_budget_is_refused_in_json_and_junit(capsys, tmp_path, flux_r
 
 
 def test_the_library_decision_rederives_the_budgets_too(flux_report):
-    """A library caller of gate.decide() gets the command's answer: a loosened budget cannot enable."""
+    """A library caller of gate_module.decide() gets the command's answer: a loosened budget cannot enable."""
     path, fixtures, data, index = flux_report
     derived = data["devices"][0]["cells"][index]["bounds"]["max_rel_l2"]
     loosen(path, data, index, max_rel_l2=derived * 4)
     flux = families.find("FLUX.1")
-    here = gate_module.this_machine()  # the fixture's machine: an H200 at cuda:0
-    decision = gate_module.decide(report.load(path), flux, here,
-                                  gate_module.local_fixture_files([str(fixtures)], flux), False, str(path))
+    here = workers.this_machine()  # the fixture's machine: an H200 at cuda:0
+    decision = gate_module.decide(checked.load(path), flux, here,
+                                  selection.family_fixtures([str(fixtures)], flux), False, str(path))
     assert decision.code == 2
     assert f"bounds.max_rel_l2: {derived * 4} in the report is looser" in decision.problem
-    assert gate_module.gate(path, "flux.1", [str(fixtures)]).problem == decision.problem
+    assert gate_module.gate(path, "flux.1", workers.this_machine, [str(fixtures)]).problem == decision.problem
 
 
 def test_a_dropped_limit_is_refused(capsys, flux_report):
@@ -185,7 +188,7 @@ def test_derived_budgets_are_cached_per_variant_and_fixture(capsys, flux_report,
     model_run = budgets.budget
     monkeypatch.setattr(budgets, "budget", lambda *args: derived_again.append(args) or model_run(*args))
     assert gate(capsys, path, fixtures)[0] == 0
-    assert len(derived_again) == 1  # budget_cache.spot_check: one cached entry, derived again
+    assert len(derived_again) == 1  # budget_check.spot_check: one cached entry, derived again
 
 
 def test_a_tampered_cache_entry_is_derived_again(capsys, flux_report, tmp_path):
@@ -208,7 +211,7 @@ def test_merge_trusts_stored_budgets_and_says_so(capsys, flux_report):
     with pytest.raises(SystemExit):
         cli.main(["merge", "--help"])
     assert "trusts each report's stored budgets" in " ".join(capsys.readouterr().out.split())
-    assert gate_module.BUDGET_REL < budgets.MARGIN  # a tolerated edit stays inside the model's margin
+    assert budget_check.BUDGET_REL < budgets.MARGIN  # a tolerated edit stays inside the model's margin
 
 
 # The two H200 certify runs (tests_fast/data/README.md), against the shipped fixtures -----------------
@@ -226,24 +229,24 @@ def test_budgets_derived_on_an_h200_pass_against_this_cpu(tmp_path, monkeypatch)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     # Run 8 predates the element-wise limit (issue 16): compare the limits it derived. The GPU-to-CPU
     # spread of max_abs is checked by tests_gpu/test_numerics_vs_kernel.py.
-    monkeypatch.setattr(gate_module, "derived_budget", lambda variant, fixture, cache: {
+    monkeypatch.setattr(budget_check, "derived_budget", lambda variant, fixture, cache: {
         k: x for k, x in budgets.budget(variant, fixture).limits().items() if k != "max_abs"})
     qwen = families.find("Qwen-Image")
-    fixtures = gate_module.local_fixture_files(None, qwen)
+    fixtures = selection.family_fixtures(None, qwen)
     for path in H200_RUNS:
         data = h200_run(path)
-        typed = report.parse(data, path.name)
+        typed = checked.parse(data, path.name)
         here = gate_module.models(typed.environment)
-        assert gate_module.budget_problem(path.name, typed, qwen, here, fixtures) == ""
+        assert budget_check.budget_problem(path.name, typed, qwen, here, fixtures) == ""
     index, cell = next((i, c) for i, c in enumerate(data["devices"][0]["cells"])
                        if c["fixture"].startswith("qwen") and c["outcome"] == "pass")
     cell["bounds"]["max_block_rel_l2"] *= 1.2
-    problem = gate_module.budget_problem(path.name, report.parse(data, path.name), qwen, here, fixtures)
+    problem = budget_check.budget_problem(path.name, checked.parse(data, path.name), qwen, here, fixtures)
     assert problem.startswith(f"{path.name}: devices[0].cells[{index}] ({cell['variant']} on "
                               f"{cell['fixture']}): bounds.max_block_rel_l2: ")
 
 
-# The cache of derived budgets in odd environments and restored from elsewhere (budget_cache.py) ------
+# The cache of derived budgets in odd environments and restored from elsewhere (budget_check.py) ------
 @pytest.fixture
 def no_home(monkeypatch):
     """An arbitrary uid in a container: no HOME, no XDG_CACHE_HOME, no passwd entry."""
@@ -269,14 +272,13 @@ def test_without_a_home_the_cache_lives_in_the_runs_folder(capsys, flux_report, 
 def forge(tmp_path, path, data, index):
     """Every cached entry loosened, the digest recomputed as a forger would, and the report's
     failing cell loosened to match."""
-    from sage_qual.qualification import budget_cache
 
     cache_file, = (tmp_path / "cache" / "sage-qual").glob("budgets-*.json")
     model = cache_file.stem.removeprefix("budgets-")
     entries = {key: {**value, "max_rel_l2": 1.0} for key, value in
                json.loads(cache_file.read_text())["entries"].items()}
-    budget_cache.save(cache_file, model, entries)
-    assert budget_cache.load(cache_file, model) == entries  # the digest checks out
+    budget_check.save_cache(cache_file, model, entries)
+    assert budget_check.load_cache(cache_file, model) == entries  # the digest checks out
     loosen(path, data, index, max_rel_l2=1.0)
     return cache_file
 

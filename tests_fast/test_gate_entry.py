@@ -9,8 +9,10 @@ from types import SimpleNamespace
 import pytest
 
 from sage_qual import limits
-from sage_qual.errors import ExitCode
-from sage_qual.qualification import families, gate, pool, report
+from sage_qual.errors import ExitCode, UsageError
+from sage_qual.qualification import families, selection
+from sage_qual.qualification.decide import budget_check, checked, gate
+from sage_qual.qualification.run import pool, workers
 
 from .fakes import DATA, env_result, load
 
@@ -19,7 +21,7 @@ PARTIAL = DATA / "sample_partial.json"
 
 
 def sample_machine():
-    return report.load(SAMPLE).environment
+    return checked.load(SAMPLE).environment
 
 
 @pytest.fixture
@@ -31,19 +33,19 @@ def sample_fixtures(monkeypatch):
         return {f["name"]: SimpleNamespace(name=f["name"], sha256=f["sha256"]) for f in recorded
                 if gate.counts_for(family, f["family"])}
 
-    monkeypatch.setattr(gate, "local_fixture_files", local)
-    monkeypatch.setattr(gate, "budget_problem", lambda *args: "")
+    monkeypatch.setattr(selection, "family_fixtures", local)
+    monkeypatch.setattr(budget_check, "budget_problem", lambda *args: "")
 
 
 def test_this_machine_is_the_environment_a_worker_collected_into_a_temporary_log(monkeypatch):
     asked = []
 
-    def collect(log_path, timeout):
+    def collect(task, log_path, timeout):
         asked.append((log_path, timeout, log_path.parent.is_dir()))
         return env_result(load(SAMPLE.name)["environment"])
 
     monkeypatch.setattr(pool, "collect_environment", collect)
-    assert gate.this_machine() == sample_machine()
+    assert workers.this_machine() == sample_machine()
     ((log_path, timeout, folder_existed),) = asked
     assert (log_path.name, timeout, folder_existed) == ("environment.log", limits.STARTUP_TIMEOUT, True)
     assert log_path.parent.name.startswith("sage-qual-gate-") and not log_path.parent.exists()
@@ -70,10 +72,19 @@ def test_a_report_that_cannot_decide_is_refused_before_this_machine_is_asked(tmp
 @pytest.mark.usefixtures("sample_fixtures")
 def test_a_machine_that_cannot_be_collected_answers_for_the_family():
     def machine():
-        raise pool.WorkerError("collecting this machine's environment failed: crash: killed by SIGSEGV")
+        raise UsageError("collecting this machine's environment failed: crash: killed by SIGSEGV")
 
     assert gate.gate(SAMPLE, "flux.1", machine=machine) == gate.GateDecision(
         "FLUX.1", ExitCode.USAGE, "collecting this machine's environment failed: crash: killed by SIGSEGV")
+
+
+def test_a_worker_that_cannot_collect_the_machine_is_a_usage_error(monkeypatch):
+    def collect(task, log_path, timeout):
+        raise pool.WorkerError("collecting this machine's environment failed: crash: killed by SIGSEGV")
+
+    monkeypatch.setattr(pool, "collect_environment", collect)
+    with pytest.raises(UsageError, match="killed by SIGSEGV"):
+        workers.this_machine()
 
 
 def test_machine_problems_name_the_machine():
@@ -86,7 +97,7 @@ def test_machine_problems_name_the_machine():
 
 
 def test_each_entry_point_names_its_source():
-    partial, flux = report.load(PARTIAL), families.find("FLUX.1")
+    partial, flux = checked.load(PARTIAL), families.find("FLUX.1")
     here = sample_machine()
     assert gate.decide_stored(partial, flux, here, {}, False).problem.startswith("report.json is a partial")
     decided = gate.decide(partial, flux, here, {}, False, source=str(Path("runs") / "a.json"))

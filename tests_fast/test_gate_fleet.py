@@ -1,6 +1,6 @@
 """`sage-qual gate` and `merge` on fleets: reports holding several GPU models (an H200, an H100 and an
 RTX 4090 in one report, and across reports), decided against fixture files on disk through the real
-local fixture filter (`gate.local_fixture_files`), never a patched one.
+local fixture filter (`selection.family_fixtures`), never a patched one.
 
 The fleet report is built from the hand-made samples in tests_fast/data (certify's format, synthetic
 numbers): the H200 sample's cuda:0 stays an H200, its cuda:1 becomes an H100 (so the Qwen-Image
@@ -19,8 +19,10 @@ import torch
 
 from sage_qual import cli
 from sage_qual.fixtures import fileformat
-from sage_qual.qualification import families, pool, report, verdict
-from sage_qual.qualification import gate as gate_module
+from sage_qual.qualification import families
+from sage_qual.qualification.decide import budget_check, checked, verdict
+from sage_qual.qualification.decide import gate as gate_module
+from sage_qual.qualification.run import pool
 
 from .fakes import (
     CAPABILITY,
@@ -50,7 +52,7 @@ def machine(monkeypatch):
     environment = fleet_report()["environment"]
     # The samples' budgets are hand-made, not derived from these random fixtures: the check that
     # stored budgets match the derived ones is tests_fast/test_gate_budgets.py's.
-    monkeypatch.setattr(gate_module, "budget_problem", lambda *args: "")
+    monkeypatch.setattr(budget_check, "budget_problem", lambda *args: "")
 
     def here(*models):
         gpus = [gpu_entry(environment["gpus"][0], i, name) for i, name in enumerate(models)]
@@ -290,7 +292,7 @@ def test_gate_refuses_a_predicted_report(capsys, tmp_path, machine):
     machine(H200)
     code, out, err = gate(capsys, path, fixtures, "FLUX.1")
     assert code == 2 and out == "" and err.count("\n") == 1 and "predicted" in err
-    typed = report.parse(data, "report.json")
+    typed = checked.parse(data, "report.json")
     decision = gate_module.decide(typed, families.find("FLUX.1"), typed.environment, {}, False)
     assert (decision.family, decision.code, decision.problem, decision.gpus) == (
         "FLUX.1", 2, "report.json is a predicted report (certify --emulate: the CPU numerics model, no GPU "
@@ -301,10 +303,10 @@ def test_gate_refuses_a_predicted_report(capsys, tmp_path, machine):
 def test_gate_decides_nothing_from_a_partial_report():
     partial = load("sample_partial.json")
     partial["stopped"] = "SIGTERM"
-    data = report.parse(partial, "sample_partial.json")
-    here = report.parse(load("sample_h200_2gpu.json"), "sample_h200_2gpu.json").environment
+    data = checked.parse(partial, "sample_partial.json")
+    here = checked.parse(load("sample_h200_2gpu.json"), "sample_h200_2gpu.json").environment
     decision = gate_module.decide(data, families.find("FLUX.1"), here, {}, False)
-    status = report.status_line(False, data.started, data.finished, data.stopped)
+    status = checked.status_line(False, data.started, data.finished, data.stopped)
     assert (decision.family, decision.code, decision.problem, decision.gpus) == (
         "FLUX.1", 2, f"report.json is a partial report ({status}): run certify to the end", [])
 
@@ -316,7 +318,7 @@ def test_gate_json_holds_each_models_decision(capsys, fleet, machine):
     code, out, _ = gate(capsys, path, fixtures, "Wan 2.2", "--json")
     printed = json.loads(out)
     assert (code, printed["family"], printed["exit_code"], printed["problem"]) == (1, "Wan 2.2", 1, "")
-    decided = {g.model: g.family("Wan 2.2") for g in verdict.decide(report.parse(data, "report.json"))}
+    decided = {g.model: g.family("Wan 2.2") for g in verdict.decide(checked.parse(data, "report.json"))}
     assert [g["gpu"] for g in printed["gpus"]] == [model(H200), model(H100)]
     for entry in printed["gpus"]:
         d = decided[entry["gpu"]]
@@ -346,7 +348,7 @@ def test_a_component_missing_on_one_side_is_named_none(capsys, tmp_path, machine
 def test_a_family_the_report_did_not_certify_names_what_it_ran():
     fleet = fleet_report()
     fleet["options"]["families"] = ["SDXL", "Wan 2.2"]
-    typed = report.parse(fleet, "report.json")
+    typed = checked.parse(fleet, "report.json")
     decision = gate_module.decide(typed, families.find("FLUX.1"), typed.environment, {}, False)
     assert (decision.family, decision.code, decision.problem) == (
         "FLUX.1", 2, "the report did not certify FLUX.1 (it ran: SDXL, Wan 2.2)")
@@ -354,7 +356,7 @@ def test_a_family_the_report_did_not_certify_names_what_it_ran():
 
 def test_every_difference_of_a_stale_report_is_listed():
     data = fleet_report()
-    typed = report.parse(data, "report.json")
+    typed = checked.parse(data, "report.json")
     here = dataclasses.replace(typed.environment, driver="", torch="2.12.0")
     decision = gate_module.decide(typed, families.find("FLUX.1"), here, {}, False)
     assert (decision.family, decision.code) == ("FLUX.1", 2)

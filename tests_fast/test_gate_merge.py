@@ -13,9 +13,12 @@ import torch
 
 from sage_qual import cli, records
 from sage_qual.errors import UsageError
-from sage_qual.qualification import families, gate, pool, report, verdict
+from sage_qual.qualification import families, selection
+from sage_qual.qualification.decide import budget_check, checked, gate, verdict
+from sage_qual.qualification.evidence import report_model
+from sage_qual.qualification.evidence.report_model import EnvironmentRecord
 from sage_qual.qualification.families import Family
-from sage_qual.qualification.report_model import EnvironmentRecord
+from sage_qual.qualification.run import pool
 
 from . import builders
 from .builders import reason
@@ -31,8 +34,8 @@ def load(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def typed(data: dict) -> report.Report:
-    return report.parse(copy.deepcopy(data), "report.json")
+def typed(data: dict) -> report_model.Report:
+    return checked.parse(copy.deepcopy(data), "report.json")
 
 
 def family_fixtures(data: dict, family: str) -> dict:
@@ -253,11 +256,11 @@ def machine(monkeypatch):
 @pytest.fixture
 def fixture_dir(tmp_path, monkeypatch):
     """No fixture files: the sample's fixtures exist only as checksums, so staleness is decided
-    against `gate.local_fixture_files`, patched to records of what the sample recorded."""
-    monkeypatch.setattr(gate, "local_fixture_files", lambda dirs, family: {
+    against `selection.family_fixtures`, patched to records of what the sample recorded."""
+    monkeypatch.setattr(selection, "family_fixtures", lambda dirs, family: {
         name: SimpleNamespace(sha256=sha) for name, sha in family_fixtures(load(H200), family.name).items()})
     # nor are their hand-made budgets derivable (tests_fast/test_gate_budgets.py checks that part)
-    monkeypatch.setattr(gate, "budget_problem", lambda *args: "")
+    monkeypatch.setattr(budget_check, "budget_problem", lambda *args: "")
 
 
 def run_cli(capsys, *argv):
@@ -398,7 +401,7 @@ def test_gate_refuses_a_local_fixture_with_non_finite_values(tmp_path):
     save_fixture(tmp_path / "f.safetensors", q, k, v, family="flux.1", kind="replica", source={"t": 1},
                  provenance="test", bounds=bounds)
     with pytest.raises(UsageError, match="tensor q: 1024 of 4096 values are not finite"):
-        gate.local_fixture_files([str(tmp_path)], families.find("FLUX.1"))
+        selection.family_fixtures([str(tmp_path)], families.find("FLUX.1"))
 
 
 # compare ---------------------------------------------------------------------------------------

@@ -3,9 +3,10 @@ table read by people and scripts must say what the verdicts say, in every branch
 
 import dataclasses
 
-from sage_qual.qualification import gate, verdict
-from sage_qual.qualification.report_model import Reason, ReasonKind
-from sage_qual.qualification.verdict import FamilyDecision, Verdict
+from sage_qual.qualification.decide import budget_check, fleet, gate, verdict
+from sage_qual.qualification.decide.verdict import FamilyDecision, Verdict
+from sage_qual.qualification.evidence.report_model import Reason, ReasonKind
+from sage_qual.qualification.render import fleet as fleet_render
 
 
 def enabled(variant="sm90-fp8-cuda", head_dims=(64, 128), verified=True):
@@ -60,21 +61,21 @@ def test_gate_line_for_one_head_size_and_a_problem():
         "stale report: torch differs"]
 
 
-def fleet(verdict_, variant=None, low=(None, None), reasons=(), upper=None, layouts=None):
+def fleet_verdict(verdict_, variant=None, low=(None, None), reasons=(), upper=None, layouts=None):
     kinds = [ReasonKind(kind) for kind in reasons]
-    return gate.FleetVerdict(Verdict(verdict_), variant, *low, upper, layouts, kinds)
+    return fleet.FleetVerdict(Verdict(verdict_), variant, *low, upper, layouts, kinds)
 
 
-FLUX = fleet("enable", "sm90-fp8-cuda", (4608, 512))
+FLUX = fleet_verdict("enable", "sm90-fp8-cuda", (4608, 512))
 
 
 def row(**changes):
     base = dict(host="box-a", report="box-a/report.json", complete=True, predicted=False, target="",
                 driver="580.1", torch="2.11.0", sageattention="2.2.0", gpu="NVIDIA H200", capability=[9, 0],
                 devices=[0, 1], families={"FLUX.1": FLUX,
-                                          "SDXL": fleet("safe, no speedup", reasons=["speed"]),
-                                          "Wan 2.2": fleet("keep off", reasons=["crash", "oom"])})
-    return gate.FleetRow(**{**base, **changes})
+                                          "SDXL": fleet_verdict("safe, no speedup", reasons=["speed"]),
+                                          "Wan 2.2": fleet_verdict("keep off", reasons=["crash", "oom"])})
+    return fleet.FleetRow(**{**base, **changes})
 
 
 def test_merge_table_for_every_kind_of_row():
@@ -83,7 +84,7 @@ def test_merge_table_for_every_kind_of_row():
                 sageattention="", families={"FLUX.1": FLUX}),
             row(host="box-c", complete=False, families={}),
             row(host="box-d", predicted=True)]
-    assert gate.merge_markdown(rows).splitlines() == [
+    assert fleet_render.merge_markdown(rows).splitlines() == [
         "| host | GPU | sm | GPUs | driver | torch | sageattention | FLUX.1 | SDXL | Wan 2.2 |",
         "|---|---|---|---|---|---|---|---|---|---|",
         "| box-a | NVIDIA H200 | 90 | 2 | 580.1 | 2.11.0 | 2.2.0 | enable: sm90-fp8-cuda >= 4608/512 | "
@@ -98,22 +99,22 @@ def test_merge_table_for_every_kind_of_row():
 
 
 def test_merge_table_gives_the_verified_range_and_layouts():
-    wan = fleet("enable", "sm90-fp8-cuda", (9728, 9728), upper=75600,
+    wan = fleet_verdict("enable", "sm90-fp8-cuda", (9728, 9728), upper=75600,
                 layouts=["contiguous", "transposed", "fused_qkv"])
-    table = gate.merge_markdown([row(families={"Wan 2.2": wan})]).splitlines()
+    table = fleet_render.merge_markdown([row(families={"Wan 2.2": wan})]).splitlines()
     assert table[2] == ("| box-a | NVIDIA H200 | 90 | 2 | 580.1 | 2.11.0 | 2.2.0 | enable: sm90-fp8-cuda "
                         "9,728 to 75,600 tokens (contiguous, transposed, fused_qkv) |")
 
 
 def test_merge_table_names_the_target_only_when_a_report_has_one():
     rows = [row(families={}), row(host="box-t", target="diffusers:sage_hub", families={})]
-    assert gate.merge_markdown(rows).splitlines() == [
+    assert fleet_render.merge_markdown(rows).splitlines() == [
         "| host | GPU | sm | GPUs | driver | torch | sageattention | target |",
         "|---|---|---|---|---|---|---|---|",
         "| box-a | NVIDIA H200 | 90 | 2 | 580.1 | 2.11.0 | 2.2.0 | (variants) |",
         "| box-t | NVIDIA H200 | 90 | 2 | 580.1 | 2.11.0 | 2.2.0 | diffusers:sage_hub |",
     ]
-    assert "target" not in gate.merge_markdown([row(families={})]).splitlines()[0]
+    assert "target" not in fleet_render.merge_markdown([row(families={})]).splitlines()[0]
 
 
 def test_where_a_variant_pays_names_every_head_size():
@@ -128,56 +129,57 @@ AGAIN = "the budget was edited or comes from another sage-qual: certify again"
 
 
 def test_a_limit_on_one_side_only_is_named():
-    assert gate._looser("w", {"max_rel_l2": 0.1}, {"max_rel_l2": 0.1, "min_cosine": 0.99}) == (
+    assert budget_check._looser("w", {"max_rel_l2": 0.1}, {"max_rel_l2": 0.1, "min_cosine": 0.99}) == (
         f"w: bounds.min_cosine: missing in the report, 0.99 derived from the fixture here; {AGAIN}")
-    assert gate._looser("w", {"max_rel_l2": 0.1, "min_cosine": 0.99}, {"max_rel_l2": 0.1}) == (
+    assert budget_check._looser("w", {"max_rel_l2": 0.1, "min_cosine": 0.99}, {"max_rel_l2": 0.1}) == (
         f"w: bounds.min_cosine: 0.99 in the report, none derived from the fixture here; {AGAIN}")
 
 
 def test_a_maximum_may_exceed_the_derived_one_by_its_allowance_only():
     derived = 0.5
-    allowed = gate.BUDGET_ABS + gate.BUDGET_REL * derived
-    assert gate._looser("w", {"max_rel_l2": derived + allowed / 2}, {"max_rel_l2": derived}) == ""
+    allowed = budget_check.BUDGET_ABS + budget_check.BUDGET_REL * derived
+    assert budget_check._looser("w", {"max_rel_l2": derived + allowed / 2}, {"max_rel_l2": derived}) == ""
     stored = derived + 2 * allowed
-    assert gate._looser("w", {"max_rel_l2": stored}, {"max_rel_l2": derived}) == (
+    assert budget_check._looser("w", {"max_rel_l2": stored}, {"max_rel_l2": derived}) == (
         f"w: bounds.max_rel_l2: {stored} in the report is looser than {derived} derived from the fixture "
         f"here (budgets.budget); {AGAIN}")
-    assert gate._looser("w", {"max_rel_l2": 1.5}, {"max_rel_l2": 1.2}).startswith("w: bounds.max_rel_l2: 1.5")
+    looser = budget_check._looser("w", {"max_rel_l2": 1.5}, {"max_rel_l2": 1.2})
+    assert looser.startswith("w: bounds.max_rel_l2: 1.5")
 
 
 def test_a_minimum_may_fall_below_the_derived_one_by_its_allowance_only():
     derived = 0.9
-    allowed = gate.BUDGET_ABS_COSINE + gate.BUDGET_REL * (1.0 - derived)
-    assert gate._looser("w", {"min_cosine": derived - allowed / 2}, {"min_cosine": derived}) == ""
-    assert gate._looser("w", {"min_cosine": 0.95}, {"min_cosine": derived}) == ""  # stricter
+    allowed = budget_check.BUDGET_ABS_COSINE + budget_check.BUDGET_REL * (1.0 - derived)
+    assert budget_check._looser("w", {"min_cosine": derived - allowed / 2}, {"min_cosine": derived}) == ""
+    assert budget_check._looser("w", {"min_cosine": 0.95}, {"min_cosine": derived}) == ""  # stricter
     stored = derived - 2 * allowed
-    assert gate._looser("w", {"min_cosine": stored}, {"min_cosine": derived}).startswith(
+    assert budget_check._looser("w", {"min_cosine": stored}, {"min_cosine": derived}).startswith(
         f"w: bounds.min_cosine: {stored} in the report is looser than {derived}")
 
 
 def test_a_cosine_over_one_is_compared_as_one():
     """5e-5 under a derived cosine of 1.0005 is within the cosine's absolute allowance (1e-4) once
     both sides are capped at 1, and far outside it if they were not."""
-    assert gate.BUDGET_ABS < 5e-5 < gate.BUDGET_ABS_COSINE
-    assert gate._looser("w", {"min_cosine": 0.99995}, {"min_cosine": 1.0005}) == ""
+    assert budget_check.BUDGET_ABS < 5e-5 < budget_check.BUDGET_ABS_COSINE
+    assert budget_check._looser("w", {"min_cosine": 0.99995}, {"min_cosine": 1.0005}) == ""
 
 
 def test_a_maximums_absolute_allowance_is_the_smaller_one():
     """8e-5 over a derived relative L2 of 0.001 is beyond 3e-5 + 3 % (the maxima's allowance), though
     within the cosine's absolute 1e-4."""
     derived = 0.001
-    assert gate.BUDGET_ABS + gate.BUDGET_REL * derived < 8e-5 < gate.BUDGET_ABS_COSINE
-    assert gate._looser("w", {"max_rel_l2": derived + 8e-5}, {"max_rel_l2": derived}) != ""
+    assert budget_check.BUDGET_ABS + budget_check.BUDGET_REL * derived < 8e-5 < budget_check.BUDGET_ABS_COSINE
+    assert budget_check._looser("w", {"max_rel_l2": derived + 8e-5}, {"max_rel_l2": derived}) != ""
 
 
 def test_the_largest_element_error_has_its_own_wider_allowance():
     """Run 13's H200 budget for sm80-fp16-cuda-fp16acc on krea2_gqa_partial_tiles (0.093545) against
     the one this CPU derives (0.082421) passes; 20 % over the derived one, or the same excess on
     another limit, does not."""
-    assert gate._looser("w", {"max_abs": 0.093545}, {"max_abs": 0.082421}) == ""
+    assert budget_check._looser("w", {"max_abs": 0.093545}, {"max_abs": 0.082421}) == ""
     loosened = {"max_abs": 0.082421 * 1.2}
-    assert gate._looser("w", loosened, {"max_abs": 0.082421}).startswith("w: bounds.max_abs:")
-    assert gate._looser("w", {"max_rel_l2": 0.093545}, {"max_rel_l2": 0.082421}).startswith(
+    assert budget_check._looser("w", loosened, {"max_abs": 0.082421}).startswith("w: bounds.max_abs:")
+    assert budget_check._looser("w", {"max_rel_l2": 0.093545}, {"max_rel_l2": 0.082421}).startswith(
         "w: bounds.max_rel_l2:")
 
 
@@ -194,18 +196,19 @@ def test_gate_json_carries_the_whole_served_range():
 def test_a_fleet_cell_names_the_contexts_certified_when_there_are_checks():
     ranged = dict(verdict_="enable", variant="sm90-fp8-cuda", low=(9728, 9728), upper=32768,
                   layouts=["contiguous", "transposed"])
-    checked = dataclasses.replace(fleet(**ranged), contexts=["side_stream", "compile"])
+    checked = dataclasses.replace(fleet_verdict(**ranged), contexts=["side_stream", "compile"])
     assert checked.text() == ("enable: sm90-fp8-cuda 9,728 to 32,768 tokens (contiguous, transposed; "
                               "contexts: side_stream, compile)")
-    assert fleet(**ranged).text() == "enable: sm90-fp8-cuda 9,728 to 32,768 tokens (contiguous, transposed)"
-    assert dataclasses.replace(fleet(**ranged), contexts=[]).text().endswith("; contexts: none)")
+    assert fleet_verdict(**ranged).text() == ("enable: sm90-fp8-cuda 9,728 to 32,768 tokens "
+                                              "(contiguous, transposed)")
+    assert dataclasses.replace(fleet_verdict(**ranged), contexts=[]).text().endswith("; contexts: none)")
 
 
 def test_a_fleet_cell_names_the_head_sizes_and_a_key_range_of_its_own():
     served = dataclasses.replace(
-        fleet("enable", "sm90-fp8-cuda", (9728, 512), upper=16896, layouts=["contiguous"]),
+        fleet_verdict("enable", "sm90-fp8-cuda", (9728, 512), upper=16896, layouts=["contiguous"]),
         max_key_tokens=4096, head_dims=[64, 128])
     assert served.text() == ("enable: sm90-fp8-cuda 9,728 to 16,896 query / 512 to 4,096 key tokens, "
                              "head_dim 64/128 (contiguous)")
-    unbounded = dataclasses.replace(fleet("enable", "sm90-fp8-cuda", (4608, 512)), head_dims=[128])
+    unbounded = dataclasses.replace(fleet_verdict("enable", "sm90-fp8-cuda", (4608, 512)), head_dims=[128])
     assert unbounded.text() == "enable: sm90-fp8-cuda >= 4608/512, head_dim 128"

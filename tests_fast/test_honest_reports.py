@@ -14,7 +14,11 @@ import torch
 
 from sage_qual import records
 from sage_qual.fixtures.fileformat import save_fixture
-from sage_qual.qualification import emulate, report
+from sage_qual.qualification.decide import checked
+from sage_qual.qualification.render import plots
+from sage_qual.qualification.run import run
+
+from . import builders
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "tests_fast" / "data" / "sample_h200_2gpu.json"
@@ -55,7 +59,7 @@ def predicted_quick(tmp_path_factory):
         "sm86-fp16-triton": {"finite": False, "rel_l2": float("inf")},
         "sm89-fp8-cuda": {"finite": True, "rel_l2": 0.25},
         "sm90-fp8-cuda": {"finite": True, "rel_l2": 0.02}}})
-    data = records.dump(emulate.run(emulate.Options(
+    data = records.dump(run.certify(builders.emulate_request(
         root / "out", variants=["sm90-fp8-cuda", "sm80-fp16-cuda"], families=["SDXL"],
         fixture_dirs=[str(fixtures)], quick=True)))
     return data, (root / "out" / "report.md").read_text()
@@ -80,8 +84,8 @@ def test_a_predicted_report_claims_no_timing_and_no_gpu(predicted_quick):
 
 def test_a_predicted_plot_sets_the_prediction_against_the_published_bound(predicted_quick):
     data, _ = predicted_quick
-    typed = report.parse(data, "report.json")
+    typed = checked.parse(data, "report.json")
     published = {f.name: f.bounds for f in typed.fixtures}
     for cell in typed.devices[0].cells:
-        assert report.heat_ratio(cell, published) == pytest.approx(
+        assert plots.heat_ratio(cell, published) == pytest.approx(
             cell.rel_l2 / PUBLISHED[cell.accuracy_class.value]["max_rel_l2"])

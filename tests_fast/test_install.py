@@ -297,12 +297,13 @@ def test_measure_imported_after_install_times_torch_own_sdpa(monkeypatch):
     """The qualification suite's SDPA is torch's own, whatever was bound over it before its import."""
     import importlib
 
-    import sage_qual.qualification.measure  # bound on the package, so monkeypatch can restore it
+    import sage_qual.qualification.measure.accuracy  # bound on the package, so monkeypatch can restore it
 
-    monkeypatch.setattr(sage_qual.qualification, "measure", sage_qual.qualification.measure, raising=False)
+    monkeypatch.setattr(sage_qual.qualification.measure, "accuracy", sage_qual.qualification.measure.accuracy,
+                        raising=False)
     with fake_box():
         assert sage_qual.install().enabled
         assert F.scaled_dot_product_attention is not TORCH_SDPA
-        monkeypatch.delitem(sys.modules, "sage_qual.qualification.measure")
-        measure = importlib.import_module("sage_qual.qualification.measure")
+        monkeypatch.delitem(sys.modules, "sage_qual.qualification.measure.accuracy")
+        measure = importlib.import_module("sage_qual.qualification.measure.accuracy")
     assert measure.TORCH_SDPA is TORCH_SDPA

@@ -1,5 +1,5 @@
 """The cell judgement: every limit of a budget against its metric, whether the metrics come as
-measure.Accuracy or as a stored cell; a missing number never passes; the slice metrics see a defect
+accuracy.Accuracy or as a stored cell; a missing number never passes; the slice metrics see a defect
 confined to one head, one item or one block of rows, and the norm ratio sees a scale."""
 
 import math
@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from sage_qual.qualification import judge, measure
-from sage_qual.qualification.report_model import Budget, Reason, ReasonKind
+from sage_qual.qualification.evidence.report_model import Budget, Reason, ReasonKind
+from sage_qual.qualification.measure import accuracy, judge
 
 BUDGET = {"max_rel_l2": 0.055, "max_head_rel_l2": 0.06, "max_batch_rel_l2": 0.06, "max_block_rel_l2": 0.08,
           "min_norm_ratio": 0.99, "max_norm_ratio": 1.01, "min_cosine": 0.998, "max_abs": 0.5}
@@ -109,17 +109,17 @@ def _pair(seed=0):
 ])
 def test_a_defect_confined_to_one_slice_shows_in_that_slice(defect, metric):
     ref, out = _pair()
-    clean, broken = measure.errors(out, ref), measure.errors(defect(out), ref)
+    clean, broken = accuracy.errors(out, ref), accuracy.errors(defect(out), ref)
     assert broken[metric] > 10 * clean[metric]
     assert broken[metric] > 1.3 * broken["rel_l2"]  # more than the whole tensor's error shows
 
 
 def test_a_few_wrong_elements_show_in_the_largest_element_error_not_in_the_aggregates():
     ref, out = _pair(3)
-    clean = measure.errors(out, ref)
+    clean = accuracy.errors(out, ref)
     broken = out.clone()
     broken[1, 2, 100, 7] += 3 * ref.square().mean().sqrt()  # one element off by 3x the output's RMS
-    found = measure.errors(broken, ref)
+    found = accuracy.errors(broken, ref)
     assert found["max_abs_error"] > 5 * clean["max_abs_error"]  # clean: about 0.25, now about 3
     assert found["worst_block_rel_l2"] - clean["worst_block_rel_l2"] < 0.03  # inside an FP8 budget
     assert found["rel_l2"] < 1.02 * clean["rel_l2"]
@@ -128,12 +128,12 @@ def test_a_few_wrong_elements_show_in_the_largest_element_error_not_in_the_aggre
 def test_the_largest_element_error_is_infinite_where_the_output_is_not_finite():
     ref, out = _pair(4)
     out[0, 0, 0, 0] = float("nan")
-    assert measure.errors(out, ref)["max_abs_error"] == math.inf
+    assert accuracy.errors(out, ref)["max_abs_error"] == math.inf
 
 
 def test_a_scale_error_shows_in_the_norm_ratio_not_in_the_cosine():
     ref, out = _pair(1)
-    clean, scaled = measure.errors(out, ref), measure.errors(out * 1.10, ref)
+    clean, scaled = accuracy.errors(out, ref), accuracy.errors(out * 1.10, ref)
     assert scaled["norm_ratio"] == pytest.approx(clean["norm_ratio"] * 1.10, rel=1e-5)
     assert scaled["worst_head_cosine"] == pytest.approx(clean["worst_head_cosine"], abs=1e-6)
 
@@ -141,5 +141,5 @@ def test_a_scale_error_shows_in_the_norm_ratio_not_in_the_cosine():
 def test_a_slice_whose_reference_is_zero_is_measured_against_the_mean_energy():
     ref, out = _pair(2)
     ref[1], out[1] = 0.0, 1e-3  # a batch item attending over zero values
-    found = measure.errors(out, ref)
+    found = accuracy.errors(out, ref)
     assert math.isfinite(found["worst_batch_rel_l2"]) and found["worst_batch_rel_l2"] < 0.1

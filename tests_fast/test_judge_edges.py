@@ -4,7 +4,7 @@ that is not exactly true fails, and the long checks' layout reasons."""
 
 import pytest
 
-from sage_qual.qualification import judge
+from sage_qual.qualification.measure import judge
 
 BUDGET = {
     "max_rel_l2": 0.05,
@@ -135,9 +135,9 @@ def test_integers_are_numbers():
 
 
 def test_a_record_with_the_metric_fields_is_judged_as_a_mapping():
-    from sage_qual.qualification import measure
+    from sage_qual.qualification.measure import accuracy
 
-    record = measure.Accuracy(
+    record = accuracy.Accuracy(
         rel_l2=0.06, worst_head_cosine=0.999, finite=True, sdpa_rel_l2=0.002, error_vs_sdpa=30.0
     )
     assert judged(record, budget={"max_rel_l2": 0.05, "min_cosine": 0.998}) == [

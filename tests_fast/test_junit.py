@@ -2,9 +2,9 @@
 
 import xml.etree.ElementTree as ET
 
-from sage_qual.qualification import junit
-from sage_qual.qualification.report_model import Reason, ReasonKind
-from sage_qual.qualification.verdict import FamilyDecision, Verdict
+from sage_qual.qualification.decide.verdict import FamilyDecision, Verdict
+from sage_qual.qualification.evidence.report_model import Reason, ReasonKind
+from sage_qual.qualification.render import junit
 
 
 def test_each_outcome_is_its_element_and_counted(tmp_path):

@@ -10,21 +10,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from sage_qual.qualification import (
-    certify,
-    emulate,
-    families,
-    gate,
-    long_check,
-    profile,
-    report,
-    tasks,
-    verdict,
-)
-from sage_qual.qualification.report_model import Outcome, ReasonKind, ReportError
+from sage_qual.qualification import families
+from sage_qual.qualification.decide import checked, fleet, gate, profile, verdict
+from sage_qual.qualification.evidence import tasks
+from sage_qual.qualification.evidence.report_model import Outcome, ReasonKind, ReportError
+from sage_qual.qualification.measure import long_check
+from sage_qual.qualification.render import fleet as fleet_render
+from sage_qual.qualification.render import plots
+from sage_qual.qualification.run import in_process, plan, run
 from sage_qual.serving.variants import VARIANTS
 
-from .builders import SAMPLE, long_records, long_task
+from . import builders
+from .builders import SAMPLE, emulate_request, long_records, long_task
 
 FP8 = VARIANTS["sm90-fp8-cuda"]
 
@@ -63,28 +60,28 @@ def test_a_broken_declaration_is_named():
 
 # Planning ----------------------------------------------------------------------------------------
 def test_the_plan_checks_every_family_longest_call_and_the_sweep_past_the_fixtures():
-    plan = long_check.plan(list(families.FAMILIES), certify.SELF_TOKENS, longest_fixture=4608)
-    lengths = sorted({c.shape.q_tokens for c in plan.values()})
+    planned = plan.long_checks(list(families.FAMILIES), longest_fixture=4608, quick=False)
+    lengths = sorted({c.shape.q_tokens for c in planned.values()})
     assert lengths == [8192, 13728, 16384, 16896, 32768, 75600]
-    generic = [c for c in plan.values() if all(u.family is None for u in c.uses)]
+    generic = [c for c in planned.values() if all(u.family is None for u in c.uses)]
     assert sorted(c.shape.q_tokens for c in generic) == [8192, 16384, 32768]
     assert all(c.layouts == list(families.LAYOUTS) for c in generic)  # every layout some family declares
-    shared = plan[families.self_attention(24, 16896).key]  # FLUX.1 and Qwen-Image: one check
+    shared = planned[families.self_attention(24, 16896).key]  # FLUX.1 and Qwen-Image: one check
     assert [u.family for u in shared.uses] == ["FLUX.1", "Qwen-Image"]
     assert shared.layouts == ["contiguous", "transposed", "fused_qkv", "nhd"]  # the union of both
-    wan = plan[families.self_attention(40, 75600).key]
+    wan = planned[families.self_attention(40, 75600).key]
     assert [u.family for u in wan.uses] == ["Wan 2.2"] and "fused_qkv" in wan.layouts
     assert wan.shape == tasks.shape_spec(families.self_attention(40, 75600).as_dict())
-    assert len(plan) <= len(families.FAMILIES) + 3  # the bound the cost estimate rests on
+    assert len(planned) <= len(families.FAMILIES) + 3  # the bound the cost estimate rests on
 
 
 def test_a_quick_plan_checks_the_longest_call_only_and_cross_calls_never_fuse():
-    quick = long_check.plan(list(families.FAMILIES), certify.QUICK_SELF_TOKENS, 4608, quick=True)
+    quick = plan.long_checks(list(families.FAMILIES), 4608, quick=True)
     assert sorted(c.shape.q_tokens for c in quick.values()) == [16384, 75600]
     cross = families.Family("X", (), calls=(families.site("c", families.cross_attention(8, 100, 20000),
                                                           families.cross_attention(8, 100, 20000)),),
                             layouts=("contiguous", "fused_qkv", "nhd"))
-    (check,) = long_check.plan([cross], (), 4608).values()
+    (check,) = plan.long_checks([cross], 4608, quick=False, sweep_tokens=()).values()
     assert check.layouts == ["contiguous", "nhd"]
 
 
@@ -195,7 +192,7 @@ def decided(fail_at=None, how="accuracy", devices=(0, 1)):
         device["long"] = []
         for variant in ("sm90-fp8-cuda", "sm89-fp8-cuda"):
             device["long"] += long_records(variant, fail_at if n in devices else None, how)
-    typed = report.parse(data, "sample")
+    typed = checked.parse(data, "sample")
     (gpu,) = verdict.decide(typed)
     return typed, gpu
 
@@ -234,7 +231,7 @@ def test_a_missing_check_caps_the_range():
     for device in data["devices"]:
         device["long"] = [r for r in long_records("sm90-fp8-cuda") + long_records("sm89-fp8-cuda")
                           if device["index"] == 0 or r["shape"]["q_tokens"] != 16896]
-    (gpu,) = verdict.decide(report.parse(data, "sample"))
+    (gpu,) = verdict.decide(checked.parse(data, "sample"))
     flux = gpu.family("FLUX.1")
     assert flux.max_query_tokens == 16384 and "long check not run" in flux.range_reasons[1].detail
 
@@ -259,7 +256,7 @@ def test_a_layout_whose_view_differs_is_dropped_not_the_range():
 
 
 def test_a_report_without_long_checks_has_no_upper_bound():
-    (gpu,) = verdict.decide(report.load(SAMPLE))
+    (gpu,) = verdict.decide(checked.load(SAMPLE))
     flux = gpu.family("FLUX.1")
     assert flux.verdict == verdict.Verdict.ENABLE and not flux.range_verified
     assert flux.max_query_tokens is None and flux.layouts is None
@@ -273,10 +270,10 @@ def test_an_edited_long_check_is_refused():
     data["devices"][0]["long"][0]["metrics"]["rel_l2"] = 0.5  # beyond its bound, outcome still pass
     edited = r"devices\[0\]\.long\[0\] \(sm90-fp8-cuda at 8192 tokens\): outcome"
     with pytest.raises(ReportError, match=edited):
-        report.parse(data, "sample")
+        checked.parse(data, "sample")
     data["devices"][0]["long"][0]["metrics"]["rel_l2"] = -0.1
     with pytest.raises(ReportError, match="metrics.rel_l2"):
-        report.parse(data, "sample")
+        checked.parse(data, "sample")
 
 
 @pytest.mark.parametrize("outcome, how, key, missing", [
@@ -287,10 +284,10 @@ def test_a_long_check_without_what_its_outcome_needs_is_refused_naming_the_key(o
     data = json.loads(SAMPLE.read_text())
     data["devices"][0]["long"] = long_records("sm90-fp8-cuda", fail_at=8192 if how else None, how=how)
     assert data["devices"][0]["long"][0]["outcome"] == outcome
-    report.parse(data, "sample")  # as built, it reads (parsing leaves data as it is)
+    checked.parse(data, "sample")  # as built, it reads (parsing leaves data as it is)
     data["devices"][0]["long"][0][key] = None if key != "detail" else ""
     with pytest.raises(ReportError, match=rf"devices\[0\]\.long\[0\]\.{key}: {re.escape(missing)}"):
-        report.parse(data, "sample")
+        checked.parse(data, "sample")
 
 
 # Profile, gate, merge ----------------------------------------------------------------------------
@@ -303,7 +300,7 @@ def test_the_profile_holds_the_range_and_layouts():
     assert flux.reasons[0].kind == "long"
     off = built.gpus[0].families["Wan 2.2"]  # kept off: no range
     assert off.max_query_tokens is None and off.layouts is None
-    legacy = profile.build(report.load(SAMPLE), verdict.decide(report.load(SAMPLE)))
+    legacy = profile.build(checked.load(SAMPLE), verdict.decide(checked.load(SAMPLE)))
     legacy_flux = legacy.gpus[0].families["FLUX.1"]  # enabled, but no long checks: no bound known
     assert legacy_flux.variant and (legacy_flux.max_query_tokens, legacy_flux.layouts) == (None, None)
 
@@ -316,18 +313,18 @@ def test_gate_and_merge_say_the_verified_range():
                         "512 to 16,896 key tokens, head_dim 128 "
                         "(layouts: contiguous, transposed, nhd, fused_qkv)")
     assert lines[1].startswith("  - range: verified only below 32,768 query tokens")
-    (row,) = gate.merge_rows([(Path("r.json"), typed)])
+    (row,) = fleet.merge_rows([(Path("r.json"), typed)])
     assert row.families["FLUX.1"].max_query_tokens == 16896
     assert ("enable: sm90-fp8-cuda 4,608 to 16,896 query / 512 to 16,896 key tokens, head_dim 128 "
-            "(contiguous, transposed, nhd, fused_qkv)") in gate.merge_markdown([row])
+            "(contiguous, transposed, nhd, fused_qkv)") in fleet_render.merge_markdown([row])
 
 
 def test_the_report_renders_the_long_checks(tmp_path, monkeypatch):
     data = json.loads(SAMPLE.read_text())
     for device in data["devices"]:
         device["long"] = long_records("sm90-fp8-cuda", fail_at=32768)
-    monkeypatch.setattr(report, "_plots", lambda *args: {})
-    report.render(report.parse(data, "r.json"), tmp_path)
+    monkeypatch.setattr(plots, "plots", lambda *args: {})
+    builders.rendered(checked.parse(data, "r.json"), tmp_path)
     md = (tmp_path / "report.md").read_text()
     assert "### Long calls and layouts" in md
     assert ("| sm90-fp8-cuda | 75,600 / 75,600 tokens, 40 heads x 128 bfloat16 | Wan 2.2 test | pass | "
@@ -337,12 +334,12 @@ def test_the_report_renders_the_long_checks(tmp_path, monkeypatch):
 
 # The CPU path: certify --emulate -----------------------------------------------------------------
 def test_emulate_predicts_the_long_checks(tmp_path, capsys):
-    options = emulate.Options(tmp_path, variants=["sm90-fp8-cuda"], families=["Qwen-Image"], quick=True)
-    checks = emulate.run(options).devices[0].long
+    options = emulate_request(tmp_path, variants=["sm90-fp8-cuda"], families=["Qwen-Image"], quick=True)
+    checks = run.certify(options).devices[0].long
     assert sorted(c.shape.q_tokens for c in checks) == [16384, 16896]
     for check in checks:
-        assert check.outcome == "pass" and check.detail == emulate.PREDICTED
+        assert check.outcome == "pass" and check.detail == in_process.PREDICTED
         assert check.ran_heads == 1 and check.finite and check.inputs == long_check.INPUTS
         last_tile = (check.shape.q_tokens - 1) // 128 * 128
         assert check.rows == [0, last_tile]  # EMULATE_BLOCKS: the first and the last block
-    report.load(tmp_path / "report.json")  # reads back, its evidence consistent
+    checked.load(tmp_path / "report.json")  # reads back, its evidence consistent

@@ -10,7 +10,8 @@ import torch
 
 from sage_qual.fixtures import numerics
 from sage_qual.fixtures.fileformat import load_fixture, shipped_dir
-from sage_qual.qualification import budgets, model_check
+from sage_qual.qualification.measure import budgets
+from sage_qual.qualification.selftest import model_check
 from sage_qual.serving.variants import VARIANTS
 
 RUN6 = Path(__file__).resolve().parent.parent / "docs/results/run6-h200x2-pytest-slow/gpu_results.json"

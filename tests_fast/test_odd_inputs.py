@@ -13,7 +13,9 @@ import torch
 
 from sage_qual import cli
 from sage_qual.fixtures.fileformat import save_fixture
-from sage_qual.qualification import report
+from sage_qual.qualification.decide import checked
+
+from . import builders
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "tests_fast" / "data" / "sample_h200_2gpu.json"
@@ -49,7 +51,7 @@ def test_a_lone_surrogate_in_a_host_name_is_printed_as_its_escape(tmp_path):
 def test_report_md_and_html_are_written_with_a_lone_surrogate(tmp_path):
     data = json.loads(SAMPLE.read_text())
     data["host"] = "box-\udcff"
-    report.render(report.parse(data, "r.json"), tmp_path)
+    builders.rendered(checked.parse(data, "r.json"), tmp_path)
     assert "box-\\udcff" in (tmp_path / "report.md").read_text(encoding="utf-8")
     assert "box-\\udcff" in (tmp_path / "report.html").read_text(encoding="utf-8")
 
@@ -101,7 +103,7 @@ def test_fixtures_show_takes_the_file_name_as_it_sits_in_fixtures(capsys):
 def test_a_host_name_with_a_line_break_keeps_report_mds_heading_one_line(tmp_path):
     data = json.loads(SAMPLE.read_text())
     data["host"] = "rack\n# injected"
-    report.render(report.parse(data, "r.json"), tmp_path)
+    builders.rendered(checked.parse(data, "r.json"), tmp_path)
     lines = (tmp_path / "report.md").read_text().splitlines()
     assert lines[0] == "# SageAttention certification, rack # injected"
     assert "# injected" not in lines[1:]

@@ -7,17 +7,11 @@ import json
 import pytest
 
 from sage_qual import records
-from sage_qual.qualification import (
-    certify,
-    certify_run,
-    families,
-    fault_hooks,
-    measure,
-    report,
-    tasks,
-    worker,
-)
-from sage_qual.qualification.report_model import Outcome, ShapeEntry, ShapeSpec, ShapeUse, Speed
+from sage_qual.qualification import families
+from sage_qual.qualification.evidence import files, tasks
+from sage_qual.qualification.evidence.report_model import Outcome, ShapeEntry, ShapeSpec, ShapeUse, Speed
+from sage_qual.qualification.measure import accuracy
+from sage_qual.qualification.run import fault_hooks, run, worker, workers
 
 from . import builders
 
@@ -35,7 +29,7 @@ def bench():
 
 def test_the_variant_and_sdpa_are_timed_in_turn_after_their_warm_ups(bench, monkeypatch):
     order = []
-    call_kernel, torch_sdpa = measure.call_kernel, measure.TORCH_SDPA
+    call_kernel, torch_sdpa = accuracy.call_kernel, accuracy.TORCH_SDPA
 
     def logged(name, function):
         def call(*args, **kwargs):
@@ -43,8 +37,8 @@ def test_the_variant_and_sdpa_are_timed_in_turn_after_their_warm_ups(bench, monk
             return function(*args, **kwargs)
         return call
 
-    monkeypatch.setattr(measure, "call_kernel", logged("ours", call_kernel))
-    monkeypatch.setattr(measure, "TORCH_SDPA", logged("sdpa", torch_sdpa))
+    monkeypatch.setattr(accuracy, "call_kernel", logged("ours", call_kernel))
+    monkeypatch.setattr(accuracy, "TORCH_SDPA", logged("sdpa", torch_sdpa))
     shape = tasks.shape_spec(families.self_attention(24, 8192, 128).as_dict())
     task = tasks.PairedTask("t", "sm90-fp8-cuda", "k", shape, warmup=2, repeats=5)
     asked = []  # (warm-up, repeats) of each timing the worker asks for
@@ -70,22 +64,22 @@ def test_the_variant_and_sdpa_are_timed_in_turn_after_their_warm_ups(bench, monk
 
 
 def started(tmp_path):
-    """A writer on a run's report with one timed shape, "k", and no timing yet; the device run on its GPU."""
+    """A writer on a run's report with one timed shape, "k", and no timing yet."""
     entry = ShapeEntry(builders.read(ShapeSpec, families.self_attention(24, 8192, 128).as_dict()),
                        [ShapeUse(None, "k")])
     begun = builders.report([builders.device()], [], {"k": entry}, ["sm90-fp8-cuda"], complete=False,
                             finished=None)
-    writer = report.Writer(tmp_path / "report.json", begun)
-    return writer, certify._DeviceRun(0, [], [], {}, certify.Options(tmp_path), writer, 0)
+    writer = files.Writer(tmp_path / "report.json", begun)
+    return writer
 
 
 def test_a_paired_result_becomes_two_speed_records(tmp_path):
-    writer, run = started(tmp_path)
+    writer = started(tmp_path)
     task = tasks.PairedTask("sm90-fp8-cuda+sdpa@k", "sm90-fp8-cuda", "k", SHAPE, 1, 3)
     sdpa = task.sdpa_record(Outcome.PASS, 2.0, samples_ms=[2.0, 2.0, 2.0], best_backend="cudnn",
                             backends={"cudnn": 2.0})
     paired = task.record(Outcome.PASS, 1.5, samples_ms=[1.4, 1.5, 1.6], sdpa=sdpa)
-    run._record(task, paired, certify_run.Progress(1))
+    workers.record(writer, 0, "cuda:0", run.Progress(1), task, paired)
     on_disk = json.loads((tmp_path / "report.json").read_text())["devices"][0]["speed"]
     assert [(r["kernel"], r["shape"], r["ms"], r["samples_ms"]) for r in on_disk] == [
         ("sdpa", "k", 2.0, [2.0, 2.0, 2.0]), ("sm90-fp8-cuda", "k", 1.5, [1.4, 1.5, 1.6])]
@@ -94,8 +88,8 @@ def test_a_paired_result_becomes_two_speed_records(tmp_path):
 
 
 def test_a_paired_task_that_crashed_records_the_variant_only(tmp_path):
-    writer, run = started(tmp_path)
+    writer = started(tmp_path)
     task = tasks.PairedTask("v+sdpa@k", "sm90-fp8-cuda", "k", SHAPE, 1, 3)
-    run._record(task, task.record(Outcome.CRASH, detail="boom"), certify_run.Progress(1))
+    workers.record(writer, 0, "cuda:0", run.Progress(1), task, task.record(Outcome.CRASH, detail="boom"))
     assert writer.report.devices[0].speed == [
         Speed(kernel="sm90-fp8-cuda", shape="k", ms=None, outcome=Outcome.CRASH, detail="boom")]

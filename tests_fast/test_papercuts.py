@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from sage_qual import cli
-from sage_qual.qualification import report
+from sage_qual.qualification.decide import checked
+
+from . import builders
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,7 +30,7 @@ def test_help_states_every_default(command):
 
 def test_report_html_shows_code_not_backticks(tmp_path):
     data = json.loads((ROOT / "tests_fast" / "data" / "sample_h200_2gpu.json").read_text())
-    report.render(report.parse(data, "r.json"), tmp_path)
+    builders.rendered(checked.parse(data, "r.json"), tmp_path)
     page = (tmp_path / "report.html").read_text()
     assert "`" not in page and f"<code>{data['command']}</code>" in page
 

@@ -14,9 +14,11 @@ import torch
 
 from sage_qual.fixtures import fileformat
 from sage_qual.qualification import families as families_mod
-from sage_qual.qualification import report_model, target_cells, targets
-from sage_qual.qualification.pytest_plugin import check_cell
-from sage_qual.qualification.report_model import AccuracyClass, Cell, Outcome
+from sage_qual.qualification.evidence import report_model
+from sage_qual.qualification.evidence.report_model import AccuracyClass, Cell, Outcome
+from sage_qual.qualification.integrations import targets
+from sage_qual.qualification.integrations.pytest_plugin import check_cell
+from sage_qual.qualification.measure.cell import measure_target
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "downstream_app"
@@ -111,7 +113,7 @@ def test_the_fixtures_hook_is_the_seam_for_what_the_tests_draw_from(pytest_run, 
 
 def test_the_machine_hook_is_the_seam_for_the_gpu_the_tests_run_on(pytest_run, tmp_path):
     (tmp_path / "conftest.py").write_text(
-        "from sage_qual.qualification.pytest_plugin import Machine\n"
+        "from sage_qual.qualification.integrations.pytest_plugin import Machine\n"
         "def pytest_sage_qual_machine(config):\n"
         "    return Machine(problem='the runner lost its GPU')\n")
     (tmp_path / "test_app.py").write_text("def test_t(sage_qual_target):\n    pass\n")
@@ -130,7 +132,7 @@ def test_the_machine_hook_is_the_seam_for_the_gpu_the_tests_run_on(pytest_run, t
     (pytest.mark.sage_qual(families="FLUX.1"), "families= takes a list of family names, not 'FLUX.1'"),
 ])
 def test_marker_arguments_are_checked(marker, message):
-    from sage_qual.qualification.pytest_plugin import _marked_families
+    from sage_qual.qualification.integrations.pytest_plugin import _marked_families
 
     with pytest.raises(pytest.UsageError, match=re.escape(message)):
         _marked_families("test_x", marker.mark)
@@ -200,7 +202,7 @@ def _fixture(name: str) -> fileformat.Fixture:
 
 
 def test_a_served_call_within_budget_passes(fake_h200):
-    cell = target_cells.measure_cell(targets.resolve("wrapper:sm90-fp8-cuda"), _fixture("sdxl_1024_level1"),
+    cell = measure_target(targets.resolve("wrapper:sm90-fp8-cuda"), _fixture("sdxl_1024_level1"),
                                      (9, 0), _CpuBench())
     assert cell.outcome == Outcome.PASS and cell.accuracy_class == AccuracyClass.FP8
     assert (cell.variant, cell.fixture) == ("wrapper:sm90-fp8-cuda", "sdxl_1024_level1")
@@ -209,7 +211,7 @@ def test_a_served_call_within_budget_passes(fake_h200):
 
 def test_a_result_out_of_budget_fails_with_the_numbers(fake_h200):
     fake_h200.return_value(lambda exact: exact * 1.5)
-    cell = target_cells.measure_cell(targets.resolve("wrapper:sm90-fp8-cuda"), _fixture("flux1_1024"),
+    cell = measure_target(targets.resolve("wrapper:sm90-fp8-cuda"), _fixture("flux1_1024"),
                                      (9, 0), _CpuBench())
     assert cell.outcome == Outcome.FAIL
     assert any(r.detail.startswith("relative L2 ") for r in cell.reasons), cell.reasons
@@ -220,7 +222,7 @@ def test_a_call_the_integration_leaves_to_torch_is_not_evidence(fake_h200):
     fixture = _fixture("krea2_b0_outlier_gqa")
     small = fileformat.Fixture(**{**fixture.__dict__, "q": fixture.q[:, :, :64], "k": fixture.k[:, :, :32],
                                   "v": fixture.v[:, :, :32]})
-    cell = target_cells.measure_cell(targets.resolve("wrapper"), small, (9, 0), _CpuBench())
+    cell = measure_target(targets.resolve("wrapper"), small, (9, 0), _CpuBench())
     assert cell == Cell("wrapper", fixture.name, Outcome.SKIP,
                         "wrapper does not take this call: short: tokens=64/32 (needs >= 1536/512)")
     assert fake_h200.calls == []
@@ -232,7 +234,7 @@ def test_a_function_that_claims_everything_but_runs_torch_is_a_skip_with_why(fak
     app = types.ModuleType("plain_app_xyz")
     app.attention = lambda q, k, v, **kw: torch.nn.functional.scaled_dot_product_attention(q, k, v, **kw)
     monkeypatch.setitem(sys.modules, "plain_app_xyz", app)
-    cell = target_cells.measure_cell(targets.resolve("plain_app_xyz:attention"), _fixture("flux1_1024"),
+    cell = measure_target(targets.resolve("plain_app_xyz:attention"), _fixture("flux1_1024"),
                                      (9, 0), _CpuBench())
     assert cell.outcome == Outcome.SKIP
     assert "did not run SageAttention on this call: no SageAttention function was called" in cell.detail

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from sage_qual.qualification import pool
+from sage_qual.qualification.run import pool
 
 
 @pytest.mark.parametrize("end", ["kill", "close"])

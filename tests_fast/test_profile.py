@@ -10,9 +10,10 @@ import torch.nn.functional as F
 
 import sage_qual
 from sage_qual import records
-from sage_qual.qualification import profile as building
-from sage_qual.qualification import report, speed, verdict
-from sage_qual.qualification.speed import Thresholds, break_even
+from sage_qual.qualification.decide import checked, verdict
+from sage_qual.qualification.decide import profile as building
+from sage_qual.qualification.measure import speed
+from sage_qual.qualification.measure.speed import Thresholds, break_even
 from sage_qual.serving import profile
 from sage_qual.serving.config import DEFAULT_CONFIG, KERNEL_TABLE
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention, on_device
@@ -265,7 +266,7 @@ def test_install_refuses_an_unreadable_profile_file(fake, tmp_path):
 
 def test_profile_built_by_certify_installs(fake, tmp_path):
     """A profile from a (sample) report, made to match this fake machine, selects its entry."""
-    data = report.load(Path(__file__).parent / "data" / "sample_rtx4090.json")
+    data = checked.load(Path(__file__).parent / "data" / "sample_rtx4090.json")
     built = records.dump(building.build(data, verdict.decide(data)))
     assert profile.load(built).gpus[0].name == "NVIDIA GeForce RTX 4090"
     built["gpus"][0].update(name=H200.name, capability=list(H200.capability), memory_gib=H200.memory_gib)
@@ -280,14 +281,14 @@ def test_the_built_profile_is_the_one_run_13_wrote(run, tmp_path):
     """The record-building profile gives what certify wrote for run 13 (docs/results/run13-h200x2), as
     the wrapper reads it: the verified ranges, layouts, reasons and span limit of every entry."""
     folder = Path(__file__).resolve().parents[1] / "docs" / "results" / "run13-h200x2" / run
-    data = report.load(folder / "report.json")
+    data = checked.load(folder / "report.json")
     building.save(building.build(data, verdict.decide(data)), tmp_path / "profile.json")
     assert profile.load(tmp_path / "profile.json") == profile.load(folder / "profile.json")
 
 
 def test_the_profile_schema_accepts_what_certify_builds():
     jsonschema = pytest.importorskip("jsonschema")
-    data = report.load(Path(__file__).parent / "data" / "sample_h200_2gpu.json")
+    data = checked.load(Path(__file__).parent / "data" / "sample_h200_2gpu.json")
     built = records.dump(building.build(data, verdict.decide(data)))
     assert list(jsonschema.Draft202012Validator(profile.json_schema()).iter_errors(built)) == []
 

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 import sage_qual
 from sage_qual import records
-from sage_qual.qualification import profile as building
-from sage_qual.qualification import report, verdict
+from sage_qual.qualification.decide import checked, verdict
+from sage_qual.qualification.decide import profile as building
 from sage_qual.serving import profile
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
 
@@ -31,7 +31,7 @@ def built_profile(fail_at=None) -> dict:
     data = json.loads(SAMPLE.read_text())
     for device in data["devices"]:
         device["long"] = long_records("sm90-fp8-cuda", fail_at) + long_records("sm89-fp8-cuda", fail_at)
-    typed = report.parse(data, "sample")
+    typed = checked.parse(data, "sample")
     built = records.dump(building.build(typed, verdict.decide(typed)))
     built["gpus"][0].update(name=H200.name, capability=list(H200.capability), memory_gib=H200.memory_gib)
     built["gpus"][0]["environment"].update(torch=torch.__version__, sageattention="2.2.0", torch_cuda="13.0")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from sage_qual import records
-from sage_qual.qualification import report_model
+from sage_qual.qualification.evidence import files
 
 RUN13 = Path(__file__).parent.parent / "docs" / "results" / "run13-h200x2"
 
@@ -72,5 +72,5 @@ def test_dump_takes_instances_only():
 @pytest.mark.parametrize("run", ["certify-b", "certify-e"])
 def test_a_real_report_round_trips(run):
     path = RUN13 / run / "report.json"
-    report = report_model.load(path)
-    assert report_model.from_dict(json.loads(json.dumps(records.dump(report))), str(path)) == report
+    report = files.load(path)
+    assert files.from_dict(json.loads(json.dumps(records.dump(report))), str(path)) == report

@@ -1,4 +1,4 @@
-"""report.render reads the typed report (`report.parse` or `report.load`), never report.json's dict:
+"""report.render reads the typed report (`checked.parse` or `checked.load`), never report.json's dict:
 what renders is the record it is given, and the text is the same as the dict-reading renderer's.
 
 run 13's committed report.md files (docs/results/run13-h200x2/certify-*/) were written by certify at
@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from sage_qual import records
-from sage_qual.qualification import report, report_model
+from sage_qual.qualification.decide import checked
+from sage_qual.qualification.evidence import report_model
+from sage_qual.qualification.render import plots
 from tests_fast import builders
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,18 +26,18 @@ SAMPLE = ROOT / "tests_fast" / "data" / "sample_h200_2gpu.json"
 @pytest.mark.parametrize("run", ["certify-b", "certify-e"])
 def test_run_13s_reports_render_as_committed(run, tmp_path):
     pytest.importorskip("matplotlib")  # the committed report.md shows the plots
-    report.render(report.load(RUN13 / run / "report.json"), tmp_path)
+    builders.rendered(checked.load(RUN13 / run / "report.json"), tmp_path)
     assert (tmp_path / "report.md").read_bytes() == (RUN13 / run / "report.md").read_bytes()
 
 
 @pytest.fixture
 def no_plots(monkeypatch):
-    monkeypatch.setattr(report, "_plots", lambda *args: {})  # the text is what these tests read
+    monkeypatch.setattr(plots, "plots", lambda *args: {})  # the text is what these tests read
 
 
 def test_what_renders_is_the_record_given(tmp_path, no_plots):
-    typed = dataclasses.replace(report.load(SAMPLE), host="edited-in-the-record", command="sage-qual x")
-    report.render(typed, tmp_path)
+    typed = dataclasses.replace(checked.load(SAMPLE), host="edited-in-the-record", command="sage-qual x")
+    builders.rendered(typed, tmp_path)
     md = (tmp_path / "report.md").read_text()
     assert md.startswith("# SageAttention certification, edited-in-the-record\n")
     assert "Command: `sage-qual x`" in md
@@ -50,7 +52,7 @@ def test_each_kind_of_record_heads_its_crash_output(tmp_path, no_plots):
     """A timing, a long check and a span probe that left a stderr tail each say what ran on what."""
     data = json.loads(SAMPLE.read_text())
     data["devices"][0]["long"] = builders.long_records("sm90-fp8-cuda", fail_at=75600, how="crash")
-    typed = report.parse(data, "sample")
+    typed = checked.parse(data, "sample")
     device = typed.devices[0]
     timing = ("sm89-fp8-cuda", "b1 h24 q1024 k1024 d64 bfloat16")
     speed = [_with_stderr(r, "timing stderr") if (r.kernel, r.shape) == timing else r for r in device.speed]
@@ -60,7 +62,7 @@ def test_each_kind_of_record_heads_its_crash_output(tmp_path, no_plots):
         "head_dim": 128, "kv_tokens": 1024, "span": 2150385664, "limit": 2147483647, "outcome": "crash",
         "detail": "killed by SIGABRT", "stderr_tail": "probe stderr"}, "probe", "")
     device = dataclasses.replace(device, speed=speed, long=long, span=[probe])
-    report.render(dataclasses.replace(typed, devices=[device, *typed.devices[1:]]), tmp_path)
+    builders.rendered(dataclasses.replace(typed, devices=[device, *typed.devices[1:]]), tmp_path)
     md = (tmp_path / "report.md").read_text()
     crashes = md.split("### Crashes, hangs and errors\n", 1)[1].split("\n## ", 1)[0]
     assert "sm89-fp8-cuda on b1 h24 q1024 k1024 d64 bfloat16: pass: \n" in crashes
@@ -75,8 +77,8 @@ def test_each_kind_of_record_heads_its_crash_output(tmp_path, no_plots):
 
 
 def test_a_predicted_heatmap_cell_is_measured_against_its_class_published_bound():
-    cell = report.load(SAMPLE).devices[0].cells[0]
+    cell = checked.load(SAMPLE).devices[0].cells[0]
     published = {cell.fixture: {cell.accuracy_class.value: {"max_rel_l2": cell.rel_l2 * 4}}}
-    assert report.heat_ratio(cell, published) == pytest.approx(0.25)
-    assert report.heat_ratio(cell) == pytest.approx(cell.rel_l2 / cell.bounds["max_rel_l2"])
-    assert report.heat_ratio(cell, {}) is None  # a fixture with no published bound: no number
+    assert plots.heat_ratio(cell, published) == pytest.approx(0.25)
+    assert plots.heat_ratio(cell) == pytest.approx(cell.rel_l2 / cell.bounds["max_rel_l2"])
+    assert plots.heat_ratio(cell, {}) is None  # a fixture with no published bound: no number

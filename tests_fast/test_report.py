@@ -13,7 +13,11 @@ from pathlib import Path
 import pytest
 
 from sage_qual import cli, records
-from sage_qual.qualification import report, report_model
+from sage_qual.qualification.decide import checked
+from sage_qual.qualification.evidence import files, report_model
+from sage_qual.qualification.render import plots
+
+from . import builders
 
 jsonschema = pytest.importorskip("jsonschema")  # a test dependency; the GPU box lacks it
 
@@ -35,7 +39,7 @@ def as_version_2(data: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def validator():
-    schema = report.schema()
+    schema = files.schema()
     jsonschema.Draft202012Validator.check_schema(schema)
     return jsonschema.Draft202012Validator(schema)
 
@@ -45,14 +49,14 @@ def errors(validator, data) -> list[str]:
 
 
 def test_the_committed_schema_is_the_generated_one():
-    assert report.schema() == json.loads(json.dumps(report_model.json_schema())), \
-        "report_schema.json is stale: regenerate it with sage_qual.qualification.report.write_schema()"
+    assert files.schema() == json.loads(json.dumps(files.json_schema())), \
+        "report_schema.json is stale: regenerate it with evidence.files.write_schema()"
 
 
 @pytest.mark.parametrize("path", SAMPLES, ids=lambda p: p.stem)
 def test_version_1_samples_read_and_their_evidence_validates_as_version_2(path, validator):
     data = json.loads(path.read_text())
-    loaded = report.load(path)
+    loaded = checked.load(path)
     assert loaded.schema_version == 2 and loaded.host == data["host"]
     assert len(loaded.devices) == len(data["devices"])
     assert errors(validator, as_version_2(data)) == []
@@ -76,7 +80,7 @@ COMMITTED = sorted(Path(__file__).resolve().parent.parent.glob("docs/results/*/r
 
 @pytest.mark.parametrize("path", COMMITTED, ids=lambda p: p.parent.name)
 def test_committed_reports_still_read(path):
-    assert report.load(path).devices
+    assert checked.load(path).devices
 
 
 CURRENT = Path(__file__).resolve().parent.parent / "docs" / "results" / "current"
@@ -94,7 +98,7 @@ def test_current_reports_were_made_on_the_shipped_fixtures():
     shipped = {p.name.removesuffix(".safetensors"): fileformat.load_fixture(p).sha256
                for p in fileformat.list_fixtures(fileformat.shipped_dir())}
     for path in reports:
-        recorded = {f.name: f.sha256 for f in report.load(path).fixtures}
+        recorded = {f.name: f.sha256 for f in checked.load(path).fixtures}
         assert recorded, f"{path} names no fixtures"
         stale = sorted(name for name, sha in recorded.items() if shipped.get(name) != sha)
         assert not stale, f"{path}: fixtures changed or missing since the run: {stale}"
@@ -158,8 +162,8 @@ DAMAGE = {
 def test_load_refuses_damage_naming_file_key_and_fix(tmp_path, name):
     make, message = DAMAGE[name]
     path = make(tmp_path)
-    with pytest.raises(report.ReportError) as refused:
-        report.load(path)
+    with pytest.raises(report_model.ReportError) as refused:
+        checked.load(path)
     text = str(refused.value)
     assert text.startswith(f"{path}: ") and message in text and "\n" not in text
     assert "certify" in text or "upgrade" in text  # the fix
@@ -168,8 +172,8 @@ def test_load_refuses_damage_naming_file_key_and_fix(tmp_path, name):
 def test_a_truncated_report_is_refused(tmp_path):
     path = tmp_path / "report.json"
     path.write_text(H200.read_text()[:5000])
-    with pytest.raises(report.ReportError, match="not JSON, or cut short"):
-        report.load(path)
+    with pytest.raises(report_model.ReportError, match="not JSON, or cut short"):
+        checked.load(path)
 
 
 @pytest.mark.parametrize("content, message", [
@@ -182,13 +186,13 @@ def test_a_truncated_report_is_refused(tmp_path):
 def test_load_refuses_foreign_files(tmp_path, content, message):
     path = tmp_path / "report.json"
     path.write_text(content)
-    with pytest.raises(report.ReportError, match=message):
-        report.load(path)
+    with pytest.raises(report_model.ReportError, match=message):
+        checked.load(path)
 
 
 def test_load_missing_report_says_to_certify(tmp_path):
-    with pytest.raises(report.ReportError, match="run `sage-qual certify` first"):
-        report.load(tmp_path / "absent.json")
+    with pytest.raises(report_model.ReportError, match="run `sage-qual certify` first"):
+        checked.load(tmp_path / "absent.json")
 
 
 # Cells whose stored outcome disagrees with their numbers --------------------------------------
@@ -210,14 +214,14 @@ def every_cell_fails_but_says_pass(data):
 
 
 # A loosened budget is not among them: budgets are derived from the numerics model per cell
-# (qualification/budgets.py), which a report alone cannot recompute; the fixture's class bounds are
+# (qualification/measure/budgets.py), which a report alone cannot recompute; the fixture's class bounds are
 # provenance only and may be tighter than a cell's budget (flux1_ip_adapter_zero_uncond).
 @pytest.mark.parametrize("damage", [pass_cell_with_failing_numbers, fail_cell_edited_to_pass,
                                     every_cell_fails_but_says_pass])
 def test_cells_that_disagree_with_their_numbers_are_refused(tmp_path, damage):
     path = edit(damage)(tmp_path)
-    with pytest.raises(report.ReportError, match=r"devices\[\d\]\.cells\[\d+\] .*(outcome|bounds)"):
-        report.load(path)
+    with pytest.raises(report_model.ReportError, match=r"devices\[\d\]\.cells\[\d+\] .*(outcome|bounds)"):
+        checked.load(path)
 
 
 @pytest.mark.parametrize("argv", [["gate", "--family", "FLUX.1", "--report"], ["merge"]],
@@ -241,8 +245,8 @@ def test_gate_refuses_a_report_whose_cells_were_edited_to_pass(tmp_path, capsys)
 
 # Writing and rendering -------------------------------------------------------------------------
 def test_writer_rewrites_the_file_after_each_change(tmp_path, validator):
-    partial = report.parse(as_version_2(sample("sample_partial.json")), "sample_partial.json")
-    writer = report.Writer(tmp_path / "report.json", partial)
+    partial = checked.parse(as_version_2(sample("sample_partial.json")), "sample_partial.json")
+    writer = files.Writer(tmp_path / "report.json", partial)
     cell = partial.devices[0].cells[0]
     writer.append(1, "cells", cell)
     on_disk = json.loads((tmp_path / "report.json").read_text())
@@ -251,13 +255,13 @@ def test_writer_rewrites_the_file_after_each_change(tmp_path, validator):
     assert errors(validator, on_disk) == []
     assert not list(tmp_path.glob("*.tmp"))
     writer.replace(complete=True, finished="2026-12-01T02:00:00+00:00")
-    assert report.load(tmp_path / "report.json") == writer.report
+    assert checked.load(tmp_path / "report.json") == writer.report
 
 
 def test_appends_write_what_a_whole_dump_writes(tmp_path):
     # Appends dump only what they add: the file must still be the whole record's dump, each time.
-    partial = report.parse(as_version_2(sample("sample_partial.json")), "sample_partial.json")
-    writer = report.Writer(tmp_path / "report.json", partial)
+    partial = checked.parse(as_version_2(sample("sample_partial.json")), "sample_partial.json")
+    writer = files.Writer(tmp_path / "report.json", partial)
     for position, field, items in [(1, "cells", partial.devices[0].cells[:2]), (0, "speed", []),
                                    (1, "speed", partial.devices[0].speed[:1]), (1, "cells", [])]:
         writer.append(position, field, *items)
@@ -270,8 +274,8 @@ def test_appends_write_what_a_whole_dump_writes(tmp_path):
     {"outcome": "crash"},  # a crash says why in its detail
 ])
 def test_writer_refuses_what_the_reader_would_refuse(tmp_path, change):
-    partial = report.parse(as_version_2(sample("sample_partial.json")), "sample_partial.json")
-    writer = report.Writer(tmp_path / "report.json", partial)
+    partial = checked.parse(as_version_2(sample("sample_partial.json")), "sample_partial.json")
+    writer = files.Writer(tmp_path / "report.json", partial)
     before = (tmp_path / "report.json").read_text()
     broken = dataclasses.replace(partial.devices[0].cells[0], detail="", **change)
     with pytest.raises(records.RecordError):
@@ -281,7 +285,7 @@ def test_writer_refuses_what_the_reader_would_refuse(tmp_path, change):
 
 def test_render_complete_report(tmp_path):
     data = sample()
-    files = report.render(report.parse(data, "r.json"), tmp_path)
+    files = builders.rendered(checked.parse(data, "r.json"), tmp_path)
     names = {f.name for f in files}
     assert {"report.md", "report.html", "accuracy-cuda0.png", "accuracy-cuda1.png", "speedup-0.png"} <= names
     md = (tmp_path / "report.md").read_text()
@@ -304,13 +308,13 @@ def test_render_ignores_a_stored_verdict_section(tmp_path):
     data = sample()
     for verdict in data["gpus"][0]["families"]:
         verdict["verdict"] = "enable"
-    report.render(report.parse(data, "r.json"), tmp_path)
+    builders.rendered(checked.parse(data, "r.json"), tmp_path)
     assert "| Wan 2.2 | keep off |" in (tmp_path / "report.md").read_text()
 
 
 def test_render_partial_report_says_so(tmp_path):
     data = sample("sample_partial.json")
-    report.render(report.parse(data, "r.json"), tmp_path)
+    builders.rendered(checked.parse(data, "r.json"), tmp_path)
     md = (tmp_path / "report.md").read_text()
     assert "PARTIAL REPORT" in md and "No verdicts are drawn" in md
     assert "### Verdicts" not in md
@@ -324,9 +328,9 @@ def test_one_row_heatmap_is_not_squashed_and_avoids_red_green(tmp_path):
     data = sample()
     device = data["devices"][0]
     device["cells"] = [c for c in device["cells"] if c["variant"] == "sm90-fp8-cuda"]
-    report.render(report.parse(data, "r.json"), tmp_path)
+    builders.rendered(checked.parse(data, "r.json"), tmp_path)
     width, height = Image.open(tmp_path / "accuracy-cuda0.png").size
-    assert height >= report.MIN_HEIGHT_INCHES * 110 - 1  # dpi 110
+    assert height >= plots.MIN_HEIGHT_INCHES * 110 - 1  # dpi 110
     assert matplotlib.colormaps["cividis"]  # the sequential, colour-blind-safe map the heatmap uses
     pixels = list(Image.open(tmp_path / "accuracy-cuda0.png").convert("RGB").get_flattened_data())
     # cividis has no saturated red or green: no pixel is strongly red- or green-dominant
@@ -353,7 +357,7 @@ def test_any_damage_is_a_report_error_or_reads(tmp_path, capsys, seed):
     and merging either work or refuse with ReportError / exit 2, never anything else."""
     import random
 
-    from sage_qual.qualification import verdict
+    from sage_qual.qualification.decide import verdict
 
     rng = random.Random(seed)
     original = sample()
@@ -369,8 +373,8 @@ def test_any_damage_is_a_report_error_or_reads(tmp_path, capsys, seed):
         else:
             parent[path[-1]] = copy.deepcopy(rng.choice(REPLACEMENTS))
         try:
-            verdict.decide(report.parse(data, "damaged.json"))
-        except report.ReportError as error:
+            verdict.decide(checked.parse(data, "damaged.json"))
+        except report_model.ReportError as error:
             assert "\n" not in str(error) and str(error).startswith("damaged.json: ")
         target = tmp_path / "damaged.json"
         target.write_text(json.dumps(data))
@@ -379,11 +383,11 @@ def test_any_damage_is_a_report_error_or_reads(tmp_path, capsys, seed):
 
 
 def test_a_cell_holds_every_accuracy_metric_the_worker_measures():
-    """The worker stores measure.Accuracy's fields in each cell; the model must know them all, or
+    """The worker stores accuracy.Accuracy's fields in each cell; the model must know them all, or
     a GPU run's own report would not read back."""
     import dataclasses
 
-    from sage_qual.qualification import measure
+    from sage_qual.qualification.measure import accuracy
 
     cell_fields = {f.name for f in dataclasses.fields(report_model.Cell)}
-    assert {f.name for f in dataclasses.fields(measure.Accuracy)} <= cell_fields
+    assert {f.name for f in dataclasses.fields(accuracy.Accuracy)} <= cell_fields

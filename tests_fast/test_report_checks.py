@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from sage_qual.qualification import report_model
-from sage_qual.qualification.report_model import Outcome, ReportError
+from sage_qual.qualification.decide import checked
+from sage_qual.qualification.evidence import files, report_model
+from sage_qual.qualification.evidence.report_model import Outcome, ReportError
 
 SAMPLE = Path(__file__).parent / "data" / "sample_h200_2gpu.json"
 SHAPE = {
@@ -61,7 +62,7 @@ def refused(change) -> str:
     data = valid()
     change(data)
     with pytest.raises(ReportError) as error:
-        report_model.from_dict(data, "r.json")
+        files.from_dict(data, "r.json")
     message = str(error.value)
     assert message.startswith("r.json: ") and "\n" not in message
     assert message.endswith(report_model.FIX) or "upgrade sage-qual" in message  # and what to do
@@ -71,7 +72,7 @@ def refused(change) -> str:
 def reads(change) -> report_model.Report:
     data = valid()
     change(data)
-    return report_model.from_dict(data, "r.json")
+    return files.from_dict(data, "r.json")
 
 
 def cell(data, device=0, n=0) -> dict:
@@ -93,7 +94,7 @@ def test_a_foreign_document_is_not_a_report(data):
         match=r'^r.json: kind: not a sage-qual report \(no "kind": '
         r'"sage-qual-report"\); give the report.json',
     ):
-        report_model.from_dict(data, "r.json")
+        files.from_dict(data, "r.json")
 
 
 def test_a_newer_schema_says_to_upgrade():
@@ -111,14 +112,14 @@ def test_an_unreadable_schema_version_is_refused_with_the_fix(version):
 def test_a_version_1_report_drops_its_stored_analysis_and_reads_as_version_2():
     data = json.loads(SAMPLE.read_text())
     assert data["schema_version"] == 1 and "gpus" in data
-    parsed = report_model.from_dict(data, "r.json")
+    parsed = files.from_dict(data, "r.json")
     assert parsed.schema_version == 2
     assert data["schema_version"] == 1 and "gpus" in data  # the caller's dict is not changed
 
 
 def test_a_missing_file_says_to_certify(tmp_path):
     with pytest.raises(ReportError) as error:
-        report_model.load(tmp_path / "report.json")
+        files.load(tmp_path / "report.json")
     assert str(error.value) == f"{tmp_path / 'report.json'}: no report there: run `sage-qual certify` first"
 
 
@@ -126,14 +127,14 @@ def test_a_cut_short_file_says_what_to_do(tmp_path):
     path = tmp_path / "report.json"
     path.write_text(json.dumps(valid())[:-20])
     with pytest.raises(ReportError) as error:
-        report_model.load(path)
+        files.load(path)
     assert str(error.value).startswith(f"{path}: not JSON, or cut short (")
     assert str(error.value).endswith("); " + report_model.FIX)
 
 
 def test_an_unreadable_path_says_to_give_a_readable_report(tmp_path):
     with pytest.raises(ReportError) as error:
-        report_model.load(tmp_path)  # a directory
+        files.load(tmp_path)  # a directory
     assert str(error.value).startswith(f"{tmp_path}: cannot be read (")
     assert str(error.value).endswith("); give a readable report.json")
 
@@ -141,7 +142,7 @@ def test_an_unreadable_path_says_to_give_a_readable_report(tmp_path):
 def test_a_report_file_reads(tmp_path):
     path = tmp_path / "report.json"
     path.write_text(json.dumps(valid()))
-    assert report_model.load(path).host == valid()["host"]
+    assert files.load(path).host == valid()["host"]
 
 
 # The report as a whole ------------------------------------------------------------------------
@@ -418,8 +419,8 @@ def test_only_a_cell_that_ran_to_the_end_is_measured(outcome, measured):
 
 
 def test_a_quick_report_cannot_enable_a_family():
-    assert report_model.quick_problem(reads(lambda d: None)) == ""
-    problem = report_model.quick_problem(reads(lambda d: d["options"].update(quick=True)))
+    assert checked.quick_problem(reads(lambda d: None)) == ""
+    problem = checked.quick_problem(reads(lambda d: d["options"].update(quick=True)))
     assert problem == (
         "a --quick report cannot enable a family: it ran the smallest fixture of each family only "
         "and left out the stress fixtures that carry the known failures (report.md lists them); "
@@ -432,6 +433,6 @@ def test_a_devices_model_is_its_name_and_capability():
 
 
 def test_the_json_schema_names_this_version():
-    schema = report_model.json_schema()
+    schema = files.json_schema()
     assert schema["$id"] == "https://sage-qual.invalid/report/2"
     assert "schema version 2" in schema["title"]

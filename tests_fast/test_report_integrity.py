@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from sage_qual import cli, jsonfile, records
-from sage_qual.qualification import report
-from sage_qual.qualification.report_model import Cell, Outcome
+from sage_qual.qualification.decide import checked
+from sage_qual.qualification.evidence import report_model
+from sage_qual.qualification.evidence.report_model import Cell, Outcome
 
 from .builders import read, reason
 
@@ -24,8 +25,8 @@ def refusal(tmp_path: Path, change) -> str:
     change(data)
     path = tmp_path / "report.json"
     path.write_text(json.dumps(data))
-    with pytest.raises(report.ReportError) as error:
-        report.load(path)
+    with pytest.raises(report_model.ReportError) as error:
+        checked.load(path)
     message = str(error.value)
     assert "\n" not in message and message.startswith(f"{path}: ")
     return message.removeprefix(f"{path}: ")
@@ -87,14 +88,15 @@ def test_a_target_report_names_its_integration_not_registry_variants(tmp_path):
         device["speed"] = [dict(r, kernel="wrapper") if r["kernel"] == "sm90-fp8-cuda" else r
                            for r in device["speed"] if r["kernel"] in ("sm90-fp8-cuda", "sdpa")]
         device["not_supported"] = {}
-    assert report.parse(data, "target.json").target == "wrapper"
+    assert checked.parse(data, "target.json").target == "wrapper"
 
 
 def test_a_file_larger_than_the_limit_is_refused_unread(tmp_path, monkeypatch):
     path = tmp_path / "report.json"
     path.write_text(SAMPLE.read_text())
     monkeypatch.setattr(jsonfile, "MAX_JSON_BYTES", path.stat().st_size - 1)
-    with pytest.raises(report.ReportError, match=r"cannot be read \(more than .* the most sage-qual reads"):
-        report.load(path)
+    with pytest.raises(report_model.ReportError,
+                       match=r"cannot be read \(more than .* the most sage-qual reads"):
+        checked.load(path)
     monkeypatch.setattr(jsonfile, "MAX_JSON_BYTES", path.stat().st_size)
-    assert report.load(path).host == "sample-h200-2gpu"
+    assert checked.load(path).host == "sample-h200-2gpu"

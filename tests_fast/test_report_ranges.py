@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from sage_qual.qualification import report
+from sage_qual.qualification.decide import checked
+from sage_qual.qualification.evidence import report_model
 
 REAL = Path(__file__).resolve().parents[1] / "docs/results/run8-h200x2-final/certify/certify-b/report.json"
 
@@ -30,11 +31,11 @@ def measured_cell(data):
 def test_an_impossible_number_is_refused(real, field, value):
     data = copy.deepcopy(real)
     measured_cell(data)[field] = value
-    with pytest.raises(report.ReportError, match=f"cells\\[\\d+\\]\\.{field}: is {value}"):
-        report.parse(data, "r.json")
+    with pytest.raises(report_model.ReportError, match=f"cells\\[\\d+\\]\\.{field}: is {value}"):
+        checked.parse(data, "r.json")
 
 
 def test_a_real_report_with_float32_rounding_reads(real):
     data = copy.deepcopy(real)
     measured_cell(data)["worst_head_cosine"] = 1.0000001192092896  # seen in run 8's cells
-    report.parse(data, "r.json")
+    checked.parse(data, "r.json")

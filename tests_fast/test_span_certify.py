@@ -13,15 +13,18 @@ from pathlib import Path
 import pytest
 
 from sage_qual import limits, records
-from sage_qual.qualification import certify, fault_hooks, profile, report, span_check, verdict
-from sage_qual.qualification.report_model import Outcome, SpanProbe
+from sage_qual.qualification.decide import checked, profile, verdict
+from sage_qual.qualification.evidence import report_model
+from sage_qual.qualification.evidence.report_model import Outcome, SpanProbe
+from sage_qual.qualification.render import plots
+from sage_qual.qualification.run import fault_hooks, plan, run
 from sage_qual.records import dump
 from sage_qual.serving import profile as serving_profile
 
-from . import fakes
+from . import builders, fakes
 
 SAMPLE = Path(__file__).parent / "data" / "sample_h200_2gpu.json"
-PLANNED = span_check.cases()
+PLANNED = plan.span_cases()
 CASES = [case for case, _ in PLANNED]
 RUNG = min(c.span for c in CASES)  # 267,911,168: the contiguous rung
 BELOW = min(c.span for c in CASES if c.side == "below" and c.span > RUNG * 2)  # 2,146,959,360: contiguous
@@ -32,10 +35,10 @@ def test_the_cases_are_a_rung_then_the_boundary_in_each_layout():
     assert spans == [("contiguous", "below", 267_911_168), ("fused_qkv", "below", 268_420_096),
                      ("contiguous", "below", 2_146_959_360), ("contiguous", "above", 2_147_489_792),
                      ("fused_qkv", "below", 2_147_482_624), ("fused_qkv", "above", 2_147_504_128)]
-    rung = limits.MAX_SPAN_ELEMENTS // span_check.RUNG_FRACTION
+    rung = limits.MAX_SPAN_ELEMENTS // plan.RUNG_FRACTION
     assert [limit for _, limit in PLANNED] == [rung] * 2 + [limits.MAX_SPAN_ELEMENTS] * 4
     assert all(c.span <= rung for c in CASES[:2])
-    jobs = span_check.jobs("v", PLANNED)
+    jobs = plan.span_jobs("v", PLANNED)
     # below cases and the first above case in one worker, the other above case in its own
     assert [[t.side for t in job] for job in jobs] == [["below"] * 4 + ["above"], ["above"]]
     assert len({t.id for job in jobs for t in job}) == 6
@@ -65,7 +68,7 @@ def built(span_by_variant, devices=(0, 1)):
     for n, device in enumerate(data["devices"]):
         if n in devices:
             device["span"] = [p for variant, found in span_by_variant.items() for p in found]
-    typed = report.parse(data, "sample")
+    typed = checked.parse(data, "sample")
     return data, typed, records.dump(profile.build(typed, verdict.decide(typed)))["gpus"][0]
 
 
@@ -107,18 +110,18 @@ def test_an_edited_span_probe_is_refused():
     data["devices"][0]["span"] = probes("sm90-fp8-cuda")
     bad = copy.deepcopy(data)
     del bad["devices"][0]["span"][0]["rel_l2"]
-    with pytest.raises(report.ReportError, match=r"span\[0\].rel_l2: missing for a span probe"):
-        report.parse(bad, "edited")
+    with pytest.raises(report_model.ReportError, match=r"span\[0\].rel_l2: missing for a span probe"):
+        checked.parse(bad, "edited")
     bad = copy.deepcopy(data)
     bad["devices"][0]["span"][0]["variant"] = "sm99-made-up"
-    with pytest.raises(report.ReportError, match="not in options.variants"):
-        report.parse(bad, "edited")
+    with pytest.raises(report_model.ReportError, match="not in options.variants"):
+        checked.parse(bad, "edited")
 
 
 def test_the_report_renders_the_probes_and_the_largest_safe_span(tmp_path, monkeypatch):
     data, _, _ = built({"sm90-fp8-cuda": probes("sm90-fp8-cuda", H200_LIKE)}, devices=(0,))
-    monkeypatch.setattr(report, "_plots", lambda *args: {})
-    report.render(report.parse(data, "r.json"), tmp_path)
+    monkeypatch.setattr(plots, "plots", lambda *args: {})
+    builders.rendered(checked.parse(data, "r.json"), tmp_path)
     md = (tmp_path / "report.md").read_text()
     assert "### Span limits" in md
     assert "sm90-fp8-cuda: 2,146,959,360 elements" in md
@@ -140,7 +143,7 @@ def test_certify_probes_in_workers_and_records_an_abort_and_a_fault_as_findings(
     hook = {"gpus": [{"name": "Fake H200", "capability": [9, 0]}], "span_faults": {"sm90-fp8-cuda": rules}}
     monkeypatch.setenv(fault_hooks.TEST_HOOK, json.dumps(hook))
     out = tmp_path / "out"
-    data = records.dump(certify.run(certify.Options(
+    data = records.dump(run.certify(builders.gpu_request(
         out, devices="0", variants=["sm90-fp8-cuda"], families=["FLUX.1"], fixture_dirs=[str(fixtures)],
         timeout=30.0)))
     assert data["complete"] and not data["stopped"]
@@ -155,9 +158,9 @@ def test_certify_probes_in_workers_and_records_an_abort_and_a_fault_as_findings(
     assert "SIGABRT" in found[("contiguous", "below", BELOW)]["detail"]
     assert "illegal memory access" in found[("fused_qkv", "above", 2_147_504_128)]["detail"]
     assert found[("fused_qkv", "below", 2_147_482_624)]["ran_heads"] == 1  # cut down on the fake
-    typed = report.load(out / "report.json")
-    assert span_check.largest_safe(typed.devices[0].span, "sm90-fp8-cuda") == RUNG
-    assert span_check.profile_limit(typed.devices[0].span, {"sm90-fp8-cuda"}) == RUNG
+    typed = checked.load(out / "report.json")
+    assert profile.largest_safe(typed.devices[0].span, "sm90-fp8-cuda") == RUNG
+    assert profile.profile_limit(typed.devices[0].span, {"sm90-fp8-cuda"}) == RUNG
     gpu = json.loads((out / "profile.json").read_text())["gpus"][0]
     served = {e["variant"] for e in [gpu["default"], *gpu["families"].values()] if e["variant"]}
     assert gpu.get("max_span_elements") == (RUNG if served else None)  # the fake's speed decides `served`

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from sage_qual import limits, records
-from sage_qual.qualification import span_probe
-from sage_qual.qualification.span_probe import Checked, SpanCase, SpanFinding, Verdict
+from sage_qual.qualification.measure import span_probe
+from sage_qual.qualification.measure.span_probe import Checked, SpanCase, SpanFinding, Verdict
 from sage_qual.testing import FakeSageAttention
 
 

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from sage_qual.qualification import speed
+from sage_qual.qualification.measure import speed
 
 Z = speed.Z_95
 

@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from sage_qual.qualification import targets
+from sage_qual.qualification.integrations import targets
 from sage_qual.serving.variants import VARIANTS, BoxFacts
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import sage_qual
-from sage_qual.qualification import targets
+from sage_qual.qualification.integrations import targets
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
 
 from .helpers import TORCH_SDPA, qkv

@@ -20,9 +20,12 @@ from pathlib import Path
 import pytest
 
 from sage_qual import records
-from sage_qual.qualification import certify, gate, judge, report, summary, verdict
+from sage_qual.qualification.decide import checked, fleet, gate, verdict
+from sage_qual.qualification.evidence.report_model import Cell, FixtureRecord, Speed
 from sage_qual.qualification.families import FAMILIES, find
-from sage_qual.qualification.report_model import Cell, FixtureRecord, Speed
+from sage_qual.qualification.measure import judge
+from sage_qual.qualification.render import plots, summary
+from sage_qual.qualification.run import plan
 from sage_qual.serving.variants import VARIANTS
 
 from . import builders
@@ -76,7 +79,7 @@ def make_report(seed: int) -> dict:
     fixtures = [builders.fixture(f"fx{n}", rng.choice(FIXTURE_FAMILIES), sha256=f"{n:064x}", bounds=BOUNDS,
                                  provenance="generated for the agreement test")
                 for n in range(rng.randint(1, 5))]
-    shapes = certify.speed_shapes(chosen, quick=rng.random() < 0.3)
+    shapes = plan.speed_shapes(chosen, quick=rng.random() < 0.3)
     # Each variant pays from its own crossover, scaled per GPU model: some pay nowhere.
     crossover = {(v, m[0]): rng.choice([1e9, 1e10, 3e10, 1e11, 1e12, 1e14]) for v in variants for m in models}
     devices = []
@@ -118,8 +121,8 @@ def served_numbers(entry: dict) -> str | None:
 
 
 def from_markdown(data: dict, tmp_path: Path, monkeypatch) -> dict:
-    monkeypatch.setattr(report, "_plots", lambda *args: {})  # the tables are what is compared
-    report.render(report.parse(data, "r.json"), tmp_path)
+    monkeypatch.setattr(plots, "plots", lambda *args: {})  # the tables are what is compared
+    builders.rendered(checked.parse(data, "r.json"), tmp_path)
     found, model, in_verdicts = {}, None, False
     for line in (tmp_path / "report.md").read_text().splitlines():
         if line.startswith("## "):
@@ -138,7 +141,7 @@ def from_markdown(data: dict, tmp_path: Path, monkeypatch) -> dict:
 
 
 def from_merge(data: dict) -> dict:
-    rows = gate.merge_rows([(Path("r.json"), report.parse(copy.deepcopy(data), "r.json"))])
+    rows = fleet.merge_rows([(Path("r.json"), checked.parse(copy.deepcopy(data), "r.json"))])
     found = {}
     for row in json.loads(json.dumps([records.dump(row) for row in rows])):  # as merge --json prints
         model = "%s (sm_%d%d)" % (row["gpu"], *row["capability"])
@@ -149,7 +152,7 @@ def from_merge(data: dict) -> dict:
 
 def from_gate(data: dict) -> dict:
     found = {}
-    typed = report.parse(copy.deepcopy(data), "r.json")
+    typed = checked.parse(copy.deepcopy(data), "r.json")
     for family_name in data["options"]["families"]:
         family = find(family_name)
         local = {f["name"]: f["sha256"] for f in data["fixtures"] if gate.counts_for(family, f["family"])}
@@ -168,7 +171,7 @@ SUMMARY_LINE = re.compile(
 
 def from_summary(data: dict, tmp_path: Path) -> dict:
     with redirect_stdout(io.StringIO()) as text:
-        print(summary.text(report.parse(data, "report.json"), tmp_path))
+        print(summary.text(checked.parse(data, "report.json"), tmp_path))
     found = {}
     for line in text.getvalue().splitlines()[1:]:
         match = SUMMARY_LINE.match(line)
@@ -200,7 +203,7 @@ def test_the_generated_reports_cover_every_verdict():
     """The generator is only a test if it produces every verdict (and several variants win)."""
     words, variants = set(), set()
     for seed in range(REPORTS):
-        for gpu in verdict.decide(report.parse(make_report(seed), "r.json")):
+        for gpu in verdict.decide(checked.parse(make_report(seed), "r.json")):
             words |= {d.verdict.value for d in gpu.families}
             variants |= {d.variant for d in gpu.families if d.variant}
     assert words == {v.value for v in verdict.Verdict}

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from sage_qual.qualification import families, report, verdict
+from sage_qual.qualification import families
+from sage_qual.qualification.decide import checked, verdict
+from sage_qual.qualification.evidence.report_model import ReportError
 from sage_qual.qualification.families import Family
-from sage_qual.qualification.report_model import ReportError
 
 DATA = Path(__file__).parent / "data"
 
@@ -21,7 +22,7 @@ def sample(name="sample_h200_2gpu.json") -> dict:
 
 
 def decide(data: dict):
-    return verdict.decide(report.parse(copy.deepcopy(data), "report.json"))
+    return verdict.decide(checked.parse(copy.deepcopy(data), "report.json"))
 
 
 # Reading the evidence ---------------------------------------------------------------------------------
@@ -36,7 +37,7 @@ def test_an_edited_cell_after_an_unmeasured_one_is_refused():
     edited["rel_l2"] = 0.9  # far beyond its bound, still stored as a pass
     n = len(device["cells"]) - 1
     with pytest.raises(ReportError) as refused:
-        report.parse(data, "edited.json")
+        checked.parse(data, "edited.json")
     message = str(refused.value)
     where = f"edited.json: devices[0].cells[{n}] ({edited['variant']} on {edited['fixture']})"
     assert message.startswith(f"{where}: outcome: 'pass' but its numbers say 'fail' (relative L2 0.9 > ")
@@ -50,7 +51,7 @@ def test_a_failed_cell_whose_numbers_pass_is_refused_with_why():
     cell = device["cells"][n]
     cell.update(rel_l2=cell["bounds"]["max_rel_l2"] / 2, worst_head_cosine=1.0, finite=True)
     with pytest.raises(ReportError) as refused:
-        report.parse(data, "r.json")
+        checked.parse(data, "r.json")
     where = f"r.json: devices[1].cells[{n}] ({cell['variant']} on {cell['fixture']})"
     assert str(refused.value) == (f"{where}: outcome: 'fail' but its numbers say 'pass' (every number within "
                                   "its bound); the report was edited: certify again")
@@ -62,7 +63,7 @@ def test_a_cell_of_a_variant_this_version_does_not_know_is_refused():
     cell = data["devices"][0]["cells"][0]
     cell["variant"] = "sm91-turbo"
     with pytest.raises(ReportError) as refused:
-        report.parse(data, "r.json")
+        checked.parse(data, "r.json")
     # report_model refuses the unknown name in options.variants before any cell is judged
     assert str(refused.value).startswith("r.json: options.variants[3]: 'sm91-turbo' is not a variant this "
                                          "sage-qual knows")
@@ -168,7 +169,7 @@ def test_an_edited_cell_names_every_failing_number():
     cell = next(c for c in data["devices"][0]["cells"] if c["outcome"] == "pass")
     cell.update(rel_l2=0.9, worst_head_cosine=0.1)
     with pytest.raises(ReportError) as refused:
-        report.parse(data, "r.json")
+        checked.parse(data, "r.json")
     message = str(refused.value)
     assert f"relative L2 0.9 > {cell['bounds']['max_rel_l2']:g} (SDPA in the input precision: " in message
     assert f"); worst head cosine 0.1 < {cell['bounds']['min_cosine']:g}); the report was edited" in message

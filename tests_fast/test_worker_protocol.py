@@ -1,4 +1,4 @@
-"""The worker protocol, typed (qualification/tasks.py): every task and result survives the pipe
+"""The worker protocol, typed (qualification/evidence/tasks.py): every task and result survives the pipe
 unchanged, a message that breaks the protocol ends the run with one line naming the key (never a
 KeyError deep in the parent), and whatever ends a task early becomes that task's own report record."""
 
@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from sage_qual import records
-from sage_qual.qualification import families, pool, tasks
-from sage_qual.qualification.report_model import (
+from sage_qual.qualification import families
+from sage_qual.qualification.evidence import tasks
+from sage_qual.qualification.evidence.report_model import (
     AccuracyClass,
     Cell,
     ContextCheck,
@@ -24,6 +25,7 @@ from sage_qual.qualification.report_model import (
     SpanProbe,
     Speed,
 )
+from sage_qual.qualification.run import pool
 from sage_qual.serving.env_record import EnvironmentRecord
 
 SHAPE = tasks.shape_spec(families.self_attention(24, 8192, 128).as_dict())
@@ -239,12 +241,12 @@ def test_collect_environment_gives_the_workers_typed_result_or_one_line_why_not(
             {"type": "result", "id": "env", "seconds": 0.5, "result": result}, {"type": "done"}])
 
     monkeypatch.setattr(pool, "Process", worker(records.dump(sent)))
-    collected = pool.collect_environment(tmp_path / "environment.log", 5.0)
+    collected = pool.collect_environment(tasks.EnvTask("env"), tmp_path / "environment.log", 5.0)
     assert isinstance(collected, tasks.EnvResult)
     assert (collected.environment, collected.not_supported) == (sent.environment, sent.not_supported)
     crashed = {"outcome": "crash", "detail": "the worker died", "stderr_tail": "RuntimeError: no driver\n"}
     monkeypatch.setattr(pool, "Process", worker(crashed))
     with pytest.raises(pool.WorkerError) as refused:
-        pool.collect_environment(tmp_path / "environment.log", 5.0)
+        pool.collect_environment(tasks.EnvTask("env"), tmp_path / "environment.log", 5.0)
     assert str(refused.value) == ("collecting this machine's environment failed: crash: the worker died "
                                   "(last stderr line: RuntimeError: no driver)")

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import sage_qual
 from sage_qual.fixtures.fileformat import load_fixture
-from sage_qual.qualification import budgets, judge, measure
+from sage_qual.qualification.measure import accuracy, budgets, judge
 
 from .conftest import FIXTURE_PATHS, VARIANT_NAMES
 from .known_defects import marks
@@ -35,23 +35,23 @@ def test_variant_on_fixture(variant_name, fixture_path, sage, runnable, wrapper_
     variant = runnable(variant_name)
     fixture = load_fixture(fixture_path, device="cuda")
     q, k, v = fixture.q, fixture.k, fixture.v
-    direct = measure.call_kernel(sage, variant, q, k, v)
-    accuracy = measure.accuracy(direct, q, k, v)
+    direct = accuracy.call_kernel(sage, variant, q, k, v)
+    found = accuracy.accuracy(direct, q, k, v)
     budget = budgets.budget(variant, fixture)
     expected = budgets.expectation(variant, fixture)
-    reasons = judge.cell_reasons(accuracy, 0.0, budget, math.inf)
+    reasons = judge.cell_reasons(found, 0.0, budget, math.inf)
     record(test="accuracy", variant=variant.name, fixture=fixture.name, kind=fixture.kind,
-           family=fixture.family, **accuracy.as_dict(), model_rel_l2=expected["rel_l2"],
+           family=fixture.family, **found.as_dict(), model_rel_l2=expected["rel_l2"],
            model_finite=expected["model_finite"], model_hazards="; ".join(expected["model_hazards"]),
            **{f"budget_{key}": x for key, x in budget.limits().items()},
            reasons="; ".join(r.detail for r in reasons))
     label = f"{variant.name} on {fixture.kind} fixture {fixture.name}"
-    if expected["model_hazards"] and not accuracy.finite:
+    if expected["model_hazards"] and not found.finite:
         pytest.xfail(f"{label}: non-finite output where the numerics model names a hazard: "
                      + "; ".join(expected["model_hazards"]))
     if not expected["model_finite"]:
-        assert not accuracy.finite, (f"{label}: the numerics model predicts a non-finite output, the "
-                                     f"kernel's is finite ({accuracy.rel_l2:.4g}): the model is wrong here")
+        assert not found.finite, (f"{label}: the numerics model predicts a non-finite output, the "
+                                  f"kernel's is finite ({found.rel_l2:.4g}): the model is wrong here")
         pytest.xfail(f"{label}: non-finite output, as the numerics model predicts (a kernel defect)")
     assert not reasons, f"{label}: " + "; ".join(r.detail for r in reasons)
 

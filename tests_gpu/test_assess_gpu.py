@@ -9,7 +9,7 @@ import pytest
 
 import sage_qual
 from sage_qual.limits import STARTUP_TIMEOUT
-from sage_qual.qualification import pool
+from sage_qual.qualification.run import pool
 from sage_qual.serving import environment
 from sage_qual.serving.variants import VARIANTS
 

@@ -2,7 +2,7 @@
 a kernel launched on the legacy stream during a capture, or an illegal access on a side stream, can
 poison the CUDA context and must not reach the test process.
 
-Per variant, three passes of `sage_qual.qualification.context_check` (shape [1, 24, 16384, 128] bf16):
+Per variant, three passes of `sage_qual.qualification.measure.context_check` (shape [1, 24, 16384, 128] bf16):
 1. `kernel`: the kernel function itself on a busy side stream and under capture and replay, as
    upstream ships it. A kernel the registry declares to launch on the current stream must be
    bit-identical in both; the others are recorded (on the H200 with thu-ml's build: wrong).
@@ -35,8 +35,8 @@ BOUND = {"fp8": 0.12, "fp16": 0.04}
 SCRIPT = """
 import json
 from sage_qual import records
-from sage_qual.qualification import context_check
-from sage_qual.qualification.report_model import safe_contexts
+from sage_qual.qualification.measure import context_check
+from sage_qual.qualification.evidence.report_model import safe_contexts
 from sage_qual.serving.contexts import CONTEXTS
 from sage_qual.serving.variants import VARIANTS
 variant = VARIANTS[{name!r}]

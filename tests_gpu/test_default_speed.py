@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import sage_qual
-from sage_qual.qualification import measure, speed
+from sage_qual.qualification.measure import accuracy, speed
 
 pytestmark = [pytest.mark.slow, pytest.mark.gpu]
 
@@ -72,13 +72,14 @@ def test_the_default_install_is_never_measurably_slower_than_torch_sdpa(tokens, 
     try:
         with sage_qual.sage_attention_scope() as warmup:
             attention()  # the checked first call stays out of the timing
-        calls = calls_per_batch(measure.median_ms(attention, warmup=2, repeats=3))  # torch's, outside a scope
+        # torch's, outside a scope
+        calls = calls_per_batch(accuracy.median_ms(attention, warmup=2, repeats=3))
         for _ in range(ROUNDS):  # interleaved: the default inside a scope, torch's SDPA outside one
             with sage_qual.sage_attention_scope() as report:
-                default_ms.append(measure.pipelined_ms(attention, calls)[0])
+                default_ms.append(accuracy.pipelined_ms(attention, calls)[0])
             served += report.served
             fallbacks.update(report.fallbacks)
-            sdpa_ms.append(measure.pipelined_ms(attention, calls)[0])
+            sdpa_ms.append(accuracy.pipelined_ms(attention, calls)[0])
     finally:
         sage_qual.uninstall()
     timed_calls = ROUNDS * (calls + 1)  # pipelined_ms makes one untimed call before its batch

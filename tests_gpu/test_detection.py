@@ -1,5 +1,5 @@
 """Detection power on a real kernel: the kernel the wrapper picks for this GPU, wrapped with each
-defect of `sage_qual.qualification.detection`, judged as certify judges (the numerics model's
+defect of `sage_qual.qualification.selftest.detection`, judged as certify judges (the numerics model's
 budgets, `judge.cell_reasons`) on every shipped fixture; each defect must keep off exactly the
 families it reaches (a family the clean kernel already keeps off stays off).
 
@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from sage_qual.fixtures.fileformat import load_fixture
-from sage_qual.qualification import budgets, detection, measure
+from sage_qual.qualification.measure import accuracy, budgets
+from sage_qual.qualification.selftest import detection
 
 from .conftest import FIXTURE_PATHS
 
@@ -33,8 +34,8 @@ def kernel(sage, gpu0):
         pytest.skip(f"no kernel for this GPU: {gpu0.no_kernel_reason}")
     variant = gpu0.kernel
     fixtures = [load_fixture(p, device="cuda") for p in FIXTURE_PATHS]
-    clean = {f.name: measure.call_kernel(sage, variant, f.q, f.k, f.v) for f in fixtures}
-    references = {f.name: measure.reference(f.q, f.k, f.v) for f in fixtures}
+    clean = {f.name: accuracy.call_kernel(sage, variant, f.q, f.k, f.v) for f in fixtures}
+    references = {f.name: accuracy.reference(f.q, f.k, f.v) for f in fixtures}
     failing = detection.failing(variant, fixtures, clean, references)
     baseline = frozenset().union(*(detection.owners(f) for f in fixtures if f.name in failing))
     return variant, fixtures, clean, references, failing, baseline
@@ -100,8 +101,9 @@ def test_a_defect_past_the_fixtures_fires_on_no_fixture(kernel, defect):
 
 CONTEXT_SCRIPT = """
 import json
-from sage_qual.qualification import context_check, detection
-from sage_qual.qualification.report_model import safe_contexts
+from sage_qual.qualification.measure import context_check
+from sage_qual.qualification.selftest import detection
+from sage_qual.qualification.evidence.report_model import safe_contexts
 from sage_qual.serving.variants import VARIANTS
 variant = VARIANTS[{variant!r}]
 found = {{"clean": safe_contexts(context_check.check_variant(variant))}}

@@ -13,7 +13,7 @@ import torch
 
 import sage_qual
 from sage_qual.fixtures.recorder import DEFAULT_BOUNDS
-from sage_qual.qualification import targets
+from sage_qual.qualification.integrations import targets
 
 pytest.importorskip("diffusers", reason="diffusers is not installed: pip install 'sage-qual[diffusers]'")
 from tests_fast.diffusers_models import flux, qwen_image, run, wan  # noqa: E402

@@ -15,7 +15,7 @@ PREAMBLE = """
 import json, logging, torch
 import torch.nn.functional as F
 import sage_qual
-from sage_qual.qualification import measure
+from sage_qual.qualification.measure import accuracy
 records = []
 handler = logging.Handler(); handler.emit = records.append
 logging.getLogger("sage_qual").addHandler(handler); logging.getLogger("sage_qual").setLevel(logging.DEBUG)
@@ -34,7 +34,7 @@ def scenario(body: str) -> str:
 # docs/results/README.md, "Extra memory per call") do not.
 CAPPED = """
     q, k, v = (torch.randn(1, 24, 32768, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    expected = measure.TORCH_SDPA(q, k, v)
+    expected = accuracy.TORCH_SDPA(q, k, v)
     torch.cuda.synchronize()
     # torch.equal's bool per element (96 MiB) fits in the 128 MiB margin.
     budget = torch.cuda.memory_allocated() + expected.numel() * 2 + 128 * 2**20
@@ -89,7 +89,7 @@ def test_kernel_returning_garbage_is_retired_by_the_first_call_check(garbage):
     q, k, v = (torch.randn(1, 24, 4608, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     with sage_qual.sage_attention_scope() as report:
         outs = [F.scaled_dot_product_attention(q, k, v) for _ in range(3)]
-    expected = measure.TORCH_SDPA(q, k, v)
+    expected = accuracy.TORCH_SDPA(q, k, v)
     print(json.dumps({{"equal": [torch.equal(o, expected) for o in outs], "fallbacks": dict(report.fallbacks),
                       "served": report.served, "warnings": levels("WARNING"),
                       "retired": sage_qual.install_status().devices[0].retired}}))
@@ -111,7 +111,7 @@ def test_unwritable_triton_cache_falls_back_per_call_then_retires(tmp_path):
     status = sage_qual.install(WrapperConfig(kernel_table={cap: ("sm86-fp16-triton",)}))
     assert status.enabled, status.reason
     q, k, v = (torch.randn(1, 8, 2048, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    expected = measure.TORCH_SDPA(q, k, v)
+    expected = accuracy.TORCH_SDPA(q, k, v)
     with sage_qual.sage_attention_scope() as report:
         equal = [torch.equal(F.scaled_dot_product_attention(q, k, v), expected) for _ in range(4)]
     print(json.dumps({"equal": equal, "fallbacks": dict(report.fallbacks),

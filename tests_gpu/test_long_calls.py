@@ -12,8 +12,11 @@ Cost on one H200 (estimated from certify's timings, long_check's docstring; not 
 
 import pytest
 
-from sage_qual.qualification import families, long_check, tasks, worker
-from sage_qual.qualification.report_model import Outcome, ShapeUse
+from sage_qual.qualification import families
+from sage_qual.qualification.evidence import tasks
+from sage_qual.qualification.evidence.report_model import Outcome, ShapeUse
+from sage_qual.qualification.measure import long_check
+from sage_qual.qualification.run import worker
 
 from .conftest import VARIANT_NAMES
 

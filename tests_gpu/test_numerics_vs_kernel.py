@@ -21,8 +21,9 @@ import torch
 
 from sage_qual.fixtures import numerics
 from sage_qual.fixtures.fileformat import list_fixtures, load_fixture, shipped_dir
-from sage_qual.qualification import budgets, measure, model_check
-from sage_qual.qualification import gate as gate_module
+from sage_qual.qualification.decide import gate as gate_module
+from sage_qual.qualification.measure import accuracy, budgets
+from sage_qual.qualification.selftest import model_check
 from sage_qual.serving.variants import VARIANTS
 
 from .conftest import FIXTURE_PATHS, VARIANT_NAMES
@@ -78,15 +79,15 @@ def test_model_matches_kernel_on_long_sequences(variant_name, tokens, sage, runn
     tiles = torch.linspace(0, tokens // 128 - 1, 8, device="cuda").long()
     rows = (tiles[:, None] * 128 + torch.arange(128, device="cuda")).flatten()
     q_rows = q[:, :, rows].contiguous()  # whole tiles: each row keeps its INT8 group
-    ref = measure.reference(q_rows, k, v)
-    found = measure.errors(measure.call_kernel(sage, variant, q, k, v)[:, :, rows], ref)
+    ref = accuracy.reference(q_rows, k, v)
+    found = accuracy.errors(accuracy.call_kernel(sage, variant, q, k, v)[:, :, rows], ref)
     expected = budgets.metrics_of(numerics.predict(variant, q_rows, k, v), ref)
     _report(variant, f"random_{tokens}_tokens", found, expected, record)
 
 
 def _check(sage, variant, name, q, k, v, expected, record) -> None:
-    ref = measure.reference(q, k, v)
-    found = measure.errors(measure.call_kernel(sage, variant, q, k, v), ref)
+    ref = accuracy.reference(q, k, v)
+    found = accuracy.errors(accuracy.call_kernel(sage, variant, q, k, v), ref)
     _report(variant, name, found, expected, record)
 
 
@@ -128,7 +129,7 @@ def test_model_runs_on_the_gpu_as_on_the_cpu():
 
 def test_element_wise_budgets_derived_on_the_gpu_pass_the_gates_check_on_the_cpu():
     # certify derives each budget on the GPU; gate re-derives it on the CPU and refuses a stored one
-    # looser than its allowance (gate._looser). max_abs is a single element's error: it must not
+    # looser than its allowance (budget_check._looser). max_abs is a single element's error: it must not
     # move between the two further than that allowance.
     for path in list_fixtures(shipped_dir()):
         cpu_fixture = load_fixture(path)

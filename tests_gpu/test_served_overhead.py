@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import sage_qual
-from sage_qual.qualification import measure
+from sage_qual.qualification.measure import accuracy
 from sage_qual.serving import eligibility, platform, wrapper
 
 from .shapes import SHAPES, make_qkv
@@ -32,10 +32,11 @@ def test_served_call_against_direct_kernel(benchmark, sage, box, record):
             F.scaled_dot_product_attention(q, k, v)  # the checked first call stays out of the timing
             direct, routed, direct_piped, routed_piped = [], [], [], []
             for _ in range(5):  # interleaved, so clock drift hits both alike
-                direct.append(measure.median_ms(lambda: measure.call_kernel(sage, variant, q, k, v), 3, 20))
-                routed.append(measure.median_ms(lambda: F.scaled_dot_product_attention(q, k, v), 3, 20))
-                direct_piped.append(measure.pipelined_ms(lambda: measure.call_kernel(sage, variant, q, k, v)))
-                routed_piped.append(measure.pipelined_ms(lambda: F.scaled_dot_product_attention(q, k, v)))
+                direct.append(accuracy.median_ms(lambda: accuracy.call_kernel(sage, variant, q, k, v), 3, 20))
+                routed.append(accuracy.median_ms(lambda: F.scaled_dot_product_attention(q, k, v), 3, 20))
+                direct_piped.append(
+                    accuracy.pipelined_ms(lambda: accuracy.call_kernel(sage, variant, q, k, v)))
+                routed_piped.append(accuracy.pipelined_ms(lambda: F.scaled_dot_product_attention(q, k, v)))
 
             def served():
                 F.scaled_dot_product_attention(q, k, v)

@@ -4,7 +4,7 @@ one wherever the fixture reproduces the published effect (smoothing on breaks it
 import pytest
 
 from sage_qual.fixtures.fileformat import load_fixture
-from sage_qual.qualification import measure
+from sage_qual.qualification.measure import accuracy
 
 from .conftest import FIXTURE_PATHS, VARIANT_NAMES
 
@@ -24,9 +24,9 @@ def test_smoothing_off_wins_on_outliers(variant_name, fixture_path, sage, runnab
     variant = runnable(variant_name)
     fixture = load_fixture(fixture_path, device="cuda")
     q, k, v = fixture.q, fixture.k, fixture.v
-    ref = measure.reference(q, k, v)
-    on = measure.compare(measure.call_kernel(sage, variant, q, k, v, smooth_k=True), ref)
-    off = measure.compare(measure.call_kernel(sage, variant, q, k, v, smooth_k=False), ref)
+    ref = accuracy.reference(q, k, v)
+    on = accuracy.compare(accuracy.call_kernel(sage, variant, q, k, v, smooth_k=True), ref)
+    off = accuracy.compare(accuracy.call_kernel(sage, variant, q, k, v, smooth_k=False), ref)
     reproduces = on[1] <= BROKEN_COSINE
     record(test="smoothing", variant=variant.name, fixture=fixture.name, kind=fixture.kind,
            rel_l2_smooth_on=on[0], cosine_smooth_on=on[1], rel_l2_smooth_off=off[0], cosine_smooth_off=off[1],

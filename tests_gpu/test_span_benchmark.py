@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import sage_qual
-from sage_qual.qualification import measure
+from sage_qual.qualification.measure import accuracy
 from sage_qual.serving.config import WrapperConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.gpu]
@@ -42,7 +42,7 @@ def interleaved_medians(paths: dict) -> dict[str, float]:
     torch.cuda.synchronize()
     for _ in range(ROUNDS):
         for name, call in paths.items():
-            times[name] += measure.timings_ms(call, warmup=0, repeats=1)
+            times[name] += accuracy.timings_ms(call, warmup=0, repeats=1)
     return {name: statistics.median(ms) for name, ms in times.items()}
 
 
@@ -56,10 +56,10 @@ def test_copy_and_kernel_against_torch_sdpa_on_a_fused_view(tokens, sage, record
     status = sage_qual.install(WrapperConfig(copy_past_span=True, max_span_elements=limit))
     assert status.enabled, status.reason
     variant = status.devices[0].variant
-    paths = {"torch_sdpa": lambda: measure.TORCH_SDPA(q, k, v),
+    paths = {"torch_sdpa": lambda: accuracy.TORCH_SDPA(q, k, v),
              "copy_and_kernel": lambda: F.scaled_dot_product_attention(q, k, v)}
     if tokens == 80_000:  # the kernel on the views themselves (the wrapper's default there)
-        paths["kernel_on_view"] = lambda: measure.call_kernel(sage, variant, q, k, v)
+        paths["kernel_on_view"] = lambda: accuracy.call_kernel(sage, variant, q, k, v)
     try:
         with sage_qual.sage_attention_scope() as report:  # counts the wrapper's calls only
             medians = interleaved_medians(paths)

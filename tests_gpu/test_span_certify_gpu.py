@@ -14,10 +14,12 @@ import threading
 import pytest
 
 from sage_qual import limits
-from sage_qual.qualification import pool as workers
-from sage_qual.qualification import span_check, span_probe
-from sage_qual.qualification.report_model import Outcome, SpanProbe
-from sage_qual.qualification.tasks import SpanTask
+from sage_qual.qualification.decide import profile
+from sage_qual.qualification.evidence.report_model import Outcome, SpanProbe
+from sage_qual.qualification.evidence.tasks import SpanTask
+from sage_qual.qualification.measure import span_probe
+from sage_qual.qualification.run import plan
+from sage_qual.qualification.run import pool as workers
 
 pytestmark = [pytest.mark.slow, pytest.mark.gpu]
 
@@ -25,7 +27,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.gpu]
 def test_span_probes_of_the_wrapper_kernel_run_in_certify_workers(gpu0, tmp_path, record):
     assert gpu0.kernel is not None, gpu0.no_kernel_reason
     variant = gpu0.kernel.name
-    jobs = span_check.jobs(variant, span_check.cases())
+    jobs = plan.span_jobs(variant, plan.span_cases())
     visible = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
     pool = workers.Pool(tmp_path)
     results, lock = {}, threading.Lock()
@@ -53,7 +55,7 @@ def test_span_probes_of_the_wrapper_kernel_run_in_certify_workers(gpu0, tmp_path
         result = results[task.id]
         record(test="span-certify", variant=variant, kind=f"{task.layout} {task.tokens}", side=task.side,
                span=task.span, outcome=result.outcome.value, rel_l2=result.rel_l2, error=result.detail[:200])
-    findings = span_check.findings([results[t.id] for t in tasks], variant)
+    findings = profile.findings([results[t.id] for t in tasks], variant)
     wrong = [(task.id, results[task.id]) for task in tasks
              if task.side == "below" and results[task.id].outcome != Outcome.PASS]
     assert not wrong, f"within the default span limit: {wrong}"

@@ -6,7 +6,7 @@ C assertion), and neither may reach the test process.
    fused [1, 100000, 3*56*128] bf16 projection, span 2.15e9): the call goes to torch with the
    reason `span` (by default, with `copy_past_span`, it runs from contiguous copies); the process stays alive,
    torch's SDPA still works and the output is correct.
-2. Each variant's boundary (`sage_qual.qualification.span_probe`): the kernel called directly on a
+2. Each variant's boundary (`sage_qual.qualification.measure.span_probe`): the kernel called directly on a
    query just within the wrapper's limit and just past 2^31 - 1 elements, contiguous and as a
    fused-projection view, each past case in a child of its own. Within must be correct (the
    wrapper's default limit rests on it); past is a finding (correct, wrong, fault, abort), recorded
@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from sage_qual import limits
-from sage_qual.qualification import span_probe
+from sage_qual.qualification.measure import span_probe
 from sage_qual.serving.variants import VARIANTS
 
 from .child import run_child
@@ -44,7 +44,7 @@ WRAPPER_SCRIPT = """
 import json, torch
 import torch.nn.functional as F
 import sage_qual
-from sage_qual.qualification import measure
+from sage_qual.qualification.measure import accuracy
 from sage_qual.serving.config import WrapperConfig
 {setup}
 tokens, heads, head_dim, copy = {tokens}, {heads}, {head_dim}, {copy}
@@ -58,17 +58,17 @@ with sage_qual.sage_attention_scope() as report:
     out = F.scaled_dot_product_attention(q, k, v)
 sync()  # a poisoned context raises here at the latest
 rows = torch.cat([torch.linspace(0, tokens - 1, 32).long(), torch.arange(tokens - 16, tokens)]).unique()
-ref = measure.reference(q[:, :, rows], k, v)
+ref = accuracy.reference(q[:, :, rows], k, v)
 diff = out[:, :, rows].float() - ref
 rel_l2 = (diff.norm() / ref.norm()).item()
 worst_row = (diff.norm(dim=-1) / ref.norm(dim=-1)).max().item()
-same_as_torch = torch.equal(out, measure.TORCH_SDPA(q, k, v))
+same_as_torch = torch.equal(out, accuracy.TORCH_SDPA(q, k, v))
 del fused, q, k, v, out, ref, diff
 # torch's SDPA after the call, on a fresh call of its own
 small = [torch.randn(1, 8, 1024, head_dim, device=device, dtype=torch.bfloat16, generator=gen)
          for _ in range(3)]
-after = measure.TORCH_SDPA(*small).float()
-after_ref = measure.reference(*small)
+after = accuracy.TORCH_SDPA(*small).float()
+after_ref = accuracy.reference(*small)
 sync()
 print(json.dumps({{"fallbacks": dict(report.fallbacks), "details": report.details, "served": report.served,
                   "copied": report.copied, "rel_l2": rel_l2, "worst_row": worst_row,

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import sage_qual
-from sage_qual.qualification import measure
+from sage_qual.qualification.measure import accuracy
 from sage_qual.serving.torch_sdpa import TORCH_SDPA
 
 from .shapes import make_qkv
@@ -38,9 +38,9 @@ def test_side_stream_cost(benchmark, sage, box, record):
             torch.cuda.synchronize()
             default_ms, side_ms, sdpa_ms = [], [], []
             for _ in range(5):
-                default_ms.append(measure.median_ms(lambda: F.scaled_dot_product_attention(q, k, v), 3, 20))
-                side_ms.append(measure.median_ms(on_side, 3, 20))
-                sdpa_ms.append(measure.median_ms(lambda: TORCH_SDPA(q, k, v), 3, 20))
+                default_ms.append(accuracy.median_ms(lambda: F.scaled_dot_product_attention(q, k, v), 3, 20))
+                side_ms.append(accuracy.median_ms(on_side, 3, 20))
+                sdpa_ms.append(accuracy.median_ms(lambda: TORCH_SDPA(q, k, v), 3, 20))
             benchmark(lambda: (on_side(), torch.cuda.synchronize()))
         assert report.fallbacks == {} and report.served == report.calls, report.summary()
     finally:

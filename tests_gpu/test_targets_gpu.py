@@ -1,5 +1,5 @@
 """Every built-in target on every shipped fixture on the real GPU, judged as `certify --target` judges
-it (`target_cells.measure_cell`): a call the integration claims to take must reach SageAttention,
+it (`cell.measure_target`): a call the integration claims to take must reach SageAttention,
 and our wrapper with a variant forced must give exactly the kernel's own result. Each cell's
 outcome and numbers go to $SAGE_QUAL_RESULTS_DIR, next to the variants' rows."""
 
@@ -8,8 +8,10 @@ import torch
 
 from sage_qual.fixtures.fileformat import load_fixture
 from sage_qual.limits import MEMORY_BOUND
-from sage_qual.qualification import budgets, measure, target_cells, targets
-from sage_qual.qualification.report_model import Outcome
+from sage_qual.qualification.evidence.report_model import Outcome
+from sage_qual.qualification.integrations import targets
+from sage_qual.qualification.measure import accuracy, budgets
+from sage_qual.qualification.measure.cell import measure_target
 
 from .conftest import FIXTURE_PATHS, VARIANT_NAMES
 
@@ -23,7 +25,7 @@ class CudaBench:
     device = "cuda"
 
     def extra_peak_bytes(self, fn):
-        return measure.extra_peak_bytes(fn, 0)
+        return accuracy.extra_peak_bytes(fn, 0)
 
 
 @pytest.mark.parametrize("fixture_path", FIXTURE_PATHS, ids=lambda p: p.stem)
@@ -36,7 +38,7 @@ def test_target_cell(name, fixture_path, box, record):
     if reasons:
         pytest.skip(f"{name} cannot run here: {'; '.join(reasons)}")
     fixture = load_fixture(fixture_path, device="cuda")
-    cell = target_cells.measure_cell(target, fixture, box.capability, CudaBench(), MEMORY_BOUND)
+    cell = measure_target(target, fixture, box.capability, CudaBench(), MEMORY_BOUND)
     record(test="target", variant=name, fixture=fixture.name, kind=fixture.kind, outcome=cell.outcome.value,
            rel_l2=cell.rel_l2, worst_head_cosine=cell.worst_head_cosine,
            detail=cell.detail or "; ".join(r.detail for r in cell.reasons))
@@ -75,4 +77,4 @@ def test_the_wrapper_target_returns_the_kernels_own_result(variant_name, sage, r
     with targets.resolve(f"wrapper:{variant.name}").session() as session:
         out, served = session.call(q, k, v, **sdpa_kwargs)
     assert served, session.evidence.not_served_detail()
-    assert torch.equal(out, measure.call_kernel(sage, variant, q, k, v))
+    assert torch.equal(out, accuracy.call_kernel(sage, variant, q, k, v))

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import sage_qual
 from sage_qual.limits import MEMORY_BOUND
-from sage_qual.qualification import measure
+from sage_qual.qualification.measure import accuracy
 from sage_qual.serving.config import WrapperConfig
 
 from .conftest import VARIANT_NAMES
@@ -31,20 +31,20 @@ def test_scope_output_is_the_kernels(variant_name, shape_name, sage, runnable, w
     variant = runnable(variant_name)
     q, k, v = make_qkv(*SHAPES[shape_name])
     gqa = q.shape[1] != k.shape[1]
-    direct = measure.call_kernel(sage, variant, q, k, v)
+    direct = accuracy.call_kernel(sage, variant, q, k, v)
     with wrapper_serving(variant), sage_qual.sage_attention_scope() as report:
         routed = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
     assert report.served == 1, dict(report.fallbacks)
     assert torch.equal(routed, direct)
-    accuracy = measure.accuracy(direct, q, k, v)
-    record(test="random-shape", variant=variant.name, fixture=shape_name, kind="random", **accuracy.as_dict())
+    found = accuracy.accuracy(direct, q, k, v)
+    record(test="random-shape", variant=variant.name, fixture=shape_name, kind="random", **found.as_dict())
 
 
 @variants
 def test_outside_scope_masked_and_autocast_calls_are_torchs(variant_name, runnable, wrapper_serving):
     variant = runnable(variant_name)
     q, k, v = make_qkv(*SHAPES["flux1-1024"])
-    expected = measure.TORCH_SDPA(q, k, v)
+    expected = accuracy.TORCH_SDPA(q, k, v)
     mask = torch.ones(q.shape[2], k.shape[2], device="cuda", dtype=torch.bool).tril()
     with wrapper_serving(variant):
         outside = F.scaled_dot_product_attention(q, k, v)
@@ -53,9 +53,9 @@ def test_outside_scope_masked_and_autocast_calls_are_torchs(variant_name, runnab
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 autocast = F.scaled_dot_product_attention(q, k, v)
     assert torch.equal(outside, expected)
-    assert torch.equal(masked, measure.TORCH_SDPA(q, k, v, attn_mask=mask))
+    assert torch.equal(masked, accuracy.TORCH_SDPA(q, k, v, attn_mask=mask))
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        assert torch.equal(autocast, measure.TORCH_SDPA(q, k, v))
+        assert torch.equal(autocast, accuracy.TORCH_SDPA(q, k, v))
     assert report.served == 0 and report.fallbacks == {"mask": 1, "autocast": 1}
 
 
@@ -86,15 +86,15 @@ def test_memory_of_first_and_later_calls(variant_name, shape_name, runnable, wra
     variant = runnable(variant_name)
     q, k, v = make_qkv(*SHAPES[shape_name])
     gqa = q.shape[1] != k.shape[1]
-    elements = measure.elements(q, k, v)
+    elements = accuracy.elements(q, k, v)
     with wrapper_serving(variant):
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         with sage_qual.sage_attention_scope() as report:
-            first, first_extra = measure.extra_peak_bytes(
+            first, first_extra = accuracy.extra_peak_bytes(
                 lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa), 0)
             del first
-            later, later_extra = measure.extra_peak_bytes(
+            later, later_extra = accuracy.extra_peak_bytes(
                 lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa), 0)
             del later
         torch.cuda.synchronize()

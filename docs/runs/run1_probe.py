@@ -13,10 +13,10 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from sage_qual.variants import VARIANTS
 
 import sage_qual
 from sage_qual import measure, sage_package
-from sage_qual.variants import VARIANTS
 
 out_path = sys.argv[1]
 rows = []

@@ -8,8 +8,10 @@ Prints one JSON line per check: variant, call, outcome, rows_identical, reasons,
 import json
 import time
 
-from sage_qual.qualification import families, tasks, worker
-from sage_qual.qualification.report_model import ShapeUse
+from sage_qual.qualification import families
+from sage_qual.qualification.evidence import tasks
+from sage_qual.qualification.evidence.report_model import ShapeUse
+from sage_qual.qualification.run import worker
 
 CALLS = [(name, families.self_attention(24, 32768))
          for name in ("sm90-fp8-cuda", "sm89-fp8-cuda", "sm80-fp16-cuda", "sm86-fp16-triton")]

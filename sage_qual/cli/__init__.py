@@ -138,7 +138,7 @@ def _refuse(args: argparse.Namespace, problem: str, code: int = ExitCode.USAGE) 
     if getattr(args, "json", False):
         print(jsonfile.line(records.dump(Answer(args.command, code, problem))))
     if getattr(args, "junit_xml", None):
-        from sage_qual.qualification import junit
+        from sage_qual.qualification.render import junit
 
         try:
             junit.write(args.junit_xml, f"sage-qual {args.command}",

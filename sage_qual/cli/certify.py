@@ -1,4 +1,4 @@
-"""`sage-qual certify`: the command line of `sage_qual.qualification.certify`."""
+"""`sage-qual certify`: the command line of `sage_qual.qualification.run.run.certify`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from sage_qual import jsonfile, limits, records
 from sage_qual.errors import Answer, ExitCode, UsageError
-from sage_qual.qualification import run_options
+from sage_qual.qualification.run import options
 
 
 def _split(values: list[str] | None) -> list[str] | None:
@@ -68,31 +68,18 @@ def _command(args: argparse.Namespace) -> int:
 
 
 def _certify(args: argparse.Namespace) -> int:
-    if not args.emulate:  # a bad number is refused before torch is imported (1.6 s here)
-        run_options.check_numbers(args.timeout, args.devices)
-    # torch: only when a command runs
-    from sage_qual.qualification import certify, emulate, target_certify
+    if args.target is not None and (args.emulate or args.variants):
+        raise UsageError("--target qualifies one integration: leave out --emulate and --variants")
+    subject = (options.Integration(args.target) if args.target is not None
+               else options.Variants(_split(args.variants)))
+    executor = options.InProcess() if args.emulate else options.Workers(args.devices, args.timeout)
+    request = options.RunRequest(out=args.out, subject=subject, executor=executor,
+                                 families=_split(args.families), fixture_dirs=args.fixtures, quick=args.quick,
+                                 junit_xml=args.junit_xml, command="sage-qual " + shlex.join(sys.argv[1:]))
+    request.check()  # a bad number is refused before torch is imported (1.6 s here)
+    from sage_qual.qualification.run import run  # torch: only when a command runs
 
-    command = "sage-qual " + shlex.join(sys.argv[1:])
-    if args.target is not None:
-        if args.emulate or args.variants:
-            raise UsageError("--target qualifies one integration: leave out --emulate and --variants")
-        return _until_stopped(target_certify.run, target_certify.Options(
-            args.out, args.target, command, **_on_workers(args)))
-    if args.emulate:
-        if args.junit_xml:  # a CI job reads JUnit as decided; a prediction decides nothing (gate refuses it)
-            raise UsageError("--emulate only predicts, and --junit-xml records decisions: leave out "
-                             "--junit-xml")
-        return _until_stopped(emulate.run, emulate.Options(
-            args.out, _split(args.variants), _split(args.families), args.fixtures, args.quick, command))
-    return _until_stopped(certify.run, certify.Options(args.out, _split(args.variants), command,
-                                                       **_on_workers(args)))
-
-
-def _on_workers(args: argparse.Namespace) -> dict:
-    """The options certify and certify --target share (`run_options.WorkerRunOptions`)."""
-    return dict(devices=args.devices, families=_split(args.families), fixture_dirs=args.fixtures,
-                quick=args.quick, timeout=args.timeout, junit_xml=args.junit_xml)
+    return _until_stopped(run.certify, request)
 
 
 def _until_stopped(run_certify, options) -> int:

@@ -19,7 +19,8 @@ from pathlib import Path
 
 from sage_qual import jsonfile, records
 from sage_qual.errors import Answer, ExitCode, UsageError
-from sage_qual.qualification import report, verdict
+from sage_qual.qualification.decide import checked, verdict
+from sage_qual.qualification.evidence.report_model import ReportError
 
 DEFAULT_TOLERANCE = 0.10
 
@@ -40,8 +41,8 @@ def add_parser(subparsers) -> None:
 
 def _decide(path: Path) -> dict[str, verdict.GpuDecision]:
     try:
-        data = report.load(path)
-    except report.ReportError as error:
+        data = checked.load(path)
+    except ReportError as error:
         raise UsageError(str(error)) from None
     if not data.complete:
         raise UsageError(f"{path}: complete: false: a partial report has no thresholds; run certify to "

@@ -79,7 +79,7 @@ def resolve(name: str) -> Path:
 
 def _show(args: argparse.Namespace) -> int:
     from sage_qual.fixtures.fileformat import FixtureError, describe, load_fixture
-    from sage_qual.qualification.certify_run import check_finite
+    from sage_qual.qualification.selection import check_finite
 
     try:
         path = resolve(args.file)

@@ -1,4 +1,4 @@
-"""`sage-qual gate` and `sage-qual merge`: the command line of `sage_qual.qualification.gate`.
+"""`sage-qual gate` and `sage-qual merge`: the command line of `sage_qual.qualification.decide.gate`.
 
 gate's decision, refusals included, is `gate.gate()`'s: this module parses arguments and prints.
 `--json` and `--junit-xml` answer on every path, an internal error included: exit 2 (cannot
@@ -15,8 +15,11 @@ from pathlib import Path
 
 from sage_qual import jsonfile, records
 from sage_qual.errors import Answer, ExitCode, UsageError
-from sage_qual.qualification import gate, junit, report
+from sage_qual.qualification.decide import checked, fleet, gate
+from sage_qual.qualification.evidence.report_model import Report, ReportError
 from sage_qual.qualification.families import FAMILIES
+from sage_qual.qualification.render import junit
+from sage_qual.qualification.render.fleet import merge_markdown
 
 
 def add_parser(subparsers) -> None:
@@ -45,16 +48,21 @@ def add_parser(subparsers) -> None:
     merge.set_defaults(func=_merge)
 
 
-def _read(path: Path) -> report.Report:
+def _read(path: Path) -> Report:
     try:
-        return report.load(path)
-    except report.ReportError as error:
+        return checked.load(path)
+    except ReportError as error:
         raise UsageError(str(error)) from None
 
 
 def _gate(args: argparse.Namespace) -> int:
+    def this_machine():
+        from sage_qual.qualification.run import workers  # a worker: torch, only once a report was read
+
+        return workers.this_machine()
+
     try:
-        decision = gate.gate(args.report, args.family, args.fixtures, args.require_speedup)
+        decision = gate.gate(args.report, args.family, this_machine, args.fixtures, args.require_speedup)
     except Exception as error:  # a bug, or a machine no one foresaw: still an answer, exit 2
         if getattr(args, "debug", False):  # the command line's --debug (sage_qual/cli/__init__.py)
             traceback.print_exc()
@@ -79,13 +87,13 @@ def _gate(args: argparse.Namespace) -> int:
 @dataclass(frozen=True)
 class MergeAnswer(Answer):
     """`merge --json`: one row per GPU model of the reports."""
-    rows: list[gate.FleetRow]
+    rows: list[fleet.FleetRow]
 
 
 def _merge(args: argparse.Namespace) -> int:
-    rows = gate.merge_rows([(path, _read(path)) for path in args.reports])
+    rows = fleet.merge_rows([(path, _read(path)) for path in args.reports])
     if args.json:
         print(jsonfile.line(records.dump(MergeAnswer("merge", ExitCode.OK, "", rows))))
     else:
-        print(gate.merge_markdown(rows))
+        print(merge_markdown(rows))
     return ExitCode.OK

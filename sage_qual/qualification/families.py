@@ -4,7 +4,7 @@ A family's fixtures are the fixtures whose `family` metadata names it (compared 
 punctuation, so "Qwen-Image", "qwen_image" and "qwenimage" are one family). Accuracy bounds live
 in each fixture, next to its provenance; the family adds the memory bound and the speed rule
 (`min_speedup`: the lower confidence bound of the speedup a shape must clear to be served).
-Verdicts are `sage_qual.qualification.verdict`'s.
+Verdicts are `sage_qual.qualification.decide.verdict`'s.
 
 Each family also declares its call space (`calls`, `layouts`): per call site the smallest and the
 largest call the model makes at the resolutions and durations its sources support, and the memory

@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 
 import torch
+from sage_qual.variants import VARIANTS
 
 from sage_qual import emulation
-from sage_qual.variants import VARIANTS
 
 HERE = Path(__file__).parent
 gpu = {}

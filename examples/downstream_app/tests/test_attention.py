@@ -14,7 +14,7 @@ def test_cpu_calls_are_plain_sdpa():
 
 
 def test_the_configured_target_is_this_apps_function(pytestconfig):
-    from sage_qual.qualification import targets
+    from sage_qual.qualification.integrations import targets
 
     target = targets.resolve(pytestconfig.getini("sage_qual_target"))  # a typo there fails here
     assert target.attention is attention

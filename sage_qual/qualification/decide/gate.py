@@ -1,0 +1,233 @@
+"""`sage-qual gate` and `sage-qual merge`: decisions and a fleet table from certify reports.
+
+Both take their verdicts from `verdict.decide()`, the function report.md and certify's summary
+use, so the four always say the same word. gate exits 0 to enable a family on this machine
+("enable"; also "safe, no speedup" unless --require-speedup: a profile then serves nothing, so
+switching the family on changes nothing), 1 to keep it off (every reason printed), 2 when it
+cannot decide: no report, a partial, damaged, edited or predicted one, no GPU or no usable
+sageattention here, or a stale one (made on another GPU model, driver, torch, sageattention or
+other fixtures than this machine has).
+
+The whole decision is here, not in the command line: `gate()` reads the report, this machine and
+its fixtures and calls `decide()`, which gives every refusal as a `GateDecision` with a `problem`
+(never an exception), so every caller, `--json` and `--junit-xml` included, gets an answer.
+
+A cell is judged against the budget stored with it, so `decide()` re-derives that budget from this
+machine's fixture file (`budgets.budget`) for every cell it decides on and refuses a report whose
+stored budget is looser (`budget_problem`): an edited budget cannot turn a failing cell into a pass.
+merge has no fixture files and trusts the stored budgets, as `decide_stored()` does.
+
+Importing this module imports no torch: the fixture loader and the numerics model are imported
+where a fixture is read or a budget derived.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from sage_qual import records
+from sage_qual.errors import ExitCode, UsageError
+from sage_qual.qualification.decide import budget_check, checked, verdict
+from sage_qual.qualification.decide.verdict import FamilyDecision, Verdict
+from sage_qual.qualification.evidence.report_model import Report, ReportError
+from sage_qual.qualification.families import Family, counts_for, find
+from sage_qual.serving.env_record import EnvironmentRecord, Reason
+from sage_qual.serving.variants import gpu_label
+
+if TYPE_CHECKING:
+    from sage_qual.fixtures.fileformat import Fixture
+
+
+def models(here: EnvironmentRecord) -> set[str]:
+    """The GPU models of a machine, as labels (`gpu_label`)."""
+    return {gpu_label(gpu.name, gpu.capability) for gpu in here.gpus}
+
+
+def stale(data: Report, family: Family, here: EnvironmentRecord, local: dict[str, str]) -> list[str]:
+    """How the report's machine differs from this one, for this family; empty when it does not."""
+    made, differences = data.environment, []
+    for key, label in (("driver", "NVIDIA driver"), ("torch", "torch"), ("sageattention", "sageattention")):
+        if getattr(made, key) != getattr(here, key):
+            differences.append(f"{label} {getattr(made, key) or 'none'} in the report, "
+                               f"{getattr(here, key) or 'none'} here")
+    certified = {gpu_label(d.name, d.capability) for d in data.devices}
+    for model in sorted(models(here) - certified):
+        differences.append(f"{model} here is not in the report")
+    recorded = {f.name: f.sha256 for f in data.fixtures if counts_for(family, f.family)}
+    for name in sorted(set(recorded) | set(local)):
+        if name not in local:
+            differences.append(f"fixture {name} is in the report but not here")
+        elif name not in recorded:
+            differences.append(f"fixture {name} is here but not in the report")
+        elif recorded[name] != local[name]:
+            differences.append(f"fixture {name} changed (sha256 {local[name][:12]} here, "
+                               f"{recorded[name][:12]} in the report)")
+    return differences
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+@dataclass
+class GateDecision:
+    """What gate says for one family on this machine: an exit code and, per GPU model here, the
+    verdict of verdict.decide()."""
+    family: str
+    code: int
+    problem: str = ""  # with code 2: why no decision is possible
+    gpus: list[tuple[str, FamilyDecision]] = field(default_factory=list)
+
+    def lines(self, require_speedup: bool) -> list[str]:
+        if self.problem:
+            return [self.problem]
+        lines = []
+        for model, decision in self.gpus:
+            where = f"{self.family} on {model}"
+            if decision.verdict == Verdict.ENABLE:
+                lines.append(f"{where}: enable {decision.variant} {decision.served_range()}")
+                lines += [f"  - range: {r.detail}" for r in decision.range_reasons]
+                continue
+            note = ""
+            if decision.verdict == Verdict.NO_SPEEDUP:
+                note = (" (passes with " + ", ".join(decision.certified) + "; a profile serves no call"
+                        + ("" if require_speedup else "; --require-speedup would keep it off") + ")")
+            lines.append(f"{where}: {decision.verdict.value}{note}")
+            lines += [f"  - {r.kind.value}: {r.detail}" for r in decision.reasons]
+        return lines
+
+    def as_json(self) -> dict:
+        """The `gate --json` answer (`GateAnswer`'s JSON)."""
+        return records.dump(GateAnswer(self.family, self.code, self.problem, [
+            GpuAnswer(model, d.verdict, d.variant, d.min_query_tokens, d.min_key_tokens, d.max_query_tokens,
+                      d.max_key_tokens, d.layouts, d.head_dims, d.certified, d.reasons, d.contexts)
+            for model, d in self.gpus]))
+
+
+@dataclass(frozen=True)
+class GpuAnswer:
+    """One GPU model here in `gate --json`: its verdict, what a profile serves and why not more."""
+    gpu: str
+    verdict: Verdict
+    variant: str | None
+    min_query_tokens: int | None
+    min_key_tokens: int | None
+    max_query_tokens: int | None
+    max_key_tokens: int | None
+    layouts: list[str] | None
+    head_dims: list[int] | None
+    certified: list[str]
+    reasons: list[Reason]
+    contexts: list[str] | None = None  # the execution contexts certified (None: not checked, built-in rule)
+
+
+@dataclass(frozen=True)
+class GateAnswer:
+    """`sage-qual gate --json`: the exit code, the problem (with code 2) or a verdict per GPU model."""
+    family: str
+    exit_code: int
+    problem: str
+    gpus: list[GpuAnswer]
+
+
+def report_problem(source: str, data: Report, family: Family) -> str:
+    """Why this report cannot decide for the family on any machine; empty when it can."""
+    if not data.complete:
+        line = checked.status_line(data.complete, data.started, data.finished, data.stopped)
+        return f"{source} is a partial report ({line}): run certify to the end"
+    if data.predicted:  # no GPU can make it measured
+        return (f"{source} is a predicted report (certify --emulate: the CPU numerics model, no GPU ran), "
+                "so it cannot enable a family: run `sage-qual certify` on the GPU")
+    if checked.quick_problem(data):
+        return checked.quick_problem(data)
+    if family.name not in data.options.families:
+        return f"the report did not certify {family.name} (it ran: {', '.join(data.options.families)})"
+    return ""
+
+
+def machine_problem(here: EnvironmentRecord) -> str:
+    """Why no report can be matched to this machine; empty when one can."""
+    if not here.gpus:
+        return "no CUDA GPU is visible here, so no report can be matched to this machine"
+    if here.sageattention_problem:
+        return f"sageattention cannot run here: {here.sageattention_problem}"
+    return ""
+
+
+def decide_stored(data: Report, family: Family, here: EnvironmentRecord, local: Mapping[str, str],
+                  require_speedup: bool, source: str = "report.json") -> GateDecision:
+    """The decision with the report's stored budgets taken as they stand (as merge takes them):
+    every refusal of `decide()` but the budget re-derivation. `local`: this machine's fixtures that
+    count for the family, name -> sha256."""
+    problem = report_problem(source, data, family) or machine_problem(here)
+    differences = [] if problem else stale(data, family, here, local)
+    if differences:
+        problem = f"stale report: {'; '.join(differences)}. Run `sage-qual certify` on this machine again"
+    if problem:
+        return GateDecision(family.name, ExitCode.USAGE, problem)
+    models_here = models(here)
+    result = GateDecision(family.name, ExitCode.ENABLE)
+    for gpu in verdict.decide(data):
+        if gpu.model not in models_here:
+            continue
+        decision = gpu.family(family.name)
+        result.gpus.append((gpu.model, decision))
+        no_speedup = decision.verdict == Verdict.NO_SPEEDUP
+        if decision.verdict == Verdict.KEEP_OFF or (no_speedup and require_speedup):
+            result.code = ExitCode.KEEP_OFF
+    return result
+
+
+def decide(data: Report, family: Family, here: EnvironmentRecord, fixtures: Mapping[str, Fixture],
+           require_speedup: bool, source: str = "report.json") -> GateDecision:
+    """gate's answer for one family on this machine (`here`: its environment;
+    `fixtures`: this machine's fixtures that count for the family, loaded): every refusal, the
+    verdicts, and each stored budget against the one derived here."""
+    local = {name: fixture.sha256 for name, fixture in fixtures.items()}
+    decision = decide_stored(data, family, here, local, require_speedup, source)
+    if decision.code != ExitCode.USAGE:
+        problem = budget_check.budget_problem(source, data, family, models(here), fixtures)
+        if problem:
+            return GateDecision(family.name, ExitCode.USAGE, problem)
+    return decision
+
+
+
+
+def gate(report_path: Path, family_name: str, machine: Callable[[], EnvironmentRecord],
+         fixture_dirs: list[str] | None = None, require_speedup: bool = False) -> GateDecision:
+    """`sage-qual gate`: read the report, this machine (`machine()`: `run.workers.this_machine` collects
+    it in a worker; UsageError when it cannot) and its fixtures, and decide. Bad input and every
+    refusal come back as a decision with a problem."""
+    try:
+        family = find(family_name)
+    except KeyError as error:
+        return GateDecision(family_name, ExitCode.USAGE, error.args[0])
+    try:
+        data = checked.load(report_path)
+    except ReportError as error:
+        return GateDecision(family.name, ExitCode.USAGE, str(error))
+    problem = report_problem(str(report_path), data, family)  # before a worker looks for a GPU
+    if problem:
+        return GateDecision(family.name, ExitCode.USAGE, problem)
+    from sage_qual.qualification import selection  # reads fixtures: torch, only once a report is read
+
+    try:
+        fixtures = selection.family_fixtures(fixture_dirs, family)
+        here = machine()
+    except UsageError as error:
+        return GateDecision(family.name, ExitCode.USAGE, str(error))
+    return decide(data, family, here, fixtures, require_speedup, str(report_path))

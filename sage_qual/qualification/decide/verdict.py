@@ -1,0 +1,473 @@
+"""Every verdict, drawn from a report's evidence by one function, `decide()`.
+
+gate, report.md/html, merge, certify's summary and the profile all call it; nothing reads a
+verdict or a cell's stored outcome as the truth. Each measured cell is judged again from its
+stored numbers (`judge.cell_reasons`), and a report whose cells' outcomes disagree with their
+numbers is refused (`check_evidence`). A speed comparison trusts the lower end of its 95 %
+confidence interval.
+
+Per GPU model (devices of one model count together: a variant passes a fixture only if it
+passed on each of them; a shape's speedup is the lowest among them) and family, one of:
+
+- enable: a variant passed every fixture of the family (and the generic ones), and its measured
+  break-even serves at least one of the family's own shapes;
+- safe, no speedup: a variant passed every fixture, but the measured speed serves none of the
+  family's shapes (or they were not timed: a --quick run), so a profile serves nothing;
+- keep off: no variant passed, with every reason.
+
+An enabled family is enabled over a verified range only (issue 16): up to the longest long check
+(`long_check`) of its variant that passed with every shorter one, and in the declared layouts whose
+views gave the contiguous output bit for bit in every check within that range. A long check that
+fails, faults or is missing at L tokens caps the range below L (to the fixtures' length when no
+longer check passed); a range that ends below the break-even serves nothing, and the family is kept
+off, with the failing check as its reason. A report from before long checks (`Device.long` null)
+has no upper bound and says so.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+from sage_qual.qualification.decide.checked import judged, long_judged
+from sage_qual.qualification.evidence.report_model import (
+    Device,
+    LongCheck,
+    Outcome,
+    Reason,
+    ReasonKind,
+    Report,
+)
+from sage_qual.qualification.families import (
+    FAMILIES,
+    LAYOUTS,
+    Family,
+    counts_for,
+    normalize,
+)
+from sage_qual.qualification.measure.speed import (
+    Thresholds,
+    break_even,
+    serves,
+    speedup_bounds,
+    steady_lower_bounds,
+)
+from sage_qual.serving.config import KERNEL_TABLE, served_from
+from sage_qual.serving.contexts import CONTEXTS, REASON
+from sage_qual.serving.variants import gpu_label
+
+
+class Verdict(str, enum.Enum):
+    ENABLE = "enable"
+    NO_SPEEDUP = "safe, no speedup"
+    KEEP_OFF = "keep off"
+
+
+class Evidence(str, enum.Enum):
+    """What a family's fixtures say of one variant or integration, speed aside (the summaries of
+    certify --target and --emulate, which time nothing)."""
+    SAFE = "safe"  # passed every fixture of the family
+    NOT_SAFE = "NOT SAFE"  # failed, crashed or ran out of time or memory on one
+    NOT_QUALIFIED = "not qualified"  # no evidence: no fixtures, or calls it did not take or serve
+
+
+@dataclass(frozen=True)
+class Finding:
+    """Why a variant fails a family on one cell, in parts (a summary groups them without parsing a
+    sentence): where, and the cell's own reason."""
+    variant: str
+    fixture: str
+    device: int
+    reason: Reason
+
+    def as_reason(self) -> Reason:
+        """The finding in one sentence, as gate, report.md and the profile give it."""
+        return Reason(self.reason.kind, f"{self.variant} on {self.fixture} (cuda:{self.device}): "
+                                        f"{self.reason.detail}")
+
+
+@dataclass
+class FamilyDecision:
+    family: str | None  # None: the default entry, over all fixtures
+    verdict: Verdict = Verdict.KEEP_OFF
+    variant: str | None = None  # what a profile serves (None: nothing)
+    min_query_tokens: int | None = None
+    min_key_tokens: int | None = None
+    head_dims: list[int] | None = None
+    reasons: list[Reason] = field(default_factory=list)
+    certified: list[str] = field(default_factory=list)  # variants that passed every fixture
+    findings: dict[str, list[Finding]] = field(default_factory=dict)  # per variant failing, every cell
+    speedups: dict[str, float] = field(default_factory=dict)  # own shape label -> lower bound
+    # The verified range (enable only): None with range_verified False for a report without long checks.
+    max_query_tokens: int | None = None
+    max_key_tokens: int | None = None
+    layouts: list[str] | None = None
+    range_verified: bool = False
+    range_reasons: list[Reason] = field(default_factory=list)  # why the range, layouts or contexts stop there
+    # The execution contexts its variant passed every check of (enable only; None: none were checked,
+    # a --quick run or an older report: the wrapper keeps the variant's built-in rule).
+    contexts: list[str] | None = None
+
+    @property
+    def label(self) -> str:
+        return self.family or "default"
+
+    def evidence(self, variant: str) -> Evidence:
+        if variant in self.certified:
+            return Evidence.SAFE
+        # Skips (calls not taken or not served) and missing fixtures are no evidence either way;
+        # anything measured, crashed or left unrun is.
+        if all(r.kind in (ReasonKind.NO_FIXTURES, ReasonKind.SKIP) for r in self.why_not(variant)):
+            return Evidence.NOT_QUALIFIED
+        return Evidence.NOT_SAFE
+
+    @property
+    def rejected(self) -> dict[str, list[Reason]]:
+        """Per variant that failed the family, why, one sentence per cell (`findings`)."""
+        return {variant: [f.as_reason() for f in found] for variant, found in self.findings.items()}
+
+    def why_not(self, variant: str) -> list[Reason]:
+        """Why `variant` was not certified for the family: its own findings, else the family's reasons."""
+        return self.rejected.get(variant) or self.reasons
+
+    def served_from(self) -> str:
+        if self.min_query_tokens is None:
+            return "-"
+        return (f"{self.min_query_tokens} / {self.min_key_tokens}, head_dim "
+                f"{'/'.join(map(str, self.head_dims))}")
+
+    def served_range(self) -> str:
+        """"from 9,728 to 75,600 tokens, head_dim 128 (layouts: contiguous, transposed)"."""
+        if self.min_query_tokens is None:
+            return "-"
+        dims = "/".join(map(str, self.head_dims))
+        if not self.range_verified:
+            return (f"from {self.min_query_tokens:,} query / {self.min_key_tokens:,} key tokens, "
+                    f"head_dim {dims} (no upper bound verified: a report without long checks)")
+        if (self.min_query_tokens, self.max_query_tokens) == (self.min_key_tokens, self.max_key_tokens):
+            tokens = f"from {self.min_query_tokens:,} to {self.max_query_tokens:,} tokens"
+        else:
+            tokens = (f"from {self.min_query_tokens:,} to {self.max_query_tokens:,} query / "
+                      f"{self.min_key_tokens:,} to {self.max_key_tokens:,} key tokens")
+        contexts = "" if self.contexts is None else f"; contexts: {', '.join(self.contexts) or 'none'}"
+        return f"{tokens}, head_dim {dims} (layouts: {', '.join(self.layouts)}{contexts})"
+
+
+@dataclass
+class VariantStatus:
+    ran: bool  # any result on this model (a --quick run leaves most variants out)
+    runnable: bool
+    reasons: list[str]
+    break_even: Thresholds | None
+
+
+@dataclass
+class GpuDecision:
+    name: str
+    capability: tuple[int, int]
+    memory_gib: float
+    devices: list[int]
+    variants: dict[str, VariantStatus]
+    families: list[FamilyDecision]
+    default: FamilyDecision
+    # (variant, shape key) -> (lower 95 % bound, median ratio) of the speedup over SDPA
+    speedups: dict[tuple[str, str], tuple[float, float]] = field(default_factory=dict)
+
+    @property
+    def model(self) -> str:
+        return gpu_label(self.name, self.capability)
+
+    def family(self, name: str) -> FamilyDecision:
+        return next(v for v in self.families if normalize(v.family) == normalize(name))
+
+
+# The evidence ------------------------------------------------------------------------------------
+
+
+
+
+
+
+
+
+
+def _speedups(devices: list[Device], shapes: dict) -> dict[tuple[str, str], tuple[float, float]]:
+    """(variant, shape) -> (lower bound, median ratio) of the speedup over the fastest SDPA
+    backend; a shape counts only where every device measured it, the slowest device deciding. A
+    variant that failed at a shape counts as no speedup there. Self-attention shapes timed with
+    samples on both sides get the steady bound fitted over their neighbours of the same head size
+    (speed.steady_lower_bounds), so that the break-even does not move with one shape's noise."""
+    per_device = []
+    for device in devices:
+        sdpa = {r.shape: r for r in device.speed if r.kernel == "sdpa" and r.outcome == Outcome.PASS and r.ms}
+        found, curves = {}, {}
+        for r in device.speed:
+            if r.kernel == "sdpa" or r.shape not in sdpa:
+                continue
+            if r.outcome == Outcome.PASS and r.ms:
+                base = sdpa[r.shape]
+                low, median, high = speedup_bounds(base.ms, base.samples_ms, r.ms, r.samples_ms)
+                found[(r.kernel, r.shape)] = (low, median)
+                shape = shapes[r.shape]
+                if base.samples_ms and r.samples_ms and shape.q_tokens == shape.kv_tokens:
+                    curves.setdefault((r.kernel, shape.head_dim), {})[r.shape] = (shape.q_tokens, low, median,
+                                                                                 high)
+            else:
+                found[(r.kernel, r.shape)] = (0.0, 0.0)
+        for (variant, _), curve in curves.items():
+            for key, low in steady_lower_bounds(curve).items():
+                found[(variant, key)] = (low, found[(variant, key)][1])
+        per_device.append(found)
+    common = set.intersection(*map(set, per_device)) if per_device else set()
+    return {key: (min(d[key][0] for d in per_device), min(d[key][1] for d in per_device)) for key in common}
+
+
+class _Model:
+    """One GPU model's cells and speed, from all its devices."""
+
+    def __init__(self, report: Report, devices: list[Device], runnable: list[str]):
+        self.report, self.devices, self.runnable = report, devices, runnable
+        self.shapes = {key: entry.shape for key, entry in report.shapes.items()}
+        self.uses = {key: entry.uses for key, entry in report.shapes.items()}
+        self.cells = {(c.variant, c.fixture, d.index): c for d in devices for c in d.cells}
+        self.speedup = _speedups(devices, self.shapes)
+        self.ms = {}
+        for device in devices:
+            for r in device.speed:
+                if r.kernel != "sdpa" and r.ms:
+                    key = (r.kernel, r.shape)
+                    self.ms[key] = max(self.ms.get(key, 0.0), r.ms)
+
+    def points(self, variant: str, keys: list[str]) -> list[tuple[int, int, int, float]]:
+        return [(self.shapes[k].q_tokens, self.shapes[k].kv_tokens, self.shapes[k].head_dim,
+                 self.speedup[(variant, k)][0]) for k in keys if (variant, k) in self.speedup]
+
+    def break_even(self, variant: str, keys: list[str], min_speedup: float = 1.0) -> Thresholds | None:
+        return break_even(self.points(variant, keys), min_speedup) if variant in self.runnable else None
+
+    def verdict(self, family: Family | None) -> FamilyDecision:
+        result = FamilyDecision(family.name if family else None)
+        fixtures = [f.name for f in self.report.fixtures if counts_for(family, f.family)]
+        if not any(family is None or family.owns(f.family) for f in self.report.fixtures):
+            label = family.name if family else "any family"
+            result.reasons = [Reason(ReasonKind.NO_FIXTURES,
+                                     f"no fixtures of {label} in this run: not certified")]
+            return result
+        if not self.runnable:
+            result.reasons = [Reason(ReasonKind.SKIP, "no selected variant ran on this GPU")]
+            return result
+        for variant in self.runnable:
+            failures = [r for fixture in fixtures for r in self._failures(variant, fixture)]
+            if failures:
+                result.findings[variant] = failures
+            else:
+                result.certified.append(variant)
+        if not result.certified:
+            result.reasons = [r for failures in result.rejected.values() for r in failures]
+            return result
+        min_speedup = family.min_speedup if family else 1.0
+        own = {k: u.label for k, uses in self.uses.items() for u in uses
+               if family is not None and u.family is not None and family.owns(u.family)}
+        if family is None:
+            relevant = list(self.shapes)
+        else:  # its own calls, and the generic sweep at its head sizes
+            head_dims = {shape.head_dim for _, shape in family.shapes}
+            relevant = list(own) + [k for k, s in self.shapes.items() if s.head_dim in head_dims
+                                    and all(u.family is None for u in self.uses[k])]
+        chosen, thresholds = self._choose(result.certified, list(own), relevant, min_speedup)
+        result.variant = chosen
+        result.speedups = {own[k]: self.speedup[(chosen, k)][0] for k in own if (chosen, k) in self.speedup}
+        served = [serves(thresholds, q, k, d) for q, k, d, _ in self.points(chosen, list(own))] \
+            if thresholds else []
+        if thresholds is None:
+            result.reasons.append(Reason(ReasonKind.SPEED, f"{chosen} never measured faster than "
+                                                           f"{min_speedup:g}x the fastest SDPA backend "
+                                                           "(lower 95 % bound)"))
+        elif family is not None and not self.points(chosen, list(own)):
+            result.reasons.append(Reason(ReasonKind.SPEED, f"{family.name}'s own shapes were not timed (a "
+                                                           "--quick run): speedup unknown"))
+        elif family is not None and not any(served):
+            listed = ", ".join(f"{label} {x:.2f}x" for label, x in result.speedups.items())
+            result.reasons.append(Reason(ReasonKind.SPEED, f"no speedup at its shapes: {chosen} pays only "
+                                                           f"from {_where(thresholds)}, which serves none of "
+                                                           f"them ({listed})"))
+        if result.reasons:
+            result.verdict, result.variant = Verdict.NO_SPEEDUP, None
+            return result
+        result.verdict = Verdict.ENABLE
+        result.min_query_tokens = thresholds.min_query_tokens
+        result.min_key_tokens = thresholds.min_key_tokens
+        result.head_dims = list(thresholds.head_dims)
+        result = self._range(result, family)
+        if result.variant:
+            result.contexts, reasons = self.contexts(result.variant)
+            result.range_reasons += reasons
+        return result
+
+    def contexts(self, variant: str) -> tuple[list[str] | None, list[Reason]]:
+        """The contexts `variant` passed every check of on every device that ran context checks, and
+        why each other one is left out; (None, []) when no device ran them."""
+        checked = [d for d in self.devices if d.contexts is not None]
+        if not checked:
+            return None, []
+        safe, reasons = set(CONTEXTS), []
+        for device in checked:
+            where = f"{variant} on cuda:{device.index}"
+            found = [c for c in device.contexts if c.variant == variant]
+            if not found or not found[-1].measured:
+                why = "not run" if not found else f"{found[-1].outcome.value}: {found[-1].detail}"
+                reasons.append(Reason(ReasonKind.CONTEXT,
+                                      f"{where}: context check {why}; default stream only"))
+                safe = set()
+                continue
+            safe &= set(found[-1].safe_contexts)
+            for run in found[-1].runs:
+                if not run.passed:
+                    why = (f"{where}, {run.name}: {_context_failure(run)}; falls back there "
+                           f"({REASON[run.context]})")
+                    reasons.append(Reason(ReasonKind.CONTEXT, why))
+        return [name for name in CONTEXTS if name in safe], reasons
+
+    def _range(self, result: FamilyDecision, family: Family | None) -> FamilyDecision:
+        """Bound an enabled decision by its variant's long checks (module docstring)."""
+        if all(d.long is None for d in self.devices):  # a report from before long checks
+            return result
+        variant = result.variant
+        head_dims = {shape.head_dim for _, shape in family.shapes} if family else None
+        declared = list(family.layouts) if family else list(LAYOUTS)
+
+        def relevant(check: LongCheck) -> bool:
+            if check.variant != variant:
+                return False
+            if family is None:
+                return True
+            return any(u.family is not None and family.owns(u.family) for u in check.uses) or (
+                all(u.family is None for u in check.uses) and check.shape.head_dim in head_dims)
+
+        by_call: dict[tuple[int, int, str], dict[int, LongCheck]] = {}
+        for device in self.devices:
+            for check in device.long or []:
+                if relevant(check):
+                    call = (check.shape.q_tokens, check.shape.kv_tokens, _call_key(check))
+                    by_call.setdefault(call, {})[device.index] = check
+        fixtures = [f for f in self.report.fixtures if counts_for(family, f.family)]
+        max_q = max((f.q[2] for f in fixtures), default=0)
+        max_k = max((f.k[2] for f in fixtures), default=0)
+        broken: dict[str, Reason] = {}
+        compared = {"contiguous"}  # the reference layout; the others once a view matched it
+        for (q_tokens, kv_tokens, _), checks in sorted(by_call.items()):
+            failures = []
+            for device in self.devices:
+                where = f"{variant} at {q_tokens:,} / {kv_tokens:,} tokens (cuda:{device.index})"
+                check = checks.get(device.index)
+                if check is None:
+                    failures.append(Reason(ReasonKind.LONG, f"{where}: long check not run"))
+                    continue
+                for reason in long_judged(check):
+                    if reason.kind == ReasonKind.LAYOUT:
+                        name = reason.detail.split(":")[0].removeprefix("layout ")
+                        broken.setdefault(name, Reason(reason.kind, f"{where}: {reason.detail}"))
+                    else:
+                        failures.append(Reason(reason.kind, f"{where}: {reason.detail}"))
+            if failures:
+                result.range_reasons.append(Reason(
+                    ReasonKind.LONG, f"verified only below {q_tokens:,} query tokens: the long check there "
+                                     f"failed ({failures[0].detail})"))
+                result.range_reasons += failures
+                break
+            max_q, max_k = max(max_q, q_tokens), max(max_k, kv_tokens)
+            compared |= {name for check in checks.values() for name, same in check.identical.items() if same}
+        result.range_reasons += list(broken.values())
+        result.range_verified = True
+        result.max_query_tokens, result.max_key_tokens = max_q, max_k
+        result.layouts = [name for name in declared if name not in broken and name in compared]
+        if max_q < result.min_query_tokens or max_k < result.min_key_tokens:
+            result.verdict, result.variant = Verdict.KEEP_OFF, None
+            result.reasons = [Reason(ReasonKind.LONG, f"no verified range: {variant} pays from "
+                                                      f"{result.min_query_tokens:,} tokens but was verified "
+                                                      f"only up to {max_q:,}")] + result.range_reasons
+            result.min_query_tokens = result.min_key_tokens = result.head_dims = None
+            result.max_query_tokens = result.max_key_tokens = result.layouts = None
+        return result
+
+    def _failures(self, variant: str, fixture: str) -> list[Finding]:
+        found = []
+        for device in self.devices:
+            cell = self.cells.get((variant, fixture, device.index))
+            missing = [Reason(ReasonKind.INCOMPLETE, "not run")]
+            reasons = missing if cell is None else judged(self.report, cell)
+            found += [Finding(variant, fixture, device.index, reason) for reason in reasons]
+        return found
+
+    def _choose(self, candidates: list[str], own: list[str], relevant: list[str],
+                min_speedup: float) -> tuple[str, Thresholds | None]:
+        """The fastest candidate at the family's shapes (or all relevant ones) among those whose
+        break-even serves one of its shapes, else among those that pay anywhere, else the fastest."""
+        keys = own or relevant
+
+        def total(variant):  # unmeasured ones rank last, in the order of preference
+            if keys and all((variant, k) in self.ms for k in keys):
+                return sum(self.ms[(variant, k)] for k in keys)
+            return math.inf
+
+        ranked = sorted(candidates, key=lambda v: (total(v), candidates.index(v)))
+        thresholds = {v: self.break_even(v, relevant, min_speedup) for v in ranked}
+        serving = [v for v in ranked if thresholds[v] and any(
+            serves(thresholds[v], q, k, d) for q, k, d, _ in self.points(v, own))]
+        paying = [v for v in ranked if thresholds[v]]
+        chosen = (serving or paying or ranked)[0]
+        return chosen, thresholds[chosen]
+
+
+def _context_failure(run) -> str:
+    """Why a context check did not pass, from its numbers."""
+    if run.error:
+        return run.error
+    if run.served < run.calls:
+        return f"served {run.served} of {run.calls} calls ({', '.join(run.fallbacks) or 'no reason'})"
+    if not run.finite:
+        return "output not finite"
+    return f"not bit-identical to the eager call (relative L2 {run.rel_l2:.3g})" if run.rel_l2 is not None \
+        else "not bit-identical to the eager call"
+
+
+def _call_key(check: LongCheck) -> str:
+    shape = check.shape
+    return f"h{shape.heads}/{shape.kv_heads} d{shape.head_dim} {shape.dtype.value}"
+
+
+def _where(t: Thresholds) -> str:
+    return served_from(t.min_query_tokens, t.min_key_tokens, t.head_dims)
+
+
+def decide(report: Report) -> list[GpuDecision]:
+    """Per GPU model of a complete report: each variant's break-even, a verdict per certified
+    family and a default verdict over all fixtures. Empty for a partial report: no verdict is
+    drawn from a run that did not finish."""
+    if not report.complete:
+        return []
+    groups: dict[tuple, list[Device]] = {}
+    for device in report.devices:
+        groups.setdefault(device.model, []).append(device)
+    selected = report.options.variants
+    decided = []
+    for (name, capability), devices in groups.items():
+        table = KERNEL_TABLE.get(capability, ())
+        preference = [v for v in table if v in selected] + [v for v in selected if v not in table]
+        ran = {v for d in devices for v in [c.variant for c in d.cells] + [r.kernel for r in d.speed]}
+        unsupported = {v for d in devices for v in d.not_supported}
+        runnable = [v for v in preference if v in ran and v not in unsupported]
+        model = _Model(report, devices, runnable)
+        chosen = [f for f in FAMILIES if f.name in report.options.families]
+        decided.append(GpuDecision(
+            name=name, capability=capability, memory_gib=min(d.memory_gib for d in devices),
+            devices=[d.index for d in devices],
+            variants={v: VariantStatus(
+                ran=v in ran, runnable=v in runnable,
+                reasons=sorted({r for d in devices for r in d.not_supported.get(v, [])}),
+                break_even=model.break_even(v, list(report.shapes)))
+                      for v in selected},
+            families=[model.verdict(f) for f in chosen],
+            default=model.verdict(None), speedups=model.speedup))
+    return decided

@@ -1,0 +1,499 @@
+"""What report.json holds, as typed records: the evidence of a certify run, never its verdicts.
+
+A report stores what was measured (cells: a variant on a fixture; speed: a kernel at a shape,
+with every timed repeat) and where; `decide.verdict.decide()` draws every verdict from it.
+`files.load()` reads a file strictly: anything missing, mistyped, out of range, truncated or from a
+newer schema is a `ReportError` naming the file, the key and the fix. Schema version 1 (written up
+to sage-qual 0.1: the same evidence plus a stored analysis, `gpus`, and no timing samples) still
+reads; its stored analysis is dropped unread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Literal
+
+from sage_qual.qualification.families import FAMILIES
+from sage_qual.serving.contexts import CHECKS, CONTEXTS
+
+# GpuInfo, ReasonKind: part of the report's model, imported from here
+from sage_qual.serving.env_record import EnvironmentRecord, GpuIdentity, GpuInfo, Reason, ReasonKind  # noqa: F401
+from sage_qual.serving.variants import VARIANTS
+
+KIND = "sage-qual-report"
+SCHEMA_VERSION = 2
+FIX = "the file was edited, damaged or written by another tool: run `sage-qual certify` again"
+
+
+class ReportError(ValueError):
+    """A file that is not a readable sage-qual report; the message says why and what to do."""
+
+
+class Outcome(str, enum.Enum):
+    PASS = "pass"
+    FAIL = "fail"
+    SKIP = "skip"
+    OOM = "oom"
+    CRASH = "crash"
+    TIMEOUT = "timeout"
+
+
+class DType(str, enum.Enum):
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+
+
+class FixtureKind(str, enum.Enum):
+    RECORDED = "recorded"
+    REPLICA = "replica"
+
+
+class AccuracyClass(str, enum.Enum):
+    FP16 = "fp16"
+    FP8 = "fp8"
+
+
+@dataclass(frozen=True)
+class SmoothK:
+    """The same kernel with K smoothing on (outlier fixtures only)."""
+    rel_l2: float | None
+    worst_head_cosine: float | None
+    finite: bool
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A cell's limits, derived from the numerics model (`qualification/measure/budgets.py`); `judge` checks
+    each against its metric. A report stores them as `Cell.bounds`, a mapping (`limits()`), since
+    a report written before a limit existed (max_abs) holds fewer."""
+    max_rel_l2: float
+    max_head_rel_l2: float
+    max_batch_rel_l2: float
+    max_block_rel_l2: float
+    min_norm_ratio: float
+    max_norm_ratio: float
+    min_cosine: float
+    max_abs: float
+
+    def limits(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+_NOT_NEGATIVE = {"minimum": 0}
+# float32 rounding puts a cosine at 1.0000001 (docs/results/run8-h200x2-final/certify/): 1e-3 of room.
+_COSINE = {"minimum": -1.001, "maximum": 1.001}
+
+
+class _Measured:
+    """What a cell and a long check share: an outcome that is measured (pass, fail) or says why not."""
+
+    @property
+    def measured(self) -> bool:
+        return self.outcome in (Outcome.PASS, Outcome.FAIL)
+
+    def _outcome_problems(self, what: str, needed: tuple[str, ...]) -> list[tuple[str, str]]:
+        """A measured one lacking a field in `needed`, or an unmeasured one without its detail."""
+        if self.measured:
+            missing = [name for name in needed if getattr(self, name) is None]
+            if missing:
+                return [(missing[0], f"missing for a {what} whose outcome is {self.outcome.value!r}")]
+        elif not self.detail:
+            return [("detail", f"empty for a {what} whose outcome is {self.outcome.value!r} (it says why)")]
+        return []
+
+
+@dataclass(frozen=True)
+class Cell(_Measured):
+    """One variant on one fixture; the numbers only when it ran to the end (null: not finite)."""
+    variant: str
+    fixture: str
+    outcome: Outcome
+    detail: str = ""
+    reasons: list[Reason] = field(default_factory=list)
+    accuracy_class: AccuracyClass | None = None
+    bounds: dict[str, float] | None = field(default=None, metadata={
+        "description": "the budget the cell was judged against: limit name (max_rel_l2, ...) -> bound"})
+    # Errors, norms and bytes cannot be negative, nor a cosine leave [-1, 1]: an edited number that
+    # does would pass any limit on its side.
+    rel_l2: float | None = field(default=None, metadata=_NOT_NEGATIVE)
+    worst_head_cosine: float | None = field(default=None, metadata=_COSINE)
+    finite: bool | None = None
+    sdpa_rel_l2: float | None = field(default=None, metadata=_NOT_NEGATIVE)
+    error_vs_sdpa: float | None = field(default=None, metadata=_NOT_NEGATIVE)
+    worst_head_rel_l2: float | None = field(default=None, metadata=_NOT_NEGATIVE)
+    worst_batch_rel_l2: float | None = field(default=None, metadata=_NOT_NEGATIVE)
+    worst_block_rel_l2: float | None = field(default=None, metadata=_NOT_NEGATIVE)
+    norm_ratio: float | None = field(default=None, metadata=_NOT_NEGATIVE)
+    max_abs_error: float | None = field(default=None, metadata=_NOT_NEGATIVE)  # max |out - ref|
+    extra_bytes_per_element: float | None = field(default=None, metadata=_NOT_NEGATIVE)
+    smooth_k_on: SmoothK | None = None
+    seconds: float | None = None
+    stderr_tail: str = ""
+    traceback: str = ""
+
+    def check(self) -> list[tuple[str, str]]:  # memory is measured on a GPU only: Report.check
+        return self._outcome_problems("cell", ("bounds", "finite"))
+
+
+@dataclass(frozen=True)
+class Speed:
+    """One kernel at one shape: the median of the timed calls (CUDA events, after warm-up), with
+    every timed call in `samples_ms`; kernel 'sdpa' is the fastest SDPA backend: `backends` holds
+    each backend's median of a short screen, `best_backend` the fastest of them, timed in full."""
+    kernel: str
+    shape: str
+    outcome: Outcome
+    ms: float | None = field(metadata={"description": "median ms; null when it did not run"})
+    samples_ms: list[float] = field(default_factory=list, metadata={
+        "minimum": 0, "description": "every timed call in ms (empty in schema version 1 reports)"})
+    best_backend: str = ""
+    backends: dict[str, float] = field(default_factory=dict)
+    refused: dict[str, str] = field(default_factory=dict)
+    detail: str = ""
+    seconds: float | None = None
+    stderr_tail: str = ""
+    traceback: str = ""
+
+    def check(self) -> list[tuple[str, str]]:
+        if self.ms is not None and self.ms <= 0:
+            return [("ms", f"is {self.ms}, expected a positive time")]
+        if self.outcome == Outcome.PASS and self.ms is None:
+            return [("ms", "null for a timing whose outcome is 'pass'")]
+        # The decisions use both the median and the samples: an edit to one shows against the other.
+        if self.samples_ms and self.ms is not None:
+            median = statistics.median(self.samples_ms)
+            if not math.isclose(median, self.ms):
+                return [("ms", f"{self.ms:.6g} is not the median of samples_ms ({median:.6g})")]
+        if self.best_backend:
+            if self.best_backend not in self.backends:
+                return [("best_backend", f"{self.best_backend!r} is not in backends")]
+            fastest = min(self.backends, key=self.backends.get)
+            if not math.isclose(self.backends[fastest], self.backends[self.best_backend]):
+                return [("best_backend", f"{self.best_backend!r} is not the fastest of backends "
+                                         f"({fastest!r})")]
+        return []
+
+
+@dataclass(frozen=True)
+class ShapeSpec:
+    heads: int = field(metadata={"minimum": 1})
+    kv_heads: int = field(metadata={"minimum": 1})
+    q_tokens: int = field(metadata={"minimum": 1})
+    kv_tokens: int = field(metadata={"minimum": 1})
+    head_dim: int = field(metadata={"minimum": 1})
+    dtype: DType
+    batch: int = field(metadata={"minimum": 1})
+
+
+@dataclass(frozen=True)
+class ShapeUse:
+    family: str | None = field(metadata={"description": "null: a point of the generic sweep"})
+    label: str
+
+
+@dataclass(frozen=True)
+class ShapeEntry:
+    """A timed shape and which sweep points or family calls it stands for."""
+    shape: ShapeSpec
+    uses: list[ShapeUse]
+
+    def check(self) -> list[tuple[str, str]]:
+        return [] if self.uses else [("uses", "empty: a timed shape stands for at least one call")]
+
+
+@dataclass(frozen=True)
+class LongCheck(_Measured):
+    """A variant at one long call (`measure.long_check`): accuracy on sampled query rows of synthetic
+    tensors against the numerics model's budget for those rows, whether every row's output is the same
+    wherever its block sits, and whether each declared layout gave the contiguous call's output."""
+    variant: str
+    shape: ShapeSpec = field(metadata={"description": "the call checked (the planned size)"})
+    uses: list[ShapeUse] = field(metadata={"description": "the family calls and sweep points it stands for"})
+    layouts: list[str] = field(metadata={"description": "layouts checked (families.LAYOUTS)"})
+    outcome: Outcome
+    detail: str = ""
+    reasons: list[Reason] = field(default_factory=list)
+    bounds: dict[str, float] | None = None
+    metrics: dict[str, float | None] = field(default_factory=dict, metadata={
+        "description": "measure.errors of the sampled rows against float32 (null: not finite)"})
+    finite: bool | None = None
+    model_finite: bool | None = None
+    identical: dict[str, bool] = field(default_factory=dict, metadata={
+        "description": "layout -> the output on that view equals the contiguous call's, bit for bit"})
+    rows: list[int] = field(default_factory=list, metadata={
+        "minimum": 0, "description": "first query row of each sampled block (the numerics model's rows)"})
+    row_block: int | None = field(default=None, metadata={"minimum": 1})
+    rows_identical: bool | None = field(default=None, metadata={
+        "description": "every row: the output of each whole 128-row block, computed with the blocks in "
+                       "reverse order, equals its output in place, bit for bit (null: not compared: "
+                       "emulation, fewer than two whole blocks, or an older report)"})
+    ran_tokens: int | None = field(default=None, metadata={
+        "minimum": 1, "description": "tokens actually run when not the planned ones (test fakes, emulation)"})
+    ran_heads: int | None = field(default=None, metadata={
+        "minimum": 1, "description": "query heads actually run when not the planned ones (emulation)"})
+    inputs: str = field(default="", metadata={"description": "what the tensors were (synthetic, seeded)"})
+    seconds: float | None = None
+    stderr_tail: str = ""
+    traceback: str = ""
+
+    def check(self) -> list[tuple[str, str]]:
+        for name, value in self.metrics.items():  # an edited number outside its range would pass its limit
+            low, high = (-1.001, 1.001) if "cosine" in name else (0.0, math.inf)
+            if value is not None and not low <= value <= high:
+                return [(f"metrics.{name}", f"{value} is outside [{low}, {high}]")]
+        return self._outcome_problems("long check", ("bounds", "finite"))
+
+
+@dataclass(frozen=True)
+class SpanProbe:
+    """A variant called directly on one long query near the 32-bit element limit (`measure.span_probe`):
+    pass (right on sampled rows), fail (wrong), or what ended its worker (crash, with the stderr tail)."""
+    variant: str
+    layout: str = field(metadata={"description": "contiguous, or fused_qkv (views into one fused QKV)"})
+    side: str = field(metadata={"description": "below: within the probed limit; above: past it"})
+    tokens: int = field(metadata={"minimum": 1})
+    heads: int = field(metadata={"minimum": 1})
+    head_dim: int = field(metadata={"minimum": 1})
+    kv_tokens: int = field(metadata={"minimum": 1})
+    span: int = field(metadata={"minimum": 1, "description": "the query's elements from its data pointer"})
+    limit: int = field(metadata={"minimum": 1, "description": "the element limit the case sits at"})
+    outcome: Outcome
+    detail: str = ""
+    rel_l2: float | None = field(default=None, metadata=_NOT_NEGATIVE)
+    worst_row: float | None = field(default=None, metadata=_NOT_NEGATIVE)
+    ran_tokens: int | None = field(default=None, metadata={
+        "minimum": 1, "description": "tokens actually run when not the planned ones (test fakes)"})
+    ran_heads: int | None = field(default=None, metadata={"minimum": 1})
+    ran_span: int | None = field(default=None, metadata={"minimum": 1})
+    seconds: float | None = None
+    stderr_tail: str = ""
+    traceback: str = ""
+
+    def check(self) -> list[tuple[str, str]]:
+        if self.outcome == Outcome.PASS and self.rel_l2 is None:
+            return [("rel_l2", "missing for a span probe whose outcome is 'pass'")]
+        if self.outcome != Outcome.PASS and not self.detail:
+            return [("detail", f"empty for a span probe whose outcome is {self.outcome.value!r} "
+                               "(it says why)")]
+        return []
+
+
+@dataclass(frozen=True)
+class FixtureRecord:
+    name: str
+    family: str
+    kind: FixtureKind
+    dtype: DType
+    q: list[int] = field(metadata={"length": 4, "minimum": 1})
+    k: list[int] = field(metadata={"length": 4, "minimum": 1})
+    sha256: str = field(metadata={"pattern": "[0-9a-f]{64}"})
+    bounds: dict[str, dict[str, float]] = field(metadata={"description": "accuracy class -> limit -> bound"})
+    provenance: str
+
+
+@dataclass(frozen=True)
+class ContextRun:
+    """One check of a variant in an execution context (`contexts.CHECKS`): its outputs against the
+    same calls made eagerly on the default stream (`context_check`)."""
+    name: str = field(metadata={"description": "side_stream, capture, compile or compile_reduce_overhead"})
+    calls: int = field(metadata={"minimum": 0, "description": "calls the wrapper saw (replays not counted)"})
+    served: int = field(metadata={"minimum": 0, "description": "of them, those SageAttention served"})
+    bit_identical: bool = field(metadata={
+        "description": "every output equal, bit for bit, to the eager call's"})
+    finite: bool
+    max_abs_diff: float | None = field(default=None, metadata={
+        "minimum": 0, "description": "largest element difference against the eager call (null: not run)"})
+    rel_l2: float | None = field(default=None, metadata={"minimum": 0})
+    torch_rel_l2: float | None = field(default=None, metadata={
+        "minimum": 0, "description": "largest relative L2 against torch's SDPA on the same values"})
+    fallbacks: dict[str, int] = field(default_factory=dict, metadata={"description": "reason -> calls"})
+    error: str = ""
+
+    @property
+    def context(self) -> str:
+        return CHECKS[self.name]
+
+    @property
+    def passed(self) -> bool:
+        """Every call served and bit-identical to the eager one: judged from the numbers."""
+        return (not self.error and self.calls > 0 and self.served == self.calls and self.bit_identical
+                and self.finite and self.max_abs_diff == 0)
+
+    def check(self) -> list[tuple[str, str]]:
+        if self.name not in CHECKS:
+            return [("name", f"{self.name!r} is not a context check ({', '.join(CHECKS)})")]
+        if self.served > self.calls:
+            return [("served", f"{self.served} is more than the {self.calls} calls")]
+        if self.bit_identical and (self.max_abs_diff != 0 or not self.finite or (self.rel_l2 or 0) != 0):
+            return [("bit_identical", "true, but the outputs differ (max_abs_diff, rel_l2 or finite say so)")]
+        return []
+
+
+def safe_contexts(runs: list[ContextRun]) -> list[str]:
+    """The contexts (in `contexts.CONTEXTS` order) with at least one check, all of which passed."""
+    return [name for name in CONTEXTS if any(r.context == name for r in runs)
+            and all(r.passed for r in runs if r.context == name)]
+
+
+@dataclass(frozen=True)
+class ContextCheck(_Measured):
+    """A variant in every execution context (`context_check`): pass when every check passed, fail when
+    one did not (it then serves only in the contexts that passed), or what ended its worker."""
+    variant: str
+    shape: list[int] = field(metadata={"length": 4, "minimum": 1, "description": "[B, H, N, D] of each call"})
+    dtype: DType
+    outcome: Outcome
+    runs: list[ContextRun] = field(default_factory=list)
+    detail: str = ""
+    ran_shape: list[int] | None = field(default=None, metadata={
+        "length": 4, "minimum": 1, "description": "the shape run when not the planned one (test fakes)"})
+    seconds: float | None = None
+    stderr_tail: str = ""
+    traceback: str = ""
+
+    @property
+    def safe_contexts(self) -> list[str]:
+        return safe_contexts(self.runs) if self.measured else []
+
+    def check(self) -> list[tuple[str, str]]:
+        if not self.measured:
+            return self._outcome_problems("context check", ())
+        missing = [name for name in CHECKS if name not in {r.name for r in self.runs}]
+        if missing:
+            return [("runs", f"no {missing[0]} check in a context check that {self.outcome.value}ed")]
+        passed = all(r.passed for r in self.runs)
+        if (self.outcome == Outcome.PASS) != passed:
+            return [("outcome", f"{self.outcome.value!r}, but its runs say {'pass' if passed else 'fail'}")]
+        return []
+
+
+@dataclass(frozen=True)
+class Options:
+    devices: list[int] = field(metadata={"minimum": 0})
+    variants: list[str]
+    families: list[str]
+    fixture_dirs: list[str]
+    quick: bool
+    timeout_s: float = field(metadata={"minimum": 0})
+
+
+@dataclass(frozen=True)
+class Device(GpuIdentity):
+    not_supported: dict[str, list[str]] = field(metadata={"description": "variant -> why it cannot run here"})
+    cells: list[Cell]
+    speed: list[Speed]
+    long: list[LongCheck] | None = field(default=None, metadata={
+        "description": "long checks (null: a report written before sage-qual checked long calls)"})
+    span: list[SpanProbe] | None = field(default=None, metadata={
+        "description": "span probes (null: none ran: --quick, or a report from before them)"})
+    contexts: list[ContextCheck] | None = field(default=None, metadata={
+        "description": "execution-context checks (null: none ran: --quick, emulation, or a report from "
+                       "before them; each variant then keeps the built-in rule)"})
+
+    @property
+    def model(self) -> tuple[str, tuple[int, int]]:
+        return self.name, (self.capability[0], self.capability[1])
+
+
+@dataclass(frozen=True)
+class Report:
+    """Written by `sage-qual certify` as report.json: rewritten after every result with
+    complete=false, and with complete=true when the run finished. Holds evidence only: every
+    verdict is computed from it when it is read."""
+    kind: Literal["sage-qual-report"]
+    schema_version: Literal[2]
+    complete: bool
+    stopped: str = field(metadata={"description": "why the run stopped before the end ('' when it did not)"})
+    started: str
+    finished: str | None
+    host: str
+    command: str
+    options: Options
+    environment: EnvironmentRecord
+    fixtures: list[FixtureRecord]
+    shapes: dict[str, ShapeEntry]
+    devices: list[Device]
+    predicted: bool = field(default=False, metadata={
+        "description": "true: cells predicted by the CPU numerics model (certify --emulate), nothing "
+                       "measured on a GPU; gate refuses such a report"})
+    target: str = field(default="", metadata={
+        "description": "certify --target: the integration qualified instead of the variants (wrapper, "
+                       "sageattn, diffusers:BACKEND, module:function); it stands where a variant stands "
+                       "(options.variants, cells' variant) and each cell stores its kernel class"})
+
+    def check(self) -> list[tuple[str, str]]:
+        if self.complete and not self.finished:
+            return [("finished", "null in a report marked complete")]
+        if not self.predicted:
+            for n, device in enumerate(self.devices):
+                for m, cell in enumerate(device.cells):
+                    if cell.measured and cell.extra_bytes_per_element is None:
+                        return [(f"devices[{n}].cells[{m}].extra_bytes_per_element",
+                                 f"missing for a measured cell whose outcome is {cell.outcome.value!r}")]
+        names = [f.name for f in self.fixtures]
+        if len(set(names)) != len(names):
+            return [("fixtures", "two fixtures share a name")]
+        indices = [d.index for d in self.devices]
+        if len(set(indices)) != len(indices):
+            return [("devices", "two entries for one GPU index")]
+        known = self._unknown_names()
+        if known:
+            return known
+        for n, device in enumerate(self.devices):
+            duplicate = _duplicate(device)
+            if duplicate:
+                return [(f"devices[{n}].{duplicate[0]}", duplicate[1])]
+            for m, cell in enumerate(device.cells):
+                if cell.fixture not in names:
+                    return [(f"devices[{n}].cells[{m}].fixture", f"{cell.fixture!r} is not in `fixtures`")]
+                if cell.variant not in self.options.variants:
+                    return [(f"devices[{n}].cells[{m}].variant",
+                             f"{cell.variant!r} is not in options.variants")]
+            for m, timing in enumerate(device.speed):
+                if timing.shape not in self.shapes:
+                    return [(f"devices[{n}].speed[{m}].shape", f"{timing.shape!r} is not in `shapes`")]
+                if not self.target and timing.kernel not in ("sdpa", *self.options.variants):
+                    return [(f"devices[{n}].speed[{m}].kernel",
+                             f"{timing.kernel!r} is neither 'sdpa' nor in options.variants")]
+            for kind in ("span", "long"):
+                for m, record in enumerate(getattr(device, kind) or []):
+                    if record.variant not in self.options.variants:
+                        return [(f"devices[{n}].{kind}[{m}].variant",
+                                 f"{record.variant!r} is not in options.variants")]
+        return []
+
+    def _unknown_names(self) -> list[tuple[str, str]]:
+        """A family or variant this sage-qual does not know: its verdicts would be drawn from rules
+        it lacks (a target report's variants are its integration, not registry names)."""
+        families = {f.name for f in FAMILIES}
+        for n, name in enumerate(self.options.families):
+            if name not in families:
+                return [(f"options.families[{n}]", f"{name!r} is not a family this sage-qual knows "
+                                                   f"({', '.join(sorted(families))}; a newer sage-qual may)")]
+        for n, name in enumerate(self.options.variants):
+            if not self.target and name not in VARIANTS:
+                return [(f"options.variants[{n}]",
+                         f"{name!r} is not a variant this sage-qual knows (a newer one may)")]
+        return []
+
+
+def _duplicate(device: Device) -> tuple[str, str] | None:
+    """The second record of a (variant, fixture) cell or (kernel, shape) timing: a report holds one
+    result of each, and with two the verdict would depend on which one is read."""
+    for records_, key, what in ((device.cells, lambda c: (c.variant, c.fixture), "cells"),
+                                (device.speed, lambda r: (r.kernel, r.shape), "speed"),
+                                (device.long or [], lambda c: (c.variant, " ".join(
+                                    f"{k}={v}" for k, v in sorted(vars(c.shape).items()))), "long"),
+                                (device.span or [], lambda p: (p.variant, f"{p.layout} {p.side} {p.span}"),
+                                 "span")):
+        first: dict[tuple[str, str], int] = {}
+        for m, record in enumerate(records_):
+            if key(record) in first:
+                return (f"{what}[{m}]", f"a second result for {' on '.join(key(record))} (the first is "
+                                        f"{what}[{first[key(record)]}]): one result per pair")
+            first[key(record)] = m
+    return None

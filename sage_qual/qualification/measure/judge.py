@@ -1,0 +1,98 @@
+"""The one judgement of a cell: its measured metrics and its budget in, the reasons it fails out.
+
+certify's worker calls it as it measures, the verdict recomputes it from the stored metrics, and the
+GPU tests assert with it, so a cell cannot pass in one place and fail in another.
+
+A budget is a `report_model.Budget`, per variant and fixture, derived from the numerics model
+(`sage_qual.qualification.measure.budgets.budget`), or a stored cell's mapping of limits (`Cell.bounds`).
+Every limit present is checked against its metric; a metric that is missing or not a number for a
+limit that is present is a reason too, so a report stripped of a number cannot pass. Finiteness is
+always checked.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, is_dataclass
+
+from sage_qual.qualification.evidence.report_model import Budget, Reason, ReasonKind
+
+# limit -> (metric, "max" or "min", what it says)
+LIMITS = {
+    "max_rel_l2": ("rel_l2", "max", "relative L2"),
+    "max_head_rel_l2": ("worst_head_rel_l2", "max", "worst query head's relative L2"),
+    "max_batch_rel_l2": ("worst_batch_rel_l2", "max", "worst batch item's relative L2"),
+    "max_block_rel_l2": ("worst_block_rel_l2", "max", "worst query-row block's relative L2"),
+    "min_norm_ratio": ("norm_ratio", "min", "output norm / reference norm"),
+    "max_norm_ratio": ("norm_ratio", "max", "output norm / reference norm"),
+    "min_cosine": ("worst_head_cosine", "min", "worst head cosine"),
+    "max_abs": ("max_abs_error", "max", "largest element error |out - ref|"),
+}
+
+
+def _number(value) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def cell_reasons(metrics, per_element: float | None, budget: Budget | Mapping,
+                 memory_bound: float) -> list[Reason]:
+    """Why a cell fails, each reason with its numbers; empty when it passes.
+
+    `metrics`: a `measure.Accuracy` or a mapping with its field names (a stored cell).
+    """
+    found = asdict(metrics) if is_dataclass(metrics) else dict(metrics)
+    budget = budget.limits() if isinstance(budget, Budget) else budget
+    reasons = []
+    finite = found.get("finite") is True
+    if not finite:
+        reasons.append(Reason(ReasonKind.NON_FINITE, "output not finite where the reference is"))
+    for limit, (metric, side, label) in LIMITS.items():
+        if limit not in budget:
+            continue
+        bound, value = _number(budget[limit]), _number(found.get(metric))
+        if bound is None:
+            reasons.append(Reason(ReasonKind.ACCURACY, f"budget {limit} is not a number: {budget[limit]!r}"))
+        elif value is None or math.isnan(value):
+            # A non-finite output has no errors to measure: that reason was given once, above.
+            missing = Reason(ReasonKind.ACCURACY, f"{label} ({metric}) not measured")
+            if finite and missing not in reasons:
+                reasons.append(missing)
+        elif (side == "max" and not value <= bound) or (side == "min" and not value >= bound):
+            relation = ">" if side == "max" else "<"
+            extra = ""
+            if metric == "rel_l2" and _number(found.get("sdpa_rel_l2")) is not None:
+                extra = f" (SDPA in the input precision: {found['sdpa_rel_l2']:.3g})"
+            reasons.append(Reason(ReasonKind.ACCURACY, f"{label} {value:.4g} {relation} {bound:.4g}{extra}"))
+    if per_element is None:
+        reasons.append(Reason(ReasonKind.MEMORY, "extra peak memory not measured"))
+    elif per_element > memory_bound:
+        reasons.append(Reason(ReasonKind.MEMORY,
+                              f"extra peak {per_element:.2f} bytes per q/k/v element > {memory_bound:g}"))
+    return reasons
+
+
+def row_order_reasons(rows_identical: bool | None) -> list[Reason]:
+    """A long check's reason when its row blocks, moved to other positions, gave other outputs."""
+    if rows_identical is False:
+        return [Reason(ReasonKind.ACCURACY, "row blocks moved to other positions gave other outputs: the "
+                                            "output depends on where a query row sits (a defect on part of "
+                                            "the rows)")]
+    return []
+
+
+def layout_reasons(identical: Mapping, layouts) -> list[Reason]:
+    """A long check's reason per declared layout other than contiguous whose output was not the
+    contiguous call's bit for bit (`identical`: layout -> bool), or that was not compared."""
+    reasons = []
+    for name in layouts:
+        if name == "contiguous":
+            continue
+        if name not in identical:
+            reasons.append(Reason(ReasonKind.LAYOUT, f"layout {name}: not compared with contiguous"))
+        elif identical[name] is not True:
+            reasons.append(Reason(ReasonKind.LAYOUT, f"layout {name}: output differs from the same kernel's "
+                                                     "on contiguous copies"))
+    return reasons

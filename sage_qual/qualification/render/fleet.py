@@ -1,0 +1,38 @@
+"""The fleet table `sage-qual merge` prints, in Markdown."""
+
+from __future__ import annotations
+
+from sage_qual.qualification.decide.fleet import FleetRow
+from sage_qual.qualification.families import FAMILIES
+from sage_qual.qualification.render.markdown import markdown_table
+
+
+def merge_markdown(rows: list[FleetRow]) -> str:
+    names = [f.name for f in FAMILIES if any(f.name in row.families for row in rows)]
+    targets = any(row.target for row in rows)  # certify --target reports: which integration
+    hosts = {}  # two reports from one host: each row names its report file
+    for row in rows:
+        hosts.setdefault(row.host, set()).add(row.report)
+    files = any(len(reports) > 1 for reports in hosts.values())
+    header = (["host"] + ["report"] * files + ["GPU", "sm", "GPUs", "driver", "torch", "sageattention"]
+              + ["target"] * targets + names)
+    body = []
+    for row in rows:
+        cells = [row.host] + [row.report] * files + [
+            row.gpu, "%d%d" % tuple(row.capability), str(len(row.devices)), row.driver or "-", row.torch,
+            row.sageattention or "-"]
+        if targets:
+            cells.append(row.target or "(variants)")
+        for name in names:
+            if not row.complete:
+                cells.append("partial report")
+            elif row.predicted:
+                cells.append("predicted, not measured")
+            elif name not in row.families:
+                cells.append("not run")
+            else:
+                cells.append(row.families[name].text())
+        body.append(cells)
+    return "\n".join(markdown_table(header, body))
+
+

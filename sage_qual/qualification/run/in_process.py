@@ -1,0 +1,117 @@
+"""The in-process executor (`certify --emulate`): the worker's own task handlers, run in this
+process, with each variant's numerics model (`sage_qual.fixtures.numerics`) as its kernel.
+
+No GPU runs: a cell is measured and judged by `measure.cell` exactly as on a GPU, against the budget
+derived from the same model with the suite's margin, so a prediction fails where the model's own
+output does: non-finite (an fp16 accumulator overflowing, a zero V channel under FP8). The report is
+marked predicted everywhere: one pseudo-device, "numerics model (CPU)", no speed section, no memory
+figures (the model allocates nothing like the kernel), and `sage-qual gate` refuses it.
+
+Long checks are predicted at their full length: the model stands for the kernel on the sampled rows
+(so only a non-finite prediction can fail), every layout is identical by construction (the model
+reads values, not memory), and one K/V group of heads stands for all of them (each head's
+arithmetic is independent of the others'), on `LONG_BLOCKS` sampled row blocks, to keep the CPU cost
+at seconds per check; checks alike after that reduction are computed once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+from sage_qual.fixtures import numerics
+from sage_qual.qualification.evidence import files, tasks
+from sage_qual.qualification.evidence.report_model import LongCheck
+from sage_qual.qualification.measure import budgets
+from sage_qual.qualification.run import plan as plan_mod
+from sage_qual.qualification.run import worker as worker_mod
+from sage_qual.qualification.run import workers
+from sage_qual.serving import environment
+from sage_qual.serving.env_record import GpuInfo
+
+PREDICTED = "predicted by the CPU numerics model (sage_qual.fixtures.numerics), not measured on a GPU"
+LONG_BLOCKS = 2  # sampled row blocks per predicted long check: the first and the last
+DEVICE_NAME = "numerics model (CPU, predicted)"
+
+
+class ModelKernels:
+    """Each variant's numerics model where the worker calls a kernel: on a fixture, the prediction its
+    budget is derived from (computed once for both)."""
+
+    def problem(self, variant) -> None:
+        return None  # the model runs every variant
+
+    def call(self, variant, q, k, v, smooth_k: bool = False, fixture=None):
+        if fixture is not None and not smooth_k:
+            return budgets.prediction(variant, fixture)
+        return numerics.predict(variant, q, k, v, smooth_k=smooth_k)
+
+    def long_kernel(self, variant) -> None:
+        return None  # long_check.check predicts where it has no kernel
+
+
+class CpuBench:
+    """This process's CPU: whole tensors, one K/V group of heads for long checks, no memory figure."""
+    device = "cpu"
+    long_blocks = LONG_BLOCKS
+
+    def tokens(self, n: int) -> int:
+        return n
+
+    def heads(self, heads: int, kv_heads: int) -> int:
+        return heads // kv_heads
+
+    def extra_peak_bytes(self, fn):
+        return fn(), None
+
+    def healthy(self) -> bool:
+        return True
+
+    def release(self) -> None:
+        """Nothing to free between tasks."""
+
+
+class InProcessExecutor:
+    """Runs a plan's jobs in this thread, through `worker.HANDLERS`; an interrupt (KeyboardInterrupt)
+    stops between two tasks."""
+    predicted = True
+
+    def __init__(self):
+        self.worker = worker_mod.Worker(CpuBench(), {}, kernels=ModelKernels())
+        self.long: dict[tuple, LongCheck] = {}
+
+    def discover(self, request, subjects: list[str]) -> plan_mod.Machine:
+        device = GpuInfo(index=0, name=DEVICE_NAME, capability=(0, 0), memory_gib=0.0)
+        return plan_mod.Machine(environment.collect(), [plan_mod.DeviceFacts(device, {})])
+
+    def run_slots(self, jobs: list[list[list[tasks.Task]]], writer: files.Writer, progress,
+                  stop: threading.Event, refine=None) -> None:
+        for slot, slot_jobs in enumerate(jobs):
+            for job in slot_jobs:
+                for task in job:
+                    start = time.monotonic()
+                    result = self._long(task) if isinstance(task, tasks.LongTask) else self.worker.run(task)
+                    result = dataclasses.replace(tasks.timed(result, round(time.monotonic() - start, 3)),
+                                                 detail=result.detail or PREDICTED)
+                    workers.record(writer, slot, "cpu", progress, task, result)
+
+    def run_side_by_side(self, jobs, writer, progress, stop) -> None:
+        raise AssertionError("an in-process plan follows nothing up")
+
+    def _long(self, task: tasks.LongTask) -> LongCheck:
+        """A long check, computed once per reduced call and variant."""
+        shape = task.shape
+        key = (task.variant, shape.heads // shape.kv_heads, shape.q_tokens, shape.kv_tokens, shape.head_dim,
+               shape.dtype)
+        if key not in self.long:
+            self.long[key] = self.worker.run(task)
+        found = self.long[key]
+        if not isinstance(found, LongCheck) or found.shape == shape:
+            return found
+        return dataclasses.replace(found, shape=shape, uses=task.uses, layouts=task.layouts,
+                                   identical={name: True for name in task.layouts if name != "contiguous"},
+                                   ran_heads=key[1] if key[1] != shape.heads else None)
+
+    def close(self) -> None:
+        """Nothing to end: no worker ran."""

@@ -1,0 +1,88 @@
+"""What a certify run is given (`RunRequest`: its subject, its executor, the families and fixtures),
+and its checks: torch-free, so the command line refuses a bad number before it imports torch (1.6 s
+here) and before any worker starts or any file is written."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+from sage_qual import limits
+from sage_qual.errors import UsageError
+
+# The longest --timeout taken: an hour without a result is a hang by any measure (the slowest task
+# measured took 8.6 s, docs/results/run2-h200-certify-full/report.json).
+MAX_TIMEOUT_S = 3600.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Variants:
+    """The subject of `certify`: our variants (None: every one in the registry)."""
+    names: list[str] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Integration:
+    """The subject of `certify --target`: an app's integration (`targets.resolve` takes the name)."""
+    target: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Workers:
+    """Run in isolated worker processes on the GPUs `devices` names, each task given `timeout` s."""
+    devices: str = "all"
+    timeout: float = limits.TASK_TIMEOUT
+
+
+@dataclasses.dataclass(frozen=True)
+class InProcess:
+    """Run in this process with each variant's numerics model as its kernel (`certify --emulate`)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunRequest:
+    """What a certify run is asked: what it qualifies, where it runs, on which families and fixtures."""
+    out: Path
+    subject: Variants | Integration = Variants()
+    executor: Workers | InProcess = Workers()
+    families: list[str] | None = None
+    fixture_dirs: list[str] | None = None
+    quick: bool = False
+    junit_xml: Path | None = None  # also write JUnit XML, one test case per GPU model and family
+    command: str = "sage_qual.qualification.run.run.certify()"
+
+    def check(self) -> None:
+        """UsageError for a request that cannot run, before torch is imported or a file is written."""
+        if isinstance(self.executor, InProcess):
+            if isinstance(self.subject, Integration):
+                raise UsageError("--target qualifies one integration on a GPU: leave out --emulate")
+            if self.junit_xml:  # a CI job reads JUnit as decided; a prediction decides nothing
+                raise UsageError("--emulate only predicts, and --junit-xml records decisions: leave out "
+                                 "--junit-xml")
+            return
+        check_numbers(self.executor.timeout, self.executor.devices)
+
+
+def check_numbers(timeout, devices: str) -> None:
+    """UsageError for a number out of range, before any worker starts or any file is written."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) \
+            or not 0 < timeout <= MAX_TIMEOUT_S:
+        raise UsageError(f"--timeout is {timeout!r}: give seconds above 0 and at most {MAX_TIMEOUT_S:g}")
+    requested_devices(devices)
+
+
+def requested_devices(text: str) -> list[int] | None:
+    """The GPU indices --devices names (None: all), checked for form before anything runs."""
+    if text == "all":
+        return None
+    try:
+        indices = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--devices takes GPU indices such as 0,1 or 'all', not {text!r}") from None
+    negative = [i for i in indices if i < 0]
+    if negative:
+        raise UsageError(f"--devices: {negative[0]} is not a GPU index (they count from 0)")
+    if not indices:
+        raise UsageError("--devices names no GPU")
+    return list(dict.fromkeys(indices))

@@ -1,0 +1,384 @@
+"""A certify worker: one fresh process runs one job of tasks on one GPU and streams the results.
+
+The parent's side (starting, following and killing workers) is `pool`; the test hooks that fake
+the GPU or inject faults are `fault_hooks`.
+
+`python -m sage_qual.qualification.run.worker` imports torch (with `--preload`, also what a kernel's
+first call imports), then waits for one JSON job line on stdin (so the parent can start it early,
+while another worker still runs). It keeps reading stdin: end of file means the parent died, and
+the worker exits. Results leave as JSON lines on the original stdout; file descriptor 1 is pointed
+at stderr first, so whatever Triton, CUDA or a print writes there lands in the stderr log whose
+tail the parent keeps for crash reports.
+
+The job and the messages are `tasks`' records: the job's tasks (`tasks.parse_task`), then a
+"ready" message once it has its job, per task "start" and "result" (the task's report record), and
+"done". A task the worker survives always gets a result (oom and crash included); after a CUDA
+error that poisons the context it reports the task and exits, and the parent runs the rest in a new
+worker.
+
+All numbers come from `sage_qual.qualification.measure.accuracy`, the functions `pytest -m slow` uses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import importlib
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+
+import torch
+
+from sage_qual import records
+from sage_qual.fixtures import fileformat
+from sage_qual.qualification.evidence import tasks
+from sage_qual.qualification.evidence.report_model import Outcome, ShapeSpec
+from sage_qual.qualification.evidence.tasks import MessageType
+from sage_qual.qualification.measure import accuracy, cell, long_check, span_probe
+from sage_qual.qualification.run import fault_hooks
+from sage_qual.qualification.run.pool import EXIT_POISONED
+from sage_qual.serving import environment, failures, sage_package
+from sage_qual.serving.assess import assess_machine
+from sage_qual.serving.variants import VARIANTS
+
+# SDPA's backends by the SDPBackend member that selects each; left alone, SDPA picks one of them.
+SDPA_BACKENDS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
+# (warm-up, repeats) of the screen that picks the fastest backend: the full timing of all four
+# backends took 28 s of a 160 s certify on the H200 (docs/results/run8-h200x2-final/certify/
+# certify-a); only the chosen backend needs the repeats behind the confidence interval.
+SCREEN = (1, 3)
+
+
+class GpuBench:
+    """The one GPU this worker sees (the parent sets CUDA_VISIBLE_DEVICES)."""
+
+    device = "cuda"
+
+    def tokens(self, n: int) -> int:
+        return n
+
+    def heads(self, heads: int, kv_heads: int) -> int:
+        return heads
+
+    def extra_peak_bytes(self, fn):
+        return accuracy.extra_peak_bytes(fn, 0)
+
+    def timings_ms(self, fn, warmup: int, repeats: int) -> list[float]:
+        return accuracy.timings_ms(fn, warmup, repeats)
+
+    def healthy(self) -> bool:
+        try:
+            torch.cuda.synchronize()
+            return True
+        except Exception:
+            return False
+
+    def context_place(self):
+        from sage_qual.qualification.measure import context_check
+
+        return context_check.Gpu()
+
+    def release(self) -> None:
+        with contextlib.suppress(Exception):  # a poisoned context fails here too; healthy() says so
+            torch.cuda.empty_cache()
+
+
+class PackageKernels:
+    """The variants' kernels of the installed sageattention (the fake one under the test hooks),
+    loaded at the first task that needs one, as certify calls them (K smoothing off)."""
+
+    def __init__(self):
+        self._package = None
+
+    def package(self):
+        if self._package is None:
+            self._package = sage_package.load()
+        return self._package
+
+    def problem(self, variant) -> str | None:
+        """Why the package cannot run `variant` (None: it can)."""
+        return sage_package.kernel_problem(self.package(), variant)
+
+    def call(self, variant, q, k, v, smooth_k: bool = False, fixture=None):
+        return accuracy.call_kernel(self.package(), variant, q, k, v, smooth_k=smooth_k)
+
+    def long_kernel(self, variant) -> long_check.Kernel | None:
+        return long_check.kernel_of(self.package(), variant)
+
+
+class Worker:
+    """Runs tasks, each through its kind's handler (`HANDLERS`), on one bench with one set of kernels;
+    an exception becomes the task's oom or crash result."""
+
+    def __init__(self, bench, faults: dict[str, str], span_faults: dict | None = None,
+                 context_faults: dict[str, str] | None = None, kernels=None):
+        self.bench = bench
+        self.faults = faults
+        self.span_faults = span_faults or {}
+        self.context_faults = context_faults or {}
+        self.kernels = kernels or PackageKernels()
+
+    def run(self, task: tasks.Task) -> tasks.Result:
+        try:
+            fault_hooks.inject(self.faults.get(task.id) or fault_hooks.span_fault(self.span_faults, task),
+                               self.bench)
+            return HANDLERS[task.KIND](self, task)
+        except Exception as error:
+            first_line = (str(error).strip().splitlines() or [""])[0]
+            detail = f"{type(error).__name__}: {first_line}"[:500]
+            if failures.is_out_of_memory(error):
+                return task.record(Outcome.OOM, detail=detail)
+            return task.record(Outcome.CRASH, detail=detail, traceback=traceback.format_exc()[-3000:])
+        finally:
+            self.bench.release()
+
+    # Handlers ------------------------------------------------------------------------------
+    def env(self, task: tasks.EnvTask) -> tasks.EnvResult:
+        machine = assess_machine()
+        env = environment.collect(machine=machine)
+        # Per visible GPU, each variant that cannot run on it and why (the parent has no CUDA).
+        not_supported = {str(gpu.index): gpu.not_supported() for gpu in machine.gpus}
+        return task.record(Outcome.PASS, environment=env, not_supported=not_supported)
+
+    def cell(self, task: tasks.CellTask):
+        variant = VARIANTS[task.variant]
+        problem = self.kernels.problem(variant)
+        if problem:
+            return task.record(Outcome.SKIP, detail=problem)
+        fixture = fileformat.load_fixture(task.fixture, device=self.bench.device)
+
+        def call(q, k, v, smooth_k=False):
+            return self.kernels.call(variant, q, k, v, smooth_k=smooth_k, fixture=fixture)
+
+        return cell.measure_cell(task.variant, variant, fixture, call, self.bench, task.memory_bound,
+                                 smooth_k_call=functools.partial(call, smooth_k=True))
+
+    def target_machine(self, task: tasks.TargetMachineTask):
+        """`certify --target`: why the integration cannot run on this GPU ([]: it can)."""
+        from sage_qual.qualification.integrations import targets  # the wrapper: only where a target runs
+
+        target = targets.resolve(task.target)
+        return task.record(Outcome.PASS, reasons=target.machine_reasons(targets.box_facts()))
+
+    def target_cell(self, task: tasks.TargetCellTask):
+        """`certify --target`: the integration instead of a variant on a fixture."""
+        from sage_qual.qualification.integrations import targets
+
+        fixture = fileformat.load_fixture(task.fixture, device=self.bench.device)
+        return cell.measure_target(targets.resolve(task.target), fixture, tuple(task.capability), self.bench,
+                               task.memory_bound)
+
+    def sdpa(self, task: tasks.SdpaTask):
+        """The fastest SDPA backend: each one timed briefly (SCREEN), the fastest then timed in full."""
+        q, k, v = self._tensors(task.shape)
+        timings, screened, refused = self._screen_sdpa(q, k, v)
+        if not screened:
+            return task.record(Outcome.SKIP, detail="no SDPA backend takes this shape", refused=refused)
+        best = min(screened, key=screened.get)
+        samples = timings(best, task.warmup, task.repeats)
+        return task.record(Outcome.PASS, statistics.median(samples), samples_ms=samples, best_backend=best,
+                           backends=screened, refused=refused)
+
+    def paired(self, task: tasks.PairedTask):
+        """A variant and the fastest SDPA backend at one shape, timed call by call in turn in this
+        worker, so that drift of the GPU (clock, temperature, another process) hits both alike and
+        cancels in their ratio: the sm90 kernel's times moved up to 10 % between H200 runs while
+        SDPA's repeated to 3 digits (docs/results/README.md, run 10). The variant's timing, with
+        SDPA's under "sdpa"."""
+        variant = VARIANTS[task.variant]
+        problem = self.kernels.problem(variant)
+        if problem:
+            return task.record(Outcome.SKIP, detail=problem,
+                               sdpa=task.sdpa_record(Outcome.SKIP, detail=f"not timed: {problem}"))
+        q, k, v = self._tensors(task.shape)
+        timings, screened, refused = self._screen_sdpa(q, k, v)
+        if not screened:
+            nothing = "no SDPA backend takes this shape"
+            return task.record(Outcome.SKIP, detail=nothing,
+                               sdpa=task.sdpa_record(Outcome.SKIP, detail=nothing, refused=refused))
+        best = min(screened, key=screened.get)
+
+        def ours():
+            return self.kernels.call(variant, q, k, v)
+
+        self.bench.timings_ms(ours, task.warmup, 0)
+        timings(best, task.warmup, 0)
+        ours_ms, sdpa_ms = [], []
+        for _ in range(task.repeats):
+            ours_ms += self.bench.timings_ms(ours, 0, 1)
+            sdpa_ms += timings(best, 0, 1)
+        sdpa = task.sdpa_record(Outcome.PASS, statistics.median(sdpa_ms), samples_ms=sdpa_ms,
+                                best_backend=best, backends=screened, refused=refused)
+        return task.record(Outcome.PASS, statistics.median(ours_ms), samples_ms=ours_ms, sdpa=sdpa)
+
+    def _screen_sdpa(self, q, k, v):
+        """SDPA's backends at these tensors, each timed briefly (SCREEN): (a function that times one
+        backend, each backend's median, why each refused the shape)."""
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        gqa = q.shape[1] != k.shape[1]
+
+        def timings(backend: str, warmup: int, repeats: int) -> list[float]:
+            with sdpa_kernel([getattr(SDPBackend, SDPA_BACKENDS[backend])]):  # its cost is not timed
+                return self.bench.timings_ms(lambda: accuracy.TORCH_SDPA(q, k, v, enable_gqa=gqa), warmup,
+                                             repeats)
+
+        screened, refused = {}, {}
+        for name in SDPA_BACKENDS:
+            try:
+                screened[name] = statistics.median(timings(name, *SCREEN))
+            except (RuntimeError, NotImplementedError) as error:  # it does not take the shape (or memory)
+                if not self.bench.healthy():
+                    raise
+                refused[name] = (str(error).strip().splitlines() or [""])[0][:300]
+                self.bench.release()
+        return timings, screened, refused
+
+    def speed(self, task: tasks.SpeedTask):
+        variant = VARIANTS[task.variant]
+        problem = self.kernels.problem(variant)
+        if problem:
+            return task.record(Outcome.SKIP, detail=problem)
+        q, k, v = self._tensors(task.shape)
+        samples = self.bench.timings_ms(lambda: self.kernels.call(variant, q, k, v), task.warmup,
+                                        task.repeats)
+        return task.record(Outcome.PASS, statistics.median(samples), samples_ms=samples)
+
+    def long(self, task: tasks.LongTask):
+        """A long check (`long_check`): the variant at one long call, in each layout of the task; the
+        bench may run fewer tokens and heads, and fewer sampled blocks (`bench.long_blocks`)."""
+        variant = VARIANTS[task.variant]
+        problem = self.kernels.problem(variant)
+        if problem:
+            return task.record(Outcome.SKIP, detail=problem)
+        s = task.shape
+        heads = self.bench.heads(s.heads, s.kv_heads)
+        q, k, v = long_check.synthetic(s, self.bench.device, self.bench.tokens, heads)
+        result = long_check.check(task, q, k, v, self.kernels.long_kernel(variant),
+                                  blocks=getattr(self.bench, "long_blocks", long_check.SAMPLE_BLOCKS))
+        ran = q.shape[2]
+        return dataclasses.replace(result, ran_tokens=ran if ran != s.q_tokens else None,
+                                   ran_heads=heads if heads != s.heads else None)
+
+    def span(self, task: tasks.SpanTask):
+        """A span probe (`span_probe`): the variant on one tensor span near the 32-bit limit, cut down
+        on fake GPUs (`bench.tokens`/`heads`); "pass" when right on the sampled rows, "fail" when
+        wrong; a fault raises (and costs this worker only)."""
+        variant = VARIANTS[task.variant]
+        problem = self.kernels.problem(variant)
+        if problem:
+            return task.record(Outcome.SKIP, detail=problem)
+        return span_probe.run_task(task, variant, self.kernels.package(), self.bench)
+
+    def context(self, task: tasks.ContextTask):
+        """The variant in every execution context (`context_check`): pass when every check passed."""
+        variant = VARIANTS[task.variant]
+        problem = self.kernels.problem(variant)
+        if problem:
+            return task.record(Outcome.SKIP, detail=problem)
+        from sage_qual.qualification.measure import context_check  # torch.compile's imports: only here
+
+        place = self.bench.context_place()
+        with fault_hooks.context_fault(self.context_faults.get(task.variant)):
+            runs = context_check.check_variant(variant, place, tuple(task.shape), getattr(torch, task.dtype))
+        ran = list(place.kernel_shape(task.shape))
+        failed = [run.name for run in runs if not run.passed]
+        detail = f"not bit-identical to the eager call: {', '.join(failed)}" if failed else ""
+        return task.record(Outcome.FAIL if failed else Outcome.PASS, runs=runs, detail=detail,
+                           ran_shape=ran if ran != list(task.shape) else None)
+
+    def _tensors(self, s: ShapeSpec):
+        generator = torch.Generator(self.bench.device).manual_seed(0)
+        dtype = getattr(torch, s.dtype.value)
+
+        def make(heads, tokens):
+            return torch.randn(s.batch, heads, self.bench.tokens(tokens), s.head_dim, dtype=dtype,
+                               device=self.bench.device, generator=generator)
+
+        return make(s.heads, s.q_tokens), make(s.kv_heads, s.kv_tokens), make(s.kv_heads, s.kv_tokens)
+
+
+# One handler per task kind, for a worker process and for the in-process executor alike.
+HANDLERS: dict[tasks.TaskKind, Callable[[Worker, tasks.Task], tasks.Result]] = {
+    tasks.TaskKind.ENV: Worker.env,
+    tasks.TaskKind.CELL: Worker.cell,
+    tasks.TaskKind.SDPA: Worker.sdpa,
+    tasks.TaskKind.SPEED: Worker.speed,
+    tasks.TaskKind.PAIRED: Worker.paired,
+    tasks.TaskKind.LONG: Worker.long,
+    tasks.TaskKind.SPAN: Worker.span,
+    tasks.TaskKind.CONTEXT: Worker.context,
+    tasks.TaskKind.TARGET_MACHINE: Worker.target_machine,
+    tasks.TaskKind.TARGET_CELL: Worker.target_cell,
+}
+
+
+def _exit_when_orphaned() -> None:
+    # Raw reads: a daemon thread blocked in the buffered sys.stdin would abort interpreter exit.
+    while os.read(0, 65536):
+        pass
+    os._exit(3)  # end of file: the parent is gone (or done with us)
+
+
+def preload() -> None:
+    """Import, before the job arrives, what a SageAttention kernel's first call would: its custom
+    ops import torch._dynamo on first use, 3.7 s of each variant's first cell on the H200 host
+    (docs/results/run9-h200x2-startup/worker-phases.txt). Neither import touches CUDA, so the job's
+    CUDA_VISIBLE_DEVICES and TRITON_CACHE_DIR still apply (checked there, envcheck.txt). Skipped
+    with the fake kernel of the tests and without sageattention; an import that fails here fails
+    again, with its explanation, in the task that loads the package."""
+    if "gpus" in fault_hooks.read() or importlib.util.find_spec("sageattention") is None:
+        return
+    with contextlib.suppress(Exception):
+        importlib.import_module("torch._dynamo")
+        importlib.import_module("sageattention")
+
+
+def main(argv: list[str]) -> int:
+    channel = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    if "--preload" in argv:
+        preload()
+    line = sys.stdin.readline()
+    if not line:  # a spare worker the parent did not need
+        return 0
+    job = records.parse(tasks.Job, json.loads(line), "the job from the parent", tasks.FIX)
+    os.environ.update(job.env)  # its GPU and Triton cache: before anything reads them
+    todo = [tasks.parse_task(task) for task in job.tasks]
+    first = todo[0].id if todo else "-"
+    print(f"sage-qual worker {os.getpid()}: {len(todo)} task(s), first {first}, env {job.env}",
+          file=sys.stderr, flush=True)
+    threading.Thread(target=_exit_when_orphaned, daemon=True).start()
+
+    def send(message: tasks.Message) -> None:
+        channel.write(json.dumps(records.dump(message), allow_nan=False) + "\n")
+
+    hook = fault_hooks.read()
+    compiles = any(task.KIND == tasks.TaskKind.CONTEXT for task in todo)
+    bench = fault_hooks.FakeBench(hook["gpus"], compiles) if "gpus" in hook else GpuBench()
+    worker = Worker(bench, hook.get("faults", {}), hook.get("span_faults"), hook.get("context_faults"))
+    send(tasks.Message(MessageType.READY))
+    for task in todo:
+        send(tasks.Message(MessageType.START, task.id))
+        start = time.monotonic()
+        result = worker.run(task)
+        send(tasks.result_message(task, round(time.monotonic() - start, 3), result))
+        if result.outcome == Outcome.CRASH and not bench.healthy():
+            print(f"sage-qual worker: the CUDA context is unusable after {task.id}; exiting",
+                  file=sys.stderr, flush=True)
+            return EXIT_POISONED
+    send(tasks.Message(MessageType.DONE))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,139 @@
+"""Which fixtures, families and variants a run or a gate takes: named, read and checked once, and what
+a --quick run leaves out (with the known failures of what it left out), before anything runs.
+
+certify, `gate` and the pytest plugin select here, so the three never disagree on what a directory
+holds: a fixture that does not load, two of one name or one with a non-finite input is refused with
+the file named, whoever asked.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from sage_qual.errors import UsageError
+from sage_qual.fixtures import fileformat
+from sage_qual.qualification import families as families_mod
+from sage_qual.serving.variants import VARIANTS
+
+
+def select_variants(names: list[str] | None) -> list[str]:
+    for name in names or ():
+        if name not in VARIANTS:
+            raise UsageError(f"unknown variant {name!r} (known: {', '.join(VARIANTS)})")
+    return list(dict.fromkeys(names)) if names else list(VARIANTS)
+
+
+def select_families(names: list[str] | None) -> list[families_mod.Family]:
+    if not names:
+        return list(families_mod.FAMILIES)
+    try:
+        return list(dict.fromkeys(families_mod.find(n) for n in names))
+    except KeyError as error:
+        raise UsageError(error.args[0]) from None
+
+
+def fixture_dirs(directories: list[str] | None) -> list[str]:
+    """The directories given, or the repository's fixtures/ when none were."""
+    if directories is not None:
+        return directories
+    shipped = fileformat.shipped_dir()
+    return [str(shipped)] if shipped else []
+
+
+@dataclass(frozen=True)
+class LeftOut:
+    """A fixture a --quick run left out, and the known failures its calibration records: variants
+    measured non-finite or over the fixture's published bound."""
+    fixture: str
+    family: str
+    failures: list[str]
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What a run takes, read and checked: the families, the fixture directories, the fixtures of
+    those families (the smallest per family with --quick) and what --quick left out."""
+    families: list[families_mod.Family]
+    fixture_dirs: list[str]
+    fixtures: list[fileformat.Fixture]
+    left_out: list[LeftOut]
+
+
+def select(families: list[str] | None, directories: list[str] | None, quick: bool) -> Selection:
+    """The families named (all when none), and the fixtures of the directories (the shipped ones when
+    none) that count for them; family-less fixtures too when no family was named."""
+    chosen = select_families(families)
+    directories = fixture_dirs(directories)
+    taken = [f for f in read_fixtures(directories)
+             if families is None or any(families_mod.counts_for(family, f.family) for family in chosen)]
+    if not quick:
+        return Selection(chosen, directories, taken, [])
+    smallest: dict[str, fileformat.Fixture] = {}
+    for fixture in sorted(taken, key=lambda f: (f.q.numel() + 2 * f.k.numel(), f.name)):
+        smallest.setdefault(families_mod.normalize(fixture.family), fixture)
+    ran = sorted(smallest.values(), key=lambda f: f.name)
+    names = {f.name for f in ran}
+    return Selection(chosen, directories, ran, [_left_out(f) for f in taken if f.name not in names])
+
+
+def read_fixtures(directories: list[str]) -> list[fileformat.Fixture]:
+    """Every fixture of the directories, loaded and checked; UsageError naming the file for one that
+    does not load, is not finite, or shares its name with another."""
+    fixtures, seen = [], {}
+    for directory in directories:
+        try:
+            paths = fileformat.list_fixtures(directory)
+        except fileformat.FixtureError as error:
+            raise UsageError(str(error)) from None
+        for path in paths:
+            try:
+                fixture = fileformat.load_fixture(path)
+            except fileformat.FixtureError as error:
+                raise UsageError(str(error)) from None
+            check_finite(fixture, path)
+            if fixture.name in seen:
+                raise UsageError(f"two fixtures named {fixture.name}: {seen[fixture.name]} and {path}")
+            seen[fixture.name] = path
+            fixtures.append(fixture)
+    return fixtures
+
+
+def family_fixtures(directories: list[str] | None,
+                    family: families_mod.Family) -> dict[str, fileformat.Fixture]:
+    """The fixtures that count for one family, by name (what `gate` re-derives budgets on)."""
+    return {f.name: f for f in read_fixtures(fixture_dirs(directories))
+            if families_mod.counts_for(family, f.family)}
+
+
+def check_finite(fixture: fileformat.Fixture, path) -> None:
+    """The float32 reference needs finite q, k and v: with NaN or infinity in them, accuracy is
+    measured on the finite rows only and a broken kernel can pass on what is left."""
+    for name in ("q", "k", "v"):
+        tensor = getattr(fixture, name)
+        bad = int((~torch.isfinite(tensor)).sum())
+        if bad:
+            raise UsageError(f"{path}: tensor {name}: {bad} of {tensor.numel()} values are not finite; the "
+                             "reference needs finite inputs: re-create the fixture from finite activations")
+
+
+def _left_out(fixture: fileformat.Fixture) -> LeftOut:
+    """A fixture --quick left out, with the failures its calibration records."""
+    failures = []
+    calibration = fixture.calibration if isinstance(fixture.calibration, dict) else {}
+    kernels = calibration.get("kernels", {})
+    for name, numbers in sorted(kernels.items()):
+        bound = fixture.bounds.get(VARIANTS[name].accuracy_class, {}) if name in VARIANTS else {}
+        rel_l2 = numbers.get("rel_l2")
+        if numbers.get("finite") is False:
+            failures.append(f"{name} not finite")
+        elif isinstance(rel_l2, float) and rel_l2 > bound.get("max_rel_l2", math.inf):
+            failures.append(f"{name} relative L2 {rel_l2:.3g} over the published bound "
+                            f"{bound['max_rel_l2']:.3g}")
+    if not kernels:
+        status = calibration.get("status", "no calibration")
+        failures.append(f"none known: no kernel ran this file ({status})")
+    owner = families_mod.family_of(fixture.family)
+    return LeftOut(fixture.name, owner.name if owner else families_mod.normalize(fixture.family), failures)
