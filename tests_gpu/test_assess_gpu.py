@@ -9,6 +9,7 @@ import pytest
 
 import sage_qual
 from sage_qual.limits import STARTUP_TIMEOUT
+from sage_qual.qualification.evidence import tasks
 from sage_qual.qualification.run import pool
 from sage_qual.serving import environment
 from sage_qual.serving.variants import VARIANTS
@@ -19,7 +20,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.gpu]
 def test_env_certify_install_and_gpu_tests_agree(sage, gpu0, record):
     here = environment.collect()
     with tempfile.TemporaryDirectory() as logs:
-        collected = pool.collect_environment(Path(logs) / "environment.log", STARTUP_TIMEOUT)
+        collected = pool.collect_environment(tasks.EnvTask("env"), Path(logs) / "environment.log",
+                                             STARTUP_TIMEOUT)
     sage_qual.uninstall()
     status = sage_qual.install()
     sage_qual.uninstall()

@@ -29,8 +29,8 @@ LAYOUTS = list(families.LAYOUTS)
 
 def long_task(variant_name: str, call: str) -> tasks.LongTask:
     """The long check certify's plan gives for this call, as its worker task."""
-    planned = tasks.LongPlan(tasks.shape_spec(CALLS[call].as_dict()), [ShapeUse(None, call)], LAYOUTS)
-    return tasks.long_task("long", variant_name, planned)
+    shape = tasks.shape_spec(CALLS[call].as_dict())
+    return tasks.LongTask("long", variant_name, shape, [ShapeUse(None, call)], list(LAYOUTS))
 
 
 def spied(package, variant):
