@@ -237,3 +237,11 @@ def rendered(typed: Report, out: Path, left_out=()) -> list[Path]:
     from sage_qual.qualification.render import report as report_view
 
     return report_view.render(typed, out, verdict.decide(typed), left_out)
+
+
+def summarized(typed: Report, out: Path) -> str:
+    """The summary certify prints for `typed`, with the verdicts drawn from it as certify draws them."""
+    from sage_qual.qualification.decide import verdict
+    from sage_qual.qualification.render import summary
+
+    return summary.text(typed, out, verdict.decide(typed))

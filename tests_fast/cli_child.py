@@ -1,7 +1,7 @@
 """`sage-qual` in a child process whose stdout a test controls (a pipe closed early), on the
 machine of tests_fast/data/sample_h200_2gpu.json: this machine's environment is the sample's, the
 local fixtures are the checksums it recorded, and its hand-made budgets count as derived (as in
-tests_fast/test_gate_merge.py's `machine` and `fixture_dir`).
+tests_fast/decide/test_gate_merge.py's `machine` and `fixture_dir`).
 
     python -m tests_fast.cli_child gate --family FLUX.1 --report tests_fast/data/sample_h200_2gpu.json
 """

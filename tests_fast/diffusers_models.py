@@ -1,6 +1,6 @@
 """Tiny diffusers transformers built from the library's own config classes, with random weights.
 
-The CPU tests (tests_fast/test_diffusers_cpu.py) and the GPU tests (tests_gpu/test_diffusers_gpu.py)
+The CPU tests (tests_fast/fixtures/test_diffusers_cpu.py) and the GPU tests (tests_gpu/test_diffusers_gpu.py)
 run the same model code at different sizes. The models are untrained: the attention calls' shapes,
 layouts and arguments are diffusers' own, their statistics are not a real model's.
 

@@ -32,7 +32,7 @@ FALLBACK_HOST_COST = 0.01
 ROUNDS = 11  # the 95 % interval of an 11-sample median runs from the 2nd to the 10th smallest
 TARGET_MS = 40.0  # GPU time of one timed batch of calls, within MIN_CALLS and MAX_CALLS calls
 MIN_CALLS, MAX_CALLS = 2, 200
-# What the built-in defaults were measured to do on the H200 (tests_fast/test_builtin_defaults.py
+# What the built-in defaults were measured to do on the H200 (tests_fast/serving/test_builtin_defaults.py
 # pins their thresholds: 16,384 tokens at head_dim 128).
 H200_SERVED = {1024: False, 4096: False, 16384: True, 32768: True, 75600: True}
 

@@ -229,7 +229,7 @@ def _probe(config: WrapperConfig, profile=None, family: str | None = None,
 
 def _make_sdpa(state: _Installed):
     """The function torch gets. Outside a scope it is one ContextVar read away from torch's own
-    (the benchmark in tests_fast/test_overhead_benchmarks.py measures what that costs). While
+    (the benchmark in tests_fast/serving/test_overhead_benchmarks.py measures what that costs). While
     torch.compile traces it, it emits one opaque operator whose body runs `_serve_compiled`."""
     from sage_qual.serving import compiled
 

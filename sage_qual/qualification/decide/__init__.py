@@ -1,1 +1,1 @@
-"""decide"""
+"""From evidence to answers: a report read back and checked, verdicts, gate, merge, the profile."""

@@ -120,7 +120,7 @@ def spot_check(cache: dict, used: list[str], derive, tolerance: float) -> bool:
 # and norm limits, at most 2.2 % of a limit's distance from exact, and by 6.6e-5 in the worst head
 # cosine of a head it reproduces almost exactly (0.999995 against 0.999929, sm89-fp8-cuda on
 # qwen_image_b52_value_offset): the H200 run tests_fast/data/h200_certify_a.json.gz re-derived on a
-# CPU (tests_fast/test_gate_budgets.py re-checks both runs on Qwen-Image). A stored limit may be
+# CPU (tests_fast/decide/test_gate_budgets.py re-checks both runs on Qwen-Image). A stored limit may be
 # looser by BUDGET_ABS (BUDGET_ABS_COSINE for the cosine) plus BUDGET_REL x the limit's distance
 # from exact; the budget's own MARGIN (10 %) is wider still.
 BUDGET_ABS, BUDGET_ABS_COSINE, BUDGET_REL = 3e-5, 1e-4, 0.03

@@ -1,1 +1,1 @@
-"""measure"""
+"""Numbers and their bounds: accuracy, budgets, judgement, speed, one cell, long calls, spans, contexts."""

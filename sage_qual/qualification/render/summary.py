@@ -16,10 +16,8 @@ from sage_qual.qualification.evidence.report_model import ReasonKind, Report
 from sage_qual.serving.variants import VARIANTS, capability_label
 
 
-def text(written: Report, out: Path, decisions: list[verdict.GpuDecision] | None = None) -> str:
-    """The summary of `written` (its decisions, when already drawn, in `decisions`)."""
-    if decisions is None:
-        decisions = verdict.decide(written)
+def text(written: Report, out: Path, decisions: list[verdict.GpuDecision]) -> str:
+    """The summary of `written`, from its `decisions` (`verdict.decide(written)`, drawn by the run)."""
     mode = "sage-qual certify"
     state = "complete" if written.complete else "PARTIAL: " + written.stopped
     if written.target:

@@ -153,10 +153,10 @@ def _sweep(variants: list[str], fixtures: list[fileformat.Fixture], shapes: dict
     jobs: list[list[tasks.Task]] = [[tasks.SdpaTask(f"sdpa@{key}", key, shapes[key].shape, warmup, repeats)
                                      for key, (warmup, repeats) in timing.items()]]
     for variant in variants:
-        jobs.append([_cell(variant, f) for f in fixtures]
+        jobs.append([_cell_task(variant, f) for f in fixtures]
                     + [tasks.SpeedTask(f"{variant}@{key}", variant, key, shapes[key].shape, warmup, repeats)
                        for key, (warmup, repeats) in timing.items()]
-                    + [_long(variant, key, check) for key, check in checks.items()])
+                    + [_long_task(variant, key, check) for key, check in checks.items()])
     return jobs
 
 
@@ -164,8 +164,8 @@ def _predicted(variants: list[str], fixtures: list[fileformat.Fixture],
                checks: dict[str, LongPlan]) -> list[tasks.Task]:
     """The in-process job: fixture by fixture (one float32 reference each), every variant's cell, then
     every variant's long checks."""
-    return ([_cell(variant, f) for f in fixtures for variant in variants]
-            + [_long(variant, key, check) for variant in variants for key, check in checks.items()])
+    return ([_cell_task(variant, f) for f in fixtures for variant in variants]
+            + [_long_task(variant, key, check) for variant in variants for key, check in checks.items()])
 
 
 def _long_checks(selection: Selection, quick: bool) -> dict[str, LongPlan]:
@@ -173,12 +173,12 @@ def _long_checks(selection: Selection, quick: bool) -> dict[str, LongPlan]:
     return long_checks(selection.families, longest, quick)
 
 
-def _cell(variant: str, fixture: fileformat.Fixture) -> tasks.CellTask:
+def _cell_task(variant: str, fixture: fileformat.Fixture) -> tasks.CellTask:
     return tasks.CellTask(f"{variant}|{fixture.name}", variant, fixture.name, str(fixture.path),
                           families_mod.memory_bound(fixture.family))
 
 
-def _long(variant: str, key: str, check: LongPlan) -> tasks.LongTask:
+def _long_task(variant: str, key: str, check: LongPlan) -> tasks.LongTask:
     return tasks.LongTask(f"{variant}~{key}", variant, check.shape, check.uses, check.layouts)
 
 

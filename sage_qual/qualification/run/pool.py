@@ -80,7 +80,7 @@ class Process:
         """Wait for the reader to see the pipe's end. A daemon thread still blocked in the pipe's
         buffered read when the interpreter exits holds that reader's lock while finalization closes
         it, and the parent aborts (SIGABRT) instead of exiting with its code (certify's exit 130
-        after SIGTERM, tests_fast/test_certify_targets.py)."""
+        after SIGTERM, tests_fast/run/test_certify_targets.py)."""
         self.reader.join(timeout=READER_JOIN_TIMEOUT)
 
     def close(self) -> None:

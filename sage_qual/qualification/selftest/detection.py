@@ -10,7 +10,7 @@ stated by hand: the test compares that statement with what the judgement keeps o
 A family is kept off by a defect when one of its fixtures (its own or a generic one) passes its
 budget with the clean kernel and fails it with the defect: a cell that fails without the defect
 (a kernel defect of the clean kernel, e.g. NaN on a zero V channel) cannot show another one.
-tests_fast/test_detection.py runs this on the fake kernel (the numerics model's output);
+tests_fast/selftest/test_detection.py runs this on the fake kernel (the numerics model's output);
 tests_gpu/test_detection.py on a real kernel.
 
 Some defects are built from parameters (a token count, an element span, a number of elements and

@@ -1,0 +1,84 @@
+"""`sage-qual compare` sees everything a verdict serves (issue 27): ranges, head sizes, layouts and
+contexts as well as verdicts, variants and thresholds, each threshold within the tolerance on its own;
+what one report has and the other lacks is a difference; predicted and --quick reports are refused."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from sage_qual import cli, records
+from sage_qual.cli import compare
+from sage_qual.qualification.decide import checked
+from sage_qual.qualification.decide.verdict import FamilyDecision, GpuDecision, VariantStatus, Verdict
+
+RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
+RUN8 = RESULTS / "run8-h200x2-final" / "certify" / "certify-a" / "report.json"  # no long checks
+RUN13 = RESULTS / "run13-h200x2" / "certify-e" / "report.json"  # ranges capped, three layouts
+SAMPLE = Path(__file__).parent.parent / "data" / "sample_h200_2gpu.json"
+
+
+def test_run_8_against_run_13_reports_the_range_and_layout_differences(capsys):
+    assert cli.main(["compare", str(RUN8), str(RUN13)]) == 1
+    out = capsys.readouterr().out
+    found = out.split("difference(s) beyond 10%:\n")[1].splitlines()
+    qwen = next(line for line in found if "Qwen-Image:" in line)
+    assert "(no upper bound)" in qwen.split(" vs ")[0]  # run 8: no long checks
+    assert " to 32768/32768 " in qwen.split(" vs ")[1] and "layouts [" in qwen.split(" vs ")[1]
+
+
+def decision(**fields) -> FamilyDecision:
+    base = dict(family="FLUX.1", verdict=Verdict.ENABLE, variant="sm90-fp8-cuda", min_query_tokens=9728,
+                min_key_tokens=9728, head_dims=[128], max_query_tokens=32768, max_key_tokens=32768,
+                layouts=["contiguous", "transposed"], range_verified=True,
+                contexts=["side_stream", "compile"])
+    return FamilyDecision(**{**base, **fields})
+
+
+def gpu(*families: FamilyDecision, ran=("sm90-fp8-cuda",)) -> dict[str, GpuDecision]:
+    status = {name: VariantStatus(True, True, [], None) for name in ran}
+    model = GpuDecision("NVIDIA H200", (9, 0), 139.8, [0], status, list(families), decision(family=None))
+    return {model.model: model}
+
+
+@pytest.mark.parametrize("change", [
+    dict(max_query_tokens=16384), dict(max_key_tokens=16384), dict(min_key_tokens=16384),
+    dict(layouts=["contiguous"]), dict(head_dims=[64, 128]), dict(contexts=["compile"]),
+    dict(contexts=None), dict(range_verified=False, max_query_tokens=None, max_key_tokens=None),
+    dict(variant="sm80-fp16-cuda"),
+], ids=lambda change: ",".join(change))
+def test_every_part_of_what_is_served_is_compared(change):
+    _, found = compare.differences(gpu(decision()), gpu(decision(**change)), 0.10)
+    assert [line.split(":")[0] for line in found] == ["NVIDIA H200 (sm_90) FLUX.1"]
+
+
+def test_each_threshold_is_within_the_tolerance_on_its_own():
+    close = decision(min_query_tokens=10_624, max_key_tokens=30_000)  # 8.4 % and 8.4 % apart
+    assert compare.differences(gpu(decision()), gpu(close), 0.10)[1] == []
+    assert compare.differences(gpu(decision()), gpu(close), 0.05)[1] != []
+
+
+def test_what_one_report_lacks_is_a_difference():
+    wan = decision(family="Wan 2.2")
+    both = gpu(decision(), wan, ran=("sm90-fp8-cuda", "sm86-fp16-triton"))
+    _, found = compare.differences(gpu(decision()), both, 0.10)
+    assert sorted(found) == ["NVIDIA H200 (sm_90) Wan 2.2: in only one report",
+                             "NVIDIA H200 (sm_90): variant sm86-fp16-triton ran in only one report"]
+
+
+@pytest.mark.parametrize("field, words", [("predicted", "certify --emulate measured nothing"),
+                                          ("quick", "a --quick run times no family's shapes")])
+def test_predicted_and_quick_reports_are_refused(tmp_path, capsys, field, words):
+    data = checked.load(SAMPLE)
+    edited = (dataclasses.replace(data, predicted=True) if field == "predicted" else
+              dataclasses.replace(data, options=dataclasses.replace(data.options, quick=True)))
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(records.dump(edited)))
+    assert cli.main(["compare", str(SAMPLE), str(path)]) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_the_same_report_is_the_same(capsys):
+    assert cli.main(["compare", str(SAMPLE), str(SAMPLE)]) == 0
+    assert capsys.readouterr().out.strip().endswith("each threshold within 10%")

@@ -1,0 +1,125 @@
+"""The fleet recipes of examples/fleet: the GitHub Actions workflow parses and has the shape its
+README promises, the scripts parse, and the merge-and-gate step works on the committed H200 reports
+(run 11's two GPUs, compared with run 8's first report), through `python -m sage_qual`."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+FLEET = ROOT / "examples" / "fleet"
+RESULTS = ROOT / "docs" / "results"
+SCRIPTS = ["certify-one.sh", "merge_and_gate.sh", "certify-array.sbatch"]
+
+
+def test_the_workflow_parses_and_certifies_per_runner_then_merges_once():
+    workflow = yaml.safe_load((FLEET / "github-actions-certify.yml").read_text())
+    certify, merge = workflow["jobs"]["certify"], workflow["jobs"]["merge-and-gate"]
+    assert certify["runs-on"][0] == "self-hosted" and "${{ matrix.runner }}" in certify["runs-on"]
+    assert len(certify["strategy"]["matrix"]["runner"]) >= 2 and certify["strategy"]["fail-fast"] is False
+    runs = " ".join(step.get("run", "") for step in certify["steps"])
+    assert "examples/fleet/certify-one.sh" in runs
+    [upload] = [s for s in certify["steps"] if s.get("uses", "").startswith("actions/upload-artifact")]
+    assert "report.json" in upload["with"]["path"]
+    assert merge["needs"] == "certify" and merge["if"] == "always()"
+    merged = " ".join(step.get("run", "") for step in merge["steps"])
+    assert "examples/fleet/merge_and_gate.sh fleet reports baseline" in merged
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_the_scripts_parse_and_are_executable(script):
+    path = FLEET / script
+    assert os.access(path, os.X_OK) or script.endswith(".sbatch")
+    checked = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stderr
+
+
+@pytest.fixture
+def fleet(tmp_path):
+    """Two hosts (run 11's GPUs) and a baseline for the first (run 8's first report)."""
+    run8 = RESULTS / "run8-h200x2-final" / "certify" / "certify-a" / "report.json"
+    for host, report in (("h200-a", RESULTS / "current" / "certify-gpu0" / "report.json"),
+                         ("h200-b", RESULTS / "current" / "certify-gpu1" / "report.json"),
+                         ("../baseline/h200-a", run8)):
+        (tmp_path / "reports" / host).mkdir(parents=True)
+        shutil.copy(report, tmp_path / "reports" / host / "report.json")
+    return tmp_path
+
+
+def merge_and_gate(fleet: Path, *, baseline=True, **env) -> subprocess.CompletedProcess:
+    command = ["bash", str(FLEET / "merge_and_gate.sh"), str(fleet / "out"), str(fleet / "reports")]
+    return subprocess.run(command + ([str(fleet / "baseline")] if baseline else []), capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHON": sys.executable, **env})
+
+
+def gates(fleet: Path) -> dict[str, str]:
+    lines = (fleet / "out" / "fleet-gates.txt").read_text().splitlines()
+    return dict(line.split(": ", 1) for line in lines)
+
+
+def test_merge_and_gate_on_the_committed_h200_reports(fleet):
+    done = merge_and_gate(fleet, REQUIRED_FAMILIES="Wan 2.2,Z-Image")
+    assert done.returncode == 0, done.stderr
+    table = (fleet / "out" / "fleet.md").read_text()
+    assert table.count("| NVIDIA H200 |") == 2 and "enable: sm90-fp8-cuda >= 16384/16384" in table
+    rows = json.loads((fleet / "out" / "fleet.json").read_text())["rows"]
+    assert [row["gpu"] for row in rows] == ["NVIDIA H200"] * 2
+    decided = gates(fleet)
+    assert decided["Wan 2.2"] == decided["Z-Image"] == "enable"
+    assert decided["FLUX.1"] == decided["SDXL"] == "safe, no speedup"
+    assert decided["FLUX.2"].startswith("keep off (vm NVIDIA H200 (h200-a): keep off;")
+    # run 8 (8,960 tokens) against run 11's first GPU (9,728): within 10 %; the second has no baseline
+    assert "h200-a: same as the last release" in done.stdout
+    assert "h200-b: no report of the last release" in done.stdout
+    compared = (fleet / "out" / "compare-h200-a.txt").read_text()
+    assert compared.endswith("same verdicts, variants, ranges, layouts and contexts, each threshold "
+                             "within 10%\n")
+
+
+def test_a_required_family_kept_off_fails_the_step(fleet):
+    assert merge_and_gate(fleet, baseline=False, REQUIRED_FAMILIES="FLUX.2").returncode == 1
+    strict = merge_and_gate(fleet, baseline=False, REQUIRED_FAMILIES="FLUX.1", REQUIRE_SPEEDUP="1")
+    assert strict.returncode == 1
+    assert gates(fleet)["FLUX.1"].startswith("keep off (vm NVIDIA H200 (h200-a): safe, no speedup")
+    assert merge_and_gate(fleet, baseline=False, REQUIRED_FAMILIES="Flux 9").returncode == 2
+
+
+def test_a_hosts_own_gate_that_did_not_enable_keeps_the_family_off(fleet):
+    answers = [{"family": "Wan 2.2", "exit_code": 1}, {"family": "Z-Image", "exit_code": 0}]
+    lines = "".join(json.dumps(answer) + "\n\n" for answer in answers)  # as certify-one.sh writes them
+    (fleet / "reports" / "h200-b" / "gates.jsonl").write_text(lines)
+    done = merge_and_gate(fleet, baseline=False, REQUIRED_FAMILIES="Z-Image")
+    assert done.returncode == 0, done.stderr
+    decided = gates(fleet)
+    assert decided["Wan 2.2"] == "keep off (vm NVIDIA H200 (h200-b): gate exit 1)"
+    assert decided["Z-Image"] == "enable"
+    assert decided["Krea-2"] == "keep off (vm NVIDIA H200 (h200-b): gate exit missing)"  # not decided there
+
+
+def test_no_reports_is_an_error(tmp_path):
+    (tmp_path / "reports").mkdir()
+    done = merge_and_gate(tmp_path, baseline=False)
+    assert done.returncode == 2 and "no report.json under" in done.stderr
+
+
+def test_gate_answers_appended_as_certify_one_sh_appends_them_read_back_one_object_per_line(tmp_path):
+    """certify-one.sh's gate loop, run for real on a committed report: every `--json` answer is one
+    line, so the file holds one object per line (issue 27: indented answers broke merge_and_gate.sh)."""
+    script = (FLEET / "certify-one.sh").read_text()
+    loop = script[script.index(": > \"$out/gates.jsonl\""):script.index("exit \"$certified\"")]
+    out = tmp_path / "host"
+    out.mkdir()
+    shutil.copy(RESULTS / "current" / "certify-gpu0" / "report.json", out / "report.json")
+    families = 'families=("FLUX.1" "Wan 2.2" "Flux 9")\n'  # the last one is refused: exit 2, one line too
+    done = subprocess.run(["bash", "-c", f"out={out}; python={sys.executable}\n{families}{loop}"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr  # the loop ends with the last gate's exit: "Flux 9" refused
+    answers = [json.loads(line) for line in (out / "gates.jsonl").read_text().splitlines()]
+    assert len(answers) == 3 and all(set(a) >= {"exit_code", "problem"} for a in answers)
+    assert answers[2]["exit_code"] == 2 and "Flux 9" in answers[2]["problem"]

@@ -1,0 +1,238 @@
+"""The package's layers import one way: base -> serving -> testing -> api -> fixtures -> qualification
+-> cli (base: errors, jsonfile, limits, records, version; api: the package's own __init__).
+
+Read from the source (ast), so a lazy import inside a function counts as much as one at the top.
+"""
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent.parent / "sage_qual"
+# Each layer may import its own and the layers before it, never a later one.
+LAYERS = ("base", "serving", "testing", "api", "fixtures", "qualification", "cli")
+
+
+def layer_of(module: str) -> str:
+    parts = module.split(".")
+    if parts[0] != "sage_qual":
+        raise ValueError(module)
+    if len(parts) == 1:
+        return "api"  # the package's public names, re-exported from serving
+    if parts[1] in ("errors", "jsonfile", "limits", "records", "version"):
+        return "base"
+    if parts[1] == "__main__":
+        return "cli"
+    return parts[1]
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imports_of(path: Path) -> set[str]:
+    found = set()
+    package = module_name(path).rsplit(".", 0 if path.name == "__init__.py" else 1)[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.startswith("sage_qual")}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            if base.startswith("sage_qual"):
+                # `from package import module` imports the module; any other name comes from `base`.
+                for alias in node.names:
+                    target = f"{base}.{alias.name}"
+                    found.add(target if target in MODULES else base)
+    return found
+
+
+GRAPH = {name: {m for m in imports_of(path) if m in MODULES and m != name} for name, path in MODULES.items()}
+
+
+def test_every_module_is_in_a_layer():
+    assert {layer_of(m) for m in MODULES} <= set(LAYERS)
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_flow_one_way(module):
+    rank = LAYERS.index(layer_of(module))
+    upward = sorted(m for m in GRAPH[module] if LAYERS.index(layer_of(m)) > rank)
+    assert not upward, f"{module} ({layer_of(module)}) imports a later layer: {upward}"
+
+
+# Inside qualification, the stages import one way too: each floor from its own and the floors
+# before it. selection and measure share a floor (neither needs the other); the self-test sits
+# below run, whose test hooks inject its defects into the fake kernels.
+STAGES = (("families",), ("evidence",), ("selection", "measure"), ("integrations",), ("decide",),
+          ("render",), ("selftest",), ("run",))
+STAGE_FLOOR = {stage: floor for floor, stages in enumerate(STAGES) for stage in stages}
+MAX_MODULES_PER_STAGE, MAX_MODULE_LINES = 8, 500
+
+
+def stage_of(module: str) -> str:
+    return module.split(".")[2]
+
+
+QUALIFICATION = sorted(m for m in MODULES if m.startswith("sage_qual.qualification.")
+                       and MODULES[m].name != "__init__.py")
+
+
+def test_every_qualification_module_is_in_a_stage():
+    assert {stage_of(m) for m in QUALIFICATION} <= set(STAGE_FLOOR)
+
+
+@pytest.mark.parametrize("module", QUALIFICATION)
+def test_qualification_stages_import_one_way(module):
+    floor = STAGE_FLOOR[stage_of(module)]
+    upward = sorted(m for m in GRAPH[module] if m in QUALIFICATION and STAGE_FLOOR[stage_of(m)] > floor)
+    assert not upward, f"{module} ({stage_of(module)}) imports a later stage: {upward}"
+
+
+@pytest.mark.parametrize("stage", sorted(s for s in STAGE_FLOOR if (PACKAGE / "qualification" / s).is_dir()))
+def test_a_stage_folder_holds_few_modules_each_short(stage):
+    modules = [p for p in (PACKAGE / "qualification" / stage).glob("*.py") if p.name != "__init__.py"]
+    assert 0 < len(modules) <= MAX_MODULES_PER_STAGE, [p.name for p in modules]
+    long = {p.name: n for p in modules if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long
+
+
+def test_render_reads_no_fixture_file():
+    """A view draws from the report and the decisions it is given (selection's records only as types)."""
+    for module in (m for m in QUALIFICATION if stage_of(m) == "render"):
+        assert "sage_qual.fixtures.fileformat" not in GRAPH[module], module
+        assert not re.search(r"list_fixtures|load_fixture|read_fixtures", MODULES[module].read_text()), module
+
+
+def test_nothing_imports_the_cli():
+    importers = sorted(m for m, deps in GRAPH.items()
+                       if layer_of(m) != "cli" and any(layer_of(d) == "cli" for d in deps))
+    assert not importers
+
+
+def test_no_import_cycles():
+    # The package __init__ files re-export, so they are left out: a cycle through them is only a name.
+    graph = {m: {d for d in deps if not MODULES[d].name == "__init__.py"} for m, deps in GRAPH.items()
+             if MODULES[m].name != "__init__.py"}
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(node, stack):
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, f"import cycles: {cycles}"
+
+
+# Import cost, in a fresh interpreter: the layer table above is read from the source, so it cannot
+# see what an import pulls in at run time.
+HEAVY = ("torch", "sage_qual.serving.wrapper", "sageattention", "triton")
+LIGHT = ("sage_qual", "sage_qual.cli", "sage_qual.cli.gate", "sage_qual.cli.certify",
+         "sage_qual.qualification.render.report", "sage_qual.qualification.decide.gate",
+         "sage_qual.qualification.decide.checked", "sage_qual.qualification.render.fleet",
+         "sage_qual.qualification.run.options", "sage_qual.qualification.integrations.pytest_plugin")
+PROBE = """
+import importlib, runpy, sys
+for name in sys.argv[1].split(","):
+    importlib.import_module(name)
+sys.argv = ["sage-qual", "--version"]
+try:
+    runpy.run_module("sage_qual", run_name="__main__")
+except SystemExit as stop:
+    assert stop.code in (0, None), stop.code
+print("HEAVY", ",".join(sorted(name for name in %r if name in sys.modules)))
+""" % (HEAVY,)
+
+
+def test_version_cli_report_and_gate_import_neither_torch_nor_the_wrapper():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", PROBE, ",".join(LIGHT)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("sage-qual ") and lines[-1] == "HEAVY ", done.stdout
+
+
+def test_the_public_names_load_on_first_use():
+    import subprocess
+    import sys
+
+    probe = ("import sys, sage_qual; before = 'sage_qual.serving.wrapper' in sys.modules; "
+             "sage_qual.install; print(before, 'sage_qual.serving.wrapper' in sys.modules, "
+             "sorted(set(sage_qual.__all__) - set(dir(sage_qual))))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["False", "True", "[]"], done.stdout + done.stderr
+
+
+def test_an_unknown_public_name_is_an_attribute_error():
+    import sage_qual
+
+    with pytest.raises(AttributeError, match="no attribute 'instal'"):
+        sage_qual.instal  # noqa: B018
+
+
+# The test suites: a test module imports helper modules (fakes, builders, shapes), never another
+# test module, so collecting one module never collects (or runs the imports of) another.
+TEST_DIRS = [PACKAGE.parent / "tests_fast", PACKAGE.parent / "tests_gpu"]
+
+
+def imported_test_modules(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+            [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+        found += [name for name in names if name.rsplit(".", 1)[-1].startswith("test_")]
+    return found
+
+
+def test_no_test_module_imports_another():
+    offenders = {p.name: imported_test_modules(p) for d in TEST_DIRS for p in sorted(d.rglob("*.py"))}
+    assert {name: found for name, found in offenders.items() if found} == {}
+
+
+# The README's layout table names every module, so the map a newcomer reads is the code's.
+README = PACKAGE.parent / "README.md"
+
+
+def _layout_rows() -> dict[str, str]:
+    text = README.read_text().split("## Layout", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 2 and cells[0].startswith("`sage_qual"):
+            rows[cells[0]] = cells[1]
+    return rows
+
+
+def test_the_readme_layout_table_names_every_module():
+    rows = _layout_rows()
+    missing = []
+    for name, path in MODULES.items():
+        if path.name in ("__init__.py", "__main__.py"):
+            continue
+        stem = path.stem
+        package = path.parent.relative_to(PACKAGE.parent).as_posix()  # sage_qual or sage_qual/serving
+        text = " ".join(f"{key} {job}" for key, job in rows.items() if key.startswith(f"`{package}/"))
+        if f"`{stem}`" not in text and f"`{stem}.py`" not in text and f"{stem}.py`" not in text:
+            missing.append(name)
+    assert not missing, f"README.md's layout table does not name: {missing}"

@@ -1,0 +1,86 @@
+"""The numbers README.md and docs/certify.md quote from committed reports are the ones those reports
+give: the fixture count, the kernels' and SDPA's error ranges, and the sm90 kernel's break-even
+per run. When a run is committed anew, this test names each sentence to update. One word for each
+kind of limit: a fixture's "published bound", a cell's "budget"."""
+
+from pathlib import Path
+
+import pytest
+
+from sage_qual import cli
+from sage_qual.fixtures.fileformat import list_fixtures, shipped_dir
+from sage_qual.qualification.decide import checked, verdict
+
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text()
+CERTIFY_DOC = (ROOT / "docs" / "certify.md").read_text()
+CURRENT = [ROOT / "docs/results/current" / f"certify-gpu{n}" / "report.json" for n in (0, 1)]
+RUN13 = ROOT / "docs/results/run13-h200x2"  # four runs with paired timing: every family's threshold
+RUN8 = [ROOT / "docs/results/run8-h200x2-final/certify" / f"certify-{n}" / "report.json" for n in "ab"]
+
+
+def flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def sm90_break_even(path: Path) -> int:
+    (gpu,) = verdict.decide(checked.load(path))
+    return gpu.variants["sm90-fp8-cuda"].break_even.min_query_tokens
+
+
+def test_the_fixture_count_is_the_shipped_one_and_the_reports_one():
+    count = len(list_fixtures(shipped_dir()))
+    assert all(len(checked.load(path).fixtures) == count for path in CURRENT)
+    assert f"`fixtures/` holds {count} **replicas**" in flat(README)
+
+
+def test_the_error_ranges_are_the_current_reports():
+    cells = [c for path in CURRENT for d in checked.load(path).devices for c in d.cells if c.measured]
+    kernels = [c.rel_l2 for c in cells if c.rel_l2 is not None]
+    sdpa = [c.sdpa_rel_l2 for c in cells if c.sdpa_rel_l2 is not None]
+    assert (f"the kernels land at {min(kernels):.2g}-{max(kernels):.2g} relative L2 against float32"
+            in flat(README))
+    assert f"SDPA in the input precision lands at {min(sdpa):.2g}-{max(sdpa):.2g}" in flat(README)
+
+
+def test_the_break_even_ranges_are_the_committed_runs():
+    current, run8 = [sm90_break_even(p) for p in CURRENT], [sm90_break_even(p) for p in RUN8]
+    low, high = min(current + run8), max(current + run8)
+    assert (f"SDPA call by call near the crossover: {low:,} to {high:,} tokens for the sm90 kernel at "
+            "head_dim 128") in flat(README)
+    runs = [checked.load(RUN13 / f"certify-{n}" / "report.json") for n in "bcde"]
+    decisions = [gpu for run in runs for gpu in verdict.decide(run)]
+    run13 = {f.min_query_tokens for gpu in decisions for f in gpu.families if f.min_query_tokens}
+    assert len(run13) == 1 and f"all gave {run13.pop():,} tokens" in flat(README)
+    about = f"{round(low / 1000)}-{round(high / 1000)}k tokens"
+    assert f"the sm90 kernel only pays from about {about}" in flat(README)
+    assert f"{current[0]:,} vs {current[1]:,} on two H200s of one host at once" in flat(CERTIFY_DOC)
+    assert f"the same two runs give {run8[0]:,} and {run8[1]:,} tokens" in flat(CERTIFY_DOC)
+
+
+def test_one_word_for_the_published_bound_and_one_for_the_budget(capsys):
+    assert cli.main(["fixtures", "show", "flux1_1024"]) == 0
+    shown = capsys.readouterr().out
+    assert "published bound fp16  relative L2 <= " in shown and "  bounds " not in shown
+    outcomes = CERTIFY_DOC.split("| outcome | meaning |", 1)[1].split("\n\n", 1)[0]
+    assert "| pass | within its budget " in outcomes and "fixture's bounds" not in outcomes
+
+
+@pytest.mark.parametrize("module", ["judge"])
+def test_docstrings_cite_modules_that_exist(module):
+    import importlib
+    import re
+
+    text = importlib.import_module(f"sage_qual.qualification.measure.{module}").__doc__
+    for name in re.findall(r"`(sage_qual(?:\.\w+)+)", text):
+        parts = name.split(".")
+        for cut in range(len(parts), 1, -1):  # the longest importable prefix; the rest are attributes
+            try:
+                found = importlib.import_module(".".join(parts[:cut]))
+            except ImportError:
+                continue
+            for attribute in parts[cut:]:
+                found = getattr(found, attribute)
+            break
+        else:
+            pytest.fail(f"{module}'s docstring cites {name}, which does not exist")

@@ -1,0 +1,212 @@
+"""The built-in defaults (sage_qual/serving/default_profile.json): built from the committed H200
+certify runs, applied by install() without config and profile on fake CUDA: the H200 gets its
+measured thresholds, a GPU never measured the most conservative of its compute capability, a
+capability never measured today's table and thresholds."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sage_qual
+from sage_qual import records
+from sage_qual.limits import STATUS_LINE_LIMIT
+from sage_qual.serving import defaults, profile
+from sage_qual.serving.config import DEFAULT_CONFIG, KERNEL_TABLE
+from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
+
+from ..builders import make_entry, make_gpu, make_profile, reason
+
+RESULTS = Path(__file__).resolve().parent.parent.parent / "docs" / "results"
+SOURCES = [RESULTS / "run2-h200-certify-full" / "profile.json",
+           RESULTS / "run8-h200x2-final" / "certify" / "certify-a" / "profile.json",
+           RESULTS / "run8-h200x2-final" / "certify" / "certify-b" / "profile.json",
+           RESULTS / "current" / "certify-gpu1" / "profile.json",
+           RESULTS / "current" / "certify-gpu0" / "profile.json"]
+H200 = FakeGpu((9, 0), "NVIDIA H200", 139.8)  # as torch names the H200 of docs/results
+H100 = FakeGpu((9, 0), "NVIDIA H100 80GB HBM3", 79.6)
+RTX4090 = FakeGpu((8, 9), "NVIDIA GeForce RTX 4090", 24.0)
+
+
+def installed(gpus, **options):
+    fake = FakeSageAttention()
+    cuda = FakeCuda(gpus)
+    with cuda, fake.installed():
+        status = sage_qual.install(**options)
+    return status
+
+
+def call(tokens: int, device_gpus, **options):
+    """One [1, 2, tokens, 128] bf16 call in a scope after install(**options) on these fake GPUs."""
+    fake = FakeSageAttention()
+    q = torch.randn(1, 2, tokens, 128, generator=torch.Generator().manual_seed(0), dtype=torch.bfloat16)
+    with FakeCuda(device_gpus), fake.installed():
+        status = sage_qual.install(**options)
+        with sage_qual.sage_attention_scope() as report:
+            F.scaled_dot_product_attention(q, q, q)
+    return status, report
+
+
+def served_thresholds_of_the_sources(variant="sm90-fp8-cuda", head_dim=128):
+    """The highest (query, key) thresholds any committed H200 run served `variant` from at `head_dim`."""
+    found = []
+    for path in SOURCES:
+        for gpu in profile.load(path).gpus:
+            for entry in (gpu.default, *gpu.families.values()):
+                if entry.variant == variant and head_dim in entry.head_dims:
+                    found.append((entry.min_query_tokens, entry.min_key_tokens))
+    return max(q for q, _ in found), max(k for _, k in found)
+
+
+def test_the_packaged_data_is_what_the_builder_makes_of_the_runs_it_lists():
+    """A hand edit of the data file, or a changed source, fails here: rebuild it with the command."""
+    checkout = RESULTS.parent.parent
+    _, sources = defaults.read()
+    built = records.dump(defaults.build([checkout / s.file for s in sources], previous=None))
+    for source in built["sources"]:  # the paths as the command was given them, relative to the checkout
+        source["file"] = str(Path(source["file"]).relative_to(checkout))
+    assert built == json.loads(defaults.DATA.read_text())
+
+
+def test_the_h200_default_entry_is_the_highest_threshold_any_run_served_the_kernel_from():
+    measured, sources = defaults.read()
+    [h200] = [gpu for gpu in measured.gpus if gpu.name == "NVIDIA H200"]
+    assert (h200.label, h200.environment.torch) == ("NVIDIA H200 (sm_90)", "2.11.0+cu130")
+    assert {s.file for s in sources if s.gpu == "NVIDIA H200"} == \
+        {str(p.relative_to(RESULTS.parent.parent)) for p in SOURCES}
+    entry = h200.default
+    assert entry.variant == KERNEL_TABLE[(9, 0)][0] and entry.head_dims == [128]
+    thresholds = (entry.min_query_tokens, entry.min_key_tokens)
+    assert thresholds == served_thresholds_of_the_sources() == (16384, 16384)
+
+
+@pytest.mark.parametrize("name", ["NVIDIA H200", "nvidia h200 ", "  NVIDIA H200"])
+def test_an_h200_gets_its_measured_thresholds_and_4k_tokens_go_to_torch(name):
+    status, report = call(4096, [FakeGpu((9, 0), name, 139.8)])
+    assert status.enabled, status.reason
+    [device] = status.devices
+    assert device.variant.name == "sm90-fp8-cuda"
+    assert (device.config.min_query_tokens, device.config.min_key_tokens, device.config.head_dims) == \
+        (16384, 16384, (128,))
+    assert device.profile_note.startswith("built-in defaults, measured on NVIDIA H200 (sm_90)")
+    # The issue's case: a [.., 4096, 128] call, 0.75x of cuDNN on the H200, now stays on torch.
+    assert (report.served, dict(report.fallbacks)) == (0, {"short": 1})
+    assert report.details["short"] == "tokens=4096/4096 (needs >= 16384/16384)"
+
+
+def test_a_gpu_never_measured_keeps_the_table_with_the_strictest_thresholds_of_its_capability():
+    status = installed([H100])
+    [device] = status.devices
+    assert device.variant.name == "sm90-fp8-cuda"  # today's table
+    assert (device.config.min_query_tokens, device.config.min_key_tokens, device.config.head_dims) == \
+        (16384, 16384, (128,))
+    assert "NVIDIA H100 80GB HBM3 was never measured" in device.profile_note
+    assert len(device.profile_note) <= STATUS_LINE_LIMIT
+
+
+def test_a_capability_never_measured_keeps_todays_table_and_thresholds():
+    status, report = call(1536, [RTX4090])
+    [device] = status.devices
+    assert device.config == DEFAULT_CONFIG and device.profile_note == ""
+    assert report.served == 1
+
+
+def test_the_strictest_thresholds_take_the_highest_counts_at_the_head_sizes_all_models_served(tmp_path):
+    data = json.loads(defaults.DATA.read_text())
+    other = json.loads(json.dumps(data["profile"]["gpus"][0]))
+    other.update(name="Fake sm90 card", memory_gib=80.0)
+    other["default"].update(min_query_tokens=4096, min_key_tokens=32768, head_dims=[64, 128])
+    data["profile"]["gpus"].append(other)
+    path = tmp_path / "defaults.json"
+    path.write_text(json.dumps(data))
+    machine = profile.Machine(H100.name, (9, 0), H100.memory_gib, "2.13.0", "13.0", "2.2.0")
+    [unknown] = defaults.device_configs([machine], path=path)
+    assert (unknown.config.min_query_tokens, unknown.config.min_key_tokens, unknown.config.head_dims) == \
+        (16384, 32768, (128,))
+    assert "(NVIDIA H200, Fake sm90 card)" in unknown.note
+    card = profile.Machine("Fake sm90 card", (9, 0), 80.0, "2", "", "")
+    [measured] = defaults.device_configs([card], path=path)
+    assert (measured.config.min_query_tokens, measured.config.head_dims) == (4096, (64, 128))
+
+
+def test_a_family_the_h200_runs_kept_off_is_not_served_on_an_h200_or_an_unmeasured_sm90():
+    for gpu in (H200, H100):
+        status = installed([gpu], family="FLUX.1")
+        assert not status.enabled and len(status.reason) <= STATUS_LINE_LIMIT
+        [device] = status.devices
+        assert device.variant is None and "family FLUX.1 kept off" in status.reason
+        assert device.profile_reasons == ("sm86-fp16-triton never measured faster than 1x the fastest SDPA "
+                                          "backend (lower 95 % bound)",)
+    assert installed([H200], family="Wan 2.2").devices[0].variant.name == "sm90-fp8-cuda"
+
+
+def test_a_config_of_ones_own_replaces_the_built_in_defaults():
+    status, report = call(1536, [H200], config=sage_qual.WrapperConfig())
+    assert status.devices[0].config == DEFAULT_CONFIG and report.served == 1
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{", "built-in defaults .* are not JSON"),
+    ('{"kind": "sage-qual-default-profile", "schema_version": 1, "sources": []}', "profile: missing"),
+    ('{"kind": "sage-qual-default-profile", "schema_version": 1, "sources": [], "profile": {}}',
+     "is not a sage-qual profile"),
+])
+def test_a_broken_data_file_is_one_line_naming_it(tmp_path, content, message):
+    path = tmp_path / "defaults.json"
+    path.write_text(content)
+    with pytest.raises(profile.ProfileError, match=message) as refused:
+        defaults.read(path)
+    assert "\n" not in str(refused.value)
+
+
+# The builder: adding a GPU model from a certify run ----------------------------------------------
+def certify_profile(tmp_path, name, entry, families, capability=(8, 9), torch_version="2.13.0"):
+    gpu = make_gpu(FakeGpu(capability, name, 24.0), entry, families, torch_version)
+    count = len(list(tmp_path.iterdir()))
+    path = tmp_path / f"{name}-{count}.json"
+    path.write_text(json.dumps({**make_profile(gpu), "created": f"2026-12-{count + 1:02d}T00:00:00+00:00"}))
+    return path
+
+
+OFF = make_entry(None, reasons=[reason("non_finite", "sm89-fp8-cuda on flux: NaN")])
+
+
+def test_the_command_adds_a_gpu_model_and_keeps_the_others(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    data = out / "defaults.json"
+    data.write_text(defaults.DATA.read_text())
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    sm89 = "sm89-fp8-cuda"
+    first = certify_profile(runs, "RTX 4090", OFF, {
+        "FLUX.1": make_entry(sm89, 2048, 512, [64, 128]), "SDXL": make_entry(sm89, 4096, 512, [64]),
+        "Wan 2.2": OFF})
+    second = certify_profile(runs, "RTX 4090", OFF, {
+        "FLUX.1": make_entry(sm89, 3072, 256, [128]), "Wan 2.2": make_entry(sm89, 1024, 512, [128]),
+        "SDXL": make_entry("sm89-fp8-cuda-fp32acc", 4096, 512, [64])})
+    assert defaults.main([str(first), str(second), "--out", str(data)]) == 0
+    assert "NVIDIA H200 (sm_90), RTX 4090 (sm_89)" in capsys.readouterr().out
+    measured, sources = defaults.read(data)
+    h200, rtx = measured.gpus
+    assert h200 == defaults.read()[0].gpus[0]
+    assert [s.file for s in sources][-2:] == [str(first), str(second)]
+    # The default kernel where every run served it: head_dim 128 (the second run served no 64), from
+    # the highest thresholds of those entries.
+    assert (rtx.default.variant, rtx.default.min_query_tokens, rtx.default.min_key_tokens,
+            rtx.default.head_dims) == ("sm89-fp8-cuda", 3072, 512, [128])
+    flux, sdxl, wan = (rtx.families[name] for name in ("FLUX.1", "SDXL", "Wan 2.2"))
+    assert (flux.variant, flux.min_query_tokens, flux.min_key_tokens, flux.head_dims) == \
+        ("sm89-fp8-cuda", 3072, 512, [128])
+    assert sdxl.variant is None and "different variants" in sdxl.reasons[0].detail
+    assert wan.variant is None and wan.reasons[0].detail == "sm89-fp8-cuda on flux: NaN"  # off once: off
+
+
+def test_the_command_refuses_what_is_not_a_profile(tmp_path, capsys):
+    bad = tmp_path / "report.json"
+    bad.write_text('{"kind": "sage-qual-report"}')
+    assert defaults.main([str(bad), "--out", str(tmp_path / "d.json")]) == 2
+    assert "is not a sage-qual profile" in capsys.readouterr().err
+    assert not (tmp_path / "d.json").exists()
