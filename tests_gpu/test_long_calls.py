@@ -69,11 +69,13 @@ def test_long_call_in_every_layout(variant_name, call, sage, runnable, record):
     record(test="long_call", variant=variant_name, kind=call, rel_l2=metrics["rel_l2"],
            max_rel_l2=bounds["max_rel_l2"], worst_block_rel_l2=metrics["worst_block_rel_l2"],
            identical=",".join(name for name, same in result.identical.items() if same))
-    # The variant's kernel served every call: contiguous first, then each view, as passed.
-    assert [c["layout"] for c in calls] == ["HND", "HND", "HND", "NHD"]
+    # The variant's kernel served every call: contiguous first, then the query with its row blocks
+    # reversed (issue 24), then each view, as passed.
+    assert [c["layout"] for c in calls] == ["HND", "HND", "HND", "HND", "NHD"]
     heads, kv_heads, dim = shape.heads, shape.kv_heads, shape.head_dim
-    assert calls[1]["q_stride"][2] == heads * dim  # transposed: [B, N, H, D] memory
-    assert calls[2]["v_stride"][2] == (heads + 2 * kv_heads) * dim  # fused QKV: one projection's stride
+    assert calls[1]["q_stride"] == calls[0]["q_stride"]  # the reversed query: contiguous again
+    assert calls[2]["q_stride"][2] == heads * dim  # transposed: [B, N, H, D] memory
+    assert calls[3]["v_stride"][2] == (heads + 2 * kv_heads) * dim  # fused QKV: one projection's stride
     assert result.rows_identical is True  # every row block gives its output wherever it sits (issue 24)
     assert result.finite, f"{variant_name} at {call}: output not finite"
     assert result.identical == {"transposed": True, "fused_qkv": True, "nhd": True}, result.reasons

@@ -114,6 +114,41 @@ def test_render_reads_no_fixture_file():
         assert not re.search(r"list_fixtures|load_fixture|read_fixtures", MODULES[module].read_text()), module
 
 
+# Plan once, execute anywhere (docs/plan-once.md): what a run does is data built in one module, run
+# by the executors, and a cell is measured in one place.
+TASK_RECORDS = {"EnvTask", "CellTask", "SdpaTask", "SpeedTask", "PairedTask", "LongTask", "SpanTask",
+                "ContextTask", "TargetMachineTask", "TargetCellTask"}
+
+
+def _called_names(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            function = node.func
+            names.add(function.attr if isinstance(function, ast.Attribute) else getattr(function, "id", ""))
+    return names
+
+
+def _callers(names: set[str]) -> set[str]:
+    return {m for m, path in MODULES.items() if _called_names(path) & names}
+
+
+def test_every_task_is_built_by_the_plan():
+    assert _callers(TASK_RECORDS) == {"sage_qual.qualification.run.plan"}
+
+
+def test_only_the_gpu_executor_and_the_pool_run_worker_jobs():
+    run = "sage_qual.qualification.run"
+    assert _callers({"run_tasks"}) == {f"{run}.workers", f"{run}.pool"}
+
+
+def test_one_function_measures_a_cell():
+    defined = {m for m, path in MODULES.items() for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.FunctionDef)
+               and node.name in ("measure_cell", "predict_cell", "_cell")}
+    assert defined == {"sage_qual.qualification.measure.cell"}
+
+
 def test_nothing_imports_the_cli():
     importers = sorted(m for m, deps in GRAPH.items()
                        if layer_of(m) != "cli" and any(layer_of(d) == "cli" for d in deps))
