@@ -80,24 +80,30 @@ def select(families: list[str] | None, directories: list[str] | None, quick: boo
 
 
 def read_fixtures(directories: list[str]) -> list[fileformat.Fixture]:
-    """Every fixture of the directories, loaded and checked; UsageError naming the file for one that
-    does not load, is not finite, or shares its name with another."""
-    fixtures, seen = [], {}
+    """Every fixture of the directories, loaded and checked (`load_checked`)."""
+    paths = []
     for directory in directories:
         try:
-            paths = fileformat.list_fixtures(directory)
+            paths += fileformat.list_fixtures(directory)
         except fileformat.FixtureError as error:
             raise UsageError(str(error)) from None
-        for path in paths:
-            try:
-                fixture = fileformat.load_fixture(path)
-            except fileformat.FixtureError as error:
-                raise UsageError(str(error)) from None
-            check_finite(fixture, path)
-            if fixture.name in seen:
-                raise UsageError(f"two fixtures named {fixture.name}: {seen[fixture.name]} and {path}")
-            seen[fixture.name] = path
-            fixtures.append(fixture)
+    return load_checked(paths)
+
+
+def load_checked(paths) -> list[fileformat.Fixture]:
+    """The fixture files, loaded; UsageError naming the file for one that does not load, is not
+    finite, or shares its name with another (certify, gate and the pytest plugin read through here)."""
+    fixtures, seen = [], {}
+    for path in paths:
+        try:
+            fixture = fileformat.load_fixture(path)
+        except fileformat.FixtureError as error:
+            raise UsageError(str(error)) from None
+        check_finite(fixture, path)
+        if fixture.name in seen:
+            raise UsageError(f"two fixtures named {fixture.name}: {seen[fixture.name]} and {path}")
+        seen[fixture.name] = path
+        fixtures.append(fixture)
     return fixtures
 
 

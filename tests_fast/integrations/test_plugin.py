@@ -111,6 +111,37 @@ def test_the_fixtures_hook_is_the_seam_for_what_the_tests_draw_from(pytest_run, 
         f"test_app.py::test_all[{fileformat.load_fixture(shipped[0]).name}]"]
 
 
+@pytest.mark.parametrize("damage, message", [
+    ("nan", "values are not finite; the reference needs finite inputs"),
+    ("twice", "two fixtures named "),
+])
+def test_the_fixtures_the_plugin_draws_are_checked_as_certify_checks_them(pytest_run, tmp_path, damage,
+                                                                          message):
+    """A fixture with a non-finite input, or two of one name, is a usage error naming the file, as
+    in certify and gate (`selection.load_checked`), not a test that measures on what is left."""
+    import torch
+
+    from sage_qual.fixtures.fileformat import save_fixture
+
+    folder = tmp_path / "fixtures"
+    folder.mkdir()
+    q, k, v = (torch.randn(1, 2, 32, 64).to(torch.bfloat16) for _ in range(3))
+    if damage == "nan":
+        q[0, 0, 3, 5] = float("nan")
+    save_fixture(folder / "a.safetensors", q, k, v, family="FLUX.1", kind="replica", source={"test": 1},
+                 provenance="random test data", bounds={cls: {"max_rel_l2": 0.1, "min_cosine": 0.99}
+                                                        for cls in ("fp16", "fp8")})
+    (tmp_path / "test_app.py").write_text("def test_x(sage_qual_fixture):\n    pass\n")
+    if damage == "twice":  # the fixtures hook hands one file twice
+        (tmp_path / "conftest.py").write_text(
+            "from pathlib import Path\n"
+            "def pytest_sage_qual_fixtures(config):\n"
+            f"    return [Path({str(folder / 'a.safetensors')!r})] * 2\n")
+    result = pytest_run(tmp_path, "--sage-qual-fixtures", str(folder))
+    assert result.returncode == 4, result.stdout + result.stderr
+    assert message in result.stderr and "a.safetensors" in result.stderr
+
+
 def test_the_machine_hook_is_the_seam_for_the_gpu_the_tests_run_on(pytest_run, tmp_path):
     (tmp_path / "conftest.py").write_text(
         "from sage_qual.qualification.integrations.pytest_plugin import Machine\n"

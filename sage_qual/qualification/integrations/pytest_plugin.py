@@ -178,12 +178,12 @@ def _marked_families(item_name: str, marker) -> list[families_mod.Family] | None
 def _loaded_fixtures(config):
     """The fixture files, loaded once; a UsageError is kept and raised after collection."""
     if _FIXTURE_FILES not in config.stash:
-        from sage_qual.fixtures import fileformat
+        from sage_qual.qualification import selection  # certify's and gate's reading and checks
 
         try:
             paths = config.hook.pytest_sage_qual_fixtures(config=config)
-            config.stash[_FIXTURE_FILES] = [fileformat.load_fixture(p) for p in paths]
-        except fileformat.FixtureError as error:
+            config.stash[_FIXTURE_FILES] = selection.load_checked(paths)
+        except selection.UsageError as error:  # the class selection raises, whatever re-imported errors
             config.stash[_FIXTURE_FILES] = pytest.UsageError(f"sage-qual: {error}")
         except pytest.UsageError as error:
             config.stash[_FIXTURE_FILES] = error
