@@ -40,7 +40,7 @@ from typing import Literal, Mapping
 import torch
 from packaging.version import InvalidVersion, Version
 
-from sage_qual import jsonfile, records
+from sage_qual import jsonfile, limits, records
 from sage_qual.limits import one_line
 from sage_qual.serving import platform, sage_package
 from sage_qual.serving.config import DEFAULT_CONFIG, LAYOUTS, WrapperConfig, served_from
@@ -140,9 +140,12 @@ class ProfileGpu:
     environment: ProfileEnvironment
     default: Entry
     families: dict[str, Entry]
+    # At most 2^31 - 1: certify never writes more (decide/profile.py says why), and past it the
+    # kernels' 32-bit offsets overflow: a hand-edited 2^40 would hand them views they fault on.
     max_span_elements: int | None = field(default=None, metadata={
-        "minimum": 1, "description": "largest element span and count of one tensor certified on this GPU; "
-                                     "null or absent: the default limit (2^31 - 1)"})
+        "minimum": 1, "maximum": limits.MAX_SPAN_ELEMENTS,
+        "description": "largest element span and count of one tensor certified on this GPU, at most "
+                       "2^31 - 1; null or absent: that default limit"})
 
     @property
     def label(self) -> str:

@@ -19,12 +19,12 @@ def ranged_entry(max_q=8192, max_k=4096, layouts=("contiguous", "transposed"), *
 
 
 def test_the_range_layouts_and_span_reach_the_devices_config():
-    gpu = {**make_gpu(entry=ranged_entry()), "max_span_elements": 3 * 2**30}
+    gpu = {**make_gpu(entry=ranged_entry()), "max_span_elements": 3 * 2**29}
     [only] = profile.device_configs(make_profile(gpu), [machine(H200)])
     config = only.config
     assert (config.max_query_tokens, config.max_key_tokens) == (8192, 4096)
     assert config.layouts == ("contiguous", "transposed")
-    assert config.max_span_elements == 3 * 2**30
+    assert config.max_span_elements == 3 * 2**29
     assert only.note.endswith("head_dim 128, up to 8192 query / 4096 key tokens, "
                               "layouts contiguous, transposed")
 
@@ -69,6 +69,8 @@ def test_a_malformed_entry_is_refused_in_one_line(name):
     (0, "gpus[0].max_span_elements: is 0, expected at least 1"),
     (2.5e9, "gpus[0].max_span_elements: is a number, expected an integer"),
     ("2147483647", "gpus[0].max_span_elements: is the string"),
+    (2**40, "gpus[0].max_span_elements: is 1099511627776, expected at most 2147483647"),
+    (2**31, "gpus[0].max_span_elements: is 2147483648, expected at most 2147483647"),
 ])
 def test_a_malformed_span_limit_is_refused(value, message):
     with pytest.raises(profile.ProfileError) as refused:
