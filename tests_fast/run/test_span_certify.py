@@ -68,6 +68,9 @@ def built(span_by_variant, devices=(0, 1)):
     for n, device in enumerate(data["devices"]):
         if n in devices:
             device["span"] = [p for variant, found in span_by_variant.items() for p in found]
+            if device["span"]:  # certify ran the long checks before the probes (without them: refused)
+                device["long"] = [c for variant in ("sm90-fp8-cuda", "sm89-fp8-cuda")
+                                  for c in builders.long_records(variant)]
     typed = checked.parse(data, "sample")
     return data, typed, records.dump(profile.build(typed, verdict.decide(typed)))["gpus"][0]
 
@@ -166,3 +169,16 @@ def test_certify_probes_in_workers_and_records_an_abort_and_a_fault_as_findings(
     assert gpu.get("max_span_elements") == (RUNG if served else None)  # the fake's speed decides `served`
     md = (out / "report.md").read_text()
     assert "### Span limits" in md and "sm90-fp8-cuda: 267,911,168 elements" in md
+
+
+def test_span_probes_without_the_long_checks_are_refused():
+    """Removing a report's long checks would lift the verdict's upper bound on the tokens served
+    while its span probes still stand: the reader names the device and the fix (issue 28)."""
+    data = built({"sm90-fp8-cuda": probes("sm90-fp8-cuda"), "sm89-fp8-cuda": probes("sm89-fp8-cuda")})[0]
+    checked.parse(data, "untouched")
+    for removed in ([], None):
+        bad = copy.deepcopy(data)
+        bad["devices"][1]["long"] = removed
+        with pytest.raises(report_model.ReportError,
+                           match=r"edited: devices\[1\]\.long: no long check beside \d+ span probe"):
+            checked.parse(bad, "edited")

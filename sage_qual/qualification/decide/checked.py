@@ -73,6 +73,12 @@ def check_evidence(report: Report, where: str) -> None:
     (`budgets.budget`) and cannot be recomputed without the fixture's tensors; the fixture's class
     bounds are provenance only, so a budget may be looser than them."""
     for n, device in enumerate(report.devices):
+        # Span probes run after the sweep, whose every variant job ends with its long checks: probes
+        # beside no long check mean the long checks were removed, and the verdict would lose its
+        # upper bound on the tokens served (issue 28).
+        if device.span and not device.long:
+            raise ReportError(f"{where}: devices[{n}].long: no long check beside {len(device.span)} span "
+                              "probe(s): certify runs both, so the long checks were removed; certify again")
         for m, cell in enumerate(device.cells):
             if not cell.measured:
                 continue
