@@ -115,35 +115,31 @@ def build(request: RunRequest, selection: Selection, machine: Machine, subjects:
     """The plan of a certify run of `subjects` on `machine` (in_process: the numerics model in this
     process, which neither times nor follows up)."""
     fixtures = selection.fixtures
+    target = isinstance(request.subject, Integration)
+    sweeps = not (target or in_process)  # times kernels, refines and follows up
+    shapes = speed_shapes(selection.families, request.quick) if sweeps else {}
+    checks = {} if target else _long_checks(selection, request.quick)
     devices, jobs = [], []
     for facts in machine.devices:
+        gpu = facts.gpu
         not_supported = {name: why for name, why in facts.not_supported.items() if name in subjects}
         skips = [Cell(variant=name, fixture=f.name, outcome=Outcome.SKIP, detail="; ".join(why))
                  for name, why in not_supported.items() for f in fixtures]
-        target = isinstance(request.subject, Integration)
-        gpu = facts.gpu
         devices.append(Device(index=gpu.index, name=gpu.name, capability=list(gpu.capability),
                               memory_gib=gpu.memory_gib, not_supported=not_supported, cells=skips,
                               speed=[], long=None if target else []))
         runnable = [name for name in subjects if name not in not_supported]
         if target:
-            jobs.append([_target_cells(runnable[0], facts.gpu, fixtures)] if runnable else [])
+            jobs.append([_target_cells(runnable[0], gpu, fixtures)] if runnable else [])
         elif in_process:
-            jobs.append([_predicted(runnable, fixtures, _long_checks(selection, request.quick))])
+            jobs.append([_predicted(runnable, fixtures, checks)])
         else:
-            jobs.append(None)  # below: they need the shapes
-    if target or in_process:
-        return Plan(request, selection, subjects, devices, {}, jobs, follows_up=False)
-    shapes = speed_shapes(selection.families, request.quick)
-    checks = _long_checks(selection, request.quick)
-    for slot, facts in enumerate(machine.devices):
-        runnable = [name for name in subjects if name not in devices[slot].not_supported]
-        if request.quick and request.subject.names is None:
-            # A pre-flight runs the kernel the wrapper would use on this GPU: all eight variants took
-            # 67 s with --quick on two H200s (device run 3), one is a worker's start and a few calls.
-            runnable = [name for name in runnable if name == facts.gpu.kernel]
-        jobs[slot] = _sweep(runnable, fixtures, shapes, checks, request.quick)
-    return Plan(request, selection, subjects, devices, shapes, jobs, follows_up=not request.quick)
+            if request.quick and request.subject.names is None:
+                # A pre-flight runs the kernel the wrapper would use on this GPU: all eight variants took
+                # 67 s with --quick on two H200s (device run 3), one is a worker's start and a few calls.
+                runnable = [name for name in runnable if name == gpu.kernel]
+            jobs.append(_sweep(runnable, fixtures, shapes, checks, request.quick))
+    return Plan(request, selection, subjects, devices, shapes, jobs, follows_up=sweeps and not request.quick)
 
 
 def _sweep(variants: list[str], fixtures: list[fileformat.Fixture], shapes: dict[str, ShapeEntry],

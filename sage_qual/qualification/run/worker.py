@@ -140,6 +140,11 @@ class Worker:
         finally:
             self.bench.release()
 
+    def _variant(self, task):
+        """The task's variant, and why the kernels cannot run it (None: they can)."""
+        variant = VARIANTS[task.variant]
+        return variant, self.kernels.problem(variant)
+
     # Handlers ------------------------------------------------------------------------------
     def env(self, task: tasks.EnvTask) -> tasks.EnvResult:
         machine = assess_machine()
@@ -149,8 +154,7 @@ class Worker:
         return task.record(Outcome.PASS, environment=env, not_supported=not_supported)
 
     def cell(self, task: tasks.CellTask):
-        variant = VARIANTS[task.variant]
-        problem = self.kernels.problem(variant)
+        variant, problem = self._variant(task)
         if problem:
             return task.record(Outcome.SKIP, detail=problem)
         fixture = fileformat.load_fixture(task.fixture, device=self.bench.device)
@@ -193,8 +197,7 @@ class Worker:
         cancels in their ratio: the sm90 kernel's times moved up to 10 % between H200 runs while
         SDPA's repeated to 3 digits (docs/results/README.md, run 10). The variant's timing, with
         SDPA's under "sdpa"."""
-        variant = VARIANTS[task.variant]
-        problem = self.kernels.problem(variant)
+        variant, problem = self._variant(task)
         if problem:
             return task.record(Outcome.SKIP, detail=problem,
                                sdpa=task.sdpa_record(Outcome.SKIP, detail=f"not timed: {problem}"))
@@ -243,8 +246,7 @@ class Worker:
         return timings, screened, refused
 
     def speed(self, task: tasks.SpeedTask):
-        variant = VARIANTS[task.variant]
-        problem = self.kernels.problem(variant)
+        variant, problem = self._variant(task)
         if problem:
             return task.record(Outcome.SKIP, detail=problem)
         q, k, v = self._tensors(task.shape)
@@ -255,8 +257,7 @@ class Worker:
     def long(self, task: tasks.LongTask):
         """A long check (`long_check`): the variant at one long call, in each layout of the task; the
         bench may run fewer tokens and heads, and fewer sampled blocks (`bench.long_blocks`)."""
-        variant = VARIANTS[task.variant]
-        problem = self.kernels.problem(variant)
+        variant, problem = self._variant(task)
         if problem:
             return task.record(Outcome.SKIP, detail=problem)
         s = task.shape
@@ -272,16 +273,14 @@ class Worker:
         """A span probe (`span_probe`): the variant on one tensor span near the 32-bit limit, cut down
         on fake GPUs (`bench.tokens`/`heads`); "pass" when right on the sampled rows, "fail" when
         wrong; a fault raises (and costs this worker only)."""
-        variant = VARIANTS[task.variant]
-        problem = self.kernels.problem(variant)
+        variant, problem = self._variant(task)
         if problem:
             return task.record(Outcome.SKIP, detail=problem)
         return span_probe.run_task(task, variant, self.kernels.package(), self.bench)
 
     def context(self, task: tasks.ContextTask):
         """The variant in every execution context (`context_check`): pass when every check passed."""
-        variant = VARIANTS[task.variant]
-        problem = self.kernels.problem(variant)
+        variant, problem = self._variant(task)
         if problem:
             return task.record(Outcome.SKIP, detail=problem)
         from sage_qual.qualification.measure import context_check  # torch.compile's imports: only here

@@ -22,6 +22,7 @@ from pathlib import Path
 from sage_qual import limits
 from sage_qual.errors import UsageError
 from sage_qual.qualification.evidence import files, tasks
+from sage_qual.qualification.evidence.report_model import Outcome
 from sage_qual.qualification.run import plan as plan_mod
 from sage_qual.qualification.run import pool
 from sage_qual.qualification.run.options import Integration, RunRequest, requested_devices
@@ -77,7 +78,7 @@ class WorkerExecutor:
 
         def ask(index: int) -> None:
             def answer(task, result: tasks.MachineResult) -> None:
-                reasons = result.reasons if result.outcome.value == "pass" else [result.detail]
+                reasons = result.reasons if result.outcome == Outcome.PASS else [result.detail]
                 found[index] = {target: reasons} if reasons else {}
 
             with gpu_env(index) as env:
