@@ -143,8 +143,9 @@ class _Reader:
         if origin is dict:
             if not isinstance(data, dict):
                 self.fail(key, f"is {_json_type_name(data)}, expected an object")
-            _, item = typing.get_args(tp)
-            return {k: self.value(item, x, f"{key}.{k}" if key else k) for k, x in data.items()}
+            keys, item = typing.get_args(tp)
+            paths = {k: f"{key}.{k}" if key else k for k in data}
+            return {self.value(keys, k, paths[k]): self.value(item, x, paths[k]) for k, x in data.items()}
         if dataclasses.is_dataclass(tp):
             return self.record(tp, data, key)
         raise TypeError(f"records cannot read {tp!r}")
@@ -220,7 +221,7 @@ def _plain(value):
     if isinstance(value, (list, tuple)):
         return [_plain(x) for x in value]
     if isinstance(value, dict):
-        return {k: _plain(x) for k, x in value.items()}
+        return {_plain(k): _plain(x) for k, x in value.items()}
     return value
 
 
@@ -258,7 +259,9 @@ def _schema_of(tp, defs: dict) -> dict:
     if origin is list:
         return {"type": "array", "items": _schema_of(typing.get_args(tp)[0], defs)}
     if origin is dict:
-        return {"type": "object", "additionalProperties": _schema_of(typing.get_args(tp)[1], defs)}
+        keys, item = typing.get_args(tp)
+        named = {} if keys is str else {"propertyNames": _schema_of(keys, defs)}
+        return {"type": "object", **named, "additionalProperties": _schema_of(item, defs)}
     if dataclasses.is_dataclass(tp):
         name = tp.__name__
         if name not in defs:

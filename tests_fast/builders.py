@@ -5,6 +5,7 @@ with `records.dump`, so a report a test builds is one certify could write, and t
 what it is about: every builder takes keyword overrides of its defaults. A test of a malformed
 report builds a valid one here and then breaks the dumped dict, so it shows which key is wrong."""
 
+import dataclasses
 import hashlib
 from pathlib import Path
 
@@ -14,7 +15,9 @@ from sage_qual import limits, records
 from sage_qual.qualification import families
 from sage_qual.qualification.evidence import tasks
 from sage_qual.qualification.evidence.report_model import (
+    SCHEMA_VERSION,
     AccuracyClass,
+    Budget,
     Cell,
     Device,
     DType,
@@ -23,8 +26,10 @@ from sage_qual.qualification.evidence.report_model import (
     FixtureRecord,
     GpuInfo,
     LongCheck,
+    Metrics,
     Options,
     Outcome,
+    PublishedBound,
     Reason,
     ReasonKind,
     Report,
@@ -89,8 +94,8 @@ def machine(gpu, torch_version=None, sageattention="2.2.0", torch_cuda="13.0"):
 
 
 # Report records ---------------------------------------------------------------------------------
-FIXTURE_BOUNDS = {"fp16": {"max_rel_l2": 0.05, "min_cosine": 0.99},
-                  "fp8": {"max_rel_l2": 0.12, "min_cosine": 0.98}}
+FIXTURE_BOUNDS = {AccuracyClass.FP16: PublishedBound(max_rel_l2=0.05, min_cosine=0.99),
+                  AccuracyClass.FP8: PublishedBound(max_rel_l2=0.12, min_cosine=0.98)}
 H200_DEVICE = ("NVIDIA H200", [9, 0], 139.8)  # name, capability, memory_gib as torch reports them
 MEASURED = (Outcome.PASS, Outcome.FAIL)
 
@@ -102,6 +107,18 @@ def read(cls, data: dict):
 
 def reason(kind: str, detail: str) -> Reason:
     return Reason(ReasonKind(kind), detail)
+
+
+def budget(max_rel_l2=0.06, min_cosine=0.99, **limits) -> Budget:
+    """A budget of these limits; a limit not named is null (not checked, as in an older report)."""
+    nulls = {f.name: None for f in dataclasses.fields(Budget)}
+    return Budget(**{**nulls, "max_rel_l2": max_rel_l2, "min_cosine": min_cosine, **limits})
+
+
+def metrics(finite=True, **numbers) -> Metrics:
+    """An output's metrics: these numbers, the others null (not measured)."""
+    nulls = {f.name: None for f in dataclasses.fields(Metrics)}
+    return Metrics(**{**nulls, "finite": finite, **numbers})
 
 
 def fixture(name="fx0", family="flux.1", **fields) -> FixtureRecord:
@@ -117,9 +134,10 @@ def cell(variant: str, fixture_: FixtureRecord, outcome="pass", **fields) -> Cel
     outcome = Outcome(outcome)
     if outcome in MEASURED:
         accuracy = VARIANTS[variant].accuracy_class
-        bounds = fixture_.bounds[accuracy]
-        values = {"accuracy_class": AccuracyClass(accuracy), "bounds": bounds, "finite": True,
-                  "rel_l2": bounds["max_rel_l2"] / 2, "worst_head_cosine": (1 + bounds["min_cosine"]) / 2,
+        published = fixture_.bounds[AccuracyClass(accuracy)]
+        values = {"accuracy_class": AccuracyClass(accuracy), "finite": True,
+                  "bounds": budget(published.max_rel_l2, published.min_cosine),
+                  "rel_l2": published.max_rel_l2 / 2, "worst_head_cosine": (1 + published.min_cosine) / 2,
                   "extra_bytes_per_element": 1.5}
     else:
         values = {"detail": f"test {outcome.value}"}
@@ -156,7 +174,7 @@ def report(devices, fixtures, shapes=None, variants=None, families_=("FLUX.1",),
                                       + [t.kernel for d in devices for t in d.speed if t.kernel != "sdpa"]))
     options = Options(devices=[d.index for d in devices], variants=list(variants), families=list(families_),
                       fixture_dirs=[], quick=False, timeout_s=90.0)
-    values = {"kind": "sage-qual-report", "schema_version": 2, "complete": True, "stopped": "",
+    values = {"kind": "sage-qual-report", "schema_version": SCHEMA_VERSION, "complete": True, "stopped": "",
               "started": "2026-11-30T10:00:00+00:00", "finished": "2026-11-30T10:05:00+00:00",
               "host": "test-box", "command": "tests_fast/builders.py", "options": options,
               "environment": environment(devices), "fixtures": list(fixtures), "shapes": shapes or {},
@@ -166,10 +184,9 @@ def report(devices, fixtures, shapes=None, variants=None, families_=("FLUX.1",),
 
 # Long-check records ------------------------------------------------------------------------------
 GOOD = {"rel_l2": 0.05, "worst_head_cosine": 0.999}
-BOUNDS = {"max_rel_l2": 0.06, "min_cosine": 0.99}
 
 
-def long_check(variant, heads, tokens, families_, layouts, outcome="pass", metrics=GOOD,
+def long_check(variant, heads, tokens, families_, layouts, outcome="pass", numbers=GOOD,
                identical=None) -> dict:
     """A LongCheck record's JSON: `variant` at `tokens` with `heads`, for `families_` (none: the
     sweep), `layouts` bit-identical unless `identical` says otherwise."""
@@ -178,7 +195,7 @@ def long_check(variant, heads, tokens, families_, layouts, outcome="pass", metri
     values = {"detail": "the worker ran this task when it died (killed by SIGSEGV)"}
     if Outcome(outcome) in MEASURED:
         same = {name: True for name in layouts if name != "contiguous"} if identical is None else identical
-        values = {"bounds": BOUNDS, "metrics": dict(metrics), "finite": True, "identical": same}
+        values = {"bounds": budget(), "metrics": metrics(**numbers), "identical": same}
     return records.dump(LongCheck(variant, shape, uses, list(layouts), Outcome(outcome), **values))
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import sage_qual
+from sage_qual import records
 from sage_qual.fixtures.fileformat import load_fixture
 from sage_qual.qualification.measure import accuracy, budgets, judge
 
@@ -39,17 +40,17 @@ def test_variant_on_fixture(variant_name, fixture_path, sage, runnable, wrapper_
     found = accuracy.accuracy(direct, q, k, v)
     budget = budgets.budget(variant, fixture)
     expected = budgets.expectation(variant, fixture)
-    reasons = judge.cell_reasons(found, 0.0, budget, math.inf)
+    reasons = judge.cell_reasons(found, 0.0, budget, math.inf, found.sdpa_rel_l2)
     record(test="accuracy", variant=variant.name, fixture=fixture.name, kind=fixture.kind,
-           family=fixture.family, **found.as_dict(), model_rel_l2=expected["rel_l2"],
-           model_finite=expected["model_finite"], model_hazards="; ".join(expected["model_hazards"]),
-           **{f"budget_{key}": x for key, x in budget.limits().items()},
+           family=fixture.family, **records.finite_or_none(vars(found)), model_rel_l2=expected.metrics.rel_l2,
+           model_finite=expected.model_finite, model_hazards="; ".join(expected.hazards),
+           **{f"budget_{key}": x for key, x in vars(budget).items()},
            reasons="; ".join(r.detail for r in reasons))
     label = f"{variant.name} on {fixture.kind} fixture {fixture.name}"
-    if expected["model_hazards"] and not found.finite:
+    if expected.hazards and not found.finite:
         pytest.xfail(f"{label}: non-finite output where the numerics model names a hazard: "
-                     + "; ".join(expected["model_hazards"]))
-    if not expected["model_finite"]:
+                     + "; ".join(expected.hazards))
+    if not expected.model_finite:
         assert not found.finite, (f"{label}: the numerics model predicts a non-finite output, the "
                                   f"kernel's is finite ({found.rel_l2:.4g}): the model is wrong here")
         pytest.xfail(f"{label}: non-finite output, as the numerics model predicts (a kernel defect)")

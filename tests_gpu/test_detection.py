@@ -71,8 +71,8 @@ def test_defect_keeps_off_exactly_the_families_it_reaches(kernel, defect, record
 def test_the_unmodified_kernel_keeps_off_only_what_the_model_predicts(kernel):
     variant, fixtures, clean, references, failing, _ = kernel
     expected = {f.name: budgets.expectation(variant, f) for f in fixtures}
-    predicted = {name for name, e in expected.items() if not e["model_finite"]}
-    foreseen = {name for name, e in expected.items() if e["model_hazards"]}
+    predicted = {name for name, e in expected.items() if not e.model_finite}
+    foreseen = {name for name, e in expected.items() if e.hazards}
     assert predicted <= failing <= predicted | foreseen, (
         "the clean kernel fails other fixtures than the numerics model predicts")
 

@@ -21,7 +21,7 @@ import torch
 
 from sage_qual.fixtures import numerics
 from sage_qual.fixtures.fileformat import list_fixtures, load_fixture, shipped_dir
-from sage_qual.qualification.decide import gate as gate_module
+from sage_qual.qualification.decide import budget_check
 from sage_qual.qualification.measure import accuracy, budgets
 from sage_qual.qualification.selftest import model_check
 from sage_qual.serving.variants import VARIANTS
@@ -92,24 +92,27 @@ def _check(sage, variant, name, q, k, v, expected, record) -> None:
 
 
 def _report(variant, name, found, expected, record) -> None:
-    rel = found["rel_l2"] if found["finite"] else math.inf
-    row = model_check.Row(variant.name, name, rel, found["finite"], expected["rel_l2"],
-                          expected["model_finite"], bool(expected.get("model_hazards")),
-                          kernel_max_abs=found["max_abs_error"], model_max_abs=expected["max_abs_error"],
+    model = expected.metrics
+    rel = found.rel_l2 if found.finite else math.inf
+    row = model_check.Row(variant.name, name, rel, found.finite, model.rel_l2,
+                          expected.model_finite, bool(expected.hazards),
+                          kernel_max_abs=found.max_abs_error, model_max_abs=model.max_abs_error,
                           max_abs_budget=budgets.from_expected(expected).max_abs)
     _rows.append(row)
-    detail = {"variant": variant.name, "fixture": name, "kernel": found, "model": expected,
+    detail = {"variant": variant.name, "fixture": name, "kernel": vars(found),
+              "model": {**vars(model), "model_finite": expected.model_finite, "rounding": expected.rounding,
+                        "model_hazards": list(expected.hazards)},
               "ratio": row.ratio, "agrees": row.agrees, "max_abs_ratio": row.max_abs_ratio,
               "max_abs_budget": row.max_abs_budget, "within_max_abs": row.within_max_abs}
     _details.append(detail)
     _write()
     record(test="numerics", variant=variant.name, fixture=name, kernel_rel_l2=rel,
-           kernel_finite=found["finite"], model_rel_l2=expected["rel_l2"],
-           model_finite=expected["model_finite"], ratio=row.ratio,
-           **{f"kernel_{key}": found[key] for key in SLICES},
-           **{f"model_{key}": expected[key] for key in SLICES})
-    assert row.agrees, (f"{variant.name} on {name}: kernel rel L2 {rel:.5g} (finite {found['finite']}), "
-                        f"model {expected['rel_l2']:.5g} (finite {expected['model_finite']})")
+           kernel_finite=found.finite, model_rel_l2=model.rel_l2,
+           model_finite=expected.model_finite, ratio=row.ratio,
+           **{f"kernel_{key}": getattr(found, key) for key in SLICES},
+           **{f"model_{key}": getattr(model, key) for key in SLICES})
+    assert row.agrees, (f"{variant.name} on {name}: kernel rel L2 {rel:.5g} (finite {found.finite}), "
+                        f"model {model.rel_l2:.5g} (finite {expected.model_finite})")
     assert row.within_max_abs, (f"{variant.name} on {name}: kernel max |out - ref| "
                                 f"{row.kernel_max_abs:.5g} > budget {row.max_abs_budget:.5g} (model "
                                 f"{row.model_max_abs:.5g}): widen budgets.MAX_ABS_FACTOR from this "
@@ -138,5 +141,5 @@ def test_element_wise_budgets_derived_on_the_gpu_pass_the_gates_check_on_the_cpu
             on_gpu, on_cpu = (budgets.from_expected(budgets.expected(variant, f.q, f.k, f.v))
                               for f in (gpu_fixture, cpu_fixture))
             where = f"{variant.name} on {cpu_fixture.name}"
-            assert gate_module._looser(where, on_gpu.limits(), on_cpu.limits()) == "", (on_gpu.max_abs,
-                                                                                         on_cpu.max_abs)
+            stored, derived = budget_check.limits(on_gpu), budget_check.limits(on_cpu)
+            assert budget_check._looser(where, stored, derived) == "", (on_gpu.max_abs, on_cpu.max_abs)

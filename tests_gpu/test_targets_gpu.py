@@ -59,9 +59,9 @@ def _foreseen_non_finite(target, fixture, box, detail: str) -> str:
     if "first-call check failed" not in detail or not ("nan" in detail or "inf" in detail):
         return ""
     variant = target.variant(box.capability)
-    expected = budgets.expectation(variant, fixture) if variant else {}
-    why = ("; ".join(expected.get("model_hazards") or [])
-           or ("" if expected.get("model_finite", True) else "the numerics model predicts non-finite output"))
+    expected = budgets.expectation(variant, fixture) if variant else None
+    why = "" if expected is None else ("; ".join(expected.hazards) or (
+        "" if expected.model_finite else "the numerics model predicts non-finite output"))
     if not why:
         return ""
     return (f"{target.name} on {fixture.name}: the first-call check caught the kernel's non-finite "

@@ -21,7 +21,13 @@ import pytest
 
 from sage_qual import records
 from sage_qual.qualification.decide import checked, fleet, gate, verdict
-from sage_qual.qualification.evidence.report_model import Cell, FixtureRecord, Speed
+from sage_qual.qualification.evidence.report_model import (
+    AccuracyClass,
+    Cell,
+    FixtureRecord,
+    PublishedBound,
+    Speed,
+)
 from sage_qual.qualification.families import FAMILIES, find
 from sage_qual.qualification.measure import judge
 from sage_qual.qualification.render import plots
@@ -37,7 +43,8 @@ MODELS = [  # name, capability, memory_gib
     ("NVIDIA A100-SXM4-80GB", [8, 0], 79.3),
 ]
 FIXTURE_FAMILIES = ["flux.1", "qwen-image", "sdxl", "wan-2.2", "z-image", "generic", "cross-attention"]
-BOUNDS = {"fp16": {"max_rel_l2": 0.05, "min_cosine": 0.99}, "fp8": {"max_rel_l2": 0.12, "min_cosine": 0.98}}
+BOUNDS = {AccuracyClass.FP16: PublishedBound(max_rel_l2=0.05, min_cosine=0.99),
+          AccuracyClass.FP8: PublishedBound(max_rel_l2=0.12, min_cosine=0.98)}
 REPORTS = 30
 
 
@@ -47,20 +54,16 @@ def _cell(rng: random.Random, variant: str, fixture: FixtureRecord) -> Cell | No
         return None  # never recorded: the variant is incomplete on this device
     if roll < 0.12:
         return builders.cell(variant, fixture, rng.choice(["crash", "oom", "timeout", "skip"]))
-    bounds = dict(fixture.bounds[VARIANTS[variant].accuracy_class])
+    published = fixture.bounds[AccuracyClass(VARIANTS[variant].accuracy_class)]
+    bounds = builders.budget(published.max_rel_l2, published.min_cosine)
     failing = roll < 0.25
-    rel_l2 = bounds["max_rel_l2"] * (rng.uniform(1.1, 4) if failing else rng.uniform(0.2, 0.95))
-    metrics = {
-        "rel_l2": rel_l2,
-        "worst_head_cosine": rng.uniform(max(bounds["min_cosine"], 0.9), 1.0),
-        "finite": True,
-        "sdpa_rel_l2": 0.002,
-        "error_vs_sdpa": rel_l2 / 0.002,
-    }
+    rel_l2 = bounds.max_rel_l2 * (rng.uniform(1.1, 4) if failing else rng.uniform(0.2, 0.95))
+    numbers = {"rel_l2": rel_l2, "worst_head_cosine": rng.uniform(max(bounds.min_cosine, 0.9), 1.0)}
     extra = rng.uniform(1.2, 1.8)
-    reasons = judge.cell_reasons(metrics, extra, bounds, 2.5)
+    reasons = judge.cell_reasons(builders.metrics(**numbers), extra, bounds, 2.5, 0.002)
     return builders.cell(variant, fixture, "fail" if reasons else "pass", reasons=reasons, bounds=bounds,
-                         extra_bytes_per_element=extra, **metrics)
+                         extra_bytes_per_element=extra, finite=True, sdpa_rel_l2=0.002,
+                         error_vs_sdpa=rel_l2 / 0.002, **numbers)
 
 
 def _timing(rng: random.Random, kernel: str, key: str, ms: float) -> Speed:

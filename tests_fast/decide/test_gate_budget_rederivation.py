@@ -8,6 +8,7 @@ cuda:2 an RTX 4090) with its fixtures written as real files; every measured cell
 fixture holds the budget `budgets.budget` derives from that file, with numbers inside it.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -30,7 +31,7 @@ APP = "my_app_not_installed.attention:sage_sdpa"  # a certify --target function 
 
 
 def derive(cell: dict, variant, fixtures: dict) -> None:
-    budget = budgets.budget(variant, fixtures[cell["fixture"]]).limits()
+    budget = dataclasses.asdict(budgets.budget(variant, fixtures[cell["fixture"]]))
     cell.update(bounds=budget, **_within(budget))
 
 

@@ -2,7 +2,7 @@
 
 The JSON files in tests_fast/data are hand-made samples with synthetic numbers (see the README
 there) in schema version 1, the format certify wrote before version 2: they also prove that
-version 1 still reads.
+version 1 still reads, upgraded to the current version (3).
 """
 
 import copy
@@ -30,11 +30,10 @@ def sample(name: str = "sample_h200_2gpu.json") -> dict:
     return json.loads((DATA / name).read_text())
 
 
-def as_version_2(data: dict) -> dict:
-    """A version 1 sample as certify writes version 2: the same evidence, no stored analysis."""
-    data = {k: v for k, v in data.items() if k != "gpus"}
-    data["schema_version"] = 2
-    return data
+def as_current(data: dict) -> dict:
+    """A version 1 sample as certify writes the current version: the same evidence, no stored
+    analysis, every limit of a budget present (null where version 1 had none)."""
+    return files.upgrade(data, 1)
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +53,13 @@ def test_the_committed_schema_is_the_generated_one():
 
 
 @pytest.mark.parametrize("path", SAMPLES, ids=lambda p: p.stem)
-def test_version_1_samples_read_and_their_evidence_validates_as_version_2(path, validator):
+def test_version_1_samples_read_and_their_evidence_validates_as_the_current_version(path, validator):
     data = json.loads(path.read_text())
     loaded = checked.load(path)
-    assert loaded.schema_version == 2 and loaded.host == data["host"]
+    assert loaded.schema_version == report_model.SCHEMA_VERSION and loaded.host == data["host"]
     assert len(loaded.devices) == len(data["devices"])
-    assert errors(validator, as_version_2(data)) == []
+    assert errors(validator, as_current(data)) == []
+    assert errors(validator, records.dump(loaded)) == []  # and as this sage-qual writes it back
 
 
 @pytest.mark.parametrize("damage", [lambda d: d.update(complete="false"), lambda d: d.pop("environment"),
@@ -70,7 +70,7 @@ def test_version_1_samples_read_and_their_evidence_validates_as_version_2(path, 
                          ids=["string complete", "no environment", "unknown key", "unknown outcome",
                               "short capability", "bad sha256"])
 def test_the_schema_rejects_what_load_refuses(validator, damage):
-    data = as_version_2(sample())
+    data = as_current(sample())
     damage(data)
     assert errors(validator, data)
 
@@ -151,8 +151,8 @@ DAMAGE = {
                             "devices[0].capability: has 3 items, expected 2"),
     "cell of an unknown fixture": (edit(lambda d: d["devices"][0]["cells"][0].update(fixture="ghost")),
                                    "'ghost' is not in `fixtures`"),
-    "future schema": (edit(lambda d: d.update(schema_version=3)),
-                      "schema_version: 3 is newer than this sage-qual reads (1, 2); upgrade sage-qual"),
+    "future schema": (edit(lambda d: d.update(schema_version=4)),
+                      "schema_version: 4 is newer than this sage-qual reads (1, 2, 3); upgrade sage-qual"),
     "complete without finish": (edit(lambda d: d.update(finished=None)), "finished: null in a report marked "
                                                                           "complete"),
 }
@@ -245,7 +245,7 @@ def test_gate_refuses_a_report_whose_cells_were_edited_to_pass(tmp_path, capsys)
 
 # Writing and rendering -------------------------------------------------------------------------
 def test_writer_rewrites_the_file_after_each_change(tmp_path, validator):
-    partial = checked.parse(as_version_2(sample("sample_partial.json")), "sample_partial.json")
+    partial = checked.parse(as_current(sample("sample_partial.json")), "sample_partial.json")
     writer = files.Writer(tmp_path / "report.json", partial)
     cell = partial.devices[0].cells[0]
     writer.append(1, "cells", cell)
@@ -260,7 +260,7 @@ def test_writer_rewrites_the_file_after_each_change(tmp_path, validator):
 
 def test_appends_write_what_a_whole_dump_writes(tmp_path):
     # Appends dump only what they add: the file must still be the whole record's dump, each time.
-    partial = checked.parse(as_version_2(sample("sample_partial.json")), "sample_partial.json")
+    partial = checked.parse(as_current(sample("sample_partial.json")), "sample_partial.json")
     writer = files.Writer(tmp_path / "report.json", partial)
     for position, field, items in [(1, "cells", partial.devices[0].cells[:2]), (0, "speed", []),
                                    (1, "speed", partial.devices[0].speed[:1]), (1, "cells", [])]:
@@ -274,7 +274,7 @@ def test_appends_write_what_a_whole_dump_writes(tmp_path):
     {"outcome": "crash"},  # a crash says why in its detail
 ])
 def test_writer_refuses_what_the_reader_would_refuse(tmp_path, change):
-    partial = checked.parse(as_version_2(sample("sample_partial.json")), "sample_partial.json")
+    partial = checked.parse(as_current(sample("sample_partial.json")), "sample_partial.json")
     writer = files.Writer(tmp_path / "report.json", partial)
     before = (tmp_path / "report.json").read_text()
     broken = dataclasses.replace(partial.devices[0].cells[0], detail="", **change)

@@ -29,9 +29,11 @@ LONG = {
     "uses": [{"family": "FLUX.1", "label": "joint"}],
     "layouts": ["contiguous"],
     "outcome": "pass",
-    "bounds": {"max_rel_l2": 0.1},
-    "finite": True,
-    "metrics": {"rel_l2": 0.05, "worst_head_cosine": 0.999},
+    "bounds": {"max_rel_l2": 0.1, "max_head_rel_l2": None, "max_batch_rel_l2": None, "max_block_rel_l2": None,
+               "min_norm_ratio": None, "max_norm_ratio": None, "min_cosine": 0.99, "max_abs": None},
+    "metrics": {"rel_l2": 0.05, "worst_head_cosine": 0.999, "finite": True, "worst_head_rel_l2": None,
+                "worst_batch_rel_l2": None, "worst_block_rel_l2": None, "norm_ratio": None,
+                "max_abs_error": None},
 }
 SPAN = {
     "variant": "sm90-fp8-cuda",
@@ -49,10 +51,9 @@ SPAN = {
 
 
 def valid() -> dict:
-    """The H200 sample as a version 2 report, with one long check and one span probe on cuda:0."""
-    data = json.loads(SAMPLE.read_text())
-    data.pop("gpus")
-    data["schema_version"] = 2
+    """The H200 sample (version 1) as the current version writes it, with one long check and one span
+    probe on cuda:0."""
+    data = files.upgrade(json.loads(SAMPLE.read_text()), 1)
     data["devices"][0]["long"] = [copy.deepcopy(LONG)]
     data["devices"][0]["span"] = [copy.deepcopy(SPAN)]
     return data
@@ -98,23 +99,53 @@ def test_a_foreign_document_is_not_a_report(data):
 
 
 def test_a_newer_schema_says_to_upgrade():
-    assert refused(lambda d: d.update(schema_version=3)) == (
-        "schema_version: 3 is newer than this sage-qual reads (1, 2); upgrade sage-qual"
+    assert refused(lambda d: d.update(schema_version=4)) == (
+        "schema_version: 4 is newer than this sage-qual reads (1, 2, 3); upgrade sage-qual"
     )
 
 
 @pytest.mark.parametrize("version", [0, True, "2", None, 1.5])
 def test_an_unreadable_schema_version_is_refused_with_the_fix(version):
     message = refused(lambda d: d.update(schema_version=version))
-    assert message == f"schema_version: {version!r} is not a report schema version (1, 2)"
+    assert message == f"schema_version: {version!r} is not a report schema version (1, 2, 3)"
 
 
-def test_a_version_1_report_drops_its_stored_analysis_and_reads_as_version_2():
+def test_a_version_1_report_drops_its_stored_analysis_and_reads_as_the_current_version():
     data = json.loads(SAMPLE.read_text())
     assert data["schema_version"] == 1 and "gpus" in data
     parsed = files.from_dict(data, "r.json")
-    assert parsed.schema_version == 2
+    assert parsed.schema_version == report_model.SCHEMA_VERSION == 3
     assert data["schema_version"] == 1 and "gpus" in data  # the caller's dict is not changed
+    # Its budgets held two limits: the others read as null, and judge checks no null limit.
+    budget = parsed.devices[0].cells[0].bounds
+    assert (budget.max_rel_l2, budget.min_cosine) == tuple(data["devices"][0]["cells"][0]["bounds"].values())
+    assert budget.max_abs is None and budget.max_head_rel_l2 is None
+
+
+def test_a_version_2_long_check_moves_its_finiteness_into_its_metrics():
+    data = valid()
+    data["schema_version"] = 2
+    long = data["devices"][0]["long"][0]
+    long["finite"] = long["metrics"].pop("finite")
+    long["bounds"] = {"max_rel_l2": 0.1, "min_cosine": 0.99}  # version 2: a mapping of the limits it had
+    long["metrics"] = {"rel_l2": 0.05, "worst_head_cosine": 0.999}
+    parsed = files.from_dict(data, "r.json").devices[0].long[0]
+    assert parsed.metrics.finite is True and parsed.metrics.rel_l2 == 0.05
+    assert parsed.metrics.norm_ratio is None
+    assert parsed.bounds.max_rel_l2 == 0.1 and parsed.bounds.max_abs is None
+    long.update(metrics={}, finite=None, outcome="crash", detail="killed by SIGSEGV")
+    assert files.from_dict(data, "r.json").devices[0].long[0].metrics is None
+
+
+def test_the_current_version_holds_every_limit_and_metric():
+    """Version 3 stores each limit of a budget and each number of a long check's metrics: one left out
+    is refused (a version 2 mapping could lack any)."""
+    assert refused(lambda d: d["devices"][0]["long"][0]["bounds"].pop("max_abs")) == (
+        "devices[0].long[0].bounds.max_abs: missing")
+    assert refused(lambda d: d["devices"][0]["long"][0]["metrics"].pop("norm_ratio")) == (
+        "devices[0].long[0].metrics.norm_ratio: missing")
+    assert refused(lambda d: cell(d)["bounds"].update(min_cosine=None)) == (
+        "devices[0].cells[0].bounds.min_cosine: is null, expected a number")
 
 
 def test_a_missing_file_says_to_certify(tmp_path):
@@ -349,14 +380,15 @@ def test_a_timed_shape_stands_for_a_call():
 @pytest.mark.parametrize(
     "name, value, low, high",
     [
-        ("rel_l2", -0.01, 0.0, "inf"),
+        ("rel_l2", -0.01, 0, "inf"),
         ("worst_head_cosine", 1.002, -1.001, 1.001),
         ("worst_head_cosine", -1.002, -1.001, 1.001),
     ],
 )
 def test_a_long_checks_metric_stays_in_its_range(name, value, low, high):
+    bound = f"at least {low}" if value < low else f"at most {high}"
     assert refused(lambda d: d["devices"][0]["long"][0]["metrics"].update({name: value})) == (
-        f"devices[0].long[0].metrics.{name}: {value} is outside [{low}, {high}]"
+        f"devices[0].long[0].metrics.{name}: is {value}, expected {bound}"
     )
 
 
@@ -374,8 +406,8 @@ def test_a_long_checks_metric_at_its_range_edge_reads(name, value):
     assert reads(lambda d: d["devices"][0]["long"][0]["metrics"].update({name: value}))
 
 
-@pytest.mark.parametrize("missing", ["bounds", "finite"])
-def test_a_measured_long_check_has_its_budget_and_finiteness(missing):
+@pytest.mark.parametrize("missing", ["bounds", "metrics"])
+def test_a_measured_long_check_has_its_budget_and_metrics(missing):
     assert refused(lambda d: d["devices"][0]["long"][0].update({missing: None})) == (
         f"devices[0].long[0].{missing}: missing for a long check whose outcome is 'pass'"
     )
@@ -387,7 +419,7 @@ def test_a_long_check_that_did_not_run_says_why():
     )
     assert reads(
         lambda d: d["devices"][0]["long"][0].update(
-            outcome="timeout", bounds=None, finite=None, detail="ran past 90 s"
+            outcome="timeout", bounds=None, metrics=None, detail="ran past 90 s"
         )
     )
     failed = reads(lambda d: d["devices"][0]["long"][0].update(outcome="fail"))
@@ -434,5 +466,5 @@ def test_a_devices_model_is_its_name_and_capability():
 
 def test_the_json_schema_names_this_version():
     schema = files.json_schema()
-    assert schema["$id"] == "https://sage-qual.invalid/report/2"
-    assert "schema version 2" in schema["title"]
+    assert schema["$id"] == "https://sage-qual.invalid/report/3"
+    assert "schema version 3" in schema["title"]

@@ -12,7 +12,7 @@ import pytest
 
 from sage_qual import cli, jsonfile, records
 from sage_qual.qualification.decide import checked
-from sage_qual.qualification.evidence import report_model
+from sage_qual.qualification.evidence import files, report_model
 from sage_qual.qualification.evidence.report_model import Cell, Outcome
 
 from ..builders import read, reason
@@ -37,8 +37,8 @@ def failing_copy_first(data: dict) -> None:
     a verdict taken per (variant, fixture) would see only the pass."""
     cells = data["devices"][0]["cells"]
     index = next(n for n, c in enumerate(cells) if c["outcome"] == "pass")
-    passing = read(Cell, cells[index])
-    failing = replace(passing, outcome=Outcome.FAIL, rel_l2=passing.bounds["max_rel_l2"] * 3,
+    passing = read(Cell, files.upgrade({"devices": [{"cells": [cells[index]]}]}, 1)["devices"][0]["cells"][0])
+    failing = replace(passing, outcome=Outcome.FAIL, rel_l2=passing.bounds.max_rel_l2 * 3,
                       reasons=[reason("accuracy", "relative L2 over its bound")])
     cells.insert(index, records.dump(failing))
 

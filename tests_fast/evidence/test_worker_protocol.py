@@ -27,6 +27,7 @@ from sage_qual.qualification.evidence.report_model import (
 )
 from sage_qual.qualification.run import pool
 from sage_qual.serving.env_record import EnvironmentRecord
+from tests_fast import builders
 
 SHAPE = tasks.shape_spec(families.self_attention(24, 8192, 128).as_dict())
 FIXTURE = "/f/flux1_1024.safetensors"
@@ -55,7 +56,7 @@ def test_a_task_reads_back_as_itself(task):
     assert tasks.parse_task(sent) == task
 
 
-BUDGET = {"max_rel_l2": 0.06, "min_cosine": 0.99}
+BUDGET = builders.budget(max_abs=0.5)
 RESULTS = [
     (tasks.EnvTask("env"), tasks.EnvResult(Outcome.PASS, EnvironmentRecord(
         "0.2", "3.11", "Linux", "2.11.0", "13.0", "9.1", "580", "3.6", "2.2.0", "", {"_qattn_sm90": "ok"},
@@ -70,8 +71,9 @@ RESULTS = [
                           Speed("sdpa", "k", Outcome.PASS, 2.0, samples_ms=[2.0], best_backend="cudnn",
                                 backends={"cudnn": 2.0, "flash": 2.5}))),
     (PAIRED, tasks.Paired(Speed("sm90-fp8-cuda", "k", Outcome.CRASH, None, detail="died"))),
-    (LONG, LONG.record(Outcome.PASS, bounds=BUDGET, metrics={"rel_l2": 0.05, "worst_head_cosine": None},
-                       finite=True, identical={"transposed": True}, rows=[0, 128], row_block=128)),
+    (LONG, LONG.record(Outcome.PASS, bounds=BUDGET,
+                       metrics=builders.metrics(rel_l2=0.05, worst_head_cosine=None),
+                       identical={"transposed": True}, rows=[0, 128], row_block=128)),
     (SPAN, SPAN.record(Outcome.CRASH, detail="it died (killed by SIGABRT)", stderr_tail="Assertion")),
     (CONTEXT, CONTEXT.record(Outcome.FAIL, detail="not bit-identical to the eager call: capture", runs=[
         ContextRun("side_stream", 1, 1, True, True, 0.0, 0.0, 0.038),

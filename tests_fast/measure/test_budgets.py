@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sage_qual.fixtures.fileformat import list_fixtures, load_fixture, shipped_dir
-from sage_qual.qualification.evidence.report_model import Reason, ReasonKind
+from sage_qual.qualification.evidence.report_model import Metrics, Reason, ReasonKind
 from sage_qual.qualification.measure import accuracy, budgets, judge
 from sage_qual.serving.variants import VARIANTS
 
@@ -40,17 +40,17 @@ def test_every_budget_can_be_met(variant_name, fixture_name, loaded):
     variant = VARIANTS[variant_name]
     budget = budgets.budget(variant, fixture)
     # Every limit of the judgement is derived, and each stays in its metric's range.
-    assert set(budget.limits()) == set(judge.LIMITS)
+    assert set(vars(budget)) == set(judge.LIMITS)
     assert -1.0 <= budget.min_cosine < 1.0
     assert 0.0 < budget.min_norm_ratio <= 1.0 <= budget.max_norm_ratio
     assert budget.max_abs >= 0.0
-    assert all(getattr(budget, limit) >= 0.0 for limit in budgets.ERRORS)
+    assert all(getattr(budget, limit) >= 0.0 for limit in judge.LIMITS if limit.startswith("max_"))
     # The exact output passes.
     assert _reasons(ref, ref, budget) == []
     # A kernel that returns what the model predicts passes, unless the model predicts non-finite.
     expected = budgets.expectation(variant, fixture)
     reasons = _reasons(budgets.prediction(variant, fixture), ref, budget)
-    if expected["model_finite"]:
+    if expected.model_finite:
         assert reasons == [], reasons
     else:
         assert [r.kind for r in reasons][:1] == [ReasonKind.NON_FINITE]
@@ -58,16 +58,16 @@ def test_every_budget_can_be_met(variant_name, fixture_name, loaded):
 
 def test_a_cosine_the_model_rounds_above_one_gives_a_bound_below_one():
     # sm80-fp16-cuda on qwen_image_b52_value_offset: the model's float32 cosine 1.0000405 (issue 19).
-    found = {"rel_l2": 0.001, "worst_head_rel_l2": 0.001, "worst_batch_rel_l2": 0.001,
-             "worst_block_rel_l2": 0.001, "norm_ratio": 1.0, "worst_head_cosine": 1.0000405,
-             "max_abs_error": 8.0, "rounding": 54.8}
+    found = budgets.Expected(Metrics(rel_l2=0.001, worst_head_rel_l2=0.001, worst_batch_rel_l2=0.001,
+                                     worst_block_rel_l2=0.001, norm_ratio=1.0, worst_head_cosine=1.0000405,
+                                     finite=True, max_abs_error=8.0), model_finite=True, rounding=54.8)
     assert budgets.from_expected(found).min_cosine == budgets.MAX_MIN_COSINE < 1.0
 
 
 def test_the_element_wise_bound_is_twice_the_models_error_plus_output_rounding():
-    found = {"rel_l2": 0.05, "worst_head_rel_l2": 0.05, "worst_batch_rel_l2": 0.05,
-             "worst_block_rel_l2": 0.06, "norm_ratio": 1.0, "worst_head_cosine": 0.999,
-             "max_abs_error": 0.25, "rounding": 0.0625}
+    found = budgets.Expected(Metrics(rel_l2=0.05, worst_head_rel_l2=0.05, worst_batch_rel_l2=0.05,
+                                     worst_block_rel_l2=0.06, norm_ratio=1.0, worst_head_cosine=0.999,
+                                     finite=True, max_abs_error=0.25), model_finite=True, rounding=0.0625)
     assert budgets.from_expected(found).max_abs == pytest.approx(2 * 0.25 + 0.0625)
 
 
@@ -75,8 +75,8 @@ def test_the_rounding_allowance_is_two_epsilons_of_the_output_dtype_at_the_large
     ref = torch.tensor([[[[-3.0, 2.0], [0.5, 1.0]]]])
     for dtype in (torch.bfloat16, torch.float16):
         found = budgets.metrics_of(ref.to(dtype), ref)
-        assert found["rounding"] == pytest.approx(2 * torch.finfo(dtype).eps * 3.0)
-        assert found["max_abs_error"] == 0.0
+        assert found.rounding == pytest.approx(2 * torch.finfo(dtype).eps * 3.0)
+        assert found.metrics.max_abs_error == 0.0
 
 
 # Fixtures with an FP8-sized error (relative L2 0.05-0.17), where one element off by 3x the output's

@@ -2,8 +2,11 @@
 (SDPA's error beside a relative L2 only), only the limits a budget holds are checked, a finite flag
 that is not exactly true fails, and the long checks' layout reasons."""
 
+import dataclasses
+
 import pytest
 
+from sage_qual.qualification.evidence.report_model import Budget, Metrics
 from sage_qual.qualification.measure import judge
 
 BUDGET = {
@@ -40,8 +43,17 @@ def pairs(reasons) -> list[tuple[str, str]]:
     return found
 
 
-def judged(metrics, per_element=2.5, budget=BUDGET, bound=2.5):
-    return pairs(judge.cell_reasons(metrics, per_element, budget, bound))
+def judged(values, per_element=2.5, budget=BUDGET, bound=2.5):
+    """The reasons for a stored cell's numbers `values` (a missing one null, sdpa_rel_l2 beside the
+    metrics) against the limits `budget` (a missing one null: not checked)."""
+    if not isinstance(values, Metrics):
+        values = dict(values)
+        sdpa_rel_l2 = values.pop("sdpa_rel_l2", None)
+        values = Metrics(**{f.name: values.get(f.name) for f in dataclasses.fields(Metrics)})
+    else:
+        sdpa_rel_l2 = getattr(values, "sdpa_rel_l2", None)
+    limits = Budget(**{f.name: budget.get(f.name) for f in dataclasses.fields(Budget)})
+    return pairs(judge.cell_reasons(values, per_element, limits, bound, sdpa_rel_l2))
 
 
 def test_every_metric_exactly_at_its_bound_passes():
@@ -122,8 +134,8 @@ def test_an_unmeasured_metric_is_named_once_with_its_label():
 
 
 def test_a_budget_limit_that_is_not_a_number_says_which():
-    assert judged(AT_BOUNDS, budget={"min_cosine": None}) == [
-        ("accuracy", "budget min_cosine is not a number: None")
+    assert judged(AT_BOUNDS, budget={"min_cosine": "0.9"}) == [
+        ("accuracy", "budget min_cosine is not a number: '0.9'")
     ]
     assert judged(AT_BOUNDS, budget={"max_rel_l2": True}) == [
         ("accuracy", "budget max_rel_l2 is not a number: True")
@@ -134,11 +146,13 @@ def test_integers_are_numbers():
     assert judged({**AT_BOUNDS, "max_abs_error": 0}, budget={"max_abs": 1}) == []
 
 
-def test_a_record_with_the_metric_fields_is_judged_as_a_mapping():
+def test_a_kernels_accuracy_is_judged_as_its_stored_numbers():
     from sage_qual.qualification.measure import accuracy
 
+    unmeasured = {name: None for name in ("worst_head_rel_l2", "worst_batch_rel_l2", "worst_block_rel_l2",
+                                          "norm_ratio", "max_abs_error")}
     record = accuracy.Accuracy(
-        rel_l2=0.06, worst_head_cosine=0.999, finite=True, sdpa_rel_l2=0.002, error_vs_sdpa=30.0
+        rel_l2=0.06, worst_head_cosine=0.999, finite=True, sdpa_rel_l2=0.002, error_vs_sdpa=30.0, **unmeasured
     )
     assert judged(record, budget={"max_rel_l2": 0.05, "min_cosine": 0.998}) == [
         ("accuracy", "relative L2 0.06 > 0.05 (SDPA in the input precision: 0.002)")

@@ -147,7 +147,7 @@ def test_a_correct_kernel_passes_in_every_layout():
     result = long_check.check(task, *tensors(), exact)
     assert result.outcome == Outcome.PASS and result.reasons == []
     assert result.identical == {"transposed": True, "fused_qkv": True, "nhd": True}
-    assert result.metrics["rel_l2"] < result.bounds["max_rel_l2"] and result.finite
+    assert result.metrics.rel_l2 < result.bounds.max_rel_l2 and result.metrics.finite
     # the task's call, as the report stores it
     assert (result.variant, result.shape, result.uses) == (task.variant, task.shape, task.uses)
     assert result.layouts == task.layouts
@@ -181,7 +181,7 @@ def test_a_non_finite_kernel_fails():
         return exact(*args) * float("nan")
 
     result = long_check.check(long_task(SHAPE, ["contiguous"]), *tensors(), nan)
-    assert result.outcome == Outcome.FAIL and result.finite is False
+    assert result.outcome == Outcome.FAIL and result.metrics.finite is False
     assert result.reasons[0].kind == ReasonKind.NON_FINITE
 
 
@@ -278,7 +278,7 @@ def test_an_edited_long_check_is_refused():
 
 @pytest.mark.parametrize("outcome, how, key, missing", [
     ("pass", None, "bounds", "missing for a long check whose outcome is 'pass'"),
-    ("fail", "accuracy", "finite", "missing for a long check whose outcome is 'fail'"),
+    ("fail", "accuracy", "metrics", "missing for a long check whose outcome is 'fail'"),
     ("crash", "crash", "detail", "empty for a long check whose outcome is 'crash' (it says why)")])
 def test_a_long_check_without_what_its_outcome_needs_is_refused_naming_the_key(outcome, how, key, missing):
     data = json.loads(SAMPLE.read_text())
@@ -339,7 +339,7 @@ def test_emulate_predicts_the_long_checks(tmp_path, capsys):
     assert sorted(c.shape.q_tokens for c in checks) == [16384, 16896]
     for check in checks:
         assert check.outcome == "pass" and check.detail == in_process.PREDICTED
-        assert check.ran_heads == 1 and check.finite and check.inputs == long_check.INPUTS
+        assert check.ran_heads == 1 and check.metrics.finite and check.inputs == long_check.INPUTS
         last_tile = (check.shape.q_tokens - 1) // 128 * 128
         assert check.rows == [0, last_tile]  # EMULATE_BLOCKS: the first and the last block
     checked.load(tmp_path / "report.json")  # reads back, its evidence consistent

@@ -27,11 +27,11 @@ def rel(a, b):
 def test_an_exact_output_has_no_error():
     ref = randn(2, 3, 70, 16)
     found = accuracy.errors(ref.clone(), ref)
-    assert found["rel_l2"] == 0.0 and found["max_abs_error"] == 0.0
-    assert found["worst_head_rel_l2"] == found["worst_batch_rel_l2"] == found["worst_block_rel_l2"] == 0.0
-    assert found["finite"] is True
-    assert found["norm_ratio"] == pytest.approx(1.0, abs=1e-6)
-    assert found["worst_head_cosine"] == pytest.approx(1.0, abs=1e-12)
+    assert found.rel_l2 == 0.0 and found.max_abs_error == 0.0
+    assert found.worst_head_rel_l2 == found.worst_batch_rel_l2 == found.worst_block_rel_l2 == 0.0
+    assert found.finite is True
+    assert found.norm_ratio == pytest.approx(1.0, abs=1e-6)
+    assert found.worst_head_cosine == pytest.approx(1.0, abs=1e-12)
 
 
 def test_relative_l2_norm_ratio_and_max_abs_of_a_known_error():
@@ -39,19 +39,19 @@ def test_relative_l2_norm_ratio_and_max_abs_of_a_known_error():
     noise = randn(1, 2, 64, 8, seed=1)
     out = 1.25 * ref + 0.1 * noise
     found = accuracy.errors(out, ref)
-    assert found["rel_l2"] == pytest.approx(rel(out, ref), rel=1e-5)
+    assert found.rel_l2 == pytest.approx(rel(out, ref), rel=1e-5)
     norm_ratio = (torch.linalg.vector_norm(out) / torch.linalg.vector_norm(ref)).item()
-    assert found["norm_ratio"] == pytest.approx(norm_ratio, rel=1e-5)
-    assert found["norm_ratio"] > 1.2  # a scale error shows in the norm ratio
-    assert found["max_abs_error"] == pytest.approx((out - ref).abs().max().item(), rel=1e-6)
+    assert found.norm_ratio == pytest.approx(norm_ratio, rel=1e-5)
+    assert found.norm_ratio > 1.2  # a scale error shows in the norm ratio
+    assert found.max_abs_error == pytest.approx((out - ref).abs().max().item(), rel=1e-6)
 
 
 def test_a_pure_scale_error_keeps_the_cosine_and_moves_the_norm_ratio():
     ref = randn(1, 2, 64, 8)
     found = accuracy.errors(0.5 * ref, ref)
-    assert found["worst_head_cosine"] == pytest.approx(1.0, abs=1e-9)
-    assert found["norm_ratio"] == pytest.approx(0.5, rel=1e-6)
-    assert found["rel_l2"] == pytest.approx(0.5, rel=1e-6)
+    assert found.worst_head_cosine == pytest.approx(1.0, abs=1e-9)
+    assert found.norm_ratio == pytest.approx(0.5, rel=1e-6)
+    assert found.rel_l2 == pytest.approx(0.5, rel=1e-6)
 
 
 def test_the_worst_cosine_is_the_lowest_over_samples_and_heads():
@@ -62,29 +62,29 @@ def test_the_worst_cosine_is_the_lowest_over_samples_and_heads():
     expected = torch.nn.functional.cosine_similarity(
         out[1, 2].flatten().double(), ref[1, 2].flatten().double(), dim=0
     ).item()
-    assert found["worst_head_cosine"] == pytest.approx(expected, abs=1e-9)
-    assert found["worst_head_cosine"] < 0.5
+    assert found.worst_head_cosine == pytest.approx(expected, abs=1e-9)
+    assert found.worst_head_cosine < 0.5
 
 
 def test_an_anti_correlated_head_gives_cosine_minus_one():
     ref = randn(1, 2, 64, 8)
     out = ref.clone()
     out[0, 1] = -ref[0, 1]
-    assert accuracy.errors(out, ref)["worst_head_cosine"] == pytest.approx(-1.0, abs=1e-9)
+    assert accuracy.errors(out, ref).worst_head_cosine == pytest.approx(-1.0, abs=1e-9)
 
 
 def test_an_exact_output_near_3500_keeps_its_cosine_at_one():
     # qwen_image_b52_value_offset's values: the cosine is summed in float64 so an exact output
     # stays within rounding of 1 (a float32 sum puts it 4e-5 off, under a bound near 1).
     ref = 3500.0 + randn(1, 4, 256, 128)
-    assert accuracy.errors(ref.clone(), ref)["worst_head_cosine"] >= 1.0 - 1e-12
+    assert accuracy.errors(ref.clone(), ref).worst_head_cosine >= 1.0 - 1e-12
 
 
 def test_inputs_are_compared_in_float32():
     ref = randn(1, 1, 64, 8)
     out = (ref * 1.01).to(torch.bfloat16)
     found = accuracy.errors(out, ref)
-    assert found["rel_l2"] == pytest.approx(rel(out.float(), ref), rel=1e-5)
+    assert found.rel_l2 == pytest.approx(rel(out.float(), ref), rel=1e-5)
 
 
 # Finiteness -----------------------------------------------------------------------------------------
@@ -96,12 +96,12 @@ def test_a_non_finite_output_where_the_reference_is_finite_fails_every_number(ba
     out = ref.clone()
     out[0, 1, 3, 2] = bad
     found = accuracy.errors(out, ref)
-    assert found["finite"] is False
-    assert math.isnan(found["worst_head_cosine"])  # no cosine of a broken output
-    assert found["rel_l2"] == math.inf
+    assert found.finite is False
+    assert math.isnan(found.worst_head_cosine)  # no cosine of a broken output
+    assert found.rel_l2 == math.inf
     # A NaN or an infinity where the reference is finite is an infinite element error.
-    assert found["max_abs_error"] == math.inf
-    assert found["worst_head_rel_l2"] == math.inf and found["worst_block_rel_l2"] == math.inf
+    assert found.max_abs_error == math.inf
+    assert found.worst_head_rel_l2 == math.inf and found.worst_block_rel_l2 == math.inf
 
 
 def test_positions_where_the_reference_is_not_finite_are_left_out():
@@ -114,19 +114,19 @@ def test_positions_where_the_reference_is_not_finite_are_left_out():
     out_holes[0, 1, 7, 3] = 123.0
     valid = torch.isfinite(ref_holes)
     found = accuracy.errors(out_holes, ref_holes)
-    assert found["finite"] is True
+    assert found.finite is True
     expected = rel(torch.where(valid, out, 0.0), torch.where(valid, ref, 0.0))
-    assert found["rel_l2"] == pytest.approx(expected, rel=1e-5)
-    assert found["max_abs_error"] == pytest.approx((out - ref)[valid].abs().max().item(), rel=1e-6)
-    assert math.isfinite(found["worst_head_cosine"]) and math.isfinite(found["norm_ratio"])
-    assert found["norm_ratio"] == pytest.approx(1.1, rel=1e-5)
+    assert found.rel_l2 == pytest.approx(expected, rel=1e-5)
+    assert found.max_abs_error == pytest.approx((out - ref)[valid].abs().max().item(), rel=1e-6)
+    assert math.isfinite(found.worst_head_cosine) and math.isfinite(found.norm_ratio)
+    assert found.norm_ratio == pytest.approx(1.1, rel=1e-5)
 
 
 def test_compare_returns_relative_l2_cosine_and_finiteness():
     ref = randn(1, 2, 64, 8)
     out = ref + 0.01 * randn(1, 2, 64, 8, seed=2)
     found = accuracy.errors(out, ref)
-    assert accuracy.compare(out, ref) == (found["rel_l2"], found["worst_head_cosine"], True)
+    assert accuracy.compare(out, ref) == (found.rel_l2, found.worst_head_cosine, True)
     out[0, 0, 0, 0] = math.nan
     rel_l2, cosine, finite = accuracy.compare(out, ref)
     assert finite is False and math.isnan(cosine)
@@ -140,11 +140,11 @@ def test_a_defect_in_one_head_shows_as_that_heads_error():
     out = ref.clone()
     out[:, 2] *= 1.5
     found = accuracy.errors(out, ref)
-    assert found["worst_head_rel_l2"] == pytest.approx(rel(out[:, 2], ref[:, 2]), rel=1e-5)
-    assert found["worst_head_rel_l2"] == pytest.approx(0.5, rel=1e-5)
+    assert found.worst_head_rel_l2 == pytest.approx(rel(out[:, 2], ref[:, 2]), rel=1e-5)
+    assert found.worst_head_rel_l2 == pytest.approx(0.5, rel=1e-5)
     # The batch slices hold every head: the defect is diluted there.
-    assert found["worst_batch_rel_l2"] == pytest.approx(max(rel(out[b], ref[b]) for b in range(2)), rel=1e-5)
-    assert found["worst_batch_rel_l2"] < 0.3
+    assert found.worst_batch_rel_l2 == pytest.approx(max(rel(out[b], ref[b]) for b in range(2)), rel=1e-5)
+    assert found.worst_batch_rel_l2 < 0.3
 
 
 def test_a_defect_in_one_batch_item_shows_as_that_items_error():
@@ -152,8 +152,8 @@ def test_a_defect_in_one_batch_item_shows_as_that_items_error():
     out = ref.clone()
     out[1] *= 0.8
     found = accuracy.errors(out, ref)
-    assert found["worst_batch_rel_l2"] == pytest.approx(0.2, rel=1e-5)
-    assert found["worst_head_rel_l2"] == pytest.approx(
+    assert found.worst_batch_rel_l2 == pytest.approx(0.2, rel=1e-5)
+    assert found.worst_head_rel_l2 == pytest.approx(
         max(rel(out[:, h], ref[:, h]) for h in range(2)), rel=1e-5
     )
 
@@ -168,9 +168,9 @@ def test_a_slice_whose_reference_is_zero_is_measured_against_the_mean_energy():
     found = accuracy.errors(out, ref)
     mean_share = ref.square().sum() / 2
     expected = math.sqrt(out[0, 1].square().sum().item() / mean_share.item())
-    assert found["worst_head_rel_l2"] == pytest.approx(expected, rel=1e-5)
+    assert found.worst_head_rel_l2 == pytest.approx(expected, rel=1e-5)
     # The same share rule per batch item (one item here: its own norm is the mean).
-    assert found["worst_batch_rel_l2"] == pytest.approx(rel(out, ref), rel=1e-5)
+    assert found.worst_batch_rel_l2 == pytest.approx(rel(out, ref), rel=1e-5)
 
 
 def test_the_worst_block_is_one_block_of_64_query_rows():
@@ -180,11 +180,11 @@ def test_the_worst_block_is_one_block_of_64_query_rows():
     out[0, 0, 64:128] *= 1.3  # the second block only
     found = accuracy.errors(out, ref)
     assert accuracy.ROW_BLOCK == 64
-    assert found["worst_block_rel_l2"] == pytest.approx(0.3, rel=1e-5)
-    assert found["rel_l2"] < 0.2
+    assert found.worst_block_rel_l2 == pytest.approx(0.3, rel=1e-5)
+    assert found.rel_l2 < 0.2
     out[0, 0, 64:128] = ref[0, 0, 64:128]
     out[0, 0, 63] *= 1.3  # one row of the first block: a 64th of its energy
-    assert accuracy.errors(out, ref)["worst_block_rel_l2"] == pytest.approx(
+    assert accuracy.errors(out, ref).worst_block_rel_l2 == pytest.approx(
         rel(out[0, 0, :64], ref[0, 0, :64]), rel=1e-5
     )
 
@@ -197,7 +197,7 @@ def test_the_last_partial_block_is_measured_against_its_own_rows():
     out = ref.clone()
     out[1, 2, 64:] *= 1.4
     found = accuracy.errors(out, ref)
-    assert found["worst_block_rel_l2"] == pytest.approx(0.4, rel=1e-5)
+    assert found.worst_block_rel_l2 == pytest.approx(0.4, rel=1e-5)
 
 
 def test_a_partial_block_of_zeros_is_divided_by_its_rows_share_of_the_mean_energy():
@@ -208,7 +208,7 @@ def test_a_partial_block_of_zeros_is_divided_by_its_rows_share_of_the_mean_energ
     found = accuracy.errors(out, ref)
     share = ref.square().sum().item() * 6 / 70
     expected = math.sqrt(out[0, 0, 64:].square().sum().item() / share)
-    assert found["worst_block_rel_l2"] == pytest.approx(expected, rel=1e-5)
+    assert found.worst_block_rel_l2 == pytest.approx(expected, rel=1e-5)
 
 
 def test_a_full_block_of_zeros_uses_its_rows_share_across_items_and_heads():
@@ -219,7 +219,7 @@ def test_a_full_block_of_zeros_uses_its_rows_share_across_items_and_heads():
     found = accuracy.errors(out, ref)
     share = ref.square().sum().item() * 64 / (128 * 2 * 2)
     expected = math.sqrt(out[1, 0, :64].square().sum().item() / share)
-    assert found["worst_block_rel_l2"] == pytest.approx(expected, rel=1e-5)
+    assert found.worst_block_rel_l2 == pytest.approx(expected, rel=1e-5)
 
 
 # The reference ------------------------------------------------------------------------------------
@@ -262,18 +262,15 @@ def test_accuracy_reports_sdpa_in_the_input_precision_and_the_ratio():
     out = (ref * 1.02).to(torch.bfloat16)
     acc = accuracy.accuracy(out, q, k, v)
     sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v)
-    sdpa_rel_l2 = accuracy.errors(sdpa, ref)["rel_l2"]
+    sdpa_rel_l2 = accuracy.errors(sdpa, ref).rel_l2
     assert acc.sdpa_rel_l2 == pytest.approx(sdpa_rel_l2, rel=1e-6)
     assert 0 < acc.sdpa_rel_l2 < 0.01  # bf16 rounding, not zero
     assert acc.error_vs_sdpa == pytest.approx(acc.rel_l2 / acc.sdpa_rel_l2, rel=1e-9)
-    assert acc.as_dict() == {
-        **accuracy.errors(out, ref),
-        "sdpa_rel_l2": acc.sdpa_rel_l2,
-        "error_vs_sdpa": acc.error_vs_sdpa,
-    }
+    assert acc == accuracy.Accuracy(**vars(accuracy.errors(out, ref)), sdpa_rel_l2=acc.sdpa_rel_l2,
+                                    error_vs_sdpa=acc.error_vs_sdpa)
     # A given reference is used as it is (not recomputed).
     assert accuracy.accuracy(out, q, k, v, ref=ref * 2).rel_l2 == pytest.approx(
-        accuracy.errors(out, ref * 2)["rel_l2"], rel=1e-6
+        accuracy.errors(out, ref * 2).rel_l2, rel=1e-6
     )
 
 
@@ -463,7 +460,7 @@ def test_relative_errors_do_not_depend_on_the_outputs_scale():
         "norm_ratio",
         "worst_head_cosine",
     ):
-        assert small[name] == pytest.approx(big[name], rel=1e-4), name
+        assert getattr(small, name) == pytest.approx(getattr(big, name), rel=1e-4), name
 
 
 def test_the_cosine_leaves_out_positions_where_the_reference_is_not_finite():
@@ -483,5 +480,5 @@ def test_the_cosine_leaves_out_positions_where_the_reference_is_not_finite():
         dim=0,
     ).item()
     found = accuracy.errors(out_holes, ref_holes)
-    assert found["finite"] is True
-    assert found["worst_head_cosine"] == pytest.approx(expected, abs=1e-9)
+    assert found.finite is True
+    assert found.worst_head_cosine == pytest.approx(expected, abs=1e-9)

@@ -15,6 +15,7 @@ import pytest
 from sage_qual import records
 from sage_qual.qualification.decide import checked
 from sage_qual.qualification.evidence import report_model
+from sage_qual.qualification.evidence.report_model import PublishedBound
 from sage_qual.qualification.render import plots
 from tests_fast import builders
 
@@ -78,7 +79,8 @@ def test_each_kind_of_record_heads_its_crash_output(tmp_path, no_plots):
 
 def test_a_predicted_heatmap_cell_is_measured_against_its_class_published_bound():
     cell = checked.load(SAMPLE).devices[0].cells[0]
-    published = {cell.fixture: {cell.accuracy_class.value: {"max_rel_l2": cell.rel_l2 * 4}}}
+    bound = PublishedBound(max_rel_l2=cell.rel_l2 * 4, min_cosine=0.9)
+    published = {cell.fixture: {cell.accuracy_class: bound}}
     assert plots.heat_ratio(cell, published) == pytest.approx(0.25)
-    assert plots.heat_ratio(cell) == pytest.approx(cell.rel_l2 / cell.bounds["max_rel_l2"])
+    assert plots.heat_ratio(cell) == pytest.approx(cell.rel_l2 / cell.bounds.max_rel_l2)
     assert plots.heat_ratio(cell, {}) is None  # a fixture with no published bound: no number

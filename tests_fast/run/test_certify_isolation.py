@@ -206,16 +206,24 @@ def test_each_gpu_has_its_workers_and_its_own_triton_cache(run):
     assert len(jobs) == 6  # cuda:0: sdpa, sm90 twice (the crash), sm89; cuda:1: sdpa, sm89
 
 
+def measured(rel_l2: float, cosine: float, finite: bool = True) -> Accuracy:
+    """A worker's accuracy of `rel_l2` and `cosine`, its slices unmeasured (the budget has no limit
+    on them)."""
+    return Accuracy(**vars(builders.metrics(finite, rel_l2=rel_l2, worst_head_cosine=cosine)),
+                    sdpa_rel_l2=0.002, error_vs_sdpa=rel_l2 / 0.002)
+
+
 @pytest.mark.parametrize("acc, per_element, kinds", [
-    (Accuracy(0.04, 0.999, True, 0.002, 20.0), 1.67, []),
-    (Accuracy(0.04, 0.999, True, 0.002, 20.0), 2.6, ["memory"]),
-    (Accuracy(0.09, 0.999, True, 0.002, 45.0), 1.0, ["accuracy"]),
-    (Accuracy(0.04, 0.98, True, 0.002, 20.0), 1.0, ["accuracy"]),
+    (measured(0.04, 0.999), 1.67, []),
+    (measured(0.04, 0.999), 2.6, ["memory"]),
+    (measured(0.09, 0.999), 1.0, ["accuracy"]),
+    (measured(0.04, 0.98), 1.0, ["accuracy"]),
     # inf is a number over its limit; the NaN cosine is not measured, which non_finite already says.
-    (Accuracy(float("inf"), float("nan"), False, 0.002, float("inf")), 1.0, ["non_finite", "accuracy"]),
+    (measured(float("inf"), float("nan"), False), 1.0, ["non_finite", "accuracy"]),
 ])
 def test_cell_reasons(acc, per_element, kinds):
-    reasons = judge.cell_reasons(acc, per_element, BOUNDS["fp8"], 2.5)
+    published = BOUNDS["fp8"]
+    reasons = judge.cell_reasons(acc, per_element, builders.budget(**published), 2.5)
     assert [r.kind.value for r in reasons] == kinds
 
 

@@ -179,6 +179,6 @@ def test_the_prediction_is_the_numerics_models_output_judged_against_its_budget(
     expected = accuracy.accuracy(numerics.predict(variant, fixture.q, fixture.k, fixture.v),
                                 fixture.q, fixture.k, fixture.v)
     assert cell.rel_l2 == pytest.approx(expected.rel_l2) and cell.accuracy_class == "fp8"
-    assert cell.bounds == budgets.budget(variant, fixture).limits()
+    assert cell.bounds == budgets.budget(variant, fixture)
     reasons = judge.cell_reasons(expected, 0.0, cell.bounds, math.inf)
     assert cell.outcome == ("fail" if reasons else "pass")

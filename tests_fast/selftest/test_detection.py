@@ -18,7 +18,7 @@ from sage_qual.limits import MEMORY_BOUND
 from sage_qual.qualification import families
 from sage_qual.qualification.decide import checked, verdict
 from sage_qual.qualification.evidence import files, report_model
-from sage_qual.qualification.evidence.report_model import Outcome, ReasonKind
+from sage_qual.qualification.evidence.report_model import Metrics, Outcome, ReasonKind
 from sage_qual.qualification.measure import accuracy, budgets, judge, long_check
 from sage_qual.qualification.run import run
 from sage_qual.qualification.selftest import detection
@@ -89,18 +89,15 @@ def baseline(bench, failing):
 
 
 def _record(fixture) -> report_model.FixtureRecord:
-    return builders.fixture(fixture.name, fixture.family, kind=report_model.FixtureKind(fixture.kind),
-                            dtype=report_model.DType(str(fixture.dtype).removeprefix("torch.")),
-                            q=list(fixture.q.shape), k=list(fixture.k.shape), sha256=fixture.sha256,
-                            bounds=fixture.bounds, provenance=fixture.provenance)
+    return run.fixture_record(fixture)  # as certify records it
 
 
-def _cell(fixture, metrics: dict) -> report_model.Cell:
+def _cell(fixture, metrics: Metrics) -> report_model.Cell:
     budget = budgets.budget(VARIANT, fixture)
     reasons = judge.cell_reasons(metrics, EXTRA_BYTES, budget, MEMORY_BOUND)
-    numbers = records.finite_or_none(metrics)
+    numbers = vars(metrics.stored())
     return builders.cell(VARIANT.name, _record(fixture), "fail" if reasons else "pass", reasons=reasons,
-                         bounds=budget.limits(), **numbers, extra_bytes_per_element=EXTRA_BYTES, seconds=0.1)
+                         bounds=budget, **numbers, extra_bytes_per_element=EXTRA_BYTES, seconds=0.1)
 
 
 def kept_off_by_the_gate(fixtures, outputs, references) -> frozenset[str]:

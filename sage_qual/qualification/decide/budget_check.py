@@ -19,6 +19,7 @@ is caught with probability at least 1/n per run for n entries used (each run pic
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -28,7 +29,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sage_qual.qualification.evidence.report_model import Report
+from sage_qual.qualification.evidence.report_model import Budget, Report
 from sage_qual.qualification.families import Family, counts_for
 from sage_qual.serving.variants import VARIANTS, Variant, gpu_label
 
@@ -161,7 +162,13 @@ def _cache_path(run_folder: Path) -> Path:
     return cache_directory(run_folder) / f"budgets-{_model_digest()}.json"
 
 
-def derived_budget(variant: Variant, fixture: Fixture, cache: dict) -> dict:
+def limits(budget: Budget) -> dict[str, float]:
+    """A budget's limits as the cache stores and `_looser` compares them: null ones (a report that
+    predates the limit) left out."""
+    return {name: bound for name, bound in dataclasses.asdict(budget).items() if bound is not None}
+
+
+def derived_budget(variant: Variant, fixture: Fixture, cache: dict) -> dict[str, float]:
     """`budgets.budget(variant, fixture)`'s limits, through `cache` (key: variant and fixture sha256)."""
     from sage_qual.qualification.measure import budgets
 
@@ -169,7 +176,7 @@ def derived_budget(variant: Variant, fixture: Fixture, cache: dict) -> dict:
     found = cache.get(key)
     if not (isinstance(found, dict) and found
             and all(isinstance(x, float) and math.isfinite(x) for x in found.values())):
-        cache[key] = budgets.budget(variant, fixture).limits()
+        cache[key] = limits(budgets.budget(variant, fixture))
     return cache[key]
 
 
@@ -207,7 +214,7 @@ def budget_problem(source: str, data: Report, family: Family, models_here: set[s
                 missing = "no fixture file here" if variant else "no known variant"
                 return f"{where}: bounds: cannot be re-derived ({missing}); certify again on this machine"
             derived = derived_budget(variant, fixtures[cell.fixture], cache)
-            problem = _looser(where, dict(cell.bounds or {}), derived)
+            problem = _looser(where, limits(cell.bounds), derived)
             if problem:
                 break
         if problem:

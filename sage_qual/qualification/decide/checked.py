@@ -36,30 +36,22 @@ def parse(data: dict, where: str) -> Report:
     return typed
 
 
-# The metrics judge reads besides `finite` (judge takes a mapping; measure.Accuracy would import torch).
-_JUDGED_METRICS = sorted({metric for metric, _, _ in judge.LIMITS.values()} | {"sdpa_rel_l2"})
-
-
 def judged(report: Report, cell: Cell) -> list[Reason]:
     """Why a cell fails, recomputed from its stored numbers and budget (`judge.cell_reasons`)."""
     if not cell.measured:
         return [Reason(ReasonKind(cell.outcome.value), cell.detail)]
     fixture = next(f for f in report.fixtures if f.name == cell.fixture)
-    metrics = {name: (math.nan if getattr(cell, name, None) is None else getattr(cell, name))
-               for name in _JUDGED_METRICS}
-    metrics["finite"] = bool(cell.finite)
     # A predicted cell (certify --emulate) has no memory number: only its accuracy is judged.
     extra = 0.0 if cell.extra_bytes_per_element is None and report.predicted else cell.extra_bytes_per_element
-    return judge.cell_reasons(metrics, extra, dict(cell.bounds), memory_bound(fixture.family))
+    return judge.cell_reasons(cell.metrics, extra, cell.bounds, memory_bound(fixture.family),
+                              cell.sdpa_rel_l2)
 
 
 def long_judged(check: LongCheck) -> list[Reason]:
     """Why a long check fails, recomputed from its stored numbers, budget and layout comparisons."""
     if not check.measured:
         return [Reason(ReasonKind.LONG, f"{check.outcome.value}: {check.detail}")]
-    metrics = {name: (math.nan if value is None else value) for name, value in check.metrics.items()}
-    metrics["finite"] = bool(check.finite)
-    reasons = judge.cell_reasons(metrics, 0.0, dict(check.bounds), math.inf)
+    reasons = judge.cell_reasons(check.metrics, 0.0, check.bounds, math.inf)
     reasons += judge.row_order_reasons(check.rows_identical)
     reasons += judge.layout_reasons(check.identical, check.layouts)
     reasons += [Reason(ReasonKind.LAYOUT, f"layout {name}: unknown to this sage-qual")

@@ -22,6 +22,8 @@ from sage_qual.qualification.evidence.report_model import (
     FIX,
     KIND,
     SCHEMA_VERSION,
+    Budget,
+    Metrics,
     Report,
     ReportError,
 )
@@ -29,7 +31,7 @@ from sage_qual.qualification.evidence.report_model import (
 SCHEMA_FILE = "report_schema.json"
 
 
-READABLE_VERSIONS = (1, 2)
+READABLE_VERSIONS = (1, 2, 3)
 
 
 def schema() -> dict:
@@ -114,11 +116,46 @@ def json_schema() -> dict:
         f"https://sage-qual.invalid/report/{SCHEMA_VERSION}")
 
 
-def _upgrade(data: dict) -> dict:
-    """A version 1 report as version 2: the same evidence; its stored analysis is dropped."""
-    data = {k: v for k, v in data.items() if k != "gpus"}
-    data["schema_version"] = SCHEMA_VERSION
-    return data
+def upgrade(data: dict, version: int) -> dict:
+    """A report of an older schema `version` as the current one, the same evidence:
+    1 -> 2 drops the stored analysis (`gpus`); 2 -> 3 gives every budget each limit, null where the
+    older writer had none (judge checks no null limit), and moves a long check's `finite` into its
+    metrics, which get each number the same way (no metrics: null)."""
+    if version == 1:
+        data = {k: v for k, v in data.items() if k != "gpus"}
+    devices = data.get("devices")
+    if isinstance(devices, list):
+        data = {**data, "devices": [_upgrade_device(d) if isinstance(d, dict) else d for d in devices]}
+    return {**data, "schema_version": SCHEMA_VERSION}
+
+
+def _upgrade_device(device: dict) -> dict:
+    device = dict(device)
+    for key, upgraded in (("cells", _upgrade_cell), ("long", _upgrade_long)):
+        if isinstance(device.get(key), list):
+            device[key] = [upgraded(item) if isinstance(item, dict) else item for item in device[key]]
+    return device
+
+
+def _upgrade_cell(cell: dict) -> dict:
+    return {**cell, "bounds": _filled(Budget, cell["bounds"])} if "bounds" in cell else cell
+
+
+def _upgrade_long(check: dict) -> dict:
+    check = _upgrade_cell(check)
+    moved = {"finite": check.pop("finite")} if "finite" in check else {}
+    metrics = check.get("metrics")
+    if isinstance(metrics, dict):
+        check["metrics"] = {**moved, **_filled(Metrics, metrics)} if metrics else None
+    return check
+
+
+def _filled(cls, mapping) -> Any:
+    """`mapping` with a null for each of `cls`'s fields it lacks (not a mapping: as it is, for the
+    reader to refuse)."""
+    if not isinstance(mapping, dict):
+        return mapping
+    return {**{f.name: None for f in dataclasses.fields(cls) if f.name != "finite"}, **mapping}
 
 
 def from_dict(data: Any, where: str) -> Report:
@@ -132,8 +169,8 @@ def from_dict(data: Any, where: str) -> Report:
     if version not in READABLE_VERSIONS or isinstance(version, bool):
         raise ReportError(f"{where}: schema_version: {version!r} is not a report schema version "
                           f"({', '.join(map(str, READABLE_VERSIONS))}); {FIX}")
-    if version == 1:
-        data = _upgrade(data)
+    if version < SCHEMA_VERSION:
+        data = upgrade(data, version)
     try:
         return records.parse(Report, data, where, FIX)
     except records.RecordError as error:

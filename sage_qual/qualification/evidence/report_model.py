@@ -3,9 +3,10 @@
 A report stores what was measured (cells: a variant on a fixture; speed: a kernel at a shape,
 with every timed repeat) and where; `decide.verdict.decide()` draws every verdict from it.
 `files.load()` reads a file strictly: anything missing, mistyped, out of range, truncated or from a
-newer schema is a `ReportError` naming the file, the key and the fix. Schema version 1 (written up
-to sage-qual 0.1: the same evidence plus a stored analysis, `gpus`, and no timing samples) still
-reads; its stored analysis is dropped unread.
+newer schema is a `ReportError` naming the file, the key and the fix. Older schemas still read
+(`files.upgrade`): version 1 (up to sage-qual 0.1: the same evidence plus a stored analysis, `gpus`,
+dropped unread, and no timing samples) and version 2 (budgets and long-check metrics as open
+mappings that could lack a key; version 3 stores them as `Budget` and `Metrics` records).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Literal
 
+from sage_qual.qualification.evidence.numbers import COSINE, NOT_NEGATIVE, Budget, Metrics, PublishedBound  # noqa: F401
 from sage_qual.qualification.families import FAMILIES
 from sage_qual.serving.contexts import CHECKS, CONTEXTS
 
@@ -25,7 +27,7 @@ from sage_qual.serving.env_record import EnvironmentRecord, GpuIdentity, GpuInfo
 from sage_qual.serving.variants import VARIANTS
 
 KIND = "sage-qual-report"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 FIX = "the file was edited, damaged or written by another tool: run `sage-qual certify` again"
 
 
@@ -65,29 +67,6 @@ class SmoothK:
     finite: bool
 
 
-@dataclass(frozen=True)
-class Budget:
-    """A cell's limits, derived from the numerics model (`qualification/measure/budgets.py`); `judge` checks
-    each against its metric. A report stores them as `Cell.bounds`, a mapping (`limits()`), since
-    a report written before a limit existed (max_abs) holds fewer."""
-    max_rel_l2: float
-    max_head_rel_l2: float
-    max_batch_rel_l2: float
-    max_block_rel_l2: float
-    min_norm_ratio: float
-    max_norm_ratio: float
-    min_cosine: float
-    max_abs: float
-
-    def limits(self) -> dict[str, float]:
-        return dataclasses.asdict(self)
-
-
-_NOT_NEGATIVE = {"minimum": 0}
-# float32 rounding puts a cosine at 1.0000001 (docs/results/run8-h200x2-final/certify/): 1e-3 of room.
-_COSINE = {"minimum": -1.001, "maximum": 1.001}
-
-
 class _Measured:
     """What a cell and a long check share: an outcome that is measured (pass, fail) or says why not."""
 
@@ -115,25 +94,31 @@ class Cell(_Measured):
     detail: str = ""
     reasons: list[Reason] = field(default_factory=list)
     accuracy_class: AccuracyClass | None = None
-    bounds: dict[str, float] | None = field(default=None, metadata={
-        "description": "the budget the cell was judged against: limit name (max_rel_l2, ...) -> bound"})
+    bounds: Budget | None = field(default=None, metadata={
+        "description": "the budget the cell was judged against"})
     # Errors, norms and bytes cannot be negative, nor a cosine leave [-1, 1]: an edited number that
     # does would pass any limit on its side.
-    rel_l2: float | None = field(default=None, metadata=_NOT_NEGATIVE)
-    worst_head_cosine: float | None = field(default=None, metadata=_COSINE)
+    rel_l2: float | None = field(default=None, metadata=NOT_NEGATIVE)
+    worst_head_cosine: float | None = field(default=None, metadata=COSINE)
     finite: bool | None = None
-    sdpa_rel_l2: float | None = field(default=None, metadata=_NOT_NEGATIVE)
-    error_vs_sdpa: float | None = field(default=None, metadata=_NOT_NEGATIVE)
-    worst_head_rel_l2: float | None = field(default=None, metadata=_NOT_NEGATIVE)
-    worst_batch_rel_l2: float | None = field(default=None, metadata=_NOT_NEGATIVE)
-    worst_block_rel_l2: float | None = field(default=None, metadata=_NOT_NEGATIVE)
-    norm_ratio: float | None = field(default=None, metadata=_NOT_NEGATIVE)
-    max_abs_error: float | None = field(default=None, metadata=_NOT_NEGATIVE)  # max |out - ref|
-    extra_bytes_per_element: float | None = field(default=None, metadata=_NOT_NEGATIVE)
+    sdpa_rel_l2: float | None = field(default=None, metadata=NOT_NEGATIVE)
+    error_vs_sdpa: float | None = field(default=None, metadata=NOT_NEGATIVE)
+    worst_head_rel_l2: float | None = field(default=None, metadata=NOT_NEGATIVE)
+    worst_batch_rel_l2: float | None = field(default=None, metadata=NOT_NEGATIVE)
+    worst_block_rel_l2: float | None = field(default=None, metadata=NOT_NEGATIVE)
+    norm_ratio: float | None = field(default=None, metadata=NOT_NEGATIVE)
+    max_abs_error: float | None = field(default=None, metadata=NOT_NEGATIVE)  # max |out - ref|
+    extra_bytes_per_element: float | None = field(default=None, metadata=NOT_NEGATIVE)
     smooth_k_on: SmoothK | None = None
     seconds: float | None = None
     stderr_tail: str = ""
     traceback: str = ""
+
+    @property
+    def metrics(self) -> Metrics:
+        """Its error numbers as the record a long check stores (`judge.cell_reasons` reads either)."""
+        numbers = {f.name: getattr(self, f.name) for f in dataclasses.fields(Metrics) if f.name != "finite"}
+        return Metrics(**numbers, finite=self.finite is True)
 
     def check(self) -> list[tuple[str, str]]:  # memory is measured on a GPU only: Report.check
         return self._outcome_problems("cell", ("bounds", "finite"))
@@ -217,10 +202,9 @@ class LongCheck(_Measured):
     outcome: Outcome
     detail: str = ""
     reasons: list[Reason] = field(default_factory=list)
-    bounds: dict[str, float] | None = None
-    metrics: dict[str, float | None] = field(default_factory=dict, metadata={
-        "description": "measure.errors of the sampled rows against float32 (null: not finite)"})
-    finite: bool | None = None
+    bounds: Budget | None = None
+    metrics: Metrics | None = field(default=None, metadata={
+        "description": "the sampled rows' errors against float32 (null: not measured)"})
     model_finite: bool | None = None
     identical: dict[str, bool] = field(default_factory=dict, metadata={
         "description": "layout -> the output on that view equals the contiguous call's, bit for bit"})
@@ -241,11 +225,7 @@ class LongCheck(_Measured):
     traceback: str = ""
 
     def check(self) -> list[tuple[str, str]]:
-        for name, value in self.metrics.items():  # an edited number outside its range would pass its limit
-            low, high = (-1.001, 1.001) if "cosine" in name else (0.0, math.inf)
-            if value is not None and not low <= value <= high:
-                return [(f"metrics.{name}", f"{value} is outside [{low}, {high}]")]
-        return self._outcome_problems("long check", ("bounds", "finite"))
+        return self._outcome_problems("long check", ("bounds", "metrics"))
 
 
 @dataclass(frozen=True)
@@ -263,8 +243,8 @@ class SpanProbe:
     limit: int = field(metadata={"minimum": 1, "description": "the element limit the case sits at"})
     outcome: Outcome
     detail: str = ""
-    rel_l2: float | None = field(default=None, metadata=_NOT_NEGATIVE)
-    worst_row: float | None = field(default=None, metadata=_NOT_NEGATIVE)
+    rel_l2: float | None = field(default=None, metadata=NOT_NEGATIVE)
+    worst_row: float | None = field(default=None, metadata=NOT_NEGATIVE)
     ran_tokens: int | None = field(default=None, metadata={
         "minimum": 1, "description": "tokens actually run when not the planned ones (test fakes)"})
     ran_heads: int | None = field(default=None, metadata={"minimum": 1})
@@ -291,7 +271,7 @@ class FixtureRecord:
     q: list[int] = field(metadata={"length": 4, "minimum": 1})
     k: list[int] = field(metadata={"length": 4, "minimum": 1})
     sha256: str = field(metadata={"pattern": "[0-9a-f]{64}"})
-    bounds: dict[str, dict[str, float]] = field(metadata={"description": "accuracy class -> limit -> bound"})
+    bounds: dict[AccuracyClass, PublishedBound] = field(metadata={"description": "accuracy class -> bound"})
     provenance: str
 
 
@@ -405,7 +385,7 @@ class Report:
     complete=false, and with complete=true when the run finished. Holds evidence only: every
     verdict is computed from it when it is read."""
     kind: Literal["sage-qual-report"]
-    schema_version: Literal[2]
+    schema_version: Literal[3]
     complete: bool
     stopped: str = field(metadata={"description": "why the run stopped before the end ('' when it did not)"})
     started: str

@@ -32,6 +32,7 @@ from sage_qual.qualification.evidence.report_model import (
     ContextCheck,
     DType,
     LongCheck,
+    Metrics,
     Outcome,
     Reason,
     ShapeSpec,
@@ -340,10 +341,11 @@ def report_entries(result: Result) -> list[tuple[str, Any]]:
     return [(lists[type(result)], result)]
 
 
-def judged_cell(variant: str, fixture: str, accuracy: dict, bounds: Budget, reasons: list[Reason],
+def judged_cell(variant: str, fixture: str, accuracy: Metrics, bounds: Budget, reasons: list[Reason],
                 accuracy_class: str, extra_bytes_per_element: float | None, **more) -> Cell:
-    """A measured (or predicted) cell: its accuracy numbers (`measure.Accuracy`'s fields; non-finite
-    ones stored as null), the budget it was judged against and the reasons it fails ([]: it passes)."""
+    """A measured (or predicted) cell: its accuracy numbers (`measure.Accuracy`; non-finite ones
+    stored as null), the budget it was judged against and the reasons it fails ([]: it passes)."""
     return Cell(variant, fixture, Outcome.FAIL if reasons else Outcome.PASS, reasons=reasons,
-                accuracy_class=AccuracyClass(accuracy_class), bounds=bounds.limits(),
-                **records.finite_or_none(accuracy), extra_bytes_per_element=extra_bytes_per_element, **more)
+                accuracy_class=AccuracyClass(accuracy_class), bounds=bounds,
+                **records.finite_or_none(vars(accuracy)), extra_bytes_per_element=extra_bytes_per_element,
+                **more)

@@ -283,15 +283,16 @@ def sage_qual_fixture(request):
 
 
 @pytest.fixture
-def sage_qual_budget(request, sage_qual_fixture, sage_qual_target) -> dict:
-    """The budget certify gives this fixture for the kernel the target runs here (`budgets.budget`:
-    max_rel_l2, min_cosine, per-head/item/block and norm-ratio limits)."""
+def sage_qual_budget(request, sage_qual_fixture, sage_qual_target):
+    """The budget certify gives this fixture for the kernel the target runs here, a
+    `report_model.Budget` (`budgets.budget`: max_rel_l2, min_cosine, per-head/item/block,
+    norm-ratio and element-wise limits)."""
     from sage_qual.qualification.measure import budgets
 
     variant = sage_qual_target.variant(_capability(request.config))
     if variant is None:
         pytest.skip(f"sage-qual: {sage_qual_target.name} has no kernel for this GPU")
-    return budgets.budget(variant, sage_qual_fixture).limits()
+    return budgets.budget(variant, sage_qual_fixture)
 
 
 class _CudaBench:

@@ -7,15 +7,16 @@ error of PyTorch's SDPA in the input precision against the same reference.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from sage_qual import records
+from sage_qual.qualification.evidence.report_model import Metrics
 from sage_qual.serving.torch_sdpa import TORCH_SDPA  # torch's own, whatever is bound over it
 from sage_qual.serving.variants import Variant
 
@@ -25,28 +26,16 @@ ROW_BLOCK = 64
 
 
 @dataclass(frozen=True)
-class Accuracy:
-    rel_l2: float  # ||out - ref|| / ||ref|| over the positions where the reference is finite
-    worst_head_cosine: float  # lowest per-(sample, head) cosine similarity against the reference
-    finite: bool  # output finite wherever the reference is
-    sdpa_rel_l2: float  # the same for PyTorch SDPA in the input precision
-    error_vs_sdpa: float  # rel_l2 / sdpa_rel_l2
-    # The worst slice: per query head, per batch item, per block of ROW_BLOCK query rows of one
-    # (item, head). A slice's error is against its own reference norm, or the norm a slice of its
-    # size has at the tensor's mean energy when that is larger (a slice whose reference is near
-    # zero, e.g. attention over zero values, is not divided by nothing).
-    worst_head_rel_l2: float = float("nan")
-    worst_batch_rel_l2: float = float("nan")
-    worst_block_rel_l2: float = float("nan")
-    norm_ratio: float = float("nan")  # ||out|| / ||ref||: a scale error shows here, not in cosine
-    # max |out - ref| where the reference is finite (inf where out is not): the element-wise
-    # criterion of FlashAttention's and cuDNN's tests, which sees a few wrong elements that move no
-    # aggregate (one element off by 3x the output's RMS moves its 64-row block's relative L2 by ~0.03).
-    max_abs_error: float = float("nan")
-
-    def as_dict(self) -> dict:
-        """The numbers as a report stores them (`records.finite_or_none`)."""
-        return records.finite_or_none(asdict(self))
+class Accuracy(Metrics):
+    """A kernel's `Metrics` (rel_l2: over the positions where the reference is finite; the worst slice:
+    per query head, per batch item, per block of ROW_BLOCK query rows of one (item, head), each against
+    its own reference norm or the norm a slice of its size has at the tensor's mean energy when that is
+    larger, so a slice whose reference is near zero is not divided by nothing; max_abs_error: the
+    element-wise criterion of FlashAttention's and cuDNN's tests, inf where the output is not finite,
+    which sees a few wrong elements that move no aggregate: one element off by 3x the output's RMS
+    moves its 64-row block's relative L2 by ~0.03), next to PyTorch SDPA's in the input precision."""
+    sdpa_rel_l2: float = math.nan
+    error_vs_sdpa: float = math.nan  # rel_l2 / sdpa_rel_l2
 
 
 def reference(q, k, v, scale: float | None = None) -> torch.Tensor:
@@ -61,7 +50,7 @@ def reference(q, k, v, scale: float | None = None) -> torch.Tensor:
 def compare(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, bool]:
     """(relative L2, worst per-head cosine, finite where ref is) of `out` against `ref`."""
     found = errors(out, ref)
-    return found["rel_l2"], found["worst_head_cosine"], found["finite"]
+    return found.rel_l2, found.worst_head_cosine, found.finite
 
 
 def _slice_errors(diff: torch.Tensor, ref: torch.Tensor, dims: tuple[int, ...]) -> float:
@@ -73,8 +62,8 @@ def _slice_errors(diff: torch.Tensor, ref: torch.Tensor, dims: tuple[int, ...]) 
     return (diff_sq / torch.maximum(ref_sq, share).clamp_min(1e-30)).sqrt().max().item()
 
 
-def errors(out: torch.Tensor, ref: torch.Tensor) -> dict:
-    """Every error number of Accuracy but SDPA's, of `out` [B, H, N, D] against `ref`."""
+def errors(out: torch.Tensor, ref: torch.Tensor) -> Metrics:
+    """The errors of `out` [B, H, N, D] against `ref` (see Accuracy); non-finite ones as they are."""
     out, ref = out.float(), ref.float()  # float32 sums: 1e-6 relative over 1e7 elements, ample here
     valid = torch.isfinite(ref)
     finite = bool(torch.isfinite(out)[valid].all())
@@ -95,16 +84,13 @@ def errors(out: torch.Tensor, ref: torch.Tensor) -> dict:
     pad = -n % ROW_BLOCK
     blocks = F.pad(diff, (0, 0, 0, pad)).view(b, h, -1, ROW_BLOCK, d)
     ref_blocks = F.pad(ref0, (0, 0, 0, pad)).view(b, h, -1, ROW_BLOCK, d)
-    return {
-        "rel_l2": rel_l2,
-        "worst_head_cosine": cosine,
-        "finite": finite,
-        "worst_head_rel_l2": _slice_errors(diff, ref0, (1,)),
-        "worst_batch_rel_l2": _slice_errors(diff, ref0, (0,)),
-        "worst_block_rel_l2": _block_errors(blocks, ref_blocks, n),
-        "norm_ratio": (torch.linalg.vector_norm(torch.where(valid, out, 0.0)) / ref_norm).item(),
-        "max_abs_error": diff.abs().max().item(),
-    }
+    return Metrics(
+        rel_l2=rel_l2, worst_head_cosine=cosine, finite=finite,
+        worst_head_rel_l2=_slice_errors(diff, ref0, (1,)),
+        worst_batch_rel_l2=_slice_errors(diff, ref0, (0,)),
+        worst_block_rel_l2=_block_errors(blocks, ref_blocks, n),
+        norm_ratio=(torch.linalg.vector_norm(torch.where(valid, out, 0.0)) / ref_norm).item(),
+        max_abs_error=diff.abs().max().item())
 
 
 def _block_errors(blocks: torch.Tensor, ref_blocks: torch.Tensor, rows: int) -> float:
@@ -129,9 +115,9 @@ def accuracy(out, q, k, v, ref=None, scale: float | None = None) -> Accuracy:
     ref = reference(q, k, v, scale) if ref is None else ref
     found = errors(out, ref)
     sdpa = TORCH_SDPA(q, k, v, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-    sdpa_rel_l2 = errors(sdpa, ref)["rel_l2"]
-    ratio = found["rel_l2"] / sdpa_rel_l2 if sdpa_rel_l2 > 0 else float("inf")
-    return Accuracy(sdpa_rel_l2=sdpa_rel_l2, error_vs_sdpa=ratio, **found)
+    sdpa_rel_l2 = errors(sdpa, ref).rel_l2
+    ratio = found.rel_l2 / sdpa_rel_l2 if sdpa_rel_l2 > 0 else float("inf")
+    return Accuracy(**vars(found), sdpa_rel_l2=sdpa_rel_l2, error_vs_sdpa=ratio)
 
 
 def extra_peak_bytes(fn: Callable[[], torch.Tensor], device: int) -> tuple[torch.Tensor, int]:

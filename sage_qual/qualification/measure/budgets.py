@@ -20,20 +20,22 @@ under FP8), the expected errors are those of its finite elements: the budget sti
 finite output (judge), so such a cell fails, as the kernel does; `model_finite` says so.
 
 Where the model names a hazard (`numerics.hazards`: output that depends on memory it cannot see),
-`model_hazards` lists it: a non-finite kernel output there was foreseen, a finite one is luck.
+`Expected.hazards` lists it: a non-finite kernel output there was foreseen, a finite one is luck.
 
 Computed on the device the fixture is on, cached per (fixture sha256, variant).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass
 
 import torch
 
 from sage_qual.fixtures import numerics
 from sage_qual.fixtures.fileformat import Fixture
-from sage_qual.qualification.evidence.report_model import Budget
+from sage_qual.qualification.evidence.report_model import Budget, Metrics
 from sage_qual.qualification.measure import accuracy
 from sage_qual.serving.variants import Variant
 
@@ -63,44 +65,54 @@ NORM_FLOOR = 2.0 ** -9
 MAX_ABS_FACTOR = 2.0
 # Twice the output dtype's epsilon at the largest value: about FlashAttention's fwd_atol.
 ROUNDING_EPS = 2.0
-ERRORS = {"max_rel_l2": "rel_l2", "max_head_rel_l2": "worst_head_rel_l2",
-          "max_batch_rel_l2": "worst_batch_rel_l2", "max_block_rel_l2": "worst_block_rel_l2"}
 
 
-def expected(variant: Variant, q, k, v, ref: torch.Tensor | None = None) -> dict:
+@dataclass(frozen=True)
+class Expected:
+    """What the numerics model says a variant reaches: its output's `Metrics` over its finite elements,
+    whether that output was finite, the element-wise allowance for rounding in the output dtype, and
+    the hazards it names (see the module docstring)."""
+    metrics: Metrics
+    model_finite: bool
+    rounding: float
+    hazards: tuple[str, ...] = ()
+
+
+def expected(variant: Variant, q, k, v, ref: torch.Tensor | None = None) -> Expected:
     """The model's metrics for `variant` on q, k, v (see the module docstring for non-finite)."""
     ref = accuracy.reference(q, k, v) if ref is None else ref
     return metrics_of(numerics.predict(variant, q, k, v), ref)
 
 
-def metrics_of(predicted: torch.Tensor, ref: torch.Tensor) -> dict:
-    """`accuracy.errors` of a model output, over its finite elements, with `model_finite` and
-    `rounding` (the element-wise allowance for rounding in the output dtype, see the module)."""
+def metrics_of(predicted: torch.Tensor, ref: torch.Tensor) -> Expected:
+    """The `Expected` of a model output against `ref` (no hazards: `expectation` adds them)."""
     dtype, predicted = predicted.dtype, predicted.float()
     finite = bool(torch.isfinite(predicted).all())
     if not finite:
         predicted = torch.where(torch.isfinite(predicted), predicted, ref)
-    found = accuracy.errors(predicted, ref)
-    found["model_finite"] = finite
-    found["rounding"] = ROUNDING_EPS * torch.finfo(dtype).eps * ref[torch.isfinite(ref)].abs().max().item()
-    return found
+    rounding = ROUNDING_EPS * torch.finfo(dtype).eps * ref[torch.isfinite(ref)].abs().max().item()
+    return Expected(accuracy.errors(predicted, ref), finite, rounding)
 
 
-def from_expected(found: dict, margin: float = MARGIN) -> Budget:
-    """The budget for a cell whose model metrics are `found`."""
+def from_expected(found: Expected, margin: float = MARGIN) -> Budget:
+    """The budget for a cell whose model numbers are `found`."""
     grow = 1.0 + margin
-    tolerance = max(margin * found["rel_l2"], NORM_FLOOR)
+    metrics = found.metrics
+    tolerance = max(margin * metrics.rel_l2, NORM_FLOOR)
     # At most MAX_MIN_COSINE: a float32 cosine of a head the model reproduces almost exactly used to
     # exceed 1 (1.0000405 for sm80-fp16-cuda on qwen_image_b52_value_offset gave a bound of 1.000049
     # that nothing met, issue 19); measure now sums in float64, within 1e-15 of 1 for equal tensors.
-    cosine = 1.0 - (1.0 - found["worst_head_cosine"]) * grow * grow
+    cosine = 1.0 - (1.0 - metrics.worst_head_cosine) * grow * grow
     return Budget(
-        **{limit: _round_up(found[metric] * grow) for limit, metric in ERRORS.items()},
+        max_rel_l2=_round_up(metrics.rel_l2 * grow),
+        max_head_rel_l2=_round_up(metrics.worst_head_rel_l2 * grow),
+        max_batch_rel_l2=_round_up(metrics.worst_batch_rel_l2 * grow),
+        max_block_rel_l2=_round_up(metrics.worst_block_rel_l2 * grow),
         # Between the model's ratio and 1, widened by the tolerance: a kernel closer to exact passes.
-        min_norm_ratio=_round_down(min(found["norm_ratio"], 1.0) - tolerance),
-        max_norm_ratio=_round_up(max(found["norm_ratio"], 1.0) + tolerance),
+        min_norm_ratio=_round_down(min(metrics.norm_ratio, 1.0) - tolerance),
+        max_norm_ratio=_round_up(max(metrics.norm_ratio, 1.0) + tolerance),
         min_cosine=_round_down(min(MAX_MIN_COSINE, cosine)),
-        max_abs=_round_up(MAX_ABS_FACTOR * found["max_abs_error"] + found["rounding"]))
+        max_abs=_round_up(MAX_ABS_FACTOR * metrics.max_abs_error + found.rounding))
 
 
 # Budgets are stored to 6 decimals, rounded outwards (the 1e-9 keeps 0.055000000000000007 at 0.055).
@@ -112,7 +124,7 @@ def _round_down(x: float) -> float:
     return math.floor(x * 1e6 + 1e-9) / 1e6
 
 
-_CACHE: dict[tuple[str, str, str], tuple[dict, Budget, torch.Tensor]] = {}
+_CACHE: dict[tuple[str, str, str], tuple[Expected, Budget, torch.Tensor]] = {}
 _REFERENCES: dict[tuple[str, str], torch.Tensor] = {}
 
 
@@ -126,12 +138,12 @@ def reference(fixture: Fixture) -> torch.Tensor:
     return _REFERENCES[key]
 
 
-def _cached(variant: Variant, fixture: Fixture) -> tuple[dict, Budget, torch.Tensor]:
+def _cached(variant: Variant, fixture: Fixture) -> tuple[Expected, Budget, torch.Tensor]:
     key = (fixture.sha256, variant.name, str(fixture.q.device))
     if key not in _CACHE:
         predicted = numerics.predict(variant, fixture.q, fixture.k, fixture.v)
-        found = metrics_of(predicted, reference(fixture))
-        found["model_hazards"] = numerics.hazards(variant, fixture.q, fixture.k, fixture.v)
+        found = dataclasses.replace(metrics_of(predicted, reference(fixture)), hazards=tuple(
+            numerics.hazards(variant, fixture.q, fixture.k, fixture.v)))
         _CACHE[key] = (found, from_expected(found), predicted)
     return _CACHE[key]
 
@@ -141,9 +153,10 @@ def budget(variant: Variant, fixture: Fixture) -> Budget:
     return _cached(variant, fixture)[1]
 
 
-def expectation(variant: Variant, fixture: Fixture) -> dict:
-    """The model's metrics behind `budget` (for reports and the model-versus-kernel table)."""
-    return dict(_cached(variant, fixture)[0])
+def expectation(variant: Variant, fixture: Fixture) -> Expected:
+    """The model's numbers behind `budget`, with its hazards (for reports and the model-versus-kernel
+    table)."""
+    return _cached(variant, fixture)[0]
 
 
 def prediction(variant: Variant, fixture: Fixture) -> torch.Tensor:

@@ -110,11 +110,11 @@ def _compare(outs, expected, torch_outs) -> dict:
     """Every output against the eager one (bit for bit, and `accuracy.errors`' worst relative L2 and
     element error, null where not finite) and torch's (relative L2)."""
     found = [accuracy.errors(o, e) for o, e in zip(outs, expected, strict=True)]
-    against_torch = [accuracy.errors(o, t)["rel_l2"] for o, t in zip(outs, torch_outs, strict=True)]
+    against_torch = [accuracy.errors(o, t).rel_l2 for o, t in zip(outs, torch_outs, strict=True)]
     return {"bit_identical": all(torch.equal(o, e) for o, e in zip(outs, expected, strict=True)),
-            "finite": all(f["finite"] for f in found),
-            "max_abs_diff": _finite_or_none(max(f["max_abs_error"] for f in found)),
-            "rel_l2": _finite_or_none(max(f["rel_l2"] for f in found)),
+            "finite": all(f.finite for f in found),
+            "max_abs_diff": _finite_or_none(max(f.max_abs_error for f in found)),
+            "rel_l2": _finite_or_none(max(f.rel_l2 for f in found)),
             "torch_rel_l2": _finite_or_none(max(against_torch))}
 
 

@@ -4,9 +4,9 @@ certify's worker calls it as it measures, the verdict recomputes it from the sto
 GPU tests assert with it, so a cell cannot pass in one place and fail in another.
 
 A budget is a `report_model.Budget`, per variant and fixture, derived from the numerics model
-(`sage_qual.qualification.measure.budgets.budget`), or a stored cell's mapping of limits (`Cell.bounds`).
-Every limit present is checked against its metric; a metric that is missing or not a number for a
-limit that is present is a reason too, so a report stripped of a number cannot pass. Finiteness is
+(`sage_qual.qualification.measure.budgets.budget`) or stored (`Cell.bounds`). Every limit is checked
+against its metric (null only in a report that predates the limit); a metric that is missing or not a
+number for a limit is a reason too, so a report stripped of a number cannot pass. Finiteness is
 always checked.
 """
 
@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, is_dataclass
 
-from sage_qual.qualification.evidence.report_model import Budget, Reason, ReasonKind
+from sage_qual.qualification.evidence.report_model import Budget, Metrics, Reason, ReasonKind
 
 # limit -> (metric, "max" or "min", what it says)
 LIMITS = {
@@ -37,24 +36,24 @@ def _number(value) -> float | None:
     return float(value)
 
 
-def cell_reasons(metrics, per_element: float | None, budget: Budget | Mapping,
-                 memory_bound: float) -> list[Reason]:
+def cell_reasons(metrics: Metrics, per_element: float | None, budget: Budget, memory_bound: float,
+                 sdpa_rel_l2: float | None = None) -> list[Reason]:
     """Why a cell fails, each reason with its numbers; empty when it passes.
 
-    `metrics`: a `measure.Accuracy` or a mapping with its field names (a stored cell).
+    `metrics`: a kernel's (`measure.Accuracy`), a stored cell's (`Cell.metrics`) or a long check's;
+    `sdpa_rel_l2`, when known, is quoted beside a failing relative L2.
     """
-    found = asdict(metrics) if is_dataclass(metrics) else dict(metrics)
-    budget = budget.limits() if isinstance(budget, Budget) else budget
     reasons = []
-    finite = found.get("finite") is True
+    finite = metrics.finite is True
     if not finite:
         reasons.append(Reason(ReasonKind.NON_FINITE, "output not finite where the reference is"))
     for limit, (metric, side, label) in LIMITS.items():
-        if limit not in budget:
+        stored = getattr(budget, limit)
+        if stored is None:  # a limit the report predates
             continue
-        bound, value = _number(budget[limit]), _number(found.get(metric))
-        if bound is None:
-            reasons.append(Reason(ReasonKind.ACCURACY, f"budget {limit} is not a number: {budget[limit]!r}"))
+        bound, value = _number(stored), _number(getattr(metrics, metric))
+        if bound is None or math.isnan(bound):
+            reasons.append(Reason(ReasonKind.ACCURACY, f"budget {limit} is not a number: {stored!r}"))
         elif value is None or math.isnan(value):
             # A non-finite output has no errors to measure: that reason was given once, above.
             missing = Reason(ReasonKind.ACCURACY, f"{label} ({metric}) not measured")
@@ -63,8 +62,8 @@ def cell_reasons(metrics, per_element: float | None, budget: Budget | Mapping,
         elif (side == "max" and not value <= bound) or (side == "min" and not value >= bound):
             relation = ">" if side == "max" else "<"
             extra = ""
-            if metric == "rel_l2" and _number(found.get("sdpa_rel_l2")) is not None:
-                extra = f" (SDPA in the input precision: {found['sdpa_rel_l2']:.3g})"
+            if metric == "rel_l2" and _number(sdpa_rel_l2) is not None:
+                extra = f" (SDPA in the input precision: {sdpa_rel_l2:.3g})"
             reasons.append(Reason(ReasonKind.ACCURACY, f"{label} {value:.4g} {relation} {bound:.4g}{extra}"))
     if per_element is None:
         reasons.append(Reason(ReasonKind.MEMORY, "extra peak memory not measured"))

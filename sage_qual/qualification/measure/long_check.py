@@ -52,7 +52,6 @@ from typing import Callable
 
 import torch
 
-from sage_qual import records
 from sage_qual.fixtures import numerics
 from sage_qual.qualification import families as families_mod
 from sage_qual.qualification.evidence.report_model import DType, LongCheck, Outcome, ShapeSpec
@@ -206,10 +205,9 @@ def check(task: LongTask, q, k, v, kernel: Kernel | None, blocks: int = SAMPLE_B
     metrics = accuracy.errors(out_rows, ref_rows)
     reasons = (judge.cell_reasons(metrics, 0.0, bounds, math.inf) + judge.row_order_reasons(rows_identical)
                + judge.layout_reasons(identical, layouts))
-    finite = metrics.pop("finite")
-    return task.record(Outcome.FAIL if reasons else Outcome.PASS, reasons=reasons, bounds=bounds.limits(),
-                       metrics=records.finite_or_none(metrics), finite=finite,
-                       model_finite=expected["model_finite"], rows=starts, row_block=SAMPLE_ROWS,
+    return task.record(Outcome.FAIL if reasons else Outcome.PASS, reasons=reasons, bounds=bounds,
+                       metrics=metrics.stored(), model_finite=expected.model_finite, rows=starts,
+                       row_block=SAMPLE_ROWS,
                        rows_identical=rows_identical, identical=identical, inputs=INPUTS)
 
 

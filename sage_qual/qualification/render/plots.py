@@ -47,11 +47,10 @@ def heat_ratio(cell: report_model.Cell, published: dict | None = None) -> float 
     bound for its class when `published` (fixture -> class -> limits) is given; None: no number."""
     bounds = cell.bounds
     if published is not None:
-        accuracy_class = cell.accuracy_class.value if cell.accuracy_class else ""
-        bounds = published.get(cell.fixture, {}).get(accuracy_class)
-    if cell.rel_l2 is None or not bounds:
+        bounds = published.get(cell.fixture, {}).get(cell.accuracy_class)
+    if cell.rel_l2 is None or bounds is None:
         return None
-    return cell.rel_l2 / bounds["max_rel_l2"]
+    return cell.rel_l2 / bounds.max_rel_l2
 
 
 def _heatmap(plt, device: report_model.Device, path: Path, published: dict | None = None) -> None:

@@ -136,7 +136,9 @@ def fixture_record(fixture: fileformat.Fixture) -> report_model.FixtureRecord:
     return report_model.FixtureRecord(
         name=fixture.name, family=fixture.family, kind=report_model.FixtureKind(fixture.kind),
         dtype=report_model.DType(str(fixture.dtype).replace("torch.", "")), q=list(fixture.q.shape),
-        k=list(fixture.k.shape), sha256=fixture.sha256, bounds=fixture.bounds, provenance=fixture.provenance)
+        k=list(fixture.k.shape), sha256=fixture.sha256, provenance=fixture.provenance,
+        bounds={report_model.AccuracyClass(name): report_model.PublishedBound(**bound)
+                for name, bound in fixture.bounds.items()})
 
 
 @contextlib.contextmanager

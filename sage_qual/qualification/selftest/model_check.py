@@ -72,8 +72,8 @@ class Row:
 
 def row(variant: str, fixture, kernel_rel_l2: float, kernel_finite: bool) -> Row:
     found = budgets.expectation(VARIANTS[variant], fixture)
-    return Row(variant, fixture.name, kernel_rel_l2, kernel_finite, found["rel_l2"], found["model_finite"],
-               bool(found["model_hazards"]))
+    return Row(variant, fixture.name, kernel_rel_l2, kernel_finite, found.metrics.rel_l2, found.model_finite,
+               bool(found.hazards))
 
 
 def from_results(results_path, fixture_dir) -> list[Row]:
