@@ -43,8 +43,8 @@ def judged(report: Report, cell: Cell) -> list[Reason]:
     fixture = next(f for f in report.fixtures if f.name == cell.fixture)
     # A predicted cell (certify --emulate) has no memory number: only its accuracy is judged.
     extra = 0.0 if cell.extra_bytes_per_element is None and report.predicted else cell.extra_bytes_per_element
-    return judge.cell_reasons(cell.metrics, extra, cell.bounds, memory_bound(fixture.family),
-                              cell.sdpa_rel_l2)
+    return (judge.cell_reasons(cell.metrics, extra, cell.bounds, memory_bound(fixture.family),
+                               cell.sdpa_rel_l2) + judge.hazard_reasons(cell.hazards))
 
 
 def long_judged(check: LongCheck) -> list[Reason]:

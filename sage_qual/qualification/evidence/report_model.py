@@ -110,6 +110,9 @@ class Cell(_Measured):
     max_abs_error: float | None = field(default=None, metadata=NOT_NEGATIVE)  # max |out - ref|
     extra_bytes_per_element: float | None = field(default=None, metadata=NOT_NEGATIVE)
     smooth_k_on: SmoothK | None = None
+    hazards: list[str] = field(default_factory=list, metadata={
+        "description": "a prediction's: what the numerics model says may make the kernel's output "
+                       "non-finite here (memory the model cannot see); each fails the cell"})
     seconds: float | None = None
     stderr_tail: str = ""
     traceback: str = ""

@@ -73,6 +73,15 @@ def cell_reasons(metrics: Metrics, per_element: float | None, budget: Budget, me
     return reasons
 
 
+def hazard_reasons(hazards) -> list[Reason]:
+    """A predicted cell's reason per hazard the numerics model names: the kernel's output there
+    depends on memory the model cannot see, so a prediction cannot call it finite (on the H200 the
+    sm80 kernels returned NaN on 4- and 16-key calls the model flags: docs/results/run18-h200/
+    certify-a/report.md)."""
+    return [Reason(ReasonKind.NON_FINITE, f"predicted to fail: the numerics model names a hazard: {hazard}")
+            for hazard in hazards]
+
+
 def row_order_reasons(rows_identical: bool | None) -> list[Reason]:
     """A long check's reason when its row blocks, moved to other positions, gave other outputs."""
     if rows_identical is False:

@@ -154,7 +154,18 @@ def _predicted_blocks(gpu: verdict.GpuDecision) -> list[Block]:
     return [Heading(2, "Predicted accuracy verdicts"),
             Paragraph("From the numerics model's cells below, accuracy only. Speed: not timed (no GPU ran), "
                       "so no variant is enabled and no break-even exists: certify on the GPU for those."),
+            Paragraph(PREDICTION_SCOPE),
             Table(["family", "prediction", "variants that would pass every fixture", "why not"], rows)]
+
+
+# What the verdict table of a predicted report states beside its verdicts (issue 26): a predicted
+# cell's budget is its own prediction plus the margin, so only these can fail it.
+PREDICTION_SCOPE = (
+    "What a prediction can find: an output of the modelled arithmetic that is not finite (an fp16 "
+    "accumulator overflowing, a zero V channel under FP8), and a hazard the model names (memory it cannot "
+    "see: such a cell is predicted to fail). What it cannot find: an error beyond the model's arithmetic, "
+    "since a cell's budget is the model's own error plus 10 %, so a finite prediction passes it; a kernel "
+    "or build defect; memory, speed, and side-stream, capture or compile behaviour.")
 
 
 def verdict_rows(gpu: verdict.GpuDecision) -> list[list[str]]:

@@ -3,7 +3,9 @@ process, with each variant's numerics model (`sage_qual.fixtures.numerics`) as i
 
 No GPU runs: a cell is measured and judged by `measure.cell` exactly as on a GPU, against the budget
 derived from the same model with the suite's margin, so a prediction fails where the model's own
-output does: non-finite (an fp16 accumulator overflowing, a zero V channel under FP8). The report is
+output does: non-finite (an fp16 accumulator overflowing, a zero V channel under FP8). It also fails
+where the model names a hazard (`numerics.hazards`: output that depends on memory the model cannot
+see), naming it: such a cell is never predicted to pass. The report is
 marked predicted everywhere: one pseudo-device, "numerics model (CPU)", no speed section, no memory
 figures (the model allocates nothing like the kernel), and `sage-qual gate` refuses it.
 
@@ -20,15 +22,16 @@ import dataclasses
 import threading
 import time
 
-from sage_qual.fixtures import numerics
+from sage_qual.fixtures import fileformat, numerics
 from sage_qual.qualification.evidence import files, tasks
-from sage_qual.qualification.evidence.report_model import LongCheck
-from sage_qual.qualification.measure import budgets
+from sage_qual.qualification.evidence.report_model import Cell, LongCheck, Outcome
+from sage_qual.qualification.measure import budgets, judge
 from sage_qual.qualification.run import plan as plan_mod
 from sage_qual.qualification.run import worker as worker_mod
 from sage_qual.qualification.run import workers
 from sage_qual.serving import environment
 from sage_qual.serving.env_record import GpuInfo
+from sage_qual.serving.variants import VARIANTS
 
 PREDICTED = "predicted by the CPU numerics model (sage_qual.fixtures.numerics), not measured on a GPU"
 LONG_BLOCKS = 2  # sampled row blocks per predicted long check: the first and the last
@@ -72,6 +75,18 @@ class CpuBench:
         """Nothing to free between tasks."""
 
 
+def _with_hazards(task: tasks.CellTask, cell: Cell) -> Cell:
+    """A predicted cell failed by each hazard the model names on its fixture (`judge.hazard_reasons`)."""
+    if not cell.measured:
+        return cell
+    fixture = fileformat.load_fixture(task.fixture)
+    found = list(budgets.expectation(VARIANTS[task.variant], fixture).hazards)
+    if not found:
+        return cell
+    reasons = cell.reasons + judge.hazard_reasons(found)
+    return dataclasses.replace(cell, hazards=found, reasons=reasons, outcome=Outcome.FAIL)
+
+
 class InProcessExecutor:
     """Runs a plan's jobs in this thread, through `worker.HANDLERS`; an interrupt (KeyboardInterrupt)
     stops between two tasks."""
@@ -92,6 +107,8 @@ class InProcessExecutor:
                 for task in job:
                     start = time.monotonic()
                     result = self._long(task) if isinstance(task, tasks.LongTask) else self.worker.run(task)
+                    if isinstance(task, tasks.CellTask):
+                        result = _with_hazards(task, result)
                     result = dataclasses.replace(tasks.timed(result, round(time.monotonic() - start, 3)),
                                                  detail=result.detail or PREDICTED)
                     workers.record(writer, slot, "cpu", progress, task, result)
