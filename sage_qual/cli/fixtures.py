@@ -78,6 +78,7 @@ def resolve(name: str) -> Path:
 
 
 def _show(args: argparse.Namespace) -> int:
+    from sage_qual.fixtures import known
     from sage_qual.fixtures.fileformat import FixtureError, describe, load_fixture
     from sage_qual.qualification.selection import check_finite
 
@@ -87,7 +88,7 @@ def _show(args: argparse.Namespace) -> int:
     except FixtureError as error:
         raise UsageError(str(error)) from None
     check_finite(fixture, path)  # what certify and gate would refuse, said here first
-    info = describe(fixture)
+    info = {**describe(fixture), "known_failures": known.failures(fixture)}
     # one line, as every --json answer (jsonfile.line); no NaN, which JSON has not
     print(json.dumps(_finite(info), allow_nan=False) if args.json else render(info))
     return ExitCode.OK
@@ -150,6 +151,8 @@ def render(info: dict) -> str:
             lines.append(f"    torch SDPA on the CPU: {_value(calibration['torch_sdpa_cpu'])}")
     elif calibration:
         lines.append(f"  calibration  {calibration}")
+    lines += [f"  known        {line}" if n == 0 else f"               {line}"
+              for n, line in enumerate(info["known_failures"])]
     lines.append("  provenance")
     lines += textwrap.wrap(info["provenance"], width=100, initial_indent="    ", subsequent_indent="    ")
     return "\n".join(lines)

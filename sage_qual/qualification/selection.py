@@ -8,13 +8,12 @@ the file named, whoever asked.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from sage_qual.errors import UsageError
-from sage_qual.fixtures import fileformat
+from sage_qual.fixtures import fileformat, known
 from sage_qual.qualification import families as families_mod
 from sage_qual.serving.variants import VARIANTS
 
@@ -45,8 +44,8 @@ def fixture_dirs(directories: list[str] | None) -> list[str]:
 
 @dataclass(frozen=True)
 class LeftOut:
-    """A fixture a --quick run left out, and the known failures its calibration records: variants
-    measured non-finite or over the fixture's published bound."""
+    """A fixture a --quick run left out, and its known failures: what the committed H200 reports
+    measured on that very file (`sage_qual.fixtures.known`)."""
     fixture: str
     family: str
     failures: list[str]
@@ -126,20 +125,7 @@ def check_finite(fixture: fileformat.Fixture, path) -> None:
 
 
 def _left_out(fixture: fileformat.Fixture) -> LeftOut:
-    """A fixture --quick left out, with the failures its calibration records."""
-    failures = []
-    calibration = fixture.calibration if isinstance(fixture.calibration, dict) else {}
-    kernels = calibration.get("kernels", {})
-    for name, numbers in sorted(kernels.items()):
-        bound = fixture.bounds.get(VARIANTS[name].accuracy_class, {}) if name in VARIANTS else {}
-        rel_l2 = numbers.get("rel_l2")
-        if numbers.get("finite") is False:
-            failures.append(f"{name} not finite")
-        elif isinstance(rel_l2, float) and rel_l2 > bound.get("max_rel_l2", math.inf):
-            failures.append(f"{name} relative L2 {rel_l2:.3g} over the published bound "
-                            f"{bound['max_rel_l2']:.3g}")
-    if not kernels:
-        status = calibration.get("status", "no calibration")
-        failures.append(f"none known: no kernel ran this file ({status})")
+    """A fixture --quick left out, with what the committed H200 reports measured on it."""
+    failures = known.failures(fixture)
     owner = families_mod.family_of(fixture.family)
     return LeftOut(fixture.name, owner.name if owner else families_mod.normalize(fixture.family), failures)

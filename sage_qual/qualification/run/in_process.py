@@ -106,12 +106,18 @@ class InProcessExecutor:
             for job in slot_jobs:
                 for task in job:
                     start = time.monotonic()
-                    result = self._long(task) if isinstance(task, tasks.LongTask) else self.worker.run(task)
-                    if isinstance(task, tasks.CellTask):
-                        result = _with_hazards(task, result)
+                    result = self.predict(task)
                     result = dataclasses.replace(tasks.timed(result, round(time.monotonic() - start, 3)),
                                                  detail=result.detail or PREDICTED)
                     workers.record(writer, slot, "cpu", progress, task, result)
+
+    def predict(self, task: tasks.Task) -> tasks.Result:
+        """One task's result as the model predicts it: a cell failed by each hazard the model names,
+        a long check computed once per reduced call."""
+        if isinstance(task, tasks.LongTask):
+            return self._long(task)
+        found = self.worker.run(task)
+        return _with_hazards(task, found) if isinstance(task, tasks.CellTask) else found
 
     def run_side_by_side(self, jobs, writer, progress, stop) -> None:
         raise AssertionError("an in-process plan follows nothing up")
