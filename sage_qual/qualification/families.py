@@ -81,6 +81,12 @@ LAYOUTS = {
 #   A14B size, and kijai/ComfyUI-KJNodes PR 748 fixed a long strided V view in video workflows.
 COMMON_LAYOUTS = ("contiguous", "transposed", "nhd")
 
+# The generic sweep's self-attention, timed by certify and long-checked past the fixtures: 24 heads
+# (FLUX.1's and Qwen-Image's) from 1k to 32k tokens; --quick times three of the lengths.
+GENERIC_HEADS = 24
+SELF_TOKENS = (1024, 2048, 4096, 8192, 16384, 32768)
+QUICK_SELF_TOKENS = (1024, 4096, 16384)
+
 
 @dataclass(frozen=True)
 class CallSite:

@@ -263,6 +263,49 @@ def test_a_report_without_long_checks_has_no_upper_bound():
     assert "no upper bound verified" in flux.served_range()
 
 
+def with_long_checks() -> dict:
+    data = json.loads(SAMPLE.read_text())
+    for device in data["devices"]:
+        device["long"] = long_records("sm90-fp8-cuda")
+    checked.parse(data, "sample")  # as certify plans them, they read
+    return data
+
+
+@pytest.mark.parametrize("edit, says", [
+    # FLUX.1's check relabelled to 10^6 tokens: it would enable FLUX.1 up to there (issue 28)
+    (lambda checks: checks[3]["shape"].update(q_tokens=10**6, kv_tokens=10**6),
+     "shape: not FLUX.1's longest call (16896 query / 16896 key tokens, 24 heads x 128)"),
+    # an extra sweep check at 10^9 tokens: every family's range would reach it
+    (lambda checks: checks.append({**checks[2], "shape": {**checks[2]["shape"], "q_tokens": 10**9,
+                                                          "kv_tokens": 10**9}}),
+     "shape: not the generic sweep's self-attention (24 heads x 128 at 1024, 2048, 4096, 8192, 16384, "
+     "32768 tokens)"),
+    (lambda checks: checks[2]["shape"].update(heads=12), "shape: not the generic sweep's self-attention"),
+    # Wan 2.2's check claimed for LTX-2 too, whose longest call it is not
+    (lambda checks: checks[4]["uses"].append({"family": "LTX-2", "label": "test"}),
+     "shape: not LTX-2's longest call (13728 query / 13728 key tokens, 32 heads x 128)"),
+    (lambda checks: checks[4]["uses"].append({"family": "Sora", "label": "test"}),
+     "uses: 'Sora' is not a family of this run"),
+])
+def test_a_long_check_certify_does_not_plan_is_refused(edit, says):
+    data = with_long_checks()
+    edit(data["devices"][0]["long"])
+    with pytest.raises(ReportError, match=r"devices\[0\]\.long\[\d\] \(sm90-fp8-cuda at \d+ tokens\): "
+                                          + re.escape(says)):
+        checked.parse(data, "sample")
+
+
+def test_a_layout_compared_but_not_declared_is_refused():
+    """Issue 28: checks declaring contiguous only, with the other layouts claimed identical in
+    `identical`, got all four layouts enabled."""
+    data = with_long_checks()
+    check = data["devices"][0]["long"][0]
+    check["layouts"] = ["contiguous"]
+    with pytest.raises(ReportError, match=r"devices\[0\]\.long\[0\]\.identical: 'fused_qkv' is not among "
+                                          r"the layouts checked \(contiguous\)"):
+        checked.parse(data, "sample")
+
+
 def test_an_edited_long_check_is_refused():
     data = json.loads(SAMPLE.read_text())
     for device in data["devices"]:

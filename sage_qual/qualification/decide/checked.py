@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from sage_qual.qualification.evidence import files
+from sage_qual.qualification.evidence import files, tasks
 from sage_qual.qualification.evidence.report_model import (
     Cell,
     LongCheck,
@@ -16,7 +16,14 @@ from sage_qual.qualification.evidence.report_model import (
     Report,
     ReportError,
 )
-from sage_qual.qualification.families import LAYOUTS, memory_bound
+from sage_qual.qualification.families import (
+    GENERIC_HEADS,
+    LAYOUTS,
+    SELF_TOKENS,
+    family_of,
+    memory_bound,
+    self_attention,
+)
 from sage_qual.qualification.measure import judge
 from sage_qual.serving.variants import VARIANTS
 
@@ -86,6 +93,11 @@ def check_evidence(report: Report, where: str) -> None:
                 raise ReportError(f"{key}: outcome: {cell.outcome.value!r} but its numbers say "
                                   f"{outcome.value!r} ({why}); the report was edited: certify again")
         for m, check in enumerate(device.long or []):
+            unplanned = _unplanned(report, check)
+            if unplanned:
+                raise ReportError(f"{where}: devices[{n}].long[{m}] ({check.variant} at "
+                                  f"{check.shape.q_tokens} tokens): {unplanned}; the report was edited: "
+                                  "certify again")
             if not check.measured:
                 continue
             reasons = long_judged(check)
@@ -96,6 +108,28 @@ def check_evidence(report: Report, where: str) -> None:
                 where_long = f"{where}: devices[{n}].long[{m}] ({check.variant} at {tokens} tokens)"
                 raise ReportError(f"{where_long}: outcome: {check.outcome.value!r} but its numbers say "
                                   f"{outcome.value!r} ({why}); the report was edited: certify again")
+
+
+def _unplanned(report: Report, check: LongCheck) -> str:
+    """Why `check` is no long check certify plans ('' when it is one): each family use is a chosen
+    family's longest call, each sweep use the generic self-attention at a sweep length. A check
+    relabelled to a longer call would lift the verified range past what ran (issue 28: 10^6 tokens
+    enabled FLUX.1, whose longest call is 16,896)."""
+    for use in check.uses:
+        if use.family is None:
+            allowed = [tasks.shape_spec(self_attention(GENERIC_HEADS, t).as_dict()) for t in SELF_TOKENS]
+            if check.shape not in allowed:
+                return (f"shape: not the generic sweep's self-attention ({GENERIC_HEADS} heads x 128 at "
+                        f"{', '.join(map(str, SELF_TOKENS))} tokens)")
+            continue
+        family = family_of(use.family)
+        if family is None or family.name not in report.options.families:
+            return f"uses: {use.family!r} is not a family of this run"
+        if check.shape != tasks.shape_spec(family.longest.as_dict()):
+            longest = family.longest
+            return (f"shape: not {family.name}'s longest call ({longest.q_tokens} query / "
+                    f"{longest.kv_tokens} key tokens, {longest.heads} heads x {longest.head_dim})")
+    return ""
 
 
 def status_line(complete: bool, started: str, finished: str | None, stopped: str) -> str:

@@ -377,7 +377,8 @@ class _Model:
                 result.range_reasons += failures
                 break
             max_q, max_k = max(max_q, q_tokens), max(max_k, kv_tokens)
-            compared |= {name for check in checks.values() for name, same in check.identical.items() if same}
+            compared |= {name for check in checks.values() for name, same in check.identical.items()
+                         if same and name in check.layouts}
         result.range_reasons += list(broken.values())
         result.range_verified = True
         result.max_query_tokens, result.max_key_tokens = max_q, max_k

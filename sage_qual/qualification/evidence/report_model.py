@@ -228,6 +228,11 @@ class LongCheck(_Measured):
     traceback: str = ""
 
     def check(self) -> list[tuple[str, str]]:
+        # A comparison of a layout the check did not declare would enable that layout (issue 28).
+        undeclared = sorted(set(self.identical) - set(self.layouts))
+        if undeclared:
+            return [("identical", f"{undeclared[0]!r} is not among the layouts checked "
+                                  f"({', '.join(self.layouts)})")]
         return self._outcome_problems("long check", ("bounds", "metrics"))
 
 

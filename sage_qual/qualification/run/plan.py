@@ -32,18 +32,17 @@ from sage_qual.qualification.evidence.report_model import (
     ShapeSpec,
     ShapeUse,
 )
-from sage_qual.qualification.families import Shape
+from sage_qual.qualification.families import GENERIC_HEADS, QUICK_SELF_TOKENS, SELF_TOKENS, Shape
 from sage_qual.qualification.measure import span_probe
 from sage_qual.qualification.measure.speed import intervals_to_refine, speedup_bounds
 from sage_qual.qualification.run.options import Integration, RunRequest
 from sage_qual.qualification.selection import Selection
 from sage_qual.serving.env_record import EnvironmentRecord, GpuInfo
 
-# The generic sweep: self-attention of 24 heads from 1k to 32k tokens at both head sizes, and
-# cross-attention on short keys (text encoders give 77 to 1024 tokens).
-SELF_TOKENS = (1024, 2048, 4096, 8192, 16384, 32768)
+# The generic sweep: self-attention of GENERIC_HEADS heads at SELF_TOKENS (families.py, where the
+# verdict's evidence check reads them too) at both head sizes, and cross-attention on short keys
+# (text encoders give 77 to 1024 tokens).
 CROSS = [(q, k) for q in (4096, 16384) for k in (77, 256, 512, 1024)]
-QUICK_SELF_TOKENS = (1024, 4096, 16384)
 QUICK_CROSS = [(4096, 77), (4096, 512)]
 # Refinement (full runs): between the last sweep length at which a variant's lower 95 % bound was
 # no faster than SDPA and the first at which it was, and in every interval with an end whose median
@@ -56,8 +55,6 @@ TOKEN_GRANULE = 128
 # Timing repeats: (warm-up, repeats); big shapes get fewer, so the full run fits in minutes.
 TIMING = {"quick": (2, 5), "small": (5, 20), "large": (3, 10)}
 LARGE_FLOPS = 1e12
-# The long checks' generic self-attention: as the sweep times it.
-GENERIC_HEADS = 24
 # Span probes: the rung's limit is the boundary's / 8 (2^28 elements, 0.5 GB of bf16), where the
 # limit falls back to when a kernel is wrong below the boundary.
 RUNG_FRACTION = 8
