@@ -162,7 +162,18 @@ class Profile:
     gpus: list[ProfileGpu]
 
     def check(self) -> list[tuple[str, str]]:
-        return [] if self.gpus else [("gpus", "empty: a profile certifies at least one GPU model")]
+        if not self.gpus:
+            return [("gpus", "empty: a profile certifies at least one GPU model")]
+        # Two entries for one machine (model, memory and software) would leave which one serves to
+        # their order (issue 28).
+        first: dict[tuple, int] = {}
+        for n, gpu in enumerate(self.gpus):
+            key = (gpu.label, gpu.memory_gib, gpu.environment)
+            if key in first:
+                return [(f"gpus[{n}]", f"{gpu.label} with this memory and software is gpus[{first[key]}] "
+                                       "already: keep one entry per machine (merge the reports instead)")]
+            first[key] = n
+        return []
 
 
 def json_schema() -> dict:

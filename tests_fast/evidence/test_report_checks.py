@@ -426,6 +426,21 @@ def test_a_long_check_that_did_not_run_says_why():
     assert failed.devices[0].long[0].measured
 
 
+@pytest.mark.parametrize("change, says", [
+    ({"limit": 2**40}, "limit: 1099511627776 is past the 2147483647 elements a kernel indexes with 32-bit "
+                       "offsets"),
+    ({"span": 2**40, "side": "above"}, "span: 1099511627776 is not above its limit 2147483647 (a probe "
+                                       "sits within 2x of it)"),
+    ({"span": 2147483648}, "span: 2147483648 is not below its limit 2147483647 (a probe sits within 2x of "
+                           "it)"),
+    ({"layout": "nhd"}, "layout: is the string 'nhd', expected 'contiguous' or 'fused_qkv'"),
+    ({"side": "middle"}, "side: is the string 'middle', expected 'below' or 'above'"),
+])
+def test_a_span_probe_sits_at_its_limit_in_a_known_layout(change, says):
+    """Issue 28: probes claiming 2^40, or unknown layouts or sides, were read."""
+    assert refused(lambda d: d["devices"][0]["span"][0].update(change)) == f"devices[0].span[0].{says}"
+
+
 def test_a_passed_span_probe_has_its_error_and_any_other_says_why():
     assert refused(lambda d: d["devices"][0]["span"][0].update(rel_l2=None)) == (
         "devices[0].span[0].rel_l2: missing for a span probe whose outcome is 'pass'"

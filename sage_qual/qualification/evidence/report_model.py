@@ -18,6 +18,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Literal
 
+from sage_qual import limits
 from sage_qual.qualification.evidence.numbers import COSINE, NOT_NEGATIVE, Budget, Metrics, PublishedBound  # noqa: F401
 from sage_qual.qualification.families import FAMILIES
 from sage_qual.serving.contexts import CHECKS, CONTEXTS
@@ -241,8 +242,10 @@ class SpanProbe:
     """A variant called directly on one long query near the 32-bit element limit (`measure.span_probe`):
     pass (right on sampled rows), fail (wrong), or what ended its worker (crash, with the stderr tail)."""
     variant: str
-    layout: str = field(metadata={"description": "contiguous, or fused_qkv (views into one fused QKV)"})
-    side: str = field(metadata={"description": "below: within the probed limit; above: past it"})
+    layout: Literal["contiguous", "fused_qkv"] = field(metadata={
+        "description": "contiguous, or fused_qkv (views into one fused QKV)"})
+    side: Literal["below", "above"] = field(metadata={
+        "description": "below: within the probed limit; above: past it"})
     tokens: int = field(metadata={"minimum": 1})
     heads: int = field(metadata={"minimum": 1})
     head_dim: int = field(metadata={"minimum": 1})
@@ -262,6 +265,14 @@ class SpanProbe:
     traceback: str = ""
 
     def check(self) -> list[tuple[str, str]]:
+        # A probe sits at the 32-bit element boundary or its rung, just below or just above it: a
+        # claimed limit or span past that would lift the profile's span limit (issue 28: 2^40).
+        if self.limit > limits.MAX_SPAN_ELEMENTS:
+            return [("limit", f"{self.limit} is past the {limits.MAX_SPAN_ELEMENTS} elements a kernel "
+                              "indexes with 32-bit offsets")]
+        if (self.side == "below") != (self.span <= self.limit) or self.span > 2 * self.limit:
+            return [("span", f"{self.span} is not {self.side} its limit {self.limit} (a probe sits within "
+                             "2x of it)")]
         if self.outcome == Outcome.PASS and self.rel_l2 is None:
             return [("rel_l2", "missing for a span probe whose outcome is 'pass'")]
         if self.outcome != Outcome.PASS and not self.detail:
