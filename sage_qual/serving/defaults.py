@@ -68,7 +68,7 @@ def read(path: Path = DATA) -> tuple[profile.Profile, list[Source]]:
         wrapper = records.parse(DefaultProfile, data, str(path), FIX)
     except records.RecordError as error:
         raise profile.ProfileError(str(error)) from None
-    return profile.load(wrapper.profile), wrapper.sources
+    return profile.load(wrapper.profile, f"built-in defaults {path}: profile", FIX), wrapper.sources
 
 
 def _same_model(gpu: profile.ProfileGpu, device: profile.Machine) -> bool:

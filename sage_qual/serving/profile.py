@@ -208,12 +208,13 @@ def _upgrade(old: ProfileV1) -> Profile:
     return Profile(KIND, SCHEMA_VERSION, old.created, old.host, old.fixtures, [gpu])
 
 
-def load(source) -> Profile:
-    """A profile from a path or an already parsed dict; ProfileError (one line: where, key, fix)."""
+def load(source, where: str = "profile", fix: str = FIX) -> Profile:
+    """A profile from a path or an already parsed dict (`where` names the dict, `fix` what to do about
+    it); ProfileError (one line: where, key, fix)."""
     if isinstance(source, Profile):
         return source
     if isinstance(source, Mapping):
-        data, where = dict(source), "profile"
+        data = dict(source)
     else:
         where = str(source)
         data = jsonfile.read(source, ProfileError, unreadable="cannot read profile {path}: {reason}",
@@ -226,8 +227,8 @@ def load(source) -> Profile:
                            f"and {SCHEMA_VERSION}: certify again (or upgrade sage-qual)")
     try:
         if version == 1:
-            return _upgrade(records.parse(ProfileV1, data, where, FIX))
-        return records.parse(Profile, data, where, FIX)
+            return _upgrade(records.parse(ProfileV1, data, where, fix))
+        return records.parse(Profile, data, where, fix)
     except records.RecordError as error:
         raise ProfileError(str(error)) from None
 

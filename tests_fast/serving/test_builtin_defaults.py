@@ -210,3 +210,15 @@ def test_the_command_refuses_what_is_not_a_profile(tmp_path, capsys):
     assert defaults.main([str(bad), "--out", str(tmp_path / "d.json")]) == 2
     assert "is not a sage-qual profile" in capsys.readouterr().err
     assert not (tmp_path / "d.json").exists()
+
+
+def test_a_broken_defaults_file_names_the_file_the_key_and_the_rebuild(tmp_path):
+    """Issue 28: a negative threshold there was named as "profile: ..." with certify's fix."""
+    data = json.loads(defaults.DATA.read_text())
+    data["profile"]["gpus"][0]["default"]["min_query_tokens"] = -5
+    path = tmp_path / "default_profile.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(profile.ProfileError) as error:
+        defaults.read(path)
+    assert str(error.value) == (f"built-in defaults {path}: profile: gpus[0].default.min_query_tokens: "
+                                f"is -5, expected a token count of at least 1; {defaults.FIX}")
