@@ -6,7 +6,8 @@
 #   array task; BASELINE_DIR/<host>/report.json the same hosts at the last release (optional).
 # REQUIRED_FAMILIES: comma-separated families the fleet must enable (exit 1 when one is kept off).
 # REQUIRE_SPEEDUP=1: "safe, no speedup" counts as kept off (as `gate --require-speedup`).
-# Writes OUT_DIR/fleet.md, fleet.json, compare-<host>.txt and fleet-gates.txt.
+# Writes OUT_DIR/fleet.md, fleet.json, compare-<host>.txt and fleet-gates.txt (an enabled family
+# with each GPU model's variant and the range, head sizes and layouts every host verified).
 set -uo pipefail
 out=${1:?usage: merge_and_gate.sh OUT_DIR REPORTS_DIR [BASELINE_DIR]}
 reports=${2:?usage: merge_and_gate.sh OUT_DIR REPORTS_DIR [BASELINE_DIR]}
@@ -57,6 +58,29 @@ for report in reports:
             answer = json.loads(line)
             gates[(str(Path(report).parent), answer["family"])] = answer["exit_code"]
 families = list(dict.fromkeys(name for row in fleet for name in row["families"]))
+
+
+def common_range(rows, family):
+    """What every host serves of an enabled family: each GPU model's variant, and the intersection of
+    the hosts' ranges, head sizes and layouts ('' when they share none)."""
+    entries = [row["families"][family] for row in rows]
+    variants = ", ".join(sorted({f"{e['variant']} on {row['gpu']}" for row, e in zip(rows, entries)}))
+    low_q, low_k = max(e["min_query_tokens"] for e in entries), max(e["min_key_tokens"] for e in entries)
+    dims = sorted(set.intersection(*(set(e["head_dims"] or []) for e in entries)))
+    if not dims:
+        return ""
+    dims_text = f"head_dim {'/'.join(map(str, dims))}"
+    if any(e["max_query_tokens"] is None for e in entries):
+        return (f"{variants}; every host: from {low_q:,} query / {low_k:,} key tokens, {dims_text}, no upper "
+                "bound verified (a report without long checks)")
+    high_q = min(e["max_query_tokens"] for e in entries)
+    high_k = min(e["max_key_tokens"] or e["max_query_tokens"] for e in entries)
+    layouts = [name for name in entries[0]["layouts"] if all(name in e["layouts"] for e in entries)]
+    if low_q > high_q or low_k > high_k or not layouts:
+        return ""
+    tokens = (f"from {low_q:,} to {high_q:,} tokens" if (low_q, high_q) == (low_k, high_k) else
+              f"from {low_q:,} to {high_q:,} query / {low_k:,} to {high_k:,} key tokens")
+    return f"{variants}; every host: {tokens}, {dims_text} (layouts: {', '.join(layouts)})"
 out, off = [], []
 for family in families:
     why, verdicts = [], set()
@@ -74,6 +98,10 @@ for family in families:
             why.append(f"{where}: gate exit {code if code is not None else 'missing'}")
     # "safe, no speedup" anywhere: the family may be enabled, but serves nothing there
     verdict = "keep off" if why else "enable" if verdicts == {"enable"} else "safe, no speedup"
+    if verdict == "enable":
+        served = common_range(fleet, family)
+        why = [] if served else ["no range of tokens, head sizes and layouts every host verified"]
+        verdict = f"enable ({served})" if served else "keep off"
     out.append(f"{family}: {verdict}" + (f" ({'; '.join(why)})" if why else ""))
     if why:
         off.append(family)

@@ -71,7 +71,10 @@ def test_merge_and_gate_on_the_committed_h200_reports(fleet):
     rows = json.loads((fleet / "out" / "fleet.json").read_text())["rows"]
     assert [row["gpu"] for row in rows] == ["NVIDIA H200"] * 2
     decided = gates(fleet)
-    assert decided["Wan 2.2"] == decided["Z-Image"] == "enable"
+    # run 11's two GPUs, 9,728 and 16,384 tokens, predate long checks: the fleet serves from the higher
+    assert decided["Wan 2.2"] == decided["Z-Image"] == (
+        "enable (sm90-fp8-cuda on NVIDIA H200; every host: from 16,384 query / 16,384 key tokens, head_dim "
+        "128, no upper bound verified (a report without long checks))")
     assert decided["FLUX.1"] == decided["SDXL"] == "safe, no speedup"
     assert decided["FLUX.2"].startswith("keep off (vm NVIDIA H200 (h200-a): keep off;")
     # run 8 (8,960 tokens) against run 11's first GPU (9,728): within 10 %; the second has no baseline
@@ -80,6 +83,22 @@ def test_merge_and_gate_on_the_committed_h200_reports(fleet):
     compared = (fleet / "out" / "compare-h200-a.txt").read_text()
     assert compared.endswith("same verdicts, variants, ranges, layouts and contexts, each threshold "
                              "within 10%\n")
+
+
+def test_the_fleet_gate_names_the_variant_and_the_range_every_host_verified(tmp_path):
+    """Issue 27: the fleet's enable line named neither. Runs 21 and 22 (one H200 each) with long checks."""
+    for host, run in (("h200-a", "run21-h200"), ("h200-b", "run22-h200")):
+        (tmp_path / "reports" / host).mkdir(parents=True)
+        shutil.copy(RESULTS / run / "certify" / "report.json", tmp_path / "reports" / host / "report.json")
+    done = merge_and_gate(tmp_path, baseline=False, REQUIRED_FAMILIES="Wan 2.2")
+    assert done.returncode == 0, done.stderr
+    decided = gates(tmp_path)
+    assert decided["Wan 2.2"] == ("enable (sm90-fp8-cuda on NVIDIA H200; every host: from 9,728 to 75,600 "
+                                  "tokens, head_dim 128 (layouts: contiguous, transposed, nhd, fused_qkv))")
+    assert decided["Z-Image"].endswith("from 9,728 to 32,768 tokens, head_dim 128 (layouts: contiguous, "
+                                       "transposed, nhd))")
+    # run 21 had no FLUX.2 fixture; run 22 enables it
+    assert decided["FLUX.2"].startswith("keep off (vm NVIDIA H200 (h200-a): keep off")
 
 
 def test_a_required_family_kept_off_fails_the_step(fleet):
@@ -98,7 +117,7 @@ def test_a_hosts_own_gate_that_did_not_enable_keeps_the_family_off(fleet):
     assert done.returncode == 0, done.stderr
     decided = gates(fleet)
     assert decided["Wan 2.2"] == "keep off (vm NVIDIA H200 (h200-b): gate exit 1)"
-    assert decided["Z-Image"] == "enable"
+    assert decided["Z-Image"].startswith("enable (sm90-fp8-cuda on NVIDIA H200; ")
     assert decided["Krea-2"] == "keep off (vm NVIDIA H200 (h200-b): gate exit missing)"  # not decided there
 
 
