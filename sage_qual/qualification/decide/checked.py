@@ -93,21 +93,22 @@ def check_evidence(report: Report, where: str) -> None:
                 raise ReportError(f"{key}: outcome: {cell.outcome.value!r} but its numbers say "
                                   f"{outcome.value!r} ({why}); the report was edited: certify again")
         for m, check in enumerate(device.long or []):
+            where_long = f"{where}: devices[{n}].long[{m}] ({check.variant} at {check.shape.q_tokens} tokens)"
             unplanned = _unplanned(report, check)
             if unplanned:
-                raise ReportError(f"{where}: devices[{n}].long[{m}] ({check.variant} at "
-                                  f"{check.shape.q_tokens} tokens): {unplanned}; the report was edited: "
-                                  "certify again")
+                raise ReportError(f"{where_long}: {unplanned}; the report was edited: certify again")
             if not check.measured:
                 continue
             reasons = long_judged(check)
             outcome = Outcome.FAIL if reasons else Outcome.PASS
             if check.outcome != outcome:
                 why = "; ".join(r.detail for r in reasons) or "every number within its bound"
-                tokens = check.shape.q_tokens
-                where_long = f"{where}: devices[{n}].long[{m}] ({check.variant} at {tokens} tokens)"
                 raise ReportError(f"{where_long}: outcome: {check.outcome.value!r} but its numbers say "
                                   f"{outcome.value!r} ({why}); the report was edited: certify again")
+
+
+# The shapes of the sweep's long checks, as run/plan.py plans them.
+_SWEEP_SHAPES = [tasks.shape_spec(self_attention(GENERIC_HEADS, t).as_dict()) for t in SELF_TOKENS]
 
 
 def _unplanned(report: Report, check: LongCheck) -> str:
@@ -117,8 +118,7 @@ def _unplanned(report: Report, check: LongCheck) -> str:
     enabled FLUX.1, whose longest call is 16,896)."""
     for use in check.uses:
         if use.family is None:
-            allowed = [tasks.shape_spec(self_attention(GENERIC_HEADS, t).as_dict()) for t in SELF_TOKENS]
-            if check.shape not in allowed:
+            if check.shape not in _SWEEP_SHAPES:
                 return (f"shape: not the generic sweep's self-attention ({GENERIC_HEADS} heads x 128 at "
                         f"{', '.join(map(str, SELF_TOKENS))} tokens)")
             continue

@@ -37,12 +37,15 @@ def tables(reports: list[Path], shipped: dict[str, str]) -> dict:
             continue
         counted.append(str(path))
         same = {f.name for f in data.fixtures if shipped.get(f.name) == f.sha256}
-        for name in sorted({c.fixture for d in data.devices for c in d.cells} & same):
+        by_fixture: dict[str, list] = {}
+        for cell in (c for d in data.devices for c in d.cells if c.fixture in same):
+            by_fixture.setdefault(cell.fixture, []).append(cell)
+        for name, cells in sorted(by_fixture.items()):
             entry = fixtures.setdefault(name, {"sha256": shipped[name], "reports": 0, "variants": {}})
             entry["reports"] += 1
             failed: dict[str, set[str]] = {}
             ran: set[str] = set()
-            for cell in (c for d in data.devices for c in d.cells if c.fixture == name):
+            for cell in cells:
                 if cell.outcome == Outcome.SKIP:
                     continue
                 ran.add(cell.variant)
