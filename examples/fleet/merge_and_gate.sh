@@ -62,7 +62,7 @@ families = list(dict.fromkeys(name for row in fleet for name in row["families"])
 
 def common_range(rows, family):
     """What every host serves of an enabled family: each GPU model's variant, and the intersection of
-    the hosts' ranges, head sizes and layouts ('' when they share none)."""
+    the hosts' ranges, head sizes and layouts, and every host's bounds ('' when they share no range)."""
     entries = [row["families"][family] for row in rows]
     variants = ", ".join(sorted({f"{e['variant']} on {row['gpu']}" for row, e in zip(rows, entries)}))
     low_q, low_k = max(e["min_query_tokens"] for e in entries), max(e["min_key_tokens"] for e in entries)
@@ -70,9 +70,14 @@ def common_range(rows, family):
     if not dims:
         return ""
     dims_text = f"head_dim {'/'.join(map(str, dims))}"
+    below = {}  # a host's bound holds for the fleet: per side, the highest
+    for e in entries:
+        for bound in e.get("bounds") or []:
+            below[bound["side"]] = max(below.get(bound["side"], 0), bound["below"])
+    kept = "".join(f"; calls with fewer than {n:,} {side}s stay on torch" for side, n in sorted(below.items()))
     if any(e["max_query_tokens"] is None for e in entries):
         return (f"{variants}; every host: from {low_q:,} query / {low_k:,} key tokens, {dims_text}, no upper "
-                "bound verified (a report without long checks)")
+                f"bound verified (a report without long checks){kept}")
     high_q = min(e["max_query_tokens"] for e in entries)
     high_k = min(e["max_key_tokens"] or e["max_query_tokens"] for e in entries)
     layouts = [name for name in entries[0]["layouts"] if all(name in e["layouts"] for e in entries)]
@@ -80,7 +85,7 @@ def common_range(rows, family):
         return ""
     tokens = (f"from {low_q:,} to {high_q:,} tokens" if (low_q, high_q) == (low_k, high_k) else
               f"from {low_q:,} to {high_q:,} query / {low_k:,} to {high_k:,} key tokens")
-    return f"{variants}; every host: {tokens}, {dims_text} (layouts: {', '.join(layouts)})"
+    return f"{variants}; every host: {tokens}, {dims_text} (layouts: {', '.join(layouts)}){kept}"
 out, off = [], []
 for family in families:
     why, verdicts = [], set()

@@ -2,13 +2,13 @@
 
 Both reports are decided afresh (`verdict.decide`). Per GPU model and per family (and the default
 entry), everything a verdict serves is compared: the verdict, the variant, the head sizes, the
-verified layouts and execution contexts must be equal, and each of the four thresholds (the query
-and key tokens it serves from, and up to) must lie within --tolerance of the other report's, each on
-its own, relative to the larger. A verified upper bound against none is a difference. A GPU model,
-a family or a variant that ran in one report only is a difference too. Exit 0 when nothing differs,
-1 when something does (each difference printed), 2 on unreadable input and on reports that cannot
-be compared: partial, predicted (certify --emulate) or --quick runs (their thresholds are no
-profile's).
+verified layouts, execution contexts and bounds (the calls kept on torch) must be equal, and each
+of the four thresholds (the query and key tokens it serves from, and up to) must lie within
+--tolerance of the other report's, each on its own, relative to the larger. A verified upper bound
+against none is a difference. A GPU model, a family or a variant that ran in one report only is a
+difference too. Exit 0 when nothing differs, 1 when something does (each difference printed), 2 on
+unreadable input and on reports that cannot be compared: partial, predicted (certify --emulate) or
+--quick runs (their thresholds are no profile's).
 """
 
 from __future__ import annotations
@@ -76,10 +76,14 @@ def _entry(decision: verdict.FamilyDecision) -> str:
         words += f" layouts [{', '.join(decision.layouts)}]"
     if decision.contexts is not None:
         words += f" contexts [{', '.join(decision.contexts)}]"
+    if decision.bounds:
+        words += f" bounds [{', '.join(f'{b.side}s >= {b.below}' for b in decision.bounds)}]"
     return words
 
 
 def _differ(a: verdict.FamilyDecision, b: verdict.FamilyDecision, tolerance: float) -> bool:
+    if [(b.side, b.below) for b in a.bounds] != [(b.side, b.below) for b in b.bounds]:
+        return True
     exact = ("verdict", "variant", "head_dims", "layouts", "contexts", "range_verified")
     thresholds = ("min_query_tokens", "min_key_tokens", "max_query_tokens", "max_key_tokens")
     return any(getattr(a, name) != getattr(b, name) for name in exact) or \

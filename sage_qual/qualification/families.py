@@ -91,10 +91,23 @@ QUICK_SELF_TOKENS = (1024, 4096, 16384)
 @dataclass(frozen=True)
 class CallSite:
     """One place a model calls attention: its smallest and largest call (same heads, head_dim and
-    dtype; the token counts span the resolutions and durations the model supports)."""
+    dtype; the token counts span the resolutions and durations the model supports).
+
+    `fixtures` names the fixtures that reproduce this site's own stress (by file name). A failure on
+    one of them bounds a verdict instead of vetoing it when the served range excludes every call of
+    the site (`verdict`, "Bounds"); a fixture no site names stands for the family's main calls, and its
+    failure keeps the family off."""
     label: str
     smallest: Shape
     largest: Shape
+    fixtures: tuple[str, ...] = ()
+
+    def covers(self, q_tokens: int, kv_tokens: int, head_dim: int) -> bool:
+        """Whether a fixture of this shape can stand for the site: its head size, its keys within
+        the site's (fixtures keep a call's keys whole) and no more queries than the largest call
+        (a fixture may ship a slice of them)."""
+        a, b = self.smallest, self.largest
+        return head_dim == b.head_dim and a.kv_tokens <= kv_tokens <= b.kv_tokens and q_tokens <= b.q_tokens
 
     def problems(self) -> list[str]:
         found = []
@@ -138,8 +151,8 @@ def normalize(name: str) -> str:
     return re.sub(r"[^a-z0-9]", "", name.lower())
 
 
-def site(label: str, smallest: Shape, largest: Shape) -> CallSite:
-    return CallSite(label, smallest, largest)
+def site(label: str, smallest: Shape, largest: Shape, fixtures: tuple[str, ...] = ()) -> CallSite:
+    return CallSite(label, smallest, largest, fixtures)
 
 
 # Call spaces: the smallest and largest call of each site. Where no source names a model's limits,
@@ -149,11 +162,16 @@ FAMILIES: tuple[Family, ...] = (
     # 3072, num_heads 24; also sglang FluxArchConfig). Joint attention over 4096 image tokens plus
     # 512 T5 tokens (the dev pipeline pads the prompt to max_sequence_length=512).
     # Call space: 1024² to 2048² (the sizes InvokeAI PR #9657 measured); BFL's reference code passes
-    # fused-QKV views (LAYOUTS).
+    # fused-QKV views (LAYOUTS). With an IP-Adapter, the image tokens also attend to the adapter's
+    # image-prompt tokens: 4, or 16 for the larger projection (huggingface/diffusers
+    # src/diffusers/loaders/transformer_flux.py, _convert_ip_adapter_image_proj_to_diffusers:
+    # num_image_text_embeds), the unconditional batch item's all zero (the fixture's field report).
     Family("FLUX.1", (
         ("1024² joint", self_attention(24, 4096 + 512)),
         ("2048² joint", self_attention(24, 16384 + 512)),
-    ), calls=(site("joint", self_attention(24, 4096 + 512), self_attention(24, 16384 + 512)),),
+    ), calls=(site("joint", self_attention(24, 4096 + 512), self_attention(24, 16384 + 512)),
+              site("IP-Adapter image prompt", cross_attention(24, 4096, 4), cross_attention(24, 16384, 16),
+                   fixtures=("flux1_ip_adapter_zero_uncond",))),
         layouts=COMMON_LAYOUTS + ("fused_qkv",)),
     # FLUX.2 Klein 9B (the model InvokeAI PR #9657 measured): 32 heads x 128, Qwen3 text up to 512 tokens
     # (InvokeAI invokeai/backend/flux2/util.py: Klein9B hidden_size 4096, num_attention_heads 32,
@@ -191,7 +209,10 @@ FAMILIES: tuple[Family, ...] = (
     # latent/4, cross-attention on 77 text tokens (Stability-AI/generative-models
     # configs/inference/sd_xl_base.yaml: num_head_channels 64, channel_mult [1, 2, 4],
     # attention_resolutions [4, 2], transformer_depth [1, 2, 10]). Run in fp16. Call space:
-    # 1024² (its native size) to 2048².
+    # 1024² (its native size) to 2048². With an IP-Adapter, each cross-attention also attends to 4
+    # image-prompt tokens (huggingface/diffusers src/diffusers/loaders/unet.py,
+    # _convert_ip_adapter_image_proj_to_diffusers: num_image_text_embeds 4), 16 with IP-Adapter Plus
+    # (instantX-research/InstantStyle infer_style_plus.py: IPAdapterPlusXL num_tokens=16).
     Family("SDXL", (
         ("1024² self, 640 ch", self_attention(10, 4096, 64, dtype="float16")),
         ("1024² self, 1280 ch", self_attention(20, 1024, 64, dtype="float16")),
@@ -209,6 +230,10 @@ FAMILIES: tuple[Family, ...] = (
              cross_attention(10, 16384, 77, 64, dtype="float16")),
         site("cross, 1280 ch", cross_attention(20, 1024, 77, 64, dtype="float16"),
              cross_attention(20, 4096, 77, 64, dtype="float16")),
+        site("IP-Adapter, 640 ch", cross_attention(10, 4096, 4, 64, dtype="float16"),
+             cross_attention(10, 16384, 16, 64, dtype="float16"), fixtures=("sdxl_ip_adapter_zero_uncond",)),
+        site("IP-Adapter, 1280 ch", cross_attention(20, 1024, 4, 64, dtype="float16"),
+             cross_attention(20, 4096, 16, 64, dtype="float16"), fixtures=("sdxl_ip_adapter_zero_uncond",)),
     )),
     # LTX-2 video stream: 32 heads x 128 (sglang LTX2ArchConfig: num_attention_heads 32,
     # attention_head_dim 128); VAE 32x spatial, 8x temporal, patch 1; Gemma text padded to 1024
@@ -263,6 +288,13 @@ def counts_for(family: Family | None, fixture_family: str) -> bool:
     return family is None or family.owns(fixture_family) or normalize(fixture_family) == GENERIC
 
 
+def sites_of(fixture: str, family: Family | None = None) -> list[tuple[Family, CallSite]]:
+    """The call sites that name `fixture` as reproducing their stress, of `family` (None: of every
+    family)."""
+    return [(owner, call) for owner in FAMILIES if family is None or owner is family
+            for call in owner.calls if fixture in call.fixtures]
+
+
 def memory_bound(fixture_family: str) -> float:
     """The extra-memory bound a fixture is judged by: its owning family's, else the default."""
     owner = family_of(fixture_family)
@@ -280,4 +312,11 @@ def call_space_problems(families: tuple[Family, ...] = FAMILIES) -> list[str]:
             found.append(f"{family.name}: layouts {list(family.layouts)} (known: {', '.join(LAYOUTS)}; "
                          "contiguous is the reference and always declared)")
         found += [f"{family.name}: {p}" for site in family.calls for p in site.problems()]
+    owners: dict[str, str] = {}
+    for family in families:
+        for call in family.calls:
+            for name in call.fixtures:
+                if owners.setdefault(name, family.name) != family.name:
+                    found.append(f"{family.name}: site {call.label} names fixture {name}, which "
+                                 f"{owners[name]} names too (a fixture stands for one family's calls)")
     return found

@@ -7,7 +7,7 @@ the default numbers, and where each was measured, are in `sage_qual.limits`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Literal, Mapping, Sequence
 
 from sage_qual import limits
 from sage_qual.serving import contexts, variants
@@ -28,6 +28,32 @@ def served_from(min_query_tokens: int, min_key_tokens: int, head_dims) -> str:
     """"9728 query / 9728 key tokens, head_dim 128": where a kernel starts serving, in the words
     of every note, reason and log line that names it."""
     return f"{min_query_tokens} query / {min_key_tokens} key tokens, head_dim {'/'.join(map(str, head_dims))}"
+
+
+@dataclass(frozen=True)
+class Bound:
+    """Calls with fewer than `below` query or key tokens stay on torch, whatever the thresholds: a
+    certified failure there (`reason`: which fixture, which call site) that the served range excludes
+    (qualification.decide.verdict, "Bounds"). A profile carries it, so lowering a threshold cannot
+    hand the kernel the calls it failed."""
+    side: Literal["query", "key"]
+    below: int = field(metadata={"minimum": 2})
+    reason: str = field(metadata={"minLength": 1})
+
+    def check(self) -> list[tuple[str, str]]:
+        """(field, problem) for what makes the bound unusable; empty when nothing does."""
+        if self.side not in ("query", "key"):
+            return [("side", f"is {self.side!r}: give 'query' or 'key'")]
+        if isinstance(self.below, bool) or not isinstance(self.below, int) or self.below < 2:
+            return [("below", f"is {self.below!r}: give a token count of at least 2 (below 1 token bounds "
+                              "nothing)")]
+        if not isinstance(self.reason, str) or not self.reason.strip():
+            return [("reason", "is empty: say which fixture and call the bound keeps on torch")]
+        return []
+
+    def text(self) -> str:
+        """"calls with fewer than 17 keys stay on torch (sdxl_ip_adapter_zero_uncond: ...)"."""
+        return f"calls with fewer than {self.below:,} {self.side}s stay on torch ({self.reason})"
 
 
 @dataclass(frozen=True)
@@ -54,6 +80,8 @@ class WrapperConfig:
     # None: the variant's built-in rule (`contexts.builtin_safe`). A profile sets what certify verified,
     # so a kernel build that launches on the current stream can be certified capture-safe.
     contexts: tuple[str, ...] | None = None
+    # Calls kept on torch whatever the thresholds (a profile's bounds: `Bound`).
+    bounds: tuple[Bound, ...] = ()
 
     def __post_init__(self):
         for name in ("max_query_tokens", "max_key_tokens"):
@@ -72,6 +100,11 @@ class WrapperConfig:
                                  f"from {', '.join(LAYOUTS)}, or None for any layout")
         if self.contexts is not None:
             contexts.check_names(self.contexts, "WrapperConfig.contexts")
+        if isinstance(self.bounds, (str, Bound)) or not all(isinstance(b, Bound) for b in self.bounds):
+            raise ValueError(f"WrapperConfig.bounds={self.bounds!r}: give a tuple of config.Bound")
+        for bound in self.bounds:
+            for key, problem in bound.check():
+                raise ValueError(f"WrapperConfig.bounds: {key} {problem}")
 
     def safe_contexts(self, variant: Variant) -> tuple[str, ...]:
         """The execution contexts `variant` may serve in under this config."""

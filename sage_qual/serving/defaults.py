@@ -31,7 +31,7 @@ from typing import Any, Literal
 from sage_qual import jsonfile, records
 from sage_qual.limits import one_line
 from sage_qual.serving import profile
-from sage_qual.serving.config import DEFAULT_CONFIG, KERNEL_TABLE, WrapperConfig, served_from
+from sage_qual.serving.config import DEFAULT_CONFIG, KERNEL_TABLE, Bound, WrapperConfig, served_from
 from sage_qual.serving.env_record import Reason, ReasonKind
 from sage_qual.serving.variants import capability_label
 
@@ -104,7 +104,7 @@ def _device_config(measured: profile.Profile, device: profile.Machine, family: s
         return profile.DeviceConfig(base, "")
     config = dataclasses.replace(base, min_query_tokens=strictest.min_query_tokens,
                                  min_key_tokens=strictest.min_key_tokens,
-                                 head_dims=tuple(strictest.head_dims))
+                                 head_dims=tuple(strictest.head_dims), bounds=tuple(strictest.bounds or ()))
     return profile.DeviceConfig(config, one_line(
         f"built-in defaults: {device.name} was never measured; the most conservative thresholds measured "
         f"on {capability} ({models}): {_served(strictest)}"))
@@ -134,7 +134,17 @@ def most_conservative(entries: list[profile.Entry]) -> profile.Entry | None:
     if not head_dims:
         return None
     return profile.Entry(serving[0].variant, max(e.min_query_tokens for e in serving),
-                         max(e.min_key_tokens for e in serving), head_dims)
+                         max(e.min_key_tokens for e in serving), head_dims, bounds=merged_bounds(serving))
+
+
+def merged_bounds(entries: list[profile.Entry]) -> list[Bound] | None:
+    """Every entry's bounds at once: per side the highest (a bound is safety, not speed: the runs'
+    most conservative entry keeps it); None when none has a bound."""
+    highest: dict[str, Bound] = {}
+    for bound in (b for e in entries for b in e.bounds or []):
+        if bound.side not in highest or bound.below > highest[bound.side].below:
+            highest[bound.side] = bound
+    return [highest[side] for side in sorted(highest)] or None
 
 
 # Building the data file from certify profiles ---------------------------------------------------
@@ -161,7 +171,8 @@ def _default_entry(runs: list[tuple[str, profile.ProfileGpu]]) -> profile.Entry:
         served = [e for entries in per_run for e in entries if head_dims & set(e.head_dims)]
         if served:
             return profile.Entry(variant, max(e.min_query_tokens for e in served),
-                                 max(e.min_key_tokens for e in served), sorted(head_dims))
+                                 max(e.min_key_tokens for e in served), sorted(head_dims),
+                                 bounds=merged_bounds(served))
     return _served_or_off(None, "the default kernel was never measured faster than torch's SDPA here")
 
 

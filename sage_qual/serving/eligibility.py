@@ -24,6 +24,7 @@ REASONS = (
     "shape",  # not 4-D tensors, nested, batch or key/value lengths mismatch
     "short",  # fewer query or key tokens than the break-even
     "long",  # more query or key tokens than the profile verified
+    "bound",  # fewer tokens than a bound of the profile (a certified failure there)
     "dtype",  # not fp16/bf16, or mixed
     "head_dim",  # not a supported size, or K/V differ from Q
     "heads",  # query heads differ from K/V heads without enable_gqa, or do not divide
@@ -142,6 +143,9 @@ def refusal(call: SdpaCall, config: WrapperConfig, cuda) -> Refusal | None:
     max_q, max_k = config.max_query_tokens, config.max_key_tokens
     if (max_q is not None and qs[2] > max_q) or (max_k is not None and ks[2] > max_k):
         return "long", "tokens=%d/%d (verified up to %s/%s)", (qs[2], ks[2], max_q or "any", max_k or "any")
+    for bound in config.bounds:  # usually none or one
+        if (qs[2] if bound.side == "query" else ks[2]) < bound.below:
+            return "bound", "tokens=%d/%d: %s", (qs[2], ks[2], bound.text())
     vs = v.shape
     if not qs[0] == ks[0] == vs[0]:
         return "shape", "batch=(%d, %d, %d) (must match)", (qs[0], ks[0], vs[0])

@@ -18,12 +18,14 @@ profile was measured on it).
     ENTRY = {"variant": name or null, "min_query_tokens": int or null, "min_key_tokens": int or null,
              "head_dims": [int] or null, "reasons": [{"kind", "detail"}],
              "max_query_tokens": int or null, "max_key_tokens": int or null, "layouts": [name] or null,
-             "contexts": [name] or null}
+             "contexts": [name] or null, "bounds": [{"side": "query" or "key", "below": int,
+                                                     "reason": text}] or null}
 
 Optional, absent in older profiles (then: no upper bound, any layout, the default span limit):
 an entry's verified range (`max_query_tokens`, `max_key_tokens`), `layouts` (names from
 `config.LAYOUTS`) and `contexts` (the execution contexts certified, names from
-`contexts.CONTEXTS`; absent: the variant's built-in rule), and a GPU's `max_span_elements`, the
+`contexts.CONTEXTS`; absent: the variant's built-in rule), its `bounds` (calls kept on torch whatever
+the thresholds, `config.Bound`; absent: none), and a GPU's `max_span_elements`, the
 largest element span and count of one tensor its kernels were shown to take (default
 `limits.MAX_SPAN_ELEMENTS`).
 
@@ -43,7 +45,7 @@ from packaging.version import InvalidVersion, Version
 from sage_qual import jsonfile, limits, records
 from sage_qual.limits import one_line
 from sage_qual.serving import platform, sage_package
-from sage_qual.serving.config import DEFAULT_CONFIG, LAYOUTS, WrapperConfig, served_from
+from sage_qual.serving.config import DEFAULT_CONFIG, LAYOUTS, Bound, WrapperConfig, served_from
 from sage_qual.serving.contexts import CONTEXTS
 from sage_qual.serving.env_record import Reason
 from sage_qual.serving.variants import VARIANTS, capability_label, gpu_label
@@ -77,10 +79,12 @@ class Entry:
     # The execution contexts certify verified the variant in (names in contexts.CONTEXTS; null or
     # absent: the variant's built-in rule, `contexts.builtin_safe`).
     contexts: list[str] | None = None
+    # Calls kept on torch whatever the thresholds (null or absent: none).
+    bounds: list[Bound] | None = None
 
     def check(self) -> list[tuple[str, str]]:
         thresholds = (self.min_query_tokens, self.min_key_tokens, self.head_dims, self.max_query_tokens,
-                      self.max_key_tokens, self.layouts, self.contexts)
+                      self.max_key_tokens, self.layouts, self.contexts, self.bounds)
         if self.variant is None:
             if any(x is not None for x in thresholds):
                 return [("variant", "null, but thresholds are given: a profile serves nothing without a "
@@ -266,6 +270,7 @@ def apply(base: WrapperConfig, capability: tuple[int, int], chosen: Entry,
                                max_query_tokens=chosen.max_query_tokens, max_key_tokens=chosen.max_key_tokens,
                                layouts=None if chosen.layouts is None else tuple(chosen.layouts),
                                contexts=None if chosen.contexts is None else tuple(chosen.contexts),
+                               bounds=tuple(chosen.bounds or ()),
                                max_span_elements=max_span_elements or base.max_span_elements)
 
 
@@ -337,7 +342,7 @@ def served_families(gpu: ProfileGpu) -> list[str]:
 
 
 def verified_range(chosen: Entry) -> str:
-    """The note's words for an entry's upper bounds, layouts and contexts ("" when it has none)."""
+    """The note's words for an entry's upper bounds, layouts, contexts and bounds ("" when it has none)."""
     words = ""
     if chosen.max_query_tokens is not None or chosen.max_key_tokens is not None:
         words += (f", up to {chosen.max_query_tokens or 'any'} query / {chosen.max_key_tokens or 'any'} "
@@ -346,6 +351,8 @@ def verified_range(chosen: Entry) -> str:
         words += f", layouts {', '.join(chosen.layouts)}"
     if chosen.contexts is not None:
         words += f", contexts {', '.join(chosen.contexts) or 'none (default stream only)'}"
+    for bound in chosen.bounds or []:
+        words += f", {bound.side}s >= {bound.below:,}"
     return words
 
 

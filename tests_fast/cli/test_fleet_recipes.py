@@ -75,7 +75,12 @@ def test_merge_and_gate_on_the_committed_h200_reports(fleet):
     assert decided["Wan 2.2"] == decided["Z-Image"] == (
         "enable (sm90-fp8-cuda on NVIDIA H200; every host: from 16,384 query / 16,384 key tokens, head_dim "
         "128, no upper bound verified (a report without long checks))")
-    assert decided["FLUX.1"] == decided["SDXL"] == "safe, no speedup"
+    # FLUX.1's only failure is its IP-Adapter fixture (4 keys), below that range: a bound (issue 26)
+    assert decided["FLUX.1"] == (
+        "enable (sm90-fp8-cuda on NVIDIA H200; every host: from 16,384 query / 16,384 key tokens, head_dim "
+        "128, no upper bound verified (a report without long checks); calls with fewer than 17 keys stay on "
+        "torch)")
+    assert decided["SDXL"] == "safe, no speedup"
     assert decided["FLUX.2"].startswith("keep off (vm NVIDIA H200 (h200-a): keep off;")
     # run 8 (8,960 tokens) against run 11's first GPU (9,728): within 10 %; the second has no baseline
     assert "h200-a: same as the last release" in done.stdout
@@ -103,9 +108,9 @@ def test_the_fleet_gate_names_the_variant_and_the_range_every_host_verified(tmp_
 
 def test_a_required_family_kept_off_fails_the_step(fleet):
     assert merge_and_gate(fleet, baseline=False, REQUIRED_FAMILIES="FLUX.2").returncode == 1
-    strict = merge_and_gate(fleet, baseline=False, REQUIRED_FAMILIES="FLUX.1", REQUIRE_SPEEDUP="1")
+    strict = merge_and_gate(fleet, baseline=False, REQUIRED_FAMILIES="SDXL", REQUIRE_SPEEDUP="1")
     assert strict.returncode == 1
-    assert gates(fleet)["FLUX.1"].startswith("keep off (vm NVIDIA H200 (h200-a): safe, no speedup")
+    assert gates(fleet)["SDXL"].startswith("keep off (vm NVIDIA H200 (h200-a): safe, no speedup")
     assert merge_and_gate(fleet, baseline=False, REQUIRED_FAMILIES="Flux 9").returncode == 2
 
 

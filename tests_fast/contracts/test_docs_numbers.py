@@ -54,8 +54,12 @@ def test_the_break_even_ranges_are_the_committed_runs():
             "head_dim 128") in flat(README)
     runs = [checked.load(RUN13 / f"certify-{n}" / "report.json") for n in "bcde"]
     decisions = [gpu for run in runs for gpu in verdict.decide(run)]
-    run13 = {f.min_query_tokens for gpu in decisions for f in gpu.families if f.min_query_tokens}
+    run13 = {f.min_query_tokens for gpu in decisions for f in gpu.families if f.head_dims == [128]}
     assert len(run13) == 1 and f"all gave {run13.pop():,} tokens" in flat(README)
+    sdxl = [gpu.family("SDXL").min_query_tokens for gpu in decisions]
+    enabled = {tokens for tokens in sdxl if tokens}
+    assert len(enabled) == 1 and (f"give it {enabled.pop():,} tokens in {len(sdxl) - sdxl.count(None)} and "
+                                  f"no speedup in {sdxl.count(None)}.") in flat(README)
     about = f"{round(low / 1000)}-{round(high / 1000)}k tokens"
     assert f"the sm90 kernel only pays from about {about}" in flat(README)
     assert f"{current[0]:,} vs {current[1]:,} on two H200s of one host at once" in flat(CERTIFY_DOC)

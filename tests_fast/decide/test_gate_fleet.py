@@ -327,7 +327,8 @@ def test_gate_json_holds_each_models_decision(capsys, fleet, machine):
                          "max_query_tokens": d.max_query_tokens, "max_key_tokens": d.max_key_tokens,
                          "layouts": d.layouts, "head_dims": d.head_dims, "certified": d.certified,
                          "reasons": [{"kind": r.kind.value, "detail": r.detail} for r in d.reasons],
-                         "contexts": d.contexts}
+                         "contexts": d.contexts,
+                         "bounds": [{"side": b.side, "below": b.below, "reason": b.reason} for b in d.bounds]}
     h200, h100 = printed["gpus"]
     assert h200["verdict"] == "keep off"
     assert [r["kind"] for r in h200["reasons"]] == ["crash", "timeout", "oom"]

@@ -7,6 +7,7 @@ from sage_qual.qualification.decide import budget_check, fleet, gate, verdict
 from sage_qual.qualification.decide.verdict import FamilyDecision, Verdict
 from sage_qual.qualification.evidence.report_model import Reason, ReasonKind
 from sage_qual.qualification.render import fleet as fleet_render
+from sage_qual.serving.config import Bound
 
 
 def enabled(variant="sm90-fp8-cuda", head_dims=(64, 128), verified=True):
@@ -190,7 +191,20 @@ def test_gate_json_carries_the_whole_served_range():
         "min_query_tokens": 4608, "min_key_tokens": 512, "max_query_tokens": 16384, "max_key_tokens": 16384,
         "layouts": ["contiguous", "transposed"], "head_dims": [64, 128],
         "certified": ["sm90-fp8-cuda", "sm80-fp16-cuda"],
-        "reasons": [], "contexts": None}]
+        "reasons": [], "contexts": None, "bounds": []}]
+
+
+def test_gate_names_each_bound_and_its_json_carries_it():
+    bound = Bound("key", 17, "flux1_ip_adapter_zero_uncond: sm90-fp8-cuda output not finite")
+    bounded = dataclasses.replace(enabled(), bounds=[bound])
+    decided = gate.GateDecision("FLUX.1", 0, gpus=[("H200 (sm_90)", bounded)])
+    line = decided.lines(require_speedup=False)[0]
+    assert line.endswith("; calls with fewer than 17 keys stay on torch (flux1_ip_adapter_zero_uncond: "
+                         "sm90-fp8-cuda output not finite)")
+    assert decided.as_json()["gpus"][0]["bounds"] == [{"side": "key", "below": 17, "reason": bound.reason}]
+    cell = dataclasses.replace(fleet_verdict("enable", "sm90-fp8-cuda", (9728, 9728), upper=32768,
+                                             layouts=["contiguous"]), bounds=[bound])
+    assert cell.text() == "enable: sm90-fp8-cuda 9,728 to 32,768 tokens (contiguous; keys >= 17)"
 
 
 def test_a_fleet_cell_names_the_contexts_certified_when_there_are_checks():

@@ -3,7 +3,8 @@ what renders is the record it is given, and the text is the same as the dict-rea
 
 run 13's committed report.md files (docs/results/run13-h200x2/certify-*/) were written by certify at
 f51cd40+, and the dict-reading renderer of d7e9ec3 gave them again byte for byte; the record-reading
-renderer must give the same bytes.
+renderer must give the same bytes, once no call site names a fixture (bounds, issue 26, came later:
+with them, only the verdict rows of the families they bound change).
 """
 
 import dataclasses
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from sage_qual import records
-from sage_qual.qualification.decide import checked
+from sage_qual.qualification.decide import bounds, checked, verdict
 from sage_qual.qualification.evidence import report_model
 from sage_qual.qualification.evidence.report_model import PublishedBound
 from sage_qual.qualification.render import plots
@@ -25,10 +26,26 @@ SAMPLE = ROOT / "tests_fast" / "data" / "sample_h200_2gpu.json"
 
 
 @pytest.mark.parametrize("run", ["certify-b", "certify-e"])
-def test_run_13s_reports_render_as_committed(run, tmp_path):
+def test_run_13s_reports_render_as_committed(run, tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")  # the committed report.md shows the plots
+    monkeypatch.setattr(bounds, "sites_of", lambda fixture, family=None: [])
     builders.rendered(checked.load(RUN13 / run / "report.json"), tmp_path)
     assert (tmp_path / "report.md").read_bytes() == (RUN13 / run / "report.md").read_bytes()
+
+
+@pytest.mark.parametrize("run", ["certify-b", "certify-e"])
+def test_bounds_change_only_the_rows_of_the_families_they_bound(run, tmp_path):
+    pytest.importorskip("matplotlib")
+    data = checked.load(RUN13 / run / "report.json")
+    builders.rendered(data, tmp_path)
+    now = (tmp_path / "report.md").read_text().splitlines()
+    then = (RUN13 / run / "report.md").read_text().splitlines()
+    assert len(now) == len(then)
+    changed = {line.split(" | ")[0] for line, old in zip(now, then, strict=True) if line != old}
+    [gpu] = verdict.decide(data)
+    entries = gpu.families + [gpu.default]
+    bounded = {f"| {d.family or '(default: all fixtures)'}" for d in entries if d.bounded}
+    assert changed == bounded and {"| FLUX.1", "| SDXL"} <= changed
 
 
 @pytest.fixture

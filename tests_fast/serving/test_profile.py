@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import sage_qual
 from sage_qual import records
-from sage_qual.qualification.decide import checked, verdict
+from sage_qual.qualification.decide import bounds, checked, verdict
 from sage_qual.qualification.decide import profile as building
 from sage_qual.qualification.measure import speed
 from sage_qual.qualification.measure.speed import Thresholds, break_even
@@ -287,13 +287,25 @@ def test_profile_built_by_certify_installs(fake, tmp_path):
 
 
 @pytest.mark.parametrize("run", ["certify-b", "certify-e"])
-def test_the_built_profile_is_the_one_run_13_wrote(run, tmp_path):
+def test_the_built_profile_is_the_one_run_13_wrote(run, tmp_path, monkeypatch):
     """The record-building profile gives what certify wrote for run 13 (docs/results/run13-h200x2), as
-    the wrapper reads it: the verified ranges, layouts, reasons and span limit of every entry."""
+    the wrapper reads it: the verified ranges, layouts, reasons and span limit of every entry. Bounds
+    (issue 26) came later: with them only FLUX.1's entry, SDXL's and the default change, to a variant
+    served above its bound."""
     folder = Path(__file__).resolve().parents[2] / "docs" / "results" / "run13-h200x2" / run
     data = checked.load(folder / "report.json")
-    building.save(building.build(data, verdict.decide(data)), tmp_path / "profile.json")
-    assert profile.load(tmp_path / "profile.json") == profile.load(folder / "profile.json")
+    committed = profile.load(folder / "profile.json")
+    building.save(building.build(data, verdict.decide(data)), tmp_path / "bounded.json")
+    with monkeypatch.context() as patched:
+        patched.setattr(bounds, "sites_of", lambda fixture, family=None: [])
+        building.save(building.build(data, verdict.decide(data)), tmp_path / "profile.json")
+    assert profile.load(tmp_path / "profile.json") == committed
+    [now], [then] = profile.load(tmp_path / "bounded.json").gpus, committed.gpus
+    changed = {name for name in then.families if now.families[name] != then.families[name]}
+    assert changed <= {"FLUX.1", "SDXL"} and "FLUX.1" in changed and now.default != then.default
+    for entry in [now.families[name] for name in changed] + [now.default]:
+        if entry.variant:
+            assert [(b.side, b.below) for b in entry.bounds] == [("key", 17)]
 
 
 def test_the_profile_schema_accepts_what_certify_builds():

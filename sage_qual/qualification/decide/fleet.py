@@ -3,13 +3,14 @@ family, each verdict `verdict.decide()`'s, with the range, layouts, head sizes a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from sage_qual.qualification.decide import verdict
 from sage_qual.qualification.decide.verdict import FamilyDecision, Verdict
 from sage_qual.qualification.evidence import report_model
 from sage_qual.qualification.evidence.report_model import Report
+from sage_qual.serving.config import Bound
 
 
 # merge -------------------------------------------------------------------------------------------------
@@ -26,13 +27,14 @@ class FleetVerdict:
     contexts: list[str] | None = None  # None: not checked (the variant's built-in rule)
     max_key_tokens: int | None = None  # None: no upper bound verified
     head_dims: list[int] | None = None  # the head sizes served (None: nothing served)
+    bounds: list[Bound] = field(default_factory=list)  # calls kept on torch whatever the thresholds
 
     @classmethod
     def of(cls, decision: FamilyDecision) -> FleetVerdict:
         kinds = sorted({r.kind for r in decision.reasons}, key=lambda kind: kind.value)
         return cls(decision.verdict, decision.variant, decision.min_query_tokens, decision.min_key_tokens,
                    decision.max_query_tokens, decision.layouts, kinds, decision.contexts,
-                   decision.max_key_tokens, decision.head_dims)
+                   decision.max_key_tokens, decision.head_dims, decision.bounds)
 
     def text(self) -> str:
         """The table cell: what an enabled family serves (variant, tokens, head sizes, layouts,
@@ -47,7 +49,8 @@ class FleetVerdict:
                 (self.min_key_tokens, self.max_key_tokens) != (self.min_query_tokens, self.max_query_tokens):
             tokens += f" query / {self.min_key_tokens:,} to {self.max_key_tokens:,} key"
         contexts = "" if self.contexts is None else f"; contexts: {', '.join(self.contexts) or 'none'}"
-        return f"enable: {self.variant} {tokens} tokens{dims} ({', '.join(self.layouts)}{contexts})"
+        bounds = "".join(f"; {b.side}s >= {b.below:,}" for b in self.bounds)
+        return f"enable: {self.variant} {tokens} tokens{dims} ({', '.join(self.layouts)}{contexts}{bounds})"
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from sage_qual.qualification.decide import budget_check, checked, verdict
 from sage_qual.qualification.decide.verdict import FamilyDecision, Verdict
 from sage_qual.qualification.evidence.report_model import Report, ReportError
 from sage_qual.qualification.families import Family, counts_for, find
+from sage_qual.serving.config import Bound
 from sage_qual.serving.env_record import EnvironmentRecord, Reason
 from sage_qual.serving.variants import gpu_label
 
@@ -103,7 +104,8 @@ class GateDecision:
                 continue
             note = ""
             if decision.verdict == Verdict.NO_SPEEDUP:
-                note = (" (passes with " + ", ".join(decision.certified) + "; a profile serves no call"
+                passing = decision.certified + [f"{v} (within bounds)" for v in decision.bounded]
+                note = (" (passes with " + ", ".join(passing) + "; a profile serves no call"
                         + ("" if require_speedup else "; --require-speedup would keep it off") + ")")
             lines.append(f"{where}: {decision.verdict.value}{note}")
             lines += [f"  - {r.kind.value}: {r.detail}" for r in decision.reasons]
@@ -113,7 +115,8 @@ class GateDecision:
         """The `gate --json` answer (`GateAnswer`'s JSON)."""
         return records.dump(GateAnswer(self.family, self.code, self.problem, [
             GpuAnswer(model, d.verdict, d.variant, d.min_query_tokens, d.min_key_tokens, d.max_query_tokens,
-                      d.max_key_tokens, d.layouts, d.head_dims, d.certified, d.reasons, d.contexts)
+                      d.max_key_tokens, d.layouts, d.head_dims, d.certified, d.reasons, d.contexts,
+                      d.bounds)
             for model, d in self.gpus]))
 
 
@@ -132,6 +135,7 @@ class GpuAnswer:
     certified: list[str]
     reasons: list[Reason]
     contexts: list[str] | None = None  # the execution contexts certified (None: not checked, built-in rule)
+    bounds: list[Bound] = field(default_factory=list)  # calls kept on torch whatever the thresholds
 
 
 @dataclass(frozen=True)

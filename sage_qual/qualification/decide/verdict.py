@@ -15,6 +15,11 @@ passed on each of them; a shape's speedup is the lowest among them) and family, 
   family's shapes (or they were not timed: a --quick run), so a profile serves nothing;
 - keep off: no variant passed, with every reason.
 
+Bounds (issue 26): a variant whose only failures are on fixtures of call sites its break-even
+excludes (the IP-Adapter's 4 to 16 keys, below 9,728) counts as passing, and its decision carries
+the bounds that keep those calls on torch whatever the thresholds (`bounds.excluded_bounds`). A
+failure within the served range still keeps it off.
+
 An enabled family is enabled over a verified range only (issue 16): up to the longest long check
 (`long_check`) of its variant that passed with every shorter one, and in the declared layouts whose
 views gave the contiguous output bit for bit in every check within that range. A long check that
@@ -30,6 +35,7 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from sage_qual.qualification.decide.bounds import excluded_bounds
 from sage_qual.qualification.decide.checked import judged, long_judged
 from sage_qual.qualification.evidence.report_model import (
     Device,
@@ -53,7 +59,7 @@ from sage_qual.qualification.measure.speed import (
     speedup_bounds,
     steady_lower_bounds,
 )
-from sage_qual.serving.config import KERNEL_TABLE, served_from
+from sage_qual.serving.config import KERNEL_TABLE, Bound, served_from
 from sage_qual.serving.contexts import CONTEXTS, REASON
 from sage_qual.serving.variants import gpu_label
 
@@ -108,6 +114,10 @@ class FamilyDecision:
     # The execution contexts its variant passed every check of (enable only; None: none were checked,
     # a --quick run or an older report: the wrapper keeps the variant's built-in rule).
     contexts: list[str] | None = None
+    # Variants that failed only calls the served range excludes, with the bounds that keep those calls
+    # on torch; `bounds` are the chosen variant's (enable only).
+    bounded: dict[str, list[Bound]] = field(default_factory=dict)
+    bounds: list[Bound] = field(default_factory=list)
 
     @property
     def label(self) -> str:
@@ -142,16 +152,17 @@ class FamilyDecision:
         if self.min_query_tokens is None:
             return "-"
         dims = "/".join(map(str, self.head_dims))
+        bounds = "".join(f"; {bound.text()}" for bound in self.bounds)
         if not self.range_verified:
             return (f"from {self.min_query_tokens:,} query / {self.min_key_tokens:,} key tokens, "
-                    f"head_dim {dims} (no upper bound verified: a report without long checks)")
+                    f"head_dim {dims} (no upper bound verified: a report without long checks){bounds}")
         if (self.min_query_tokens, self.max_query_tokens) == (self.min_key_tokens, self.max_key_tokens):
             tokens = f"from {self.min_query_tokens:,} to {self.max_query_tokens:,} tokens"
         else:
             tokens = (f"from {self.min_query_tokens:,} to {self.max_query_tokens:,} query / "
                       f"{self.min_key_tokens:,} to {self.max_key_tokens:,} key tokens")
         contexts = "" if self.contexts is None else f"; contexts: {', '.join(self.contexts) or 'none'}"
-        return f"{tokens}, head_dim {dims} (layouts: {', '.join(self.layouts)}{contexts})"
+        return f"{tokens}, head_dim {dims} (layouts: {', '.join(self.layouts)}{contexts}){bounds}"
 
 
 @dataclass
@@ -183,15 +194,6 @@ class GpuDecision:
 
 
 # The evidence ------------------------------------------------------------------------------------
-
-
-
-
-
-
-
-
-
 def _speedups(devices: list[Device], shapes: dict) -> dict[tuple[str, str], tuple[float, float]]:
     """(variant, shape) -> (lower bound, median ratio) of the speedup over the fastest SDPA
     backend; a shape counts only where every device measured it, the slowest device deciding. A
@@ -257,15 +259,6 @@ class _Model:
         if not self.runnable:
             result.reasons = [Reason(ReasonKind.SKIP, "no selected variant ran on this GPU")]
             return result
-        for variant in self.runnable:
-            failures = [r for fixture in fixtures for r in self._failures(variant, fixture)]
-            if failures:
-                result.findings[variant] = failures
-            else:
-                result.certified.append(variant)
-        if not result.certified:
-            result.reasons = [r for failures in result.rejected.values() for r in failures]
-            return result
         min_speedup = family.min_speedup if family else 1.0
         own = {k: u.label for k, uses in self.uses.items() for u in uses
                if family is not None and u.family is not None and family.owns(u.family)}
@@ -275,7 +268,22 @@ class _Model:
             head_dims = {shape.head_dim for _, shape in family.shapes}
             relevant = list(own) + [k for k, s in self.shapes.items() if s.head_dim in head_dims
                                     and all(u.family is None for u in self.uses[k])]
-        chosen, thresholds = self._choose(result.certified, list(own), relevant, min_speedup)
+        for variant in self.runnable:
+            failures = [r for fixture in fixtures for r in self._failures(variant, fixture)]
+            if not failures:
+                result.certified.append(variant)
+                continue
+            bounds = excluded_bounds(failures, self.report.fixtures, family,
+                                     self.break_even(variant, relevant, min_speedup))
+            if bounds is None:
+                result.findings[variant] = failures
+            else:
+                result.bounded[variant] = bounds
+        candidates = [v for v in self.runnable if v in result.certified or v in result.bounded]
+        if not candidates:
+            result.reasons = [r for failures in result.rejected.values() for r in failures]
+            return result
+        chosen, thresholds = self._choose(candidates, list(own), relevant, min_speedup)
         result.variant = chosen
         result.speedups = {own[k]: self.speedup[(chosen, k)][0] for k in own if (chosen, k) in self.speedup}
         served = [serves(thresholds, q, k, d) for q, k, d, _ in self.points(chosen, list(own))] \
@@ -296,6 +304,7 @@ class _Model:
             result.verdict, result.variant = Verdict.NO_SPEEDUP, None
             return result
         result.verdict = Verdict.ENABLE
+        result.bounds = result.bounded.get(chosen, [])
         result.min_query_tokens = thresholds.min_query_tokens
         result.min_key_tokens = thresholds.min_key_tokens
         result.head_dims = list(thresholds.head_dims)
@@ -390,6 +399,7 @@ class _Model:
                                                       f"only up to {max_q:,}")] + result.range_reasons
             result.min_query_tokens = result.min_key_tokens = result.head_dims = None
             result.max_query_tokens = result.max_key_tokens = result.layouts = None
+            result.bounds = []
         return result
 
     def _failures(self, variant: str, fixture: str) -> list[Finding]:

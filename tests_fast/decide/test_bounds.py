@@ -1,0 +1,165 @@
+"""Verdicts bounded by the calls they serve (issue 26): a failure on a fixture that stands for a call
+site the served range excludes bounds the verdict instead of vetoing it; any other failure vetoes.
+
+The evidence is run 22's H200 report (docs/results/run22-h200/certify/), where every FP8 and FP16 CUDA
+kernel gave non-finite output on the IP-Adapter fixtures (4 and 16 keys) and passed everything else of
+FLUX.1 and SDXL; edits of its typed records make the cases around it.
+"""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from sage_qual.qualification import families
+from sage_qual.qualification.decide import bounds, checked, verdict
+from sage_qual.qualification.decide.verdict import Verdict
+from sage_qual.qualification.families import CallSite, cross_attention
+from sage_qual.qualification.measure.speed import Thresholds
+from sage_qual.serving.config import Bound
+
+from .. import builders
+
+RUN22 = Path(__file__).resolve().parents[2] / "docs" / "results" / "run22-h200" / "certify" / "report.json"
+IP_ADAPTER = "flux1_ip_adapter_zero_uncond"
+
+
+@pytest.fixture(scope="module")
+def run22():
+    return checked.load(RUN22)
+
+
+def flux1(report):
+    [gpu] = verdict.decide(report)
+    return gpu.family("FLUX.1")
+
+
+def edited_cells(report, variant, fixture, **fields):
+    """The report with `variant`'s cell on `fixture` given these fields on every device."""
+    devices = [dataclasses.replace(d, cells=[dataclasses.replace(c, **fields)
+                                             if (c.variant, c.fixture) == (variant, fixture) else c
+                                             for c in d.cells]) for d in report.devices]
+    return dataclasses.replace(report, devices=devices)
+
+
+def test_an_ip_adapter_failure_below_the_break_even_bounds_flux1_instead_of_vetoing_it(run22):
+    decision = flux1(run22)
+    assert (decision.verdict, decision.variant) == (Verdict.ENABLE, "sm90-fp8-cuda")
+    assert (decision.min_key_tokens, decision.max_query_tokens) == (9728, 32768)
+    [bound] = decision.bounds
+    assert (bound.side, bound.below) == ("key", 17)  # the site's 4 to 16 keys stay on torch
+    assert bound.reason.startswith(f"{IP_ADAPTER}: sm90-fp8-cuda output not finite")
+    assert "FLUX.1's 'IP-Adapter image prompt' call (4 to 16 keys)" in bound.reason
+    assert decision.served_range().endswith("; " + bound.text())
+    assert "sm90-fp8-cuda" not in decision.findings  # bounded, not rejected
+    assert "sm90-fp8-cuda" in decision.bounded and "sm90-fp8-cuda" not in decision.certified
+
+
+def test_sdxls_fixture_stands_for_both_of_its_ip_adapter_sites(run22):
+    [gpu] = verdict.decide(run22)
+    [bound] = gpu.family("SDXL").bounds
+    assert (bound.side, bound.below) == ("key", 17)
+    assert "'IP-Adapter, 640 ch' and 'IP-Adapter, 1280 ch' calls (4 to 16 keys)" in bound.reason
+
+
+def test_a_failure_on_a_fixture_no_site_names_still_vetoes(run22):
+    broken = edited_cells(run22, "sm90-fp8-cuda", "flux1_1024", finite=False, rel_l2=None,
+                          worst_head_cosine=None)
+    decision = flux1(broken)
+    assert decision.variant != "sm90-fp8-cuda" and "sm90-fp8-cuda" in decision.findings
+    assert {f.fixture for f in decision.findings["sm90-fp8-cuda"]} == {"flux1_1024", IP_ADAPTER}
+
+
+def test_the_default_entry_is_vetoed_by_the_unlinked_ltx2_memory_failure(run22):
+    [gpu] = verdict.decide(run22)
+    assert gpu.default.verdict == Verdict.KEEP_OFF
+    assert {f.fixture for f in gpu.default.findings["sm90-fp8-cuda"]} >= {"ltx2_video_self_partial"}
+
+
+def test_a_fixture_whose_shape_the_site_does_not_cover_cannot_bound(run22):
+    """A record claiming the IP-Adapter fixture with 512 keys no longer stands for the 4-16 key site."""
+    fixtures = [dataclasses.replace(f, k=[f.k[0], f.k[1], 512, f.k[3]]) if f.name == IP_ADAPTER else f
+                for f in run22.fixtures]
+    decision = flux1(dataclasses.replace(run22, fixtures=fixtures))
+    assert decision.variant != "sm90-fp8-cuda" and not decision.bounds
+    assert "sm90-fp8-cuda" in decision.findings
+
+
+def test_without_call_site_links_the_verdict_is_the_one_before_bounds(run22, monkeypatch):
+    monkeypatch.setattr(bounds, "sites_of", lambda fixture, family=None: [])
+    decision = flux1(run22)
+    assert (decision.verdict, decision.certified, decision.bounds) == (Verdict.NO_SPEEDUP,
+                                                                      ["sm86-fp16-triton"], [])
+
+
+# excluded_bounds on its own -----------------------------------------------------------------------
+SITE = CallSite("ip", cross_attention(24, 4096, 4), cross_attention(24, 16384, 16), fixtures=("fx",))
+
+
+def finding(fixture="fx", variant="sm90-fp8-cuda"):
+    return verdict.Finding(variant, fixture, 0, verdict.Reason(verdict.ReasonKind.NON_FINITE, "NaN"))
+
+
+def fixture_records(k_tokens=4, q_tokens=2048, head_dim=128):
+    """The report's record of fixture "fx", of this shape."""
+    return [builders.fixture("fx", q=[2, 1, q_tokens, head_dim], k=[2, 1, k_tokens, head_dim])]
+
+
+@pytest.fixture
+def one_site(monkeypatch):
+    monkeypatch.setattr(bounds, "sites_of", lambda fixture, family=None: [(families.find("FLUX.1"), SITE)]
+                        if fixture == "fx" else [])
+
+
+def serving(min_q, min_k):
+    return Thresholds(min_query_tokens=min_q, min_key_tokens=min_k, head_dims=[128], served_shapes=1,
+                      measured_shapes=1)
+
+
+@pytest.mark.parametrize(("thresholds", "expected"), [
+    (serving(9728, 9728), [("key", 17)]),
+    (serving(9728, 17), [("key", 17)]),  # the site's 16 keys are just below
+    (serving(9728, 16), None),  # a 16-key call would be served: the failure is inside the range
+    (serving(20000, 8), [("query", 16385)]),  # every call of the site has fewer queries
+    (None, None),  # nothing is served: no range can exclude the site
+], ids=["keys-far-below", "keys-just-below", "keys-inside", "queries-below", "nothing-served"])
+def test_a_site_is_excluded_only_when_every_call_of_it_is_below_a_threshold(one_site, thresholds, expected):
+    found = bounds.excluded_bounds([finding()], fixture_records(), None, thresholds)
+    assert (None if found is None else [(b.side, b.below) for b in found]) == expected
+
+
+@pytest.mark.parametrize(("k_tokens", "q_tokens", "head_dim"), [(3, 2048, 128), (17, 2048, 128),
+                                                                (4, 16385, 128), (4, 2048, 64)],
+                         ids=["fewer-keys", "more-keys", "more-queries", "other-head-dim"])
+def test_a_fixture_outside_its_site_does_not_stand_for_it(one_site, k_tokens, q_tokens, head_dim):
+    shaped = fixture_records(k_tokens, q_tokens, head_dim)
+    assert bounds.excluded_bounds([finding()], shaped, None, serving(9728, 9728)) is None
+
+
+def test_failures_on_two_devices_give_one_bound_with_one_reason(one_site):
+    twice = [finding(), dataclasses.replace(finding(), device=1)]
+    [bound] = bounds.excluded_bounds(twice, fixture_records(), None, serving(9728, 9728))
+    assert bound == Bound("key", 17, "fx: sm90-fp8-cuda NaN; it stands for FLUX.1's 'ip' call (4 to 16 keys)")
+
+
+def test_one_failure_no_site_names_makes_the_whole_set_unbounded(one_site):
+    mixed = [finding(), finding("other")]
+    fixtures = fixture_records() + [builders.fixture("other")]
+    assert bounds.excluded_bounds(mixed, fixtures, None, serving(9728, 9728)) is None
+
+
+def test_no_fixture_is_named_by_two_families_and_every_named_fixture_fits_its_site():
+    """The call spaces as declared; every fixture a site names ships, and its shape fits the site."""
+    from sage_qual.fixtures import fileformat
+
+    assert families.call_space_problems() == []
+    shipped = {path.stem: path for path in fileformat.list_fixtures(fileformat.shipped_dir())}
+    named = [(call, name) for family in families.FAMILIES for call in family.calls for name in call.fixtures]
+    assert {name for _, name in named} == {IP_ADAPTER, "sdxl_ip_adapter_zero_uncond"}
+    for call, name in named:
+        fixture = fileformat.load_fixture(shipped[name])
+        assert call.covers(fixture.q.shape[2], fixture.k.shape[2], fixture.q.shape[3]), (call.label, name)
+    doubled = families.Family("Twice", families.FAMILIES[0].shapes, calls=(dataclasses.replace(
+        families.FAMILIES[0].calls[1]),))
+    assert any("names fixture flux1_ip_adapter_zero_uncond, which FLUX.1 names too" in p
+               for p in families.call_space_problems(families.FAMILIES + (doubled,)))
