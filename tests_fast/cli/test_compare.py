@@ -1,6 +1,7 @@
-"""`sage-qual compare` sees everything a verdict serves (issue 27): ranges, head sizes, layouts and
-contexts as well as verdicts, variants and thresholds, each threshold within the tolerance on its own;
-what one report has and the other lacks is a difference; predicted and --quick reports are refused."""
+"""`sage-qual compare` sees everything a verdict serves (issue 27): ranges, head sizes, layouts,
+contexts and bounds as well as verdicts, variants and thresholds, each threshold within the
+tolerance on its own; what one report has and the other lacks is a difference; predicted and
+--quick reports are refused."""
 
 import dataclasses
 import json
@@ -12,6 +13,7 @@ from sage_qual import cli, records
 from sage_qual.cli import compare
 from sage_qual.qualification.decide import checked
 from sage_qual.qualification.decide.verdict import FamilyDecision, GpuDecision, VariantStatus, Verdict
+from sage_qual.serving.config import Bound
 
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
 RUN8 = RESULTS / "run8-h200x2-final" / "certify" / "certify-a" / "report.json"  # no long checks
@@ -46,11 +48,21 @@ def gpu(*families: FamilyDecision, ran=("sm90-fp8-cuda",)) -> dict[str, GpuDecis
     dict(max_query_tokens=16384), dict(max_key_tokens=16384), dict(min_key_tokens=16384),
     dict(layouts=["contiguous"]), dict(head_dims=[64, 128]), dict(contexts=["compile"]),
     dict(contexts=None), dict(range_verified=False, max_query_tokens=None, max_key_tokens=None),
-    dict(variant="sm80-fp16-cuda"),
+    dict(variant="sm80-fp16-cuda"), dict(bounds=[Bound("key", 17, "ip-adapter")]),
 ], ids=lambda change: ",".join(change))
 def test_every_part_of_what_is_served_is_compared(change):
     _, found = compare.differences(gpu(decision()), gpu(decision(**change)), 0.10)
     assert [line.split(":")[0] for line in found] == ["NVIDIA H200 (sm_90) FLUX.1"]
+
+
+def test_a_bound_is_compared_by_its_side_and_tokens_not_its_words():
+    first = decision(bounds=[Bound("key", 17, "flux1_ip_adapter_zero_uncond: NaN")])
+    reworded = decision(bounds=[Bound("key", 17, "flux1_ip_adapter_zero_uncond: output not finite")])
+    assert compare.differences(gpu(first), gpu(reworded), 0.10)[1] == []
+    _, found = compare.differences(gpu(first), gpu(decision(bounds=[Bound("key", 18, "x")])), 0.10)
+    assert len(found) == 1 and "bounds [keys >= 17] vs " in found[0]
+    assert found[0].endswith("bounds [keys >= 18]")
+    assert compare.differences(gpu(first), gpu(decision(bounds=[Bound("query", 17, "x")])), 0.10)[1] != []
 
 
 def test_each_threshold_is_within_the_tolerance_on_its_own():
