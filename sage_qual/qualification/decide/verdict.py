@@ -269,11 +269,13 @@ class _Model:
             relevant = list(own) + [k for k, s in self.shapes.items() if s.head_dim in head_dims
                                     and all(u.family is None for u in self.uses[k])]
         for variant in self.runnable:
-            failures = [r for fixture in fixtures for r in self._failures(variant, fixture)]
+            per_fixture = {fixture: self._failures(variant, fixture) for fixture in fixtures}
+            failures = [r for found in per_fixture.values() for r in found]
             if not failures:
                 result.certified.append(variant)
                 continue
-            bounds = excluded_bounds(failures, self.report.fixtures, family,
+            passed = [name for name, found in per_fixture.items() if not found]
+            bounds = excluded_bounds(failures, passed, self.report.fixtures, family,
                                      self.break_even(variant, relevant, min_speedup))
             if bounds is None:
                 result.findings[variant] = failures
