@@ -1,10 +1,10 @@
 """A bounded profile on the GPU (issue 26): the wrapper serves exactly the range and bound it holds.
 
-The profile is the one certify builds from run 22's H200 report (docs/results/run22-h200/certify/),
-its machine fields set to this box's: FLUX.1 gets sm90-fp8-cuda from 9,728 to 32,768 tokens, with
+The profile is the one certify builds from run 25's H200 report (docs/results/run25-h200/certify/),
+its machine fields set to this box's: FLUX.1 gets sm90-fp8-cuda from 10,624 to 32,768 tokens, with
 calls of fewer than 17 keys kept on torch, because every CUDA kernel gave non-finite output on the
-IP-Adapter fixture (4 keys, the unconditional item's K and V all zero). On another GPU model the
-tests skip: the evidence is an H200's.
+IP-Adapter fixture (4 keys, the unconditional item's K and V all zero) and passed flux1_two_images
+(two batch items). On another GPU model the tests skip: the evidence is an H200's.
 """
 
 import dataclasses
@@ -24,28 +24,28 @@ from .conftest import FIXTURE_DIR
 
 pytestmark = [pytest.mark.slow, pytest.mark.gpu]
 
-RUN22 = Path(__file__).resolve().parents[1] / "docs" / "results" / "run22-h200" / "certify" / "report.json"
+RUN25 = Path(__file__).resolve().parents[1] / "docs" / "results" / "run25-h200" / "certify" / "report.json"
 IP_ADAPTER = FIXTURE_DIR / "flux1_ip_adapter_zero_uncond.safetensors"
 
 
 @pytest.fixture(scope="module")
-def run22_profile(sage) -> profile.Profile:
-    data = checked.load(RUN22)
+def run25_profile(sage) -> profile.Profile:
+    data = checked.load(RUN25)
     built = building.build(data, verdict.decide(data))
     [gpu], here = built.gpus, profile.this_machine()[0]
     if not profile.same_gpu_name(gpu.name, here.name) or tuple(gpu.capability) != here.capability:
-        pytest.skip(f"run 22's profile is an {gpu.name}'s; this GPU is {here.name}")
+        pytest.skip(f"run 25's profile is an {gpu.name}'s; this GPU is {here.name}")
     environment = dataclasses.replace(gpu.environment, torch=here.torch, torch_cuda=here.torch_cuda,
                                       sageattention=here.sageattention)
     gpu = dataclasses.replace(gpu, memory_gib=here.memory_gib, environment=environment)
     return dataclasses.replace(built, gpus=[gpu])
 
 
-def flux1_entry(run22_profile, **changes) -> profile.Profile:
+def flux1_entry(run25_profile, **changes) -> profile.Profile:
     """The profile with its FLUX.1 entry changed as a hand edit would."""
-    [gpu] = run22_profile.gpus
+    [gpu] = run25_profile.gpus
     families = {**gpu.families, "FLUX.1": dataclasses.replace(gpu.families["FLUX.1"], **changes)}
-    return dataclasses.replace(run22_profile, gpus=[dataclasses.replace(gpu, families=families)])
+    return dataclasses.replace(run25_profile, gpus=[dataclasses.replace(gpu, families=families)])
 
 
 @pytest.fixture
@@ -79,16 +79,22 @@ def routed(q, k, v):
     return report, out
 
 
-def test_the_run_22_entry_is_the_bounded_one(run22_profile):
-    entry = run22_profile.gpus[0].families["FLUX.1"]
-    assert (entry.variant, entry.min_key_tokens, entry.max_query_tokens) == ("sm90-fp8-cuda", 9728, 32768)
+def test_the_run_25_entry_is_the_bounded_one(run25_profile):
+    entry = run25_profile.gpus[0].families["FLUX.1"]
+    assert (entry.variant, entry.min_key_tokens, entry.max_query_tokens) == ("sm90-fp8-cuda", 10624, 32768)
     assert [(b.side, b.below) for b in entry.bounds] == [("key", 17)]
 
 
-@pytest.mark.parametrize(("tokens", "fallback"), [(9727, "short"), (9728, None), (16896, None),
-                                                   (32768, None), (32769, "long")])
-def test_the_profile_serves_its_range_and_no_more(run22_profile, installed, tokens, fallback):
-    installed(run22_profile)
+# Relative to the entry: below its threshold, at it, FLUX.1's 2048² call, its verified end and past it.
+EDGES = [(-1, "min", "short"), (0, "min", None), (16896, None, None), (0, "max", None), (1, "max", "long")]
+
+
+@pytest.mark.parametrize(("offset", "edge", "fallback"), EDGES,
+                         ids=["below-min", "min", "2048sq", "max", "past-max"])
+def test_the_profile_serves_its_range_and_no_more(run25_profile, installed, offset, edge, fallback):
+    entry = run25_profile.gpus[0].families["FLUX.1"]
+    tokens = offset + {"min": entry.min_query_tokens, "max": entry.max_query_tokens, None: 0}[edge]
+    installed(run25_profile)
     report, out = routed(*joint(tokens))
     if fallback is None:
         assert report.served == 1, dict(report.fallbacks)
@@ -97,16 +103,16 @@ def test_the_profile_serves_its_range_and_no_more(run22_profile, installed, toke
         assert (report.served, dict(report.fallbacks)) == (0, {fallback: 1})
 
 
-def test_the_ip_adapter_call_is_short_under_the_certified_thresholds(run22_profile, installed):
-    installed(run22_profile)
+def test_the_ip_adapter_call_is_short_under_the_certified_thresholds(run25_profile, installed):
+    installed(run25_profile)
     q, k, v = ip_adapter()
     report, out = routed(q, k, v)
     assert dict(report.fallbacks) == {"short": 1}
     assert torch.equal(out, F.scaled_dot_product_attention(q, k, v))
 
 
-def test_with_the_thresholds_lowered_by_hand_the_bound_keeps_it_on_torch(run22_profile, installed):
-    installed(flux1_entry(run22_profile, min_query_tokens=1, min_key_tokens=1))
+def test_with_the_thresholds_lowered_by_hand_the_bound_keeps_it_on_torch(run25_profile, installed):
+    installed(flux1_entry(run25_profile, min_query_tokens=1, min_key_tokens=1))
     q, k, v = ip_adapter()
     report, out = routed(q, k, v)
     assert dict(report.fallbacks) == {"bound": 1}, report.details
@@ -116,9 +122,9 @@ def test_with_the_thresholds_lowered_by_hand_the_bound_keeps_it_on_torch(run22_p
     assert seventeen.served == 1, dict(seventeen.fallbacks)
 
 
-def test_without_the_bound_the_kernel_gets_the_ip_adapter_call(run22_profile, installed, record):
+def test_without_the_bound_the_kernel_gets_the_ip_adapter_call(run25_profile, installed, record):
     """What the bound prevents: the same lowered entry without it hands the call to the kernel."""
-    installed(flux1_entry(run22_profile, min_query_tokens=1, min_key_tokens=1, bounds=None))
+    installed(flux1_entry(run25_profile, min_query_tokens=1, min_key_tokens=1, bounds=None))
     report, out = routed(*ip_adapter())
     handed = report.served + report.fallbacks.get("kernel_error", 0)
     assert handed == 1, dict(report.fallbacks)
