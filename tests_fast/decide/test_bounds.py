@@ -1,9 +1,10 @@
 """Verdicts bounded by the calls they serve (issue 26): a failure on a fixture that stands for a call
 site the served range excludes bounds the verdict instead of vetoing it; any other failure vetoes.
 
-The evidence is run 22's H200 report (docs/results/run22-h200/certify/), where every FP8 and FP16 CUDA
+The evidence is run 25's H200 report (docs/results/run25-h200/certify/), where every FP8 and FP16 CUDA
 kernel gave non-finite output on the IP-Adapter fixtures (4 and 16 keys) and passed everything else of
-FLUX.1 and SDXL; edits of its typed records make the cases around it.
+FLUX.1 and SDXL, flux1_two_images (two batch items) included; edits of its typed records make the cases
+around it. Run 22's report predates flux1_two_images.
 """
 
 import dataclasses
@@ -20,13 +21,15 @@ from sage_qual.serving.config import Bound
 
 from .. import builders
 
-RUN22 = Path(__file__).resolve().parents[2] / "docs" / "results" / "run22-h200" / "certify" / "report.json"
+RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
+RUN25 = RESULTS / "run25-h200" / "certify" / "report.json"
+RUN22 = RESULTS / "run22-h200" / "certify" / "report.json"
 IP_ADAPTER = "flux1_ip_adapter_zero_uncond"
 
 
 @pytest.fixture(scope="module")
-def run22():
-    return checked.load(RUN22)
+def run25():
+    return checked.load(RUN25)
 
 
 def flux1(report):
@@ -42,10 +45,10 @@ def edited_cells(report, variant, fixture, **fields):
     return dataclasses.replace(report, devices=devices)
 
 
-def test_an_ip_adapter_failure_below_the_break_even_bounds_flux1_instead_of_vetoing_it(run22):
-    decision = flux1(run22)
+def test_an_ip_adapter_failure_below_the_break_even_bounds_flux1_instead_of_vetoing_it(run25):
+    decision = flux1(run25)
     assert (decision.verdict, decision.variant) == (Verdict.ENABLE, "sm90-fp8-cuda")
-    assert (decision.min_key_tokens, decision.max_query_tokens) == (9728, 32768)
+    assert (decision.min_key_tokens, decision.max_query_tokens) == (10624, 32768)
     [bound] = decision.bounds
     assert (bound.side, bound.below) == ("key", 17)  # the site's 4 to 16 keys stay on torch
     assert bound.reason.startswith(f"{IP_ADAPTER}: sm90-fp8-cuda output not finite")
@@ -55,39 +58,51 @@ def test_an_ip_adapter_failure_below_the_break_even_bounds_flux1_instead_of_veto
     assert "sm90-fp8-cuda" in decision.bounded and "sm90-fp8-cuda" not in decision.certified
 
 
-def test_sdxls_fixture_stands_for_both_of_its_ip_adapter_sites(run22):
-    [gpu] = verdict.decide(run22)
+def test_sdxls_fixture_stands_for_both_of_its_ip_adapter_sites(run25):
+    [gpu] = verdict.decide(run25)
     [bound] = gpu.family("SDXL").bounds
     assert (bound.side, bound.below) == ("key", 17)
     assert "'IP-Adapter, 640 ch' and 'IP-Adapter, 1280 ch' calls (4 to 16 keys)" in bound.reason
 
 
-def test_a_failure_on_a_fixture_no_site_names_still_vetoes(run22):
-    broken = edited_cells(run22, "sm90-fp8-cuda", "flux1_1024", finite=False, rel_l2=None,
+def test_a_failure_on_a_fixture_no_site_names_still_vetoes(run25):
+    broken = edited_cells(run25, "sm90-fp8-cuda", "flux1_1024", finite=False, rel_l2=None,
                           worst_head_cosine=None)
     decision = flux1(broken)
     assert decision.variant != "sm90-fp8-cuda" and "sm90-fp8-cuda" in decision.findings
     assert {f.fixture for f in decision.findings["sm90-fp8-cuda"]} == {"flux1_1024", IP_ADAPTER}
 
 
-def test_the_default_entry_is_vetoed_by_the_unlinked_ltx2_memory_failure(run22):
-    [gpu] = verdict.decide(run22)
+def test_the_default_entry_is_vetoed_by_the_unlinked_ltx2_memory_failure(run25):
+    [gpu] = verdict.decide(run25)
     assert gpu.default.verdict == Verdict.KEEP_OFF
     assert {f.fixture for f in gpu.default.findings["sm90-fp8-cuda"]} >= {"ltx2_video_self_partial"}
 
 
-def test_a_fixture_whose_shape_the_site_does_not_cover_cannot_bound(run22):
+def test_without_a_passing_fixture_of_two_items_the_batch_2_ip_adapter_failure_is_not_bounded(run25):
+    """Run 22 predates flux1_two_images: FLUX.1's only fixture of several items was the IP-Adapter's, and a
+    kernel that mixes batch items would fail it alone (selftest.detection, batch_items_swapped)."""
+    decision = flux1(checked.load(RUN22))
+    assert (decision.verdict, decision.bounds, decision.bounded) == (Verdict.NO_SPEEDUP, [], {})
+    assert "sm90-fp8-cuda" in decision.findings
+    swapped = flux1(edited_cells(run25, "sm90-fp8-cuda", "flux1_two_images", rel_l2=1.4,
+                                 worst_head_cosine=0.0))
+    assert swapped.variant != "sm90-fp8-cuda"
+    assert {f.fixture for f in swapped.findings["sm90-fp8-cuda"]} == {"flux1_two_images", IP_ADAPTER}
+
+
+def test_a_fixture_whose_shape_the_site_does_not_cover_cannot_bound(run25):
     """A record claiming the IP-Adapter fixture with 512 keys no longer stands for the 4-16 key site."""
     fixtures = [dataclasses.replace(f, k=[f.k[0], f.k[1], 512, f.k[3]]) if f.name == IP_ADAPTER else f
-                for f in run22.fixtures]
-    decision = flux1(dataclasses.replace(run22, fixtures=fixtures))
+                for f in run25.fixtures]
+    decision = flux1(dataclasses.replace(run25, fixtures=fixtures))
     assert decision.variant != "sm90-fp8-cuda" and not decision.bounds
     assert "sm90-fp8-cuda" in decision.findings
 
 
-def test_without_call_site_links_the_verdict_is_the_one_before_bounds(run22, monkeypatch):
+def test_without_call_site_links_the_verdict_is_the_one_before_bounds(run25, monkeypatch):
     monkeypatch.setattr(bounds, "sites_of", lambda fixture, family=None: [])
-    decision = flux1(run22)
+    decision = flux1(run25)
     assert (decision.verdict, decision.certified, decision.bounds) == (Verdict.NO_SPEEDUP,
                                                                       ["sm86-fp16-triton"], [])
 
@@ -101,8 +116,8 @@ def finding(fixture="fx", variant="sm90-fp8-cuda"):
 
 
 def fixture_records(k_tokens=4, q_tokens=2048, head_dim=128):
-    """The report's record of fixture "fx", of this shape."""
-    return [builders.fixture("fx", q=[2, 1, q_tokens, head_dim], k=[2, 1, k_tokens, head_dim])]
+    """The report's record of fixture "fx", of this shape (one batch item: no batch to cover)."""
+    return [builders.fixture("fx", q=[1, 1, q_tokens, head_dim], k=[1, 1, k_tokens, head_dim])]
 
 
 @pytest.fixture
@@ -124,7 +139,7 @@ def serving(min_q, min_k):
     (None, None),  # nothing is served: no range can exclude the site
 ], ids=["keys-far-below", "keys-just-below", "keys-inside", "queries-below", "nothing-served"])
 def test_a_site_is_excluded_only_when_every_call_of_it_is_below_a_threshold(one_site, thresholds, expected):
-    found = bounds.excluded_bounds([finding()], fixture_records(), None, thresholds)
+    found = bounds.excluded_bounds([finding()], [], fixture_records(), None, thresholds)
     assert (None if found is None else [(b.side, b.below) for b in found]) == expected
 
 
@@ -133,19 +148,44 @@ def test_a_site_is_excluded_only_when_every_call_of_it_is_below_a_threshold(one_
                          ids=["fewer-keys", "more-keys", "more-queries", "other-head-dim"])
 def test_a_fixture_outside_its_site_does_not_stand_for_it(one_site, k_tokens, q_tokens, head_dim):
     shaped = fixture_records(k_tokens, q_tokens, head_dim)
-    assert bounds.excluded_bounds([finding()], shaped, None, serving(9728, 9728)) is None
+    assert bounds.excluded_bounds([finding()], [], shaped, None, serving(9728, 9728)) is None
 
 
 def test_failures_on_two_devices_give_one_bound_with_one_reason(one_site):
     twice = [finding(), dataclasses.replace(finding(), device=1)]
-    [bound] = bounds.excluded_bounds(twice, fixture_records(), None, serving(9728, 9728))
+    [bound] = bounds.excluded_bounds(twice, [], fixture_records(), None, serving(9728, 9728))
     assert bound == Bound("key", 17, "fx: sm90-fp8-cuda NaN; it stands for FLUX.1's 'ip' call (4 to 16 keys)")
 
 
 def test_one_failure_no_site_names_makes_the_whole_set_unbounded(one_site):
     mixed = [finding(), finding("other")]
     fixtures = fixture_records() + [builders.fixture("other")]
-    assert bounds.excluded_bounds(mixed, fixtures, None, serving(9728, 9728)) is None
+    assert bounds.excluded_bounds(mixed, [], fixtures, None, serving(9728, 9728)) is None
+
+
+@pytest.mark.parametrize(("failed_batch", "passed_batch", "bounded"),
+                         [(1, None, True), (2, None, False), (2, 1, False), (2, 2, True), (3, 2, True)],
+                         ids=["one-item", "nothing-passed", "passed-one-item", "passed-two", "two-of-three"])
+def test_a_failure_of_several_items_is_bounded_only_past_a_pass_of_several(one_site, failed_batch,
+                                                                            passed_batch, bounded):
+    fixtures = [builders.fixture("fx", q=[failed_batch, 1, 2048, 128], k=[failed_batch, 1, 4, 128])]
+    passed = []
+    if passed_batch:
+        shape = [passed_batch, 1, 1024, 128]
+        fixtures.append(builders.fixture("main", q=shape, k=shape))
+        passed = ["main"]
+    found = bounds.excluded_bounds([finding()], passed, fixtures, None, serving(9728, 9728))
+    assert (found is not None) == bounded
+
+
+def test_a_pass_on_another_site_fixture_does_not_cover_the_batch(one_site, monkeypatch):
+    """The fixture that passed must stand for the served calls: one a site names does not."""
+    two_items = {"q": [2, 1, 2048, 128], "k": [2, 1, 4, 128]}
+    fixtures = [builders.fixture("fx", **two_items), builders.fixture("other_site", **two_items)]
+    monkeypatch.setattr(bounds, "sites_of", lambda fixture, family=None: [(families.find("FLUX.1"), SITE)]
+                        if fixture in ("fx", "other_site") else [])
+    found = bounds.excluded_bounds([finding()], ["other_site"], fixtures, None, serving(9728, 9728))
+    assert found is None
 
 
 def test_no_fixture_is_named_by_two_families_and_every_named_fixture_fits_its_site():
