@@ -75,12 +75,7 @@ def test_merge_and_gate_on_the_committed_h200_reports(fleet):
     assert decided["Wan 2.2"] == decided["Z-Image"] == (
         "enable (sm90-fp8-cuda on NVIDIA H200; every host: from 16,384 query / 16,384 key tokens, head_dim "
         "128, no upper bound verified (a report without long checks))")
-    # FLUX.1's only failure is its IP-Adapter fixture (4 keys), below that range: a bound (issue 26)
-    assert decided["FLUX.1"] == (
-        "enable (sm90-fp8-cuda on NVIDIA H200; every host: from 16,384 query / 16,384 key tokens, head_dim "
-        "128, no upper bound verified (a report without long checks); calls with fewer than 17 keys stay on "
-        "torch)")
-    assert decided["SDXL"] == "safe, no speedup"
+    assert decided["FLUX.1"] == decided["SDXL"] == "safe, no speedup"
     assert decided["FLUX.2"].startswith("keep off (vm NVIDIA H200 (h200-a): keep off;")
     # run 8 (8,960 tokens) against run 11's first GPU (9,728): within 10 %; the second has no baseline
     assert "h200-a: same as the last release" in done.stdout
@@ -104,6 +99,20 @@ def test_the_fleet_gate_names_the_variant_and_the_range_every_host_verified(tmp_
                                        "transposed, nhd))")
     # run 21 had no FLUX.2 fixture; run 22 enables it
     assert decided["FLUX.2"].startswith("keep off (vm NVIDIA H200 (h200-a): keep off")
+
+
+def test_the_fleet_gate_states_the_hosts_bounds(tmp_path):
+    """Issue 26: run 25 bounds FLUX.1 (its IP-Adapter calls, 4 to 16 keys, stay on torch); two hosts of it."""
+    for host in ("h200-a", "h200-b"):
+        (tmp_path / "reports" / host).mkdir(parents=True)
+        run25 = RESULTS / "run25-h200" / "certify" / "report.json"
+        shutil.copy(run25, tmp_path / "reports" / host / "report.json")
+    done = merge_and_gate(tmp_path, baseline=False, REQUIRED_FAMILIES="FLUX.1")
+    assert done.returncode == 0, done.stderr
+    assert gates(tmp_path)["FLUX.1"] == (
+        "enable (sm90-fp8-cuda on NVIDIA H200; every host: from 10,624 to 32,768 tokens, head_dim 128 "
+        "(layouts: contiguous, transposed, nhd, fused_qkv); calls with fewer than 17 keys stay on torch)")
+    assert "keys >= 17" in (tmp_path / "out" / "fleet.md").read_text()
 
 
 def test_a_required_family_kept_off_fails_the_step(fleet):

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 CERTIFY_DOC = (ROOT / "docs" / "certify.md").read_text()
 CURRENT = [ROOT / "docs/results/current" / f"certify-gpu{n}" / "report.json" for n in (0, 1)]
-NEWEST = ROOT / "docs/results/run22-h200/certify/report.json"  # the latest full certify
+NEWEST = ROOT / "docs/results/run25-h200/certify/report.json"  # the latest full certify
 RUN13 = ROOT / "docs/results/run13-h200x2"  # four runs with paired timing: every family's threshold
 RUN8 = [ROOT / "docs/results/run8-h200x2-final/certify" / f"certify-{n}" / "report.json" for n in "ab"]
 
@@ -60,6 +60,13 @@ def test_the_break_even_ranges_are_the_committed_runs():
     enabled = {tokens for tokens in sdxl if tokens}
     assert len(enabled) == 1 and (f"give it {enabled.pop():,} tokens in {len(sdxl) - sdxl.count(None)} and "
                                   f"no speedup in {sdxl.count(None)}.") in flat(README)
+    later = [checked.load(ROOT / f"docs/results/{run}/certify/report.json")
+             for run in ("run22-h200", "run24-h200", "run25-h200")]
+    sdxl = [gpu.family("SDXL") for run in runs + later for gpu in verdict.decide(run)]
+    largest = [d.speedups["2048² self, 640 ch"] for d in sdxl]
+    served = sum(d.verdict == verdict.Verdict.ENABLE for d in sdxl)
+    assert (f"speedup bound was {min(largest):.2f}-{max(largest):.2f}x over runs 13, 22, 24 and 25: "
+            f"enabled in {served} of those {len(sdxl)} reports") in flat(README)
     about = f"{round(low / 1000)}-{round(high / 1000)}k tokens"
     assert f"the sm90 kernel only pays from about {about}" in flat(README)
     assert f"{current[0]:,} vs {current[1]:,} on two H200s of one host at once" in flat(CERTIFY_DOC)

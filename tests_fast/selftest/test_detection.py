@@ -130,8 +130,10 @@ def test_defect_keeps_off_exactly_the_families_it_reaches(bench, gate_baseline, 
 
 
 def test_the_gate_keeps_off_without_a_defect_only_what_the_model_predicts_and_the_uncertified(gate_baseline):
-    # SDXL, FLUX.1: NaN on the IP-Adapter zero V; every family has fixtures of its own.
-    assert gate_baseline == {"SDXL", "FLUX.1"}
+    # SDXL: NaN on the IP-Adapter zero V, and the sample's timings serve nothing at head_dim 64 that
+    # could exclude those calls. FLUX.1's NaN there is bounded instead (decide/bounds.py): its
+    # break-even excludes 4-16 keys and flux1_two_images passes. Every family has fixtures of its own.
+    assert gate_baseline == {"SDXL"}
 
 
 def test_a_defect_that_changes_nothing_keeps_nothing_off(bench, failing):
