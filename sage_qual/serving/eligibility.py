@@ -29,9 +29,11 @@ REASONS = (
     "head_dim",  # not a supported size, or K/V differ from Q
     "heads",  # query heads differ from K/V heads without enable_gqa, or do not divide
     "layout",  # last dimension not contiguous, or a layout the profile did not verify
-    "span",  # a tensor spans or holds more elements than the kernel's 32-bit offsets reach
     "grad",
     "autocast",
+    # A tensor spans or holds more elements than the kernel's 32-bit offsets reach. The last rule of
+    # `refusal`: a call refused for it passed every other one, and may be served from copies.
+    "span",
     "device",  # not all on one CUDA device, no kernel for it, or the device was retired
     # Execution contexts (`contexts.REASON`) the served variant is not certified safe in:
     "capture",  # the current stream is capturing a CUDA graph
@@ -173,16 +175,18 @@ def refusal(call: SdpaCall, config: WrapperConfig, cuda) -> Refusal | None:
         layout = _layout((q, k, v), (qs, ks, vs), (qst, kst, vst))
         if layout not in config.layouts:
             return "layout", "layout %s (verified: %s)", (layout, ", ".join(config.layouts))
-    # Checked here, before the call: past 2^31 elements every kernel faults on a strided view (which
-    # poisons the CUDA context) and the sm90 kernel aborts the process, which no except can catch
-    # (limits.MAX_SPAN_ELEMENTS).
-    limit = config.max_span_elements
-    if extent(qs, qst) > limit or extent(ks, kst) > limit or extent(vs, vst) > limit:
-        return span_refusal(call, limit)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return "grad", "an input requires grad (SageAttention has no backward)", ()
     if cuda.autocast_enabled():
         return "autocast", "CUDA autocast is on", ()
+    # Checked before the call: past 2^31 elements every kernel faults on a strided view (which
+    # poisons the CUDA context) and the sm90 kernel aborts the process, which no except can catch
+    # (limits.MAX_SPAN_ELEMENTS). Last of the rules, so that `span` means every other one passed: the
+    # wrapper may then serve the call from contiguous copies (issue 28: with `span` before `grad`
+    # and `autocast`, a long strided view that required grad was served, and backward() raised).
+    limit = config.max_span_elements
+    if extent(qs, qst) > limit or extent(ks, kst) > limit or extent(vs, vst) > limit:
+        return span_refusal(call, limit)
     return None
 
 
