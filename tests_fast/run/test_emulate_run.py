@@ -255,7 +255,8 @@ def test_calls_alike_after_the_head_reduction_share_one_prediction_but_keep_thei
 
 def test_progress_counts_every_prediction_on_the_cpu_without_a_line_each(tmp_path, monkeypatch):
     """One tick per predicted cell and long check, all on the pseudo-device "cpu", and no line per
-    result (the summary follows): the bar's total is what the run then records."""
+    result (the summary follows; a line at each tenth instead): the bar's total is what the run then
+    records."""
     bars = []
 
     class Bar:
@@ -286,3 +287,16 @@ def test_progress_counts_every_prediction_on_the_cpu_without_a_line_each(tmp_pat
     assert bar.lines is False
     assert bar.total == len(bar.ticks) == recorded == len(VARIANT_NAMES) * (1 + 4)
     assert set(bar.ticks) == {"cpu"}
+
+
+def test_a_prediction_in_a_log_prints_a_line_at_each_tenth(capsys):
+    """Not a terminal (pytest's capture): 25 results give a line at 3, 5, 8, ..., 25, none per result."""
+    progress = run.Progress(25, lines=False)
+    record = builders.cell(VARIANT_NAMES[0], builders.fixture(), "pass")
+    for _ in range(25):
+        progress.tick("cpu", record)
+    progress.close()
+    lines = capsys.readouterr().out.splitlines()
+    tenths = (3, 5, 8, 10, 13, 15, 18, 20, 23, 25)
+    assert [line.split("]")[0] for line in lines] == [f"[{n}/25" for n in tenths]
+    assert lines[-1].startswith("[25/25] 100 % done, last: cpu ")

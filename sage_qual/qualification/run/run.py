@@ -188,8 +188,10 @@ def conclude(planned: plan_mod.Plan, writes_profile: bool) -> None:
 
 # Progress --------------------------------------------------------------------------------------
 class Progress:
-    """A tqdm bar on a terminal; one plain line per result in a CI log (or without tqdm), or none
-    (`lines=False`: the summary says it all)."""
+    """A tqdm bar on a terminal; else plain lines for a CI log (or without tqdm): one per result, or
+    with `lines=False` (a prediction: hundreds of results in minutes, the summary names them) one at
+    each tenth of the run, so that a log shows it moving (issue 28: a full `certify --emulate` was
+    silent for 37 minutes)."""
 
     def __init__(self, total: int, lines: bool = True):
         self.total, self.done, self.lines = total, 0, lines
@@ -217,6 +219,9 @@ class Progress:
             if self.bar is None:
                 if self.lines:
                     print(f"[{self.done}/{self.total}] {line}", flush=True)
+                elif self.done * 10 // max(self.total, 1) > (self.done - 1) * 10 // max(self.total, 1):
+                    print(f"[{self.done}/{self.total}] {self.done * 100 // max(self.total, 1)} % done, "
+                          f"last: {line}", flush=True)
                 return
             self.bar.update(1)
             self.bar.set_postfix_str(line[:60])
