@@ -280,7 +280,7 @@ def test_bad_input(tmp_path, machine, options, message):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"devices": []}, "no CUDA GPU is visible here"),
+    ({"devices": []}, "no CUDA GPU is visible here .* run `sage-qual certify --emulate`"),
     ({"fields": {"sageattention_problem": "triton is not installed"}},
      "sageattention cannot run here: triton is not installed"),
 ])

@@ -58,7 +58,8 @@ class WorkerExecutor:
         env = collected.environment
         if not env.gpus:
             purpose = ("certify --target needs the GPU it qualifies the integration on" if target
-                       else "certify needs the GPU it certifies")
+                       else "certify needs the GPU it certifies; to predict the variants on this CPU with "
+                            "the numerics model, run `sage-qual certify --emulate`")
             raise UsageError("no CUDA GPU is visible here (CPU-only torch, no driver, or "
                              f"CUDA_VISIBLE_DEVICES empty): {purpose}")
         if not target and env.sageattention_problem:
