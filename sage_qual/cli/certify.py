@@ -27,7 +27,10 @@ def add_parser(subparsers) -> None:
         "certify", help="run every variant on every fixture and a speed sweep; write report and profile",
         description="Run every runnable variant on every fixture, and a speed sweep, on each GPU.")
     parser.add_argument("--out", type=Path, default=Path("sage-qual-report"),
-                        help="output directory (default: %(default)s)")
+                        help="output directory (default: %(default)s); one that holds a report.json is "
+                             "refused unless --force")
+    parser.add_argument("--force", action="store_true",
+                        help="write into an --out that holds a previous run's report, replacing it")
     parser.add_argument("--devices", default="all", help="GPU indices, e.g. 0,1, or all (default: all)")
     parser.add_argument("--variants", nargs="+", help="variant names (default: all)")
     parser.add_argument("--families", nargs="+", help="families to certify (default: all)")
@@ -75,7 +78,8 @@ def _certify(args: argparse.Namespace) -> int:
     executor = options.InProcess() if args.emulate else options.Workers(args.devices, args.timeout)
     request = options.RunRequest(out=args.out, subject=subject, executor=executor,
                                  families=_split(args.families), fixture_dirs=args.fixtures, quick=args.quick,
-                                 junit_xml=args.junit_xml, command="sage-qual " + shlex.join(sys.argv[1:]))
+                                 junit_xml=args.junit_xml, command="sage-qual " + shlex.join(sys.argv[1:]),
+                                 force=args.force)
     request.check()  # a bad number is refused before torch is imported (1.6 s here)
     from sage_qual.qualification.run import run  # torch: only when a command runs
 

@@ -2,6 +2,7 @@
 starts), fixtures with non-finite values, GPU indices this machine lacks; and it leaves no output
 directory behind. With --junit-xml it writes one test case per GPU model and family."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -62,6 +63,23 @@ def test_cli_refusals_are_one_line_exit_2(tmp_path, capsys, no_workers, argv, me
     out, err = capsys.readouterr()
     assert code == 2 and out == "" and err.count("\n") == 1 and message in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("mode", [[], ["--emulate"]], ids=["gpu", "emulate"])
+def test_an_out_holding_a_previous_report_is_refused_unless_forced(tmp_path, capsys, no_workers, mode):
+    """Issue 28: a second run into the same --out mixed its plots, logs and profile with the first's."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "report.json").write_text("{}")
+    assert cli.main(["certify", "--out", str(out), *mode]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "report.json is a previous run's report: give another --out, or " \
+        "--force" in err
+    assert (out / "report.json").read_text() == "{}" and [p.name for p in out.iterdir()] == ["report.json"]
+    request = builders.emulate_request(out)
+    with pytest.raises(UsageError, match="previous run's report"):
+        request.check()
+    dataclasses.replace(request, force=True).check()  # --force takes it
 
 
 @pytest.mark.parametrize("options, message", [

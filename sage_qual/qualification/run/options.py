@@ -51,9 +51,15 @@ class RunRequest:
     quick: bool = False
     junit_xml: Path | None = None  # also write JUnit XML, one test case per GPU model and family
     command: str = "sage_qual.qualification.run.run.certify()"
+    force: bool = False  # replace a previous run's report in `out`
 
     def check(self) -> None:
         """UsageError for a request that cannot run, before torch is imported or a file is written."""
+        previous = Path(self.out) / "report.json"
+        if previous.exists() and not self.force:
+            # Its plots, logs and profile would mix with this run's: a person asks for that by name.
+            raise UsageError(f"{previous} is a previous run's report: give another --out, or --force to "
+                             "replace that run")
         if isinstance(self.executor, InProcess):
             if isinstance(self.subject, Integration):
                 raise UsageError("--target qualifies one integration on a GPU: leave out --emulate")
