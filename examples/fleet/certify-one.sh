@@ -9,9 +9,11 @@ python=${PYTHON:-python}
 families=("FLUX.1" "FLUX.2" "Z-Image" "Qwen-Image" "Krea-2" "SDXL" "LTX-2" "Wan 2.2")
 
 "$python" -m sage_qual env
-"$python" -m sage_qual certify --out "$out"
+# --force: this folder is the recipe's own, and a rerun replaces its report (certify refuses that
+# otherwise); a refusal (exit 2) stops here, so no gate reads an older report.
+"$python" -m sage_qual certify --force --out "$out"
 certified=$?
-if [ ! -f "$out/report.json" ]; then
+if [ "$certified" -eq 2 ] || [ ! -f "$out/report.json" ]; then
     echo "certify wrote no report (exit $certified)" >&2
     exit 2
 fi

@@ -141,6 +141,19 @@ def test_no_reports_is_an_error(tmp_path):
     assert done.returncode == 2 and "no report.json under" in done.stderr
 
 
+def test_certify_one_sh_that_cannot_certify_never_gates_an_older_report(tmp_path):
+    """The folder holds last release's report; certify refuses here (no GPU): no gate may read that
+    report as this run's."""
+    out = tmp_path / "host"
+    out.mkdir()
+    shutil.copy(RESULTS / "current" / "certify-gpu0" / "report.json", out / "report.json")
+    done = subprocess.run(["bash", str(FLEET / "certify-one.sh"), str(out)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHON": sys.executable})
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "no CUDA GPU is visible here" in done.stderr and "certify wrote no report (exit 2)" in done.stderr
+    assert not (out / "gates.jsonl").exists()
+
+
 def test_gate_answers_appended_as_certify_one_sh_appends_them_read_back_one_object_per_line(tmp_path):
     """certify-one.sh's gate loop, run for real on a committed report: every `--json` answer is one
     line, so the file holds one object per line (issue 27: indented answers broke merge_and_gate.sh)."""
