@@ -13,6 +13,7 @@ import argparse
 import io
 import os
 import sys
+import textwrap
 import traceback
 
 from sage_qual import jsonfile, records
@@ -85,7 +86,36 @@ def build_parser() -> argparse.ArgumentParser:
     for command in {id(c): c for c in subparsers.choices.values()}.values():  # aliases: once each
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                              help="on an internal error, print the traceback")
+        name = command.prog.split()[-1]  # its own name, not an alias
+        command.description = textwrap.fill(command.description or _HELP[name], 100)
+        codes = "\n".join(f"  {code:<4} {meaning}" for code, meaning in EXIT_CODES[name])
+        command.epilog = f"exit codes:\n{codes}"
+        command.formatter_class = argparse.RawDescriptionHelpFormatter
     return parser
+
+
+# Each command's exit codes, as its --help states them (`errors.ExitCode`).
+_USAGE = (2, "bad input: one line naming the problem and the fix (--debug: the traceback)")
+EXIT_CODES = {
+    "env": ((0, "the machine was described"), _USAGE),
+    "fixtures": ((0, "listed or shown"), _USAGE),
+    "certify": ((0, "a complete report (and, from a GPU run, its profile)"),
+                (2, "nothing certified: bad input, no GPU or no usable sageattention, or an --out that\n"
+                    "       holds a previous report (--force replaces it)"),
+                (130, "stopped by SIGINT or SIGTERM: the report on disk is partial")),
+    "gate": ((0, "enable the family here (also 'safe, no speedup' unless --require-speedup)"),
+             (1, "keep it off: every reason printed"),
+             (2, "cannot decide: no, partial, damaged, edited, predicted or stale report, or no GPU here")),
+    "merge": ((0, "the fleet table"), _USAGE),
+    "compare": ((0, "the reports serve the same calls, each threshold within --tolerance"),
+                (1, "they differ: each difference printed"),
+                (2, "unreadable, or reports that cannot be compared (partial, predicted, --quick)")),
+}
+# A command's description where it gives none: its one-line help.
+_HELP = {"env": "torch, CUDA, each GPU and the kernel it gets, sageattention and its extensions.",
+         "fixtures": "List and inspect activation fixtures.",
+         "gate": "Whether to enable a model family on this machine, from a certify report.",
+         "compare": "Whether two certify reports of one machine serve the same calls."}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from sage_qual import cli
+from sage_qual.errors import ExitCode
 from sage_qual.qualification.decide import verdict
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -167,3 +168,18 @@ def test_a_certify_refusal_is_an_error_case_in_its_junit_xml(capsys, tmp_path):
     (case,) = ET.parse(junit).getroot().findall("testsuite/testcase")
     assert "--timeout is 0" in case.find("error").get("message")
     assert capsys.readouterr().err.count("\n") == 1
+
+
+@pytest.mark.parametrize("command", ["env", "doctor", "fixtures", "certify", "gate", "merge", "compare"])
+def test_every_command_help_has_a_description_and_its_exit_codes(command, capsys):
+    """Issue 28 papercut: `gate --help` said neither what it decides nor how it exits."""
+    with pytest.raises(SystemExit) as done:
+        cli.main([command, "--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    usage, description = text.split("\n\n")[:2]
+    own = {"doctor": "env"}.get(command, command)  # an alias shows its command's help
+    assert usage.startswith(f"usage: sage-qual {own}") and len(description.split()) >= 5
+    codes = text.split("exit codes:\n", 1)[1].splitlines()
+    listed = {int(line.split()[0]) for line in codes if line[:6].strip().isdigit()}
+    assert {0, 2} <= listed and listed <= {int(code) for code in ExitCode}
