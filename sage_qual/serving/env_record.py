@@ -64,3 +64,5 @@ class EnvironmentRecord:
     sageattention_problem: str  # why it cannot serve, "" when it can
     extensions: dict[str, str]  # extension -> "ok" or its import error
     gpus: list[GpuInfo]
+    # The build: sage_package.source_digest() ("" when unusable, or in a report from before it).
+    sageattention_source: str = ""

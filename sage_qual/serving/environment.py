@@ -71,6 +71,7 @@ def collect(config: WrapperConfig = DEFAULT_CONFIG,
         sageattention_problem=problem,
         extensions=extensions,
         gpus=gpus,
+        sageattention_source=package.source if package else "",
     )
 
 
@@ -94,6 +95,7 @@ def render_text(env: Environment, contexts: bool = False) -> str:
         f"NVIDIA driver  {env.driver or 'none'}",
         f"triton         {env.triton or 'not installed'}",
         f"sageattention  {env.sageattention or 'not installed'}"
+        + (f" (build {env.sageattention_source})" if env.sageattention_source else "")
         + (f"  -- cannot serve: {env.sageattention_problem}" if env.sageattention_problem else ""),
     ]
     for name, state in sorted(env.extensions.items()):

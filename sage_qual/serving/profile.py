@@ -133,6 +133,8 @@ class ProfileEnvironment:
     driver: str
     sageattention: str
     triton: str
+    # The build certified (sage_package.source_digest); "" or absent: not recorded, not compared.
+    sageattention_source: str = ""
 
 
 @dataclass(frozen=True)
@@ -283,6 +285,7 @@ class Machine:
     torch: str
     torch_cuda: str
     sageattention: str
+    sageattention_source: str = ""  # "" when unknown: not compared
 
 
 def same_gpu_name(a: str, b: str) -> bool:
@@ -312,6 +315,10 @@ def differences(gpu: ProfileGpu, device: Machine) -> list[str]:
                                    ("torch", env.torch, device.torch)):
         if certified != here:
             found.append(f"{label} {certified or 'none'}, {here or 'none'} here")
+    if env.sageattention_source and device.sageattention_source and \
+            env.sageattention_source != device.sageattention_source:
+        found.append(f"sageattention build {env.sageattention_source}, {device.sageattention_source} here "
+                     "(another source under one version: a fork or an older build)")
     return found
 
 
@@ -418,12 +425,14 @@ def _device_config(profile: Profile, device: Machine, family: str | None,
 def this_machine() -> list[Machine]:
     """Every visible device as a profile entry must match it. Raises SageUnavailable without a
     usable sageattention (its version is part of the match)."""
-    return machines(platform.current(), sage_package.load().version)
+    package = sage_package.load()
+    return machines(platform.current(), package.version, package.source)
 
 
-def machines(cuda: platform.CudaPlatform, sageattention: str) -> list[Machine]:
-    """Every device of `cuda` as a profile entry must match it, with this sageattention version."""
+def machines(cuda: platform.CudaPlatform, sageattention: str, source: str = "") -> list[Machine]:
+    """Every device of `cuda` as a profile entry must match it, with this sageattention version and
+    build (`source`)."""
     cuda_version = cuda.torch_cuda()
     torch_cuda = "%d.%d" % cuda_version if cuda_version else ""
     return [Machine(cuda.device_name(i), cuda.capability(i), round(cuda.total_memory(i) / 2**30, 1),
-                    torch.__version__, torch_cuda, sageattention) for i in range(cuda.device_count())]
+                    torch.__version__, torch_cuda, sageattention, source) for i in range(cuda.device_count())]

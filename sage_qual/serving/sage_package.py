@@ -6,11 +6,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.metadata
 import importlib.util
 import inspect
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 
 from packaging.version import InvalidVersion, Version
@@ -31,6 +33,7 @@ class SagePackage:
     version: str
     extensions: frozenset[str]  # compiled extensions that import
     extension_errors: dict[str, str]  # the others, with the import error
+    source: str = ""  # `source_digest()` of its Python files ("" where it has none, a fake's)
 
     def kernel(self, variant: Variant):
         return getattr(self.module, variant.function)
@@ -61,6 +64,20 @@ def check_version(text: str) -> None:
         raise SageUnavailable(f"sageattention {text} is older than {MIN_VERSION}: {BUILD_HINT}")
 
 
+def source_digest(module: ModuleType) -> str:
+    """"sha256:" and the first 16 hex digits of the package's Python files (paths and bytes): one
+    version string covers builds that dispatch differently (issue 27: thu-ml's 2.2.0, the woct0rdho
+    fork, an older source), and their sources tell them apart where the version does not. A rebuild
+    of one source keeps it. "" for a module without files."""
+    if not getattr(module, "__file__", None):
+        return ""
+    root = Path(module.__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return "sha256:" + digest.hexdigest()[:16]
+
+
 def load() -> SagePackage:
     if importlib.util.find_spec("sageattention") is None:
         raise SageUnavailable(f"sageattention is not installed: {BUILD_HINT}")
@@ -86,7 +103,7 @@ def load() -> SagePackage:
             extensions.add(name)
         except Exception as error:
             errors[name] = f"{type(error).__name__}: {error}"
-    return SagePackage(module, version, frozenset(extensions), errors)
+    return SagePackage(module, version, frozenset(extensions), errors, source_digest(module))
 
 
 def kernel_problem(package: SagePackage, variant: Variant) -> str | None:

@@ -174,7 +174,7 @@ def _device_configs(cuda, package, config: WrapperConfig, profile, family: str |
     from sage_qual.serving import defaults
     from sage_qual.serving.profile import DeviceConfig, ProfileError, device_configs, machines
 
-    here = machines(cuda, package.version)
+    here = machines(cuda, package.version, package.source)
     try:
         bases = (defaults.device_configs(here, family, config) if builtin
                  else [DeviceConfig(config, "")] * len(here))

@@ -216,6 +216,20 @@ def test_stale_environment_cannot_decide(change, message):
     assert message in lines[0] and "Run `sage-qual certify` on this machine again" in lines[0]
 
 
+@pytest.mark.parametrize(("made", "here", "stale"), [
+    ("sha256:aaaa", "sha256:bbbb", True), ("sha256:aaaa", "sha256:aaaa", False),
+    ("", "sha256:bbbb", False), ("sha256:aaaa", "", False)],
+    ids=["another-build", "same-build", "report-before-builds", "build-unknown-here"])
+def test_another_sageattention_build_under_one_version_is_stale(made, here, stale):
+    """Issue 27: one version string covers thu-ml's source, a fork and an older build."""
+    data = load(H200)
+    data["environment"]["sageattention_source"] = made
+    machine = {**copy.deepcopy(data["environment"]), "sageattention_source": here}
+    code, lines = decide(data, "FLUX.1", here=machine)
+    named = "sageattention build sha256:aaaa in the report, sha256:bbbb here" in lines[0]
+    assert (code == 2 and named) == stale
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda local: local.update({"flux1-block5": "0" * 64}), "fixture flux1-block5 changed"),
     (lambda local: local.pop("flux1-block5"), "fixture flux1-block5 is in the report but not here"),

@@ -54,6 +54,10 @@ def stale(data: Report, family: Family, here: EnvironmentRecord, local: dict[str
         if getattr(made, key) != getattr(here, key):
             differences.append(f"{label} {getattr(made, key) or 'none'} in the report, "
                                f"{getattr(here, key) or 'none'} here")
+    if made.sageattention_source and here.sageattention_source and \
+            made.sageattention_source != here.sageattention_source:
+        differences.append(f"sageattention build {made.sageattention_source} in the report, "
+                           f"{here.sageattention_source} here")
     certified = {gpu_label(d.name, d.capability) for d in data.devices}
     for model in sorted(models(here) - certified):
         differences.append(f"{model} here is not in the report")

@@ -30,7 +30,8 @@ from sage_qual.serving.profile import (
 def build(report: Report, decisions: list[GpuDecision]) -> Profile:
     """One entry per GPU model of a complete report, each with what defines its machine."""
     env = report.environment
-    machine = ProfileEnvironment(env.torch, env.torch_cuda, env.driver, env.sageattention, env.triton)
+    machine = ProfileEnvironment(env.torch, env.torch_cuda, env.driver, env.sageattention, env.triton,
+                                 env.sageattention_source)
     fixtures = {f.name: f.sha256 for f in report.fixtures}
     return Profile(KIND, SCHEMA_VERSION, report.finished, report.host, fixtures,
                    [ProfileGpu(gpu.name, list(gpu.capability), gpu.memory_gib, machine, _entry(gpu.default),
