@@ -54,6 +54,7 @@ class FakeGpu:
     capability: tuple[int, int]
     name: str = "Fake GPU"
     memory_gib: float = 24.0
+    sm_count: int | None = None  # None: torch does not say (a machine description without it)
 
 
 class FakeCuda(platform.CudaPlatform):
@@ -88,6 +89,9 @@ class FakeCuda(platform.CudaPlatform):
 
     def total_memory(self, index: int) -> int:
         return int(self.gpus[index].memory_gib * 2**30)
+
+    def sm_count(self, index: int) -> int | None:
+        return self.gpus[index].sm_count
 
     def torch_cuda(self):
         return self._torch_cuda

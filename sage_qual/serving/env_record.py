@@ -47,6 +47,7 @@ class GpuInfo(GpuIdentity):
     kernel: str = ""  # the variant the wrapper would use, or "" when none
     no_kernel_reason: str = ""
     runnable_variants: list[str] = field(default_factory=list)  # every variant that can run here
+    sm_count: int | None = field(default=None, metadata={"minimum": 1})  # null: not recorded
 
 
 @dataclass(frozen=True)

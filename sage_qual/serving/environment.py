@@ -56,7 +56,8 @@ def collect(config: WrapperConfig = DEFAULT_CONFIG,
         extensions.update(package.extension_errors)
     gpus = [Gpu(gpu.index, cuda.device_name(gpu.index), list(gpu.box.capability),
                 round(cuda.total_memory(gpu.index) / 2**30, 1),
-                gpu.kernel.name if gpu.kernel else "", gpu.no_kernel_reason, gpu.runnable)
+                gpu.kernel.name if gpu.kernel else "", gpu.no_kernel_reason, gpu.runnable,
+                cuda.sm_count(gpu.index))
             for gpu in machine.gpus]
     return Environment(
         sage_qual=__version__,

@@ -45,6 +45,9 @@ class CudaPlatform:
     def total_memory(self, index: int) -> int:
         return torch.cuda.get_device_properties(index).total_memory
 
+    def sm_count(self, index: int) -> int:
+        return torch.cuda.get_device_properties(index).multi_processor_count
+
     def torch_cuda(self) -> tuple[int, int] | None:
         if torch.version.cuda is None:
             return None

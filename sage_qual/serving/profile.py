@@ -57,6 +57,9 @@ KERNEL_HEAD_DIMS = DEFAULT_CONFIG.head_dims
 # Memory as nvidia-smi and torch report it differs by driver reservations; within this many GiB
 # it is the same card (an H200 shows 139.8, an H100 79.6 or 93.1 GiB: far apart).
 MEMORY_TOLERANCE_GIB = 1.0
+# One model name can hide cut-down dies: within this share of SMs it is the same card, as
+# comfy-kitchen's per-GPU tuning table binds an entry to the SM version and SM count within 10 %.
+SM_COUNT_TOLERANCE = 0.10
 FIX = "use the profile.json `sage-qual certify` wrote, or certify again"
 
 
@@ -152,6 +155,8 @@ class ProfileGpu:
         "minimum": 1, "maximum": limits.MAX_SPAN_ELEMENTS,
         "description": "largest element span and count of one tensor certified on this GPU, at most "
                        "2^31 - 1; null or absent: that default limit"})
+    sm_count: int | None = field(default=None, metadata={
+        "minimum": 1, "description": "its streaming multiprocessors; null or absent: not compared"})
 
     @property
     def label(self) -> str:
@@ -286,6 +291,7 @@ class Machine:
     torch_cuda: str
     sageattention: str
     sageattention_source: str = ""  # "" when unknown: not compared
+    sm_count: int | None = None  # None when unknown: not compared
 
 
 def same_gpu_name(a: str, b: str) -> bool:
@@ -309,6 +315,9 @@ def differences(gpu: ProfileGpu, device: Machine) -> list[str]:
         found.append("GPU %s, %s here" % (device.name, capability_label(device.capability)))
     elif gpu.memory_gib is not None and abs(gpu.memory_gib - device.memory_gib) > MEMORY_TOLERANCE_GIB:
         found.append(f"memory {gpu.memory_gib:g} GiB, {device.memory_gib:g} here")
+    elif gpu.sm_count and device.sm_count and \
+            abs(gpu.sm_count - device.sm_count) > SM_COUNT_TOLERANCE * max(gpu.sm_count, device.sm_count):
+        found.append(f"{gpu.sm_count} SMs, {device.sm_count} here")
     env = gpu.environment
     for label, certified, here in (("sageattention", env.sageattention, device.sageattention),
                                    ("CUDA", env.torch_cuda, device.torch_cuda),
@@ -435,4 +444,5 @@ def machines(cuda: platform.CudaPlatform, sageattention: str, source: str = "") 
     cuda_version = cuda.torch_cuda()
     torch_cuda = "%d.%d" % cuda_version if cuda_version else ""
     return [Machine(cuda.device_name(i), cuda.capability(i), round(cuda.total_memory(i) / 2**30, 1),
-                    torch.__version__, torch_cuda, sageattention, source) for i in range(cuda.device_count())]
+                    torch.__version__, torch_cuda, sageattention, source, cuda.sm_count(i))
+            for i in range(cuda.device_count())]

@@ -80,6 +80,16 @@ def test_collect_reports_a_kernel_whose_signature_swallows_smooth_k():
     assert rtx.kernel == "" and "smooth_k" in rtx.no_kernel_reason
 
 
+def test_collect_records_each_gpus_sm_count_and_the_build():
+    """Issue 27: what binds a profile entry to its GPU and build."""
+    fake = FakeSageAttention()
+    with FakeCuda([FakeGpu((9, 0), "H200", 139.8, sm_count=132), FakeGpu((8, 9), "RTX 4090", 24.0)]), \
+            fake.installed():
+        env = environment.collect()
+    assert [gpu.sm_count for gpu in env.gpus] == [132, None]
+    assert env.sageattention_source == ""  # the fake package has no files: unknown, never compared
+
+
 def test_collect_without_gpus():
     with box(gpus=()):
         env = environment.collect()

@@ -35,7 +35,8 @@ def build(report: Report, decisions: list[GpuDecision]) -> Profile:
     fixtures = {f.name: f.sha256 for f in report.fixtures}
     return Profile(KIND, SCHEMA_VERSION, report.finished, report.host, fixtures,
                    [ProfileGpu(gpu.name, list(gpu.capability), gpu.memory_gib, machine, _entry(gpu.default),
-                               {f.family: _entry(f) for f in gpu.families}, _span_limit(report, gpu))
+                               {f.family: _entry(f) for f in gpu.families}, _span_limit(report, gpu),
+                               gpu.sm_count)
                     for gpu in decisions])
 
 

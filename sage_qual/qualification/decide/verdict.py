@@ -184,6 +184,7 @@ class GpuDecision:
     default: FamilyDecision
     # (variant, shape key) -> (lower 95 % bound, median ratio) of the speedup over SDPA
     speedups: dict[tuple[str, str], tuple[float, float]] = field(default_factory=dict)
+    sm_count: int | None = None  # its devices' fewest (None: one did not record it)
 
     @property
     def model(self) -> str:
@@ -482,5 +483,6 @@ def decide(report: Report) -> list[GpuDecision]:
                 break_even=model.break_even(v, list(report.shapes)))
                       for v in selected},
             families=[model.verdict(f) for f in chosen],
-            default=model.verdict(None), speedups=model.speedup))
+            default=model.verdict(None), speedups=model.speedup,
+            sm_count=None if any(d.sm_count is None for d in devices) else min(d.sm_count for d in devices)))
     return decided

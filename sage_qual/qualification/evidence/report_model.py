@@ -392,6 +392,7 @@ class Device(GpuIdentity):
     contexts: list[ContextCheck] | None = field(default=None, metadata={
         "description": "execution-context checks (null: none ran: --quick, emulation, or a report from "
                        "before them; each variant then keeps the built-in rule)"})
+    sm_count: int | None = field(default=None, metadata={"minimum": 1, "description": "null: not recorded"})
 
     @property
     def model(self) -> tuple[str, tuple[int, int]]:

@@ -124,7 +124,7 @@ def build(request: RunRequest, selection: Selection, machine: Machine, subjects:
                  for name, why in not_supported.items() for f in fixtures]
         devices.append(Device(index=gpu.index, name=gpu.name, capability=list(gpu.capability),
                               memory_gib=gpu.memory_gib, not_supported=not_supported, cells=skips,
-                              speed=[], long=None if target else []))
+                              speed=[], long=None if target else [], sm_count=gpu.sm_count))
         runnable = [name for name in subjects if name not in not_supported]
         if target:
             jobs.append([_target_cells(runnable[0], gpu, fixtures)] if runnable else [])

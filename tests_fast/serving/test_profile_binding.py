@@ -1,6 +1,9 @@
-"""A profile bound to its build (issue 27): sageattention's version string covers thu-ml's source, the
-woct0rdho fork and older builds, so certify records a digest of the package's Python sources and an
-entry applies only to the build it certified (where both sides know theirs)."""
+"""A profile bound to its build and its GPU (issue 27).
+
+sageattention's version string covers thu-ml's source, the woct0rdho fork and older builds, so certify
+records a digest of the package's Python sources; and one model name can hide dies of other sizes, so
+it records the SM count, compared within 10 % as comfy-kitchen's tuning table does. An entry applies
+only to what it certified, where both sides know theirs."""
 
 import dataclasses
 import types
@@ -58,3 +61,32 @@ def test_a_profile_without_the_field_still_reads():
     data = certified("")
     del data["gpus"][0]["environment"]["sageattention_source"]
     assert profile.load(data).gpus[0].environment.sageattention_source == ""
+
+
+@pytest.mark.parametrize(("made", "here", "applies"), [
+    (132, 132, True), (132, 120, True), (132, 114, False), (None, 114, True), (132, None, True)],
+    ids=["same", "within-10-percent", "another-die", "profile-before-sm-counts", "unknown-here"])
+def test_an_entry_applies_only_to_the_sm_count_it_certified(made, here, applies):
+    data = make_profile(make_gpu(H200))
+    data["gpus"][0]["sm_count"] = made
+    [config] = profile.device_configs(data, [dataclasses.replace(machine(H200), sm_count=here)])
+    assert config.matched == applies
+    if not applies:
+        assert f"{made} SMs, {here} here" in config.note
+
+
+def test_certify_records_the_sm_count_from_the_device_to_the_profile():
+    from sage_qual.qualification.decide import profile as building
+    from sage_qual.qualification.decide import verdict
+
+    from .. import builders
+
+    fixture = builders.fixture()
+    devices = [builders.device([builders.cell("sm90-fp8-cuda", fixture)], index=i, sm_count=n)
+               for i, n in ((0, 132), (1, 130))]
+    report = builders.report(devices, [fixture])
+    [gpu] = verdict.decide(report)
+    assert gpu.sm_count == 130  # the fewest of the model's devices
+    assert building.build(report, [gpu]).gpus[0].sm_count == 130
+    unknown = builders.report([devices[0], dataclasses.replace(devices[1], sm_count=None)], [fixture])
+    assert verdict.decide(unknown)[0].sm_count is None
