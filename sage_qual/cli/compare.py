@@ -77,7 +77,7 @@ def _entry(decision: verdict.FamilyDecision) -> str:
     if decision.contexts is not None:
         words += f" contexts [{', '.join(decision.contexts)}]"
     if decision.bounds:
-        words += f" bounds [{', '.join(f'{b.side}s >= {b.below}' for b in decision.bounds)}]"
+        words += f" bounds [{', '.join(b.short() for b in decision.bounds)}]"
     return words
 
 

@@ -51,9 +51,21 @@ class Bound:
             return [("reason", "is empty: say which fixture and call the bound keeps on torch")]
         return []
 
+    @property
+    def tokens(self) -> str:
+        """What it counts, in words: "keys" or "query tokens"."""
+        return SIDE_WORDS[self.side]
+
     def text(self) -> str:
         """"calls with fewer than 17 keys stay on torch (sdxl_ip_adapter_zero_uncond: ...)"."""
-        return f"calls with fewer than {self.below:,} {self.side}s stay on torch ({self.reason})"
+        return f"calls with fewer than {self.below:,} {self.tokens} stay on torch ({self.reason})"
+
+    def short(self) -> str:
+        """"keys >= 17": what a served call needs, as tables and notes give it."""
+        return f"{self.tokens} >= {self.below:,}"
+
+
+SIDE_WORDS = {"key": "keys", "query": "query tokens"}
 
 
 @dataclass(frozen=True)

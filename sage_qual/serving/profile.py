@@ -368,7 +368,7 @@ def verified_range(chosen: Entry) -> str:
     if chosen.contexts is not None:
         words += f", contexts {', '.join(chosen.contexts) or 'none (default stream only)'}"
     for bound in chosen.bounds or []:
-        words += f", {bound.side}s >= {bound.below:,}"
+        words += f", {bound.short()}"
     return words
 
 

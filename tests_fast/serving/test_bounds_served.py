@@ -59,8 +59,12 @@ def test_a_query_bound_counts_query_tokens():
     with FakeCuda([H200]), fake.installed():
         assert sage_qual.install(config=WrapperConfig(min_query_tokens=16, min_key_tokens=1, bounds=(bound,),
                                                       kernel_table={(9, 0): ("sm90-fp8-cuda",)})).enabled
-        assert dict(attention(299, 4096)[0].fallbacks) == {"bound": 1}
+        refused = attention(299, 4096)[0]
+        assert dict(refused.fallbacks) == {"bound": 1}
+        assert refused.details["bound"].endswith("calls with fewer than 300 query tokens stay on torch "
+                                                 "(a query-side failure)")
         assert attention(300, 4)[0].served == 1
+    assert bound.short() == "query tokens >= 300"
 
 
 @pytest.mark.parametrize("family", [None, "FLUX.1"])

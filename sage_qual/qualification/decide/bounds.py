@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from sage_qual.qualification.families import CallSite, Family, sites_of
 from sage_qual.qualification.measure.speed import Thresholds
-from sage_qual.serving.config import Bound
+from sage_qual.serving.config import SIDE_WORDS, Bound
 
 _TOKENS = {"key": "kv_tokens", "query": "q_tokens"}
 
@@ -45,7 +45,7 @@ def excluded_bounds(failures, passed: list[str], fixtures, family: Family | None
         smallest = min(getattr(call.smallest, _TOKENS[side]) for _, call in sites)
         why = (f"{finding.fixture}: {finding.variant} {finding.reason.detail}; it stands for "
                f"{sites[0][0].name}'s {calls} call{'s' if len(sites) > 1 else ''} "
-               f"({smallest:,} to {below - 1:,} {side}s)")
+               f"({smallest:,} to {below - 1:,} {SIDE_WORDS[side]})")
         held, reasons = found.get(side, (0, []))
         found[side] = (max(held, below), reasons + ([why] if why not in reasons else []))
     return [Bound(side, below, "; ".join(reasons)) for side, (below, reasons) in sorted(found.items())]

@@ -49,7 +49,7 @@ class FleetVerdict:
                 (self.min_key_tokens, self.max_key_tokens) != (self.min_query_tokens, self.max_query_tokens):
             tokens += f" query / {self.min_key_tokens:,} to {self.max_key_tokens:,} key"
         contexts = "" if self.contexts is None else f"; contexts: {', '.join(self.contexts) or 'none'}"
-        bounds = "".join(f"; {b.side}s >= {b.below:,}" for b in self.bounds)
+        bounds = "".join(f"; {b.short()}" for b in self.bounds)
         return f"enable: {self.variant} {tokens} tokens{dims} ({', '.join(self.layouts)}{contexts}{bounds})"
 
 
