@@ -75,7 +75,8 @@ def common_range(rows, family):
         for bound in e.get("bounds") or []:
             below[bound["side"]] = max(below.get(bound["side"], 0), bound["below"])
     words = {"key": "keys", "query": "query tokens"}  # as sage_qual.serving.config.SIDE_WORDS
-    kept = "".join(f"; calls with fewer than {n:,} {words[side]} stay on torch" for side, n in sorted(below.items()))
+    kept = "".join(f"; calls with fewer than {n:,} {words[side]} stay on torch"
+                   for side, n in sorted(below.items()))
     if any(e["max_query_tokens"] is None for e in entries):
         return (f"{variants}; every host: from {low_q:,} query / {low_k:,} key tokens, {dims_text}, no upper "
                 f"bound verified (a report without long checks){kept}")
