@@ -15,7 +15,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent.parent
 FLEET = ROOT / "examples" / "fleet"
 RESULTS = ROOT / "docs" / "results"
-SCRIPTS = ["certify-one.sh", "merge_and_gate.sh", "certify-array.sbatch"]
+SCRIPTS = ["certify-one.sh", "merge_and_gate.sh", "certify-model.sbatch"]
 
 
 def test_the_workflow_parses_and_certifies_per_runner_then_merges_once():
@@ -38,6 +38,26 @@ def test_the_scripts_parse_and_are_executable(script):
     assert os.access(path, os.X_OK) or script.endswith(".sbatch")
     checked = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
     assert checked.returncode == 0, checked.stderr
+
+
+def test_the_slurm_job_certifies_its_partition_into_a_folder_named_for_it(tmp_path):
+    """Issue 27's Slurm gaps: the log folder, one job per GPU model, names stable across releases."""
+    script = (FLEET / "certify-model.sbatch").read_text()
+    lines = script.splitlines()
+    output = next(line.split("=", 1)[1] for line in lines if line.startswith("#SBATCH --output="))
+    assert f"mkdir -p {Path(output).parent}" in script  # Slurm creates no folder for --output
+    assert "--array" not in script.replace("not one array", "")
+    stub = tmp_path / "examples" / "fleet" / "certify-one.sh"
+    stub.parent.mkdir(parents=True)
+    stub.write_text('#!/usr/bin/env bash\necho "certify-one $1"\n')
+    stub.chmod(0o755)
+    ran = subprocess.run(["bash", str(FLEET / "certify-model.sbatch")], cwd=tmp_path, capture_output=True,
+                         text=True, env={**os.environ, "SLURM_JOB_PARTITION": "h200"}, timeout=30)
+    assert (ran.returncode, ran.stdout) == (0, "certify-one fleet/reports/h200\n"), ran.stderr
+    env = {k: v for k, v in os.environ.items() if k != "SLURM_JOB_PARTITION"}
+    unset = subprocess.run(["bash", str(FLEET / "certify-model.sbatch")], cwd=tmp_path, capture_output=True,
+                           text=True, env=env, timeout=30)
+    assert unset.returncode != 0 and "submit with sbatch --partition=" in unset.stderr
 
 
 @pytest.fixture
