@@ -81,8 +81,13 @@ def _entry(decision: verdict.FamilyDecision) -> str:
     return words
 
 
+def _bound_limits(decision: verdict.FamilyDecision) -> list[tuple[str, int]]:
+    """What a decision's bounds keep on torch; their reasons' words are not compared."""
+    return [(bound.side, bound.below) for bound in decision.bounds]
+
+
 def _differ(a: verdict.FamilyDecision, b: verdict.FamilyDecision, tolerance: float) -> bool:
-    if [(b.side, b.below) for b in a.bounds] != [(b.side, b.below) for b in b.bounds]:
+    if _bound_limits(a) != _bound_limits(b):
         return True
     exact = ("verdict", "variant", "head_dims", "layouts", "contexts", "range_verified")
     thresholds = ("min_query_tokens", "min_key_tokens", "max_query_tokens", "max_key_tokens")

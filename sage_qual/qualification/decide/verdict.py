@@ -16,7 +16,7 @@ passed on each of them; a shape's speedup is the lowest among them) and family, 
 - keep off: no variant passed, with every reason.
 
 Bounds (issue 26): a variant whose only failures are on fixtures of call sites its break-even
-excludes (the IP-Adapter's 4 to 16 keys, below 9,728) counts as passing, and its decision carries
+excludes (the IP-Adapter's 4 to 16 keys, below run 25's 10,624) counts as passing, and its decision carries
 the bounds that keep those calls on torch whatever the thresholds (`bounds.excluded_bounds`). A
 failure within the served range still keeps it off.
 

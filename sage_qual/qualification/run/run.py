@@ -219,9 +219,9 @@ class Progress:
             if self.bar is None:
                 if self.lines:
                     print(f"[{self.done}/{self.total}] {line}", flush=True)
-                elif self.done * 10 // max(self.total, 1) > (self.done - 1) * 10 // max(self.total, 1):
-                    print(f"[{self.done}/{self.total}] {self.done * 100 // max(self.total, 1)} % done, "
-                          f"last: {line}", flush=True)
+                elif self.done * 10 // (total := max(self.total, 1)) > (self.done - 1) * 10 // total:
+                    print(f"[{self.done}/{self.total}] {self.done * 100 // total} % done, last: {line}",
+                          flush=True)
                 return
             self.bar.update(1)
             self.bar.set_postfix_str(line[:60])
