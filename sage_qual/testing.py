@@ -32,6 +32,7 @@ import inspect
 import sys
 import types
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
@@ -246,6 +247,9 @@ class FakeSageAttention:
         thu-ml's CUDA kernels do: called while `FakeCuda` is on a side stream or capturing, they
         return `legacy_stream_output(exact)` (zeros: the output buffer nothing wrote), as an
         unordered or unrecorded launch does.
+    extension_dir: a folder to give the package files, as a built one has: its `__init__.py` and one
+        `<extension>.so` per extension (written when absent), so `sage_package.source_digest` sees a
+        build; a test rewrites one to stand for another build. None: a package without files.
     """
 
     version: Optional[str] = "2.2.0"
@@ -256,6 +260,7 @@ class FakeSageAttention:
     signature_drops: tuple[str, ...] = ()
     current_stream: Optional[tuple[str, ...]] = None
     legacy_stream_output: Callable[[torch.Tensor], torch.Tensor] = torch.zeros_like
+    extension_dir: Optional[Path] = None
     calls: list[KernelCall] = field(default_factory=list)
     _behaviour: Optional[Callable] = None
 
@@ -336,6 +341,10 @@ class FakeSageAttention:
         module.__spec__ = importlib.machinery.ModuleSpec("sageattention", None, is_package=True)
         module.__path__ = []
         module.__version__ = self.version
+        if self.extension_dir is not None:
+            self.extension_dir.mkdir(parents=True, exist_ok=True)
+            module.__file__ = str(self.extension_dir / "__init__.py")
+            Path(module.__file__).touch()
         for function in KERNEL_FUNCTIONS.values():
             if function.name not in self.missing:
                 setattr(module, function.name, self._make_kernel(function))
@@ -418,7 +427,8 @@ class _FakeFinder(importlib.abc.MetaPathFinder):
         if name == "sageattention" and self.fake.import_error is not None:
             return importlib.machinery.ModuleSpec(name, _FailingLoader(self.fake.import_error))
         if name.startswith("sageattention.") and name.split(".", 1)[1] in EXTENSIONS:
-            return importlib.machinery.ModuleSpec(name, _ExtensionLoader(self.fake.extensions))
+            return importlib.machinery.ModuleSpec(name, _ExtensionLoader(self.fake.extensions,
+                                                                         self.fake.extension_dir))
         return None
 
     def find_distributions(self, context=_ANY_DISTRIBUTION):
@@ -441,8 +451,8 @@ class _FailingLoader(importlib.abc.Loader):
 
 
 class _ExtensionLoader(importlib.abc.Loader):
-    def __init__(self, available: tuple[str, ...]):
-        self.available = available
+    def __init__(self, available: tuple[str, ...], folder: Optional[Path]):
+        self.available, self.folder = available, folder
 
     def create_module(self, spec):
         if spec.name.split(".", 1)[1] not in self.available:
@@ -450,4 +460,8 @@ class _ExtensionLoader(importlib.abc.Loader):
         return None
 
     def exec_module(self, module):
-        pass
+        if self.folder is not None:
+            binary = self.folder / (module.__name__.split(".", 1)[1] + ".so")
+            if not binary.exists():
+                binary.write_bytes(b"fake build of " + module.__name__.encode())
+            module.__file__ = str(binary)

@@ -6,11 +6,13 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import importlib.metadata
 import importlib.util
 import inspect
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -33,7 +35,7 @@ class SagePackage:
     version: str
     extensions: frozenset[str]  # compiled extensions that import
     extension_errors: dict[str, str]  # the others, with the import error
-    source: str = ""  # `source_digest()` of its Python files ("" where it has none, a fake's)
+    source: str = ""  # `source_digest()` of its Python and extension files ("" where none, a fake's)
 
     def kernel(self, variant: Variant):
         return getattr(self.module, variant.function)
@@ -64,18 +66,34 @@ def check_version(text: str) -> None:
         raise SageUnavailable(f"sageattention {text} is older than {MIN_VERSION}: {BUILD_HINT}")
 
 
-def source_digest(module: ModuleType) -> str:
-    """"sha256:" and the first 16 hex digits of the package's Python files (paths and bytes): one
-    version string covers builds that dispatch differently (issue 27: thu-ml's 2.2.0, the woct0rdho
-    fork, an older source), and their sources tell them apart where the version does not. A rebuild
-    of one source keeps it. "" for a module without files."""
+def source_digest(module: ModuleType, extensions: Iterable[ModuleType] = ()) -> str:
+    """"sha256:" and the first 16 hex digits of the package's Python files (paths and bytes) and of
+    its compiled `extensions`' files: one version string covers builds that dispatch differently
+    (issue 27: thu-ml's 2.2.0, the woct0rdho fork, an older source), and their files tell them apart
+    where the version does not. A rebuild with another compiler or CUDA changes the binaries, so it
+    changes the digest too. "" for a module without files (a fake's)."""
     if not getattr(module, "__file__", None):
         return ""
     root = Path(module.__file__).parent
     digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    files = [(path.relative_to(root).as_posix(), path) for path in sorted(root.rglob("*.py"))]
+    files += sorted((extension.__name__, Path(extension.__file__)) for extension in extensions
+                    if getattr(extension, "__file__", None) and Path(extension.__file__).is_file())
+    for name, path in files:
+        stat = path.stat()
+        digest.update(name.encode() + b"\0" + _file_digest(path, stat.st_size, stat.st_mtime_ns))
     return "sha256:" + digest.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=None)
+def _file_digest(path: Path, size: int, mtime_ns: int) -> bytes:
+    """One file's sha256, kept per (path, size, mtime) for the process: install() then reads each
+    extension's binary (tens of MB) once, however many times the package is loaded."""
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.digest()
 
 
 def load() -> SagePackage:
@@ -96,14 +114,14 @@ def load() -> SagePackage:
     except Exception as error:  # a DLL load failure is an OSError, an ABI mismatch an ImportError
         raise SageUnavailable(f"importing sageattention {version} failed: {type(error).__name__}: {error}; "
                               f"it was probably built for another torch or CUDA: {BUILD_HINT}") from None
-    extensions, errors = set(), {}
+    extensions, errors = {}, {}
     for name in EXTENSIONS:
         try:
-            importlib.import_module(f"sageattention.{name}")
-            extensions.add(name)
+            extensions[name] = importlib.import_module(f"sageattention.{name}")
         except Exception as error:
             errors[name] = f"{type(error).__name__}: {error}"
-    return SagePackage(module, version, frozenset(extensions), errors, source_digest(module))
+    return SagePackage(module, version, frozenset(extensions), errors,
+                       source_digest(module, extensions.values()))
 
 
 def kernel_problem(package: SagePackage, variant: Variant) -> str | None:

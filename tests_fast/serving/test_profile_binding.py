@@ -1,9 +1,9 @@
 """A profile bound to its build and its GPU (issue 27).
 
 sageattention's version string covers thu-ml's source, the woct0rdho fork and older builds, so certify
-records a digest of the package's Python sources; and one model name can hide dies of other sizes, so
-it records the SM count, compared within 10 % as comfy-kitchen's tuning table does. An entry applies
-only to what it certified, where both sides know theirs."""
+records a digest of the package's Python sources and compiled extensions; and one model name can
+hide dies of other sizes, so it records the SM count, compared within 10 % as comfy-kitchen's tuning
+table does. An entry applies only to what it certified, where both sides know theirs."""
 
 import dataclasses
 import types
@@ -12,7 +12,7 @@ import pytest
 
 from sage_qual.serving import profile, sage_package
 
-from ..builders import H200, machine, make_gpu, make_profile
+from ..builders import H200, machine, make_entry, make_gpu, make_profile
 
 
 def package(tmp_path, files: dict[str, str]) -> types.ModuleType:
@@ -25,18 +25,70 @@ def package(tmp_path, files: dict[str, str]) -> types.ModuleType:
     return module
 
 
-def test_the_digest_follows_the_python_sources_only(tmp_path):
+def extension(path, data: bytes) -> types.ModuleType:
+    path.write_bytes(data)
+    module = types.ModuleType("sageattention._qattn_sm90")
+    module.__file__ = str(path)
+    return module
+
+
+def test_the_digest_follows_the_python_sources_and_the_extension_binaries(tmp_path):
     files = {"__init__.py": "from .core import sageattn\n", "core.py": "def sageattn(): ...\n"}
     first = sage_package.source_digest(package(tmp_path / "a", files))
     assert first.startswith("sha256:") and len(first) == len("sha256:") + 16
-    again = package(tmp_path / "b", {**files})
-    (tmp_path / "b" / "sageattention" / "_qattn_sm90.so").write_bytes(b"a rebuilt binary")
-    assert sage_package.source_digest(again) == first  # a rebuild of one source keeps it
+    assert sage_package.source_digest(package(tmp_path / "b", {**files})) == first  # another folder
     fork = package(tmp_path / "c", {**files, "core.py": "def sageattn(): return 'sm86 -> fp16 cuda'\n"})
     assert sage_package.source_digest(fork) != first
     moved = package(tmp_path / "d", {"__init__.py": files["__init__.py"], "impl/core.py": files["core.py"]})
     assert sage_package.source_digest(moved) != first  # paths count too
     assert sage_package.source_digest(types.ModuleType("fake")) == ""  # no files: unknown
+    built = package(tmp_path / "e", files)
+    binary = tmp_path / "e" / "_qattn_sm90.so"
+    with_binary = sage_package.source_digest(built, [extension(binary, b"built by nvcc 13.0")])
+    assert with_binary != first
+    assert sage_package.source_digest(built, [extension(binary, b"built by nvcc 12.8")]) != with_binary
+    assert sage_package.source_digest(built, [extension(binary, b"built by nvcc 13.0")]) == with_binary
+
+
+def test_a_binary_is_read_once_and_again_when_rewritten_in_place(tmp_path):
+    """The per-file cache is keyed on size and mtime: a second load reads no file, and a rebuild of
+    the same size is still seen."""
+    import os
+
+    built = package(tmp_path, {"__init__.py": ""})
+    binary = tmp_path / "_qattn_sm90.so"
+    first = sage_package.source_digest(built, [extension(binary, b"aaaa")])
+    reads = sage_package._file_digest.cache_info().misses
+    assert sage_package.source_digest(built, [types.SimpleNamespace(__name__="sageattention._qattn_sm90",
+                                                                    __file__=str(binary))]) == first
+    assert sage_package._file_digest.cache_info().misses == reads
+    binary.write_bytes(b"bbbb")
+    os.utime(binary, ns=(1, 1))  # another mtime, as a rebuild leaves
+    assert sage_package.source_digest(built, [extension(binary, b"bbbb")]) != first
+
+
+def test_install_with_a_profile_of_another_binary_warns_once_and_serves_defaults(tmp_path, caplog):
+    """Issue 27's done-when: the fake package with compiled files; its profile certified one build,
+    then an extension binary changes: the entry does not apply, and one WARNING says why."""
+    import logging
+
+    import sage_qual
+    from sage_qual.testing import FakeCuda, FakeSageAttention
+
+    fake = FakeSageAttention(extension_dir=tmp_path / "build")
+    with FakeCuda([H200]), fake.installed():
+        made = sage_package.load().source
+        data = make_profile(entry=make_entry("sm89-fp8-cuda", 2048, 512))
+        data["gpus"][0]["environment"]["sageattention_source"] = made
+        assert sage_qual.install(profile=data).devices[0].profile_note.startswith("profile entry")
+        sage_qual.uninstall()
+        (tmp_path / "build" / "_qattn_sm90.so").write_bytes(b"another build of the sm90 kernel")
+        caplog.set_level(logging.WARNING, logger="sage_qual")
+        status = sage_qual.install(profile=data)
+    assert made.startswith("sha256:") and status.enabled
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and f"sageattention build {made}" in warnings[0], warnings
+    assert "no profile entry matches" in status.devices[0].profile_note
 
 
 def certified(source: str) -> dict:
