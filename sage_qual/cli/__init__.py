@@ -151,6 +151,9 @@ def _run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return _refuse(args, "interrupted", ExitCode.INTERRUPTED)
     except Exception as error:  # any other failure is a bug, and "cannot decide"
+        missing = _missing_dependency(error)
+        if missing:  # not our bug: the interpreter running us lacks what pyproject.toml requires
+            return _refuse(args, missing)
         if getattr(args, "debug", False):
             traceback.print_exc()
         where = traceback.extract_tb(error.__traceback__)[-1]
@@ -158,6 +161,20 @@ def _run(args: argparse.Namespace) -> int:
                    f"{os.path.basename(where.filename)}:{where.lineno}); this is a bug in sage-qual"
                    + ("" if getattr(args, "debug", False) else ": --debug prints the traceback"))
         return _refuse(args, problem)
+
+
+DEPENDENCIES = ("torch", "numpy", "safetensors", "packaging")  # pyproject.toml's
+
+
+def _missing_dependency(error: Exception) -> str:
+    """What to tell a user whose interpreter lacks one of our declared dependencies ("" for any
+    other error): a job script that runs another Python than the venv's (the Slurm recipe's
+    PYTHON, say) fails this way."""
+    root = (getattr(error, "name", None) or "").split(".")[0]
+    if not isinstance(error, ModuleNotFoundError) or root not in DEPENDENCIES:
+        return ""
+    return (f"{root} is not installed in the Python running sage-qual ({sys.executable}): run sage-qual "
+            f"with the venv it was installed in, or install {root} there (README, Quick start)")
 
 
 def _refuse(args: argparse.Namespace, problem: str, code: int = ExitCode.USAGE) -> int:

@@ -67,3 +67,5 @@ class EnvironmentRecord:
     gpus: list[GpuInfo]
     # The build: sage_package.source_digest() ("" when unusable, or in a report from before it).
     sageattention_source: str = ""
+    # Where it was installed from: sage_package.origin() ("" when unknown or from before it).
+    sageattention_origin: str = ""

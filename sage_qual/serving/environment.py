@@ -73,6 +73,7 @@ def collect(config: WrapperConfig = DEFAULT_CONFIG,
         extensions=extensions,
         gpus=gpus,
         sageattention_source=package.source if package else "",
+        sageattention_origin=package.origin if package else "",
     )
 
 
@@ -97,6 +98,7 @@ def render_text(env: Environment, contexts: bool = False) -> str:
         f"triton         {env.triton or 'not installed'}",
         f"sageattention  {env.sageattention or 'not installed'}"
         + (f" (build {env.sageattention_source})" if env.sageattention_source else "")
+        + (f" from {env.sageattention_origin}" if env.sageattention_origin else "")
         + (f"  -- cannot serve: {env.sageattention_problem}" if env.sageattention_problem else ""),
     ]
     for name, state in sorted(env.extensions.items()):

@@ -12,6 +12,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import inspect
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,7 @@ class SagePackage:
     extensions: frozenset[str]  # compiled extensions that import
     extension_errors: dict[str, str]  # the others, with the import error
     source: str = ""  # `source_digest()` of its Python and extension files ("" where none, a fake's)
+    origin: str = ""  # `origin()`: the commit or wheel it was installed from, "" where unknown
 
     def kernel(self, variant: Variant):
         return getattr(self.module, variant.function)
@@ -96,6 +98,28 @@ def _file_digest(path: Path, size: int, mtime_ns: int) -> bytes:
     return digest.digest()
 
 
+def origin(distribution: importlib.metadata.Distribution) -> str:
+    """Where the installed package came from, as pip records it (PEP 610's direct_url.json, the
+    wheel's WHEEL file): "git <url>@<commit>", "wheel <file name>", "wheel <tags>" or
+    "local <folder>"; "" where nothing says (`setup.py install`, the way thu-ml's README builds it,
+    records neither). A digest of the files tells builds apart; this says which one to rebuild."""
+    try:
+        direct = json.loads(distribution.read_text("direct_url.json") or "{}")
+    except ValueError:
+        direct = {}
+    direct = direct if isinstance(direct, dict) else {}
+    url, vcs = direct.get("url") or "", direct.get("vcs_info")
+    if url and isinstance(vcs, dict) and vcs.get("commit_id"):
+        return f"{vcs.get('vcs', 'vcs')} {url}@{vcs['commit_id']}"
+    if url and "dir_info" in direct:
+        return f"local {url.removeprefix('file://')}"
+    if url:
+        return f"wheel {url.rsplit('/', 1)[-1]}"
+    tags = [line.split(":", 1)[1].strip() for line in (distribution.read_text("WHEEL") or "").splitlines()
+            if line.startswith("Tag:")]
+    return f"wheel {', '.join(tags)}" if tags else ""
+
+
 def load() -> SagePackage:
     if importlib.util.find_spec("sageattention") is None:
         raise SageUnavailable(f"sageattention is not installed: {BUILD_HINT}")
@@ -121,7 +145,8 @@ def load() -> SagePackage:
         except Exception as error:
             errors[name] = f"{type(error).__name__}: {error}"
     return SagePackage(module, version, frozenset(extensions), errors,
-                       source_digest(module, extensions.values()))
+                       source_digest(module, extensions.values()),
+                       origin(importlib.metadata.distribution("sageattention")))
 
 
 def kernel_problem(package: SagePackage, variant: Variant) -> str | None:

@@ -103,6 +103,25 @@ def test_an_internal_error_is_one_line_and_exit_2(capsys, broken_decide):
     assert "--debug prints the traceback" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("missing, internal", [("torch", False), ("safetensors.torch", False),
+                                               ("torchvision", True), ("sage_qual.nothing", True)])
+def test_a_missing_dependency_names_the_interpreter_and_is_no_internal_error(capsys, monkeypatch, missing,
+                                                                              internal):
+    """A job script that runs another Python than the venv's (the Slurm recipe's PYTHON) lacks torch:
+    that is the user's fix, not our bug; a module we do not declare stays an internal error."""
+    def decide(data):
+        raise ModuleNotFoundError(f"No module named {missing!r}", name=missing)
+
+    monkeypatch.setattr(verdict, "decide", decide)
+    code = cli.main(["compare", str(H200), str(H200)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert ("internal error" in err) == internal, err
+    if not internal:
+        root = missing.split(".")[0]
+        assert f"{root} is not installed in the Python running sage-qual ({sys.executable})" in err
+
+
 @pytest.mark.parametrize("argv", [["--debug", "compare"], ["compare", "--debug"]])
 def test_debug_prints_the_traceback_of_an_internal_error(capsys, broken_decide, argv):
     code = cli.main([*argv, str(H200), str(H200)])
@@ -183,3 +202,14 @@ def test_every_command_help_has_a_description_and_its_exit_codes(command, capsys
     codes = text.split("exit codes:\n", 1)[1].splitlines()
     listed = {int(line.split()[0]) for line in codes if line[:6].strip().isdigit()}
     assert {0, 2} <= listed and listed <= {int(code) for code in ExitCode}
+
+
+def test_the_dependencies_the_cli_names_are_pyproject_tomls():
+    import re
+    from pathlib import Path
+
+    import tomllib
+
+    declared = tomllib.loads((Path(cli.__file__).parents[2] / "pyproject.toml").read_text())
+    names = {re.split(r"[<>=!~ \[]", spec)[0] for spec in declared["project"]["dependencies"]}
+    assert set(cli.DEPENDENCIES) == names

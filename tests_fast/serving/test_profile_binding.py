@@ -6,6 +6,7 @@ hide dies of other sizes, so it records the SM count, compared within 10 % as co
 table does. An entry applies only to what it certified, where both sides know theirs."""
 
 import dataclasses
+import importlib.metadata
 import types
 
 import pytest
@@ -142,3 +143,43 @@ def test_certify_records_the_sm_count_from_the_device_to_the_profile():
     assert building.build(report, [gpu]).gpus[0].sm_count == 130
     unknown = builders.report([devices[0], dataclasses.replace(devices[1], sm_count=None)], [fixture])
     assert verdict.decide(unknown)[0].sm_count is None
+
+
+class Installed(importlib.metadata.Distribution):
+    """A distribution whose install records are the files given (name -> text)."""
+
+    def __init__(self, files: dict[str, str]):
+        self.files_ = files
+
+    def read_text(self, filename):
+        return self.files_.get(filename)
+
+    def locate_file(self, path):
+        return path
+
+
+@pytest.mark.parametrize("files, expected", [
+    ({"direct_url.json": '{"url": "https://github.com/thu-ml/SageAttention", "vcs_info": '
+                         '{"vcs": "git", "commit_id": "4bc3e3b"}}'},
+     "git https://github.com/thu-ml/SageAttention@4bc3e3b"),
+    ({"direct_url.json": '{"url": "file:///src/SageAttention", "dir_info": {"editable": true}}'},
+     "local /src/SageAttention"),
+    ({"direct_url.json": '{"url": "file:///w/sageattention-2.2.0-cp312-cp312-linux_x86_64.whl", '
+                         '"archive_info": {}}'}, "wheel sageattention-2.2.0-cp312-cp312-linux_x86_64.whl"),
+    ({"WHEEL": "Wheel-Version: 1.0\nTag: cp312-cp312-linux_x86_64\n"}, "wheel cp312-cp312-linux_x86_64"),
+    ({}, ""),  # setup.py install: nothing recorded
+    ({"direct_url.json": "not json"}, ""),
+    ({"direct_url.json": "[1]"}, ""),
+])
+def test_the_origin_is_what_the_installer_recorded(files, expected):
+    assert sage_package.origin(Installed(files)) == expected
+
+
+def test_env_shows_the_build_and_its_origin():
+    from sage_qual.serving import environment
+
+    from ..builders import environment as env_record
+
+    env = env_record([], sageattention_source="sha256:0123456789abcdef", sageattention_origin="git u@c")
+    assert "2.2.0 (build sha256:0123456789abcdef) from git u@c" in environment.render_text(env)
+    assert " from " not in environment.render_text(dataclasses.replace(env, sageattention_origin=""))
