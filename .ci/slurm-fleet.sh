@@ -104,6 +104,8 @@ check() { if ! eval "$1"; then echo "slurm fleet: FAILED: $2" >&2; failed=1; fi;
 for p in "${partitions[@]}"; do
     check "[ -f fleet/reports/$p/report.json ]" "no report of partition $p"
     check "[ \"\$(wc -l < fleet/reports/$p/gates.jsonl)\" = 8 ]" "fleet/reports/$p/gates.jsonl is not 8 lines"
+    check "'$python' -c 'import json, sys; [json.loads(line) for line in open(sys.argv[1])]' \
+        fleet/reports/$p/gates.jsonl" "fleet/reports/$p/gates.jsonl is not one JSON object per line"
 done
 check "[ \$(ls fleet/logs/certify-sage-qual-certify-*.out | wc -l) -eq 3 ]" "not three job logs in fleet/logs"
 check "[ \"\$(wc -l < fleet/out/fleet-gates.txt)\" = 8 ]" \
