@@ -25,8 +25,8 @@ fi
 "$python" -m sage_qual merge --json "${found[@]}" > "$out/fleet.json" || exit 2
 cat "$out/fleet.md"
 
-# A host whose verdicts or thresholds moved since the last release is reported, not failed: the
-# break-even is not yet stable to 10 % between runs (docs/certify.md, "Not stable to 10 %").
+# A host whose verdicts or thresholds moved since the last release is reported, not failed: a new
+# driver or build moves them as well as a regression does, and a person decides which it is.
 for current in "${found[@]}"; do
     host=$(basename "$(dirname "$current")")
     previous="$baseline/$host/report.json"

@@ -80,7 +80,8 @@ def _certify(args: argparse.Namespace) -> int:
                                  families=_split(args.families), fixture_dirs=args.fixtures, quick=args.quick,
                                  junit_xml=args.junit_xml, command="sage-qual " + shlex.join(sys.argv[1:]),
                                  force=args.force)
-    request.check()  # a bad number is refused before torch is imported (1.6 s here)
+    request.check()  # a bad name or number is refused before torch is imported (1.6 s here)
+    request.check_gpu_visible()  # and a machine without a GPU: 0.2 s instead of 7.5 s here
     from sage_qual.qualification.run import run  # torch: only when a command runs
 
     return _until_stopped(run.certify, request)

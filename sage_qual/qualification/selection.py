@@ -15,23 +15,7 @@ import torch
 from sage_qual.errors import UsageError
 from sage_qual.fixtures import fileformat, known
 from sage_qual.qualification import families as families_mod
-from sage_qual.serving.variants import VARIANTS
-
-
-def select_variants(names: list[str] | None) -> list[str]:
-    for name in names or ():
-        if name not in VARIANTS:
-            raise UsageError(f"unknown variant {name!r} (known: {', '.join(VARIANTS)})")
-    return list(dict.fromkeys(names)) if names else list(VARIANTS)
-
-
-def select_families(names: list[str] | None) -> list[families_mod.Family]:
-    if not names:
-        return list(families_mod.FAMILIES)
-    try:
-        return list(dict.fromkeys(families_mod.find(n) for n in names))
-    except KeyError as error:
-        raise UsageError(error.args[0]) from None
+from sage_qual.qualification.names import select_families
 
 
 def fixture_dirs(directories: list[str] | None) -> list[str]:

@@ -38,3 +38,54 @@ def test_report_html_shows_code_not_backticks(tmp_path):
 def test_the_downstream_example_says_how_to_run_it():
     readme = (ROOT / "examples" / "downstream_app" / "README.md").read_text()
     assert "pytest" in readme and "sage_qual_target" in readme and "skips with the reason" in readme
+
+
+# Refused before torch is imported (issue 28: 42-71 s to refuse a bad family on a loaded machine) --
+REFUSED_EARLY = {
+    "a misspelt family": (["--families", "Flux 9"], {}, "unknown family 'Flux 9'"),
+    "a misspelt variant": (["--variants", "sm91-fp8"], {}, "unknown variant 'sm91-fp8'"),
+    "no GPU visible": ([], {"CUDA_VISIBLE_DEVICES": ""},
+                       "no CUDA GPU is visible here (CUDA_VISIBLE_DEVICES is ''"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED_EARLY))
+def test_certify_refuses_before_importing_torch_or_starting_a_worker(tmp_path, case):
+    import os
+    import subprocess
+    import sys
+
+    argv, env, said = REFUSED_EARLY[case]
+    out = tmp_path / "out"
+    code = ("import sys\nfrom sage_qual import cli\ncode = cli.main(sys.argv[1:])\n"
+            "print('torch imported' if 'torch' in sys.modules else 'no torch')\nsys.exit(code)")
+    environ = {k: v for k, v in os.environ.items() if k != "SAGE_QUAL_TEST_WORKER"}
+    done = subprocess.run([sys.executable, "-c", code, "certify", "--out", str(out), *argv], text=True,
+                          capture_output=True, timeout=60, env={**environ, **env})
+    assert done.returncode == 2 and said in done.stderr, done.stderr
+    assert done.stdout.strip() == "no torch" and not out.exists()
+
+
+def test_no_gpu_is_known_from_the_device_nodes_and_the_hook(monkeypatch):
+    import fnmatch
+
+    from sage_qual.qualification.run import options
+
+    monkeypatch.delenv("SAGE_QUAL_TEST_WORKER", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(options.sys, "platform", "linux")
+    nodes: list[str] = []
+    monkeypatch.setattr(options.glob, "glob", lambda pattern: fnmatch.filter(nodes, pattern))
+    assert options.gpu_absent().startswith("no GPU device in /dev: none of /dev/nvidia[0-9]*")
+    for node in ("/dev/nvidia0", "/dev/dxg", "/dev/kfd"):
+        nodes[:] = [node]
+        assert options.gpu_absent() == "", node
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")
+    assert options.gpu_absent() == "CUDA_VISIBLE_DEVICES is '-1'"
+    monkeypatch.setenv("SAGE_QUAL_TEST_WORKER", '{"gpus": []}')  # the test hook's fake GPUs decide
+    assert options.gpu_absent() == ""
+    monkeypatch.setattr(options.sys, "platform", "win32")
+    monkeypatch.delenv("SAGE_QUAL_TEST_WORKER")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    nodes[:] = []
+    assert options.gpu_absent() == ""  # no device nodes to read: the worker asks torch

@@ -74,7 +74,7 @@ def test_imports_flow_one_way(module):
 # Inside qualification, the stages import one way too: each floor from its own and the floors
 # before it. selection and measure share a floor (neither needs the other); the self-test sits
 # below run, whose test hooks inject its defects into the fake kernels.
-STAGES = (("families",), ("evidence",), ("selection", "measure"), ("integrations",), ("decide",),
+STAGES = (("families", "names"), ("evidence",), ("selection", "measure"), ("integrations",), ("decide",),
           ("render",), ("selftest",), ("run",))
 STAGE_FLOOR = {stage: floor for floor, stages in enumerate(STAGES) for stage in stages}
 MAX_MODULES_PER_STAGE, MAX_MODULE_LINES = 8, 500

@@ -99,3 +99,25 @@ def test_docstrings_cite_modules_that_exist(module):
             break
         else:
             pytest.fail(f"{module}'s docstring cites {name}, which does not exist")
+
+
+def test_the_4096_token_example_is_the_current_report():
+    """"Nx" is SDPA's time over the kernel's (docs/certify.md, Speed): below 1x the kernel is slower;
+    issue 28 found this sentence calling 1.32x the time "0.75x of cuDNN's time"."""
+    shape = "b1 h24 q4096 k4096 d128 bfloat16"
+    speed = {s.kernel: s for s in checked.load(CURRENT[0]).devices[0].speed if s.shape == shape}
+    sage, sdpa = speed["sm90-fp8-cuda"].ms, speed["sdpa"].ms
+    assert speed["sdpa"].best_backend == "cudnn"
+    said = f"ran at {sdpa / sage:.2f}x, {sage:.3f} ms where cuDNN took {sdpa:.3f} ms"
+    assert said in flat(README) and said in flat(CERTIFY_DOC)
+
+
+def test_the_full_certify_time_is_the_newest_full_reports():
+    from datetime import datetime
+
+    runs = {run: checked.load(ROOT / f"docs/results/{run}-h200/certify/report.json")
+            for run in ("run21", "run22", "run24", "run25")}
+    seconds = [(datetime.fromisoformat(r.finished) - datetime.fromisoformat(r.started)).total_seconds()
+               for r in runs.values() if r.complete and not r.options.quick]
+    assert len(seconds) == len(runs)
+    assert f"the full run, {min(seconds):.0f}-{max(seconds):.0f} s on one H200 (runs 21-25)" in CERTIFY_DOC

@@ -207,7 +207,8 @@ def decide(data: Report, family: Family, here: EnvironmentRecord, fixtures: Mapp
     local = {name: fixture.sha256 for name, fixture in fixtures.items()}
     decision = decide_stored(data, family, here, local, require_speedup, source)
     if decision.code != ExitCode.USAGE:
-        problem = budget_check.budget_problem(source, data, family, models(here), fixtures)
+        problem = (budget_check.budget_problem(source, data, family, models(here), fixtures)
+                   or budget_check.long_budget_problem(source, data, family, models(here)))
         if problem:
             return GateDecision(family.name, ExitCode.USAGE, problem)
     return decision

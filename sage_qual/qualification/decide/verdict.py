@@ -346,21 +346,11 @@ class _Model:
         if all(d.long is None for d in self.devices):  # a report from before long checks
             return result
         variant = result.variant
-        head_dims = {shape.head_dim for _, shape in family.shapes} if family else None
         declared = list(family.layouts) if family else list(LAYOUTS)
-
-        def relevant(check: LongCheck) -> bool:
-            if check.variant != variant:
-                return False
-            if family is None:
-                return True
-            return any(u.family is not None and family.owns(u.family) for u in check.uses) or (
-                all(u.family is None for u in check.uses) and check.shape.head_dim in head_dims)
-
         by_call: dict[tuple[int, int, str], dict[int, LongCheck]] = {}
         for device in self.devices:
             for check in device.long or []:
-                if relevant(check):
+                if check.variant == variant and long_check_counts(check, family):
                     call = (check.shape.q_tokens, check.shape.kv_tokens, _call_key(check))
                     by_call.setdefault(call, {})[device.index] = check
         fixtures = [f for f in self.report.fixtures if counts_for(family, f.family)]
@@ -444,6 +434,16 @@ def _context_failure(run) -> str:
         return "output not finite"
     return f"not bit-identical to the eager call (relative L2 {run.rel_l2:.3g})" if run.rel_l2 is not None \
         else "not bit-identical to the eager call"
+
+
+def long_check_counts(check: LongCheck, family: Family | None) -> bool:
+    """Whether a long check bounds the family's range: one of its own calls, or a generic sweep
+    call at one of its head sizes (every check for the default entry, `family` None)."""
+    if family is None:
+        return True
+    head_dims = {shape.head_dim for _, shape in family.shapes}
+    return any(u.family is not None and family.owns(u.family) for u in check.uses) or (
+        all(u.family is None for u in check.uses) and check.shape.head_dim in head_dims)
 
 
 def _call_key(check: LongCheck) -> str:

@@ -54,7 +54,7 @@ import torch
 
 from sage_qual.fixtures import numerics
 from sage_qual.qualification import families as families_mod
-from sage_qual.qualification.evidence.report_model import DType, LongCheck, Outcome, ShapeSpec
+from sage_qual.qualification.evidence.report_model import Budget, DType, LongCheck, Outcome, ShapeSpec
 from sage_qual.qualification.evidence.tasks import LongTask
 from sage_qual.qualification.families import Shape
 from sage_qual.qualification.measure import accuracy, budgets, judge
@@ -209,6 +209,16 @@ def check(task: LongTask, q, k, v, kernel: Kernel | None, blocks: int = SAMPLE_B
                        metrics=metrics.stored(), model_finite=expected.model_finite, rows=starts,
                        row_block=SAMPLE_ROWS,
                        rows_identical=rows_identical, identical=identical, inputs=INPUTS)
+
+
+def model_budget(variant: Variant, shape: ShapeSpec, device) -> tuple[Budget, list[int]]:
+    """The budget `check` derives for the variant at the planned call, drawn again on `device`, and
+    the sampled rows it is for: what gate re-derives a stored long check's bounds with."""
+    q, k, v = synthetic(shape, device)
+    starts = sample_starts(q.shape[2])
+    q_rows = take_rows(q, starts)
+    model_rows = numerics.attention(q_rows, k, v, variant.numerics.at_head_dim(q.shape[-1]))
+    return budgets.from_expected(budgets.metrics_of(model_rows, sampled_reference(q_rows, k, v))), starts
 
 
 def kernel_of(package, variant: Variant) -> Kernel:

@@ -23,8 +23,8 @@ import time
 import torch
 
 from sage_qual.qualification.evidence.tasks import TaskKind
+from sage_qual.qualification.run.options import TEST_HOOK
 
-TEST_HOOK = "SAGE_QUAL_TEST_WORKER"
 FAULTS = {
     "crash": "abort the worker process",
     "hang": "sleep for an hour (the parent's timeout kills it)",

@@ -5,11 +5,15 @@ here) and before any worker starts or any file is written."""
 from __future__ import annotations
 
 import dataclasses
+import glob
 import math
+import os
+import sys
 from pathlib import Path
 
 from sage_qual import limits
 from sage_qual.errors import UsageError
+from sage_qual.qualification import names
 
 # The longest --timeout taken: an hour without a result is a hang by any measure (the slowest task
 # measured took 8.6 s, docs/results/run2-h200-certify-full/report.json).
@@ -60,6 +64,9 @@ class RunRequest:
             # Its plots, logs and profile would mix with this run's: a person asks for that by name.
             raise UsageError(f"{previous} is a previous run's report: give another --out, or --force to "
                              "replace that run")
+        names.select_families(self.families)
+        if isinstance(self.subject, Variants):
+            names.select_variants(self.subject.names)
         if isinstance(self.executor, InProcess):
             if isinstance(self.subject, Integration):
                 raise UsageError("--target qualifies one integration on a GPU: leave out --emulate")
@@ -68,6 +75,15 @@ class RunRequest:
                                  "--junit-xml")
             return
         check_numbers(self.executor.timeout, self.executor.devices)
+
+    def check_gpu_visible(self) -> None:
+        """UsageError where this machine surely shows certify no GPU (`gpu_absent`), before a worker
+        starts: the command line asks, and the environment worker then asks torch. A --target run
+        asks later, once its target is resolved (that imports the app): a bad name is said first."""
+        ours_on_gpus = isinstance(self.executor, Workers) and isinstance(self.subject, Variants)
+        absent = gpu_absent() if ours_on_gpus else ""
+        if absent:
+            raise UsageError(no_gpu_message(False, absent))
 
 
 def check_numbers(timeout, devices: str) -> None:
@@ -92,3 +108,30 @@ def requested_devices(text: str) -> list[int] | None:
     if not indices:
         raise UsageError("--devices names no GPU")
     return list(dict.fromkeys(indices))
+
+
+# The certify worker's test hook (`fault_hooks`): fake GPUs where the machine has none.
+TEST_HOOK = "SAGE_QUAL_TEST_WORKER"
+# Device nodes of a GPU torch can use on Linux: NVIDIA's, WSL's GPU bridge, AMD's ROCm.
+GPU_NODES = ("/dev/nvidia[0-9]*", "/dev/dxg", "/dev/kfd")
+
+
+def gpu_absent() -> str:
+    """Why this machine surely shows certify no GPU, known without torch or a worker (a refusal in
+    0.2 s instead of 7.5 s here); "" where it may have one, which the environment worker then asks
+    torch about."""
+    if os.environ.get(TEST_HOOK):
+        return ""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return f"CUDA_VISIBLE_DEVICES is {visible!r}"
+    if sys.platform == "linux" and not any(glob.glob(pattern) for pattern in GPU_NODES):
+        return "no GPU device in /dev: none of " + ", ".join(GPU_NODES)
+    return ""
+
+
+def no_gpu_message(target: bool, why: str) -> str:
+    purpose = ("certify --target needs the GPU it qualifies the integration on" if target
+               else "certify needs the GPU it certifies; to predict the variants on this CPU with the "
+                    "numerics model, run `sage-qual certify --emulate`")
+    return f"no CUDA GPU is visible here ({why}): {purpose}"

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from sage_qual.errors import UsageError
 from sage_qual.fixtures import fileformat
+from sage_qual.qualification import names
 from sage_qual.qualification import selection as selection_mod
 from sage_qual.qualification.decide import checked, profile, verdict
 from sage_qual.qualification.evidence import files, report_model
@@ -88,7 +89,7 @@ def _subjects(request: RunRequest) -> tuple[list[str], str]:
         except targets.TargetError as error:
             raise UsageError(str(error)) from None
         return [name], name
-    return selection_mod.select_variants(request.subject.names), ""
+    return names.select_variants(request.subject.names), ""
 
 
 def _executor(request: RunRequest):

@@ -25,7 +25,7 @@ from sage_qual.qualification.evidence import files, tasks
 from sage_qual.qualification.evidence.report_model import Outcome
 from sage_qual.qualification.run import plan as plan_mod
 from sage_qual.qualification.run import pool
-from sage_qual.qualification.run.options import Integration, RunRequest, requested_devices
+from sage_qual.qualification.run.options import Integration, RunRequest, no_gpu_message, requested_devices
 from sage_qual.serving.env_record import EnvironmentRecord
 
 # Workers kept starting ahead per GPU: one's imports (`worker --preload`) take about 7 s on the H200
@@ -57,11 +57,8 @@ class WorkerExecutor:
             raise UsageError(str(error)) from None
         env = collected.environment
         if not env.gpus:
-            purpose = ("certify --target needs the GPU it qualifies the integration on" if target
-                       else "certify needs the GPU it certifies; to predict the variants on this CPU with "
-                            "the numerics model, run `sage-qual certify --emulate`")
-            raise UsageError("no CUDA GPU is visible here (CPU-only torch, no driver, or "
-                             f"CUDA_VISIBLE_DEVICES empty): {purpose}")
+            why = "CPU-only torch, no driver, or CUDA_VISIBLE_DEVICES empty"
+            raise UsageError(no_gpu_message(target, why))
         if not target and env.sageattention_problem:
             raise UsageError(f"sageattention cannot run here: {env.sageattention_problem}")
         indices = device_indices(request.executor.devices, len(env.gpus))

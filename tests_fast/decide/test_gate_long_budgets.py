@@ -1,0 +1,108 @@
+"""gate re-derives a long check's budget as it does a cell's (issue 28): the numerics model on the
+check's synthetic inputs drawn again (`long_check.model_budget`), so a long check whose numbers fail,
+with its budget loosened and its outcome set to pass, is refused; and so is one that sampled other
+rows than certify samples. Each rule here has a test that fails without it.
+
+The checks are sweep calls at 1,024 tokens (24 heads x 128, the smallest generic point FLUX.1 counts),
+re-derived on this CPU: about a second each."""
+
+import dataclasses
+
+import pytest
+
+from sage_qual.qualification import families
+from sage_qual.qualification.decide import budget_check, gate
+from sage_qual.qualification.evidence.report_model import Budget, LongCheck, ShapeUse
+from sage_qual.serving.variants import gpu_label
+
+from .. import builders
+
+FLUX = families.find("FLUX.1")
+HERE = {gpu_label(builders.H200_DEVICE[0], builders.H200_DEVICE[1])}
+EXACT = {"min_cosine": 1.0, "min_norm_ratio": 1.0, "max_norm_ratio": 1.0}
+
+
+@pytest.fixture(scope="module")
+def derived():
+    """sm90-fp8-cuda's sweep check at 1,024 tokens, with the budget and rows derived on this CPU."""
+    check = builders.read(LongCheck, builders.long_check("sm90-fp8-cuda", 24, 1024, [], families.LAYOUTS))
+    limits, rows = budget_check.derived_long_budget(check, "cpu")
+    return dataclasses.replace(check, bounds=Budget(**limits), rows=rows)
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    """gate.decide re-derives the cells' budgets too: their cache goes under tmp_path."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+def report_of(*checks: LongCheck):
+    return builders.report([builders.device(long=list(checks))], [], variants=["sm90-fp8-cuda"])
+
+
+def problem(*checks: LongCheck) -> str:
+    return budget_check.long_budget_problem("r.json", report_of(*checks), FLUX, HERE, "cpu")
+
+
+def loosened(check: LongCheck, limit: str, factor: float) -> LongCheck:
+    bounds = dataclasses.asdict(check.bounds)
+    exact = EXACT.get(limit, 0.0)
+    bounds[limit] = exact + (bounds[limit] - exact) * factor
+    return dataclasses.replace(check, bounds=Budget(**bounds))
+
+
+def test_a_check_as_certify_wrote_it_passes(derived):
+    assert problem(derived) == ""
+
+
+@pytest.mark.parametrize("limit", [f.name for f in dataclasses.fields(Budget)])
+def test_every_limit_loosened_twice_over_is_refused_naming_it(derived, limit):
+    if getattr(derived.bounds, limit) is None:
+        pytest.skip(f"{limit} is not derived for long checks")
+    found = problem(loosened(derived, limit, 2.0))
+    assert found.startswith("r.json: devices[0].long[0] (sm90-fp8-cuda at 1,024 tokens): "
+                            f"bounds.{limit}: "), found
+    assert "derived here, its inputs drawn on cpu (long_check.model_budget)" in found
+    assert found.endswith("certify again")
+
+
+def test_a_tighter_budget_is_no_problem(derived):
+    """Tighter can only keep a family off."""
+    assert problem(loosened(derived, "max_rel_l2", 0.5)) == ""
+
+
+def test_a_budget_within_the_allowance_passes(derived):
+    """Off the GPU the inputs are other draws: half the distance from exact is allowed (module of
+    budget_check, measured 0.85-1.18x on run 25)."""
+    assert problem(loosened(derived, "max_rel_l2", 1.0 + budget_check.LONG_REL_OTHER_DEVICE * 0.9)) == ""
+
+
+def test_rows_other_than_certify_samples_are_refused(derived):
+    for rows in ([], [0], [0, 128, 256]):
+        found = problem(dataclasses.replace(derived, rows=rows))
+        assert f"rows: {rows} in the report, but certify samples the query rows {derived.rows}" in found
+
+
+def test_only_checks_that_bound_the_family_on_the_gpus_here_are_re_derived(derived):
+    wan_only = dataclasses.replace(loosened(derived, "max_rel_l2", 10.0), uses=[ShapeUse("Wan 2.2", "w")])
+    assert problem(wan_only) == ""  # FLUX.1's range does not read it
+    assert budget_check.long_budget_problem("r.json", report_of(loosened(derived, "max_rel_l2", 10.0)),
+                                            FLUX, {"NVIDIA H100 (sm_90)"}, "cpu") == ""
+    cut_down = dataclasses.replace(loosened(derived, "max_rel_l2", 10.0), ran_tokens=16)
+    assert problem(cut_down) == ""  # the test hook's fakes: no planned inputs to draw
+
+
+def test_without_a_gpu_nothing_is_re_derived(derived, monkeypatch):
+    monkeypatch.setattr(budget_check, "long_device", lambda: None)
+    assert budget_check.long_budget_problem("r.json", report_of(loosened(derived, "max_rel_l2", 10.0)),
+                                            FLUX, HERE) == ""
+
+
+def test_gate_refuses_a_loosened_long_check(derived, monkeypatch):
+    """gate.decide runs the re-derivation after the cells'; refused with exit 2 and the line."""
+    monkeypatch.setattr(budget_check, "long_device", lambda: "cpu")
+    data = report_of(loosened(derived, "max_rel_l2", 10.0))
+    decision = gate.decide(data, FLUX, data.environment, {}, require_speedup=False, source="r.json")
+    assert decision.code == 2 and "bounds.max_rel_l2" in decision.problem, decision.problem
+    clean = report_of(derived)
+    assert gate.decide(clean, FLUX, clean.environment, {}, require_speedup=False).code != 2
