@@ -189,3 +189,29 @@ def test_gate_answers_appended_as_certify_one_sh_appends_them_read_back_one_obje
     answers = [json.loads(line) for line in (out / "gates.jsonl").read_text().splitlines()]
     assert len(answers) == 3 and all(set(a) >= {"exit_code", "problem"} for a in answers)
     assert answers[2]["exit_code"] == 2 and "Flux 9" in answers[2]["problem"]
+
+
+def test_the_real_scripts_certify_gate_and_merge_one_object_per_line(tmp_path):
+    """Issue 27's done-when: certify-one.sh and merge_and_gate.sh as they are, on a host of fake H200s
+    (the test hook), a --quick run of one family and one variant to keep it short: every `gate --json`
+    answer appended to gates.jsonl reads back as one object per line, and the merge step reads them
+    (its own gate keeps FLUX.1 off: a pre-flight cannot enable a family)."""
+    fake = {"name": "NVIDIA H200", "capability": [9, 0]}
+    env = {**os.environ, "PYTHON": sys.executable, "SAGE_QUAL_TEST_WORKER": json.dumps({"gpus": [fake]}),
+           "CERTIFY_ARGS": "--quick --families FLUX.1 --variants sm90-fp8-cuda"}
+    host = tmp_path / "reports" / "host-a"
+    done = subprocess.run(["bash", str(FLEET / "certify-one.sh"), str(host)], capture_output=True, text=True,
+                          timeout=600, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    answers = [json.loads(line) for line in (host / "gates.jsonl").read_text().splitlines()]
+    assert [a["family"] for a in answers] == ["FLUX.1", "FLUX.2", "Z-Image", "Qwen-Image", "Krea-2", "SDXL",
+                                              "LTX-2", "Wan 2.2"]
+    assert all(a["exit_code"] == 2 for a in answers), answers
+    assert all("a --quick report cannot enable a family" in a["problem"] for a in answers)
+    merged = subprocess.run(["bash", str(FLEET / "merge_and_gate.sh"), str(tmp_path / "fleet"),
+                             str(tmp_path / "reports")], capture_output=True, text=True, timeout=300,
+                            env={**env, "REQUIRED_FAMILIES": "FLUX.1"}, cwd=ROOT)
+    assert merged.returncode == 1, merged.stderr  # FLUX.1 required and kept off: the step fails
+    gates = (tmp_path / "fleet" / "fleet-gates.txt").read_text()
+    assert gates.startswith("FLUX.1: keep off") and "gate exit 2" in gates, gates
+    assert "Traceback" not in merged.stderr
