@@ -106,3 +106,40 @@ def test_gate_refuses_a_loosened_long_check(derived, monkeypatch):
     assert decision.code == 2 and "bounds.max_rel_l2" in decision.problem, decision.problem
     clean = report_of(derived)
     assert gate.decide(clean, FLUX, clean.environment, {}, require_speedup=False).code != 2
+
+
+def test_every_counting_check_on_every_gpu_here_is_read(derived):
+    """A check that does not count, or a GPU model not here, is passed over, not the end of the scan."""
+    bad = loosened(derived, "max_rel_l2", 10.0)
+    wan_only = dataclasses.replace(derived, uses=[ShapeUse("Wan 2.2", "w")])
+    assert problem(wan_only, bad).startswith("r.json: devices[0].long[1] ")
+    h100 = builders.device(long=[bad], index=0, gpu=("NVIDIA H100", [9, 0], 79.6))
+    data = builders.report([h100, builders.device(long=[bad], index=1)], [], variants=["sm90-fp8-cuda"])
+    found = budget_check.long_budget_problem("r.json", data, FLUX, HERE, "cpu")
+    assert found.startswith("r.json: devices[1].long[0] "), found
+    assert problem(dataclasses.replace(bad, ran_heads=1)) == ""  # cut down: not re-derived
+
+
+def test_on_the_gpu_the_allowance_is_a_cells(derived, monkeypatch):
+    """The inputs drawn on the GPU are certify's own: a stored limit may then be only as loose as a
+    cell's (BUDGET_REL); the device asked is the one the inputs are drawn on."""
+    asked = []
+
+    def on(check, device):
+        asked.append(device)
+        return budget_check.limits(derived.bounds), derived.rows
+
+    monkeypatch.setattr(budget_check, "derived_long_budget", on)
+    somewhat = loosened(derived, "max_rel_l2", 1.3)
+    assert "bounds.max_rel_l2" in budget_check.long_budget_problem("r.json", report_of(somewhat), FLUX, HERE,
+                                                                   "cuda")
+    assert budget_check.long_budget_problem("r.json", report_of(somewhat), FLUX, HERE, "cpu") == ""
+    assert asked == ["cuda", "cpu"]
+
+
+@pytest.mark.parametrize("available, device", [(True, "cuda"), (False, None)])
+def test_the_inputs_are_drawn_on_the_gpu_when_there_is_one(monkeypatch, available, device):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+    assert budget_check.long_device() == device
