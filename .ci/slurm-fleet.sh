@@ -18,12 +18,14 @@ if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null; then
 fi
 
 run=$(mktemp -d /tmp/sage-qual-slurm.XXXXXX)
+failed=1  # until the checks below pass
 host=$(hostname -s)
 mkdir -p "$run"/{state,spool,munge,log}
 cleanup() {
     scancel --full --quiet --user root 2>/dev/null || true
     for pid in "$run"/*.pid; do [ -f "$pid" ] && kill "$(cat "$pid")" 2>/dev/null || true; done
     sleep 1
+    if [ "$failed" -eq 0 ]; then rm -rf "$run"; fi  # kept on failure: its logs say why
 }
 trap cleanup EXIT
 

@@ -94,3 +94,24 @@ def test_predicted_and_quick_reports_are_refused(tmp_path, capsys, field, words)
 def test_the_same_report_is_the_same(capsys):
     assert cli.main(["compare", str(SAMPLE), str(SAMPLE)]) == 0
     assert capsys.readouterr().out.strip().endswith("each threshold within 10%")
+
+
+def test_a_gpu_model_in_one_report_only_is_a_difference_and_the_others_still_compared():
+    """issue 28's survivors: the models are the union of both reports', each missing one said, and
+    the other models' differences kept (not replaced) after it."""
+    h100 = GpuDecision("NVIDIA H100", (9, 0), 79.6, [1], {}, [], decision(family=None))
+    first = {**gpu(decision()), h100.model: h100}
+    second = gpu(decision(), ran=("sm90-fp8-cuda", "sm86-fp16-triton"))
+    lines, found = compare.differences(first, second, 0.10)
+    assert found == ["NVIDIA H100 (sm_90): in only one report",
+                     "NVIDIA H200 (sm_90): variant sm86-fp16-triton ran in only one report"]
+    compared = [line.split(":")[0] for line in lines]
+    assert compared == ["NVIDIA H200 (sm_90) FLUX.1", "NVIDIA H200 (sm_90) default"]
+    assert compare.differences(second, first, 0.10)[1][0] == "NVIDIA H100 (sm_90): in only one report"
+
+
+@pytest.mark.parametrize("tolerance, code", [("0", 0), ("0.5", 0), ("1", 2), ("-0.1", 2), ("1.5", 2)])
+def test_the_tolerance_is_a_fraction_from_0_to_below_1(capsys, tolerance, code):
+    assert cli.main(["compare", "--tolerance", tolerance, str(SAMPLE), str(SAMPLE)]) == code
+    err = capsys.readouterr().err
+    assert (code == 2) == ("--tolerance" in err), err
