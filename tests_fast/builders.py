@@ -37,6 +37,7 @@ from sage_qual.qualification.evidence.report_model import (
     ShapeUse,
     Speed,
 )
+from sage_qual.qualification.measure import long_check as long_check_mod
 from sage_qual.qualification.run import options
 from sage_qual.serving import profile
 from sage_qual.serving.variants import VARIANTS
@@ -195,7 +196,8 @@ def long_check(variant, heads, tokens, families_, layouts, outcome="pass", numbe
     values = {"detail": "the worker ran this task when it died (killed by SIGSEGV)"}
     if Outcome(outcome) in MEASURED:
         same = {name: True for name in layouts if name != "contiguous"} if identical is None else identical
-        values = {"bounds": budget(), "metrics": metrics(**numbers), "identical": same}
+        values = {"bounds": budget(), "metrics": metrics(**numbers), "identical": same,
+                  "rows": long_check_mod.sample_starts(tokens), "row_block": long_check_mod.SAMPLE_ROWS}
     return records.dump(LongCheck(variant, shape, uses, list(layouts), Outcome(outcome), **values))
 
 

@@ -34,6 +34,8 @@ LONG = {
     "metrics": {"rel_l2": 0.05, "worst_head_cosine": 0.999, "finite": True, "worst_head_rel_l2": None,
                 "worst_batch_rel_l2": None, "worst_block_rel_l2": None, "norm_ratio": None,
                 "max_abs_error": None},
+    "rows": [0, 5632, 11136, 16768],
+    "row_block": 128,
 }
 SPAN = {
     "variant": "sm90-fp8-cuda",
@@ -274,7 +276,8 @@ def test_a_second_long_check_of_one_variant_and_shape_is_refused():
         " heads=24 kv_heads=24 kv_tokens=16896 q_tokens=16896 (the first" in message
     )  # the shape, key by key
     # Another shape is another check.
-    other = {**copy.deepcopy(LONG), "shape": {**SHAPE, "q_tokens": 4608, "kv_tokens": 4608}}
+    other = {**copy.deepcopy(LONG), "shape": {**SHAPE, "q_tokens": 4608, "kv_tokens": 4608},
+             "rows": [0, 1536, 2944, 4480]}
     assert len(reads(lambda d: d["devices"][0]["long"].append(other)).devices[0].long) == 2
 
 
@@ -483,3 +486,26 @@ def test_the_json_schema_names_this_version():
     schema = files.json_schema()
     assert schema["$id"] == "https://sage-qual.invalid/report/3"
     assert "schema version 3" in schema["title"]
+
+
+@pytest.mark.parametrize("rows, said", [
+    ([], "rows: empty for a measured long check"),
+    ([5632, 0, 11136, 16768], "are not distinct 128-row block starts in order below the 16896 query tokens"),
+    ([0, 0, 11136, 16768], "are not distinct 128-row block starts in order"),
+    ([0, 5632, 11136, 16896], "in order below the 16896 query tokens"),
+    ([0, 5633, 11136, 16768], "are not distinct 128-row block starts"),
+])
+def test_a_measured_long_check_judged_rows_inside_its_call(rows, said):
+    """issue 28: a long check that sampled no rows was taken as checked."""
+    data = valid()
+    data["devices"][0]["long"][0].update(rows=rows)
+    with pytest.raises(ReportError) as error:
+        checked.parse(data, "r.json")
+    message = str(error.value)
+    assert message.startswith("r.json: devices[0].long[0] (sm90-fp8-cuda at 16896 tokens): rows: ")
+    assert said in message and message.endswith("certify again"), message
+    crashed = valid()
+    crashed["devices"][0]["long"][0].update(outcome="crash", detail="killed", bounds=None, metrics=None,
+                                            rows=[])
+    assert checked.parse(crashed, "r.json").devices[0].long[0].rows == []
+    assert checked.parse(valid(), "r.json").devices[0].long[0].rows == [0, 5632, 11136, 16768]

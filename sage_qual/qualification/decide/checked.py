@@ -99,6 +99,9 @@ def check_evidence(report: Report, where: str) -> None:
                 raise ReportError(f"{where_long}: {unplanned}; the report was edited: certify again")
             if not check.measured:
                 continue
+            rows = _rows_problem(check)
+            if rows:
+                raise ReportError(f"{where_long}: rows: {rows}; the report was edited: certify again")
             reasons = long_judged(check)
             outcome = Outcome.FAIL if reasons else Outcome.PASS
             if check.outcome != outcome:
@@ -129,6 +132,18 @@ def _unplanned(report: Report, check: LongCheck) -> str:
             longest = family.longest
             return (f"shape: not {family.name}'s longest call ({longest.q_tokens} query / "
                     f"{longest.kv_tokens} key tokens, {longest.heads} heads x {longest.head_dim})")
+    return ""
+
+
+def _rows_problem(check: LongCheck) -> str:
+    """Why a measured long check's `rows` are not the query rows it judged ('' when they are): block
+    starts, distinct, in order, below the tokens it ran (issue 28: one that sampled none passed)."""
+    rows, block, tokens = check.rows, check.row_block or 1, check.ran_tokens or check.shape.q_tokens
+    if not rows:
+        return "empty for a measured long check (it judges the sampled query rows)"
+    if rows != sorted(set(rows)) or rows[-1] >= tokens or any(row % block for row in rows):
+        return (f"{rows} are not distinct {block}-row block starts in order below the {tokens} query "
+                "tokens it ran")
     return ""
 
 
