@@ -6,11 +6,20 @@ that the slow marker satisfies, never a substring of it) for a box with a CUDA G
 SageAttention. With `--require-gpu` (or SAGE_QUAL_REQUIRE_GPU=1), a run that selected the GPU tests
 on a machine with no CUDA GPU or no usable SageAttention is one failure with the reason (not one
 per test), so a CI runner that lost its GPU goes red.
+
+The README runs the fast suite in pytest-xdist workers, one test file per worker (`-n auto --dist
+loadfile`: a module's shared certify run is made once). Each worker computes with one CPU thread:
+two workers of torch's two threads each took 352 s on CI's two cores against 366 s in one process,
+one thread each 166 s (docs/fast-suite.md, 2026-12-02).
 """
 
 import importlib.metadata
+import os
 
 import pytest
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # before anything imports torch, in this worker and its children
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from sage_qual.qualification.integrations.pytest_plugin import collapse_to_one_failure, require_gpu
 
@@ -76,6 +85,8 @@ def pytest_collection_modifyitems(config, items):
         config.hook.pytest_deselected(items=slow)
         items[:] = [item for item in items if not item.get_closest_marker("slow")]
         config.stash[_DESELECTED] = len(slow)
+        if hasattr(config, "workeroutput"):  # an xdist worker: the controller prints the line
+            config.workeroutput["gpu_tests_deselected"] = len(slow)
         slow = []
     gpu_tests = [item for item in items if item.get_closest_marker("slow") or item.get_closest_marker("gpu")]
     if not gpu_tests:
@@ -91,6 +102,22 @@ def pytest_collection_modifyitems(config, items):
         for item in gpu_tests:
             if item.get_closest_marker("gpu"):
                 item.add_marker(no_gpu)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one worker per CPU this process may use, at most 8 (each imports torch and collects
+    the whole suite)."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(usable, 8))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """Each xdist worker collected the whole suite: any one's count of deselected GPU tests is it."""
+    count = getattr(node, "workeroutput", {}).get("gpu_tests_deselected")
+    if count:
+        node.config.stash[_DESELECTED] = count
 
 
 def pytest_terminal_summary(terminalreporter, config):

@@ -92,11 +92,20 @@ def test_certify_target_checks_its_numbers_before_any_worker(tmp_path, no_worker
     assert not (tmp_path / "a").exists()
 
 
-def test_certify_target_refused_on_a_machine_without_a_gpu_leaves_no_output(tmp_path):
+def test_certify_target_refused_on_a_machine_without_a_gpu_before_a_worker_starts(tmp_path, monkeypatch):
+    """Once the target is resolved, a machine that surely has no GPU is refused without a worker
+    (it took one worker's torch import to learn, 2.7 s here)."""
+    def no_worker(*args, **kwargs):
+        raise AssertionError("a worker was started on a machine without a GPU")
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setattr(workers.Process, "__init__", no_worker)
     out = tmp_path / "new" / "out"
-    with pytest.raises(UsageError, match="no CUDA GPU is visible here"):
+    with pytest.raises(UsageError, match=r"\(CUDA_VISIBLE_DEVICES is ''\): certify --target needs the GPU"):
         run.certify(builders.target_request(out, "wrapper", families=["FLUX.1"]))
     assert not (tmp_path / "new").exists()
+    with pytest.raises(UsageError, match="unknown target|no target|not a target"):
+        run.certify(builders.target_request(out, "no-such-target", families=["FLUX.1"]))
 
 
 def fixture_dir(tmp_path: Path, poison=None) -> Path:

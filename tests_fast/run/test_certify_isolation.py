@@ -34,6 +34,7 @@ from sage_qual.qualification.evidence.report_model import Cell, Outcome
 from sage_qual.qualification.measure import judge
 from sage_qual.qualification.measure.accuracy import Accuracy
 from sage_qual.qualification.run import fault_hooks, pool
+from sage_qual.qualification.run import options as run_options
 from sage_qual.qualification.run.run import Progress, certify
 
 from .. import builders
@@ -262,6 +263,7 @@ def machine(monkeypatch):
     """This machine as the environment worker reports it: the `devices` and environment `fields` a
     test sets (one Fake H200 at cuda:0)."""
     here = {"devices": [builders.device(gpu=(H200["name"], H200["capability"], 24.0))], "fields": {}}
+    monkeypatch.setattr(run_options, "gpu_absent", lambda: "")  # nor do its /dev nodes say otherwise
     monkeypatch.setattr(pool, "collect_environment", lambda *args, **kwargs: env_result(
         builders.environment(here["devices"], **here["fields"]), {"0": {}}))
     return here

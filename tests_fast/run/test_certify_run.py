@@ -18,6 +18,7 @@ from sage_qual.qualification.decide import checked
 from sage_qual.qualification.evidence.report_model import Cell, Device, Outcome, Reason, ReasonKind, Report
 from sage_qual.qualification.measure import judge
 from sage_qual.qualification.run import in_process, pool, run, workers
+from sage_qual.qualification.run import options as run_options
 from sage_qual.serving.env_record import EnvironmentRecord, GpuInfo
 
 from .. import builders
@@ -48,6 +49,7 @@ class NoWorkers:
 def box(monkeypatch, tmp_path):
     """One fake H200 as the environment worker would report it, and one small FLUX.1 fixture."""
     monkeypatch.setattr(pool, "Pool", NoWorkers)
+    monkeypatch.setattr(run_options, "gpu_absent", lambda: "")  # nor do its /dev nodes say otherwise
     monkeypatch.setattr(pool, "collect_environment", lambda *args, **kwargs: env_result(
         ENVIRONMENT, {"0": {}}))
     monkeypatch.setattr(workers.WorkerExecutor, "_target_machine",

@@ -172,13 +172,9 @@ def check(task: LongTask, q, k, v, kernel: Kernel | None, blocks: int = SAMPLE_B
     kernel None: predict (certify --emulate): the numerics model stands for the kernel on the
     sampled rows, and every layout is identical by construction (the model reads values, not memory).
     Returns the report's long check of the task (tokens and heads as planned: the caller says what ran)."""
-    variant, layouts = VARIANTS[task.variant], task.layouts
+    layouts = task.layouts
     tokens = q.shape[2]
-    starts = sample_starts(tokens, blocks)
-    scheme = variant.numerics.at_head_dim(q.shape[-1])
-    q_rows = take_rows(q, starts)
-    model_rows = numerics.attention(q_rows, k, v, scheme)
-    ref_rows = sampled_reference(q_rows, k, v)
+    starts, model_rows, ref_rows = _model_on_sampled_rows(VARIANTS[task.variant], q, k, v, blocks)
     identical: dict[str, bool] = {}
     rows_identical = None
     if kernel is None:
@@ -214,11 +210,17 @@ def check(task: LongTask, q, k, v, kernel: Kernel | None, blocks: int = SAMPLE_B
 def model_budget(variant: Variant, shape: ShapeSpec, device) -> tuple[Budget, list[int]]:
     """The budget `check` derives for the variant at the planned call, drawn again on `device`, and
     the sampled rows it is for: what gate re-derives a stored long check's bounds with."""
-    q, k, v = synthetic(shape, device)
-    starts = sample_starts(q.shape[2])
+    starts, model_rows, ref_rows = _model_on_sampled_rows(variant, *synthetic(shape, device))
+    return budgets.from_expected(budgets.metrics_of(model_rows, ref_rows)), starts
+
+
+def _model_on_sampled_rows(variant: Variant, q, k, v, blocks: int = SAMPLE_BLOCKS) -> tuple:
+    """The sampled block starts, the numerics model's output rows there and the float64 reference's:
+    the one derivation `check` judges against and `model_budget` re-derives."""
+    starts = sample_starts(q.shape[2], blocks)
     q_rows = take_rows(q, starts)
     model_rows = numerics.attention(q_rows, k, v, variant.numerics.at_head_dim(q.shape[-1]))
-    return budgets.from_expected(budgets.metrics_of(model_rows, sampled_reference(q_rows, k, v))), starts
+    return starts, model_rows, sampled_reference(q_rows, k, v)
 
 
 def kernel_of(package, variant: Variant) -> Kernel:

@@ -76,14 +76,17 @@ class RunRequest:
             return
         check_numbers(self.executor.timeout, self.executor.devices)
 
-    def check_gpu_visible(self) -> None:
+    def check_gpu_visible(self, target_resolved: bool = False) -> None:
         """UsageError where this machine surely shows certify no GPU (`gpu_absent`), before a worker
-        starts: the command line asks, and the environment worker then asks torch. A --target run
-        asks later, once its target is resolved (that imports the app): a bad name is said first."""
-        ours_on_gpus = isinstance(self.executor, Workers) and isinstance(self.subject, Variants)
-        absent = gpu_absent() if ours_on_gpus else ""
+        starts: the command line asks, the run asks again, and the environment worker then asks
+        torch. A --target run is refused only once its target is resolved (`target_resolved`; that
+        imports the app), so that a bad name is said first."""
+        target = isinstance(self.subject, Integration)
+        if not isinstance(self.executor, Workers) or (target and not target_resolved):
+            return
+        absent = gpu_absent()
         if absent:
-            raise UsageError(no_gpu_message(False, absent))
+            raise UsageError(no_gpu_message(target, absent))
 
 
 def check_numbers(timeout, devices: str) -> None:

@@ -45,6 +45,7 @@ def certify(request: RunRequest) -> Report:
     request.check()
     subjects, target = _subjects(request)
     chosen = selection_mod.select(request.families, request.fixture_dirs, request.quick)
+    request.check_gpu_visible(target_resolved=True)  # bad input said first, then no GPU, before a worker
     in_process = isinstance(request.executor, InProcess)
     if not chosen.fixtures and in_process:
         raise UsageError("no fixtures selected: give --fixtures DIR with *.safetensors fixtures, or other "
