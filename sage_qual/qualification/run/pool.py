@@ -6,12 +6,20 @@ workers ahead of need (`Pool`), kills one that sends nothing for the task timeou
 into a "crash" or "timeout" result for the task it was in, and runs the rest in a fresh worker
 (`run_tasks`). A message that breaks the protocol ends the run with one line naming its key. It
 never imports torch and never touches CUDA: a fault in a kernel can only take a worker down.
+
+Workers are forked from a zygote (multiprocessing's fork server), one process per parent that has
+imported torch and the worker's modules but never touches CUDA, so that each worker skips that
+import (`_Forked`): each was a fresh interpreter importing torch, 1.1 of its 1.2 s start on two CPU
+cores (`python -X importtime`, docs/fast-suite.md). A forked worker is still its own process in its
+own session, with the environment, stdin, stdout and stderr a fresh interpreter would get.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
+import multiprocessing
 import os
 import queue
 import signal
@@ -19,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from multiprocessing import reduction
 from pathlib import Path
 from typing import Callable
 
@@ -33,6 +42,94 @@ EXIT_POISONED = 70  # a worker's exit code when a CUDA error left its context un
 # Seconds to wait for a dead worker's pipe to close (its process group was killed, so at once; a
 # grandchild that escaped the group could hold it open, and then the reader is left behind).
 READER_JOIN_TIMEOUT = 10.0
+# Imported once, in the zygote, before it forks a worker: this module first, so that the environment
+# those imports set is known (`_ENV_AT_IMPORT`); the worker module imports torch.
+ZYGOTE_PRELOAD = [__name__, WORKER_MODULE]
+_ENV_AT_IMPORT = dict(os.environ)
+_zygote_lock = threading.Lock()
+_zygote: multiprocessing.context.ForkServerContext | None = None
+
+
+def _zygote_context() -> multiprocessing.context.ForkServerContext:
+    global _zygote
+    with _zygote_lock:
+        if _zygote is None:
+            context = multiprocessing.get_context("forkserver")
+            context.set_forkserver_preload(ZYGOTE_PRELOAD)
+            _zygote = context
+        return _zygote
+
+
+class _PassedFd:
+    """A file descriptor handed to a forked worker, sent as multiprocessing sends a Connection's."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        return _received_fd, (reduction.DupFd(self.fd),)
+
+
+def _received_fd(duplicate) -> int:
+    return duplicate.detach()
+
+
+def _forked_worker(env: dict, stdin: int, stdout: int, stderr: int, argv: list[str]) -> None:
+    """A worker's start in the forked child: its own session, its pipes and log as fds 0-2, and the
+    environment it was given (plus what the zygote's imports set, as they would set it again)."""
+    os.setsid()
+    for fd, target in ((stdin, 0), (stdout, 1), (stderr, 2)):
+        os.dup2(fd, target)
+        os.close(fd)
+    sys.stdin = open(0, encoding="utf-8", closefd=False)
+    sys.stdout = open(1, "w", encoding="utf-8", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", encoding="utf-8", buffering=1, closefd=False)
+    set_by_imports = {key: value for key, value in os.environ.items() if _ENV_AT_IMPORT.get(key) != value}
+    os.environ.clear()
+    os.environ.update(env)
+    for key, value in set_by_imports.items():
+        os.environ.setdefault(key, value)
+    # By name, as `python -m` ran it: the worker imports this module, not the other way round.
+    sys.exit(importlib.import_module(WORKER_MODULE).main(argv))
+
+
+class _Forked:
+    """A worker forked from the zygote, with the part of subprocess.Popen's interface `Process` uses."""
+
+    def __init__(self, env: dict, log_path: Path, argv: list[str]):
+        child_stdin, self_stdin = os.pipe()
+        self_stdout, child_stdout = os.pipe()
+        log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            self._process = _zygote_context().Process(
+                target=_forked_worker, name="sage-qual worker",
+                args=(env, _PassedFd(child_stdin), _PassedFd(child_stdout), _PassedFd(log), argv))
+            self._process.start()
+        finally:
+            for fd in (child_stdin, child_stdout, log):
+                os.close(fd)
+        self.pid = self._process.pid
+        self.stdin = os.fdopen(self_stdin, "wb")
+        self.stdout = os.fdopen(self_stdout, "rb")
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        self.returncode = self._process.exitcode
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self.poll() is None:
+            raise subprocess.TimeoutExpired(self._process.name, timeout)
+        return self.returncode
+
+    def kill_group(self) -> None:
+        """SIGKILL to its session's process group; to the worker alone before it made one."""
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
 
 
 class Process:
@@ -40,12 +137,9 @@ class Process:
 
     def __init__(self, env: dict, log_path: Path, preload: bool = False):
         self.log_path = log_path
-        command = [sys.executable, "-m", WORKER_MODULE] + (["--preload"] if preload else [])
-        with open(log_path, "wb") as log:
-            # Own session: a signal meant for the parent's terminal does not hit the worker, and
-            # killing its process group also ends what it started (compilers, nvidia-smi).
-            self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
-                                         env=env, start_new_session=True)
+        # Own session: a signal meant for the parent's terminal does not hit the worker, and
+        # killing its process group also ends what it started (compilers, nvidia-smi).
+        self.proc = _Forked(env, log_path, ["--preload"] if preload else [])
         self.messages: queue.Queue = queue.Queue()
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -69,10 +163,7 @@ class Process:
 
     def kill(self) -> None:
         if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            self.proc.kill_group()
         self.proc.wait()
         self._join_reader()
 
