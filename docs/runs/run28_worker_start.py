@@ -31,9 +31,8 @@ def until_ready(stdin, stdout) -> None:
 def forked(log: Path) -> float:
     start = time.perf_counter()
     process = pool.Process(pool.worker_env(), log, preload=True)
-    message = process.messages
     process.start([plan.environment_check()])
-    while (m := message.get(timeout=600)) is not None and m["type"] != "ready":
+    while (message := process.messages.get(timeout=600)) is not None and message["type"] != "ready":
         pass
     took = time.perf_counter() - start
     process.kill()
@@ -43,8 +42,9 @@ def forked(log: Path) -> float:
 def fresh(log: Path) -> float:
     start = time.perf_counter()
     with open(log, "wb") as err:
-        proc = subprocess.Popen([sys.executable, "-m", pool.WORKER_MODULE, "--preload"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=err, env=pool.worker_env(), start_new_session=True)
+        proc = subprocess.Popen([sys.executable, "-m", pool.WORKER_MODULE, "--preload"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                                env=pool.worker_env(), start_new_session=True)
     until_ready(proc.stdin, proc.stdout)
     took = time.perf_counter() - start
     proc.kill()
@@ -56,7 +56,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         for name, start in (("fresh interpreter", fresh), ("forked from the zygote", forked)):
             seconds = [start(Path(folder) / f"{name[:5]}-{n}.log") for n in range(5)]
-            print(f"{name}: " + ", ".join(f"{s:.2f}" for s in seconds) + f" s; median {statistics.median(seconds):.2f} s")
+            listed = ", ".join(f"{s:.2f}" for s in seconds)
+            print(f"{name}: {listed} s; median {statistics.median(seconds):.2f} s")
 
 
 if __name__ == "__main__":
