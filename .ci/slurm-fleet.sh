@@ -38,6 +38,12 @@ munged --force --key-file="$run/munge/munge.key" --socket="$socket" \
 
 cpus=$(nproc)
 memory=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 / 2 ))
+# Two ports the kernel has free now, not fixed ones: a second CI run on the same host would find
+# fixed ports taken and its slurmctld would not start.
+read -r ctld_port slurmd_port < <("$python" -c 'import socket
+sockets = [socket.socket() for _ in range(2)]
+for s in sockets: s.bind(("127.0.0.1", 0))
+print(*(s.getsockname()[1] for s in sockets))')
 cat > "$run/slurm.conf" <<CONF
 ClusterName=sage-qual-ci
 SlurmctldHost=$host
@@ -52,8 +58,8 @@ SlurmctldPidFile=$run/slurmctld.pid
 SlurmdPidFile=$run/slurmd.pid
 SlurmctldLogFile=$run/log/slurmctld.log
 SlurmdLogFile=$run/log/slurmd.log
-SlurmctldPort=16817
-SlurmdPort=16818
+SlurmctldPort=$ctld_port
+SlurmdPort=$slurmd_port
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
