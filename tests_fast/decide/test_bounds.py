@@ -203,3 +203,50 @@ def test_no_fixture_is_named_by_two_families_and_every_named_fixture_fits_its_si
         families.FAMILIES[0].calls[1]),))
     assert any("names fixture flux1_ip_adapter_zero_uncond, which FLUX.1 names too" in p
                for p in families.call_space_problems(families.FAMILIES + (doubled,)))
+
+
+def flux1_sites(sites):
+    """`sites_of` for fixtures named by FLUX.1's sites only (`sites`: fixture -> its sites)."""
+    flux = families.find("FLUX.1")
+    return lambda fixture, family=None: [(flux, call) for call in sites.get(fixture, ())
+                                         if family is None or family is flux]
+
+
+@pytest.mark.parametrize(("family", "bounded"), [("FLUX.1", True), ("SDXL", False)])
+def test_only_a_site_of_the_family_decided_can_bound_it(monkeypatch, family, bounded):
+    monkeypatch.setattr(bounds, "sites_of", flux1_sites({"fx": [SITE]}))
+    found = bounds.excluded_bounds([finding()], [], fixture_records(), families.find(family),
+                                   serving(9728, 9728))
+    assert (found is not None) == bounded
+
+
+def test_a_pass_named_by_another_familys_site_covers_the_batch_of_this_one(monkeypatch):
+    """For SDXL, a fixture only FLUX.1's sites name stands for SDXL's served calls."""
+    two_items = {"q": [2, 1, 2048, 128], "k": [2, 1, 4, 128]}
+    fixtures = [builders.fixture("fx", **two_items), builders.fixture("flux_site", **two_items)]
+    sdxl = families.find("SDXL")
+    monkeypatch.setattr(bounds, "sites_of", lambda fixture, family=None: [
+        (owner, SITE) for owner, names in ((sdxl, ("fx",)), (families.find("FLUX.1"), ("flux_site",)))
+        if fixture in names and family in (None, owner)])
+    found = bounds.excluded_bounds([finding()], ["flux_site"], fixtures, sdxl, serving(9728, 9728))
+    assert [(b.side, b.below) for b in found] == [("key", 17)]
+
+
+def test_sites_excluded_on_different_sides_cannot_bound(monkeypatch):
+    """One site below the key threshold, the other below the query one: no single bound holds both."""
+    few_keys = CallSite("few keys", cross_attention(24, 2048, 4), cross_attention(24, 2048, 8),
+                        fixtures=("fx",))
+    monkeypatch.setattr(bounds, "sites_of", flux1_sites({"fx": [SITE, few_keys]}))
+    assert bounds.excluded_bounds([finding()], [], fixture_records(), None, serving(20000, 10)) is None
+    [bound] = bounds.excluded_bounds([finding()], [], fixture_records(), None, serving(20000, 20))
+    assert (bound.side, bound.below) == ("key", 17)
+
+
+def test_two_failing_fixtures_of_one_side_give_one_bound_with_both_reasons(monkeypatch):
+    wider = CallSite("wide", cross_attention(24, 4096, 4), cross_attention(24, 16384, 32), fixtures=("fx2",))
+    monkeypatch.setattr(bounds, "sites_of", flux1_sites({"fx": [SITE], "fx2": [wider]}))
+    fixtures = fixture_records() + [builders.fixture("fx2", q=[1, 1, 2048, 128], k=[1, 1, 20, 128])]
+    [bound] = bounds.excluded_bounds([finding(), finding("fx2")], [], fixtures, None, serving(9728, 9728))
+    assert (bound.side, bound.below) == ("key", 33)  # the larger of 17 and 33
+    assert bound.reason == ("fx: sm90-fp8-cuda NaN; it stands for FLUX.1's 'ip' call (4 to 16 keys); "
+                            "fx2: sm90-fp8-cuda NaN; it stands for FLUX.1's 'wide' call (4 to 32 keys)")
