@@ -3,6 +3,7 @@ what a check finds on defective kernels, and how the verdict, the profile and ga
 what was verified. The verdict tests add long checks to the sample H200 report, where FLUX.1 is
 enabled with sm90-fp8-cuda from 4608 query tokens and Qwen-Image with sm89-fp8-cuda from 4608."""
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sage_qual.fixtures import numerics
 from sage_qual.qualification import families
 from sage_qual.qualification.decide import checked, fleet, gate, profile, verdict
 from sage_qual.qualification.evidence import tasks
@@ -97,6 +99,7 @@ def test_layouts_hold_the_same_values_with_their_own_strides():
     q, k, v = tensors()
     for name in families.LAYOUTS:
         *views, tensor_layout = long_check.arrange(q, k, v, name)
+        assert tensor_layout == ("NHD" if name == "nhd" else "HND"), name  # SageAttention's spelling
         for view, original in zip(views, (q, k, v), strict=True):
             assert torch.equal(long_check.as_hnd(view, tensor_layout), original), name
     fq, fk, fv, _ = long_check.arrange(q, k, v, "fused_qkv")
@@ -108,12 +111,22 @@ def test_layouts_hold_the_same_values_with_their_own_strides():
     assert layout == "NHD" and nq.is_contiguous() and nq.shape == (1, 300, 4, 64)
 
 
+def test_an_unknown_layout_is_refused_naming_the_known_ones():
+    with pytest.raises(ValueError, match=re.escape(
+            "unknown layout 'strided' (known: contiguous, transposed, fused_qkv, nhd)")):
+        long_check.arrange(*tensors(), "strided")
+
+
 def test_synthetic_tensors_are_seeded_and_carry_an_outlier_k_channel():
     q, k, v = tensors()
     again = tensors()
     assert all(torch.equal(a, b) for a, b in zip((q, k, v), again, strict=True))
     channel_means = k.float().mean(dim=(0, 1, 2))
     assert channel_means[long_check.OUTLIER_CHANNEL] > 7 and channel_means[1:].abs().max() < 0.5
+    assert k[..., long_check.OUTLIER_CHANNEL].float().std() > 0.9  # offset, not replaced: still random
+    assert {t.dtype for t in (q, k, v)} == {torch.bfloat16}  # the shape's dtype
+    # q drawn at scale 2, k and v at 1 (76,800 and 38,400 draws: the estimates hold to a few percent)
+    assert 1.9 < q.float().std() < 2.1 and 0.95 < v.float().std() < 1.05
     assert "synthetic" in long_check.INPUTS
 
 
@@ -123,6 +136,21 @@ def test_sampled_rows_are_tile_aligned_spread_and_include_the_last_row():
     assert all(s % long_check.SAMPLE_ROWS == 0 for s in starts)
     assert starts[-1] <= 75599 < starts[-1] + long_check.SAMPLE_ROWS
     assert long_check.sample_starts(300) == [0, 128, 256]  # fewer blocks than sampled: every row
+    assert long_check.sample_starts(257) == [0, 128, 256]  # one row into the third block
+    assert long_check.sample_starts(512) == [0, 128, 256, 384]  # as many blocks as sampled
+    assert long_check.sample_starts(513) == [0, 128, 384, 512]  # one block more: spread, the last kept
+
+
+def test_the_model_of_a_head_dim_128_call_takes_the_variants_head_dim_128_q_tile():
+    """sm80-fp16-cuda-fp16acc runs 16-row Q tiles at head_dim 128: the model's rows must too."""
+    variant = VARIANTS["sm80-fp16-cuda-fp16acc"]
+    q, k, v = long_check.synthetic(families.self_attention(2, 40, 128), "cpu")
+    starts, model_rows, _ = long_check._model_on_sampled_rows(variant, q, k, v)
+    q_rows = long_check.take_rows(q, starts)
+    tiled = numerics.attention(q_rows, k, v, dataclasses.replace(variant.numerics, q_tile=16,
+                                                                 q_tile_at_head_dim_128=None))
+    untiled = numerics.attention(q_rows, k, v, variant.numerics)
+    assert torch.equal(model_rows, tiled) and not torch.equal(model_rows, untiled)
 
 
 def test_bit_identity_sees_one_changed_bit():
@@ -148,9 +176,17 @@ def test_a_correct_kernel_passes_in_every_layout():
     assert result.outcome == Outcome.PASS and result.reasons == []
     assert result.identical == {"transposed": True, "fused_qkv": True, "nhd": True}
     assert result.metrics.rel_l2 < result.bounds.max_rel_l2 and result.metrics.finite
+    assert result.model_finite is True
+    assert (result.rows, result.row_block) == ([0, 128, 256], long_check.SAMPLE_ROWS)
     # the task's call, as the report stores it
     assert (result.variant, result.shape, result.uses) == (task.variant, task.shape, task.uses)
     assert result.layouts == task.layouts
+
+
+def test_a_prediction_calls_every_layout_but_contiguous_identical():
+    result = long_check.check(long_task(SHAPE, families.LAYOUTS), *tensors(), None)
+    assert result.identical == {"transposed": True, "fused_qkv": True, "nhd": True}
+    assert result.outcome == Outcome.PASS and result.rows_identical is None
 
 
 def test_a_kernel_wrong_only_on_views_fails_its_layouts():

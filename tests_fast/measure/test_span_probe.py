@@ -25,6 +25,27 @@ def test_default_cases_straddle_the_wrapper_limit():
     assert limits.MAX_SPAN_ELEMENTS == 2_147_483_647
 
 
+def test_cases_at_a_limit_a_span_meets_exactly():
+    """2 heads of 64 and 32,768 elements: 256 contiguous tokens and 86 fused ones fill the limit to
+    the element, and are still served; the next token is past it."""
+    cases = {(c.layout, c.side): (c.tokens, c.span) for c in span_probe.boundary_cases(32_768, 2, 64, 77)}
+    assert cases == {
+        ("contiguous", "below"): (256, 32_768), ("contiguous", "above"): (257, 32_896),
+        ("fused_qkv", "below"): (86, 32_768), ("fused_qkv", "above"): (87, 33_152),
+    }
+    assert {(c.heads, c.head_dim, c.kv_tokens) for c in span_probe.boundary_cases(32_768, 2, 64, 77)} == {
+        (2, 64, 77)}
+
+
+@pytest.mark.parametrize("layout, tokens, expected", [
+    ("contiguous", 3, (24, 1024)),  # 2 x 3 x 4 elements; the wrapper pads the copy to 128 tokens
+    ("fused_qkv", 3, (56, 1024)),  # 1 + 4 + 2 x 24 + 3: rows 3 x 2 x 4 apart
+    ("fused_qkv", 200, (4784, 4784)),  # past the padded copy: the span itself
+])
+def test_the_span_of_a_small_query(layout, tokens, expected):
+    assert span_probe._span(layout, tokens, 2, 4) == expected
+
+
 def finding(layout, side, span, outcome):
     return SpanFinding("v", SpanCase(layout, side, 1, span), outcome)
 
