@@ -12,7 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from sage_qual import cli, records
-from sage_qual.qualification import families, selection
+from sage_qual.qualification import families
 from sage_qual.qualification.decide import budget_check, gate
 from sage_qual.qualification.evidence import tasks
 from sage_qual.qualification.evidence.report_model import EnvironmentRecord
@@ -36,9 +36,13 @@ def _local_fixture_files(directories, family):
             for name, sha in _local_fixtures(directories, family).items()}
 
 
+_real_gate = gate.gate
 pool.collect_environment = lambda *args, **kwargs: _ENVIRONMENT
+# gate's machine is the sample's, not a worker's: run.workers imports torch through the plan.
+gate.gate = lambda report, family, _machine, *rest: _real_gate(report, family,
+                                                               lambda: _ENVIRONMENT.environment, *rest)
 gate.local_fixtures = _local_fixtures
-selection.family_fixtures = _local_fixture_files
+gate.family_fixtures = _local_fixture_files
 budget_check.budget_problem = lambda *args: ""
 
 if __name__ == "__main__":

@@ -292,28 +292,23 @@ def long_budget_problem(source: str, data: Report, family: Family, models_here: 
     the test hook's fake GPUs) has no planned inputs to draw again and is not re-derived."""
     from sage_qual.qualification.decide.verdict import long_check_counts
 
-    device = device or long_device()
+    counting = [(n, m, check) for n, gpu in enumerate(data.devices)
+                if gpu_label(gpu.name, gpu.capability) in models_here
+                for m, check in enumerate(gpu.long or [])
+                if check.outcome in (Outcome.PASS, Outcome.FAIL) and long_check_counts(check, family)
+                and not check.ran_tokens and not check.ran_heads and check.variant in VARIANTS]
+    device = (device or long_device()) if counting else None  # torch only for a check to derive
     if device is None:
         return ""
-    problem = ""
     relative = BUDGET_REL if device == "cuda" else LONG_REL_OTHER_DEVICE
-    for n, gpu in enumerate(data.devices):
-        if gpu_label(gpu.name, gpu.capability) not in models_here:
-            continue
-        for m, check in enumerate(gpu.long or []):
-            if check.outcome not in (Outcome.PASS, Outcome.FAIL) or not long_check_counts(check, family) \
-                    or check.ran_tokens or check.ran_heads or check.variant not in VARIANTS:
-                continue
-            where = f"{source}: devices[{n}].long[{m}] ({check.variant} at {check.shape.q_tokens:,} tokens)"
-            derived, rows = derived_long_budget(check, device)
-            if check.rows != rows:
-                problem = (f"{where}: rows: {check.rows} in the report, but certify samples the query rows "
-                           f"{rows} of this call; the file was edited: certify again")
-            else:
-                problem = _looser(where, limits(check.bounds) if check.bounds else {}, derived, relative,
-                                  f"here, its inputs drawn on {device}", "long_check.model_budget")
-            if problem:
-                break
+    for n, m, check in counting:
+        where = f"{source}: devices[{n}].long[{m}] ({check.variant} at {check.shape.q_tokens:,} tokens)"
+        derived, rows = derived_long_budget(check, device)
+        if check.rows != rows:
+            return (f"{where}: rows: {check.rows} in the report, but certify samples the query rows "
+                    f"{rows} of this call; the file was edited: certify again")
+        problem = _looser(where, limits(check.bounds) if check.bounds else {}, derived, relative,
+                          f"here, its inputs drawn on {device}", "long_check.model_budget")
         if problem:
-            break
-    return problem
+            return problem
+    return ""

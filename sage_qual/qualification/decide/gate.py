@@ -214,6 +214,12 @@ def decide(data: Report, family: Family, here: EnvironmentRecord, fixtures: Mapp
     return decision
 
 
+def family_fixtures(fixture_dirs: list[str] | None, family: Family) -> Mapping[str, Fixture]:
+    """This machine's fixtures that count for the family, loaded (`selection` imports torch: only once
+    a report that can decide was read)."""
+    from sage_qual.qualification import selection
+
+    return selection.family_fixtures(fixture_dirs, family)
 
 
 def gate(report_path: Path, family_name: str, machine: Callable[[], EnvironmentRecord],
@@ -232,10 +238,8 @@ def gate(report_path: Path, family_name: str, machine: Callable[[], EnvironmentR
     problem = report_problem(str(report_path), data, family)  # before a worker looks for a GPU
     if problem:
         return GateDecision(family.name, ExitCode.USAGE, problem)
-    from sage_qual.qualification import selection  # reads fixtures: torch, only once a report is read
-
     try:
-        fixtures = selection.family_fixtures(fixture_dirs, family)
+        fixtures = family_fixtures(fixture_dirs, family)
         here = machine()
     except UsageError as error:
         return GateDecision(family.name, ExitCode.USAGE, str(error))
