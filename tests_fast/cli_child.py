@@ -14,34 +14,24 @@ from types import SimpleNamespace
 from sage_qual import cli, records
 from sage_qual.qualification import families
 from sage_qual.qualification.decide import budget_check, gate
-from sage_qual.qualification.evidence import tasks
 from sage_qual.qualification.evidence.report_model import EnvironmentRecord
-from sage_qual.qualification.run import pool
 
 SAMPLE = json.loads((Path(__file__).parent / "data" / "sample_h200_2gpu.json").read_text())
 # Built here, not with tests_fast.fakes.env_result: that module imports torch, which a child of the
 # gate, compare or merge command does not need (1.0 of its 1.6 s start on CI's cores, measured here).
-_ENVIRONMENT = tasks.EnvResult(tasks.Outcome.PASS, records.parse(
-    EnvironmentRecord, SAMPLE["environment"], "sample_h200_2gpu.json", "fix the sample"), {})
-
-
-def _local_fixtures(directories, family):
-    chosen = families.find(family.name)
-    return {f["name"]: f["sha256"] for f in SAMPLE["fixtures"] if gate.counts_for(chosen, f["family"])}
+_MACHINE = records.parse(EnvironmentRecord, SAMPLE["environment"], "sample_h200_2gpu.json", "fix the sample")
 
 
 def _local_fixture_files(directories, family):
-    """The same, as loaded fixtures stand in for the gate: only their checksums are read."""
-    return {name: SimpleNamespace(name=name, sha256=sha)
-            for name, sha in _local_fixtures(directories, family).items()}
+    """The sample's fixtures that count for the family, as loaded fixtures stand in for the gate: only
+    their checksums are read."""
+    return {f["name"]: SimpleNamespace(name=f["name"], sha256=f["sha256"])
+            for f in SAMPLE["fixtures"] if families.counts_for(family, f["family"])}
 
 
 _real_gate = gate.gate
-pool.collect_environment = lambda *args, **kwargs: _ENVIRONMENT
 # gate's machine is the sample's, not a worker's: run.workers imports torch through the plan.
-gate.gate = lambda report, family, _machine, *rest: _real_gate(report, family,
-                                                               lambda: _ENVIRONMENT.environment, *rest)
-gate.local_fixtures = _local_fixtures
+gate.gate = lambda report, family, _machine, *rest: _real_gate(report, family, lambda: _MACHINE, *rest)
 gate.family_fixtures = _local_fixture_files
 budget_check.budget_problem = lambda *args: ""
 

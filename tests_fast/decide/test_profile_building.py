@@ -10,6 +10,7 @@ from sage_qual.qualification.decide import profile as building
 from sage_qual.qualification.decide import verdict
 from sage_qual.qualification.decide.verdict import FamilyDecision, Verdict
 from sage_qual.qualification.evidence.report_model import Outcome, SpanProbe
+from sage_qual.qualification.measure import span_probe
 from sage_qual.qualification.measure.span_probe import SpanCase
 from sage_qual.serving.config import Bound
 
@@ -61,7 +62,7 @@ def test_findings_carry_every_field_of_the_probe_case():
 
 
 def both_layouts(variant="v", outcome="pass", span=1000) -> list[SpanProbe]:
-    return [probe(variant, outcome, span, layout, limit=span) for layout in ("contiguous", "fused_qkv")]
+    return [probe(variant, outcome, span, layout, limit=span) for layout in span_probe.LAYOUTS]
 
 
 @pytest.mark.parametrize("outcomes, served, expected", [

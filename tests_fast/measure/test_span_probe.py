@@ -28,13 +28,12 @@ def test_default_cases_straddle_the_wrapper_limit():
 def test_cases_at_a_limit_a_span_meets_exactly():
     """2 heads of 64 and 32,768 elements: 256 contiguous tokens and 86 fused ones fill the limit to
     the element, and are still served; the next token is past it."""
-    cases = {(c.layout, c.side): (c.tokens, c.span) for c in span_probe.boundary_cases(32_768, 2, 64, 77)}
-    assert cases == {
+    cases = span_probe.boundary_cases(32_768, 2, 64, 77)
+    assert {(c.layout, c.side): (c.tokens, c.span) for c in cases} == {
         ("contiguous", "below"): (256, 32_768), ("contiguous", "above"): (257, 32_896),
         ("fused_qkv", "below"): (86, 32_768), ("fused_qkv", "above"): (87, 33_152),
     }
-    assert {(c.heads, c.head_dim, c.kv_tokens) for c in span_probe.boundary_cases(32_768, 2, 64, 77)} == {
-        (2, 64, 77)}
+    assert {(c.heads, c.head_dim, c.kv_tokens) for c in cases} == {(2, 64, 77)}
 
 
 @pytest.mark.parametrize("layout, tokens, expected", [
