@@ -145,6 +145,8 @@ def _is_pipe_or_file(stream) -> bool:
 
 def _run(args: argparse.Namespace) -> int:
     try:
+        from sage_qual.qualification.run import options  # torch-free
+        options.test_hook()  # a garbled hook is named here, not as a worker's JSONDecodeError
         return int(args.func(args))
     except UsageError as error:
         return _refuse(args, str(error))

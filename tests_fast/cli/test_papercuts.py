@@ -89,3 +89,19 @@ def test_no_gpu_is_known_from_the_device_nodes_and_the_hook(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     nodes[:] = []
     assert options.gpu_absent() == ""  # no device nodes to read: the worker asks torch
+
+
+@pytest.mark.parametrize("value, said", [("{garbage", "is not JSON"), ("[1]", "holds a list")])
+@pytest.mark.parametrize("command", [["gate", "--family", "FLUX.1", "--report", "absent.json"],
+                                     ["certify", "--emulate", "--quick"]])
+def test_a_garbled_test_hook_is_named_with_the_fix(monkeypatch, capsys, tmp_path, command, value, said):
+    """issue 28: SAGE_QUAL_TEST_WORKER set to garbage killed a worker with a JSONDecodeError that named
+    no variable; every command now refuses it first, naming it and how to clear it."""
+    from sage_qual import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SAGE_QUAL_TEST_WORKER", value)
+    assert cli.main(command) == 2
+    message = capsys.readouterr().err
+    assert f"SAGE_QUAL_TEST_WORKER {said}" in message and "unset SAGE_QUAL_TEST_WORKER" in message
+    assert not (tmp_path / "sage-qual-report").exists()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import json
 import os
 import sys
 import time
@@ -23,7 +22,7 @@ import time
 import torch
 
 from sage_qual.qualification.evidence.tasks import TaskKind
-from sage_qual.qualification.run.options import TEST_HOOK
+from sage_qual.qualification.run.options import TEST_HOOK, test_hook  # noqa: F401 (tests set TEST_HOOK here)
 
 FAULTS = {
     "crash": "abort the worker process",
@@ -37,7 +36,7 @@ FAULTS = {
 
 def read() -> dict:
     """The hook's settings; {} when the variable is not set."""
-    return json.loads(os.environ.get(TEST_HOOK) or "{}")
+    return test_hook()
 
 
 class FakeBench:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import json
 import math
 import os
 import sys
@@ -115,6 +116,24 @@ def requested_devices(text: str) -> list[int] | None:
 
 # The certify worker's test hook (`fault_hooks`): fake GPUs where the machine has none.
 TEST_HOOK = "SAGE_QUAL_TEST_WORKER"
+
+
+def test_hook() -> dict:
+    """The test hook's settings ({} when unset), refused as a usage error naming the variable when
+    it is not a JSON object: set to garbage, a worker died of a JSONDecodeError that named nothing."""
+    text = os.environ.get(TEST_HOOK, "").strip()
+    if not text:
+        return {}
+    fix = f"unset {TEST_HOOK} (it is the test suite's fake-GPU hook) or give it a JSON object"
+    try:
+        settings = json.loads(text)
+    except ValueError as error:
+        raise UsageError(f"{TEST_HOOK} is not JSON ({error}): {fix}") from None
+    if not isinstance(settings, dict):
+        raise UsageError(f"{TEST_HOOK} holds a {type(settings).__name__}, not a JSON object: {fix}")
+    return settings
+
+
 # Device nodes of a GPU torch can use on Linux: NVIDIA's, WSL's GPU bridge, AMD's ROCm.
 GPU_NODES = ("/dev/nvidia[0-9]*", "/dev/dxg", "/dev/kfd")
 
@@ -123,7 +142,7 @@ def gpu_absent() -> str:
     """Why this machine surely shows certify no GPU, known without torch or a worker (a refusal in
     0.2 s instead of 7.5 s here); "" where it may have one, which the environment worker then asks
     torch about."""
-    if os.environ.get(TEST_HOOK):
+    if test_hook():
         return ""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and visible.strip() in ("", "-1"):
