@@ -289,7 +289,8 @@ def test_a_second_span_probe_of_one_case_is_refused():
     above = {
         **SPAN,
         "side": "above",
-        "span": 2150000000,
+        "tokens": 299594,
+        "span": 2147489792,
         "outcome": "crash",
         "detail": "illegal access",
         "rel_l2": None,
@@ -442,6 +443,19 @@ def test_a_long_check_that_did_not_run_says_why():
 def test_a_span_probe_sits_at_its_limit_in_a_known_layout(change, says):
     """Issue 28: probes claiming 2^40, or unknown layouts or sides, were read."""
     assert refused(lambda d: d["devices"][0]["span"][0].update(change)) == f"devices[0].span[0].{says}"
+
+
+@pytest.mark.parametrize("change, planned", [
+    ({"tokens": 5}, "35840 elements of a contiguous query of 5 tokens x 56 heads x 128"),
+    ({"heads": 24}, "890880000 elements of a contiguous query of 290000 tokens x 24 heads x 128"),
+    ({"span": 2078720001}, "2078720000 elements of a contiguous query of 290000 tokens x 56 heads x 128"),
+    ({"layout": "fused_qkv"}, "6236145664 elements of a fused_qkv query of 290000 tokens x 56 heads x 128"),
+])
+def test_a_span_probe_spans_what_its_shape_does(change, planned):
+    """A probe's shape edited apart from its span (tokens cut to 5 beside a span of 2.08e9 was read)."""
+    span = change.get("span", SPAN["span"])
+    assert refused(lambda d: d["devices"][0]["span"][0].update(change)) == (
+        f"devices[0].span[0].span: {span} is not the {planned}")
 
 
 def test_a_passed_span_probe_has_its_error_and_any_other_says_why():

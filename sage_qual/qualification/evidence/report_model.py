@@ -237,6 +237,14 @@ class LongCheck(_Measured):
         return self._outcome_problems("long check", ("bounds", "metrics"))
 
 
+def query_span(layout: str, tokens: int, heads: int, head_dim: int) -> int:
+    """A span probe's query elements from its data pointer: [1, heads, tokens, head_dim] contiguous,
+    or a view into a fused [1, tokens, 3 * heads * head_dim] projection."""
+    if layout == "contiguous":
+        return heads * tokens * head_dim
+    return heads * head_dim + (tokens - 1) * 3 * heads * head_dim
+
+
 @dataclass(frozen=True)
 class SpanProbe:
     """A variant called directly on one long query near the 32-bit element limit (`measure.span_probe`):
@@ -273,6 +281,10 @@ class SpanProbe:
         if (self.side == "below") != (self.span <= self.limit) or self.span > 2 * self.limit:
             return [("span", f"{self.span} is not {self.side} its limit {self.limit} (a probe sits within "
                              "2x of it)")]
+        planned = query_span(self.layout, self.tokens, self.heads, self.head_dim)
+        if self.span != planned:  # its shape edited apart from its span, or the span alone
+            return [("span", f"{self.span} is not the {planned} elements of a {self.layout} query of "
+                             f"{self.tokens} tokens x {self.heads} heads x {self.head_dim}")]
         if self.outcome == Outcome.PASS and self.rel_l2 is None:
             return [("rel_l2", "missing for a span probe whose outcome is 'pass'")]
         if self.outcome != Outcome.PASS and not self.detail:
