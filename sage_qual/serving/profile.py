@@ -145,7 +145,8 @@ class ProfileGpu:
     """One certified GPU model and the software it was measured with."""
     name: str
     capability: list[int] = field(metadata={"length": 2, "minimum": 0})
-    memory_gib: float | None = field(metadata={"description": "null: any (schema version 1 profiles)"})
+    memory_gib: float | None = field(metadata={"minimum": 0,
+                                               "description": "null: any (schema version 1 profiles)"})
     environment: ProfileEnvironment
     default: Entry
     families: dict[str, Entry]
@@ -161,6 +162,19 @@ class ProfileGpu:
     @property
     def label(self) -> str:
         return gpu_label(self.name, self.capability)
+
+    def check(self) -> list[tuple[str, str]]:
+        # An entry serving a variant this capability cannot run (sm120's on an sm_90) would fail its
+        # first call on every device; certify writes only variants that ran here.
+        capability = tuple(self.capability)
+        for where, chosen in [("default", self.default), *(("families." + name, entry)
+                                                           for name, entry in self.families.items())]:
+            variant = VARIANTS.get(chosen.variant) if chosen.variant else None
+            if variant and not (variant.min_capability <= capability
+                                and (variant.max_capability is None or capability <= variant.max_capability)):
+                return [(f"{where}.variant", f"{variant.name} does not run on {capability_label(capability)} "
+                                             f"(capability {list(capability)})")]
+        return []
 
 
 @dataclass(frozen=True)

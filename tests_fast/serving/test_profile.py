@@ -159,6 +159,26 @@ def test_one_machine_twice_is_refused_and_another_software_is_another_entry():
     assert len(profile.load(make_profile(make_gpu(), make_gpu(torch_version="2.12.0"))).gpus) == 2
 
 
+@pytest.mark.parametrize("where", ["default", "families.FLUX.1"])
+def test_an_entry_serving_a_variant_its_gpu_cannot_run_is_refused(where):
+    """sm90-fp8-cuda (sm_90 only) on an RTX 4090's entry was read and failed its first call there."""
+    sm90 = make_entry(variant="sm90-fp8-cuda")
+    data = make_profile(make_gpu(H200, sm90 if where == "default" else None,
+                                 {"FLUX.1": sm90} if where != "default" else None))
+    assert profile.load(data).gpus[0].label == "Fake H200 (sm_90)"  # where it runs
+    data["gpus"][0].update(name=RTX4090.name, capability=list(RTX4090.capability))
+    with pytest.raises(profile.ProfileError, match=rf"gpus\[0\]\.{where}\.variant: sm90-fp8-cuda does not "
+                                                   r"run on sm_89 \(capability \[8, 9\]\)"):
+        profile.load(data)
+
+
+def test_a_negative_memory_size_is_refused():
+    data = make_profile()
+    data["gpus"][0]["memory_gib"] = -1
+    with pytest.raises(profile.ProfileError, match=r"gpus\[0\]\.memory_gib: is -1(\.0)?, expected at least"):
+        profile.load(data)
+
+
 def test_a_version_1_profile_still_reads():
     old = {"kind": "sage-qual-profile", "schema_version": 1, "created": "2026-11-29T20:00:00+00:00",
            "host": "h", "gpu": {"name": "Fake H200", "capability": [9, 0]},

@@ -238,7 +238,8 @@ def test_the_nearest_prefers_the_same_torch_release_then_the_same_torch():
     read = load(gpu(torch="2.10.0+cu130"), gpu(torch="2.11.5+cu130"), gpu(torch="2.11.0+cu130"))
     assert profile.nearest(read, machine(torch_version="2.11.0+cu130")).environment.torch == "2.11.0+cu130"
     assert profile.nearest(read, machine(torch_version="2.11.3+cu130")).environment.torch == "2.11.5+cu130"
-    read = load(gpu(capability=(8, 9), name="X"), gpu(capability=(9, 0), name="Y"))
+    read = load(gpu(capability=(8, 9), name="X", default=entry("sm89-fp8-cuda")),
+                gpu(capability=(9, 0), name="Y"))
     assert profile.nearest(read, machine(name="Z", capability=(9, 0))).name == "Y"
 
 
