@@ -226,6 +226,12 @@ def case_span_probe_with_an_unknown_side():
     return _span_edit(lambda probe: probe.update(side="sideways"))
 
 
+@case("1", "evidence/test_report_checks.py::test_a_span_probe_spans_what_its_shape_does")
+def case_span_probe_with_its_tokens_edited_apart_from_its_span():
+    """Found after the issue's cases: 5 tokens beside a span of 2,147,504,128 elements."""
+    return _span_edit(lambda probe: probe.update(tokens=5))
+
+
 def _profile_load(edit) -> dict:
     profile = _Tree().profile_module()
     data = json.loads(Path(BASE_PROFILE).read_text())
@@ -248,6 +254,14 @@ def case_profile_max_span_elements_2_to_the_40():
 @case("1", "serving/test_profile.py::test_one_machine_twice_is_refused_and_another_software_is_another_entry")
 def case_profile_with_one_gpu_model_twice():
     return _profile_load(lambda data: data["gpus"].append(copy.deepcopy(data["gpus"][0])))
+
+
+@case("1", "serving/test_profile.py::test_an_entry_serving_a_variant_its_gpu_cannot_run_is_refused")
+def case_profile_entry_serving_a_variant_its_gpu_cannot_run():
+    """Found after the issue's cases: the H200's entries (sm90-fp8-cuda) on an sm_89 GPU."""
+    def edit(data):
+        data["gpus"][0].update(name="NVIDIA GeForce RTX 4090", capability=[8, 9])
+    return _profile_load(edit)
 
 
 @case("1", "serving/test_builtin_defaults.py::"
