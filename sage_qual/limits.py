@@ -41,6 +41,16 @@ CACHE_ERROR_LIMIT = 3
 # quantizers), kijai/ComfyUI-KJNodes pull request 748 (uint32 in the fused V transpose). So every
 # offset must fit a signed 32-bit integer: at most 2^31 - 1 elements.
 MAX_SPAN_ELEMENTS = 2**31 - 1
+
+
+def query_span(layout: str, tokens: int, heads: int, head_dim: int) -> int:
+    """The elements a span probe's query spans from its data pointer: [1, heads, tokens, head_dim]
+    contiguous, or a view into a fused [1, tokens, 3 * heads * head_dim] projection."""
+    if layout == "contiguous":
+        return heads * tokens * head_dim
+    return heads * head_dim + (tokens - 1) * 3 * heads * head_dim
+
+
 # The element count is taken at the sequence length rounded up to this many tokens: upstream's sm90
 # function (sageattention/core.py, sageattn_qk_int8_pv_fp8_cuda_sm90) pads V with zeros to a
 # multiple of 128 tokens before its FP8 copy, so a V just under the limit has a copy past it.

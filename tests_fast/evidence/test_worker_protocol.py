@@ -36,7 +36,7 @@ SPEED = tasks.SpeedTask("sm90-fp8-cuda@k", "sm90-fp8-cuda", "k", SHAPE, 3, 20)
 PAIRED = tasks.PairedTask("sm90-fp8-cuda+sdpa@k", "sm90-fp8-cuda", "k", SHAPE, 3, 20)
 LONG = tasks.LongTask("sm90-fp8-cuda~k", "sm90-fp8-cuda", SHAPE, [ShapeUse(None, "self 8192")],
                       ["contiguous", "transposed"])
-SPAN = tasks.SpanTask("sm90-fp8-cuda^span", "sm90-fp8-cuda", 2**31 - 1, "fused_qkv", "above", 99_865,
+SPAN = tasks.SpanTask("sm90-fp8-cuda^span", "sm90-fp8-cuda", 2**31 - 1, "fused_qkv", "above", 99_866,
                       2_147_504_128, 56, 128, 1024)
 CONTEXT = tasks.ContextTask("sm90-fp8-cuda#contexts", "sm90-fp8-cuda", [1, 24, 16384, 128], "bfloat16")
 TASKS = [tasks.EnvTask("env"), CELL, tasks.SdpaTask("sdpa@k", "k", SHAPE, 3, 20), SPEED, PAIRED, LONG, SPAN,

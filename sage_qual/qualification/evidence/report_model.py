@@ -1,12 +1,11 @@
 """What report.json holds, as typed records: the evidence of a certify run, never its verdicts.
 
-A report stores what was measured (cells: a variant on a fixture; speed: a kernel at a shape,
-with every timed repeat) and where; `decide.verdict.decide()` draws every verdict from it.
-`files.load()` reads a file strictly: anything missing, mistyped, out of range, truncated or from a
-newer schema is a `ReportError` naming the file, the key and the fix. Older schemas still read
-(`files.upgrade`): version 1 (up to sage-qual 0.1: the same evidence plus a stored analysis, `gpus`,
-dropped unread, and no timing samples) and version 2 (budgets and long-check metrics as open
-mappings that could lack a key; version 3 stores them as `Budget` and `Metrics` records).
+A report stores what was measured (cells: a variant on a fixture; speed: a kernel at a shape, with every
+timed repeat) and where; `decide.verdict.decide()` draws every verdict from it. `files.load()` reads a file
+strictly: anything missing, mistyped, out of range, truncated or from a newer schema is a `ReportError`
+naming the file, the key and the fix. `files.upgrade` reads older schemas: version 1 (up to sage-qual 0.1:
+the same evidence plus a stored analysis, `gpus`, dropped unread, and no timing samples) and version 2
+(budgets and long-check metrics as open mappings that could lack a key, now `Budget` and `Metrics`).
 """
 
 from __future__ import annotations
@@ -237,14 +236,6 @@ class LongCheck(_Measured):
         return self._outcome_problems("long check", ("bounds", "metrics"))
 
 
-def query_span(layout: str, tokens: int, heads: int, head_dim: int) -> int:
-    """A span probe's query elements from its data pointer: [1, heads, tokens, head_dim] contiguous,
-    or a view into a fused [1, tokens, 3 * heads * head_dim] projection."""
-    if layout == "contiguous":
-        return heads * tokens * head_dim
-    return heads * head_dim + (tokens - 1) * 3 * heads * head_dim
-
-
 @dataclass(frozen=True)
 class SpanProbe:
     """A variant called directly on one long query near the 32-bit element limit (`measure.span_probe`):
@@ -273,16 +264,14 @@ class SpanProbe:
     traceback: str = ""
 
     def check(self) -> list[tuple[str, str]]:
-        # A probe sits at the 32-bit element boundary or its rung, just below or just above it: a
-        # claimed limit or span past that would lift the profile's span limit (issue 28: 2^40).
+        # A probe sits just below or above the 32-bit element boundary or its rung (issue 28: 2^40).
         if self.limit > limits.MAX_SPAN_ELEMENTS:
             return [("limit", f"{self.limit} is past the {limits.MAX_SPAN_ELEMENTS} elements a kernel "
                               "indexes with 32-bit offsets")]
         if (self.side == "below") != (self.span <= self.limit) or self.span > 2 * self.limit:
             return [("span", f"{self.span} is not {self.side} its limit {self.limit} (a probe sits within "
                              "2x of it)")]
-        planned = query_span(self.layout, self.tokens, self.heads, self.head_dim)
-        if self.span != planned:  # its shape edited apart from its span, or the span alone
+        if self.span != (planned := limits.query_span(self.layout, self.tokens, self.heads, self.head_dim)):
             return [("span", f"{self.span} is not the {planned} elements of a {self.layout} query of "
                              f"{self.tokens} tokens x {self.heads} heads x {self.head_dim}")]
         if self.outcome == Outcome.PASS and self.rel_l2 is None:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from sage_qual import limits, records
-from sage_qual.qualification.evidence.report_model import Outcome, SpanProbe, query_span
+from sage_qual.qualification.evidence.report_model import Outcome, SpanProbe
 from sage_qual.qualification.evidence.tasks import SpanTask
 from sage_qual.serving.eligibility import extent
 
@@ -97,7 +97,7 @@ def _span(layout: str, tokens: int, heads: int, head_dim: int) -> tuple[int, int
     """(the query's span from its data pointer, what the wrapper's rule measures of it)."""
     shape = torch.Size((1, heads, tokens, head_dim))
     stride = _strides(layout, tokens, heads, head_dim)
-    return query_span(layout, tokens, heads, head_dim), extent(shape, stride)
+    return limits.query_span(layout, tokens, heads, head_dim), extent(shape, stride)
 
 
 def scaled(case: SpanCase, tokens: int, heads: int, kv_tokens: int) -> SpanCase:
