@@ -61,6 +61,17 @@ def env_result(environment: dict | report_model.EnvironmentRecord,
     return tasks.EnvResult(tasks.Outcome.PASS, environment, not_supported or {})
 
 
+def on_machine(monkeypatch, environment) -> None:
+    """This process runs on a machine with `environment` (env_result's, or a function giving it when
+    the worker is asked): its worker collects that environment, and the device-node check that refuses
+    a machine without a GPU before any worker (`options.gpu_absent`) finds one."""
+    from sage_qual.qualification.run import options, pool
+
+    monkeypatch.setattr(pool, "collect_environment", lambda *args, **kwargs: env_result(
+        environment() if callable(environment) else environment))
+    monkeypatch.setattr(options, "gpu_absent", lambda: "")
+
+
 def fleet_report() -> dict:
     """One complete report: cuda:0 H200, cuda:1 H100, cuda:2 RTX 4090."""
     data, rtx = (files.from_dict(load(name), name) for name in ("sample_h200_2gpu.json",

@@ -66,6 +66,24 @@ def test_certify_refuses_before_importing_torch_or_starting_a_worker(tmp_path, c
     assert done.stdout.strip() == "no torch" and not out.exists()
 
 
+def test_gate_without_a_gpu_refuses_before_importing_torch_or_starting_a_worker():
+    """gate on a CPU machine started a worker (2.9 s here) to learn there is no GPU."""
+    import os
+    import subprocess
+    import sys
+
+    report = Path(__file__).resolve().parents[2] / "docs/results/run25-h200/certify/report.json"
+    code = ("import sys\nfrom sage_qual import cli\ncode = cli.main(sys.argv[1:])\n"
+            "print('torch imported' if 'torch' in sys.modules else 'no torch')\nsys.exit(code)")
+    environ = {k: v for k, v in os.environ.items() if k != "SAGE_QUAL_TEST_WORKER"}
+    environ["CUDA_VISIBLE_DEVICES"] = ""
+    done = subprocess.run([sys.executable, "-c", code, "gate", "--family", "FLUX.1", "--report", str(report)],
+                          text=True, capture_output=True, timeout=60, env=environ)
+    assert done.returncode == 2 and done.stdout.strip() == "no torch", done.stderr
+    assert ("no CUDA GPU is visible here (CUDA_VISIBLE_DEVICES is ''), so no report can be matched to this "
+            "machine") in done.stderr
+
+
 def test_no_gpu_is_known_from_the_device_nodes_and_the_hook(monkeypatch):
     import fnmatch
 

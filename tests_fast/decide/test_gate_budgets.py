@@ -21,11 +21,11 @@ from sage_qual.qualification import families, selection
 from sage_qual.qualification.decide import budget_check, checked
 from sage_qual.qualification.decide import gate as gate_module
 from sage_qual.qualification.measure import budgets
-from sage_qual.qualification.run import pool, workers
+from sage_qual.qualification.run import workers
 from sage_qual.serving.variants import VARIANTS
 
 from ..builders import reason
-from ..fakes import H200, env_result, fleet_report, gpu_entry, write_fleet
+from ..fakes import H200, fleet_report, gpu_entry, on_machine, write_fleet
 from ..fakes import within_budget as _within
 
 FAILING = "sm90-fp8-cuda"
@@ -55,8 +55,7 @@ def flux_report(tmp_path, monkeypatch):
     assert failing is not None
     path.write_text(json.dumps(data))
     environment = data["environment"]
-    monkeypatch.setattr(pool, "collect_environment", lambda *args, **kwargs: env_result(
-        {**environment, "gpus": [gpu_entry(environment["gpus"][0], 0, H200)]}))
+    on_machine(monkeypatch, {**environment, "gpus": [gpu_entry(environment["gpus"][0], 0, H200)]})
     return path, fixtures, data, failing
 
 

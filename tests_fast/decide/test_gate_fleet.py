@@ -22,7 +22,6 @@ from sage_qual.fixtures import fileformat
 from sage_qual.qualification import families
 from sage_qual.qualification.decide import budget_check, checked, verdict
 from sage_qual.qualification.decide import gate as gate_module
-from sage_qual.qualification.run import pool
 
 from ..fakes import (
     CAPABILITY,
@@ -32,10 +31,10 @@ from ..fakes import (
     H200_NVL,
     L40S,
     RTX4090,
-    env_result,
     fleet_report,
     gpu_entry,
     load,
+    on_machine,
     write_fixture,
     write_fleet,
 )
@@ -56,8 +55,7 @@ def machine(monkeypatch):
 
     def here(*models):
         gpus = [gpu_entry(environment["gpus"][0], i, name) for i, name in enumerate(models)]
-        monkeypatch.setattr(pool, "collect_environment",
-                            lambda *args, **kwargs: env_result({**environment, "gpus": gpus}))
+        on_machine(monkeypatch, {**environment, "gpus": gpus})
     return here
 
 

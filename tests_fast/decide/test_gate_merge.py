@@ -18,11 +18,10 @@ from sage_qual.qualification.decide import budget_check, checked, gate, verdict
 from sage_qual.qualification.evidence import report_model
 from sage_qual.qualification.evidence.report_model import EnvironmentRecord
 from sage_qual.qualification.families import Family
-from sage_qual.qualification.run import pool
 
 from .. import builders
 from ..builders import reason
-from ..fakes import env_result
+from ..fakes import on_machine
 
 DATA = Path(__file__).parent.parent / "data"
 H200 = DATA / "sample_h200_2gpu.json"
@@ -263,7 +262,7 @@ def test_partial_or_uncertified_family_cannot_decide():
 def machine(monkeypatch):
     """This machine's environment as collected in a worker, replaced by what a test sets."""
     here = {"environment": load(H200)["environment"]}
-    monkeypatch.setattr(pool, "collect_environment", lambda *args, **kwargs: env_result(here["environment"]))
+    on_machine(monkeypatch, lambda: here["environment"])
     return here
 
 

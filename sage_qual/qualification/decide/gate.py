@@ -239,8 +239,8 @@ def gate(report_path: Path, family_name: str, machine: Callable[[], EnvironmentR
     if problem:
         return GateDecision(family.name, ExitCode.USAGE, problem)
     try:
+        here = machine()  # first: a machine without a GPU is refused before the fixtures import torch
         fixtures = family_fixtures(fixture_dirs, family)
-        here = machine()
     except UsageError as error:
         return GateDecision(family.name, ExitCode.USAGE, str(error))
     return decide(data, family, here, fixtures, require_speedup, str(report_path))
