@@ -61,8 +61,7 @@ def _gate(args: argparse.Namespace) -> int:
 
         absent = options.gpu_absent()  # known without torch or a worker: 0.3 s instead of 2.9 s here
         if absent:
-            raise UsageError(f"no CUDA GPU is visible here ({absent}), so no report can be matched to this "
-                             "machine")
+            raise UsageError(gate.no_gpu_problem(absent))
         from sage_qual.qualification.run import workers  # a worker: torch, only once a report was read
 
         return workers.this_machine()

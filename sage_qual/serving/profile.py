@@ -164,14 +164,13 @@ class ProfileGpu:
         return gpu_label(self.name, self.capability)
 
     def check(self) -> list[tuple[str, str]]:
-        # An entry serving a variant this capability cannot run (sm120's on an sm_90) would fail its
-        # first call on every device; certify writes only variants that ran here.
+        # An entry serving a variant this capability cannot run (sm90-fp8-cuda on an sm_89) would fail
+        # its first call on every device; certify writes only variants that ran there.
         capability = tuple(self.capability)
         for where, chosen in [("default", self.default), *(("families." + name, entry)
                                                            for name, entry in self.families.items())]:
             variant = VARIANTS.get(chosen.variant) if chosen.variant else None
-            if variant and not (variant.min_capability <= capability
-                                and (variant.max_capability is None or capability <= variant.max_capability)):
+            if variant and variant.capability_reasons(capability):
                 return [(f"{where}.variant", f"{variant.name} does not run on {capability_label(capability)} "
                                              f"(capability {list(capability)})")]
         return []

@@ -146,6 +146,14 @@ class Variant:
     def kernel_function(self) -> KernelFunction:
         return KERNEL_FUNCTIONS[self.function]
 
+    def capability_reasons(self, capability: Capability) -> list[str]:
+        """Why a GPU of this capability is outside the variant's range; [] when it is inside."""
+        if capability < self.min_capability:
+            return [f"capability={capability} (needs >= {self.min_capability})"]
+        if self.max_capability is not None and capability > self.max_capability:
+            return [f"capability={capability} (needs <= {self.max_capability})"]
+        return []
+
     def not_supported_reasons(self, box: BoxFacts) -> list[str]:
         """Why this box cannot run the variant, from its facts alone (`assess` adds the package's)."""
         reasons = []
@@ -156,10 +164,7 @@ class Variant:
         if self.needs_triton and box.capability in TRITON_UNUSABLE:
             reasons.append("capability=%s: upstream's Triton kernel is not usable there (sageattention "
                            "core.py)" % (box.capability,))
-        if box.capability < self.min_capability:
-            reasons.append(f"capability={box.capability} (needs >= {self.min_capability})")
-        if self.max_capability is not None and box.capability > self.max_capability:
-            reasons.append(f"capability={box.capability} (needs <= {self.max_capability})")
+        reasons += self.capability_reasons(box.capability)
         if self.extension is not None and self.extension not in box.extensions:
             reasons.append(f"extension sageattention.{self.extension} not built or does not import")
         if self.needs_triton and not box.has_triton:

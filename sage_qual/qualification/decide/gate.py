@@ -166,10 +166,16 @@ def report_problem(source: str, data: Report, family: Family) -> str:
     return ""
 
 
+def no_gpu_problem(why: str = "") -> str:
+    """gate's refusal on a machine without a GPU (`why`: how that is known, when it is)."""
+    known = f" ({why})" if why else ""
+    return f"no CUDA GPU is visible here{known}, so no report can be matched to this machine"
+
+
 def machine_problem(here: EnvironmentRecord) -> str:
     """Why no report can be matched to this machine; empty when one can."""
     if not here.gpus:
-        return "no CUDA GPU is visible here, so no report can be matched to this machine"
+        return no_gpu_problem()
     if here.sageattention_problem:
         return f"sageattention cannot run here: {here.sageattention_problem}"
     return ""
