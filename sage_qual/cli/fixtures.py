@@ -148,7 +148,8 @@ def render(info: dict) -> str:
             for variant, numbers in calibration.get(title, {}).items():
                 lines.append(f"    {title} {variant}: {_value(numbers)}")
         if "torch_sdpa_cpu" in calibration:
-            lines.append(f"    torch SDPA on the CPU: {_value(calibration['torch_sdpa_cpu'])}")
+            lines.append(f"    torch SDPA on the CPU that wrote the file: {_value(calibration['torch_sdpa_cpu'])} "
+                         "(another CPU's kernels give another number)")
     elif calibration:
         lines.append(f"  calibration  {calibration}")
     lines += [f"  known        {line}" if n == 0 else f"               {line}"
