@@ -107,7 +107,7 @@ EXIT_CODES = {
              (1, "keep it off: every reason printed"),
              (2, "cannot decide: no, partial, damaged, edited, predicted or stale report, or no GPU here")),
     "merge": ((0, "the fleet table"), _USAGE),
-    "compare": ((0, "the reports serve the same calls, each threshold within --tolerance"),
+    "compare": ((0, "the reports serve the same calls, served speedups within --tolerance"),
                 (1, "they differ: each difference printed"),
                 (2, "unreadable, or reports that cannot be compared (partial, predicted, --quick)")),
 }

@@ -2,10 +2,13 @@
 
 Both reports are decided afresh (`verdict.decide`). Per GPU model and per family (and the default
 entry), everything a verdict serves is compared: the verdict, the variant, the head sizes, the
-verified layouts, execution contexts and bounds (the calls kept on torch) must be equal, and each
-of the four thresholds (the query and key tokens it serves from, and up to) must lie within
---tolerance of the other report's, each on its own, relative to the larger. A verified upper bound
-against none is a difference. A GPU model, a family or a variant that ran in one report only is a
+verified upper bounds, layouts, execution contexts and bounds (the calls kept on torch) must be
+equal. Speed is judged as it is measured: over the shapes either report serves, the geometric mean
+of the second report's median speedup over the first's must lie within --tolerance of 1 (default:
+the run-to-run spread, `speed.RUN_TO_RUN_SPREAD`). The length a family is served from is not
+compared on its own: it sits where the speedup is flat near the bar and moved one refinement step
+(11,648 against 12,672 tokens) between identical runs (docs/runs/run29_speed_spread.txt), while the
+speedups it serves agreed. A GPU model, a family or a variant that ran in one report only is a
 difference too. Exit 0 when nothing differs, 1 when something does (each difference printed), 2 on
 unreadable input and on reports that cannot be compared: partial, predicted (certify --emulate) or
 --quick runs (their thresholds are no profile's).
@@ -14,32 +17,42 @@ unreadable input and on reports that cannot be compared: partial, predicted (cer
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from sage_qual import jsonfile, records
 from sage_qual.errors import Answer, ExitCode, UsageError
 from sage_qual.qualification.decide import checked, verdict
-from sage_qual.qualification.evidence.report_model import ReportError
+from sage_qual.qualification.evidence.report_model import ReportError, ShapeSpec
+from sage_qual.qualification.measure.speed import RUN_TO_RUN_SPREAD
 
-DEFAULT_TOLERANCE = 0.10
+DEFAULT_TOLERANCE = RUN_TO_RUN_SPREAD
 
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("compare", help="whether two certify reports serve the same calls: "
                                                    "verdicts, variants, ranges, head sizes, layouts and "
-                                                   "contexts, thresholds within a tolerance")
+                                                   "contexts, served speed within a tolerance")
     parser.add_argument("first", type=Path, metavar="REPORT")
     parser.add_argument("second", type=Path, metavar="REPORT")
     parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
-                        help="largest relative difference of each threshold (the tokens served from "
-                             f"and up to, query and key), on its own (default {DEFAULT_TOLERANCE:g})")
+                        help="largest relative change of the served speedup (geometric mean over the "
+                             f"shapes either report serves; default {DEFAULT_TOLERANCE:g}, the run-to-run "
+                             "spread measured on the H200)")
     parser.add_argument("--json", action="store_true",
                         help="one JSON object on stdout: exit_code, problem, entries, differences")
     parser.set_defaults(func=_compare)
 
 
-def _decide(path: Path) -> dict[str, verdict.GpuDecision]:
+@dataclass(frozen=True)
+class Decided:
+    """One report's decisions per GPU model, and the shapes its speedups are keyed by."""
+    gpus: dict[str, verdict.GpuDecision]
+    shapes: dict[str, ShapeSpec]
+
+
+def _decide(path: Path) -> Decided:
     try:
         data = checked.load(path)
     except ReportError as error:
@@ -53,13 +66,13 @@ def _decide(path: Path) -> dict[str, verdict.GpuDecision]:
     if data.options.quick:
         raise UsageError(f"{path}: options.quick: true: a --quick run times no family's shapes, so its "
                          "thresholds are no profile's; compare full certify runs")
-    return {gpu.model: gpu for gpu in verdict.decide(data)}
+    return decided(data)
 
 
-def _apart(a: int | None, b: int | None, tolerance: float) -> bool:
-    if a is None or b is None:
-        return a != b
-    return abs(a - b) > tolerance * max(a, b)
+def decided(data) -> Decided:
+    """A report read back (`checked.load`) as compare sees it."""
+    return Decided({gpu.model: gpu for gpu in verdict.decide(data)},
+                   {key: entry.shape for key, entry in data.shapes.items()})
 
 
 def _entry(decision: verdict.FamilyDecision) -> str:
@@ -86,24 +99,45 @@ def _bound_limits(decision: verdict.FamilyDecision) -> list[tuple[str, int]]:
     return [(bound.side, bound.below) for bound in decision.bounds]
 
 
-def _differ(a: verdict.FamilyDecision, b: verdict.FamilyDecision, tolerance: float) -> bool:
+def _serves(decision: verdict.FamilyDecision, shape: ShapeSpec) -> bool:
+    if decision.min_query_tokens is None or shape.head_dim not in decision.head_dims:
+        return False
+    return (decision.min_query_tokens <= shape.q_tokens <= (decision.max_query_tokens or math.inf)
+            and decision.min_key_tokens <= shape.kv_tokens <= (decision.max_key_tokens or math.inf))
+
+
+def served_speed_change(a: verdict.FamilyDecision, b: verdict.FamilyDecision, first: Decided, second: Decided,
+                        model: str) -> float | None:
+    """The geometric mean, over the shapes both reports timed that either decision serves, of the
+    second report's median speedup of the served variant over the first's; None when none."""
+    ratios = []
+    for key, shape in first.shapes.items():
+        if second.shapes.get(key) != shape or not (_serves(a, shape) or _serves(b, shape)):
+            continue
+        old = first.gpus[model].speedups.get((a.variant, key))
+        new = second.gpus[model].speedups.get((b.variant, key))
+        if old and new and old[1] > 0 and new[1] > 0:
+            ratios.append(new[1] / old[1])
+    return math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None
+
+
+def _differ(a: verdict.FamilyDecision, b: verdict.FamilyDecision, change: float | None, tolerance: float) -> bool:
     if _bound_limits(a) != _bound_limits(b):
         return True
-    exact = ("verdict", "variant", "head_dims", "layouts", "contexts", "range_verified")
-    thresholds = ("min_query_tokens", "min_key_tokens", "max_query_tokens", "max_key_tokens")
-    return any(getattr(a, name) != getattr(b, name) for name in exact) or \
-        any(_apart(getattr(a, name), getattr(b, name), tolerance) for name in thresholds)
+    exact = ("verdict", "variant", "head_dims", "layouts", "contexts", "range_verified", "max_query_tokens",
+             "max_key_tokens")
+    moved = change is not None and abs(math.log(change)) > math.log1p(tolerance)
+    return moved or any(getattr(a, name) != getattr(b, name) for name in exact)
 
 
-def differences(first: dict[str, verdict.GpuDecision], second: dict[str, verdict.GpuDecision],
-                tolerance: float) -> tuple[list[str], list[str]]:
+def differences(first: Decided, second: Decided, tolerance: float) -> tuple[list[str], list[str]]:
     """(one line per entry compared, the differences)."""
     lines, found = [], []
-    for model in sorted(set(first) | set(second)):
-        if model not in first or model not in second:
+    for model in sorted(set(first.gpus) | set(second.gpus)):
+        if model not in first.gpus or model not in second.gpus:
             found.append(f"{model}: in only one report")
             continue
-        a_gpu, b_gpu = first[model], second[model]
+        a_gpu, b_gpu = first.gpus[model], second.gpus[model]
         ran = [{name for name, status in gpu.variants.items() if status.ran} for gpu in (a_gpu, b_gpu)]
         found += [f"{model}: variant {name} ran in only one report" for name in sorted(ran[0] ^ ran[1])]
         a_entries = {d.label: d for d in a_gpu.families + [a_gpu.default]}
@@ -113,9 +147,11 @@ def differences(first: dict[str, verdict.GpuDecision], second: dict[str, verdict
             if a is None or b is None:
                 found.append(f"{model} {label}: in only one report")
                 continue
-            line = f"{model} {label}: {_entry(a)} vs {_entry(b)}"
+            change = served_speed_change(a, b, first, second, model) if a.variant == b.variant else None
+            speed = "" if change is None else f" (served speedup x{change:.3f})"
+            line = f"{model} {label}: {_entry(a)} vs {_entry(b)}{speed}"
             lines.append(line)
-            if _differ(a, b, tolerance):
+            if _differ(a, b, change, tolerance):
                 found.append(line)
     return lines, found
 
@@ -142,6 +178,6 @@ def _compare(args: argparse.Namespace) -> int:
         print(f"{len(found)} difference(s) beyond {args.tolerance:.0%}:")
         print("\n".join(f"  {line}" for line in found))
         return ExitCode.KEEP_OFF
-    print("same verdicts, variants, ranges, layouts and contexts, each threshold within "
+    print("same verdicts, variants, ranges, layouts and contexts; served speedups within "
           f"{args.tolerance:.0%}")
     return ExitCode.OK

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from sage_qual.qualification import families
+from sage_qual.qualification.measure import speed
 from sage_qual.qualification.decide import bounds, checked, verdict
 from sage_qual.qualification.decide.verdict import Verdict
 from sage_qual.qualification.families import CallSite, cross_attention
@@ -48,7 +49,7 @@ def edited_cells(report, variant, fixture, **fields):
 def test_an_ip_adapter_failure_below_the_break_even_bounds_flux1_instead_of_vetoing_it(run25):
     decision = flux1(run25)
     assert (decision.verdict, decision.variant) == (Verdict.ENABLE, "sm90-fp8-cuda")
-    assert (decision.min_key_tokens, decision.max_query_tokens) == (10624, 32768)
+    assert (decision.min_key_tokens, decision.max_query_tokens) == (12672, 32768)
     [bound] = decision.bounds
     assert (bound.side, bound.below) == ("key", 17)  # the site's 4 to 16 keys stay on torch
     assert bound.reason.startswith(f"{IP_ADAPTER}: sm90-fp8-cuda output not finite")
@@ -58,7 +59,10 @@ def test_an_ip_adapter_failure_below_the_break_even_bounds_flux1_instead_of_veto
     assert "sm90-fp8-cuda" in decision.bounded and "sm90-fp8-cuda" not in decision.certified
 
 
-def test_sdxls_fixture_stands_for_both_of_its_ip_adapter_sites(run25):
+def test_sdxls_fixture_stands_for_both_of_its_ip_adapter_sites(run25, monkeypatch):
+    # SDXL's largest call sits within the run-to-run spread of 1x (no speedup with it): without the
+    # spread, run 25 enables it, and its bound is what is tested here.
+    monkeypatch.setattr(speed, "RUN_TO_RUN_SPREAD", 0.0)
     [gpu] = verdict.decide(run25)
     [bound] = gpu.family("SDXL").bounds
     assert (bound.side, bound.below) == ("key", 17)

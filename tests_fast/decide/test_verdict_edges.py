@@ -219,7 +219,7 @@ def test_the_speed_reasons_in_words():
     (gpu,) = decide(data)
     flux = gpu.family("FLUX.1")
     assert [r.detail for r in flux.reasons] == [
-        "sm90-fp8-cuda never measured faster than 1x the fastest SDPA backend (lower 95 % bound)"]
+        "sm90-fp8-cuda never measured faster than 1.05x the fastest SDPA backend (lower 95 % bound)"]
     quick = sample()
     own = [k for k, s in quick["shapes"].items() if any(u["family"] == "FLUX.1" for u in s["uses"])]
     for device in quick["devices"]:  # a --quick run times the sweep, not the family's shapes

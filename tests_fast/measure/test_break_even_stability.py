@@ -33,81 +33,38 @@ def load(path: Path) -> report_model.Report:
         return checked.parse(json.load(file), str(path))
 
 
-def decided(path: Path) -> dict[str, verdict.GpuDecision]:
-    return {gpu.model: gpu for gpu in verdict.decide(load(path))}
+def decided(path: Path) -> compare.Decided:
+    return compare.decided(load(path))
 
 
-def test_two_h200_runs_give_the_same_verdicts_and_thresholds_within_ten_percent():
+def test_two_h200_runs_give_the_same_verdicts_and_served_speed():
     first, second = (decided(path) for path in RUNS)
     lines, found = compare.differences(first, second, compare.DEFAULT_TOLERANCE)
     assert lines and not found, "\n".join(found)
-    enabled = [d for gpu in first.values() for d in gpu.families if d.verdict == verdict.Verdict.ENABLE]
-    assert enabled, "the runs enable a family: the thresholds compared are numbers, not None"
+    enabled = [d for gpu in first.gpus.values() for d in gpu.families if d.verdict == verdict.Verdict.ENABLE]
+    assert enabled, "the runs enable a family: served speedups are compared, not None"
 
 
-# SDXL sits at the edge (issue 26: bounded, sm90-fp8-cuda became its candidate): the lower bound of its
-# speedup at its largest call (2048² self, 640 ch) was 0.97-1.01x in run 13's four reports, so its
-# verdict, and with its head_dim 64 the default entry's, flips between runs. Such flips are set aside
-# only while that speedup is this close to 1x in both reports; any other difference fails.
-EDGE_SHAPE, EDGE = "2048² self, 640 ch", 0.05
-
-
-def beyond_sdxls_edge(first, second, found: list[str]) -> list[str]:
-    """`found` without the SDXL and default lines when SDXL's largest call is within EDGE of 1x in
-    both reports."""
-    at_edge = all(abs(gpu.family("SDXL").speedups[EDGE_SHAPE] - 1) <= EDGE
-                  for decided in (first, second) for gpu in decided.values())
-    edge_lines = ("SDXL:", "default:")
-    return [line for line in found if not (at_edge and any(f" {label}" in line for label in edge_lines))]
-
-
-def run11() -> list[dict[str, verdict.GpuDecision]]:
-    return [{gpu.model: gpu for gpu in verdict.decide(checked.load(path))} for path in RUN11]
-
-
-def test_two_h200s_of_run_11_give_the_same_verdict_and_variant_for_every_family():
-    first, second = run11()
-    assert first.keys() == second.keys()
-    for model, gpu in first.items():
-        other = second[model]
-        for a, b in zip(gpu.families + [gpu.default], other.families + [other.default], strict=True):
-            differ = (a.label, a.verdict, a.variant) != (b.label, b.verdict, b.variant)
-            assert not beyond_sdxls_edge(first, second, [f"{model} {a.label}:"] if differ else [])
-
-
-@pytest.mark.xfail(strict=True, reason="run 11 predates paired timing (docs/certify.md, Break-even): its two "
-                   "H200s put sm90-fp8-cuda's head_dim 128 break-even at 9,728 and 16,384 tokens; run 13 "
-                   "agrees within 10 % (test_run_13s_...)")
-def test_two_h200s_of_run_11_give_thresholds_within_ten_percent():
-    first, second = run11()
-    lines, found = compare.differences(first, second, compare.DEFAULT_TOLERANCE)
-    assert lines and not found, "\n".join(found)
-
-
-# Device run 13 (code 365e3d2, paired timing near the crossover): three certify runs back to back on
-# cuda:0 (b, c, d) and one on cuda:1 at the same time as d (e).
+# Device run 11 (two H200s of one host at once, before paired timing) and run 13 (paired timing: three
+# certify runs back to back on cuda:0, b to d, and one on cuda:1 beside d, e). SDXL sat at the edge
+# there (its largest call's lower bound 0.97-1.01x), and flipped between enable and no speedup until
+# the bar carried the run-to-run spread (speed.RUN_TO_RUN_SPREAD).
 RUN13 = {name: RESULTS / "run13-h200x2" / f"certify-{name}" / "report.json" for name in "bcde"}
 
 
 @pytest.mark.parametrize("pair", ["bc", "cd", "bd", "de"])
-def test_run_13s_back_to_back_and_two_gpu_certify_runs_agree_within_ten_percent(pair):
-    first, second = ({gpu.model: gpu for gpu in verdict.decide(checked.load(RUN13[name]))} for name in pair)
+def test_run_13s_back_to_back_and_two_gpu_certify_runs_compare_equal(pair):
+    first, second = (compare.decided(checked.load(RUN13[name])) for name in pair)
     lines, found = compare.differences(first, second, compare.DEFAULT_TOLERANCE)
-    left = beyond_sdxls_edge(first, second, found)
-    assert lines and not left, "\n".join(left)
-    served = [d.min_query_tokens for gpu in first.values() for d in gpu.families if d.min_query_tokens]
-    assert served, "no family was enabled: nothing to compare"
+    assert lines and not found, "\n".join(found)
 
 
-def test_sdxls_flip_is_set_aside_only_at_the_edge():
-    """The exception above cannot hide a real change: far from 1x, or in another family, it counts."""
-    first, second = ({gpu.model: gpu for gpu in verdict.decide(checked.load(RUN13[name]))} for name in "bc")
-    found = compare.differences(first, second, compare.DEFAULT_TOLERANCE)[1]
-    assert found and not beyond_sdxls_edge(first, second, found)
-    assert beyond_sdxls_edge(first, second, ["NVIDIA H200 (sm_90) Qwen-Image: x vs y"])
-    [gpu] = second.values()
-    gpu.family("SDXL").speedups[EDGE_SHAPE] = 1.2
-    assert beyond_sdxls_edge(first, second, found) == found
+def test_run_11s_two_h200s_give_the_same_verdict_and_variant_for_every_family():
+    first, second = (compare.decided(checked.load(path)) for path in RUN11)
+    for model, gpu in first.gpus.items():
+        other = second.gpus[model]
+        for a, b in zip(gpu.families + [gpu.default], other.families + [other.default], strict=True):
+            assert (a.label, a.verdict, a.variant) == (b.label, b.verdict, b.variant)
 
 
 def raw_thresholds(path: Path) -> set[int]:

@@ -17,6 +17,7 @@ from sage_qual import records
 from sage_qual.qualification.decide import bounds, checked, verdict
 from sage_qual.qualification.evidence import report_model
 from sage_qual.qualification.evidence.report_model import PublishedBound
+from sage_qual.qualification.measure import speed
 from sage_qual.qualification.render import plots
 from tests_fast import builders
 
@@ -28,14 +29,16 @@ SAMPLE = ROOT / "tests_fast" / "data" / "sample_h200_2gpu.json"
 @pytest.mark.parametrize("run", ["certify-b", "certify-e"])
 def test_run_13s_reports_render_as_committed(run, tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")  # the committed report.md shows the plots
+    monkeypatch.setattr(speed, "RUN_TO_RUN_SPREAD", 0.0)  # the bar those reports were decided with
     monkeypatch.setattr(bounds, "sites_of", lambda fixture, family=None: [])
     builders.rendered(checked.load(RUN13 / run / "report.json"), tmp_path)
     assert (tmp_path / "report.md").read_bytes() == (RUN13 / run / "report.md").read_bytes()
 
 
 @pytest.mark.parametrize("run", ["certify-b", "certify-e"])
-def test_bounds_change_only_the_rows_of_the_families_they_bound(run, tmp_path):
+def test_bounds_change_only_the_rows_of_the_families_they_bound(run, tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
+    monkeypatch.setattr(speed, "RUN_TO_RUN_SPREAD", 0.0)  # the bar those reports were decided with
     data = checked.load(RUN13 / run / "report.json")
     builders.rendered(data, tmp_path)
     now = (tmp_path / "report.md").read_text().splitlines()

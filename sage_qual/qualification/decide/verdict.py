@@ -55,6 +55,7 @@ from sage_qual.qualification.families import (
 from sage_qual.qualification.measure.speed import (
     Thresholds,
     break_even,
+    served_bar,
     serves,
     speedup_bounds,
     steady_lower_bounds,
@@ -247,7 +248,8 @@ class _Model:
                  self.speedup[(variant, k)][0]) for k in keys if (variant, k) in self.speedup]
 
     def break_even(self, variant: str, keys: list[str], min_speedup: float = 1.0) -> Thresholds | None:
-        return break_even(self.points(variant, keys), min_speedup) if variant in self.runnable else None
+        return break_even(self.points(variant, keys), served_bar(min_speedup)) if variant in self.runnable \
+            else None
 
     def verdict(self, family: Family | None) -> FamilyDecision:
         result = FamilyDecision(family.name if family else None)
@@ -293,8 +295,8 @@ class _Model:
             if thresholds else []
         if thresholds is None:
             result.reasons.append(Reason(ReasonKind.SPEED, f"{chosen} never measured faster than "
-                                                           f"{min_speedup:g}x the fastest SDPA backend "
-                                                           "(lower 95 % bound)"))
+                                                           f"{served_bar(min_speedup):g}x the fastest SDPA "
+                                                           "backend (lower 95 % bound)"))
         elif family is not None and not self.points(chosen, list(own)):
             result.reasons.append(Reason(ReasonKind.SPEED, f"{family.name}'s own shapes were not timed (a "
                                                            "--quick run): speedup unknown"))

@@ -107,6 +107,23 @@ def intervals_to_refine(points: list[tuple[int, float, float]],
             if low_bound <= min_speedup < high_bound or low in near or high in near]
 
 
+# How far a variant's median speedup moves between certify runs of one GPU and one build: over the
+# three back-to-back full certifies of docs/results/run29-h200 and runs 27-28 (one H200, SageAttention
+# 2.2.0 for sm90, torch 2.11.0+cu130), the largest over the smallest of five runs at each sweep length
+# from 8,192 tokens had a median of 1.041 (head_dim 64) and 1.049 (head_dim 128)
+# (docs/runs/run29_speed_spread.txt). A length is served only where its lower bound clears the
+# family's bar by this much, so a family whose speedup sits within the spread of 1x (SDXL's 16,384
+# tokens: 0.957-1.032 median) gets "no speedup" in every run instead of either verdict by chance,
+# and the threshold comes from the conservative end of the spread. `compare` judges served speed
+# with the same number.
+RUN_TO_RUN_SPREAD = 0.05
+
+
+def served_bar(min_speedup: float) -> float:
+    """The lower bound a measured length must clear to be served for a family's `min_speedup`."""
+    return min_speedup * (1 + RUN_TO_RUN_SPREAD)
+
+
 @dataclass(frozen=True)
 class Thresholds:
     """Where a variant pays: the head sizes and the query and key lengths from which it is served,

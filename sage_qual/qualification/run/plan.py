@@ -34,7 +34,7 @@ from sage_qual.qualification.evidence.report_model import (
 )
 from sage_qual.qualification.families import GENERIC_HEADS, QUICK_SELF_TOKENS, SELF_TOKENS, Shape
 from sage_qual.qualification.measure import span_probe
-from sage_qual.qualification.measure.speed import intervals_to_refine, speedup_bounds
+from sage_qual.qualification.measure.speed import intervals_to_refine, served_bar, speedup_bounds
 from sage_qual.qualification.run.options import Integration, RunRequest
 from sage_qual.qualification.selection import Selection
 from sage_qual.serving.env_record import EnvironmentRecord, GpuInfo
@@ -226,7 +226,7 @@ def refined_lengths(points: list[tuple[int, float, float]], min_speedups=(1.0,))
     are (tokens, lower bound, median) of one variant at one head size."""
     lengths = set()
     for min_speedup in set(min_speedups):
-        for low, high in intervals_to_refine(points, min_speedup):
+        for low, high in intervals_to_refine(points, served_bar(min_speedup)):
             step = (high / low) ** (1 / (REFINE_POINTS + 1))
             for i in range(1, REFINE_POINTS + 1):
                 tokens = round(low * step ** i / TOKEN_GRANULE) * TOKEN_GRANULE
