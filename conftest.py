@@ -124,4 +124,4 @@ def pytest_terminal_summary(terminalreporter, config):
     count = config.stash.get(_DESELECTED, 0)
     if count:
         terminalreporter.write_line(f"tests_gpu: {count} GPU qualification tests deselected; run them on a "
-                                    "GPU box with `pytest -m slow` (README, GPU qualification)")
+                                    "GPU box with `pytest -m slow` (docs/guide.md, GPU qualification)")
