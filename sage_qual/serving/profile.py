@@ -390,7 +390,7 @@ class DeviceConfig:
     config: WrapperConfig
     note: str  # which profile entry applies, or why none does: one line (limits.STATUS_LINE_LIMIT)
     reasons: tuple[str, ...] = ()  # every reason the applied entry gives for serving nothing, in full
-    matched: bool = True  # False: no entry describes this device (a person asked for a profile: warn)
+    matched: bool = True  # False: no entry describes this device, or the defaults were another build's: warn
 
 
 def _entry_note(gpu: ProfileGpu, chosen: Entry, family: str | None, near: str) -> str:

@@ -170,7 +170,8 @@ def _load_profile(profile):
 
 def _device_configs(cuda, package, config: WrapperConfig, profile, family: str | None, builtin: bool):
     """Each device's config and note: the built-in defaults (when `builtin`) or `config`, then the
-    profile's entry where one matches; one WARNING when the profile describes a GPU not."""
+    profile's entry where one matches; one WARNING when the profile describes a GPU not, or when the
+    built-in defaults were measured with another sageattention build."""
     from sage_qual.serving import defaults
     from sage_qual.serving.profile import DeviceConfig, ProfileError, device_configs, machines
 
@@ -178,9 +179,7 @@ def _device_configs(cuda, package, config: WrapperConfig, profile, family: str |
     try:
         bases = (defaults.device_configs(here, family, config) if builtin
                  else [DeviceConfig(config, "")] * len(here))
-        if profile is None:
-            return bases
-        chosen = device_configs(profile, here, family, [b.config for b in bases])
+        chosen = bases if profile is None else device_configs(profile, here, family, [b.config for b in bases])
     except ProfileError as error:
         raise sage_package.SageUnavailable(str(error)) from None
     unmatched = [(i, c) for i, c in enumerate(chosen) if not c.matched]
@@ -188,7 +187,8 @@ def _device_configs(cuda, package, config: WrapperConfig, profile, family: str |
         (index, first), more = unmatched[0], len(unmatched) - 1
         label = "cuda:%d (%s, %s)" % (index, here[index].name, capability_label(here[index].capability))
         others = f" and {more} more GPUs" if more else ""
-        log.warning("%s", one_line(f"profile: {label}{others}: {first.note}"))
+        source = "built-in defaults" if profile is None else "profile"
+        log.warning("%s", one_line(f"{source}: {label}{others}: {first.note}"))
     return chosen
 
 

@@ -1,9 +1,12 @@
-"""The built-in defaults (sage_qual/serving/default_profile.json): built from the committed H200
-certify runs, applied by install() without config and profile on fake CUDA: the H200 gets its
-measured thresholds, a GPU never measured the most conservative of its compute capability, a
-capability never measured today's table and thresholds."""
+"""The built-in defaults (sage_qual/serving/default_profile.json): built from the newest committed H200
+certify runs, applied by install() without config and profile on fake CUDA: the H200 gets each
+family's verdict of those runs with its range, a GPU never measured the most conservative entry of
+its compute capability, a capability never measured today's table and thresholds, another build one
+WARNING."""
 
+import dataclasses
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,8 @@ import torch.nn.functional as F
 import sage_qual
 from sage_qual import records
 from sage_qual.limits import STATUS_LINE_LIMIT
+from sage_qual.qualification.decide import checked, verdict
+from sage_qual.qualification.decide import defaults as building
 from sage_qual.serving import defaults, profile
 from sage_qual.serving.config import DEFAULT_CONFIG, KERNEL_TABLE
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
@@ -20,11 +25,7 @@ from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
 from ..builders import make_entry, make_gpu, make_profile, reason
 
 RESULTS = Path(__file__).resolve().parent.parent.parent / "docs" / "results"
-SOURCES = [RESULTS / "run2-h200-certify-full" / "profile.json",
-           RESULTS / "run8-h200x2-final" / "certify" / "certify-a" / "profile.json",
-           RESULTS / "run8-h200x2-final" / "certify" / "certify-b" / "profile.json",
-           RESULTS / "current" / "certify-gpu1" / "profile.json",
-           RESULTS / "current" / "certify-gpu0" / "profile.json"]
+SOURCES = [RESULTS / "run29-h200" / f"certify-{n}" / "report.json" for n in (1, 2, 3)]
 H200 = FakeGpu((9, 0), "NVIDIA H200", 139.8)  # as torch names the H200 of docs/results
 H100 = FakeGpu((9, 0), "NVIDIA H100 80GB HBM3", 79.6)
 RTX4090 = FakeGpu((8, 9), "NVIDIA GeForce RTX 4090", 24.0)
@@ -50,10 +51,10 @@ def call(tokens: int, device_gpus, **options):
 
 
 def served_thresholds_of_the_sources(variant="sm90-fp8-cuda", head_dim=128):
-    """The highest (query, key) thresholds any committed H200 run served `variant` from at `head_dim`."""
+    """The highest (query, key) thresholds any source run served `variant` from at `head_dim`."""
     found = []
     for path in SOURCES:
-        for gpu in profile.load(path).gpus:
+        for gpu in building.load_run(path).gpus:
             for entry in (gpu.default, *gpu.families.values()):
                 if entry.variant == variant and head_dim in entry.head_dims:
                     found.append((entry.min_query_tokens, entry.min_key_tokens))
@@ -64,7 +65,7 @@ def test_the_packaged_data_is_what_the_builder_makes_of_the_runs_it_lists():
     """A hand edit of the data file, or a changed source, fails here: rebuild it with the command."""
     checkout = RESULTS.parent.parent
     _, sources = defaults.read()
-    built = records.dump(defaults.build([checkout / s.file for s in sources], previous=None))
+    built = records.dump(building.build([checkout / s.file for s in sources], previous=None))
     for source in built["sources"]:  # the paths as the command was given them, relative to the checkout
         source["file"] = str(Path(source["file"]).relative_to(checkout))
     assert built == json.loads(defaults.DATA.read_text())
@@ -79,7 +80,7 @@ def test_the_h200_default_entry_is_the_highest_threshold_any_run_served_the_kern
     entry = h200.default
     assert entry.variant == KERNEL_TABLE[(9, 0)][0] and entry.head_dims == [128]
     thresholds = (entry.min_query_tokens, entry.min_key_tokens)
-    assert thresholds == served_thresholds_of_the_sources() == (16384, 16384)
+    assert thresholds == served_thresholds_of_the_sources() == (12672, 12672)
 
 
 @pytest.mark.parametrize("name", ["NVIDIA H200", "nvidia h200 ", "  NVIDIA H200"])
@@ -89,11 +90,11 @@ def test_an_h200_gets_its_measured_thresholds_and_4k_tokens_go_to_torch(name):
     [device] = status.devices
     assert device.variant.name == "sm90-fp8-cuda"
     assert (device.config.min_query_tokens, device.config.min_key_tokens, device.config.head_dims) == \
-        (16384, 16384, (128,))
+        (12672, 12672, (128,))
     assert device.profile_note.startswith("built-in defaults, measured on NVIDIA H200 (sm_90)")
     # The issue's case: a [.., 4096, 128] call, 0.75x of cuDNN on the H200, now stays on torch.
     assert (report.served, dict(report.fallbacks)) == (0, {"short": 1})
-    assert report.details["short"] == "tokens=4096/4096 (needs >= 16384/16384)"
+    assert report.details["short"] == "tokens=4096/4096 (needs >= 12672/12672)"
 
 
 def test_a_gpu_never_measured_keeps_the_table_with_the_strictest_thresholds_of_its_capability():
@@ -101,7 +102,7 @@ def test_a_gpu_never_measured_keeps_the_table_with_the_strictest_thresholds_of_i
     [device] = status.devices
     assert device.variant.name == "sm90-fp8-cuda"  # today's table
     assert (device.config.min_query_tokens, device.config.min_key_tokens, device.config.head_dims) == \
-        (16384, 16384, (128,))
+        (12672, 12672, (128,))
     assert "NVIDIA H100 80GB HBM3 was never measured" in device.profile_note
     assert len(device.profile_note) <= STATUS_LINE_LIMIT
 
@@ -124,7 +125,7 @@ def test_the_strictest_thresholds_take_the_highest_counts_at_the_head_sizes_all_
     machine = profile.Machine(H100.name, (9, 0), H100.memory_gib, "2.13.0", "13.0", "2.2.0")
     [unknown] = defaults.device_configs([machine], path=path)
     assert (unknown.config.min_query_tokens, unknown.config.min_key_tokens, unknown.config.head_dims) == \
-        (16384, 32768, (128,))
+        (12672, 32768, (128,))
     assert "(NVIDIA H200, Fake sm90 card)" in unknown.note
     card = profile.Machine("Fake sm90 card", (9, 0), 80.0, "2", "", "")
     [measured] = defaults.device_configs([card], path=path)
@@ -133,13 +134,86 @@ def test_the_strictest_thresholds_take_the_highest_counts_at_the_head_sizes_all_
 
 def test_a_family_the_h200_runs_kept_off_is_not_served_on_an_h200_or_an_unmeasured_sm90():
     for gpu in (H200, H100):
-        status = installed([gpu], family="FLUX.1")
+        status = installed([gpu], family="LTX-2")
         assert not status.enabled and len(status.reason) <= STATUS_LINE_LIMIT
         [device] = status.devices
-        assert device.variant is None and "family FLUX.1 kept off" in status.reason
-        assert device.profile_reasons == ("sm86-fp16-triton never measured faster than 1x the fastest SDPA "
+        assert device.variant is None and "family LTX-2 kept off" in status.reason
+        assert device.profile_reasons == ("sm86-fp16-triton never measured faster than 1.05x the fastest SDPA "
                                           "backend (lower 95 % bound)",)
     assert installed([H200], family="Wan 2.2").devices[0].variant.name == "sm90-fp8-cuda"
+
+
+def newest_runs() -> list[Path]:
+    """The committed full certify reports of the newest H200 run folder of docs/results/."""
+    def number(folder):
+        return int(folder.name[3:].split("-")[0])
+    folders = [f for f in RESULTS.glob("run*-h200*") if list(f.glob("certify*/report.json"))]
+    newest = max(folders, key=number)
+    return [p for p in sorted(newest.glob("certify*/report.json"))
+            if (lambda r: r.complete and not r.predicted and not r.options.quick)(checked.load(p))]
+
+
+def test_the_defaults_are_built_from_the_newest_committed_runs():
+    """A certify run committed after the defaults' sources fails here until they are rebuilt from it."""
+    _, sources = defaults.read()
+    newest = newest_runs()
+    assert newest, "no full certify run under docs/results"
+    listed = {RESULTS.parent.parent / s.file for s in sources}
+    missing = [str(p.relative_to(RESULTS.parent.parent)) for p in newest if p not in listed]
+    assert not missing, f"rebuild the built-in defaults from {missing} (docs/certify.md, Built-in defaults)"
+
+
+def _fields_set(record) -> set[str]:
+    return {f.name for f in dataclasses.fields(record) if getattr(record, f.name) not in (None, [], "")}
+
+
+def test_the_defaults_carry_every_field_the_newest_run_sets():
+    """A field a profile carries (of the GPU, its environment or an entry) that the newest run set and
+    the defaults dropped fails here: a new field cannot be forgotten by the builder again."""
+    measured, _ = defaults.read()
+    [h200] = measured.gpus
+    [newest] = building.load_run(newest_runs()[-1]).gpus
+    assert _fields_set(newest) - _fields_set(h200) == set()
+    assert _fields_set(newest.environment) - _fields_set(h200.environment) == set()
+    for name, entry in newest.families.items():
+        if entry.variant:
+            assert _fields_set(entry) - _fields_set(h200.families[name]) - {"reasons"} == set(), name
+
+
+@pytest.mark.parametrize("family", ["FLUX.1", "FLUX.2", "Z-Image", "Qwen-Image", "Krea-2", "SDXL", "LTX-2",
+                                    "Wan 2.2"])
+def test_install_on_an_h200_gives_each_family_the_newest_runs_verdict_and_range(family):
+    decisions = [verdict.decide(checked.load(path))[0].family(family) for path in newest_runs()]
+    [device] = installed([H200], family=family).devices
+    if decisions[0].variant is None:
+        assert device.variant is None
+        return
+    assert device.variant.name == decisions[0].variant
+    config = device.config
+    assert config.min_query_tokens == max(d.min_query_tokens for d in decisions)
+    assert config.max_query_tokens == min(d.max_query_tokens for d in decisions)
+    assert list(config.layouts) == decisions[0].layouts and list(config.contexts) == decisions[0].contexts
+    assert [(b.side, b.below) for b in config.bounds] == [(b.side, b.below) for b in decisions[0].bounds]
+
+
+def test_the_default_entry_serves_no_length_past_the_verified_range():
+    [device] = installed([H200]).devices
+    served = [d.max_query_tokens for d in verdict.decide(checked.load(newest_runs()[0]))[0].families if d.variant]
+    assert device.config.max_query_tokens is not None and device.config.max_query_tokens <= min(served)
+    status, report = call(40_000, [H200])
+    assert report.served == 0 and "long" in report.fallbacks
+
+
+def test_another_sageattention_build_keeps_the_verified_range_with_one_warning(caplog):
+    fake = FakeSageAttention(version="2.2.1")
+    with FakeCuda([H200]), fake.installed(), caplog.at_level(logging.WARNING, logger="sage_qual"):
+        status = sage_qual.install(family="Wan 2.2")
+    [device] = status.devices
+    assert device.variant.name == "sm90-fp8-cuda" and device.config.max_query_tokens == 75600
+    assert device.profile_note.startswith("measured with sageattention 2.2.0, 2.2.1 here")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].startswith("built-in defaults: cuda:0 (NVIDIA H200, sm_90)")
+    assert "certify this build" in warnings[0]
 
 
 def test_a_config_of_ones_own_replaces_the_built_in_defaults():
@@ -187,7 +261,7 @@ def test_the_command_adds_a_gpu_model_and_keeps_the_others(tmp_path, capsys):
     second = certify_profile(runs, "RTX 4090", OFF, {
         "FLUX.1": make_entry(sm89, 3072, 256, [128]), "Wan 2.2": make_entry(sm89, 1024, 512, [128]),
         "SDXL": make_entry("sm89-fp8-cuda-fp32acc", 4096, 512, [64])})
-    assert defaults.main([str(first), str(second), "--out", str(data)]) == 0
+    assert building.main([str(first), str(second), "--out", str(data)]) == 0
     assert "NVIDIA H200 (sm_90), RTX 4090 (sm_89)" in capsys.readouterr().out
     measured, sources = defaults.read(data)
     h200, rtx = measured.gpus
@@ -204,11 +278,15 @@ def test_the_command_adds_a_gpu_model_and_keeps_the_others(tmp_path, capsys):
     assert wan.variant is None and wan.reasons[0].detail == "sm89-fp8-cuda on flux: NaN"  # off once: off
 
 
-def test_the_command_refuses_what_is_not_a_profile(tmp_path, capsys):
-    bad = tmp_path / "report.json"
-    bad.write_text('{"kind": "sage-qual-report"}')
-    assert defaults.main([str(bad), "--out", str(tmp_path / "d.json")]) == 2
+def test_the_command_refuses_what_is_not_a_run(tmp_path, capsys):
+    bad = tmp_path / "fleet.json"
+    bad.write_text('{"kind": "sage-qual-fleet"}')
+    assert building.main([str(bad), "--out", str(tmp_path / "d.json")]) == 2
     assert "is not a sage-qual profile" in capsys.readouterr().err
+    broken = tmp_path / "report.json"
+    broken.write_text('{"kind": "sage-qual-report"}')
+    assert building.main([str(broken), "--out", str(tmp_path / "d.json")]) == 2
+    assert "schema_version" in capsys.readouterr().err
     assert not (tmp_path / "d.json").exists()
 
 

@@ -30,6 +30,7 @@ from ..builders import (
     refusal,
     with_default,
 )
+from ..helpers import builtin_sm90_thresholds
 
 TORCH_SDPA = F.scaled_dot_product_attention  # torch's own, read before any install
 
@@ -265,12 +266,12 @@ def test_a_mixed_box_applies_the_profile_per_device():
         for device in (h100, rtx):
             assert "no profile entry matches" in device.profile_note
             assert "defaults here" in device.profile_note
-        assert "(16384/16384 tokens)" in h100.profile_note and "(1536/512 tokens)" in rtx.profile_note
+        assert f"({builtin_sm90_thresholds()} tokens)" in h100.profile_note and "(1536/512 tokens)" in rtx.profile_note
         # 4096 tokens: below the H200's certified 16,384 and the sm_90 built-in 16,384, above 1536
         assert dict(attention(4096, device=0).fallbacks) == {"short": 1}
         assert dict(attention(4096, device=1).fallbacks) == {"short": 1}
         assert attention(4096, device=2).served == 1
-        assert (h100.config.min_query_tokens, h100.config.min_key_tokens) == (16384, 16384)
+        assert f"{h100.config.min_query_tokens}/{h100.config.min_key_tokens}" == builtin_sm90_thresholds()
         assert [c.device for c in fake.calls] == [2]
 
 
@@ -356,7 +357,7 @@ def test_speedup_bounds_take_the_pessimistic_ends():
 def test_each_devices_profile_note_is_logged(fake, caplog):
     caplog.set_level("INFO", logger="sage_qual")
     sage_qual.install(profile=make_profile(gpu=H100))
-    note = ("no profile entry matches: defaults here (16384/16384 tokens); nearest Fake H100 (sm_90) "
+    note = (f"no profile entry matches: defaults here ({builtin_sm90_thresholds()} tokens); nearest Fake H100 (sm_90) "
             "differs: GPU Fake H200, sm_90 here")
     infos = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
     assert [m for m in infos if "no profile entry" in m] == [f"cuda:0 (Fake H200, sm_90): {note}"]

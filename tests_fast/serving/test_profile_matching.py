@@ -20,7 +20,7 @@ from sage_qual.serving import profile
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
 
 from ..builders import H200, machine, make_entry, make_gpu, make_profile, reason
-from ..helpers import records
+from ..helpers import builtin_sm90_thresholds, records
 
 CURRENT = Path(__file__).resolve().parent.parent.parent / "docs/results/current/certify-gpu0/profile.json"
 OFF = make_entry(variant=None, reasons=[reason("non_finite", "sm90-fp8-cuda on flux1_ip: NaN")])
@@ -95,7 +95,7 @@ def test_a_mismatch_is_one_warning_naming_the_nearest_entry_and_what_differs(cap
     [warning] = warnings(caplog)
     assert len(warning) <= STATUS_LINE_LIMIT
     assert warning.startswith("profile: cuda:0 (Fake H200, sm_90) and 1 more GPUs: no profile entry matches")
-    assert "no profile entry matches: defaults here (16384/16384 tokens)" in warning
+    assert f"no profile entry matches: defaults here ({builtin_sm90_thresholds()} tokens)" in warning
     assert warning.endswith(f"nearest Fake H200 (sm_90) differs: torch 1.0.0, {torch.__version__} here")
 
 
