@@ -64,8 +64,8 @@ def test_the_slurm_job_certifies_its_partition_into_a_folder_named_for_it(tmp_pa
 def fleet(tmp_path):
     """Two hosts (run 11's GPUs) and a baseline for the first (run 8's first report)."""
     run8 = RESULTS / "run8-h200x2-final" / "certify" / "certify-a" / "report.json"
-    for host, report in (("h200-a", RESULTS / "current" / "certify-gpu0" / "report.json"),
-                         ("h200-b", RESULTS / "current" / "certify-gpu1" / "report.json"),
+    for host, report in (("h200-a", RESULTS / "run11-h200x2" / "certify-gpu0" / "report.json"),
+                         ("h200-b", RESULTS / "run11-h200x2" / "certify-gpu1" / "report.json"),
                          ("../baseline/h200-a", run8)):
         (tmp_path / "reports" / host).mkdir(parents=True)
         shutil.copy(report, tmp_path / "reports" / host / "report.json")
@@ -166,7 +166,7 @@ def test_certify_one_sh_that_cannot_certify_never_gates_an_older_report(tmp_path
     report as this run's."""
     out = tmp_path / "host"
     out.mkdir()
-    shutil.copy(RESULTS / "current" / "certify-gpu0" / "report.json", out / "report.json")
+    shutil.copy(RESULTS / "run11-h200x2" / "certify-gpu0" / "report.json", out / "report.json")
     done = subprocess.run(["bash", str(FLEET / "certify-one.sh"), str(out)], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "PYTHON": sys.executable})
     assert done.returncode == 2, done.stdout + done.stderr
@@ -181,7 +181,7 @@ def test_gate_answers_appended_as_certify_one_sh_appends_them_read_back_one_obje
     loop = script[script.index(": > \"$out/gates.jsonl\""):script.index("exit \"$certified\"")]
     out = tmp_path / "host"
     out.mkdir()
-    shutil.copy(RESULTS / "current" / "certify-gpu0" / "report.json", out / "report.json")
+    shutil.copy(RESULTS / "run11-h200x2" / "certify-gpu0" / "report.json", out / "report.json")
     families = 'families=("FLUX.1" "Wan 2.2" "Flux 9")\n'  # the last one is refused: exit 2, one line too
     done = subprocess.run(["bash", "-c", f"out={out}; python={sys.executable}\n{families}{loop}"],
                           capture_output=True, text=True, timeout=120)

@@ -214,12 +214,12 @@ def test_the_generated_reports_cover_every_verdict():
 
 
 RESULTS = Path(__file__).resolve().parent.parent.parent / "docs" / "results"
-CURRENT = sorted((RESULTS / "current").rglob("report.json"))
+CURRENT = sorted((RESULTS / "run11-h200x2").rglob("report.json"))
 
 
 @pytest.mark.parametrize("path", CURRENT, ids=lambda p: str(p.parent.name))
 def test_the_committed_current_reports_agree(path, tmp_path, monkeypatch):
-    """The final GPU run's reports (docs/results/current/): the same four outputs, same verdicts."""
+    """The final GPU run's reports (docs/results/run11-h200x2/): the same four outputs, same verdicts."""
     data = json.loads(path.read_text())
     markdown = from_markdown(data, tmp_path, monkeypatch)
     assert markdown and from_merge(data) == markdown and from_summary(data, tmp_path) == markdown

@@ -23,7 +23,7 @@ DATA = Path(__file__).resolve().parent.parent / "data"
 RUNS = [DATA / "h200_certify_a.json.gz", DATA / "h200_certify_b.json.gz"]
 # Device run 11: certify on both H200s of one host at once, the code that screens SDPA backends.
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
-RUN11 = [RESULTS / "current" / f"certify-gpu{g}" / "report.json" for g in (0, 1)]
+RUN11 = [RESULTS / "run11-h200x2" / f"certify-gpu{g}" / "report.json" for g in (0, 1)]
 VARIANT = "sm90-fp8-cuda"
 PROPERTY = settings(max_examples=60, deadline=None, derandomize=True, database=None)
 
