@@ -1,6 +1,7 @@
 """Helpers shared by the wrapper's tests: small attention inputs and an installed wrapper on fake GPUs."""
 
 import contextlib
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -53,3 +54,12 @@ def builtin_sm90_thresholds() -> str:
     from sage_qual.serving import defaults
     [h200] = [gpu for gpu in defaults.read()[0].gpus if tuple(gpu.capability) == (9, 0)]
     return f"{h200.default.min_query_tokens}/{h200.default.min_key_tokens}"
+
+
+RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
+
+
+def newest_h200_run() -> Path:
+    """The newest run folder of docs/results/ (by its run number) that holds certify reports."""
+    folders = [f for f in RESULTS.glob("run*-h200*") if list(f.glob("certify*/report.json"))]
+    return max(folders, key=lambda folder: int(folder.name[3:].split("-")[0]))

@@ -87,7 +87,7 @@ def _device_config(measured: profile.Profile, device: profile.Machine, family: s
     if same is not None:
         chosen = profile.family_entry(same, family) or same.default
         where = f"built-in defaults, measured on {same.label} with torch {same.environment.torch}"
-        applied = _applied(base, device, chosen, where, what)
+        applied = _applied(base, device, chosen, where, what, same.max_span_elements)
         other = _other_build(same.environment, device)
         if not other:
             return applied
@@ -106,17 +106,17 @@ def _device_config(measured: profile.Profile, device: profile.Machine, family: s
     strictest = most_conservative([gpu.default for gpu in kin])
     if strictest is None:
         return profile.DeviceConfig(base, "")
-    config = dataclasses.replace(base, min_query_tokens=strictest.min_query_tokens,
-                                 min_key_tokens=strictest.min_key_tokens,
-                                 head_dims=tuple(strictest.head_dims), bounds=tuple(strictest.bounds or ()))
+    # Today's table stays (the model was never measured); what it serves is what its kin verified.
+    verified = profile.apply(base, device.capability, strictest)
+    config = dataclasses.replace(verified, kernel_table=base.kernel_table)
     return profile.DeviceConfig(config, one_line(
         f"built-in defaults: {device.name} was never measured; the most conservative thresholds measured "
         f"on {capability} ({models}): {_served(strictest)}"))
 
 
 def _applied(base: WrapperConfig, device: profile.Machine, chosen: profile.Entry, where: str,
-             what: str) -> profile.DeviceConfig:
-    config = profile.apply(base, device.capability, chosen)
+             what: str, max_span_elements: int | None = None) -> profile.DeviceConfig:
+    config = profile.apply(base, device.capability, chosen, max_span_elements)
     if chosen.variant:
         return profile.DeviceConfig(config, one_line(f"{where}: {chosen.variant} {_served(chosen)}"))
     first = chosen.reasons[0].detail if chosen.reasons else "no reason recorded"
@@ -140,16 +140,37 @@ def _served(chosen: profile.Entry) -> str:
 
 
 def most_conservative(entries: list[profile.Entry]) -> profile.Entry | None:
-    """The highest thresholds of the entries that serve a variant, at the head sizes every one of
-    them serves; None when none serves or they share no head size."""
+    """The entries that serve a variant, merged (`merged`) at the head sizes every one of them serves;
+    None when none serves or they share no head size."""
     serving = [e for e in entries if e.variant]
     if not serving:
         return None
     head_dims = sorted(set.intersection(*(set(e.head_dims) for e in serving)))
     if not head_dims:
         return None
-    return profile.Entry(serving[0].variant, max(e.min_query_tokens for e in serving),
-                         max(e.min_key_tokens for e in serving), head_dims, bounds=merged_bounds(serving))
+    return merged(serving[0].variant, serving, head_dims)
+
+
+def merged(variant: str, entries: list[profile.Entry], head_dims: list[int]) -> profile.Entry:
+    """Entries serving `variant` as one: the highest thresholds, the lowest verified upper bounds, the
+    layouts and contexts every entry verified, every entry's bounds, the last entry's reasons."""
+    return profile.Entry(
+        variant, max(e.min_query_tokens for e in entries), max(e.min_key_tokens for e in entries), head_dims,
+        list(entries[-1].reasons), _lowest([e.max_query_tokens for e in entries]),
+        _lowest([e.max_key_tokens for e in entries]), _shared([e.layouts for e in entries]),
+        _shared([e.contexts for e in entries]), merged_bounds(entries))
+
+
+def _shared(values: list[list[str] | None]) -> list[str] | None:
+    """What every entry names (in the first's order); None when none names any (null: any)."""
+    named = [v for v in values if v is not None]
+    return [x for x in named[0] if all(x in v for v in named)] if named else None
+
+
+def _lowest(values: list[int | None]) -> int | None:
+    """The lowest verified upper bound; None when no entry verified one."""
+    named = [v for v in values if v is not None]
+    return min(named) if named else None
 
 
 def merged_bounds(entries: list[profile.Entry]) -> list[Bound] | None:

@@ -10,20 +10,11 @@ from pathlib import Path
 
 from sage_qual.qualification.decide import checked, verdict
 
+from ..helpers import newest_h200_run
+
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 TABLE = re.search(r"<!-- verdicts: (\S+) -->\n(.*?)<!-- end verdicts -->", README, re.S)
-
-
-def _run_number(folder: Path) -> int:
-    return int(re.match(r"run(\d+)", folder.name).group(1))
-
-
-def newest_run() -> Path:
-    """The newest folder of docs/results/ that holds full certify reports of one GPU each."""
-    runs = [folder for folder in (ROOT / "docs" / "results").glob("run*-h200*")
-            if list(folder.glob("certify*/report.json"))]
-    return max(runs, key=_run_number)
 
 
 def _tokens(values: list[int | None]) -> str:
@@ -50,9 +41,9 @@ def expected_table(run: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-def test_the_table_states_the_newest_run():
+def test_the_table_states_the_newest_h200_run():
     assert TABLE, "README.md lost its <!-- verdicts: RUN --> table"
-    assert TABLE.group(1) == newest_run().name, f"a newer run is committed: {newest_run().name}"
+    assert TABLE.group(1) == newest_h200_run().name, f"a newer run is committed: {newest_h200_run().name}"
 
 
 def test_the_table_is_what_those_reports_decide():

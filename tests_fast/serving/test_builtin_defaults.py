@@ -23,6 +23,7 @@ from sage_qual.serving.config import DEFAULT_CONFIG, KERNEL_TABLE
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
 
 from ..builders import make_entry, make_gpu, make_profile, reason
+from ..helpers import newest_h200_run
 
 RESULTS = Path(__file__).resolve().parent.parent.parent / "docs" / "results"
 SOURCES = [RESULTS / "run29-h200" / f"certify-{n}" / "report.json" for n in (1, 2, 3)]
@@ -144,13 +145,9 @@ def test_a_family_the_h200_runs_kept_off_is_not_served_on_an_h200_or_an_unmeasur
 
 
 def newest_runs() -> list[Path]:
-    """The committed full certify reports of the newest H200 run folder of docs/results/."""
-    def number(folder):
-        return int(folder.name[3:].split("-")[0])
-    folders = [f for f in RESULTS.glob("run*-h200*") if list(f.glob("certify*/report.json"))]
-    newest = max(folders, key=number)
-    return [p for p in sorted(newest.glob("certify*/report.json"))
-            if (lambda r: r.complete and not r.predicted and not r.options.quick)(checked.load(p))]
+    """The full certify reports of the newest H200 run folder of docs/results/."""
+    reports = [(path, checked.load(path)) for path in sorted(newest_h200_run().glob("certify*/report.json"))]
+    return [path for path, r in reports if r.complete and not r.predicted and not r.options.quick]
 
 
 def test_the_defaults_are_built_from_the_newest_committed_runs():
@@ -202,6 +199,18 @@ def test_the_default_entry_serves_no_length_past_the_verified_range():
     assert device.config.max_query_tokens is not None and device.config.max_query_tokens <= min(served)
     status, report = call(40_000, [H200])
     assert report.served == 0 and "long" in report.fallbacks
+
+
+def test_an_h200_gets_the_span_limit_and_an_unmeasured_sm90_the_verified_range():
+    measured, _ = defaults.read()
+    [h200] = measured.gpus
+    [on_h200] = installed([H200]).devices
+    assert on_h200.config.max_span_elements == h200.max_span_elements is not None
+    [on_h100] = installed([H100]).devices
+    default = h200.default
+    assert (on_h100.config.max_query_tokens, list(on_h100.config.layouts), list(on_h100.config.contexts)) == \
+        (default.max_query_tokens, default.layouts, default.contexts)
+    assert on_h100.config.kernel_table == DEFAULT_CONFIG.kernel_table  # never measured: today's table
 
 
 def test_another_sageattention_build_keeps_the_verified_range_with_one_warning(caplog):

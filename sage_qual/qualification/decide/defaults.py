@@ -20,7 +20,7 @@ from sage_qual.qualification.decide import profile as building
 from sage_qual.qualification.evidence.report_model import ReportError
 from sage_qual.serving import profile
 from sage_qual.serving.config import KERNEL_TABLE
-from sage_qual.serving.defaults import DATA, KIND, DefaultProfile, Source, merged_bounds, read
+from sage_qual.serving.defaults import DATA, KIND, DefaultProfile, Source, merged, read
 from sage_qual.serving.env_record import Reason, ReasonKind
 
 
@@ -43,28 +43,6 @@ def load_run(path: Path) -> profile.Profile:
 
 def _off(reasons: list[Reason]) -> profile.Entry:
     return profile.Entry(None, None, None, None, list(reasons))
-
-
-def _shared(values: list[list[str] | None]) -> list[str] | None:
-    """What every run names (in the first's order); None when no run names any (null: any)."""
-    named = [v for v in values if v is not None]
-    return [x for x in named[0] if all(x in v for v in named)] if named else None
-
-
-def _lowest(values: list[int | None]) -> int | None:
-    """The lowest verified upper bound; None when no run verified one."""
-    named = [v for v in values if v is not None]
-    return min(named) if named else None
-
-
-def merged(variant: str, entries: list[profile.Entry], head_dims: list[int]) -> profile.Entry:
-    """Entries serving `variant` as one: the highest thresholds, the lowest verified upper bounds, the
-    layouts and contexts every run verified, every run's bounds, the newest run's reasons."""
-    return profile.Entry(
-        variant, max(e.min_query_tokens for e in entries), max(e.min_key_tokens for e in entries), head_dims,
-        list(entries[-1].reasons), _lowest([e.max_query_tokens for e in entries]),
-        _lowest([e.max_key_tokens for e in entries]), _shared([e.layouts for e in entries]),
-        _shared([e.contexts for e in entries]), merged_bounds(entries))
 
 
 def _default_entry(runs: list[tuple[str, profile.ProfileGpu]]) -> profile.Entry:

@@ -9,15 +9,19 @@ A partial report decides nothing, so it gets the first line only.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from sage_qual.qualification.decide import verdict
 from sage_qual.qualification.evidence.report_model import ReasonKind, Report
+from sage_qual.qualification.selection import LeftOut
 from sage_qual.serving.variants import VARIANTS, capability_label
 
 
-def text(written: Report, out: Path, decisions: list[verdict.GpuDecision]) -> str:
-    """The summary of `written`, from its `decisions` (`verdict.decide(written)`, drawn by the run)."""
+def text(written: Report, out: Path, decisions: list[verdict.GpuDecision],
+         left_out: Sequence[LeftOut] = ()) -> str:
+    """The summary of `written`, from its `decisions` (`verdict.decide(written)`, drawn by the run),
+    ending with the fixtures the run's selection left out (`left_out`), each named."""
     mode = "sage-qual certify"
     state = "complete" if written.complete else "PARTIAL: " + written.stopped
     if written.target:
@@ -29,6 +33,9 @@ def text(written: Report, out: Path, decisions: list[verdict.GpuDecision]) -> st
     if written.complete:
         body = _target if written.target else _predicted if written.predicted else _certified
         lines += body(written, decisions)
+    if left_out:
+        lines.append(f"left out by --quick: {len(left_out)} fixture(s), not run (report.md lists what the H200 "
+                     "measured on each): " + ", ".join(f"{f.fixture} ({f.family})" for f in left_out))
     return "\n".join(lines)
 
 

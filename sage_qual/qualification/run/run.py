@@ -182,7 +182,7 @@ def conclude(planned: plan_mod.Plan, writes_profile: bool) -> None:
     if written.complete and writes_profile:
         profile.save(profile.build(written, decisions), out / "profile.json")
     report.render(written, out, decisions, planned.selection.left_out)
-    print(summary.text(written, out, decisions))
+    print(summary.text(written, out, decisions, planned.selection.left_out))
     if planned.request.junit_xml:
         junit.write(planned.request.junit_xml, f"sage-qual certify {written.host}",
                     [junit.case(gpu.model, decision) for gpu in decisions for decision in gpu.families])
