@@ -26,7 +26,8 @@ from ..builders import make_entry, make_gpu, make_profile, reason
 from ..helpers import newest_h200_run
 
 RESULTS = Path(__file__).resolve().parent.parent.parent / "docs" / "results"
-SOURCES = [RESULTS / "run29-h200" / f"certify-{n}" / "report.json" for n in (1, 2, 3)]
+SOURCES = [RESULTS / "run29-h200" / f"certify-{n}" / "report.json" for n in (1, 2, 3)] + [
+    RESULTS / "run30-h200" / "certify" / "report.json"]
 H200 = FakeGpu((9, 0), "NVIDIA H200", 139.8)  # as torch names the H200 of docs/results
 H100 = FakeGpu((9, 0), "NVIDIA H100 80GB HBM3", 79.6)
 RTX4090 = FakeGpu((8, 9), "NVIDIA GeForce RTX 4090", 24.0)
@@ -179,8 +180,10 @@ def test_the_defaults_carry_every_field_the_newest_run_sets():
 
 @pytest.mark.parametrize("family", ["FLUX.1", "FLUX.2", "Z-Image", "Qwen-Image", "Krea-2", "SDXL", "LTX-2",
                                     "Wan 2.2"])
-def test_install_on_an_h200_gives_each_family_the_newest_runs_verdict_and_range(family):
-    decisions = [verdict.decide(checked.load(path))[0].family(family) for path in newest_runs()]
+def test_install_on_an_h200_gives_each_family_the_runs_verdict_and_range(family):
+    """The sources (the newest run among them: test_the_defaults_are_built_from_the_newest_committed_runs)
+    decided afresh: the family's variant, from the highest threshold to the lowest verified length."""
+    decisions = [verdict.decide(checked.load(path))[0].family(family) for path in SOURCES]
     [device] = installed([H200], family=family).devices
     if decisions[0].variant is None:
         assert device.variant is None
@@ -195,7 +198,8 @@ def test_install_on_an_h200_gives_each_family_the_newest_runs_verdict_and_range(
 
 def test_the_default_entry_serves_no_length_past_the_verified_range():
     [device] = installed([H200]).devices
-    served = [d.max_query_tokens for d in verdict.decide(checked.load(newest_runs()[0]))[0].families if d.variant]
+    served = [d.max_query_tokens for path in SOURCES for d in verdict.decide(checked.load(path))[0].families
+              if d.variant]
     assert device.config.max_query_tokens is not None and device.config.max_query_tokens <= min(served)
     status, report = call(40_000, [H200])
     assert report.served == 0 and "long" in report.fallbacks
