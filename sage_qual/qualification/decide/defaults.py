@@ -20,7 +20,7 @@ from sage_qual.qualification.decide import profile as building
 from sage_qual.qualification.evidence.report_model import ReportError
 from sage_qual.serving import profile
 from sage_qual.serving.config import KERNEL_TABLE
-from sage_qual.serving.defaults import DATA, KIND, DefaultProfile, Source, merged, read
+from sage_qual.serving.defaults import DATA, KIND, DefaultProfile, Source, merged, most_conservative, read
 from sage_qual.serving.env_record import Reason, ReasonKind
 
 
@@ -63,7 +63,8 @@ def _default_entry(runs: list[tuple[str, profile.ProfileGpu]]) -> profile.Entry:
 
 
 def _family_entry(name: str, runs: list[tuple[str, profile.ProfileGpu]]) -> profile.Entry:
-    """Off where any run kept the family off; else that run's variant, merged over the runs."""
+    """Off where any run kept the family off; else that run's variant, merged over the runs
+    (`most_conservative`)."""
     entries = [(file, profile.family_entry(gpu, name)) for file, gpu in runs]
     entries = [(file, e) for file, e in entries if e is not None]
     off = [(file, e) for file, e in entries if not e.variant]
@@ -73,10 +74,8 @@ def _family_entry(name: str, runs: list[tuple[str, profile.ProfileGpu]]) -> prof
     variants = sorted({e.variant for _, e in entries})
     if len(variants) > 1:
         return _off([Reason(ReasonKind.SPEED, f"the runs chose different variants ({', '.join(variants)})")])
-    head_dims = sorted(set.intersection(*(set(e.head_dims) for _, e in entries)))
-    if not head_dims:
-        return _off([Reason(ReasonKind.SPEED, "the runs share no head size")])
-    return merged(variants[0], [e for _, e in entries], head_dims)
+    return most_conservative([e for _, e in entries]) or _off([Reason(ReasonKind.SPEED,
+                                                                      "the runs share no head size")])
 
 
 def build(files: list[Path], previous: Path | None = DATA) -> DefaultProfile:
