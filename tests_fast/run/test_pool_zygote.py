@@ -16,7 +16,7 @@ def parent_of(pid: int) -> int:
 
 
 def test_workers_are_forked_from_one_zygote_in_sessions_of_their_own(tmp_path):
-    workers = [pool.Process(pool.worker_env(), tmp_path / f"worker-{n}.log", preload=True) for n in range(2)]
+    workers = [pool.Process(pool.worker_env(), tmp_path / f"worker-{n}.log") for n in range(2)]
     try:
         zygotes = {parent_of(process.proc.pid) for process in workers}
         assert len(zygotes) == 1 and os.getpid() not in zygotes  # not this process's own children

@@ -43,8 +43,9 @@ EXIT_POISONED = 70  # a worker's exit code when a CUDA error left its context un
 # grandchild that escaped the group could hold it open, and then the reader is left behind).
 READER_JOIN_TIMEOUT = 10.0
 # Imported once, in the zygote, before it forks a worker: this module first, so that the environment
-# those imports set is known (`_ENV_AT_IMPORT`); the worker module imports torch.
-ZYGOTE_PRELOAD = [__name__, WORKER_MODULE]
+# those imports set is known (`_ENV_AT_IMPORT`); the worker module imports torch; `kernel_imports`
+# what a kernel's first call imports.
+ZYGOTE_PRELOAD = [__name__, WORKER_MODULE, "sage_qual.qualification.run.kernel_imports"]
 _ENV_AT_IMPORT = dict(os.environ)
 _zygote_lock = threading.Lock()
 _zygote: multiprocessing.context.ForkServerContext | None = None
@@ -74,7 +75,7 @@ def _received_fd(duplicate) -> int:
     return duplicate.detach()
 
 
-def _forked_worker(env: dict, stdin: int, stdout: int, stderr: int, argv: list[str]) -> None:
+def _forked_worker(env: dict, stdin: int, stdout: int, stderr: int) -> None:
     """A worker's start in the forked child: its own session, its pipes and log as fds 0-2, and the
     environment it was given (plus what the zygote's imports set, as they would set it again)."""
     os.setsid()
@@ -90,20 +91,20 @@ def _forked_worker(env: dict, stdin: int, stdout: int, stderr: int, argv: list[s
     for key, value in set_by_imports.items():
         os.environ.setdefault(key, value)
     # By name, as `python -m` ran it: the worker imports this module, not the other way round.
-    sys.exit(importlib.import_module(WORKER_MODULE).main(argv))
+    sys.exit(importlib.import_module(WORKER_MODULE).main())
 
 
 class _Forked:
     """A worker forked from the zygote, with the part of subprocess.Popen's interface `Process` uses."""
 
-    def __init__(self, env: dict, log_path: Path, argv: list[str]):
+    def __init__(self, env: dict, log_path: Path):
         child_stdin, self_stdin = os.pipe()
         self_stdout, child_stdout = os.pipe()
         log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             self._process = _zygote_context().Process(
                 target=_forked_worker, name="sage-qual worker",
-                args=(env, _PassedFd(child_stdin), _PassedFd(child_stdout), _PassedFd(log), argv))
+                args=(env, _PassedFd(child_stdin), _PassedFd(child_stdout), _PassedFd(log)))
             self._process.start()
         finally:
             for fd in (child_stdin, child_stdout, log):
@@ -135,11 +136,11 @@ class _Forked:
 class Process:
     """The parent's handle on one worker process; its stderr goes to `log_path`."""
 
-    def __init__(self, env: dict, log_path: Path, preload: bool = False):
+    def __init__(self, env: dict, log_path: Path):
         self.log_path = log_path
         # Own session: a signal meant for the parent's terminal does not hit the worker, and
         # killing its process group also ends what it started (compilers, nvidia-smi).
-        self.proc = _Forked(env, log_path, ["--preload"] if preload else [])
+        self.proc = _Forked(env, log_path)
         self.messages: queue.Queue = queue.Queue()
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -308,9 +309,9 @@ def collect_environment(task: tasks_mod.EnvTask, log_path: Path, timeout: float)
 
 
 class Pool:
-    """Workers started ahead of need: each spends seconds importing torch and what a kernel's first
-    call imports (`worker --preload`) while others work. They are all alike until their job (and
-    its GPU and Triton cache) arrives."""
+    """Workers started ahead of need, forked from the zygote that imported torch and what a kernel's
+    first call imports (`kernel_imports`). They are all alike until their job (and its GPU and
+    Triton cache) arrives."""
 
     def __init__(self, log_dir: Path):
         self.log_dir = log_dir
@@ -322,7 +323,7 @@ class Pool:
         with self.lock:
             self.count += 1
             path = self.log_dir / f"worker-{self.count}.log"
-        return Process(worker_env(), path, preload=True)
+        return Process(worker_env(), path)
 
     def prefetch(self, count: int = 1) -> None:
         for _ in range(count):

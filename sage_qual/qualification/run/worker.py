@@ -3,8 +3,8 @@
 The parent's side (starting, following and killing workers) is `pool`; the test hooks that fake
 the GPU or inject faults are `fault_hooks`.
 
-`python -m sage_qual.qualification.run.worker` imports torch (with `--preload`, also what a kernel's
-first call imports), then waits for one JSON job line on stdin (so the parent can start it early,
+A worker, forked from the zygote, has torch and what a kernel's first call imports
+(`kernel_imports`); it waits for one JSON job line on stdin (so the parent can start it early,
 while another worker still runs). It keeps reading stdin: end of file means the parent died, and
 the worker exits. Results leave as JSON lines on the original stdout; file descriptor 1 is pointed
 at stderr first, so whatever Triton, CUDA or a print writes there lands in the stderr log whose
@@ -24,8 +24,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import importlib
-import importlib.util
 import json
 import os
 import statistics
@@ -327,26 +325,10 @@ def _exit_when_orphaned() -> None:
     os._exit(3)  # end of file: the parent is gone (or done with us)
 
 
-def preload() -> None:
-    """Import, before the job arrives, what a SageAttention kernel's first call would: its custom
-    ops import torch._dynamo on first use, 3.7 s of each variant's first cell on the H200 host
-    (docs/results/run9-h200x2-startup/worker-phases.txt). Neither import touches CUDA, so the job's
-    CUDA_VISIBLE_DEVICES and TRITON_CACHE_DIR still apply (checked there, envcheck.txt). Skipped
-    with the fake kernel of the tests and without sageattention; an import that fails here fails
-    again, with its explanation, in the task that loads the package."""
-    if "gpus" in fault_hooks.read() or importlib.util.find_spec("sageattention") is None:
-        return
-    with contextlib.suppress(Exception):
-        importlib.import_module("torch._dynamo")
-        importlib.import_module("sageattention")
-
-
-def main(argv: list[str]) -> int:
+def main() -> int:
     channel = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    if "--preload" in argv:
-        preload()
     line = sys.stdin.readline()
     if not line:  # a spare worker the parent did not need
         return 0
@@ -380,4 +362,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

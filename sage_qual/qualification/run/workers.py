@@ -28,8 +28,8 @@ from sage_qual.qualification.run import pool
 from sage_qual.qualification.run.options import Integration, RunRequest, no_gpu_message, requested_devices
 from sage_qual.serving.env_record import EnvironmentRecord
 
-# Workers kept starting ahead per GPU: one's imports (`worker --preload`) take about 7 s on the H200
-# host (docs/results/run9-h200x2-startup/worker-phases.txt), longer than most variants' jobs.
+# Workers kept starting ahead per GPU: a worker's start (a fork of the zygote, then CUDA's and the
+# kernel's first call) costs seconds, and the first spares are forked while the zygote still imports.
 SPARES_PER_GPU = 2
 
 
