@@ -88,8 +88,6 @@ def test_only_checks_that_bound_the_family_on_the_gpus_here_are_re_derived(deriv
     assert problem(wan_only) == ""  # FLUX.1's range does not read it
     assert budget_check.long_budget_problem("r.json", report_of(loosened(derived, "max_rel_l2", 10.0)),
                                             FLUX, {"NVIDIA H100 (sm_90)"}, "cpu") == ""
-    cut_down = dataclasses.replace(loosened(derived, "max_rel_l2", 10.0), ran_tokens=16)
-    assert problem(cut_down) == ""  # the test hook's fakes: no planned inputs to draw
 
 
 def test_without_a_gpu_nothing_is_re_derived(derived, monkeypatch):
@@ -117,7 +115,34 @@ def test_every_counting_check_on_every_gpu_here_is_read(derived):
     data = builders.report([h100, builders.device(long=[bad], index=1)], [], variants=["sm90-fp8-cuda"])
     found = budget_check.long_budget_problem("r.json", data, FLUX, HERE, "cpu")
     assert found.startswith("r.json: devices[1].long[0] "), found
-    assert problem(dataclasses.replace(bad, ran_heads=1)) == ""  # cut down: not re-derived
+
+
+@pytest.mark.parametrize("ran", [dict(ran_tokens=1024, ran_heads=24), dict(ran_heads=1),
+                                 dict(ran_tokens=512, ran_kv_tokens=512)],
+                         ids=["planned-call", "fewer-heads", "fewer-tokens"])
+def test_no_field_exempts_a_check_from_re_derivation(derived, ran):
+    """Issue 43: "the planned call ran" (ran_tokens, ran_heads) once exempted a loosened check. Now a
+    check is derived at the call it ran, cut down or not: refused for its budget, or for rows that are
+    not that call's."""
+    found = problem(dataclasses.replace(loosened(derived, "max_rel_l2", 10.0), **ran))
+    assert found.startswith("r.json: devices[0].long[0] ") and found.endswith("certify again"), found
+
+
+def test_a_cut_down_check_is_derived_at_the_call_it_ran(derived):
+    """The test hook's fake GPUs run fewer heads and tokens: derived there, such a check as certify
+    wrote it passes, and its rows are that call's."""
+    cut = dataclasses.replace(derived, ran_heads=1, ran_tokens=512, ran_kv_tokens=512)
+    limits, rows = budget_check.derived_long_budget(cut, "cpu")
+    assert rows != derived.rows
+    assert problem(dataclasses.replace(cut, bounds=Budget(**limits), rows=rows)) == ""
+    assert "rows:" in problem(dataclasses.replace(cut, bounds=Budget(**limits)))
+
+
+def test_a_cut_down_check_whose_key_tokens_are_unknown_is_refused(derived):
+    cross = dataclasses.replace(derived, shape=dataclasses.replace(derived.shape, kv_tokens=512),
+                                ran_tokens=256)
+    assert problem(cross).endswith("bounds: cannot be re-derived (the key tokens it ran are not recorded); "
+                                   "certify again on this machine")
 
 
 def test_on_the_gpu_the_allowance_is_a_cells(derived, monkeypatch):
@@ -125,7 +150,7 @@ def test_on_the_gpu_the_allowance_is_a_cells(derived, monkeypatch):
     cell's (BUDGET_REL); the device asked is the one the inputs are drawn on."""
     asked = []
 
-    def on(check, device):
+    def on(check, device, variant=None):
         asked.append(device)
         return budget_check.limits(derived.bounds), derived.rows
 

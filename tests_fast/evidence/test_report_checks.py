@@ -271,7 +271,7 @@ def test_unknown_families_and_variants_are_refused_but_a_targets_variants_are_it
 def test_a_second_long_check_of_one_variant_and_shape_is_refused():
     message = refused(lambda d: d["devices"][0]["long"].append(copy.deepcopy(LONG)))
     assert message.startswith("devices[0].long[1]: a second result for sm90-fp8-cuda on ")
-    assert message.endswith(" (the first is long[0]): one result per pair")
+    assert message.endswith(" (the first is long[0]): one result per variant, shape")
     assert (
         " heads=24 kv_heads=24 kv_tokens=16896 q_tokens=16896 (the first" in message
     )  # the shape, key by key
@@ -284,7 +284,7 @@ def test_a_second_long_check_of_one_variant_and_shape_is_refused():
 def test_a_second_span_probe_of_one_case_is_refused():
     assert refused(lambda d: d["devices"][0]["span"].append(copy.deepcopy(SPAN))) == (
         "devices[0].span[1]: a second result for sm90-fp8-cuda on contiguous below 2078720000 (the first is "
-        "span[0]): one result per pair"
+        "span[0]): one result per variant, layout, side, span"
     )
     above = {
         **SPAN,

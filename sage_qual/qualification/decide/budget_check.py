@@ -267,20 +267,22 @@ LONG_REL_OTHER_DEVICE = 0.5
 def long_device() -> str | None:
     """Where gate draws the long checks' inputs again: the GPU ("cuda"), as certify drew them. None
     without one: a gate there decides nothing (no GPU to match a report to) but behind the test
-    hook's fake GPUs, whose long checks ran cut down and are not re-derived; and the model at a real
-    long call takes 7-13 s a check at 8,192 tokens on this VM's CPU (2026-12-02), more past it."""
+    hook's fake GPUs; and the model at a real long call takes 7-13 s a check at 8,192 tokens on this
+    VM's CPU (2026-12-02), more past it."""
     import torch
 
     return "cuda" if torch.cuda.is_available() else None
 
 
-def derived_long_budget(check: LongCheck, device: str) -> tuple[dict[str, float], list[int]]:
-    """`long_check.model_budget`'s limits and sampled rows for the check's variant and call. Not kept
-    on disk as the cells' are, so no restored cache can loosen it: on the H200 the first gate of
+def derived_long_budget(check: LongCheck, device: str, variant: Variant | None = None,
+                        ) -> tuple[dict[str, float], list[int]]:
+    """`long_check.model_budget`'s limits and sampled rows for the check's variant (`variant`: the
+    registry variant behind it, for certify --target) at the call it ran (`LongCheck.ran_shape`). Not
+    kept on disk as the cells' are, so no restored cache can loosen it: on the H200 the first gate of
     run 27 (FLUX.1, nothing cached) took 13 s in all, cells and long checks derived."""
     from sage_qual.qualification.measure import long_check
 
-    budget, rows = long_check.model_budget(VARIANTS[check.variant], check.shape, device)
+    budget, rows = long_check.model_budget(variant or VARIANTS[check.variant], check.ran_shape(), device)
     return limits(budget), rows
 
 
@@ -288,22 +290,26 @@ def long_budget_problem(source: str, data: Report, family: Family, models_here: 
                         device: str | None = None) -> str:
     """Empty when every judged long check that bounds the family's range on the GPU models here
     sampled the rows certify samples and stores a budget no looser than the one derived here; else one
-    line naming the first that does not. A check that ran a cut-down call (`ran_tokens`, `ran_heads`:
-    the test hook's fake GPUs) has no planned inputs to draw again and is not re-derived."""
+    line naming the first that does not. No field exempts a check: one that ran cut down
+    (`ran_tokens`, `ran_heads`, `ran_kv_tokens`: the test hook's fake GPUs) is derived at the call it
+    ran, and one that cannot be derived is refused."""
     from sage_qual.qualification.decide.verdict import long_check_counts
 
-    counting = [(n, m, check) for n, gpu in enumerate(data.devices)
+    counting = [(n, m, gpu, check) for n, gpu in enumerate(data.devices)
                 if gpu_label(gpu.name, gpu.capability) in models_here
                 for m, check in enumerate(gpu.long or [])
-                if check.outcome in (Outcome.PASS, Outcome.FAIL) and long_check_counts(check, family)
-                and not check.ran_tokens and not check.ran_heads and check.variant in VARIANTS]
+                if check.outcome in (Outcome.PASS, Outcome.FAIL) and long_check_counts(check, family)]
     device = (device or long_device()) if counting else None  # torch only for a check to derive
     if device is None:
         return ""
     relative = BUDGET_REL if device == "cuda" else LONG_REL_OTHER_DEVICE
-    for n, m, check in counting:
+    for n, m, gpu, check in counting:
         where = f"{source}: devices[{n}].long[{m}] ({check.variant} at {check.shape.q_tokens:,} tokens)"
-        derived, rows = derived_long_budget(check, device)
+        variant = _cell_variant(data, check.variant, tuple(gpu.capability))
+        if variant is None or check.ran_shape() is None:
+            missing = "the key tokens it ran are not recorded" if variant else "no known variant"
+            return f"{where}: bounds: cannot be re-derived ({missing}); certify again on this machine"
+        derived, rows = derived_long_budget(check, device, variant)
         if check.rows != rows:
             return (f"{where}: rows: {check.rows} in the report, but certify samples the query rows "
                     f"{rows} of this call; the file was edited: certify again")

@@ -88,6 +88,7 @@ class _Measured:
 @dataclass(frozen=True)
 class Cell(_Measured):
     """One variant on one fixture; the numbers only when it ran to the end (null: not finite)."""
+    IDENTITY = ("variant", "fixture")  # one result per variant and fixture
     variant: str
     fixture: str
     outcome: Outcome
@@ -132,6 +133,7 @@ class Speed:
     """One kernel at one shape: the median of the timed calls (CUDA events, after warm-up), with
     every timed call in `samples_ms`; kernel 'sdpa' is the fastest SDPA backend: `backends` holds
     each backend's median of a short screen, `best_backend` the fastest of them, timed in full."""
+    IDENTITY = ("kernel", "shape")  # one timing per kernel and shape
     kernel: str
     shape: str
     outcome: Outcome
@@ -198,6 +200,7 @@ class LongCheck(_Measured):
     """A variant at one long call (`measure.long_check`): accuracy on sampled query rows of synthetic
     tensors against the numerics model's budget for those rows, whether every row's output is the same
     wherever its block sits, and whether each declared layout gave the contiguous call's output."""
+    IDENTITY = ("variant", "shape")  # one check per variant and call
     variant: str
     shape: ShapeSpec = field(metadata={"description": "the call checked (the planned size)"})
     uses: list[ShapeUse] = field(metadata={"description": "the family calls and sweep points it stands for"})
@@ -222,10 +225,26 @@ class LongCheck(_Measured):
         "minimum": 1, "description": "tokens actually run when not the planned ones (test fakes, emulation)"})
     ran_heads: int | None = field(default=None, metadata={
         "minimum": 1, "description": "query heads actually run when not the planned ones (emulation)"})
+    ran_kv_tokens: int | None = field(default=None, metadata={
+        "minimum": 1, "description": "key tokens actually run when not the planned ones (test fakes)"})
     inputs: str = field(default="", metadata={"description": "what the tensors were (synthetic, seeded)"})
     seconds: float | None = None
     stderr_tail: str = ""
     traceback: str = ""
+
+    def ran_shape(self) -> ShapeSpec | None:
+        """The call it ran: the planned shape with what ran cut down (None when the key tokens of a
+        cut-down call with as many keys as queries planned were not recorded: reports before
+        ran_kv_tokens, where they were cut as the queries were)."""
+        shape = self.shape
+        kv_tokens = self.ran_kv_tokens
+        if kv_tokens is None:
+            if self.ran_tokens is not None and shape.q_tokens != shape.kv_tokens:
+                return None
+            kv_tokens = self.ran_tokens or shape.kv_tokens
+        heads = self.ran_heads or shape.heads
+        return dataclasses.replace(shape, heads=heads, kv_heads=max(1, heads * shape.kv_heads // shape.heads),
+                                   q_tokens=self.ran_tokens or shape.q_tokens, kv_tokens=kv_tokens)
 
     def check(self) -> list[tuple[str, str]]:
         # A comparison of a layout the check did not declare would enable that layout (issue 28).
@@ -240,6 +259,7 @@ class LongCheck(_Measured):
 class SpanProbe:
     """A variant called directly on one long query near the 32-bit element limit (`measure.span_probe`):
     pass (right on sampled rows), fail (wrong), or what ended its worker (crash, with the stderr tail)."""
+    IDENTITY = ("variant", "layout", "side", "span")  # one probe per variant and case
     variant: str
     layout: Literal["contiguous", "fused_qkv"] = field(metadata={
         "description": "contiguous, or fused_qkv (views into one fused QKV)"})
@@ -343,6 +363,7 @@ def safe_contexts(runs: list[ContextRun]) -> list[str]:
 class ContextCheck(_Measured):
     """A variant in every execution context (`context_check`): pass when every check passed, fail when
     one did not (it then serves only in the contexts that passed), or what ended its worker."""
+    IDENTITY = ("variant",)  # one check per variant: a second would leave its contexts to order
     variant: str
     shape: list[int] = field(metadata={"length": 4, "minimum": 1, "description": "[B, H, N, D] of each call"})
     dtype: DType
@@ -448,23 +469,20 @@ class Report:
             duplicate = _duplicate(device)
             if duplicate:
                 return [(f"devices[{n}].{duplicate[0]}", duplicate[1])]
+            for kind, records_ in evidence_lists(device):
+                for m, record in enumerate(records_):
+                    if getattr(record, "variant", None) not in (None, *self.options.variants):
+                        return [(f"devices[{n}].{kind}[{m}].variant",
+                                 f"{record.variant!r} is not in options.variants")]
             for m, cell in enumerate(device.cells):
                 if cell.fixture not in names:
                     return [(f"devices[{n}].cells[{m}].fixture", f"{cell.fixture!r} is not in `fixtures`")]
-                if cell.variant not in self.options.variants:
-                    return [(f"devices[{n}].cells[{m}].variant",
-                             f"{cell.variant!r} is not in options.variants")]
             for m, timing in enumerate(device.speed):
                 if timing.shape not in self.shapes:
                     return [(f"devices[{n}].speed[{m}].shape", f"{timing.shape!r} is not in `shapes`")]
                 if not self.target and timing.kernel not in ("sdpa", *self.options.variants):
                     return [(f"devices[{n}].speed[{m}].kernel",
                              f"{timing.kernel!r} is neither 'sdpa' nor in options.variants")]
-            for kind in ("span", "long"):
-                for m, record in enumerate(getattr(device, kind) or []):
-                    if record.variant not in self.options.variants:
-                        return [(f"devices[{n}].{kind}[{m}].variant",
-                                 f"{record.variant!r} is not in options.variants")]
         return []
 
     def _unknown_names(self) -> list[tuple[str, str]]:
@@ -482,19 +500,40 @@ class Report:
         return []
 
 
+def evidence_lists(device: Device) -> list[tuple[str, list]]:
+    """(field name, records) for every list of evidence records a device holds: its fields whose
+    records declare an IDENTITY, read from the types, so a new kind of evidence is covered."""
+    found = []
+    for item in dataclasses.fields(device):
+        value = getattr(device, item.name)
+        if isinstance(value, list) and value and hasattr(value[0], "IDENTITY"):
+            found.append((item.name, value))
+    return found
+
+
+def _identity(record) -> str:
+    """"sm90-fp8-cuda on flux1_outlier": the first field of its IDENTITY on the others (a shape key
+    by key)."""
+    def text(value) -> str:
+        if dataclasses.is_dataclass(value):
+            return " ".join(f"{k}={getattr(v, 'value', v)}" for k, v in sorted(vars(value).items()))
+        return str(value)
+
+    first, *rest = (text(getattr(record, name)) for name in record.IDENTITY)
+    return " on ".join([first, " ".join(rest)]) if rest else first
+
+
 def _duplicate(device: Device) -> tuple[str, str] | None:
-    """The second record of a (variant, fixture) cell or (kernel, shape) timing: a report holds one
-    result of each, and with two the verdict would depend on which one is read."""
-    for records_, key, what in ((device.cells, lambda c: (c.variant, c.fixture), "cells"),
-                                (device.speed, lambda r: (r.kernel, r.shape), "speed"),
-                                (device.long or [], lambda c: (c.variant, " ".join(
-                                    f"{k}={v}" for k, v in sorted(vars(c.shape).items()))), "long"),
-                                (device.span or [], lambda p: (p.variant, f"{p.layout} {p.side} {p.span}"),
-                                 "span")):
-        first: dict[tuple[str, str], int] = {}
+    """The second record of one identity (a cell's variant and fixture, a timing's kernel and shape,
+    a context check's variant, ...): a report holds one result of each, and with two the verdict
+    would depend on which one is read."""
+    for what, records_ in evidence_lists(device):
+        first: dict[str, int] = {}
         for m, record in enumerate(records_):
-            if key(record) in first:
-                return (f"{what}[{m}]", f"a second result for {' on '.join(key(record))} (the first is "
-                                        f"{what}[{first[key(record)]}]): one result per pair")
-            first[key(record)] = m
+            key = _identity(record)
+            if key in first:
+                names = ", ".join(type(record).IDENTITY)
+                return (f"{what}[{m}]", f"a second result for {key} (the first is {what}[{first[key]}]): "
+                                        f"one result per {names}")
+            first[key] = m
     return None

@@ -263,8 +263,9 @@ class Worker:
         q, k, v = long_check.synthetic(s, self.bench.device, self.bench.tokens, heads)
         result = long_check.check(task, q, k, v, self.kernels.long_kernel(variant),
                                   blocks=getattr(self.bench, "long_blocks", long_check.SAMPLE_BLOCKS))
-        ran = q.shape[2]
+        ran, ran_keys = q.shape[2], k.shape[2]
         return dataclasses.replace(result, ran_tokens=ran if ran != s.q_tokens else None,
+                                   ran_kv_tokens=ran_keys if ran_keys != s.kv_tokens else None,
                                    ran_heads=heads if heads != s.heads else None)
 
     def span(self, task: tasks.SpanTask):
