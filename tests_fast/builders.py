@@ -89,9 +89,9 @@ def refusal(entry) -> str:
     raise AssertionError(f"the profile with entry {entry!r} was accepted")
 
 
-def machine(gpu, torch_version=None, sageattention="2.2.0", torch_cuda="13.0"):
+def machine(gpu, torch_version=None, sageattention="2.2.0", torch_cuda="13.0", source="", sm_count=None):
     return profile.Machine(gpu.name, gpu.capability, gpu.memory_gib, torch_version or torch.__version__,
-                           torch_cuda, sageattention)
+                           torch_cuda, sageattention, source, sm_count)
 
 
 # Report records ---------------------------------------------------------------------------------

@@ -188,14 +188,15 @@ class Profile:
     def check(self) -> list[tuple[str, str]]:
         if not self.gpus:
             return [("gpus", "empty: a profile certifies at least one GPU model")]
-        # Two entries for one machine (model, memory and software) would leave which one serves to
-        # their order (issue 28).
+        # Two entries for one machine (model, memory, SM count and software) would leave which one
+        # serves to their order (issue 28).
         first: dict[tuple, int] = {}
         for n, gpu in enumerate(self.gpus):
-            key = (gpu.label, gpu.memory_gib, gpu.environment)
+            key = (gpu.label, gpu.memory_gib, gpu.sm_count, gpu.environment)
             if key in first:
-                return [(f"gpus[{n}]", f"{gpu.label} with this memory and software is gpus[{first[key]}] "
-                                       "already: keep one entry per machine (merge the reports instead)")]
+                return [(f"gpus[{n}]", f"{gpu.label} with this memory, SM count and software is "
+                                       f"gpus[{first[key]}] already: keep one entry per machine (merge the "
+                                       "reports instead)")]
             first[key] = n
         return []
 
@@ -328,8 +329,7 @@ def differences(gpu: ProfileGpu, device: Machine) -> list[str]:
         found.append("GPU %s, %s here" % (device.name, capability_label(device.capability)))
     elif gpu.memory_gib is not None and abs(gpu.memory_gib - device.memory_gib) > MEMORY_TOLERANCE_GIB:
         found.append(f"memory {gpu.memory_gib:g} GiB, {device.memory_gib:g} here")
-    elif gpu.sm_count and device.sm_count and \
-            abs(gpu.sm_count - device.sm_count) > SM_COUNT_TOLERANCE * max(gpu.sm_count, device.sm_count):
+    elif not _same_sm_count(gpu.sm_count, device.sm_count):
         found.append(f"{gpu.sm_count} SMs, {device.sm_count} here")
     env = gpu.environment
     for label, certified, here in (("sageattention", env.sageattention, device.sageattention),
@@ -337,8 +337,7 @@ def differences(gpu: ProfileGpu, device: Machine) -> list[str]:
                                    ("torch", env.torch, device.torch)):
         if certified != here:
             found.append(f"{label} {certified or 'none'}, {here or 'none'} here")
-    if env.sageattention_source and device.sageattention_source and \
-            env.sageattention_source != device.sageattention_source:
+    if not _same_build(env.sageattention_source, device.sageattention_source):
         found.append(f"sageattention build {env.sageattention_source}, {device.sageattention_source} here "
                      "(another source under one version: a fork or an older build)")
     return found
@@ -354,16 +353,32 @@ def is_near_match(gpu: ProfileGpu, device: Machine) -> bool:
 
 
 def nearest(profile: Profile, device: Machine) -> ProfileGpu:
-    """The entry closest to this device: the same GPU model first, then memory, sageattention, CUDA,
+    """The entry closest to this device: one that matches in everything that binds it (GPU model,
+    memory, SM count, sageattention and its build, CUDA, torch) first, then a near match
+    (`is_near_match`), then the same GPU model, memory, SM count, sageattention, its build, CUDA,
     torch's release and torch itself; the first in the file among equals."""
     def closeness(gpu: ProfileGpu):
         env = gpu.environment
-        return (same_gpu_name(gpu.name, device.name) and tuple(gpu.capability) == device.capability,
+        return (not differences(gpu, device), is_near_match(gpu, device),
+                same_gpu_name(gpu.name, device.name) and tuple(gpu.capability) == device.capability,
                 tuple(gpu.capability) == device.capability,
                 gpu.memory_gib is None or abs(gpu.memory_gib - device.memory_gib) <= MEMORY_TOLERANCE_GIB,
-                env.sageattention == device.sageattention, env.torch_cuda == device.torch_cuda,
+                _same_sm_count(gpu.sm_count, device.sm_count),
+                env.sageattention == device.sageattention,
+                _same_build(env.sageattention_source, device.sageattention_source),
+                env.torch_cuda == device.torch_cuda,
                 _torch_release(env.torch) == _torch_release(device.torch), env.torch == device.torch)
     return max(profile.gpus, key=closeness)
+
+
+def _same_sm_count(certified: int | None, here: int | None) -> bool:
+    """Within SM_COUNT_TOLERANCE of each other, or one not recorded (not compared)."""
+    return not certified or not here or abs(certified - here) <= SM_COUNT_TOLERANCE * max(certified, here)
+
+
+def _same_build(certified: str, here: str) -> bool:
+    """One sageattention build (`sage_package.source_digest`), or one not recorded (not compared)."""
+    return not certified or not here or certified == here
 
 
 def served_families(gpu: ProfileGpu) -> list[str]:

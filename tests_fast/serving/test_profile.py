@@ -154,7 +154,7 @@ def test_one_machine_twice_is_refused_and_another_software_is_another_entry():
     """Issue 28: the same GPU model twice was read, and which entry served was left to their order."""
     data = make_profile()
     data["gpus"].append({**copy.deepcopy(data["gpus"][0]), "default": make_entry(min_q=4096)})
-    with pytest.raises(profile.ProfileError, match=r"gpus\[1\]: Fake H200 \(sm_90\) with this memory and "
+    with pytest.raises(profile.ProfileError, match=r"gpus\[1\]: Fake H200 \(sm_90\) with this memory, SM count and "
                                                    r"software is gpus\[0\] already"):
         profile.load(data)
     assert len(profile.load(make_profile(make_gpu(), make_gpu(torch_version="2.12.0"))).gpus) == 2

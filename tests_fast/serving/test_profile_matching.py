@@ -187,3 +187,50 @@ def test_a_scope_summary_stays_one_short_line_with_its_details_intact():
     assert len(summary) <= STATUS_LINE_LIMIT
     assert all(f"{reason}=1" in summary for reason in report.fallbacks)
     assert "dtype=(torch.float32" in report.details["dtype"]  # the detail the line left out
+
+
+# Everything that binds an entry ranks it (issue 43) --------------------------------------------------
+def with_binding(gpu: dict, source: str = "", sm_count=None) -> dict:
+    gpu = copy.deepcopy(gpu)
+    gpu["environment"]["sageattention_source"] = source
+    gpu["sm_count"] = sm_count
+    return gpu
+
+
+SERVING = make_gpu(entry=make_entry(min_q=1024, min_k=1024))
+KEEPING_OFF = make_gpu(entry=OFF)
+
+
+@pytest.mark.parametrize("order", ["other-first", "this-first"])
+def test_the_entry_of_this_build_wins_over_another_builds_whatever_the_order(order):
+    """Issue 43's case: two entries that differ only in the build; the other build's serves, this
+    build's keeps everything off. Ranked without the build, the first was picked, found to differ,
+    and the defaults served what this build's entry keeps on torch."""
+    other, this = with_binding(SERVING, source="aaaa"), with_binding(KEEPING_OFF, source="bbbb")
+    certified = make_profile(*((other, this) if order == "other-first" else (this, other)))
+    [only] = profile.device_configs(certified, [machine(H200, source="bbbb")])
+    assert only.matched and only.config.kernel_table[H200.capability] == ()
+    assert "certifies no SageAttention variant" in only.note
+
+
+@pytest.mark.parametrize("order", ["other-first", "this-first"])
+def test_the_entry_of_this_sm_count_wins_over_a_cut_down_dies(order):
+    cut, full = with_binding(KEEPING_OFF, sm_count=114), with_binding(SERVING, sm_count=132)
+    certified = make_profile(*((cut, full) if order == "other-first" else (full, cut)))
+    [only] = profile.device_configs(certified, [machine(H200, sm_count=132)])
+    assert only.matched and only.config.min_query_tokens == 1024
+
+
+def test_an_exact_match_wins_over_a_near_one():
+    """A near match (another torch patch release) applies only when nothing matches exactly."""
+    near = make_gpu(entry=make_entry(min_q=8192), torch_version=another_patch_release(torch.__version__))
+    exact = make_gpu(entry=make_entry(min_q=1024))
+    for gpus in ((near, exact), (exact, near)):
+        [only] = profile.device_configs(make_profile(*gpus), [machine(H200)])
+        assert only.matched and only.config.min_query_tokens == 1024 and not only.note.startswith("near")
+
+
+def test_an_unrecorded_build_or_sm_count_is_not_compared():
+    certified = make_profile(with_binding(SERVING))
+    [only] = profile.device_configs(certified, [machine(H200, source="bbbb", sm_count=132)])
+    assert only.matched and only.config.min_query_tokens == 1024
