@@ -5,7 +5,11 @@
 #   REPORTS_DIR/<host>/report.json (and gates.jsonl from certify-one.sh), one folder per runner or
 #   array task; BASELINE_DIR/<host>/report.json the same hosts at the last release (optional).
 # REQUIRED_FAMILIES: comma-separated families the fleet must enable (exit 1 when one is kept off).
-# REQUIRE_SPEEDUP=1: "safe, no speedup" counts as kept off (as `gate --require-speedup`).
+# REQUIRE_SPEEDUP=1 (or true, yes, on): "safe, no speedup" counts as kept off (as
+# `gate --require-speedup`); 0, false, no, off or unset: it passes.
+# Exit codes: 0 every required family is on; 1 a required family is kept off; 2 bad input (no
+# reports, a report merge refuses, a gates.jsonl line that is not a gate answer, an unknown
+# REQUIRED_FAMILIES name or REQUIRE_SPEEDUP value), each named on stderr with its file and line.
 # Writes OUT_DIR/fleet.md, fleet.json, compare-<host>.txt and fleet-gates.txt (an enabled family
 # with each GPU model's variant and the range, head sizes and layouts every host verified).
 set -uo pipefail
@@ -49,14 +53,34 @@ import json, os, sys
 from pathlib import Path
 
 fleet, decisions, reports = json.loads(Path(sys.argv[1]).read_text())["rows"], Path(sys.argv[2]), sys.argv[3:]
-passing = {"enable"} if os.environ.get("REQUIRE_SPEEDUP") == "1" else {"enable", "safe, no speedup"}
+
+
+def bad_input(message):
+    print(f"merge_and_gate.sh: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+strict = os.environ.get("REQUIRE_SPEEDUP", "").strip().lower()
+if strict not in ("1", "true", "yes", "on", "0", "false", "no", "off", ""):
+    bad_input(f"REQUIRE_SPEEDUP={strict!r}: give 1 (or true, yes, on) or 0 (or false, no, off)")
+passing = {"enable"} if strict in ("1", "true", "yes", "on") else {"enable", "safe, no speedup"}
 gates = {}  # (report folder, family) -> the gate's exit code on that host
 for report in reports:
     lines = Path(report).with_name("gates.jsonl")
-    for line in lines.read_text().splitlines() if lines.exists() else []:
-        if line.strip():
+    for number, line in enumerate(lines.read_text(errors="replace").splitlines() if lines.exists() else [], 1):
+        if not line.strip():
+            continue
+        try:
             answer = json.loads(line)
-            gates[(str(Path(report).parent), answer["family"])] = answer["exit_code"]
+        except ValueError as error:  # a gate killed mid-write leaves a torn line
+            bad_input(f"{lines} line {number}: not JSON ({error}): a gate answer cut short? run the "
+                      "host's gate again, or remove the line")
+        code = answer.get("exit_code") if isinstance(answer, dict) else None
+        if not isinstance(answer, dict) or not isinstance(answer.get("family"), str) or \
+                isinstance(code, bool) or not isinstance(code, int):
+            bad_input(f"{lines} line {number}: not a `sage-qual gate --json` answer (it needs a string "
+                      "family and an integer exit_code): run the host's gate again, or remove the line")
+        gates[(str(Path(report).parent), answer["family"])] = code
 families = list(dict.fromkeys(name for row in fleet for name in row["families"]))
 
 
@@ -87,7 +111,12 @@ def common_range(rows, family):
         return ""
     tokens = (f"from {low_q:,} to {high_q:,} tokens" if (low_q, high_q) == (low_k, high_k) else
               f"from {low_q:,} to {high_q:,} query / {low_k:,} to {high_k:,} key tokens")
-    return f"{variants}; every host: {tokens}, {dims_text} (layouts: {', '.join(layouts)}){kept}"
+    # the contexts every host certified (a host that checked none keeps the variant's built-in rule)
+    checked = [e["contexts"] for e in entries if e.get("contexts") is not None]
+    contexts = ("" if not checked else "; contexts: " + (", ".join(
+        name for name in checked[0] if all(name in c for c in checked)) or "none")
+                + ("" if len(checked) == len(entries) else " (a host without context checks: built-in rule)"))
+    return f"{variants}; every host: {tokens}, {dims_text} (layouts: {', '.join(layouts)}{contexts}){kept}"
 out, off = [], []
 for family in families:
     why, verdicts = [], set()

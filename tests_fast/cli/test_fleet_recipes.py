@@ -114,9 +114,10 @@ def test_the_fleet_gate_names_the_variant_and_the_range_every_host_verified(tmp_
     assert done.returncode == 0, done.stderr
     decided = gates(tmp_path)
     assert decided["Wan 2.2"] == ("enable (sm90-fp8-cuda on NVIDIA H200; every host: from 10,624 to 75,600 "
-                                  "tokens, head_dim 128 (layouts: contiguous, transposed, nhd, fused_qkv))")
+                                  "tokens, head_dim 128 (layouts: contiguous, transposed, nhd, fused_qkv; "
+                                  "contexts: side_stream, compile))")
     assert decided["Z-Image"].endswith("from 10,624 to 32,768 tokens, head_dim 128 (layouts: contiguous, "
-                                       "transposed, nhd))")
+                                       "transposed, nhd; contexts: side_stream, compile))")
     # run 21 had no FLUX.2 fixture; run 22 enables it
     assert decided["FLUX.2"].startswith("keep off (vm NVIDIA H200 (h200-a): keep off")
 
@@ -131,7 +132,8 @@ def test_the_fleet_gate_states_the_hosts_bounds(tmp_path):
     assert done.returncode == 0, done.stderr
     assert gates(tmp_path)["FLUX.1"] == (
         "enable (sm90-fp8-cuda on NVIDIA H200; every host: from 12,672 to 32,768 tokens, head_dim 128 "
-        "(layouts: contiguous, transposed, nhd, fused_qkv); calls with fewer than 17 keys stay on torch)")
+        "(layouts: contiguous, transposed, nhd, fused_qkv; contexts: side_stream, compile); calls with fewer "
+        "than 17 keys stay on torch)")
     assert "keys >= 17" in (tmp_path / "out" / "fleet.md").read_text()
 
 
@@ -215,3 +217,43 @@ def test_the_real_scripts_certify_gate_and_merge_one_object_per_line(tmp_path):
     gates = (tmp_path / "fleet" / "fleet-gates.txt").read_text()
     assert gates.startswith("FLUX.1: keep off") and "gate exit 2" in gates, gates
     assert "Traceback" not in merged.stderr
+
+
+@pytest.mark.parametrize("line, problem", [
+    ('{"family": "Wan 2.2", "exit_co', "not JSON"),  # a gate killed mid-write
+    ('{"exit_code": 0}', "not a `sage-qual gate --json` answer"),
+    ('{"family": "Wan 2.2", "exit_code": "0"}', "not a `sage-qual gate --json` answer"),
+    ('[1, 2]', "not a `sage-qual gate --json` answer"),
+], ids=["torn", "no-family", "string-code", "not-an-object"])
+def test_a_bad_gates_line_is_bad_input_named_with_its_file_and_line(fleet, line, problem):
+    """Issue 43: a torn line crashed the step with a traceback and exit 1 ("a required family is kept
+    off"). Now: exit 2, the file and line named, no traceback."""
+    answers = (fleet / "reports" / "h200-b" / "gates.jsonl")
+    answers.write_text(json.dumps({"family": "Z-Image", "exit_code": 0}) + "\n\n" + line + "\n")
+    done = merge_and_gate(fleet, baseline=False)
+    assert done.returncode == 2, done.stderr
+    assert f"{answers} line 3: {problem}" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("value, strict", [("true", True), ("YES", True), ("on", True), ("0", False),
+                                           ("false", False), ("", False)])
+def test_require_speedup_reads_the_usual_spellings(fleet, value, strict):
+    done = merge_and_gate(fleet, baseline=False, REQUIRED_FAMILIES="SDXL", REQUIRE_SPEEDUP=value)
+    assert done.returncode == (1 if strict else 0), done.stderr
+
+
+def test_an_unknown_require_speedup_value_is_bad_input(fleet):
+    done = merge_and_gate(fleet, baseline=False, REQUIRE_SPEEDUP="maybe")
+    assert done.returncode == 2 and "REQUIRE_SPEEDUP='maybe'" in done.stderr
+
+
+def test_the_fleet_line_carries_the_contexts_every_host_certified(tmp_path):
+    """As gate's line does: run 30's H200 certified sm90-fp8-cuda in side_stream and compile."""
+    run30 = RESULTS / "run30-h200" / "certify" / "report.json"
+    for host in ("h200-a", "h200-b"):
+        (tmp_path / "reports" / host).mkdir(parents=True)
+        shutil.copy(run30, tmp_path / "reports" / host / "report.json")
+    done = merge_and_gate(tmp_path, baseline=False, REQUIRED_FAMILIES="Wan 2.2")
+    assert done.returncode == 0, done.stderr
+    assert gates(tmp_path)["Wan 2.2"].endswith("(layouts: contiguous, transposed, nhd, fused_qkv; contexts: "
+                                               "side_stream, compile))")
