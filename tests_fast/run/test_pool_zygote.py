@@ -49,3 +49,17 @@ def test_a_worker_gets_the_environment_of_its_start_not_the_zygotes(tmp_path, mo
     monkeypatch.delenv(fault_hooks.TEST_HOOK)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert gpus_seen("none") == []
+
+
+def test_certify_starts_the_zygote_before_it_imports_torch(tmp_path):
+    """`start_zygote` returns at once, and the workers then forked come from that zygote: its imports
+    run beside the parent's import of torch (cli/certify.py calls it before importing run)."""
+    pool.start_zygote()
+    started = multiprocessing.forkserver._forkserver._forkserver_pid
+    assert started is not None
+    worker = pool.Process(pool.worker_env(), tmp_path / "worker.log")
+    try:
+        assert parent_of(worker.proc.pid) == started
+    finally:
+        worker.close()
+

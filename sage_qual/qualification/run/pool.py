@@ -20,6 +20,7 @@ import contextlib
 import importlib
 import json
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import queue
 import signal
@@ -59,6 +60,14 @@ def _zygote_context() -> multiprocessing.context.ForkServerContext:
             context.set_forkserver_preload(ZYGOTE_PRELOAD)
             _zygote = context
         return _zygote
+
+
+def start_zygote() -> None:
+    """Start the zygote now, without waiting for it: its imports (torch, torch._dynamo and
+    sageattention, 8-10 s on the H200 host, whose image writes no bytecode) then run beside the
+    parent's own import of torch instead of after it (docs/results/run31-h200)."""
+    _zygote_context()
+    multiprocessing.forkserver.ensure_running()
 
 
 class _PassedFd:
