@@ -9,7 +9,8 @@ import json
 import pytest
 
 from sage_qual.qualification.decide import checked, verdict
-from sage_qual.qualification.evidence.report_model import ReportError, evidence_lists
+from sage_qual.qualification.evidence.identity import evidence_lists
+from sage_qual.qualification.evidence.report_model import ReportError
 
 from ..helpers import newest_h200_run
 

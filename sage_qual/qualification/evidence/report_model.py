@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from sage_qual import limits
+from sage_qual.qualification.evidence import identity
 from sage_qual.qualification.evidence.numbers import COSINE, NOT_NEGATIVE, Budget, Metrics, PublishedBound  # noqa: F401
 from sage_qual.qualification.families import FAMILIES
 from sage_qual.serving.contexts import CHECKS, CONTEXTS
@@ -233,9 +234,8 @@ class LongCheck(_Measured):
     traceback: str = ""
 
     def ran_shape(self) -> ShapeSpec | None:
-        """The call it ran: the planned shape with what ran cut down (None when the key tokens of a
-        cut-down call with as many keys as queries planned were not recorded: reports before
-        ran_kv_tokens, where they were cut as the queries were)."""
+        """The call it ran: the planned shape, cut down where it ran cut down (None: a cut-down cross
+        call whose key tokens were not recorded, as before ran_kv_tokens)."""
         shape = self.shape
         kv_tokens = self.ran_kv_tokens
         if kv_tokens is None:
@@ -466,10 +466,10 @@ class Report:
         if known:
             return known
         for n, device in enumerate(self.devices):
-            duplicate = _duplicate(device)
+            duplicate = identity.duplicate(device)
             if duplicate:
                 return [(f"devices[{n}].{duplicate[0]}", duplicate[1])]
-            for kind, records_ in evidence_lists(device):
+            for kind, records_ in identity.evidence_lists(device):
                 for m, record in enumerate(records_):
                     if getattr(record, "variant", None) not in (None, *self.options.variants):
                         return [(f"devices[{n}].{kind}[{m}].variant",
@@ -498,42 +498,3 @@ class Report:
                 return [(f"options.variants[{n}]",
                          f"{name!r} is not a variant this sage-qual knows (a newer one may)")]
         return []
-
-
-def evidence_lists(device: Device) -> list[tuple[str, list]]:
-    """(field name, records) for every list of evidence records a device holds: its fields whose
-    records declare an IDENTITY, read from the types, so a new kind of evidence is covered."""
-    found = []
-    for item in dataclasses.fields(device):
-        value = getattr(device, item.name)
-        if isinstance(value, list) and value and hasattr(value[0], "IDENTITY"):
-            found.append((item.name, value))
-    return found
-
-
-def _identity(record) -> str:
-    """"sm90-fp8-cuda on flux1_outlier": the first field of its IDENTITY on the others (a shape key
-    by key)."""
-    def text(value) -> str:
-        if dataclasses.is_dataclass(value):
-            return " ".join(f"{k}={getattr(v, 'value', v)}" for k, v in sorted(vars(value).items()))
-        return str(value)
-
-    first, *rest = (text(getattr(record, name)) for name in record.IDENTITY)
-    return " on ".join([first, " ".join(rest)]) if rest else first
-
-
-def _duplicate(device: Device) -> tuple[str, str] | None:
-    """The second record of one identity (a cell's variant and fixture, a timing's kernel and shape,
-    a context check's variant, ...): a report holds one result of each, and with two the verdict
-    would depend on which one is read."""
-    for what, records_ in evidence_lists(device):
-        first: dict[str, int] = {}
-        for m, record in enumerate(records_):
-            key = _identity(record)
-            if key in first:
-                names = ", ".join(type(record).IDENTITY)
-                return (f"{what}[{m}]", f"a second result for {key} (the first is {what}[{first[key]}]): "
-                                        f"one result per {names}")
-            first[key] = m
-    return None

@@ -4,7 +4,7 @@ The parent's side (starting, following and killing workers) is `pool`; the test 
 the GPU or inject faults are `fault_hooks`.
 
 A worker, forked from the zygote, has torch and what a kernel's first call imports
-(`kernel_imports`); it waits for one JSON job line on stdin (so the parent can start it early,
+(`serving.kernel_imports`); it waits for one JSON job line on stdin (so the parent can start it early,
 while another worker still runs). It keeps reading stdin: end of file means the parent died, and
 the worker exits. Results leave as JSON lines on the original stdout; file descriptor 1 is pointed
 at stderr first, so whatever Triton, CUDA or a print writes there lands in the stderr log whose
