@@ -40,6 +40,7 @@ from sage_qual.qualification.evidence.report_model import (
 from sage_qual.qualification.measure import long_check as long_check_mod
 from sage_qual.qualification.run import options
 from sage_qual.serving import profile
+from sage_qual.serving.served import Served
 from sage_qual.serving.variants import VARIANTS
 from sage_qual.testing import FakeGpu
 
@@ -50,11 +51,24 @@ RTX4090 = FakeGpu((8, 9), "Fake RTX 4090", 24.0)
 
 
 # Serving profiles ---------------------------------------------------------------------------------
-def make_entry(variant="sm89-fp8-cuda", min_q=2048, min_k=512, head_dims=(128,), reasons=()) -> dict:
-    """A profile entry serving `variant` from these lengths, or (variant None) nothing, for `reasons`."""
-    served = variant is not None
-    return records.dump(profile.Entry(variant, min_q if served else None, min_k if served else None,
-                                      list(head_dims) if served else None, list(reasons)))
+def make_entry(variant="sm89-fp8-cuda", min_q=2048, min_k=512, head_dims=(128,), reasons=(), **served) -> dict:
+    """A profile entry serving `variant` from these lengths (and any other `Served` field), or
+    (variant None) nothing, for `reasons`."""
+    return records.dump(profile.Entry(
+        Served(variant, min_q, min_k, list(head_dims), **served) if variant else None, list(reasons)))
+
+
+def flat_entry(variant="sm89-fp8-cuda", min_q=2048, min_k=512, head_dims=(128,), reasons=(), **served) -> dict:
+    """make_entry()'s entry as profiles of versions 1 and 2 wrote it: every field flat, variant null
+    (and every threshold null) for nothing."""
+    entry = make_entry(variant, min_q, min_k, head_dims, reasons, **served)
+    return {**(entry["served"] or dict(variant=None, min_query_tokens=None, min_key_tokens=None, head_dims=None)),
+            "reasons": entry["reasons"]}
+
+
+def edited(entry: dict, **served) -> dict:
+    """A make_entry() entry with fields of what it serves replaced (a test's broken one)."""
+    return {**entry, "served": {**entry["served"], **served}}
 
 
 def make_gpu(gpu=H200, entry=None, families=None, torch_version=None, sageattention="2.2.0",
@@ -69,7 +83,8 @@ def make_gpu(gpu=H200, entry=None, families=None, torch_version=None, sageattent
 def make_profile(*gpus, **one) -> dict:
     """A profile of `gpus` (make_gpu's), or of one make_gpu(**one)."""
     certified = [read(profile.ProfileGpu, gpu) for gpu in gpus or [make_gpu(**one)]]
-    return records.dump(profile.Profile("sage-qual-profile", 2, "2026-11-29T20:00:00+00:00", "test", {},
+    return records.dump(profile.Profile("sage-qual-profile", profile.SCHEMA_VERSION, "2026-11-29T20:00:00+00:00",
+                                        "test", {},
                                         certified))
 
 

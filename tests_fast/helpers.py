@@ -53,7 +53,7 @@ def builtin_sm90_thresholds() -> str:
     """The built-in defaults' thresholds for an sm_90 GPU ("Q/K"), as a note quotes them."""
     from sage_qual.serving import defaults
     [h200] = [gpu for gpu in defaults.read()[0].gpus if tuple(gpu.capability) == (9, 0)]
-    return f"{h200.default.min_query_tokens}/{h200.default.min_key_tokens}"
+    return f"{h200.default.served.min_query_tokens}/{h200.default.served.min_key_tokens}"
 
 
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"

@@ -85,18 +85,19 @@ families = list(dict.fromkeys(name for row in fleet for name in row["families"])
 
 
 def common_range(rows, family):
-    """What every host serves of an enabled family: each GPU model's variant, and the intersection of
-    the hosts' ranges, head sizes and layouts, and every host's bounds ('' when they share no range)."""
-    entries = [row["families"][family] for row in rows]
+    """What every host serves of an enabled family (each entry's `served`, as `sage-qual merge --json`
+    gives it): each GPU model's variant, and the intersection of the hosts' ranges, head sizes,
+    layouts and contexts, and every host's bounds ('' when they share no range)."""
+    entries = [row["families"][family]["served"] for row in rows]
     variants = ", ".join(sorted({f"{e['variant']} on {row['gpu']}" for row, e in zip(rows, entries)}))
     low_q, low_k = max(e["min_query_tokens"] for e in entries), max(e["min_key_tokens"] for e in entries)
-    dims = sorted(set.intersection(*(set(e["head_dims"] or []) for e in entries)))
+    dims = sorted(set.intersection(*(set(e["head_dims"]) for e in entries)))
     if not dims:
         return ""
     dims_text = f"head_dim {'/'.join(map(str, dims))}"
     below = {}  # a host's bound holds for the fleet: per side, the highest
     for e in entries:
-        for bound in e.get("bounds") or []:
+        for bound in e["bounds"]:
             below[bound["side"]] = max(below.get(bound["side"], 0), bound["below"])
     words = {"key": "keys", "query": "query tokens"}  # as sage_qual.serving.config.SIDE_WORDS
     kept = "".join(f"; calls with fewer than {n:,} {words[side]} stay on torch"
@@ -112,11 +113,13 @@ def common_range(rows, family):
     tokens = (f"from {low_q:,} to {high_q:,} tokens" if (low_q, high_q) == (low_k, high_k) else
               f"from {low_q:,} to {high_q:,} query / {low_k:,} to {high_k:,} key tokens")
     # the contexts every host certified (a host that checked none keeps the variant's built-in rule)
-    checked = [e["contexts"] for e in entries if e.get("contexts") is not None]
+    checked = [e["contexts"] for e in entries if e["contexts"] is not None]
     contexts = ("" if not checked else "; contexts: " + (", ".join(
         name for name in checked[0] if all(name in c for c in checked)) or "none")
                 + ("" if len(checked) == len(entries) else " (a host without context checks: built-in rule)"))
     return f"{variants}; every host: {tokens}, {dims_text} (layouts: {', '.join(layouts)}{contexts}){kept}"
+
+
 out, off = [], []
 for family in families:
     why, verdicts = [], set()

@@ -76,34 +76,24 @@ def decided(data) -> Decided:
 
 
 def _entry(decision: verdict.FamilyDecision) -> str:
-    """Everything the decision serves: verdict, variant, the tokens from and up to, head sizes,
-    layouts and contexts; '-' for what a verdict without a variant lacks."""
-    words = f"{decision.verdict.value} {decision.variant or '-'}"
-    if decision.min_query_tokens is None:
-        return f"{words} -"
-    words += f" {decision.min_query_tokens}/{decision.min_key_tokens}"
-    words += (f" to {decision.max_query_tokens}/{decision.max_key_tokens}" if decision.range_verified
-              else " (no upper bound)")
-    words += f" head_dim {'/'.join(map(str, decision.head_dims))}"
-    if decision.layouts is not None:
-        words += f" layouts [{', '.join(decision.layouts)}]"
-    if decision.contexts is not None:
-        words += f" contexts [{', '.join(decision.contexts)}]"
-    if decision.bounds:
-        words += f" bounds [{', '.join(b.short() for b in decision.bounds)}]"
-    return words
+    """The verdict, the variant and what it serves (`Served.text`); '-' for what a verdict without a
+    variant lacks."""
+    served = decision.served
+    return f"{decision.verdict.value} {served.variant} {served.text()}" if served else \
+        f"{decision.verdict.value} - -"
 
 
 def _bound_limits(decision: verdict.FamilyDecision) -> list[tuple[str, int]]:
     """What a decision's bounds keep on torch; their reasons' words are not compared."""
-    return [(bound.side, bound.below) for bound in decision.bounds]
+    return [(bound.side, bound.below) for bound in decision.served.bounds] if decision.served else []
 
 
 def _serves(decision: verdict.FamilyDecision, shape: ShapeSpec) -> bool:
-    if decision.min_query_tokens is None or shape.head_dim not in decision.head_dims:
+    served = decision.served
+    if served is None or shape.head_dim not in served.head_dims:
         return False
-    return (decision.min_query_tokens <= shape.q_tokens <= (decision.max_query_tokens or math.inf)
-            and decision.min_key_tokens <= shape.kv_tokens <= (decision.max_key_tokens or math.inf))
+    return (served.min_query_tokens <= shape.q_tokens <= (served.max_query_tokens or math.inf)
+            and served.min_key_tokens <= shape.kv_tokens <= (served.max_key_tokens or math.inf))
 
 
 def served_speed_change(a: verdict.FamilyDecision, b: verdict.FamilyDecision, first: Decided, second: Decided,
@@ -124,10 +114,18 @@ def served_speed_change(a: verdict.FamilyDecision, b: verdict.FamilyDecision, fi
 def _differ(a: verdict.FamilyDecision, b: verdict.FamilyDecision, change: float | None, tolerance: float) -> bool:
     if _bound_limits(a) != _bound_limits(b):
         return True
-    exact = ("verdict", "variant", "head_dims", "layouts", "contexts", "range_verified", "max_query_tokens",
-             "max_key_tokens")
     moved = change is not None and abs(math.log(change)) > math.log1p(tolerance)
-    return moved or any(getattr(a, name) != getattr(b, name) for name in exact)
+    return moved or _compared(a) != _compared(b)
+
+
+# What must be equal between two runs: all a decision serves but its thresholds (judged by the served
+# speedups) and its bounds' words.
+EXACT = ("variant", "head_dims", "layouts", "contexts", "max_query_tokens", "max_key_tokens")
+
+
+def _compared(decision: verdict.FamilyDecision) -> tuple:
+    served = decision.served
+    return (decision.verdict, None if served is None else tuple(str(getattr(served, name)) for name in EXACT))
 
 
 def differences(first: Decided, second: Decided, tolerance: float) -> tuple[list[str], list[str]]:

@@ -20,6 +20,7 @@ from sage_qual.qualification.evidence.report_model import Report, ReportError
 from sage_qual.qualification.families import FAMILIES
 from sage_qual.qualification.render import junit
 from sage_qual.qualification.render.fleet import merge_markdown
+from sage_qual.qualification.render.gate import lines as gate_lines
 
 
 def add_parser(subparsers) -> None:
@@ -80,12 +81,12 @@ def _gate(args: argparse.Namespace) -> int:
             cases = [junit.case(model, d, args.require_speedup) for model, d in decision.gpus]
         junit.write(args.junit_xml, f"sage-qual gate {decision.family}", cases)
     if args.json:
-        print(jsonfile.line(decision.as_json()))
+        print(jsonfile.line(records.dump(decision.answer())))
         return decision.code
     if decision.problem:
         print(f"sage-qual gate: {decision.problem}", file=sys.stderr)
         return decision.code
-    print("\n".join(decision.lines(args.require_speedup)))
+    print("\n".join(gate_lines(decision, args.require_speedup)))
     return decision.code
 
 

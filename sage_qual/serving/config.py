@@ -24,12 +24,6 @@ KERNEL_TABLE: Mapping[Capability, tuple[str, ...]] = UPSTREAM_PICKS
 LAYOUTS = ("contiguous", "transposed", "fused_qkv", "nhd")
 
 
-def served_from(min_query_tokens: int, min_key_tokens: int, head_dims) -> str:
-    """"9728 query / 9728 key tokens, head_dim 128": where a kernel starts serving, in the words
-    of every note, reason and log line that names it."""
-    return f"{min_query_tokens} query / {min_key_tokens} key tokens, head_dim {'/'.join(map(str, head_dims))}"
-
-
 @dataclass(frozen=True)
 class Bound:
     """Calls with fewer than `below` query or key tokens stay on torch, whatever the thresholds: a

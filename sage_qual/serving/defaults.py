@@ -28,7 +28,8 @@ from typing import Any, Literal
 from sage_qual import jsonfile, records
 from sage_qual.limits import one_line
 from sage_qual.serving import profile
-from sage_qual.serving.config import DEFAULT_CONFIG, Bound, WrapperConfig, served_from
+from sage_qual.serving.config import DEFAULT_CONFIG, Bound, WrapperConfig
+from sage_qual.serving.served import Served
 from sage_qual.serving.variants import capability_label
 
 DATA = Path(__file__).with_name("default_profile.json")
@@ -111,14 +112,14 @@ def _device_config(measured: profile.Profile, device: profile.Machine, family: s
     config = dataclasses.replace(verified, kernel_table=base.kernel_table)
     return profile.DeviceConfig(config, one_line(
         f"built-in defaults: {device.name} was never measured; the most conservative thresholds measured "
-        f"on {capability} ({models}): {_served(strictest)}"))
+        f"on {capability} ({models}): {strictest.served.short()}"))
 
 
 def _applied(base: WrapperConfig, device: profile.Machine, chosen: profile.Entry, where: str,
              what: str, max_span_elements: int | None = None) -> profile.DeviceConfig:
     config = profile.apply(base, device.capability, chosen, max_span_elements)
-    if chosen.variant:
-        return profile.DeviceConfig(config, one_line(f"{where}: {chosen.variant} {_served(chosen)}"))
+    if chosen.served:
+        return profile.DeviceConfig(config, one_line(f"{where}: {chosen.served.short()}"))
     first = chosen.reasons[0].detail if chosen.reasons else "no reason recorded"
     return profile.DeviceConfig(config, one_line(f"{where}: {what} kept off: {first}"),
                                 tuple(r.detail for r in chosen.reasons))
@@ -135,17 +136,13 @@ def _other_build(measured: profile.ProfileEnvironment, device: profile.Machine) 
     return ""
 
 
-def _served(chosen: profile.Entry) -> str:
-    return "from " + served_from(chosen.min_query_tokens, chosen.min_key_tokens, chosen.head_dims)
-
-
 def most_conservative(entries: list[profile.Entry]) -> profile.Entry | None:
     """The entries that serve a variant, merged (`merged`) at the head sizes every one of them serves;
     None when none serves or they share no head size."""
-    serving = [e for e in entries if e.variant]
+    serving = [e for e in entries if e.served]
     if not serving:
         return None
-    head_dims = sorted(set.intersection(*(set(e.head_dims) for e in serving)))
+    head_dims = sorted(set.intersection(*(set(e.served.head_dims) for e in serving)))
     if not head_dims:
         return None
     return merged(serving[0].variant, serving, head_dims)
@@ -154,11 +151,12 @@ def most_conservative(entries: list[profile.Entry]) -> profile.Entry | None:
 def merged(variant: str, entries: list[profile.Entry], head_dims: list[int]) -> profile.Entry:
     """Entries serving `variant` as one: the highest thresholds, the lowest verified upper bounds, the
     layouts and contexts every entry verified, every entry's bounds, the last entry's reasons."""
-    return profile.Entry(
-        variant, max(e.min_query_tokens for e in entries), max(e.min_key_tokens for e in entries), head_dims,
-        list(entries[-1].reasons), _lowest([e.max_query_tokens for e in entries]),
-        _lowest([e.max_key_tokens for e in entries]), _shared([e.layouts for e in entries]),
-        _shared([e.contexts for e in entries]), merged_bounds(entries))
+    served = [e.served for e in entries]
+    return profile.Entry(Served(
+        variant, max(s.min_query_tokens for s in served), max(s.min_key_tokens for s in served), head_dims,
+        _lowest([s.max_query_tokens for s in served]), _lowest([s.max_key_tokens for s in served]),
+        _shared([s.layouts for s in served]), _shared([s.contexts for s in served]), merged_bounds(served)),
+        list(entries[-1].reasons))
 
 
 def _shared(values: list[list[str] | None]) -> list[str] | None:
@@ -173,11 +171,11 @@ def _lowest(values: list[int | None]) -> int | None:
     return min(named) if named else None
 
 
-def merged_bounds(entries: list[profile.Entry]) -> list[Bound] | None:
+def merged_bounds(served: list[Served]) -> list[Bound]:
     """Every entry's bounds at once: per side the highest (a bound is safety, not speed: the runs'
-    most conservative entry keeps it); None when none has a bound."""
+    most conservative entry keeps it)."""
     highest: dict[str, Bound] = {}
-    for bound in (b for e in entries for b in e.bounds or []):
+    for bound in (b for s in served for b in s.bounds):
         if bound.side not in highest or bound.below > highest[bound.side].below:
             highest[bound.side] = bound
-    return [highest[side] for side in sorted(highest)] or None
+    return [highest[side] for side in sorted(highest)]

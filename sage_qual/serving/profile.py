@@ -9,32 +9,27 @@ device whose model and software match an entry gets that entry's variant and thr
 other device keeps the default table and thresholds, and its note says why (nothing in the
 profile was measured on it).
 
-    {"kind": "sage-qual-profile", "schema_version": 2, "created": ..., "host": ...,
+    {"kind": "sage-qual-profile", "schema_version": 3, "created": ..., "host": ...,
      "fixtures": {name: sha256},
-     "gpus": [{"name": "NVIDIA H200", "capability": [9, 0], "memory_gib": 139.8,
+     "gpus": [{"name": "NVIDIA H200", "capability": [9, 0], "memory_gib": 139.8, "sm_count": 132,
                "environment": {"torch": ..., "torch_cuda": ..., "driver": ..., "sageattention": ...,
-                               "triton": ...},
+                               "triton": ..., "sageattention_source": ...},
+               "max_span_elements": int or null,
                "default": ENTRY, "families": {"FLUX.1": ENTRY, ...}}]}
-    ENTRY = {"variant": name or null, "min_query_tokens": int or null, "min_key_tokens": int or null,
-             "head_dims": [int] or null, "reasons": [{"kind", "detail"}],
-             "max_query_tokens": int or null, "max_key_tokens": int or null, "layouts": [name] or null,
-             "contexts": [name] or null, "bounds": [{"side": "query" or "key", "below": int,
-                                                     "reason": text}] or null}
+    ENTRY = {"served": SERVED or null, "reasons": [{"kind", "detail"}]}
 
-Optional, absent in older profiles (then: no upper bound, any layout, the default span limit):
-an entry's verified range (`max_query_tokens`, `max_key_tokens`), `layouts` (names from
-`config.LAYOUTS`) and `contexts` (the execution contexts certified, names from
-`contexts.CONTEXTS`; absent: the variant's built-in rule), its `bounds` (calls kept on torch whatever
-the thresholds, `config.Bound`; absent: none), and a GPU's `max_span_elements`, the
-largest element span and count of one tensor its kernels were shown to take (default
-`limits.MAX_SPAN_ELEMENTS`).
+SERVED is `served.Served`: the variant, its thresholds and head sizes, and (null in a profile from
+a report without long or context checks: no upper bound, any layout, the built-in contexts) its
+verified range, layouts and contexts, with its bounds (calls kept on torch whatever the
+thresholds, `config.Bound`). A GPU's `max_span_elements` is the largest element span and count of
+one tensor its kernels were shown to take (null: `limits.MAX_SPAN_ELEMENTS`).
 
-Schema version 1 (one GPU model at the top level, no memory) still reads.
+Schema version 2 (each entry's fields flat, with `variant` null for nothing) and version 1 (one GPU
+model at the top level, no memory) still read: they are upgraded as read.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Literal, Mapping
@@ -45,15 +40,13 @@ from packaging.version import InvalidVersion, Version
 from sage_qual import jsonfile, limits, records
 from sage_qual.limits import one_line
 from sage_qual.serving import platform, sage_package
-from sage_qual.serving.config import DEFAULT_CONFIG, LAYOUTS, Bound, WrapperConfig, served_from
-from sage_qual.serving.contexts import CONTEXTS
+from sage_qual.serving.config import DEFAULT_CONFIG, WrapperConfig
 from sage_qual.serving.env_record import Reason
+from sage_qual.serving.served import Served, served_nothing
 from sage_qual.serving.variants import VARIANTS, capability_label, gpu_label
 
 KIND = "sage-qual-profile"
-SCHEMA_VERSION = 2
-# Head sizes the kernels take (the wrapper's default; upstream pads others, which it refuses).
-KERNEL_HEAD_DIMS = DEFAULT_CONFIG.head_dims
+SCHEMA_VERSION = 3
 # Memory as nvidia-smi and torch report it differs by driver reservations; within this many GiB
 # it is the same card (an H200 shows 139.8, an H100 79.6 or 93.1 GiB: far apart).
 MEMORY_TOLERANCE_GIB = 1.0
@@ -69,64 +62,14 @@ class ProfileError(ValueError):
 
 @dataclass(frozen=True)
 class Entry:
-    """What the wrapper serves on a certified GPU model: a variant from these lengths, or nothing."""
-    variant: str | None
-    min_query_tokens: int | None
-    min_key_tokens: int | None
-    head_dims: list[int] | None
+    """What the wrapper serves on a certified GPU model for one family (or by default): `served`, or
+    nothing (null), with the reasons it serves no more."""
+    served: Served | None
     reasons: list[Reason] = field(default_factory=list)
-    # The verified range and layouts (null: no upper bound, any layout; absent in older profiles).
-    max_query_tokens: int | None = None
-    max_key_tokens: int | None = None
-    layouts: list[str] | None = None
-    # The execution contexts certify verified the variant in (names in contexts.CONTEXTS; null or
-    # absent: the variant's built-in rule, `contexts.builtin_safe`).
-    contexts: list[str] | None = None
-    # Calls kept on torch whatever the thresholds (null or absent: none).
-    bounds: list[Bound] | None = None
 
-    def check(self) -> list[tuple[str, str]]:
-        thresholds = (self.min_query_tokens, self.min_key_tokens, self.head_dims, self.max_query_tokens,
-                      self.max_key_tokens, self.layouts, self.contexts, self.bounds)
-        if self.variant is None:
-            if any(x is not None for x in thresholds):
-                return [("variant", "null, but thresholds are given: a profile serves nothing without a "
-                                    "variant")]
-            return []
-        if self.variant not in VARIANTS:
-            return [("variant", f"{self.variant!r} is not a SageAttention variant sage-qual knows "
-                                f"({', '.join(VARIANTS)})")]
-        for name in ("min_query_tokens", "min_key_tokens"):
-            value = getattr(self, name)
-            if value is None or value < 1:
-                return [(name, f"is {value!r}, expected a token count of at least 1")]
-        if not self.head_dims:
-            return [("head_dims", "empty or null: name the head sizes served")]
-        wrong = [d for d in self.head_dims if d not in KERNEL_HEAD_DIMS]
-        if wrong:
-            return [("head_dims", f"{wrong[0]} is not a head size the kernels take "
-                                  f"({', '.join(map(str, KERNEL_HEAD_DIMS))})")]
-        return self._check_range()
-
-    def _check_range(self) -> list[tuple[str, str]]:
-        for name, lowest in (("max_query_tokens", self.min_query_tokens),
-                             ("max_key_tokens", self.min_key_tokens)):
-            value = getattr(self, name)
-            if value is not None and value < lowest:
-                return [(name, f"is {value}, below min_{name[4:]} {lowest}: the verified range is empty")]
-        if self.layouts is not None:
-            if not self.layouts:
-                return [("layouts", "empty: name the verified layouts, or null for any")]
-            unknown = [name for name in self.layouts if name not in LAYOUTS]
-            if unknown:
-                return [("layouts", f"{unknown[0]!r} is not a layout sage-qual knows ({', '.join(LAYOUTS)})")]
-        if self.contexts is not None:
-            unknown = [name for name in self.contexts if name not in CONTEXTS]
-            if unknown or len(set(self.contexts)) != len(self.contexts):
-                what = f"{unknown[0]!r} is not" if unknown else "names a context twice, not"
-                return [("contexts", f"{what} a list of execution contexts sage-qual knows "
-                                     f"({', '.join(CONTEXTS)}); [] for none, null for the built-in rule")]
-        return []
+    @property
+    def variant(self) -> str | None:
+        return self.served.variant if self.served else None
 
 
 @dataclass(frozen=True)
@@ -179,7 +122,7 @@ class ProfileGpu:
 @dataclass(frozen=True)
 class Profile:
     kind: Literal["sage-qual-profile"]
-    schema_version: Literal[2]
+    schema_version: Literal[3]
     created: str
     host: str
     fixtures: dict[str, str]
@@ -207,30 +150,63 @@ def json_schema() -> dict:
                           f"https://sage-qual.invalid/profile/{SCHEMA_VERSION}")
 
 
-@dataclass(frozen=True)
-class GpuV1:
-    name: str
-    capability: list[int] = field(metadata={"length": 2, "minimum": 0})
+# Older versions, upgraded as read -------------------------------------------------------------------
+V1_KEYS = ("kind", "schema_version", "created", "host", "fixtures", "gpu", "environment", "default", "families")
 
 
-@dataclass(frozen=True)
-class ProfileV1:
-    """Schema version 1: one GPU model at the top level, without its memory."""
-    kind: Literal["sage-qual-profile"]
-    schema_version: Literal[1]
-    created: str
-    host: str
-    fixtures: dict[str, str]
-    gpu: GpuV1
-    environment: ProfileEnvironment
-    default: Entry
-    families: dict[str, Entry]
-
-
-def _upgrade(old: ProfileV1) -> Profile:
+def _from_version_1(data: dict, where: str) -> dict:
     """A version 1 profile as version 2: its one GPU model, with memory null (any)."""
-    gpu = ProfileGpu(old.gpu.name, old.gpu.capability, None, old.environment, old.default, old.families)
-    return Profile(KIND, SCHEMA_VERSION, old.created, old.host, old.fixtures, [gpu])
+    unknown = sorted(set(data) - set(V1_KEYS))
+    if unknown:
+        raise ProfileError(f"{where}: {unknown[0]}: unknown key; {FIX}")
+    gpu = data.get("gpu")
+    if not isinstance(gpu, dict):
+        raise ProfileError(f"{where}: gpu: expected an object with the GPU's name and capability; {FIX}")
+    return {**{k: data.get(k) for k in ("kind", "created", "host", "fixtures")}, "schema_version": 2,
+            "gpus": [{**gpu, "memory_gib": None, **{k: data.get(k) for k in ("environment", "default", "families")}}]}
+
+
+def _from_version_2(data: dict, where: str) -> dict:
+    """A version 2 profile as version 3: each flat entry split into `served` (null when `variant`
+    was) and `reasons`."""
+    gpus = data.get("gpus")
+    upgraded = []
+    for n, gpu in enumerate(gpus if isinstance(gpus, list) else []):
+        if not isinstance(gpu, dict):
+            upgraded.append(gpu)
+            continue
+        families = gpu.get("families")
+        upgraded.append({**gpu, "default": _entry_from_version_2(gpu.get("default"), f"{where}: gpus[{n}].default"),
+                         "families": {name: _entry_from_version_2(entry, f"{where}: gpus[{n}].families.{name}")
+                                      for name, entry in families.items()} if isinstance(families, dict)
+                         else families})
+    return {**data, "schema_version": SCHEMA_VERSION, "gpus": upgraded if isinstance(gpus, list) else gpus}
+
+
+def _key_as_written(key: str, version: int) -> str:
+    """A key of the upgraded profile as an older file spells it: entries flat, and in version 1 one
+    GPU model at the top level ("gpus[0].default.served.variant" is "default.variant" there)."""
+    key = re.sub(r"\.served(?=\.|$)", "", key)
+    if version == 1:
+        key = re.sub(r"^gpus\[0\]\.(default|families|environment)", r"\1", key)
+        key = re.sub(r"^gpus\[0\]", "gpu", key)
+    return key
+
+
+def _entry_from_version_2(entry, where: str):
+    if not isinstance(entry, dict):
+        return entry  # refused, with its key, by the parse that follows
+    flat = dict(entry)
+    reasons = flat.pop("reasons", [])
+    if flat.get("variant") is None:
+        given = sorted(key for key, value in flat.items() if value is not None)
+        if given:
+            raise ProfileError(f"{where}.variant: null, but {given[0]} is given: a profile serves nothing "
+                               f"without a variant; {FIX}")
+        return {"served": None, "reasons": reasons}
+    if flat.get("bounds") is None:
+        flat.pop("bounds", None)  # null or absent: none
+    return {"served": flat, "reasons": reasons}
 
 
 def load(source, where: str = "profile", fix: str = FIX) -> Profile:
@@ -247,15 +223,18 @@ def load(source, where: str = "profile", fix: str = FIX) -> Profile:
     if not isinstance(data, dict) or data.get("kind") != KIND:
         raise ProfileError(f"{where} is not a sage-qual profile (written by `sage-qual certify`)")
     version = data.get("schema_version")
-    if isinstance(version, bool) or version not in (1, SCHEMA_VERSION):
+    if isinstance(version, bool) or version not in (1, 2, SCHEMA_VERSION):
         raise ProfileError(f"{where} has profile schema version {version!r}; this sage-qual reads versions 1 "
-                           f"and {SCHEMA_VERSION}: certify again (or upgrade sage-qual)")
+                           f"to {SCHEMA_VERSION}: certify again (or upgrade sage-qual)")
+    if version == 1:
+        data = _from_version_1(data, where)
+    if version in (1, 2):
+        data = _from_version_2(data, where)
     try:
-        if version == 1:
-            return _upgrade(records.parse(ProfileV1, data, where, fix))
         return records.parse(Profile, data, where, fix)
     except records.RecordError as error:
-        raise ProfileError(str(error)) from None
+        key = error.key if version == SCHEMA_VERSION else _key_as_written(error.key, version)
+        raise ProfileError(str(records.RecordError(error.where, key, error.problem, error.fix))) from None
 
 
 def _normalize(name: str) -> str:
@@ -280,19 +259,10 @@ def family_entry(gpu: ProfileGpu, family: str | None) -> Entry | None:
 
 def apply(base: WrapperConfig, capability: tuple[int, int], chosen: Entry,
           max_span_elements: int | None = None) -> WrapperConfig:
-    """`base` with this capability served by the entry's variant (or none), its thresholds, head sizes,
-    verified range and layouts, and the GPU's certified span limit (None: `base`'s)."""
-    table = dict(base.kernel_table)
-    table[capability] = (chosen.variant,) if chosen.variant else ()
-    if not chosen.variant:
-        return dataclasses.replace(base, kernel_table=table)
-    return dataclasses.replace(base, kernel_table=table, min_query_tokens=chosen.min_query_tokens,
-                               min_key_tokens=chosen.min_key_tokens, head_dims=tuple(chosen.head_dims),
-                               max_query_tokens=chosen.max_query_tokens, max_key_tokens=chosen.max_key_tokens,
-                               layouts=None if chosen.layouts is None else tuple(chosen.layouts),
-                               contexts=None if chosen.contexts is None else tuple(chosen.contexts),
-                               bounds=tuple(chosen.bounds or ()),
-                               max_span_elements=max_span_elements or base.max_span_elements)
+    """`base` with this capability served as the entry serves (`Served.config`), or by nothing."""
+    if chosen.served is None:
+        return served_nothing(base, capability)
+    return chosen.served.config(base, capability, max_span_elements)
 
 
 @dataclass(frozen=True)
@@ -385,21 +355,6 @@ def served_families(gpu: ProfileGpu) -> list[str]:
     return [name for name, chosen in gpu.families.items() if chosen.variant]
 
 
-def verified_range(chosen: Entry) -> str:
-    """The note's words for an entry's upper bounds, layouts, contexts and bounds ("" when it has none)."""
-    words = ""
-    if chosen.max_query_tokens is not None or chosen.max_key_tokens is not None:
-        words += (f", up to {chosen.max_query_tokens or 'any'} query / {chosen.max_key_tokens or 'any'} "
-                  "key tokens")
-    if chosen.layouts is not None:
-        words += f", layouts {', '.join(chosen.layouts)}"
-    if chosen.contexts is not None:
-        words += f", contexts {', '.join(chosen.contexts) or 'none (default stream only)'}"
-    for bound in chosen.bounds or []:
-        words += f", {bound.short()}"
-    return words
-
-
 @dataclass(frozen=True)
 class DeviceConfig:
     config: WrapperConfig
@@ -410,10 +365,8 @@ class DeviceConfig:
 
 def _entry_note(gpu: ProfileGpu, chosen: Entry, family: str | None, near: str) -> str:
     scope = f", family {family}" if family else ""
-    if chosen.variant:
-        start = served_from(chosen.min_query_tokens, chosen.min_key_tokens, chosen.head_dims)
-        return one_line(f"{near}profile entry {gpu.label}{scope}: {chosen.variant} from "
-                        f"{start}{verified_range(chosen)}")
+    if chosen.served:
+        return one_line(f"{near}profile entry {gpu.label}{scope}: {chosen.served.short()}")
     count = len(chosen.reasons)
     first = chosen.reasons[0].detail if chosen.reasons else "no reason recorded"
     enabled = served_families(gpu) if family is None else []

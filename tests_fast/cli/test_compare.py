@@ -15,6 +15,7 @@ from sage_qual.qualification.decide import checked
 from sage_qual.qualification.decide.verdict import FamilyDecision, GpuDecision, VariantStatus, Verdict
 from sage_qual.qualification.evidence.report_model import ShapeSpec
 from sage_qual.serving.config import Bound
+from sage_qual.serving.served import Served
 
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
 RUN8 = RESULTS / "run8-h200x2-final" / "certify" / "certify-a" / "report.json"  # no long checks
@@ -27,16 +28,21 @@ def test_run_8_against_run_13_reports_the_range_and_layout_differences(capsys):
     out = capsys.readouterr().out
     found = out.split("difference(s) beyond 5%:\n")[1].splitlines()
     qwen = next(line for line in found if "Qwen-Image:" in line)
-    assert "(no upper bound)" in qwen.split(" vs ")[0]  # run 8: no long checks
-    assert " to 32768/32768 " in qwen.split(" vs ")[1] and "layouts [" in qwen.split(" vs ")[1]
+    assert "(no upper bound verified" in qwen.split(" vs ")[0]  # run 8: no long checks
+    assert " to 32,768 tokens" in qwen.split(" vs ")[1] and "(layouts: " in qwen.split(" vs ")[1]
+
+
+SERVED_FIELDS = {f.name for f in dataclasses.fields(Served)}
 
 
 def decision(**fields) -> FamilyDecision:
-    base = dict(family="FLUX.1", verdict=Verdict.ENABLE, variant="sm90-fp8-cuda", min_query_tokens=9728,
-                min_key_tokens=9728, head_dims=[128], max_query_tokens=32768, max_key_tokens=32768,
-                layouts=["contiguous", "transposed"], range_verified=True,
-                contexts=["side_stream", "compile"])
-    return FamilyDecision(**{**base, **fields})
+    """An enabled FLUX.1 decision; `fields` change it or what it serves."""
+    served = dict(variant="sm90-fp8-cuda", min_query_tokens=9728, min_key_tokens=9728, head_dims=[128],
+                  max_query_tokens=32768, max_key_tokens=32768, layouts=["contiguous", "transposed"],
+                  contexts=["side_stream", "compile"])
+    served.update({k: v for k, v in fields.items() if k in SERVED_FIELDS})
+    rest = {k: v for k, v in fields.items() if k not in SERVED_FIELDS}
+    return FamilyDecision(**{"family": "FLUX.1", "verdict": Verdict.ENABLE, "served": Served(**served), **rest})
 
 
 SHAPES = {f"self {n}": ShapeSpec(24, 24, n, n, 128, "bfloat16", 1) for n in (8192, 16384, 32768)}
@@ -53,7 +59,7 @@ def gpu(*families: FamilyDecision, ran=("sm90-fp8-cuda",), speedup=1.2, extra=()
 @pytest.mark.parametrize("change", [
     dict(max_query_tokens=16384), dict(max_key_tokens=16384),
     dict(layouts=["contiguous"]), dict(head_dims=[64, 128]), dict(contexts=["compile"]),
-    dict(contexts=None), dict(range_verified=False, max_query_tokens=None, max_key_tokens=None),
+    dict(contexts=None), dict(max_query_tokens=None, max_key_tokens=None, layouts=None),
     dict(variant="sm80-fp16-cuda"), dict(bounds=[Bound("key", 17, "ip-adapter")]),
 ], ids=lambda change: ",".join(change))
 def test_every_part_of_what_is_served_is_compared(change):
@@ -66,8 +72,9 @@ def test_a_bound_is_compared_by_its_side_and_tokens_not_its_words():
     reworded = decision(bounds=[Bound("key", 17, "flux1_ip_adapter_zero_uncond: output not finite")])
     assert compare.differences(gpu(first), gpu(reworded), 0.10)[1] == []
     _, found = compare.differences(gpu(first), gpu(decision(bounds=[Bound("key", 18, "x")])), 0.10)
-    assert len(found) == 1 and "bounds [keys >= 17] vs " in found[0]
-    assert found[0].endswith("bounds [keys >= 18] (served speedup x1.000)")
+    assert len(found) == 1 and "; calls with fewer than 17 keys stay on torch (flux1_ip_adapter_zero_uncond: NaN) vs " \
+        in found[0]
+    assert found[0].endswith("; calls with fewer than 18 keys stay on torch (x) (served speedup x1.000)")
     assert compare.differences(gpu(first), gpu(decision(bounds=[Bound("query", 17, "x")])), 0.10)[1] != []
 
 

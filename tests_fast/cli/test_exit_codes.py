@@ -174,9 +174,10 @@ def test_compare_json_and_text_print_no_python_none(capsys, tmp_path):
     assert cli.main(["compare", "--json", str(H200), str(moved_report(tmp_path))]) == 1
     answer = json.loads(capsys.readouterr().out)
     assert answer["exit_code"] == 1 and len(answer["differences"]) == 1
-    assert answer["differences"][0].endswith("enable sm90-fp8-cuda 4608/512 (no upper bound) head_dim 128 vs "
-                                             "enable sm90-fp8-cuda 8192/512 (no upper bound) head_dim 128 "
-                                             "(served speedup x0.783)")
+    assert answer["differences"][0].endswith(
+        "enable sm90-fp8-cuda from 4,608 query / 512 key tokens, head_dim 128 (no upper bound verified: a report "
+        "without long checks) vs enable sm90-fp8-cuda from 8,192 query / 512 key tokens, head_dim 128 (no upper "
+        "bound verified: a report without long checks) (served speedup x0.783)")
 
 
 def test_a_certify_refusal_is_an_error_case_in_its_junit_xml(capsys, tmp_path):

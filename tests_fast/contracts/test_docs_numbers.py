@@ -54,7 +54,8 @@ def test_the_break_even_ranges_are_the_committed_runs():
             "head_dim 128") in flat(README)
     runs = [checked.load(RUN13 / f"certify-{n}" / "report.json") for n in "bcde"]
     decisions = [gpu for run in runs for gpu in verdict.decide(run)]
-    run13 = {f.min_query_tokens for gpu in decisions for f in gpu.families if f.head_dims == [128]}
+    run13 = {f.served.min_query_tokens for gpu in decisions for f in gpu.families
+             if f.served and f.served.head_dims == [128]}
     assert len(run13) == 1 and f"all gave {run13.pop():,} tokens" in flat(README)
     later = [checked.load(ROOT / f"docs/results/{run}/certify/report.json")
              for run in ("run22-h200", "run24-h200", "run25-h200")]

@@ -73,5 +73,5 @@ def attention(tokens: int):
 
 def test_the_builder_writes_what_the_contract_names():
     flux = built_profile(fail_at=32768)["gpus"][0]["families"]["FLUX.1"]
-    assert {"max_query_tokens", "max_key_tokens", "layouts"} <= set(flux)
-    assert isinstance(flux["max_query_tokens"], int) and flux["max_query_tokens"] == 16896
+    assert {"max_query_tokens", "max_key_tokens", "layouts"} <= set(flux["served"])
+    assert isinstance(flux["served"]["max_query_tokens"], int) and flux["served"]["max_query_tokens"] == 16896

@@ -35,9 +35,10 @@ def expected_table(runs: list[Path]) -> str:
         assert len(states) == 1, f"{family} decided {states} across the runs: no one verdict to state"
         state, variant = states.pop()
         kept = {", ".join(b.short().replace("keys >= ", "fewer than ") + (" keys" if b.side == "key" else "")
-                          for b in d.bounds) or "-" for d in each}
+                          for b in (d.served.bounds if d.served else [])) or "-" for d in each}
         lines.append(f"| {family} | {state}{' ' + variant if variant else ''} | "
-                     f"{_tokens([d.min_query_tokens for d in each])} | {_tokens([d.max_query_tokens for d in each])} | "
+                     f"{_tokens([d.served and d.served.min_query_tokens for d in each])} | "
+                     f"{_tokens([d.served and d.served.max_query_tokens for d in each])} | "
                      f"{' / '.join(sorted(kept))} |")
     return "\n".join(lines) + "\n"
 

@@ -106,21 +106,27 @@ def make_report(seed: int) -> dict:
 
 
 # Each output, read back as its user reads it ----------------------------------------------------
-SERVED = re.compile(r"from ([\d,]+)(?: to ([\d,]+))?(?: query / ([\d,]+)(?: to [\d,]+)? key)? tokens")
+SERVED = re.compile(r"(from|at) ([\d,]+)(?: to ([\d,]+))?(?: query / ([\d,]+)(?: to [\d,]+)? key)? tokens")
 
 
 def served_text(text: str) -> str:
-    """ "from 9,728 to 75,600 tokens, ..." or "from 4,608 query / 512 key tokens, ..." as
-    "MIN_Q / MIN_K to MAX_Q" (MAX_Q None without a verified upper bound)."""
-    low_q, high_q, low_k = SERVED.match(text).groups()
+    """ "from 9,728 to 75,600 tokens, ...", "at 16,384 tokens" or "from 4,608 query / 512 key tokens,
+    ..." as "MIN_Q / MIN_K to MAX_Q" (MAX_Q None without a verified upper bound)."""
+    word, low_q, high_q, low_k = SERVED.match(text).groups()
+    high_q = low_q if word == "at" else high_q
     number = lambda x: x.replace(",", "")  # noqa: E731
     return f"{number(low_q)} / {number(low_k or low_q)} to {number(high_q) if high_q else None}"
 
 
 def served_numbers(entry: dict) -> str | None:
-    if entry["min_query_tokens"] is None:
+    served = entry["served"]
+    if served is None:
         return None
-    return f"{entry['min_query_tokens']} / {entry['min_key_tokens']} to {entry.get('max_query_tokens')}"
+    return f"{served['min_query_tokens']} / {served['min_key_tokens']} to {served.get('max_query_tokens')}"
+
+
+def variant_of(entry: dict) -> str | None:
+    return entry["served"]["variant"] if entry["served"] else None
 
 
 def from_markdown(data: dict, tmp_path: Path, monkeypatch) -> dict:
@@ -149,7 +155,7 @@ def from_merge(data: dict) -> dict:
     for row in json.loads(json.dumps([records.dump(row) for row in rows])):  # as merge --json prints
         model = "%s (sm_%d%d)" % (row["gpu"], *row["capability"])
         for family, v in row["families"].items():
-            found[(model, family)] = (v["verdict"], v["variant"], served_numbers(v))
+            found[(model, family)] = (v["verdict"], variant_of(v), served_numbers(v))
     return found
 
 
@@ -159,10 +165,10 @@ def from_gate(data: dict) -> dict:
     for family_name in data["options"]["families"]:
         family = find(family_name)
         local = {f["name"]: f["sha256"] for f in data["fixtures"] if gate.counts_for(family, f["family"])}
-        answer = gate.decide_stored(typed, family, typed.environment, local, False).as_json()
+        answer = records.dump(gate.decide_stored(typed, family, typed.environment, local, False).answer())
         assert answer["exit_code"] in (0, 1), answer["problem"]
         for g in json.loads(json.dumps(answer))["gpus"]:
-            found[(g["gpu"], family.name)] = (g["verdict"], g["variant"], served_numbers(g))
+            found[(g["gpu"], family.name)] = (g["verdict"], variant_of(g), served_numbers(g))
     return found
 
 
@@ -183,7 +189,7 @@ def from_summary(data: dict, tmp_path: Path) -> dict:
             continue
         state = match["state"]
         if state.startswith("enable "):
-            variant, served = re.match(r"enable (\S+) (from .*)", state).groups()
+            variant, served = re.match(r"enable (\S+) ((?:from|at) .*)", state).groups()
             found[(match["model"], match["family"])] = ("enable", variant, served_text(served))
         else:
             found[(match["model"], match["family"])] = (state.split(" (")[0], None, None)

@@ -49,14 +49,14 @@ def edited_cells(report, variant, fixture, **fields):
 def test_an_ip_adapter_failure_below_the_break_even_bounds_flux1_instead_of_vetoing_it(run25):
     decision = flux1(run25)
     assert (decision.verdict, decision.variant) == (Verdict.ENABLE, "sm90-fp8-cuda")
-    assert (decision.min_key_tokens, decision.max_query_tokens) == (12672, 32768)
-    [bound] = decision.bounds
+    assert (decision.served.min_key_tokens, decision.served.max_query_tokens) == (12672, 32768)
+    [bound] = decision.served.bounds
     assert (bound.side, bound.below) == ("key", 17)  # the site's 4 to 16 keys stay on torch
     assert bound.reason.startswith(f"{IP_ADAPTER}: sm90-fp8-cuda output not finite")
     assert "FLUX.1's 'IP-Adapter image prompt' call (4 to 16 keys)" in bound.reason
-    assert decision.served_range().endswith("; " + bound.text())
-    assert "sm90-fp8-cuda" not in decision.findings  # bounded, not rejected
-    assert "sm90-fp8-cuda" in decision.bounded and "sm90-fp8-cuda" not in decision.certified
+    assert decision.served.text().endswith("; " + bound.text())
+    assert "sm90-fp8-cuda" not in decision.results.findings  # bounded, not rejected
+    assert "sm90-fp8-cuda" in decision.results.bounded and "sm90-fp8-cuda" not in decision.results.certified
 
 
 def test_sdxls_fixture_stands_for_both_of_its_ip_adapter_sites(run25, monkeypatch):
@@ -64,7 +64,7 @@ def test_sdxls_fixture_stands_for_both_of_its_ip_adapter_sites(run25, monkeypatc
     # spread, run 25 enables it, and its bound is what is tested here.
     monkeypatch.setattr(speed, "RUN_TO_RUN_SPREAD", 0.0)
     [gpu] = verdict.decide(run25)
-    [bound] = gpu.family("SDXL").bounds
+    [bound] = gpu.family("SDXL").served.bounds
     assert (bound.side, bound.below) == ("key", 17)
     assert "'IP-Adapter, 640 ch' and 'IP-Adapter, 1280 ch' calls (4 to 16 keys)" in bound.reason
 
@@ -73,26 +73,26 @@ def test_a_failure_on_a_fixture_no_site_names_still_vetoes(run25):
     broken = edited_cells(run25, "sm90-fp8-cuda", "flux1_1024", finite=False, rel_l2=None,
                           worst_head_cosine=None)
     decision = flux1(broken)
-    assert decision.variant != "sm90-fp8-cuda" and "sm90-fp8-cuda" in decision.findings
-    assert {f.fixture for f in decision.findings["sm90-fp8-cuda"]} == {"flux1_1024", IP_ADAPTER}
+    assert decision.variant != "sm90-fp8-cuda" and "sm90-fp8-cuda" in decision.results.findings
+    assert {f.fixture for f in decision.results.findings["sm90-fp8-cuda"]} == {"flux1_1024", IP_ADAPTER}
 
 
 def test_the_default_entry_is_vetoed_by_the_unlinked_ltx2_memory_failure(run25):
     [gpu] = verdict.decide(run25)
     assert gpu.default.verdict == Verdict.KEEP_OFF
-    assert {f.fixture for f in gpu.default.findings["sm90-fp8-cuda"]} >= {"ltx2_video_self_partial"}
+    assert {f.fixture for f in gpu.default.results.findings["sm90-fp8-cuda"]} >= {"ltx2_video_self_partial"}
 
 
 def test_without_a_passing_fixture_of_two_items_the_batch_2_ip_adapter_failure_is_not_bounded(run25):
     """Run 22 predates flux1_two_images: FLUX.1's only fixture of several items was the IP-Adapter's, and a
     kernel that mixes batch items would fail it alone (selftest.detection, batch_items_swapped)."""
     decision = flux1(checked.load(RUN22))
-    assert (decision.verdict, decision.bounds, decision.bounded) == (Verdict.NO_SPEEDUP, [], {})
-    assert "sm90-fp8-cuda" in decision.findings
+    assert (decision.verdict, decision.served, decision.results.bounded) == (Verdict.NO_SPEEDUP, None, {})
+    assert "sm90-fp8-cuda" in decision.results.findings
     swapped = flux1(edited_cells(run25, "sm90-fp8-cuda", "flux1_two_images", rel_l2=1.4,
                                  worst_head_cosine=0.0))
     assert swapped.variant != "sm90-fp8-cuda"
-    assert {f.fixture for f in swapped.findings["sm90-fp8-cuda"]} == {"flux1_two_images", IP_ADAPTER}
+    assert {f.fixture for f in swapped.results.findings["sm90-fp8-cuda"]} == {"flux1_two_images", IP_ADAPTER}
 
 
 def test_a_fixture_whose_shape_the_site_does_not_cover_cannot_bound(run25):
@@ -100,15 +100,15 @@ def test_a_fixture_whose_shape_the_site_does_not_cover_cannot_bound(run25):
     fixtures = [dataclasses.replace(f, k=[f.k[0], f.k[1], 512, f.k[3]]) if f.name == IP_ADAPTER else f
                 for f in run25.fixtures]
     decision = flux1(dataclasses.replace(run25, fixtures=fixtures))
-    assert decision.variant != "sm90-fp8-cuda" and not decision.bounds
-    assert "sm90-fp8-cuda" in decision.findings
+    assert decision.variant != "sm90-fp8-cuda" and not (decision.served and decision.served.bounds)
+    assert "sm90-fp8-cuda" in decision.results.findings
 
 
 def test_without_call_site_links_the_verdict_is_the_one_before_bounds(run25, monkeypatch):
     monkeypatch.setattr(bounds, "sites_of", lambda fixture, family=None: [])
     decision = flux1(run25)
-    assert (decision.verdict, decision.certified, decision.bounds) == (Verdict.NO_SPEEDUP,
-                                                                      ["sm86-fp16-triton"], [])
+    assert (decision.verdict, decision.results.certified, decision.served) == (Verdict.NO_SPEEDUP,
+                                                                               ["sm86-fp16-triton"], None)
 
 
 # excluded_bounds on its own -----------------------------------------------------------------------

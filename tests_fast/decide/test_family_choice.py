@@ -72,8 +72,9 @@ def family_verdict(data: dict, family=FAMILY) -> dict:
     (gpu,) = verdict.decide(checked.parse(data, "test report"))
     decision = gpu.family(family.name)
     return {"verdict": decision.verdict.value, "variant": decision.variant,
-            "min_query_tokens": decision.min_query_tokens, "min_key_tokens": decision.min_key_tokens,
-            "head_dims": decision.head_dims, "speedups": decision.speedups,
+            "min_query_tokens": decision.served and decision.served.min_query_tokens,
+            "min_key_tokens": decision.served and decision.served.min_key_tokens,
+            "head_dims": decision.served and decision.served.head_dims, "speedups": decision.speedups,
             "reasons": [(r.kind.value, r.detail) for r in decision.reasons]}
 
 
@@ -235,7 +236,7 @@ def test_no_speedup_names_the_variant_that_pays_elsewhere():
     [(kind, detail)] = found["reasons"]
     q = data["shapes"][longest]["shape"]["q_tokens"]
     assert kind == "speed"
-    assert detail.startswith(f"no speedup at its shapes: sm90-fp8-cuda pays only from {q} query")
+    assert detail.startswith(f"no speedup at its shapes: sm90-fp8-cuda pays only from {q:,} query")
     labels = {k: u["label"] for k in own for u in data["shapes"][k]["uses"] if u["family"] == FAMILY.name}
     listed = ", ".join(f"{labels[k]} {1 / ms[('sm90-fp8-cuda', k)]:.2f}x" for k in own)
     assert detail.endswith(f", which serves none of them ({listed})")

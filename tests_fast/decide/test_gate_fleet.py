@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sage_qual import cli
+from sage_qual import cli, records
 from sage_qual.fixtures import fileformat
 from sage_qual.qualification import families
 from sage_qual.qualification.decide import budget_check, checked, verdict
@@ -71,7 +71,7 @@ def verdicts(capsys, path, fixtures, family, *options) -> tuple[int, dict]:
     code, out, err = gate(capsys, path, fixtures, family, "--json", *options)
     assert err == ""
     decision = json.loads(out)
-    return code, {g["gpu"]: (g["verdict"], g["variant"]) for g in decision["gpus"]}
+    return code, {g["gpu"]: (g["verdict"], (g["served"] or {}).get("variant")) for g in decision["gpus"]}
 
 
 def model(name: str) -> str:
@@ -245,8 +245,8 @@ def test_merge_gives_one_row_per_model_and_report(capsys, fleet):
     assert [(r["devices"], r["complete"], r["families"], r["report"]) for r in partial] == [
         ([0], False, {}, str(reports[1])), ([1], False, {}, str(reports[1]))]
     rows = rows[:3] + rows[5:]
-    qwen = {(r["host"], r["gpu"]): tuple(r["families"]["Qwen-Image"][k] for k in ("verdict", "variant"))
-            for r in rows[:4]}
+    qwen = {(r["host"], r["gpu"]): (r["families"]["Qwen-Image"]["verdict"],
+                                    (r["families"]["Qwen-Image"]["served"] or {}).get("variant")) for r in rows[:4]}
     assert qwen[("fleet-box", H200)] == ("enable", "sm90-fp8-cuda")
     assert qwen[("fleet-box", H100)] == ("enable", "sm89-fp8-cuda")
     wan = {r["gpu"]: r["families"]["Wan 2.2"] for r in rows[:3]}
@@ -295,7 +295,8 @@ def test_gate_refuses_a_predicted_report(capsys, tmp_path, machine):
     assert (decision.family, decision.code, decision.problem, decision.gpus) == (
         "FLUX.1", 2, "report.json is a predicted report (certify --emulate: the CPU numerics model, no GPU "
                      "ran), so it cannot enable a family: run `sage-qual certify` on the GPU", [])
-    assert decision.as_json() == {"family": "FLUX.1", "exit_code": 2, "problem": decision.problem, "gpus": []}
+    assert records.dump(decision.answer()) == {"family": "FLUX.1", "exit_code": 2, "problem": decision.problem,
+                                               "gpus": [], "version": 2}
 
 
 def test_gate_decides_nothing_from_a_partial_report():
@@ -320,17 +321,14 @@ def test_gate_json_holds_each_models_decision(capsys, fleet, machine):
     assert [g["gpu"] for g in printed["gpus"]] == [model(H200), model(H100)]
     for entry in printed["gpus"]:
         d = decided[entry["gpu"]]
-        assert entry == {"gpu": entry["gpu"], "verdict": d.verdict.value, "variant": d.variant,
-                         "min_query_tokens": d.min_query_tokens, "min_key_tokens": d.min_key_tokens,
-                         "max_query_tokens": d.max_query_tokens, "max_key_tokens": d.max_key_tokens,
-                         "layouts": d.layouts, "head_dims": d.head_dims, "certified": d.certified,
-                         "reasons": [{"kind": r.kind.value, "detail": r.detail} for r in d.reasons],
-                         "contexts": d.contexts,
-                         "bounds": [{"side": b.side, "below": b.below, "reason": b.reason} for b in d.bounds]}
+        assert entry == {"gpu": entry["gpu"], "verdict": d.verdict.value,
+                         "served": None if d.served is None else records.dump(d.served),
+                         "certified": d.results.certified,
+                         "reasons": [{"kind": r.kind.value, "detail": r.detail} for r in d.reasons]}
     h200, h100 = printed["gpus"]
     assert h200["verdict"] == "keep off"
     assert [r["kind"] for r in h200["reasons"]] == ["crash", "timeout", "oom"]
-    assert h100["verdict"] == "enable" and h100["head_dims"] and h100["certified"]
+    assert h100["verdict"] == "enable" and h100["served"]["head_dims"] and h100["certified"]
 
 
 @pytest.mark.parametrize("key, label", [("driver", "NVIDIA driver"), ("sageattention", "sageattention")])

@@ -18,6 +18,7 @@ from sage_qual.qualification.decide import budget_check, checked, gate, verdict
 from sage_qual.qualification.evidence import report_model
 from sage_qual.qualification.evidence.report_model import EnvironmentRecord
 from sage_qual.qualification.families import Family
+from sage_qual.qualification.render.gate import lines as gate_lines
 
 from .. import builders
 from ..builders import reason
@@ -48,7 +49,7 @@ def decide(data, family, here=None, local=None, require_speedup=False):
     local = family_fixtures(data, family) if local is None else local
     # the sample's budgets are hand-made, not derivable: decided on them as stored (as merge does)
     result = gate.decide_stored(typed(data), families.find(family), here, local, require_speedup)
-    return result.code, result.lines(require_speedup)
+    return result.code, gate_lines(result, require_speedup)
 
 
 def decision(data: dict, family: str, gpu: int = 0) -> verdict.FamilyDecision:
@@ -59,14 +60,14 @@ def decision(data: dict, family: str, gpu: int = 0) -> verdict.FamilyDecision:
 def test_a_variant_failing_on_one_device_is_rejected_for_the_model():
     qwen = decision(load(H200), "Qwen-Image")
     assert qwen.verdict == verdict.Verdict.ENABLE and qwen.variant == "sm89-fp8-cuda"
-    assert [r.detail.split("): ")[0] for r in qwen.rejected["sm90-fp8-cuda"]] == \
+    assert [r.detail.split("): ")[0] for r in qwen.results.rejected["sm90-fp8-cuda"]] == \
         ["sm90-fp8-cuda on qwen-image-block0-outlier (cuda:1"] * 2
 
 
 def test_fastest_passing_variant_is_chosen_with_its_break_even():
     flux = decision(load(H200), "FLUX.1")
-    assert flux.certified == ["sm90-fp8-cuda", "sm89-fp8-cuda", "sm80-fp16-cuda"]
-    assert (flux.variant, flux.min_query_tokens, flux.min_key_tokens, flux.head_dims) == \
+    assert flux.results.certified == ["sm90-fp8-cuda", "sm89-fp8-cuda", "sm80-fp16-cuda"]
+    assert (flux.variant, flux.served.min_query_tokens, flux.served.min_key_tokens, flux.served.head_dims) == \
         ("sm90-fp8-cuda", 4608, 512, [128])
 
 
@@ -74,7 +75,7 @@ def test_slower_everywhere_is_safe_but_no_speedup():
     sdxl = decision(load(H200), "SDXL")
     assert sdxl.verdict == verdict.Verdict.NO_SPEEDUP and sdxl.variant is None
     assert {r.kind.value for r in sdxl.reasons} == {"speed"}
-    assert sdxl.certified  # accuracy passed
+    assert sdxl.results.certified  # accuracy passed
 
 
 def test_every_reason_is_listed_when_no_variant_passes():
@@ -91,7 +92,7 @@ def test_a_stored_pass_outcome_does_not_hide_failing_numbers():
             if cell["outcome"] == "fail":
                 cell["reasons"] = [records.dump(reason("accuracy", "stored"))]
     qwen = decision(data, "Qwen-Image")
-    assert all("stored" not in r.detail for r in qwen.rejected["sm90-fp8-cuda"])  # judged again
+    assert all("stored" not in r.detail for r in qwen.results.rejected["sm90-fp8-cuda"])  # judged again
 
 
 def test_a_variant_that_failed_at_a_large_shape_serves_nothing_above_it():
@@ -106,7 +107,7 @@ def test_a_variant_that_failed_at_a_large_shape_serves_nothing_above_it():
     gpu = verdict.decide(typed(data))[0]
     assert gpu.variants["sm90-fp8-cuda"].break_even is None
     flux = gpu.family("FLUX.1")
-    assert (flux.verdict, flux.variant, flux.min_query_tokens) == \
+    assert (flux.verdict, flux.variant, flux.served and flux.served.min_query_tokens) == \
         (verdict.Verdict.ENABLE, "sm89-fp8-cuda", 4608)
 
 
@@ -126,10 +127,10 @@ def test_generic_fixtures_count_for_every_family():
     failing = next(c for c in data["devices"][1]["cells"] if c["outcome"] == "fail")
     fixture = next(f for f in data["fixtures"] if f["name"] == failing["fixture"])
     assert fixture["family"] != "flux.1"
-    assert "sm90-fp8-cuda" not in decision(data, "Qwen-Image").certified
+    assert "sm90-fp8-cuda" not in decision(data, "Qwen-Image").results.certified
     assert decision(data, "FLUX.1").variant == "sm90-fp8-cuda"
     fixture["family"] = "generic"  # the Qwen outlier fixture now counts for FLUX.1 too
-    assert "sm90-fp8-cuda" in decision(data, "FLUX.1").rejected
+    assert "sm90-fp8-cuda" in decision(data, "FLUX.1").results.rejected
 
 
 def test_a_quick_run_does_not_list_variants_it_never_ran_as_incomplete():
@@ -138,7 +139,7 @@ def test_a_quick_run_does_not_list_variants_it_never_ran_as_incomplete():
     gpu = verdict.decide(typed(data))[0]
     assert gpu.variants["sm120-fp8-perwarp"].ran is False
     assert not any(r.kind.value == "incomplete" for f in gpu.families for r in f.reasons)
-    assert "sm120-fp8-perwarp" not in gpu.family("FLUX.1").rejected
+    assert "sm120-fp8-perwarp" not in gpu.family("FLUX.1").results.rejected
 
 
 def test_a_missing_cell_of_a_variant_that_ran_is_incomplete():
@@ -146,16 +147,16 @@ def test_a_missing_cell_of_a_variant_that_ran_is_incomplete():
     cells = data["devices"][0]["cells"]
     cells.remove(next(c for c in cells if c["variant"] == "sm90-fp8-cuda" and c["fixture"] == "flux1-block5"))
     flux = decision(data, "FLUX.1")
-    assert [r.kind.value for r in flux.rejected["sm90-fp8-cuda"]] == ["incomplete"]
+    assert [r.kind.value for r in flux.results.rejected["sm90-fp8-cuda"]] == ["incomplete"]
 
 
 def test_the_lower_confidence_bound_decides():
     data = as_v2_with_samples(load(H200), spread=0.0)
-    assert decision(data, "FLUX.1").min_query_tokens == 4608
+    assert decision(data, "FLUX.1").served.min_query_tokens == 4608
     # Wide intervals (+-80 % samples) sink the bounds, even the steady ones pooled over neighbouring
     # lengths (at +-60 % the pooled band still clears 1x from 4096 tokens).
     noisy = decision(as_v2_with_samples(load(H200), spread=0.8), "FLUX.1")
-    assert noisy.variant is None or noisy.min_query_tokens > 4608
+    assert noisy.variant is None or noisy.served.min_query_tokens > 4608
 
 
 def as_v2_with_samples(data: dict, spread: float) -> dict:
@@ -431,8 +432,9 @@ def test_compare_same_report_and_moved_thresholds(capsys, tmp_path):
     path.write_text(json.dumps(moved))
     code, out, _ = run_cli(capsys, "compare", str(H200), str(path))
     assert code == 1 and out.split("1 difference(s) beyond 5%:\n")[1].strip() == (
-        "NVIDIA H200 (sm_90) FLUX.1: enable sm90-fp8-cuda 4608/512 (no upper bound) head_dim 128 vs "
-        "enable sm90-fp8-cuda 8192/512 (no upper bound) head_dim 128 (served speedup x0.783)")
+        "NVIDIA H200 (sm_90) FLUX.1: enable sm90-fp8-cuda from 4,608 query / 512 key tokens, head_dim 128 (no "
+        "upper bound verified: a report without long checks) vs enable sm90-fp8-cuda from 8,192 query / 512 key "
+        "tokens, head_dim 128 (no upper bound verified: a report without long checks) (served speedup x0.783)")
     code, _, err = run_cli(capsys, "compare", str(H200), str(path), "--tolerance", "2")
     assert code == 2 and "--tolerance is 2" in err
 

@@ -9,41 +9,29 @@ from sage_qual import limits
 from sage_qual.qualification.decide import profile as building
 from sage_qual.qualification.decide import verdict
 from sage_qual.qualification.decide.verdict import FamilyDecision, Verdict
-from sage_qual.qualification.evidence.report_model import Outcome, SpanProbe
+from sage_qual.qualification.evidence.report_model import Outcome, Reason, ReasonKind, SpanProbe
 from sage_qual.qualification.measure import span_probe
 from sage_qual.qualification.measure.span_probe import SpanCase
 from sage_qual.serving.config import Bound
+from sage_qual.serving.served import Served
 
 from .. import builders
 
-RANGE = {"max_query_tokens": 9000, "max_key_tokens": 8000, "layouts": ["contiguous"]}
+SERVED = Served("sm90-fp8-cuda", 2048, 512, [128], 9000, 8000, ["contiguous"], ["side_stream"],
+                [Bound("key", 1024, "fx0: short keys failed")])
 
 
-def decision(**fields) -> FamilyDecision:
-    values = {"family": "FLUX.1", "verdict": Verdict.ENABLE, "variant": "sm90-fp8-cuda",
-              "min_query_tokens": 2048, "min_key_tokens": 512, "head_dims": [128],
-              "contexts": ["eager", "side_stream"], **RANGE}
-    return FamilyDecision(**{**values, **fields})
+def test_the_entry_carries_the_decisions_served_record_unchanged():
+    decided = FamilyDecision("FLUX.1", Verdict.ENABLE, SERVED, range_reasons=[Reason(ReasonKind.LONG, "capped")])
+    entry = building._entry(decided)
+    assert entry.served is SERVED and [r.detail for r in entry.reasons] == ["capped"]
 
 
-@pytest.mark.parametrize("verified", [True, False], ids=["range-verified", "no-long-checks"])
-def test_the_range_and_layouts_reach_the_entry_only_when_verified(verified):
-    entry = building._entry(decision(range_verified=verified))
-    taken = {name: getattr(entry, name) for name in RANGE}
-    assert taken == (RANGE if verified else dict.fromkeys(RANGE))
-    assert (entry.min_query_tokens, entry.min_key_tokens, entry.head_dims) == (2048, 512, [128])
-
-
-def test_contexts_reach_the_entry_only_with_a_variant():
-    assert building._entry(decision()).contexts == ["eager", "side_stream"]
-    nothing = building._entry(decision(verdict=Verdict.KEEP_OFF, variant=None, range_verified=True))
-    assert (nothing.variant, nothing.contexts) == (None, None)
-
-
-def test_bounds_reach_the_entry_and_no_bounds_are_null():
-    bound = Bound("key", 1024, "fx0: short keys failed")
-    assert building._entry(decision(bounds=[bound])).bounds == [bound]
-    assert building._entry(decision()).bounds is None
+def test_a_decision_serving_nothing_gives_an_entry_serving_nothing_with_every_reason():
+    decided = FamilyDecision("FLUX.1", Verdict.KEEP_OFF, reasons=[Reason(ReasonKind.LONG, "no verified range")],
+                             range_reasons=[Reason(ReasonKind.LONG, "capped")])
+    entry = building._entry(decided)
+    assert entry.served is None and [r.detail for r in entry.reasons] == ["no verified range", "capped"]
 
 
 def probe(variant="v", outcome="pass", span=1000, layout="contiguous", **fields) -> SpanProbe:

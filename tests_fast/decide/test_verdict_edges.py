@@ -160,7 +160,7 @@ def test_a_measured_cell_without_a_number_fails_its_accuracy():
     cell = next(c for c in data["devices"][0]["cells"] if c["fixture"] == "flux1-block5")
     cell.update(rel_l2=None, outcome="fail", reasons=[])
     flux = decide(data)[0].family("FLUX.1")
-    [reason] = flux.rejected[cell["variant"]]
+    [reason] = flux.results.rejected[cell["variant"]]
     assert reason.kind.value == "accuracy" and "relative L2" in reason.detail
 
 
@@ -240,4 +240,4 @@ def test_the_default_verdict_needs_only_a_plain_speedup():
                 record["ms"] = sdpa[record["shape"]] / (1.5 if record["kernel"] == "sm89-fp8-cuda" else 0.5)
     default = decide(data)[0].default
     assert default.variant == "sm89-fp8-cuda"
-    assert default.min_query_tokens == min(s["shape"]["q_tokens"] for s in data["shapes"].values())
+    assert default.served.min_query_tokens == min(s["shape"]["q_tokens"] for s in data["shapes"].values())

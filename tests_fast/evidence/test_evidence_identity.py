@@ -24,7 +24,7 @@ def test_the_committed_report_holds_every_kind_of_evidence():
 
 
 def verdicts(data: dict) -> list:
-    return [(gpu.model, d.label, d.verdict, d.variant, d.served_range(), d.contexts)
+    return [(gpu.model, d.label, d.verdict, d.served, d.reasons, d.range_reasons)
             for gpu in verdict.decide(checked.parse(data, "report")) for d in gpu.families + [gpu.default]]
 
 

@@ -21,6 +21,7 @@ from sage_qual.qualification.render import fleet as fleet_render
 from sage_qual.qualification.render import plots
 from sage_qual.qualification.run import in_process, plan, run
 from sage_qual.serving.variants import VARIANTS
+from sage_qual.qualification.render.gate import lines as gate_lines
 
 from .. import builders
 from ..builders import SAMPLE, emulate_request, long_records, long_task
@@ -236,21 +237,21 @@ def decided(fail_at=None, how="accuracy", devices=(0, 1)):
 def test_a_family_is_enabled_up_to_its_longest_passing_check():
     _, gpu = decided()
     flux = gpu.family("FLUX.1")
-    assert flux.verdict == verdict.Verdict.ENABLE and flux.range_verified
+    assert flux.verdict == verdict.Verdict.ENABLE and flux.served.range_verified
     # its own longest call (16,896) and the generic sweep at its head size (to 32,768)
-    assert (flux.max_query_tokens, flux.max_key_tokens) == (32768, 32768)
-    assert flux.layouts == ["contiguous", "transposed", "nhd", "fused_qkv"] and flux.range_reasons == []
-    assert flux.served_range() == ("from 4,608 to 32,768 query / 512 to 32,768 key tokens, head_dim 128 "
+    assert (flux.served.max_query_tokens, flux.served.max_key_tokens) == (32768, 32768)
+    assert flux.served.layouts == ["contiguous", "transposed", "nhd", "fused_qkv"] and flux.range_reasons == []
+    assert flux.served.text() == ("from 4,608 to 32,768 query / 512 to 32,768 key tokens, head_dim 128 "
                                    "(layouts: contiguous, transposed, nhd, fused_qkv)")
     qwen = gpu.family("Qwen-Image")
-    assert qwen.layouts == ["contiguous", "transposed", "nhd"]  # what Qwen-Image declares
+    assert qwen.served.layouts == ["contiguous", "transposed", "nhd"]  # what Qwen-Image declares
 
 
 @pytest.mark.parametrize("how", ["accuracy", "crash"])
 def test_a_failing_long_check_caps_the_range_below_its_length(how):
     _, gpu = decided(fail_at=16384, how=how)
     flux = gpu.family("FLUX.1")
-    assert flux.verdict == verdict.Verdict.ENABLE and flux.max_query_tokens == 8192
+    assert flux.verdict == verdict.Verdict.ENABLE and flux.served.max_query_tokens == 8192
     first = flux.range_reasons[0]
     assert first.kind.value == "long" and first.detail.startswith("verified only below 16,384 query tokens")
     assert "sm90-fp8-cuda at 16,384 / 16,384 tokens (cuda:0)" in first.detail
@@ -258,7 +259,7 @@ def test_a_failing_long_check_caps_the_range_below_its_length(how):
 
 def test_a_check_failing_on_one_device_only_caps_the_model():
     _, gpu = decided(fail_at=32768, devices=(1,))
-    assert gpu.family("FLUX.1").max_query_tokens == 16896
+    assert gpu.family("FLUX.1").served.max_query_tokens == 16896
     assert "(cuda:1)" in gpu.family("FLUX.1").range_reasons[0].detail
 
 
@@ -269,24 +270,24 @@ def test_a_missing_check_caps_the_range():
                           if device["index"] == 0 or r["shape"]["q_tokens"] != 16896]
     (gpu,) = verdict.decide(checked.parse(data, "sample"))
     flux = gpu.family("FLUX.1")
-    assert flux.max_query_tokens == 16384 and "long check not run" in flux.range_reasons[1].detail
+    assert flux.served.max_query_tokens == 16384 and "long check not run" in flux.range_reasons[1].detail
 
 
 def test_nothing_verified_past_the_break_even_keeps_the_family_off():
     _, gpu = decided(fail_at=8192)
     qwen = gpu.family("Qwen-Image")  # its fixture has 4352 tokens, its break-even is 4608
-    assert qwen.verdict == verdict.Verdict.KEEP_OFF and qwen.variant is None and qwen.max_query_tokens is None
+    assert qwen.verdict == verdict.Verdict.KEEP_OFF and qwen.served is None
     assert qwen.reasons[0].kind.value == "long"
     assert qwen.reasons[0].detail == ("no verified range: sm89-fp8-cuda pays from 4,608 tokens but was "
                                       "verified only up to 4,352")
     flux = gpu.family("FLUX.1")  # its fixture has 4608 tokens: the range shrinks to that one length
-    assert flux.verdict == verdict.Verdict.ENABLE and flux.max_query_tokens == 4608
+    assert flux.verdict == verdict.Verdict.ENABLE and flux.served.max_query_tokens == 4608
 
 
 def test_a_layout_whose_view_differs_is_dropped_not_the_range():
     _, gpu = decided(fail_at=16384, how="layout")
     flux = gpu.family("FLUX.1")
-    assert flux.max_query_tokens == 32768 and flux.layouts == ["contiguous", "nhd", "fused_qkv"]
+    assert flux.served.max_query_tokens == 32768 and flux.served.layouts == ["contiguous", "nhd", "fused_qkv"]
     first = flux.range_reasons[0]
     assert first.kind.value == "layout" and "layout transposed" in first.detail
 
@@ -294,9 +295,9 @@ def test_a_layout_whose_view_differs_is_dropped_not_the_range():
 def test_a_report_without_long_checks_has_no_upper_bound():
     (gpu,) = verdict.decide(checked.load(SAMPLE))
     flux = gpu.family("FLUX.1")
-    assert flux.verdict == verdict.Verdict.ENABLE and not flux.range_verified
-    assert flux.max_query_tokens is None and flux.layouts is None
-    assert "no upper bound verified" in flux.served_range()
+    assert flux.verdict == verdict.Verdict.ENABLE and not flux.served.range_verified
+    assert flux.served.max_query_tokens is None and flux.served.layouts is None
+    assert "no upper bound verified" in flux.served.text()
 
 
 def with_long_checks() -> dict:
@@ -374,26 +375,26 @@ def test_the_profile_holds_the_range_and_layouts():
     typed, gpu = decided(fail_at=16384)
     built = profile.build(typed, [gpu])
     flux = built.gpus[0].families["FLUX.1"]
-    assert (flux.max_query_tokens, flux.max_key_tokens) == (8192, 8192)
-    assert flux.layouts == ["contiguous", "transposed", "nhd", "fused_qkv"]
+    assert (flux.served.max_query_tokens, flux.served.max_key_tokens) == (8192, 8192)
+    assert flux.served.layouts == ["contiguous", "transposed", "nhd", "fused_qkv"]
     assert flux.reasons[0].kind == "long"
     off = built.gpus[0].families["Wan 2.2"]  # kept off: no range
-    assert off.max_query_tokens is None and off.layouts is None
+    assert off.served is None
     legacy = profile.build(checked.load(SAMPLE), verdict.decide(checked.load(SAMPLE)))
     legacy_flux = legacy.gpus[0].families["FLUX.1"]  # enabled, but no long checks: no bound known
-    assert legacy_flux.variant and (legacy_flux.max_query_tokens, legacy_flux.layouts) == (None, None)
+    assert legacy_flux.variant and (legacy_flux.served.max_query_tokens, legacy_flux.served.layouts) == (None, None)
 
 
 def test_gate_and_merge_say_the_verified_range():
     typed, gpu = decided(fail_at=32768)
     decision = gate.GateDecision("FLUX.1", 0, gpus=[(gpu.model, gpu.family("FLUX.1"))])
-    lines = decision.lines(require_speedup=False)
+    lines = gate_lines(decision, False)
     assert lines[0] == ("FLUX.1 on NVIDIA H200 (sm_90): enable sm90-fp8-cuda from 4,608 to 16,896 query / "
                         "512 to 16,896 key tokens, head_dim 128 "
                         "(layouts: contiguous, transposed, nhd, fused_qkv)")
     assert lines[1].startswith("  - range: verified only below 32,768 query tokens")
     (row,) = fleet.merge_rows([(Path("r.json"), typed)])
-    assert row.families["FLUX.1"].max_query_tokens == 16896
+    assert row.families["FLUX.1"].served.max_query_tokens == 16896
     assert ("enable: sm90-fp8-cuda 4,608 to 16,896 query / 512 to 16,896 key tokens, head_dim 128 "
             "(contiguous, transposed, nhd, fused_qkv)") in fleet_render.merge_markdown([row])
 

@@ -15,13 +15,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sage_qual
+from sage_qual import limits
 from sage_qual.serving.config import Bound, WrapperConfig
 from sage_qual.serving.eligibility import SdpaCall, refusal
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
 
 PROPERTY = settings(max_examples=300, deadline=None, derandomize=True, database=None)
 SPAN = 20_000  # elements: a fused 64-token view of 2 x 3 heads spans more, its copies fewer
-UNLIMITED = 2**62
+UNLIMITED = limits.MAX_SPAN_ELEMENTS  # far past any call drawn here (at most 64 tokens)
 
 
 class Autocast:

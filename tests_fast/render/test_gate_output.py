@@ -1,28 +1,28 @@
 """The exact text gate and merge print, from hand-made decisions and rows: a CI log or a fleet
 table read by people and scripts must say what the verdicts say, in every branch."""
 
-import dataclasses
-
-from sage_qual.qualification.decide import budget_check, fleet, gate, verdict
-from sage_qual.qualification.decide.verdict import FamilyDecision, Verdict
+from sage_qual import records
+from sage_qual.qualification.decide import budget_check, fleet, gate
+from sage_qual.qualification.decide.verdict import FamilyDecision, VariantResults, Verdict
 from sage_qual.qualification.evidence.report_model import Reason, ReasonKind
 from sage_qual.qualification.render import fleet as fleet_render
 from sage_qual.serving.config import Bound
+from sage_qual.serving.served import Served
+from sage_qual.qualification.render.gate import lines as gate_lines
 
 
-def enabled(variant="sm90-fp8-cuda", head_dims=(64, 128), verified=True):
+def enabled(variant="sm90-fp8-cuda", head_dims=(64, 128), verified=True, **served):
     """An enabled decision; verified: with the range its long checks verified (a capped one)."""
-    decision = FamilyDecision("FLUX.1", Verdict.ENABLE, variant, 4608, 512, list(head_dims),
-                              certified=[variant, "sm80-fp16-cuda"])
-    if verified:
-        decision.range_verified, decision.max_query_tokens, decision.max_key_tokens = True, 16384, 16384
-        decision.layouts = ["contiguous", "transposed"]
-        decision.range_reasons = [Reason(ReasonKind.LONG, "verified only below 32,768 query tokens")]
-    return decision
+    upper = dict(max_query_tokens=16384, max_key_tokens=16384, layouts=["contiguous", "transposed"]) \
+        if verified else {}
+    reasons = [Reason(ReasonKind.LONG, "verified only below 32,768 query tokens")] if verified else []
+    return FamilyDecision("FLUX.1", Verdict.ENABLE, Served(variant, 4608, 512, list(head_dims), **upper, **served),
+                          range_reasons=reasons, results=VariantResults(certified=[variant, "sm80-fp16-cuda"]))
 
 
 def no_speedup():
-    return FamilyDecision("FLUX.1", Verdict.NO_SPEEDUP, None, certified=["sm90-fp8-cuda", "sm89-fp8-cuda"],
+    return FamilyDecision("FLUX.1", Verdict.NO_SPEEDUP, None,
+                          results=VariantResults(certified=["sm90-fp8-cuda", "sm89-fp8-cuda"]),
                           reasons=[Reason(ReasonKind.SPEED, "sm90-fp8-cuda never measured faster")])
 
 
@@ -36,7 +36,7 @@ def test_gate_lines_for_each_verdict():
     decision = gate.GateDecision("FLUX.1", 1, gpus=[("H200 (sm_90)", enabled()),
                                                     ("H100 (sm_90)", no_speedup()),
                                                     ("RTX 4090 (sm_89)", kept_off())])
-    assert decision.lines(require_speedup=False) == [
+    assert gate_lines(decision, False) == [
         "FLUX.1 on H200 (sm_90): enable sm90-fp8-cuda from 4,608 to 16,384 query / 512 to 16,384 key tokens, "
         "head_dim 64/128 (layouts: contiguous, transposed)",
         "  - range: verified only below 32,768 query tokens",
@@ -47,7 +47,7 @@ def test_gate_lines_for_each_verdict():
         "  - crash: sm90-fp8-cuda on flux (cuda:0): killed by SIGSEGV",
         "  - accuracy: sm89-fp8-cuda on flux (cuda:1): relative L2 0.2 > 0.08",
     ]
-    assert decision.lines(require_speedup=True)[2] == (
+    assert gate_lines(decision, True)[2] == (
         "FLUX.1 on H100 (sm_90): safe, no speedup (passes with sm90-fp8-cuda, sm89-fp8-cuda; a profile "
         "serves no call)")
 
@@ -55,19 +55,21 @@ def test_gate_lines_for_each_verdict():
 def test_gate_line_for_one_head_size_and_a_problem():
     legacy = enabled(head_dims=(128,), verified=False)
     one_size = gate.GateDecision("FLUX.1", 0, gpus=[("H200 (sm_90)", legacy)])
-    assert one_size.lines(False) == [  # a report from before long checks: no upper bound, said so
+    assert gate_lines(one_size, False) == [  # a report from before long checks: no upper bound, said so
         "FLUX.1 on H200 (sm_90): enable sm90-fp8-cuda from 4,608 query / 512 key tokens, head_dim 128 "
         "(no upper bound verified: a report without long checks)"]
-    assert gate.GateDecision("FLUX.1", 2, problem="stale report: torch differs").lines(True) == [
+    assert gate_lines(gate.GateDecision("FLUX.1", 2, problem="stale report: torch differs"), True) == [
         "stale report: torch differs"]
 
 
-def fleet_verdict(verdict_, variant=None, low=(None, None), reasons=(), upper=None, layouts=None):
+def fleet_verdict(verdict_, variant=None, low=(None, None), reasons=(), upper=None, layouts=None, **more):
     kinds = [ReasonKind(kind) for kind in reasons]
-    return fleet.FleetVerdict(Verdict(verdict_), variant, *low, upper, layouts, kinds)
+    served = Served(variant, *low, more.pop("head_dims", []), upper, more.pop("max_key_tokens", upper), layouts,
+                    **more) if variant else None
+    return fleet.FleetVerdict(Verdict(verdict_), served, kinds)
 
 
-FLUX = fleet_verdict("enable", "sm90-fp8-cuda", (4608, 512))
+FLUX = fleet_verdict("enable", "sm90-fp8-cuda", (4608, 512), head_dims=[128])
 
 
 def row(**changes):
@@ -88,9 +90,10 @@ def test_merge_table_for_every_kind_of_row():
     assert fleet_render.merge_markdown(rows).splitlines() == [
         "| host | GPU | sm | GPUs | driver | torch | sageattention | FLUX.1 | SDXL | Wan 2.2 |",
         "|---|---|---|---|---|---|---|---|---|---|",
-        "| box-a | NVIDIA H200 | 90 | 2 | 580.1 | 2.11.0 | 2.2.0 | enable: sm90-fp8-cuda >= 4608/512 | "
+        "| box-a | NVIDIA H200 | 90 | 2 | 580.1 | 2.11.0 | 2.2.0 | enable: sm90-fp8-cuda >= 4608/512, head_dim 128 | "
         "safe, no speedup: speed | keep off: crash, oom |",
-        "| box-b | NVIDIA GeForce RTX 4090 | 89 | 1 | - | 2.11.0 | - | enable: sm90-fp8-cuda >= 4608/512 | "
+        "| box-b | NVIDIA GeForce RTX 4090 | 89 | 1 | - | 2.11.0 | - | enable: sm90-fp8-cuda >= 4608/512, "
+        "head_dim 128 | "
         "not run | not run |",
         "| box-c | NVIDIA H200 | 90 | 2 | 580.1 | 2.11.0 | 2.2.0 | partial report | partial report | "
         "partial report |",
@@ -101,10 +104,10 @@ def test_merge_table_for_every_kind_of_row():
 
 def test_merge_table_gives_the_verified_range_and_layouts():
     wan = fleet_verdict("enable", "sm90-fp8-cuda", (9728, 9728), upper=75600,
-                layouts=["contiguous", "transposed", "fused_qkv"])
+                        layouts=["contiguous", "transposed", "fused_qkv"], head_dims=[128])
     table = fleet_render.merge_markdown([row(families={"Wan 2.2": wan})]).splitlines()
     assert table[2] == ("| box-a | NVIDIA H200 | 90 | 2 | 580.1 | 2.11.0 | 2.2.0 | enable: sm90-fp8-cuda "
-                        "9,728 to 75,600 tokens (contiguous, transposed, fused_qkv) |")
+                        "9,728 to 75,600 tokens, head_dim 128 (contiguous, transposed, fused_qkv) |")
 
 
 def test_merge_table_names_the_target_only_when_a_report_has_one():
@@ -116,13 +119,6 @@ def test_merge_table_names_the_target_only_when_a_report_has_one():
         "| box-t | NVIDIA H200 | 90 | 2 | 580.1 | 2.11.0 | 2.2.0 | diffusers:sage_hub |",
     ]
     assert "target" not in fleet_render.merge_markdown([row(families={})]).splitlines()[0]
-
-
-def test_where_a_variant_pays_names_every_head_size():
-    thresholds = verdict.Thresholds(4608, 512, [64, 128], served_shapes=3, measured_shapes=5)
-    assert verdict._where(thresholds) == "4608 query / 512 key tokens, head_dim 64/128"
-    assert enabled().served_from() == "4608 / 512, head_dim 64/128"
-    assert FamilyDecision("FLUX.1").served_from() == "-"
 
 
 # A stored budget against the one derived here ------------------------------------------------------------
@@ -184,45 +180,47 @@ def test_the_largest_element_error_has_its_own_wider_allowance():
         "w: bounds.max_rel_l2:")
 
 
-def test_gate_json_carries_the_whole_served_range():
-    answer = gate.GateDecision("FLUX.1", 0, gpus=[("H200 (sm_90)", enabled())]).as_json()
+def test_gate_json_carries_the_served_record_unchanged():
+    answer = records.dump(gate.GateDecision("FLUX.1", 0, gpus=[("H200 (sm_90)", enabled())]).answer())
+    assert answer["version"] == gate.ANSWER_VERSION == 2
     assert answer["gpus"] == [{
-        "gpu": "H200 (sm_90)", "verdict": "enable", "variant": "sm90-fp8-cuda",
-        "min_query_tokens": 4608, "min_key_tokens": 512, "max_query_tokens": 16384, "max_key_tokens": 16384,
-        "layouts": ["contiguous", "transposed"], "head_dims": [64, 128],
-        "certified": ["sm90-fp8-cuda", "sm80-fp16-cuda"],
-        "reasons": [], "contexts": None, "bounds": []}]
+        "gpu": "H200 (sm_90)", "verdict": "enable",
+        "served": {"variant": "sm90-fp8-cuda", "min_query_tokens": 4608, "min_key_tokens": 512,
+                   "head_dims": [64, 128], "max_query_tokens": 16384, "max_key_tokens": 16384,
+                   "layouts": ["contiguous", "transposed"], "contexts": None, "bounds": []},
+        "certified": ["sm90-fp8-cuda", "sm80-fp16-cuda"], "reasons": []}]
+    assert records.dump(enabled().served) == answer["gpus"][0]["served"]
 
 
 def test_gate_names_each_bound_and_its_json_carries_it():
     bound = Bound("key", 17, "flux1_ip_adapter_zero_uncond: sm90-fp8-cuda output not finite")
-    bounded = dataclasses.replace(enabled(), bounds=[bound])
-    decided = gate.GateDecision("FLUX.1", 0, gpus=[("H200 (sm_90)", bounded)])
-    line = decided.lines(require_speedup=False)[0]
+    decided = gate.GateDecision("FLUX.1", 0, gpus=[("H200 (sm_90)", enabled(bounds=[bound]))])
+    line = gate_lines(decided, False)[0]
     assert line.endswith("; calls with fewer than 17 keys stay on torch (flux1_ip_adapter_zero_uncond: "
                          "sm90-fp8-cuda output not finite)")
-    assert decided.as_json()["gpus"][0]["bounds"] == [{"side": "key", "below": 17, "reason": bound.reason}]
-    cell = dataclasses.replace(fleet_verdict("enable", "sm90-fp8-cuda", (9728, 9728), upper=32768,
-                                             layouts=["contiguous"]), bounds=[bound])
-    assert cell.text() == "enable: sm90-fp8-cuda 9,728 to 32,768 tokens (contiguous; keys >= 17)"
+    assert records.dump(decided.answer())["gpus"][0]["served"]["bounds"] == [
+        {"side": "key", "below": 17, "reason": bound.reason}]
+    cell = fleet_verdict("enable", "sm90-fp8-cuda", (9728, 9728), upper=32768, layouts=["contiguous"],
+                         head_dims=[128], bounds=[bound])
+    assert fleet_render.cell(cell) == "enable: sm90-fp8-cuda 9,728 to 32,768 tokens, head_dim 128 (contiguous; keys >= 17)"
 
 
 def test_a_fleet_cell_names_the_contexts_certified_when_there_are_checks():
     ranged = dict(verdict_="enable", variant="sm90-fp8-cuda", low=(9728, 9728), upper=32768,
-                  layouts=["contiguous", "transposed"])
-    checked = dataclasses.replace(fleet_verdict(**ranged), contexts=["side_stream", "compile"])
-    assert checked.text() == ("enable: sm90-fp8-cuda 9,728 to 32,768 tokens (contiguous, transposed; "
-                              "contexts: side_stream, compile)")
-    assert fleet_verdict(**ranged).text() == ("enable: sm90-fp8-cuda 9,728 to 32,768 tokens "
-                                              "(contiguous, transposed)")
-    assert dataclasses.replace(fleet_verdict(**ranged), contexts=[]).text().endswith("; contexts: none)")
+                  layouts=["contiguous", "transposed"], head_dims=[128])
+    assert fleet_render.cell(fleet_verdict(**ranged, contexts=["side_stream", "compile"])) == (
+        "enable: sm90-fp8-cuda 9,728 to 32,768 tokens, head_dim 128 (contiguous, transposed; "
+        "contexts: side_stream, compile)")
+    assert fleet_render.cell(fleet_verdict(**ranged)) == ("enable: sm90-fp8-cuda 9,728 to 32,768 tokens, "
+                                                          "head_dim 128 (contiguous, transposed)")
+    assert fleet_render.cell(fleet_verdict(**ranged, contexts=[])).endswith("; contexts: none)")
 
 
 def test_a_fleet_cell_names_the_head_sizes_and_a_key_range_of_its_own():
-    served = dataclasses.replace(
-        fleet_verdict("enable", "sm90-fp8-cuda", (9728, 512), upper=16896, layouts=["contiguous"]),
-        max_key_tokens=4096, head_dims=[64, 128])
-    assert served.text() == ("enable: sm90-fp8-cuda 9,728 to 16,896 query / 512 to 4,096 key tokens, "
-                             "head_dim 64/128 (contiguous)")
-    unbounded = dataclasses.replace(fleet_verdict("enable", "sm90-fp8-cuda", (4608, 512)), head_dims=[128])
-    assert unbounded.text() == "enable: sm90-fp8-cuda >= 4608/512, head_dim 128"
+    served = fleet_verdict("enable", "sm90-fp8-cuda", (9728, 512), upper=16896, layouts=["contiguous"],
+                           max_key_tokens=4096, head_dims=[64, 128])
+    assert fleet_render.cell(served) == ("enable: sm90-fp8-cuda 9,728 to 16,896 query / 512 to 4,096 key tokens, "
+                                         "head_dim 64/128 (contiguous)")
+    unbounded = fleet_verdict("enable", "sm90-fp8-cuda", (4608, 512), head_dims=[128])
+    assert fleet_render.cell(unbounded) == "enable: sm90-fp8-cuda >= 4608/512, head_dim 128"
+    assert fleet_render.cell(fleet_verdict("keep off", reasons=["crash", "oom"])) == "keep off: crash, oom"

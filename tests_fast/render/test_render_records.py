@@ -47,7 +47,7 @@ def test_bounds_change_only_the_rows_of_the_families_they_bound(run, tmp_path, m
     changed = {line.split(" | ")[0] for line, old in zip(now, then, strict=True) if line != old}
     [gpu] = verdict.decide(data)
     entries = gpu.families + [gpu.default]
-    bounded = {f"| {d.family or '(default: all fixtures)'}" for d in entries if d.bounded}
+    bounded = {f"| {d.family or '(default: all fixtures)'}" for d in entries if d.results.bounded}
     assert changed == bounded and "| SDXL" in changed
 
 

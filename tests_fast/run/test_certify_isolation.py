@@ -176,7 +176,7 @@ def test_verdicts_name_every_reason(run):
     flux = h200.family("FLUX.1")
     assert [r.kind.value for r in flux.reasons] == ["timeout", "oom"]
     qwen = h200.family("Qwen-Image")
-    assert qwen.certified == ["sm90-fp8-cuda"] and list(qwen.rejected) == ["sm89-fp8-cuda"]
+    assert qwen.results.certified == ["sm90-fp8-cuda"] and list(qwen.results.rejected) == ["sm89-fp8-cuda"]
     qwen_rtx = rtx.family("Qwen-Image")
     assert qwen_rtx.verdict.value == "keep off" and {r.kind.value for r in qwen_rtx.reasons} == {"accuracy"}
     assert rtx.variants["sm90-fp8-cuda"].runnable is False

@@ -173,8 +173,8 @@ def test_certify_checks_every_variant_in_every_context_and_the_profile_keeps_wha
     assert served, [d.reasons for d in gpu.families + [gpu.default]]
     for decision, entry in served:
         expected = CLEAN[SM90.name] if decision.variant == SM90.name else [SIDE_STREAM, CAPTURE]
-        assert decision.contexts == entry["contexts"] == expected
-        assert f"contexts: {', '.join(expected)}" in decision.served_range()
+        assert decision.served.contexts == entry["served"]["contexts"] == expected
+        assert f"contexts: {', '.join(expected)}" in decision.served.text()
         if decision.variant == TRITON.name:
             assert any(r.kind.value == "context" and "compile" in r.detail for r in decision.range_reasons)
     md = (out / "report.md").read_text()
@@ -190,7 +190,7 @@ def test_a_decision_without_context_checks_keeps_the_built_in_rule(certified):
         dataclasses.replace(c, outcome=Outcome.CRASH, runs=[], detail="the worker died") for c in d.contexts])
         for d in typed.devices])
     for decision in [*verdict.decide(old)[0].families, verdict.decide(old)[0].default]:
-        assert decision.contexts is None
+        assert decision.served is None or decision.served.contexts is None
     (gpu,) = verdict.decide(crashed)
     checked = verdict._Model(crashed, crashed.devices, [SM90.name, TRITON.name])
     contexts, reasons = checked.contexts(SM90.name)

@@ -165,7 +165,7 @@ def test_certify_probes_in_workers_and_records_an_abort_and_a_fault_as_findings(
     assert profile.largest_safe(typed.devices[0].span, "sm90-fp8-cuda") == RUNG
     assert profile.profile_limit(typed.devices[0].span, {"sm90-fp8-cuda"}) == RUNG
     gpu = json.loads((out / "profile.json").read_text())["gpus"][0]
-    served = {e["variant"] for e in [gpu["default"], *gpu["families"].values()] if e["variant"]}
+    served = {e["served"]["variant"] for e in [gpu["default"], *gpu["families"].values()] if e["served"]}
     assert gpu.get("max_span_elements") == (RUNG if served else None)  # the fake's speed decides `served`
     md = (out / "report.md").read_text()
     assert "### Span limits" in md and "sm90-fp8-cuda: 267,911,168 elements" in md

@@ -34,7 +34,7 @@ def attention(q_tokens: int, kv_tokens: int):
 
 def bounded_profile(min_k: int, bounds=(IP_ADAPTER,)) -> dict:
     entry = make_entry("sm90-fp8-cuda", 64, min_k)
-    entry["bounds"] = [{"side": b.side, "below": b.below, "reason": b.reason} for b in bounds]
+    entry["served"]["bounds"] = [{"side": b.side, "below": b.below, "reason": b.reason} for b in bounds]
     return make_profile(make_gpu(H200, entry, families={"FLUX.1": entry}))
 
 
@@ -86,7 +86,7 @@ def test_with_the_certified_thresholds_a_short_call_says_short_first(fake):
 def test_an_older_profile_without_bounds_serves_as_before(fake):
     data = bounded_profile(min_k=1)
     for entry in [data["gpus"][0]["default"], *data["gpus"][0]["families"].values()]:
-        del entry["bounds"]
+        del entry["served"]["bounds"]
     assert sage_qual.install(profile=data).enabled
     assert attention(256, 4)[0].served == 1
 
@@ -100,7 +100,7 @@ def test_an_older_profile_without_bounds_serves_as_before(fake):
 ], ids=["side", "below-1", "no-reason", "float", "missing-reason"])
 def test_a_broken_bound_in_a_profile_is_refused_naming_it(bound, says):
     data = bounded_profile(min_k=9728)
-    data["gpus"][0]["families"]["FLUX.1"]["bounds"] = [bound]
+    data["gpus"][0]["families"]["FLUX.1"]["served"]["bounds"] = [bound]
     with pytest.raises(profile.ProfileError) as refused:
         profile.load(data)
     assert says in str(refused.value) and "families.FLUX.1" in str(refused.value)
@@ -110,7 +110,7 @@ def test_a_profile_entry_that_serves_nothing_has_no_bounds():
     data = bounded_profile(min_k=9728)
     data["gpus"][0]["families"]["FLUX.1"] = {**make_entry(None, reasons=()), "bounds": [
         {"side": "key", "below": 17, "reason": "x"}]}
-    with pytest.raises(profile.ProfileError, match="variant: null, but thresholds are given"):
+    with pytest.raises(profile.ProfileError, match="families.FLUX.1.bounds: unknown key"):
         profile.load(data)
 
 

@@ -58,8 +58,8 @@ def served_thresholds_of_the_sources(variant="sm90-fp8-cuda", head_dim=128):
     for path in SOURCES:
         for gpu in building.load_run(path).gpus:
             for entry in (gpu.default, *gpu.families.values()):
-                if entry.variant == variant and head_dim in entry.head_dims:
-                    found.append((entry.min_query_tokens, entry.min_key_tokens))
+                if entry.variant == variant and head_dim in entry.served.head_dims:
+                    found.append((entry.served.min_query_tokens, entry.served.min_key_tokens))
     return max(q for q, _ in found), max(k for _, k in found)
 
 
@@ -80,8 +80,8 @@ def test_the_h200_default_entry_is_the_highest_threshold_any_run_served_the_kern
     assert {s.file for s in sources if s.gpu == "NVIDIA H200"} == \
         {str(p.relative_to(RESULTS.parent.parent)) for p in SOURCES}
     entry = h200.default
-    assert entry.variant == KERNEL_TABLE[(9, 0)][0] and entry.head_dims == [128]
-    thresholds = (entry.min_query_tokens, entry.min_key_tokens)
+    assert entry.variant == KERNEL_TABLE[(9, 0)][0] and entry.served.head_dims == [128]
+    thresholds = (entry.served.min_query_tokens, entry.served.min_key_tokens)
     assert thresholds == served_thresholds_of_the_sources() == (12672, 12672)
 
 
@@ -120,7 +120,7 @@ def test_the_strictest_thresholds_take_the_highest_counts_at_the_head_sizes_all_
     data = json.loads(defaults.DATA.read_text())
     other = json.loads(json.dumps(data["profile"]["gpus"][0]))
     other.update(name="Fake sm90 card", memory_gib=80.0)
-    other["default"].update(min_query_tokens=4096, min_key_tokens=32768, head_dims=[64, 128])
+    other["default"]["served"].update(min_query_tokens=4096, min_key_tokens=32768, head_dims=[64, 128])
     data["profile"]["gpus"].append(other)
     path = tmp_path / "defaults.json"
     path.write_text(json.dumps(data))
@@ -190,16 +190,17 @@ def test_install_on_an_h200_gives_each_family_the_runs_verdict_and_range(family)
         return
     assert device.variant.name == decisions[0].variant
     config = device.config
-    assert config.min_query_tokens == max(d.min_query_tokens for d in decisions)
-    assert config.max_query_tokens == min(d.max_query_tokens for d in decisions)
-    assert list(config.layouts) == decisions[0].layouts and list(config.contexts) == decisions[0].contexts
-    assert [(b.side, b.below) for b in config.bounds] == [(b.side, b.below) for b in decisions[0].bounds]
+    served = [d.served for d in decisions]
+    assert config.min_query_tokens == max(s.min_query_tokens for s in served)
+    assert config.max_query_tokens == min(s.max_query_tokens for s in served)
+    assert list(config.layouts) == served[0].layouts and list(config.contexts) == served[0].contexts
+    assert [(b.side, b.below) for b in config.bounds] == [(b.side, b.below) for b in served[0].bounds]
 
 
 def test_the_default_entry_serves_no_length_past_the_verified_range():
     [device] = installed([H200]).devices
-    served = [d.max_query_tokens for path in SOURCES for d in verdict.decide(checked.load(path))[0].families
-              if d.variant]
+    served = [d.served.max_query_tokens for path in SOURCES
+              for d in verdict.decide(checked.load(path))[0].families if d.served]
     assert device.config.max_query_tokens is not None and device.config.max_query_tokens <= min(served)
     status, report = call(40_000, [H200])
     assert report.served == 0 and "long" in report.fallbacks
@@ -211,7 +212,7 @@ def test_an_h200_gets_the_span_limit_and_an_unmeasured_sm90_the_verified_range()
     [on_h200] = installed([H200]).devices
     assert on_h200.config.max_span_elements == h200.max_span_elements is not None
     [on_h100] = installed([H100]).devices
-    default = h200.default
+    default = h200.default.served
     assert (on_h100.config.max_query_tokens, list(on_h100.config.layouts), list(on_h100.config.contexts)) == \
         (default.max_query_tokens, default.layouts, default.contexts)
     assert on_h100.config.kernel_table == DEFAULT_CONFIG.kernel_table  # never measured: today's table
@@ -282,10 +283,10 @@ def test_the_command_adds_a_gpu_model_and_keeps_the_others(tmp_path, capsys):
     assert [s.file for s in sources][-2:] == [str(first), str(second)]
     # The default kernel where every run served it: head_dim 128 (the second run served no 64), from
     # the highest thresholds of those entries.
-    assert (rtx.default.variant, rtx.default.min_query_tokens, rtx.default.min_key_tokens,
-            rtx.default.head_dims) == ("sm89-fp8-cuda", 3072, 512, [128])
+    assert (rtx.default.variant, rtx.default.served.min_query_tokens, rtx.default.served.min_key_tokens,
+            rtx.default.served.head_dims) == ("sm89-fp8-cuda", 3072, 512, [128])
     flux, sdxl, wan = (rtx.families[name] for name in ("FLUX.1", "SDXL", "Wan 2.2"))
-    assert (flux.variant, flux.min_query_tokens, flux.min_key_tokens, flux.head_dims) == \
+    assert (flux.variant, flux.served.min_query_tokens, flux.served.min_key_tokens, flux.served.head_dims) == \
         ("sm89-fp8-cuda", 3072, 512, [128])
     assert sdxl.variant is None and "different variants" in sdxl.reasons[0].detail
     assert wan.variant is None and wan.reasons[0].detail == "sm89-fp8-cuda on flux: NaN"  # off once: off
@@ -306,10 +307,10 @@ def test_the_command_refuses_what_is_not_a_run(tmp_path, capsys):
 def test_a_broken_defaults_file_names_the_file_the_key_and_the_rebuild(tmp_path):
     """Issue 28: a negative threshold there was named as "profile: ..." with certify's fix."""
     data = json.loads(defaults.DATA.read_text())
-    data["profile"]["gpus"][0]["default"]["min_query_tokens"] = -5
+    data["profile"]["gpus"][0]["default"]["served"]["min_query_tokens"] = -5
     path = tmp_path / "default_profile.json"
     path.write_text(json.dumps(data))
     with pytest.raises(profile.ProfileError) as error:
         defaults.read(path)
-    assert str(error.value) == (f"built-in defaults {path}: profile: gpus[0].default.min_query_tokens: "
+    assert str(error.value) == (f"built-in defaults {path}: profile: gpus[0].default.served.min_query_tokens: "
                                 f"is -5, expected a token count of at least 1; {defaults.FIX}")

@@ -18,6 +18,7 @@ from sage_qual.serving import compiled, contexts
 from sage_qual.serving.eligibility import REASONS
 from sage_qual.serving.variants import FP8_CUDA_SM90, FP16_TRITON, VARIANTS
 from sage_qual.testing import FakeSageAttention
+from sage_qual.serving.served import Served
 
 from ..helpers import SMALL, TORCH_SDPA, qkv, retired, wrapped
 
@@ -250,16 +251,16 @@ def test_the_operator_for_legacy_kernels_is_kept_out_of_cuda_graphs():
 def test_a_profile_entry_gives_its_device_the_certified_contexts():
     from sage_qual.serving import profile
 
-    chosen = profile.Entry("sm90-fp8-cuda", 32, 16, [64], contexts=["capture"])
-    config = profile.apply(SMALL, SM90, chosen)
+    served = Served("sm90-fp8-cuda", 32, 16, [64], 64, 64, ["contiguous"], contexts=["capture"])
+    config = profile.apply(SMALL, SM90, profile.Entry(served))
     assert config.safe_contexts(VARIANTS["sm90-fp8-cuda"]) == ("capture",)
-    assert "contexts capture" in profile.verified_range(chosen)
-    assert profile.apply(SMALL, SM90, dataclasses.replace(chosen, contexts=None)).contexts is None
+    assert "; contexts: capture)" in served.text()
+    assert profile.apply(SMALL, SM90, profile.Entry(dataclasses.replace(served, contexts=None))).contexts is None
 
 
 @pytest.mark.parametrize("given, words", [(["graphs"], "'graphs' is not"), (["capture", "capture"], "twice")])
 def test_a_profile_entry_with_bad_contexts_names_the_field(given, words):
     from sage_qual.serving import profile
 
-    problems = profile.Entry("sm90-fp8-cuda", 32, 16, [64], contexts=given).check()
+    problems = Served("sm90-fp8-cuda", 32, 16, [64], contexts=given).check()
     assert problems and problems[0][0] == "contexts" and words in problems[0][1]

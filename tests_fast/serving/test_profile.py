@@ -19,6 +19,8 @@ from sage_qual.serving.config import DEFAULT_CONFIG, KERNEL_TABLE
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention, on_device
 
 from ..builders import (
+    edited,
+    flat_entry,
     H100,
     H200,
     RTX4090,
@@ -77,7 +79,7 @@ def test_a_matching_device_gets_the_entry_and_others_keep_the_table():
     assert (config.min_query_tokens, config.min_key_tokens, config.head_dims) == (4096, 1024, (128,))
     assert {c: v for c, v in config.kernel_table.items() if c != (9, 0)} == \
         {c: v for c, v in KERNEL_TABLE.items() if c != (9, 0)}
-    assert only.note.startswith("profile entry Fake H200 (sm_90): sm89-fp8-cuda from 4096")
+    assert only.note.startswith("profile entry Fake H200 (sm_90): sm89-fp8-cuda >= 4096/1024")
 
 
 def test_an_entry_without_a_variant_leaves_the_gpu_without_kernel():
@@ -112,18 +114,18 @@ def test_a_device_the_profile_does_not_describe_keeps_the_defaults_and_says_why(
 
 
 BAD_ENTRIES = {
-    "unknown variant": ({**make_entry(), "variant": "sm91-turbo"},
-                        "default.variant: 'sm91-turbo' is not a SageAttention"),
-    "negative threshold": ({**make_entry(), "min_query_tokens": -5},
-                           "default.min_query_tokens: is -5, expected a token count"),
-    "threshold a string": ({**make_entry(), "min_key_tokens": "512"},
-                           "default.min_key_tokens: is the string '512', expected an integer"),
-    "float threshold": ({**make_entry(), "min_key_tokens": 512.5}, "default.min_key_tokens: is a number"),
-    "head dim the kernels do not take": ({**make_entry(), "head_dims": [96]},
+    "unknown variant": (edited(make_entry(), variant="sm91-turbo"),
+                        "default.served.variant: 'sm91-turbo' is not a SageAttention"),
+    "negative threshold": (edited(make_entry(), min_query_tokens=-5),
+                           "default.served.min_query_tokens: is -5, expected a token count"),
+    "threshold a string": (edited(make_entry(), min_key_tokens="512"),
+                           "default.served.min_key_tokens: is the string '512', expected an integer"),
+    "float threshold": (edited(make_entry(), min_key_tokens=512.5), "default.served.min_key_tokens: is a number"),
+    "head dim the kernels do not take": (edited(make_entry(), head_dims=[96]),
                                          "96 is not a head size the kernels take"),
-    "no head dims": ({**make_entry(), "head_dims": []}, "default.head_dims: empty"),
-    "thresholds without variant": ({**make_entry(variant=None), "min_query_tokens": 4096},
-                                   "default.variant: null, but thresholds are given"),
+    "no head dims": (edited(make_entry(), head_dims=[]), "default.served.head_dims: empty"),
+    "thresholds beside no served record": ({**make_entry(variant=None), "min_query_tokens": 4096},
+                                           "default.min_query_tokens: unknown key"),
     "reason of a kind no verdict gives": (
         {**make_entry(variant=None), "reasons": [{"kind": "vibes", "detail": "x"}]},
         "default.reasons[0].kind: is the string 'vibes', expected one of 'accuracy'"),
@@ -183,7 +185,7 @@ def test_a_negative_memory_size_is_refused():
 def test_a_version_1_profile_still_reads():
     old = {"kind": "sage-qual-profile", "schema_version": 1, "created": "2026-11-29T20:00:00+00:00",
            "host": "h", "gpu": {"name": "Fake H200", "capability": [9, 0]},
-           "environment": make_gpu()["environment"], "fixtures": {}, "default": make_entry(), "families": {}}
+           "environment": make_gpu()["environment"], "fixtures": {}, "default": flat_entry(), "families": {}}
     loaded = profile.load(old)
     assert loaded.gpus[0].memory_gib is None and loaded.gpus[0].default.variant == "sm89-fp8-cuda"
     [only] = profile.device_configs(old, [machine(H200)])
@@ -193,13 +195,13 @@ def test_a_version_1_profile_still_reads():
 @pytest.mark.parametrize("change, message", [
     ({"gpu": {"name": "Fake H200", "capability": [9]}}, "profile: gpu.capability: has 1 items, expected 2"),
     ({"gpus": []}, "profile: gpus: unknown key"),
-    ({"default": {**make_entry(), "variant": "sm99-nope"}}, "profile: default.variant: 'sm99-nope' is not"),
+    ({"default": {**flat_entry(), "variant": "sm99-nope"}}, "profile: default.variant: 'sm99-nope' is not"),
 ])
 def test_a_broken_version_1_profile_names_its_own_key(change, message):
     """A version 1 file is read by its own record: a problem names the key as that file spells it."""
     old = {"kind": "sage-qual-profile", "schema_version": 1, "created": "c", "host": "h",
            "gpu": {"name": "Fake H200", "capability": [9, 0]}, "environment": make_gpu()["environment"],
-           "fixtures": {}, "default": make_entry(), "families": {}, **change}
+           "fixtures": {}, "default": flat_entry(), "families": {}, **change}
     with pytest.raises(profile.ProfileError) as refused:
         profile.load(old)
     assert str(refused.value).startswith(message) and "\n" not in str(refused.value), str(refused.value)
@@ -280,8 +282,8 @@ def test_a_mixed_box_applies_the_profile_per_device():
                                                                  "sm90-fp8-cuda on qwen: L2 0.3")])),
      "the profile certifies no SageAttention variant on Fake H200 (sm_90): sm90-fp8-cuda on qwen: L2 0.3"),
     ({"kind": "something"}, "is not a sage-qual profile"),
-    (with_default({**make_entry(), "variant": "sm91-turbo"}), "is not a SageAttention variant"),
-    (with_default({**make_entry(), "min_query_tokens": -1}), "expected a token count of at least 1"),
+    (with_default(edited(make_entry(), variant="sm91-turbo")), "is not a SageAttention variant"),
+    (with_default(edited(make_entry(), min_query_tokens=-1)), "expected a token count of at least 1"),
 ])
 def test_install_refuses_a_profile_that_cannot_be_used(fake, bad, message):
     status = sage_qual.install(profile=copy.deepcopy(bad))
@@ -327,7 +329,7 @@ def test_the_built_profile_is_the_one_run_13_wrote(run, tmp_path, monkeypatch):
     assert changed == {"SDXL"} and now.default != then.default
     for entry in [now.families[name] for name in changed] + [now.default]:
         if entry.variant:
-            assert [(b.side, b.below) for b in entry.bounds] == [("key", 17)]
+            assert [(b.side, b.below) for b in entry.served.bounds] == [("key", 17)]
 
 
 def test_the_profile_schema_accepts_what_certify_builds():

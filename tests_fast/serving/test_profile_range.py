@@ -10,12 +10,12 @@ from sage_qual import limits
 from sage_qual.serving import profile
 from sage_qual.testing import FakeCuda, FakeSageAttention
 
-from ..builders import H200, machine, make_entry, make_gpu, make_profile, refusal
+from ..builders import H200, edited, machine, make_entry, make_gpu, make_profile, refusal
 
 
 def ranged_entry(max_q=8192, max_k=4096, layouts=("contiguous", "transposed"), **more):
-    return {**make_entry(min_q=1024, min_k=256, **more), "max_query_tokens": max_q, "max_key_tokens": max_k,
-            "layouts": None if layouts is None else list(layouts)}
+    return edited(make_entry(min_q=1024, min_k=256, **more), max_query_tokens=max_q, max_key_tokens=max_k,
+                  layouts=None if layouts is None else list(layouts))
 
 
 def test_the_range_layouts_and_span_reach_the_devices_config():
@@ -25,8 +25,8 @@ def test_the_range_layouts_and_span_reach_the_devices_config():
     assert (config.max_query_tokens, config.max_key_tokens) == (8192, 4096)
     assert config.layouts == ("contiguous", "transposed")
     assert config.max_span_elements == 3 * 2**29
-    assert only.note.endswith("head_dim 128, up to 8192 query / 4096 key tokens, "
-                              "layouts contiguous, transposed")
+    assert only.note.endswith("sm89-fp8-cuda 1,024 to 8,192 query / 256 to 4,096 key tokens, head_dim 128 "
+                              "(contiguous, transposed)")
 
 
 def test_a_profile_without_them_keeps_no_bound_any_layout_and_the_default_span():
@@ -34,7 +34,7 @@ def test_a_profile_without_them_keeps_no_bound_any_layout_and_the_default_span()
     config = only.config
     assert (config.max_query_tokens, config.max_key_tokens, config.layouts) == (None, None, None)
     assert config.max_span_elements == limits.MAX_SPAN_ELEMENTS
-    assert "up to" not in only.note and "layouts" not in only.note
+    assert only.note.endswith("sm89-fp8-cuda >= 2048/512, head_dim 128")
 
 
 def test_a_family_entry_brings_its_own_range():
@@ -45,16 +45,16 @@ def test_a_family_entry_brings_its_own_range():
 
 BAD = {
     "max below min": (ranged_entry(max_q=512),
-                      "default.max_query_tokens: is 512, below min_query_tokens 1024"),
+                      "default.served.max_query_tokens: is 512, below min_query_tokens 1024"),
     "max key below min": (ranged_entry(max_k=100),
-                          "default.max_key_tokens: is 100, below min_key_tokens 256"),
-    "max a string": (ranged_entry(max_q="8192"), "default.max_query_tokens: is the string '8192'"),
+                          "default.served.max_key_tokens: is 100, below min_key_tokens 256"),
+    "max a string": (ranged_entry(max_q="8192"), "default.served.max_query_tokens: is the string '8192'"),
     "unknown layout": (ranged_entry(layouts=("contiguous", "nchw")),
-                       "default.layouts: 'nchw' is not a layout"),
-    "no layouts": (ranged_entry(layouts=()), "default.layouts: empty"),
-    "layouts a string": ({**ranged_entry(), "layouts": "contiguous"}, "default.layouts: is the string"),
-    "range without variant": ({**make_entry(variant=None), "max_query_tokens": 4096},
-                              "default.variant: null, but thresholds are given"),
+                       "default.served.layouts: 'nchw' is not a layout"),
+    "no layouts": (ranged_entry(layouts=()), "default.served.layouts: empty"),
+    "layouts a string": (edited(ranged_entry(), layouts="contiguous"), "default.served.layouts: is the string"),
+    "range beside no served record": ({**make_entry(variant=None), "max_query_tokens": 4096},
+                                      "default.max_query_tokens: unknown key"),
 }
 
 

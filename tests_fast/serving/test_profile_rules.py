@@ -1,5 +1,5 @@
-"""serving/profile's rules in detail: family names as one family whatever the punctuation, a version 1
-profile without its GPU, the schema's identity, this machine as a profile must match it, what differs
+"""serving/profile's rules in detail, on version 2 profiles (flat entries, upgraded as read): family
+names as one family whatever the punctuation, a version 1 profile without its GPU, the schema's identity, this machine as a profile must match it, what differs
 between an entry and a device (in order), which entry is nearest, and each note's words."""
 
 import dataclasses
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sage_qual.serving import profile
-from sage_qual.serving.config import DEFAULT_CONFIG, served_from
+from sage_qual.serving.config import DEFAULT_CONFIG
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
 
 TORCH = "2.11.0+cu130"
@@ -129,14 +129,14 @@ def test_a_version_1_profile_reads_with_any_memory():
         "families": {},
     }
     read = profile.load(data)
-    assert read.schema_version == 2 and read.gpus[0].memory_gib is None and read.fixtures == {"f": "a"}
+    assert read.schema_version == 3 and read.gpus[0].memory_gib is None and read.fixtures == {"f": "a"}
     assert profile.differences(read.gpus[0], machine(memory=80.0)) == []
 
 
 def test_the_schema_names_the_profile_and_its_version():
     schema = profile.json_schema()
-    assert schema["$id"] == "https://sage-qual.invalid/profile/2"
-    assert schema["title"] == "sage-qual profile, schema version 2"
+    assert schema["$id"] == "https://sage-qual.invalid/profile/3"
+    assert schema["title"] == "sage-qual profile, schema version 3"
     assert schema["description"] == (
         "profile.json, written by `sage-qual certify` and read by install(profile=...)"
     )
@@ -254,20 +254,10 @@ def test_the_note_of_a_served_entry_names_variant_start_and_range():
     chosen = entry(max_query_tokens=32768, layouts=["contiguous", "transposed"])
     found = notes(load(gpu(default=chosen)), machine())
     assert found.note == (
-        f"profile entry NVIDIA H200 (sm_90): sm90-fp8-cuda from {served_from(2048, 512, [128])}"
-        ", up to 32768 query / any key tokens, layouts contiguous, transposed"
+        "profile entry NVIDIA H200 (sm_90): sm90-fp8-cuda 2,048 to 32,768 query / 512 to 32,768 key tokens, "
+        "head_dim 128 (contiguous, transposed)"
     )
     assert found.matched and found.reasons == ()
-
-
-def test_the_verified_range_says_any_for_a_bound_not_given():
-    assert profile.verified_range(profile.Entry("sm90-fp8-cuda", 1, 1, [128], max_key_tokens=9000)) == (
-        ", up to any query / 9000 key tokens"
-    )
-    assert profile.verified_range(profile.Entry("sm90-fp8-cuda", 1, 1, [128])) == ""
-    assert profile.verified_range(profile.Entry("sm90-fp8-cuda", 1, 1, [128], layouts=["nhd"])) == (
-        ", layouts nhd"
-    )
 
 
 def test_a_near_match_note_says_what_differs():
@@ -366,14 +356,14 @@ def test_an_entry_applies_to_its_capability_only_with_its_span_limit():
         profile.apply(DEFAULT_CONFIG, (9, 0), read_gpu.default).max_span_elements
         == DEFAULT_CONFIG.max_span_elements
     )
-    off = profile.apply(DEFAULT_CONFIG, (9, 0), profile.Entry(None, None, None, None))
+    off = profile.apply(DEFAULT_CONFIG, (9, 0), profile.Entry(None))
     assert off.kernel_table[(9, 0)] == () and off.min_query_tokens == DEFAULT_CONFIG.min_query_tokens
 
 
 def test_a_matched_family_entry_says_its_family_and_a_served_entry_gives_no_reasons():
     served = {**entry(), "reasons": [{"kind": "speed", "detail": "slower below 2048 tokens"}]}
     found = notes(load(gpu(families={"FLUX.1": served})), machine(), family="FLUX.1")
-    assert found.note.startswith("profile entry NVIDIA H200 (sm_90), family FLUX.1: sm90-fp8-cuda from ")
+    assert found.note.startswith("profile entry NVIDIA H200 (sm_90), family FLUX.1: sm90-fp8-cuda >= 2048/512")
     assert found.reasons == () and found.matched is True
 
 
@@ -411,12 +401,12 @@ def refusal(default=None, gpus=None) -> str:
     [
         (
             {**entry(None), "min_query_tokens": 5},
-            "gpus[0].default.variant: null, but thresholds are given: "
+            "gpus[0].default.variant: null, but min_query_tokens is given: "
             "a profile serves nothing without a variant",
         ),
         (
             {**entry(None), "layouts": ["contiguous"]},
-            "gpus[0].default.variant: null, but thresholds are given: "
+            "gpus[0].default.variant: null, but layouts is given: "
             "a profile serves nothing without a variant",
         ),
         (
@@ -426,8 +416,8 @@ def refusal(default=None, gpus=None) -> str:
             "sm89-fp8-cuda-fp32acc, sm90-fp8-cuda, sm120-fp8-perwarp, sm120-fp8-perwarp-fp32acc)",
         ),
         (entry(min_q=0), "gpus[0].default.min_query_tokens: is 0, expected a token count of at least 1"),
-        (entry(min_k=None), "gpus[0].default.min_key_tokens: is None, expected a token count of at least 1"),
-        (entry(head_dims=[]), "gpus[0].default.head_dims: empty or null: name the head sizes served"),
+        (entry(min_k=None), "gpus[0].default.min_key_tokens: is null, expected an integer"),
+        (entry(head_dims=[]), "gpus[0].default.head_dims: empty: name the head sizes served"),
         (
             entry(head_dims=[64, 96]),
             "gpus[0].default.head_dims: 96 is not a head size the kernels take (64, 128)",
@@ -462,7 +452,7 @@ def test_an_entry_at_its_edges_reads():
         max_key_tokens=1,
         layouts=["contiguous", "nhd"],
     )
-    assert load(gpu(default=at_edges)).gpus[0].default.max_key_tokens == 1
+    assert load(gpu(default=at_edges)).gpus[0].default.served.max_key_tokens == 1
     assert load(gpu(default=entry(None))).gpus[0].default.variant is None
 
 

@@ -42,7 +42,7 @@ def load_run(path: Path) -> profile.Profile:
 
 
 def _off(reasons: list[Reason]) -> profile.Entry:
-    return profile.Entry(None, None, None, None, list(reasons))
+    return profile.Entry(None, list(reasons))
 
 
 def _default_entry(runs: list[tuple[str, profile.ProfileGpu]]) -> profile.Entry:
@@ -55,8 +55,8 @@ def _default_entry(runs: list[tuple[str, profile.ProfileGpu]]) -> profile.Entry:
         per_run = [entries for entries in per_run if entries]
         if not per_run:
             continue
-        head_dims = set.intersection(*({d for e in entries for d in e.head_dims} for entries in per_run))
-        served = [e for entries in per_run for e in entries if head_dims & set(e.head_dims)]
+        head_dims = set.intersection(*({d for e in entries for d in e.served.head_dims} for entries in per_run))
+        served = [e for entries in per_run for e in entries if head_dims & set(e.served.head_dims)]
         if served:
             return merged(variant, served, sorted(head_dims))
     return _off([Reason(ReasonKind.SPEED, "the default kernel was never measured faster than torch's SDPA here")])

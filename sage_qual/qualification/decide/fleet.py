@@ -3,54 +3,29 @@ family, each verdict `verdict.decide()`'s, with the range, layouts, head sizes a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from sage_qual.qualification.decide import verdict
 from sage_qual.qualification.decide.verdict import FamilyDecision, Verdict
 from sage_qual.qualification.evidence import report_model
 from sage_qual.qualification.evidence.report_model import Report
-from sage_qual.serving.config import Bound
+from sage_qual.serving.served import Served
 
 
 # merge -------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class FleetVerdict:
-    """One family on one GPU model of a report, as the fleet table and `merge --json` give it."""
+    """One family on one GPU model of a report, as the fleet table and `merge --json` give it: the
+    verdict, what a profile serves (null: nothing) and the kinds of reason it serves no more."""
     verdict: Verdict
-    variant: str | None
-    min_query_tokens: int | None
-    min_key_tokens: int | None
-    max_query_tokens: int | None  # None: no upper bound verified (a report without long checks)
-    layouts: list[str] | None
+    served: Served | None
     reasons: list[report_model.ReasonKind]  # each kind once, sorted: the details are in report.md
-    contexts: list[str] | None = None  # None: not checked (the variant's built-in rule)
-    max_key_tokens: int | None = None  # None: no upper bound verified
-    head_dims: list[int] | None = None  # the head sizes served (None: nothing served)
-    bounds: list[Bound] = field(default_factory=list)  # calls kept on torch whatever the thresholds
 
     @classmethod
     def of(cls, decision: FamilyDecision) -> FleetVerdict:
         kinds = sorted({r.kind for r in decision.reasons}, key=lambda kind: kind.value)
-        return cls(decision.verdict, decision.variant, decision.min_query_tokens, decision.min_key_tokens,
-                   decision.max_query_tokens, decision.layouts, kinds, decision.contexts,
-                   decision.max_key_tokens, decision.head_dims, decision.bounds)
-
-    def text(self) -> str:
-        """The table cell: what an enabled family serves (variant, tokens, head sizes, layouts,
-        contexts), else the verdict and reason kinds."""
-        if self.verdict != Verdict.ENABLE:
-            return f"{self.verdict.value}: " + ", ".join(kind.value for kind in self.reasons)
-        dims = f", head_dim {'/'.join(map(str, self.head_dims))}" if self.head_dims else ""
-        if self.max_query_tokens is None:
-            return f"enable: {self.variant} >= {self.min_query_tokens}/{self.min_key_tokens}{dims}"
-        tokens = f"{self.min_query_tokens:,} to {self.max_query_tokens:,}"
-        if self.max_key_tokens is not None and \
-                (self.min_key_tokens, self.max_key_tokens) != (self.min_query_tokens, self.max_query_tokens):
-            tokens += f" query / {self.min_key_tokens:,} to {self.max_key_tokens:,} key"
-        contexts = "" if self.contexts is None else f"; contexts: {', '.join(self.contexts) or 'none'}"
-        bounds = "".join(f"; {b.short()}" for b in self.bounds)
-        return f"enable: {self.variant} {tokens} tokens{dims} ({', '.join(self.layouts)}{contexts}{bounds})"
+        return cls(decision.verdict, decision.served, kinds)
 
 
 @dataclass(frozen=True)

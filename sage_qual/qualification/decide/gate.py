@@ -28,14 +28,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sage_qual import records
 from sage_qual.errors import ExitCode, UsageError
 from sage_qual.qualification.decide import budget_check, checked, verdict
 from sage_qual.qualification.decide.verdict import FamilyDecision, Verdict
 from sage_qual.qualification.evidence.report_model import Report, ReportError
 from sage_qual.qualification.families import Family, counts_for, find
-from sage_qual.serving.config import Bound
 from sage_qual.serving.env_record import EnvironmentRecord, Reason
+from sage_qual.serving.served import Served
 from sage_qual.serving.variants import gpu_label
 
 if TYPE_CHECKING:
@@ -73,73 +72,35 @@ def stale(data: Report, family: Family, here: EnvironmentRecord, local: dict[str
     return differences
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-@dataclass
+@dataclass(frozen=True)
 class GateDecision:
     """What gate says for one family on this machine: an exit code and, per GPU model here, the
-    verdict of verdict.decide()."""
+    verdict of verdict.decide() (its lines: `render.gate`)."""
     family: str
     code: int
     problem: str = ""  # with code 2: why no decision is possible
     gpus: list[tuple[str, FamilyDecision]] = field(default_factory=list)
 
-    def lines(self, require_speedup: bool) -> list[str]:
-        if self.problem:
-            return [self.problem]
-        lines = []
-        for model, decision in self.gpus:
-            where = f"{self.family} on {model}"
-            if decision.verdict == Verdict.ENABLE:
-                lines.append(f"{where}: enable {decision.variant} {decision.served_range()}")
-                lines += [f"  - range: {r.detail}" for r in decision.range_reasons]
-                continue
-            note = ""
-            if decision.verdict == Verdict.NO_SPEEDUP:
-                passing = decision.certified + [f"{v} (within bounds)" for v in decision.bounded]
-                note = (" (passes with " + ", ".join(passing) + "; a profile serves no call"
-                        + ("" if require_speedup else "; --require-speedup would keep it off") + ")")
-            lines.append(f"{where}: {decision.verdict.value}{note}")
-            lines += [f"  - {r.kind.value}: {r.detail}" for r in decision.reasons]
-        return lines
-
-    def as_json(self) -> dict:
-        """The `gate --json` answer (`GateAnswer`'s JSON)."""
-        return records.dump(GateAnswer(self.family, self.code, self.problem, [
-            GpuAnswer(model, d.verdict, d.variant, d.min_query_tokens, d.min_key_tokens, d.max_query_tokens,
-                      d.max_key_tokens, d.layouts, d.head_dims, d.certified, d.reasons, d.contexts,
-                      d.bounds)
-            for model, d in self.gpus]))
+    def answer(self) -> GateAnswer:
+        """The `gate --json` answer: each GPU's verdict with its `Served` unchanged."""
+        return GateAnswer(self.family, self.code, self.problem, [
+            GpuAnswer(model, d.verdict, d.served, d.results.certified, d.reasons) for model, d in self.gpus])
 
 
 @dataclass(frozen=True)
 class GpuAnswer:
-    """One GPU model here in `gate --json`: its verdict, what a profile serves and why not more."""
+    """One GPU model here in `gate --json`: its verdict, what a profile serves (null: nothing) and
+    why not more."""
     gpu: str
     verdict: Verdict
-    variant: str | None
-    min_query_tokens: int | None
-    min_key_tokens: int | None
-    max_query_tokens: int | None
-    max_key_tokens: int | None
-    layouts: list[str] | None
-    head_dims: list[int] | None
+    served: Served | None
     certified: list[str]
     reasons: list[Reason]
-    contexts: list[str] | None = None  # the execution contexts certified (None: not checked, built-in rule)
-    bounds: list[Bound] = field(default_factory=list)  # calls kept on torch whatever the thresholds
+
+
+# Version 2 (2026-12-03): what a GPU serves moved into its `served` object (the fields of
+# `serving.served.Served`); version 1, which had no `version` key, held them flat on the GPU's entry.
+ANSWER_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -149,6 +110,8 @@ class GateAnswer:
     exit_code: int
     problem: str
     gpus: list[GpuAnswer]
+    version: int = field(default=ANSWER_VERSION, metadata={
+        "description": "2: each GPU's served range in `served`; absent (1): its fields flat"})
 
 
 def report_problem(source: str, data: Report, family: Family) -> str:
@@ -187,31 +150,34 @@ def decide_stored(data: Report, family: Family, here: EnvironmentRecord, local: 
     every refusal of `decide()` but the budget re-derivation. `local`: this machine's fixtures that
     count for the family, name -> sha256."""
     problem = report_problem(source, data, family) or machine_problem(here)
+    return _decided(problem, data, family, here, local, require_speedup)
+
+
+def _decided(problem: str, data: Report, family: Family, here: EnvironmentRecord, local: Mapping[str, str],
+             require_speedup: bool) -> GateDecision:
+    """The decision once the report's and the machine's problem is known (`problem`)."""
     differences = [] if problem else stale(data, family, here, local)
     if differences:
         problem = f"stale report: {'; '.join(differences)}. Run `sage-qual certify` on this machine again"
     if problem:
         return GateDecision(family.name, ExitCode.USAGE, problem)
     models_here = models(here)
-    result = GateDecision(family.name, ExitCode.ENABLE)
-    for gpu in verdict.decide(data):
-        if gpu.model not in models_here:
-            continue
-        decision = gpu.family(family.name)
-        result.gpus.append((gpu.model, decision))
-        no_speedup = decision.verdict == Verdict.NO_SPEEDUP
-        if decision.verdict == Verdict.KEEP_OFF or (no_speedup and require_speedup):
-            result.code = ExitCode.KEEP_OFF
-    return result
+    gpus = [(gpu.model, gpu.family(family.name)) for gpu in verdict.decide(data) if gpu.model in models_here]
+    kept_off = any(d.verdict == Verdict.KEEP_OFF or (d.verdict == Verdict.NO_SPEEDUP and require_speedup)
+                   for _, d in gpus)
+    return GateDecision(family.name, ExitCode.KEEP_OFF if kept_off else ExitCode.ENABLE, gpus=gpus)
 
 
 def decide(data: Report, family: Family, here: EnvironmentRecord, fixtures: Mapping[str, Fixture],
-           require_speedup: bool, source: str = "report.json") -> GateDecision:
+           require_speedup: bool, source: str = "report.json", problem: str | None = None) -> GateDecision:
     """gate's answer for one family on this machine (`here`: its environment;
     `fixtures`: this machine's fixtures that count for the family, loaded): every refusal, the
-    verdicts, and each stored budget against the one derived here."""
+    verdicts, and each stored budget against the one derived here. `problem`: the report's, when the
+    caller asked `report_problem` already (gate() does, before it looks for a GPU)."""
     local = {name: fixture.sha256 for name, fixture in fixtures.items()}
-    decision = decide_stored(data, family, here, local, require_speedup, source)
+    if problem is None:
+        problem = report_problem(source, data, family)
+    decision = _decided(problem or machine_problem(here), data, family, here, local, require_speedup)
     if decision.code != ExitCode.USAGE:
         problem = (budget_check.budget_problem(source, data, family, models(here), fixtures)
                    or budget_check.long_budget_problem(source, data, family, models(here)))
@@ -249,4 +215,4 @@ def gate(report_path: Path, family_name: str, machine: Callable[[], EnvironmentR
         fixtures = family_fixtures(fixture_dirs, family)
     except UsageError as error:
         return GateDecision(family.name, ExitCode.USAGE, str(error))
-    return decide(data, family, here, fixtures, require_speedup, str(report_path))
+    return decide(data, family, here, fixtures, require_speedup, str(report_path), problem="")

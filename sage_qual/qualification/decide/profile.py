@@ -48,16 +48,11 @@ def _span_limit(report: Report, gpu: GpuDecision) -> int | None:
 
 
 def _entry(decision: FamilyDecision) -> Entry:
-    """What the wrapper serves for one family: the variant from the break-even up to the verified
-    length (max_query_tokens, max_key_tokens) in the verified layouts and contexts, never below its
-    bounds; for a report without long checks (context checks) these stay null: no upper bound, any
-    layout (the variant's built-in contexts)."""
-    verified = decision.range_verified
-    reasons = decision.reasons + decision.range_reasons
-    return Entry(decision.variant, decision.min_query_tokens, decision.min_key_tokens, decision.head_dims,
-                 reasons, decision.max_query_tokens if verified else None,
-                 decision.max_key_tokens if verified else None, decision.layouts if verified else None,
-                 decision.contexts if decision.variant else None, decision.bounds or None)
+    """What the wrapper serves for one family: the decision's `Served` (from the break-even up to the
+    verified length in the verified layouts and contexts, never below its bounds; for a report
+    without long checks (context checks) these are null: no upper bound, any layout (the variant's
+    built-in contexts)), with every reason it serves no more."""
+    return Entry(decision.served, decision.reasons + decision.range_reasons)
 
 
 def save(profile: Profile, path: Path) -> None:

@@ -31,6 +31,7 @@ has no upper bound and says so.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
@@ -60,8 +61,9 @@ from sage_qual.qualification.measure.speed import (
     speedup_bounds,
     steady_lower_bounds,
 )
-from sage_qual.serving.config import KERNEL_TABLE, Bound, served_from
+from sage_qual.serving.config import KERNEL_TABLE, Bound
 from sage_qual.serving.contexts import CONTEXTS, REASON
+from sage_qual.serving.served import Served
 from sage_qual.serving.variants import gpu_label
 
 
@@ -94,38 +96,44 @@ class Finding:
                                         f"{self.reason.detail}")
 
 
-@dataclass
-class FamilyDecision:
-    family: str | None  # None: the default entry, over all fixtures
-    verdict: Verdict = Verdict.KEEP_OFF
-    variant: str | None = None  # what a profile serves (None: nothing)
-    min_query_tokens: int | None = None
-    min_key_tokens: int | None = None
-    head_dims: list[int] | None = None
-    reasons: list[Reason] = field(default_factory=list)
-    certified: list[str] = field(default_factory=list)  # variants that passed every fixture
-    findings: dict[str, list[Finding]] = field(default_factory=dict)  # per variant failing, every cell
-    speedups: dict[str, float] = field(default_factory=dict)  # own shape label -> lower bound
-    # The verified range (enable only): None with range_verified False for a report without long checks.
-    max_query_tokens: int | None = None
-    max_key_tokens: int | None = None
-    layouts: list[str] | None = None
-    range_verified: bool = False
-    range_reasons: list[Reason] = field(default_factory=list)  # why the range, layouts or contexts stop there
-    # The execution contexts its variant passed every check of (enable only; None: none were checked,
-    # a --quick run or an older report: the wrapper keeps the variant's built-in rule).
-    contexts: list[str] | None = None
-    # Variants that failed only calls the served range excludes, with the bounds that keep those calls
-    # on torch; `bounds` are the chosen variant's (enable only).
+@dataclass(frozen=True)
+class VariantResults:
+    """What a family's fixtures said of each variant that ran: passed every one (`certified`), failed
+    only calls the served range excludes (`bounded`, with the bounds that keep those calls on torch),
+    or failed (`findings`, every failing cell)."""
+    certified: list[str] = field(default_factory=list)
     bounded: dict[str, list[Bound]] = field(default_factory=dict)
-    bounds: list[Bound] = field(default_factory=list)
+    findings: dict[str, list[Finding]] = field(default_factory=dict)
+
+    @property
+    def rejected(self) -> dict[str, list[Reason]]:
+        """Per variant that failed the family, why, one sentence per cell (`findings`)."""
+        return {variant: [f.as_reason() for f in found] for variant, found in self.findings.items()}
+
+
+@dataclass(frozen=True)
+class FamilyDecision:
+    """One family's verdict on one GPU model: what a profile serves (`served`, None for nothing) and
+    why not more, with each variant's results and the chosen variant's speedups."""
+    family: str | None  # None: the default entry, over all fixtures
+    verdict: Verdict
+    served: Served | None = None
+    reasons: list[Reason] = field(default_factory=list)
+    range_reasons: list[Reason] = field(default_factory=list)  # why the range, layouts or contexts stop there
+    results: VariantResults = field(default_factory=VariantResults)
+    speedups: dict[str, float] = field(default_factory=dict)  # own shape label -> lower bound
 
     @property
     def label(self) -> str:
         return self.family or "default"
 
+    @property
+    def variant(self) -> str | None:
+        """The variant a profile serves (None: nothing)."""
+        return self.served.variant if self.served else None
+
     def evidence(self, variant: str) -> Evidence:
-        if variant in self.certified:
+        if variant in self.results.certified:
             return Evidence.SAFE
         # Skips (calls not taken or not served) and missing fixtures are no evidence either way;
         # anything measured, crashed or left unrun is.
@@ -133,40 +141,12 @@ class FamilyDecision:
             return Evidence.NOT_QUALIFIED
         return Evidence.NOT_SAFE
 
-    @property
-    def rejected(self) -> dict[str, list[Reason]]:
-        """Per variant that failed the family, why, one sentence per cell (`findings`)."""
-        return {variant: [f.as_reason() for f in found] for variant, found in self.findings.items()}
-
     def why_not(self, variant: str) -> list[Reason]:
         """Why `variant` was not certified for the family: its own findings, else the family's reasons."""
-        return self.rejected.get(variant) or self.reasons
-
-    def served_from(self) -> str:
-        if self.min_query_tokens is None:
-            return "-"
-        return (f"{self.min_query_tokens} / {self.min_key_tokens}, head_dim "
-                f"{'/'.join(map(str, self.head_dims))}")
-
-    def served_range(self) -> str:
-        """"from 9,728 to 75,600 tokens, head_dim 128 (layouts: contiguous, transposed)"."""
-        if self.min_query_tokens is None:
-            return "-"
-        dims = "/".join(map(str, self.head_dims))
-        bounds = "".join(f"; {bound.text()}" for bound in self.bounds)
-        if not self.range_verified:
-            return (f"from {self.min_query_tokens:,} query / {self.min_key_tokens:,} key tokens, "
-                    f"head_dim {dims} (no upper bound verified: a report without long checks){bounds}")
-        if (self.min_query_tokens, self.max_query_tokens) == (self.min_key_tokens, self.max_key_tokens):
-            tokens = f"from {self.min_query_tokens:,} to {self.max_query_tokens:,} tokens"
-        else:
-            tokens = (f"from {self.min_query_tokens:,} to {self.max_query_tokens:,} query / "
-                      f"{self.min_key_tokens:,} to {self.max_key_tokens:,} key tokens")
-        contexts = "" if self.contexts is None else f"; contexts: {', '.join(self.contexts) or 'none'}"
-        return f"{tokens}, head_dim {dims} (layouts: {', '.join(self.layouts)}{contexts}){bounds}"
+        return self.results.rejected.get(variant) or self.reasons
 
 
-@dataclass
+@dataclass(frozen=True)
 class VariantStatus:
     ran: bool  # any result on this model (a --quick run leaves most variants out)
     runnable: bool
@@ -174,7 +154,7 @@ class VariantStatus:
     break_even: Thresholds | None
 
 
-@dataclass
+@dataclass(frozen=True)
 class GpuDecision:
     name: str
     capability: tuple[int, int]
@@ -252,16 +232,15 @@ class _Model:
             else None
 
     def verdict(self, family: Family | None) -> FamilyDecision:
-        result = FamilyDecision(family.name if family else None)
+        name = family.name if family else None
         fixtures = [f.name for f in self.report.fixtures if counts_for(family, f.family)]
         if not any(family is None or family.owns(f.family) for f in self.report.fixtures):
             label = family.name if family else "any family"
-            result.reasons = [Reason(ReasonKind.NO_FIXTURES,
-                                     f"no fixtures of {label} in this run: not certified")]
-            return result
+            return FamilyDecision(name, Verdict.KEEP_OFF, reasons=[
+                Reason(ReasonKind.NO_FIXTURES, f"no fixtures of {label} in this run: not certified")])
         if not self.runnable:
-            result.reasons = [Reason(ReasonKind.SKIP, "no selected variant ran on this GPU")]
-            return result
+            return FamilyDecision(name, Verdict.KEEP_OFF,
+                                  reasons=[Reason(ReasonKind.SKIP, "no selected variant ran on this GPU")])
         min_speedup = family.min_speedup if family else 1.0
         own = {k: u.label for k, uses in self.uses.items() for u in uses
                if family is not None and u.family is not None and family.owns(u.family)}
@@ -271,53 +250,71 @@ class _Model:
             head_dims = {shape.head_dim for _, shape in family.shapes}
             relevant = list(own) + [k for k, s in self.shapes.items() if s.head_dim in head_dims
                                     and all(u.family is None for u in self.uses[k])]
+        results = self._results(family, fixtures, relevant, min_speedup)
+        candidates = [v for v in self.runnable if v in results.certified or v in results.bounded]
+        if not candidates:
+            return FamilyDecision(name, Verdict.KEEP_OFF, results=results,
+                                  reasons=[r for failures in results.rejected.values() for r in failures])
+        chosen, thresholds = self._choose(candidates, list(own), relevant, min_speedup)
+        speedups = {own[k]: self.speedup[(chosen, k)][0] for k in own if (chosen, k) in self.speedup}
+        reasons = self._speed_reasons(family, chosen, thresholds, list(own), speedups, min_speedup)
+        if reasons:
+            return FamilyDecision(name, Verdict.NO_SPEEDUP, reasons=reasons, results=results, speedups=speedups)
+        start = Served(chosen, thresholds.min_query_tokens, thresholds.min_key_tokens, list(thresholds.head_dims),
+                       bounds=list(results.bounded.get(chosen, [])))
+        found = self._range(chosen, family)
+        if found is None:  # a report from before long checks: no upper bound verified
+            served, range_reasons = start, []
+        else:
+            max_q, max_k, layouts, range_reasons = found
+            if max_q < start.min_query_tokens or max_k < start.min_key_tokens:
+                return FamilyDecision(name, Verdict.KEEP_OFF, range_reasons=range_reasons, results=results,
+                                      speedups=speedups, reasons=[Reason(
+                                          ReasonKind.LONG, f"no verified range: {chosen} pays from "
+                                                           f"{start.min_query_tokens:,} tokens but was verified "
+                                                           f"only up to {max_q:,}")] + range_reasons)
+            served = dataclasses.replace(start, max_query_tokens=max_q, max_key_tokens=max_k, layouts=layouts)
+        contexts, context_reasons = self.contexts(chosen)
+        return FamilyDecision(name, Verdict.ENABLE, dataclasses.replace(served, contexts=contexts),
+                              range_reasons=range_reasons + context_reasons, results=results, speedups=speedups)
+
+    def _results(self, family: Family | None, fixtures: list[str], relevant: list[str],
+                 min_speedup: float) -> VariantResults:
+        """Each runnable variant on the family's fixtures: certified, bounded or failing."""
+        certified, bounded, findings = [], {}, {}
         for variant in self.runnable:
             per_fixture = {fixture: self._failures(variant, fixture) for fixture in fixtures}
             failures = [r for found in per_fixture.values() for r in found]
             if not failures:
-                result.certified.append(variant)
+                certified.append(variant)
                 continue
             passed = [name for name, found in per_fixture.items() if not found]
             bounds = excluded_bounds(failures, passed, self.report.fixtures, family,
                                      self.break_even(variant, relevant, min_speedup))
             if bounds is None:
-                result.findings[variant] = failures
+                findings[variant] = failures
             else:
-                result.bounded[variant] = bounds
-        candidates = [v for v in self.runnable if v in result.certified or v in result.bounded]
-        if not candidates:
-            result.reasons = [r for failures in result.rejected.values() for r in failures]
-            return result
-        chosen, thresholds = self._choose(candidates, list(own), relevant, min_speedup)
-        result.variant = chosen
-        result.speedups = {own[k]: self.speedup[(chosen, k)][0] for k in own if (chosen, k) in self.speedup}
-        served = [serves(thresholds, q, k, d) for q, k, d, _ in self.points(chosen, list(own))] \
-            if thresholds else []
+                bounded[variant] = bounds
+        return VariantResults(certified, bounded, findings)
+
+    def _speed_reasons(self, family: Family | None, chosen: str, thresholds: Thresholds | None,
+                       own: list[str], speedups: dict[str, float], min_speedup: float) -> list[Reason]:
+        """Why the chosen variant serves none of the family's calls ([] when it serves some)."""
         if thresholds is None:
-            result.reasons.append(Reason(ReasonKind.SPEED, f"{chosen} never measured faster than "
-                                                           f"{served_bar(min_speedup):g}x the fastest SDPA "
-                                                           "backend (lower 95 % bound)"))
-        elif family is not None and not self.points(chosen, list(own)):
-            result.reasons.append(Reason(ReasonKind.SPEED, f"{family.name}'s own shapes were not timed (a "
-                                                           "--quick run): speedup unknown"))
-        elif family is not None and not any(served):
-            listed = ", ".join(f"{label} {x:.2f}x" for label, x in result.speedups.items())
-            result.reasons.append(Reason(ReasonKind.SPEED, f"no speedup at its shapes: {chosen} pays only "
-                                                           f"from {_where(thresholds)}, which serves none of "
-                                                           f"them ({listed})"))
-        if result.reasons:
-            result.verdict, result.variant = Verdict.NO_SPEEDUP, None
-            return result
-        result.verdict = Verdict.ENABLE
-        result.bounds = result.bounded.get(chosen, [])
-        result.min_query_tokens = thresholds.min_query_tokens
-        result.min_key_tokens = thresholds.min_key_tokens
-        result.head_dims = list(thresholds.head_dims)
-        result = self._range(result, family)
-        if result.variant:
-            result.contexts, reasons = self.contexts(result.variant)
-            result.range_reasons += reasons
-        return result
+            return [Reason(ReasonKind.SPEED, f"{chosen} never measured faster than {served_bar(min_speedup):g}x "
+                                             "the fastest SDPA backend (lower 95 % bound)")]
+        if family is None:
+            return []
+        points = self.points(chosen, own)
+        if not points:
+            return [Reason(ReasonKind.SPEED, f"{family.name}'s own shapes were not timed (a --quick run): "
+                                             "speedup unknown")]
+        if not any(serves(thresholds, q, k, d) for q, k, d, _ in points):
+            listed = ", ".join(f"{label} {x:.2f}x" for label, x in speedups.items())
+            start = Served(chosen, thresholds.min_query_tokens, thresholds.min_key_tokens, list(thresholds.head_dims))
+            return [Reason(ReasonKind.SPEED, f"no speedup at its shapes: {chosen} pays only from {start.start()}, "
+                                             f"which serves none of them ({listed})")]
+        return []
 
     def contexts(self, variant: str) -> tuple[list[str] | None, list[Reason]]:
         """The contexts `variant` passed every check of on every device that ran context checks, and
@@ -343,11 +340,13 @@ class _Model:
                     reasons.append(Reason(ReasonKind.CONTEXT, why))
         return [name for name in CONTEXTS if name in safe], reasons
 
-    def _range(self, result: FamilyDecision, family: Family | None) -> FamilyDecision:
-        """Bound an enabled decision by its variant's long checks (module docstring)."""
-        if all(d.long is None for d in self.devices):  # a report from before long checks
-            return result
-        variant = result.variant
+    def _range(self, variant: str, family: Family | None
+               ) -> tuple[int, int, list[str], list[Reason]] | None:
+        """The variant's verified range for the family from its long checks (module docstring): the
+        longest query and key tokens, the layouts, and why they stop there; None for a report from
+        before long checks."""
+        if all(d.long is None for d in self.devices):
+            return None
         declared = list(family.layouts) if family else list(LAYOUTS)
         by_call: dict[tuple[int, int, str], dict[int, LongCheck]] = {}
         for device in self.devices:
@@ -359,6 +358,7 @@ class _Model:
         max_q = max((f.q[2] for f in fixtures), default=0)
         max_k = max((f.k[2] for f in fixtures), default=0)
         broken: dict[str, Reason] = {}
+        reasons: list[Reason] = []
         compared = {"contiguous"}  # the reference layout; the others once a view matched it
         for (q_tokens, kv_tokens, _), checks in sorted(by_call.items()):
             failures = []
@@ -375,27 +375,15 @@ class _Model:
                     else:
                         failures.append(Reason(reason.kind, f"{where}: {reason.detail}"))
             if failures:
-                result.range_reasons.append(Reason(
-                    ReasonKind.LONG, f"verified only below {q_tokens:,} query tokens: the long check there "
-                                     f"failed ({failures[0].detail})"))
-                result.range_reasons += failures
+                reasons.append(Reason(ReasonKind.LONG, f"verified only below {q_tokens:,} query tokens: the long "
+                                                       f"check there failed ({failures[0].detail})"))
+                reasons += failures
                 break
             max_q, max_k = max(max_q, q_tokens), max(max_k, kv_tokens)
             compared |= {name for check in checks.values() for name, same in check.identical.items()
                          if same and name in check.layouts}
-        result.range_reasons += list(broken.values())
-        result.range_verified = True
-        result.max_query_tokens, result.max_key_tokens = max_q, max_k
-        result.layouts = [name for name in declared if name not in broken and name in compared]
-        if max_q < result.min_query_tokens or max_k < result.min_key_tokens:
-            result.verdict, result.variant = Verdict.KEEP_OFF, None
-            result.reasons = [Reason(ReasonKind.LONG, f"no verified range: {variant} pays from "
-                                                      f"{result.min_query_tokens:,} tokens but was verified "
-                                                      f"only up to {max_q:,}")] + result.range_reasons
-            result.min_query_tokens = result.min_key_tokens = result.head_dims = None
-            result.max_query_tokens = result.max_key_tokens = result.layouts = None
-            result.bounds = []
-        return result
+        layouts = [name for name in declared if name not in broken and name in compared]
+        return max_q, max_k, layouts, reasons + list(broken.values())
 
     def _failures(self, variant: str, fixture: str) -> list[Finding]:
         found = []
@@ -451,10 +439,6 @@ def long_check_counts(check: LongCheck, family: Family | None) -> bool:
 def _call_key(check: LongCheck) -> str:
     shape = check.shape
     return f"h{shape.heads}/{shape.kv_heads} d{shape.head_dim} {shape.dtype.value}"
-
-
-def _where(t: Thresholds) -> str:
-    return served_from(t.min_query_tokens, t.min_key_tokens, t.head_dims)
 
 
 def decide(report: Report) -> list[GpuDecision]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sage_qual.qualification.decide.fleet import FleetRow
+from sage_qual.qualification.decide.fleet import FleetRow, FleetVerdict
 from sage_qual.qualification.families import FAMILIES
 from sage_qual.qualification.render.markdown import markdown_table
 
@@ -31,8 +31,15 @@ def merge_markdown(rows: list[FleetRow]) -> str:
             elif name not in row.families:
                 cells.append("not run")
             else:
-                cells.append(row.families[name].text())
+                cells.append(cell(row.families[name]))
         body.append(cells)
     return "\n".join(markdown_table(header, body))
 
 
+
+
+def cell(found: FleetVerdict) -> str:
+    """What an enabled family serves (`Served.short`), else the verdict and its reason kinds."""
+    if found.served is None:
+        return f"{found.verdict.value}: " + ", ".join(kind.value for kind in found.reasons)
+    return f"enable: {found.served.short()}"

@@ -36,7 +36,7 @@ def case(model: str, decision: FamilyDecision, no_speedup_fails: bool = False) -
     details = "\n".join(f"{r.kind.value}: {r.detail}" for r in decision.reasons)
     if decision.verdict == Verdict.ENABLE:
         return Case(model, decision.label, Outcome.PASSED,
-                    f"enable: {decision.variant} {decision.served_range()}")
+                    f"enable: {decision.variant} {decision.served.text()}")
     if decision.verdict == Verdict.NO_SPEEDUP and not no_speedup_fails:
         return Case(model, decision.label, Outcome.SKIPPED, decision.verdict.value, details)
     return Case(model, decision.label, Outcome.FAILURE, decision.verdict.value, details)

@@ -146,9 +146,9 @@ def _predicted_blocks(gpu: verdict.GpuDecision) -> list[Block]:
         if kinds == {report_model.ReasonKind.NO_FIXTURES}:
             prediction = "not predicted: no fixture of the family ran"
         else:
-            prediction = "would pass" if v.certified else "would fail"
+            prediction = "would pass" if v.results.certified else "would fail"
         why = "; ".join(r.detail for r in v.reasons if r.kind != report_model.ReasonKind.SPEED)
-        rows.append([v.family or "(default: all fixtures)", prediction, ", ".join(v.certified) or "-",
+        rows.append([v.family or "(default: all fixtures)", prediction, ", ".join(v.results.certified) or "-",
                      why or "-"])
     return [Heading(2, "Predicted accuracy verdicts"),
             Paragraph("From the numerics model's cells below, accuracy only. Speed: not timed (no GPU ran), "
@@ -169,7 +169,7 @@ PREDICTION_SCOPE = (
 
 def verdict_rows(gpu: verdict.GpuDecision) -> list[list[str]]:
     """The verdict table of one GPU model, as report.md and report.html show it."""
-    return [[v.family or "(default: all fixtures)", v.verdict.value, v.variant or "-", v.served_range(),
+    return [[v.family or "(default: all fixtures)", v.verdict.value, v.variant or "-", v.served.text() if v.served else "-",
              ", ".join(f"{k} {x:.2f}x" for k, x in v.speedups.items()) or "-",
              "; ".join(r.detail for r in v.reasons + v.range_reasons) or "-"]
             for v in gpu.families + [gpu.default]]

@@ -44,7 +44,7 @@ def _certified(written: Report, decisions: list[verdict.GpuDecision]) -> list[st
     for gpu in decisions:
         for decision in gpu.families + [gpu.default]:
             if decision.verdict == verdict.Verdict.ENABLE:
-                state = f"enable {decision.variant} {decision.served_range()}"
+                state = f"enable {decision.variant} {decision.served.text()}"
             else:
                 reasons = decision.reasons
                 state = f"{decision.verdict.value} ({len(reasons)} reason(s), first: {reasons[0].detail})"
@@ -89,7 +89,7 @@ def _predicted(written: Report, decisions: list[verdict.GpuDecision]) -> list[st
     for family in families:
         for variant in variants:
             causes: dict[str, list[str]] = {}  # fixture -> why it would fail there
-            for finding in family.findings.get(variant, []):
+            for finding in family.results.findings.get(variant, []):
                 causes.setdefault(finding.fixture, []).append(finding.reason.detail)
             lines += [f"  would fail {family.label}: {variant} on {fixture}: {'; '.join(why)}"
                       for fixture, why in causes.items()]
