@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from sage_qual.qualification import families
-from sage_qual.qualification.measure import speed
 from sage_qual.qualification.decide import bounds, checked, verdict
 from sage_qual.qualification.decide.verdict import Verdict
 from sage_qual.qualification.families import CallSite, cross_attention
+from sage_qual.qualification.measure import speed
 from sage_qual.qualification.measure.speed import Thresholds
 from sage_qual.serving.config import Bound
 

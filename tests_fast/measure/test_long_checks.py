@@ -19,9 +19,9 @@ from sage_qual.qualification.evidence.report_model import Outcome, ReasonKind, R
 from sage_qual.qualification.measure import long_check
 from sage_qual.qualification.render import fleet as fleet_render
 from sage_qual.qualification.render import plots
+from sage_qual.qualification.render.gate import lines as gate_lines
 from sage_qual.qualification.run import in_process, plan, run
 from sage_qual.serving.variants import VARIANTS
-from sage_qual.qualification.render.gate import lines as gate_lines
 
 from .. import builders
 from ..builders import SAMPLE, emulate_request, long_records, long_task

@@ -6,9 +6,9 @@ from sage_qual.qualification.decide import budget_check, fleet, gate
 from sage_qual.qualification.decide.verdict import FamilyDecision, VariantResults, Verdict
 from sage_qual.qualification.evidence.report_model import Reason, ReasonKind
 from sage_qual.qualification.render import fleet as fleet_render
+from sage_qual.qualification.render.gate import lines as gate_lines
 from sage_qual.serving.config import Bound
 from sage_qual.serving.served import Served
-from sage_qual.qualification.render.gate import lines as gate_lines
 
 
 def enabled(variant="sm90-fp8-cuda", head_dims=(64, 128), verified=True, **served):

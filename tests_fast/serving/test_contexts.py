@@ -16,9 +16,9 @@ import torch.nn.functional as F
 import sage_qual
 from sage_qual.serving import compiled, contexts
 from sage_qual.serving.eligibility import REASONS
+from sage_qual.serving.served import Served
 from sage_qual.serving.variants import FP8_CUDA_SM90, FP16_TRITON, VARIANTS
 from sage_qual.testing import FakeSageAttention
-from sage_qual.serving.served import Served
 
 from ..helpers import SMALL, TORCH_SDPA, qkv, retired, wrapped
 
@@ -260,7 +260,6 @@ def test_a_profile_entry_gives_its_device_the_certified_contexts():
 
 @pytest.mark.parametrize("given, words", [(["graphs"], "'graphs' is not"), (["capture", "capture"], "twice")])
 def test_a_profile_entry_with_bad_contexts_names_the_field(given, words):
-    from sage_qual.serving import profile
 
     problems = Served("sm90-fp8-cuda", 32, 16, [64], contexts=given).check()
     assert problems and problems[0][0] == "contexts" and words in problems[0][1]

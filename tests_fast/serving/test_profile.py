@@ -19,11 +19,11 @@ from sage_qual.serving.config import DEFAULT_CONFIG, KERNEL_TABLE
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention, on_device
 
 from ..builders import (
-    edited,
-    flat_entry,
     H100,
     H200,
     RTX4090,
+    edited,
+    flat_entry,
     machine,
     make_entry,
     make_gpu,
