@@ -234,15 +234,16 @@ CRASHED = Cell(variant="sm90-fp8-cuda", fixture="g", outcome=Outcome.CRASH,
                detail="the worker died (SIGSEGV)")
 
 
-def test_progress_is_plain_lines_in_a_log(capsys):
-    progress = Progress(2)
+def test_progress_is_plain_lines_in_a_log_with_the_seconds_since_the_start(capsys):
+    readings = iter([100.0, 101.25, 163.0])
+    progress = Progress(2, clock=lambda: next(readings))
     progress.tick("cuda:0", PASSED)
     progress.tick("cuda:1", CRASHED)
     progress.close()
     out, err = capsys.readouterr()
     assert out.splitlines() == [
-        "[1/2] cuda:0 sm90-fp8-cuda x f: pass (rel L2 0.01, worst cos 0.999)",
-        "[2/2] cuda:1 sm90-fp8-cuda x g: crash -- the worker died (SIGSEGV)"]
+        "[1/2, 1.2 s] cuda:0 sm90-fp8-cuda x f: pass (rel L2 0.01, worst cos 0.999)",
+        "[2/2, 63.0 s] cuda:1 sm90-fp8-cuda x g: crash -- the worker died (SIGSEGV)"]
     assert err == ""
 
 

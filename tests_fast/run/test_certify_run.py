@@ -38,7 +38,7 @@ class NoWorkers:
     def __init__(self, logs):
         pass
 
-    def prefetch(self, count=1):
+    def prefetch(self, count=1, imports=()):
         pass
 
     def close(self):

@@ -182,6 +182,18 @@ def test_certify_checks_every_variant_in_every_context_and_the_profile_keeps_wha
     assert f"| {SM90.name} | 1x2x64x64 | identical | differs (rel L2 1) | identical | identical |" in md
 
 
+def test_the_context_checks_workers_start_with_the_sweep_not_after_it(certified):
+    """Their tasks declare what they import (`ContextTask.IMPORTS`): workers started during the sweep
+    import it before their job, so the last sweep worker started after them."""
+    out, _ = certified
+    first_task = {int(log.stem.split("-")[1]): log.read_text().split("first ", 1)[1].split(",")[0]
+                  for log in (out / "logs").glob("worker-*.log") if "first " in log.read_text()}
+    contexts = [n for n, task in first_task.items() if task.endswith("#contexts")]
+    sweep = [n for n, task in first_task.items() if "#" not in task and "^" not in task]
+    assert len(contexts) == 2 and sweep
+    assert max(contexts) < max(sweep), first_task
+
+
 def test_a_decision_without_context_checks_keeps_the_built_in_rule(certified):
     """A report from before the checks (contexts null), or whose checks a crash ended."""
     out, typed = certified

@@ -8,6 +8,7 @@ import io
 import itertools
 import json
 import math
+import re
 import socket
 import types
 
@@ -298,5 +299,5 @@ def test_a_prediction_in_a_log_prints_a_line_at_each_tenth(capsys):
     progress.close()
     lines = capsys.readouterr().out.splitlines()
     tenths = (3, 5, 8, 10, 13, 15, 18, 20, 23, 25)
-    assert [line.split("]")[0] for line in lines] == [f"[{n}/25" for n in tenths]
-    assert lines[-1].startswith("[25/25] 100 % done, last: cpu ")
+    assert [line.split(",")[0] for line in lines] == [f"[{n}/25" for n in tenths]
+    assert re.match(r"\[25/25, \d+\.\d s\] 100 % done, last: cpu ", lines[-1])

@@ -63,3 +63,26 @@ def test_certify_starts_the_zygote_before_it_imports_torch(tmp_path):
     finally:
         worker.close()
 
+
+
+def loaded(pid: int, library: str) -> bool:
+    return library in Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_a_worker_started_with_imports_has_them_before_its_job(tmp_path):
+    """`Pool.prefetch(imports=...)`: the spare imports them while it waits, and only a `take` asking for
+    them gets it. Seen from outside: the extension module sqlite3 loads, mapped into that worker alone."""
+    workers = pool.Pool(tmp_path)
+    workers.prefetch(1)
+    workers.prefetch(1, imports=("sqlite3",))
+    plain, warm = workers.take(), workers.take(imports=("sqlite3",))
+    try:
+        assert (plain.imports, warm.imports) == ((), ("sqlite3",))
+        deadline = time.monotonic() + 60
+        while not loaded(warm.proc.pid, "_sqlite3") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert loaded(warm.proc.pid, "_sqlite3") and not loaded(plain.proc.pid, "_sqlite3")
+        assert workers.spares == []
+    finally:
+        for process in (plain, warm):
+            process.close()

@@ -224,6 +224,14 @@ class ContextTask:
     """A variant in every execution context at one call shape ([B, H, N, D] of `dtype`)."""
     KIND: ClassVar[TaskKind] = TaskKind.CONTEXT
     RESULT: ClassVar[type] = ContextCheck
+    # What its torch.compile runs import (inductor, its passes and Triton code generation): most of
+    # a context check's 9-11 s on the H200 host, whose image compiles every import from source
+    # (docs/results/run30-h200/context_cprofile.txt). A worker started during the sweep imports them
+    # while it waits for this task (`pool.Process`, `imports`).
+    IMPORTS: ClassVar[tuple[str, ...]] = (
+        "torch._inductor.compile_fx", "torch._inductor.fx_passes.post_grad",
+        "torch._inductor.fx_passes.joint_graph", "torch._inductor.codegen.triton",
+        "torch._inductor.runtime.triton_heuristics", "torch.export")
     id: str
     variant: str
     shape: list[int] = field(metadata={"length": 4, "minimum": 1})
@@ -263,6 +271,12 @@ class TargetCellTask:
 Task = Union[EnvTask, CellTask, SdpaTask, SpeedTask, PairedTask, LongTask, SpanTask, ContextTask,
              TargetMachineTask, TargetCellTask]
 TASKS: dict[TaskKind, type] = {cls.KIND: cls for cls in typing.get_args(Task)}
+
+
+def imports(job: list[Task]) -> tuple[str, ...]:
+    """What a job's worker may import before the job arrives: what its tasks declare (`IMPORTS`), in
+    order, once each."""
+    return tuple(dict.fromkeys(name for task in job for name in getattr(task, "IMPORTS", ())))
 
 
 def dump_task(task: Task) -> dict:

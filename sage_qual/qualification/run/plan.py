@@ -364,16 +364,25 @@ def follow_up(report: Report, decisions: list[GpuDecision], subjects: list[str])
         begun.append((slots[index], "span"))
         for variant in sorted(served | ({kernel} if default and default.runnable else set())):
             jobs += [(slots[index], job) for job in span_jobs(variant, span_cases())]
-    models = set()
-    for slot, device in enumerate(report.devices):
-        if device.model in models:
-            continue
-        models.add(device.model)
-        begun.append((slot, "contexts"))
-        for variant in (name for name in subjects if name not in device.not_supported):
-            jobs.append((slot, [tasks.ContextTask(f"{variant}#contexts", variant,
-                                                  list(limits.CONTEXT_CHECK_SHAPE), "bfloat16")]))
-    return FollowUp(begun, jobs)
+    begun += [(slot, "contexts") for slot in _first_of_each_model(report.devices)]
+    return FollowUp(begun, jobs + context_jobs(report.devices, subjects))
+
+
+def context_jobs(devices: list[Device], subjects: list[str]) -> list[tuple[int, list[tasks.Task]]]:
+    """Every variant a GPU model runs, in every execution context, on its first device: (device slot,
+    job). No verdict changes them, so their workers can start during the sweep (`start_ahead`)."""
+    return [(slot, [tasks.ContextTask(f"{variant}#contexts", variant, list(limits.CONTEXT_CHECK_SHAPE),
+                                      "bfloat16")])
+            for slot in _first_of_each_model(devices)
+            for variant in subjects if variant not in devices[slot].not_supported]
+
+
+def _first_of_each_model(devices: list[Device]) -> list[int]:
+    """The slot of each GPU model's first device."""
+    first: dict[str, int] = {}
+    for slot, device in enumerate(devices):
+        first.setdefault(device.model, slot)
+    return list(first.values())
 
 
 def span_cases(limit: int = limits.MAX_SPAN_ELEMENTS) -> list[tuple[span_probe.SpanCase, int]]:

@@ -84,9 +84,11 @@ def _received_fd(duplicate) -> int:
     return duplicate.detach()
 
 
-def _forked_worker(env: dict, stdin: int, stdout: int, stderr: int) -> None:
-    """A worker's start in the forked child: its own session, its pipes and log as fds 0-2, and the
-    environment it was given (plus what the zygote's imports set, as they would set it again)."""
+def _forked_worker(env: dict, imports: tuple[str, ...], stdin: int, stdout: int, stderr: int) -> None:
+    """A worker's start in the forked child: its own session, its pipes and log as fds 0-2, the
+    environment it was given (plus what the zygote's imports set, as they would set it again), then
+    `imports`, before it waits for its job. An import that fails here fails again, explained, in
+    the task that needs it."""
     os.setsid()
     for fd, target in ((stdin, 0), (stdout, 1), (stderr, 2)):
         os.dup2(fd, target)
@@ -99,6 +101,9 @@ def _forked_worker(env: dict, stdin: int, stdout: int, stderr: int) -> None:
     os.environ.update(env)
     for key, value in set_by_imports.items():
         os.environ.setdefault(key, value)
+    for name in imports:
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
     # By name, as `python -m` ran it: the worker imports this module, not the other way round.
     sys.exit(importlib.import_module(WORKER_MODULE).main())
 
@@ -106,14 +111,14 @@ def _forked_worker(env: dict, stdin: int, stdout: int, stderr: int) -> None:
 class _Forked:
     """A worker forked from the zygote, with the part of subprocess.Popen's interface `Process` uses."""
 
-    def __init__(self, env: dict, log_path: Path):
+    def __init__(self, env: dict, log_path: Path, imports: tuple[str, ...]):
         child_stdin, self_stdin = os.pipe()
         self_stdout, child_stdout = os.pipe()
         log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             self._process = _zygote_context().Process(
                 target=_forked_worker, name="sage-qual worker",
-                args=(env, _PassedFd(child_stdin), _PassedFd(child_stdout), _PassedFd(log)))
+                args=(env, imports, _PassedFd(child_stdin), _PassedFd(child_stdout), _PassedFd(log)))
             self._process.start()
         finally:
             for fd in (child_stdin, child_stdout, log):
@@ -143,13 +148,14 @@ class _Forked:
 
 
 class Process:
-    """The parent's handle on one worker process; its stderr goes to `log_path`."""
+    """The parent's handle on one worker process; its stderr goes to `log_path`. It imports `imports`
+    (what its tasks declare, `tasks.imports`) while it waits for its job."""
 
-    def __init__(self, env: dict, log_path: Path):
-        self.log_path = log_path
+    def __init__(self, env: dict, log_path: Path, imports: tuple[str, ...] = ()):
+        self.log_path, self.imports = log_path, imports
         # Own session: a signal meant for the parent's terminal does not hit the worker, and
         # killing its process group also ends what it started (compilers, nvidia-smi).
-        self.proc = _Forked(env, log_path)
+        self.proc = _Forked(env, log_path, imports)
         self.messages: queue.Queue = queue.Queue()
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -319,8 +325,8 @@ def collect_environment(task: tasks_mod.EnvTask, log_path: Path, timeout: float)
 
 class Pool:
     """Workers started ahead of need, forked from the zygote that imported torch and what a kernel's
-    first call imports (`serving.kernel_imports`). They are all alike until their job (and its GPU and
-    Triton cache) arrives."""
+    first call imports (`serving.kernel_imports`). Those started with the same `imports` are alike
+    until their job (and its GPU and Triton cache) arrives."""
 
     def __init__(self, log_dir: Path):
         self.log_dir = log_dir
@@ -328,24 +334,28 @@ class Pool:
         self.spares: list[Process] = []
         self.lock = threading.Lock()
 
-    def _new(self) -> Process:
+    def _new(self, imports: tuple[str, ...]) -> Process:
         with self.lock:
             self.count += 1
             path = self.log_dir / f"worker-{self.count}.log"
-        return Process(worker_env(), path)
+        return Process(worker_env(), path, imports)
 
-    def prefetch(self, count: int = 1) -> None:
+    def prefetch(self, count: int = 1, imports: tuple[str, ...] = ()) -> None:
         for _ in range(count):
-            process = self._new()
+            process = self._new(imports)
             with self.lock:
                 self.spares.append(process)
 
-    def take(self, prefetch: bool = False) -> Process:
+    def take(self, prefetch: bool = False, imports: tuple[str, ...] = ()) -> Process:
+        """A spare started with `imports` (a new worker if none is left); `prefetch`: start another
+        spare like it."""
         with self.lock:
-            process = self.spares.pop(0) if self.spares else None
+            alike = [process for process in self.spares if process.imports == imports]
+            if alike:
+                self.spares.remove(alike[0])
         if prefetch:
-            self.prefetch()
-        return process or self._new()
+            self.prefetch(1, imports)
+        return alike[0] if alike else self._new(imports)
 
     def close(self) -> None:
         with self.lock:

@@ -18,7 +18,9 @@ import shutil
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
+from typing import Callable
 
 from sage_qual.errors import UsageError
 from sage_qual.fixtures import fileformat
@@ -106,7 +108,10 @@ def _executor(request: RunRequest):
 def _execute(planned: plan_mod.Plan, executor, writer: files.Writer, progress: Progress,
              stop: threading.Event) -> None:
     """The plan's jobs (with the timing refinement after each of them in a full run), then what
-    follows the sweep, decided on the sweep's verdicts."""
+    follows the sweep, decided on the sweep's verdicts; the follow-up's context checks, which no
+    verdict changes, get their workers started with the sweep."""
+    if planned.follows_up:
+        executor.start_ahead(plan_mod.context_jobs(planned.devices, planned.subjects))
     executor.run_slots(planned.jobs, writer, progress, stop,
                        refine=plan_mod.refinement if planned.follows_up else None)
     if not planned.follows_up or stop.is_set():
@@ -193,10 +198,12 @@ class Progress:
     """A tqdm bar on a terminal; else plain lines for a CI log (or without tqdm): one per result, or
     with `lines=False` (a prediction: hundreds of results in minutes, the summary names them) one at
     each tenth of the run, so that a log shows it moving (issue 28: a full `certify --emulate` was
-    silent for 37 minutes)."""
+    silent for 37 minutes). Each line says the seconds since the run began, so that a CI log is also
+    the run's time profile (where certify's time went, issue 40)."""
 
-    def __init__(self, total: int, lines: bool = True):
+    def __init__(self, total: int, lines: bool = True, clock: Callable[[], float] = time.monotonic):
         self.total, self.done, self.lines = total, 0, lines
+        self.clock, self.began = clock, clock()
         self.lock = threading.Lock()
         self.bar = None
         if sys.stderr.isatty():
@@ -219,11 +226,11 @@ class Progress:
         with self.lock:
             self.done += 1
             if self.bar is None:
+                count = f"[{self.done}/{self.total}, {self.clock() - self.began:.1f} s]"
                 if self.lines:
-                    print(f"[{self.done}/{self.total}] {line}", flush=True)
+                    print(f"{count} {line}", flush=True)
                 elif self.done * 10 // (total := max(self.total, 1)) > (self.done - 1) * 10 // total:
-                    print(f"[{self.done}/{self.total}] {self.done * 100 // total} % done, last: {line}",
-                          flush=True)
+                    print(f"{count} {self.done * 100 // total} % done, last: {line}", flush=True)
                 return
             self.bar.update(1)
             self.bar.set_postfix_str(line[:60])
