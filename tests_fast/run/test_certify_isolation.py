@@ -35,7 +35,7 @@ from sage_qual.qualification.measure import judge
 from sage_qual.qualification.measure.accuracy import Accuracy
 from sage_qual.qualification.run import fault_hooks, pool
 from sage_qual.qualification.run import options as run_options
-from sage_qual.qualification.run.run import Progress, certify
+from sage_qual.qualification.run.run import Phases, Progress, certify
 
 from .. import builders
 from ..fakes import env_result
@@ -438,3 +438,11 @@ def test_each_variant_ran_its_long_checks_in_its_worker(run):
     skipped = [c for c in run["data"]["devices"][0]["long"] if c["variant"] == "sm90-fp8-cuda"]
     assert len(skipped) == 4 and {c["detail"] for c in skipped} == {
         "not run: workers of this job crashed or hung 2 times"}
+
+
+def test_the_phases_line_says_where_the_time_went():
+    readings = iter([10.0, 19.5, 147.0, 157.25, 160.0])
+    phases = Phases(clock=lambda: next(readings))
+    for phase in ("discovery", "sweep", "follow-up", "conclusion"):
+        phases.end(phase)
+    assert str(phases) == "150.0 s (discovery 9.5 s, sweep 127.5 s, follow-up 10.2 s, conclusion 2.8 s)"

@@ -5,6 +5,7 @@ fake machine, and the executors' run_slots replaced where a test is about the ru
 
 import dataclasses
 import json
+import re
 import threading
 import xml.etree.ElementTree as ET
 
@@ -127,7 +128,9 @@ def test_an_interrupt_leaves_a_partial_report_in_every_mode(box, monkeypatch, ca
     assert checked.load(options.out / "report.json") == written
     assert [c.detail for c in written.devices[0].cells] == ["recorded before the end"]
     assert "PARTIAL REPORT (interrupted" in (options.out / "report.md").read_text()
-    assert capsys.readouterr().out.startswith("sage-qual certify")
+    said = capsys.readouterr()
+    assert said.out.startswith("sage-qual certify")
+    assert re.search(r"^sage-qual certify: [\d.]+ s \(discovery [\d.]+ s, conclusion [\d.]+ s\)$", said.err, re.M)
     assert NoWorkers.closed == (mode != "emulate")
     assert not (options.out / "profile.json").exists()
 

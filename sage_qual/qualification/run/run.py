@@ -53,10 +53,11 @@ def certify(request: RunRequest) -> Report:
         raise UsageError("no fixtures selected: give --fixtures DIR with *.safetensors fixtures, or other "
                          "--families")
     executor = _executor(request)
-    failure = None
+    failure, phases = None, Phases()
     with output_directory(request.out):
         try:
             machine = executor.discover(request, subjects)
+            phases.end("discovery")
             if not chosen.fixtures and not target:
                 print("sage-qual certify: no fixtures selected: no family can be certified", file=sys.stderr)
             planned = plan_mod.build(request, chosen, machine, subjects, in_process)
@@ -64,7 +65,7 @@ def certify(request: RunRequest) -> Report:
                                   header(planned, machine, executor.predicted, target))
             progress = Progress(planned.task_count, lines=not executor.predicted)
             try:
-                _execute(planned, executor, writer, progress, threading.Event())
+                _execute(planned, executor, writer, progress, threading.Event(), phases)
             except KeyboardInterrupt:  # SIGINT, or SIGTERM through the command line's handler
                 writer.replace(stopped=INTERRUPTED)
             except BaseException as error:  # said in the report, raised after the conclusion
@@ -77,6 +78,8 @@ def certify(request: RunRequest) -> Report:
         finally:
             executor.close()  # before a refusal removes `out`: workers write their logs there
     conclude(planned, writes_profile=not in_process and not target)
+    phases.end("conclusion")
+    print(f"sage-qual certify: {phases}", file=sys.stderr)
     if failure is not None:
         raise failure
     return writer.report
@@ -106,7 +109,7 @@ def _executor(request: RunRequest):
 
 
 def _execute(planned: plan_mod.Plan, executor, writer: files.Writer, progress: Progress,
-             stop: threading.Event) -> None:
+             stop: threading.Event, phases: Phases) -> None:
     """The plan's jobs (with the timing refinement after each of them in a full run), then what
     follows the sweep, decided on the sweep's verdicts; the follow-up's context checks, which no
     verdict changes, get their workers started with the sweep."""
@@ -114,6 +117,7 @@ def _execute(planned: plan_mod.Plan, executor, writer: files.Writer, progress: P
         executor.start_ahead(plan_mod.context_jobs(planned.devices, planned.subjects))
     executor.run_slots(planned.jobs, writer, progress, stop,
                        refine=plan_mod.refinement if planned.follows_up else None)
+    phases.end("sweep")
     if not planned.follows_up or stop.is_set():
         return
     swept = dataclasses.replace(writer.report, complete=True, finished=now())
@@ -122,6 +126,7 @@ def _execute(planned: plan_mod.Plan, executor, writer: files.Writer, progress: P
         writer.append(slot, field)
     progress.grow(sum(len(job) for _, job in following.jobs))
     executor.run_side_by_side(following.jobs, writer, progress, stop)
+    phases.end("follow-up")
 
 
 def header(planned: plan_mod.Plan, machine: plan_mod.Machine, predicted: bool, target: str) -> Report:
@@ -191,6 +196,22 @@ def conclude(planned: plan_mod.Plan, writes_profile: bool) -> None:
     if planned.request.junit_xml:
         junit.write(planned.request.junit_xml, f"sage-qual certify {written.host}",
                     [junit.case(gpu.model, decision) for gpu in decisions for decision in gpu.families])
+
+
+class Phases:
+    """Where a run's time went, phase by phase (discovery, sweep, follow-up, conclusion), said in one
+    line at its end: certify's budget is 150 s on the H200 (issue 40)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock, self.last, self.seconds = clock, clock(), {}
+
+    def end(self, phase: str) -> None:
+        now = self.clock()
+        self.seconds[phase], self.last = now - self.last, now
+
+    def __str__(self) -> str:
+        each = ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in self.seconds.items())
+        return f"{sum(self.seconds.values()):.1f} s ({each})"
 
 
 # Progress --------------------------------------------------------------------------------------
