@@ -1,13 +1,10 @@
 """The profile contract between certify (which writes the verified range) and the wrapper (which
 serves only inside it): an entry's optional max_query_tokens, max_key_tokens (null: no upper bound)
-and layouts (null: any). The builder's side is tests_fast/measure/test_long_checks.py; these tests need the
-serving side too (sage_qual/serving/profile.py's Entry reading the keys), and skip, saying so, on a
-checkout that does not have it yet."""
+and layouts (null: any), in the entry's `served` record (`serving.served.Served`). The builder's side is
+also tests_fast/measure/test_long_checks.py."""
 
-import dataclasses
 import json
 
-import pytest
 import torch
 import torch.nn.functional as F
 
@@ -21,10 +18,6 @@ from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
 from ..builders import SAMPLE, long_records
 
 H200 = FakeGpu((9, 0), "Fake H200", 141.0)
-needs_serving_side = pytest.mark.skipif(
-    "max_query_tokens" not in {f.name for f in dataclasses.fields(profile.Entry)},
-    reason="sage_qual.serving.profile.Entry does not read max_query_tokens yet (the serving side of the "
-           "contract)")
 
 
 def built_profile(fail_at=None) -> dict:
@@ -38,18 +31,16 @@ def built_profile(fail_at=None) -> dict:
     return built
 
 
-@needs_serving_side
 def test_the_serving_side_reads_the_range_and_layouts():
-    entry = profile.load(built_profile(fail_at=16384)).gpus[0].families["FLUX.1"]
-    assert (entry.max_query_tokens, entry.max_key_tokens) == (8192, 8192)
-    assert list(entry.layouts) == ["contiguous", "transposed", "nhd", "fused_qkv"]
+    served = profile.load(built_profile(fail_at=16384)).gpus[0].families["FLUX.1"].served
+    assert (served.max_query_tokens, served.max_key_tokens) == (8192, 8192)
+    assert list(served.layouts) == ["contiguous", "transposed", "nhd", "fused_qkv"]
 
 
-@needs_serving_side
 def test_the_wrapper_serves_inside_the_verified_range_only():
     built = built_profile()
     # The sample's FLUX.1 entry serves from 4608 query tokens; cap it just above to keep the calls small.
-    built["gpus"][0]["families"]["FLUX.1"].update(max_query_tokens=4700, max_key_tokens=4700)
+    built["gpus"][0]["families"]["FLUX.1"]["served"].update(max_query_tokens=4700, max_key_tokens=4700)
     fake = FakeSageAttention()
     with FakeCuda([H200]), fake.installed():
         status = sage_qual.install(profile=built, family="FLUX.1")
