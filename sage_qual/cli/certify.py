@@ -22,11 +22,19 @@ def _split(values: list[str] | None) -> list[str] | None:
     return [item for value in values for item in value.split(",") if item]
 
 
+def folder(text: str) -> Path:
+    """--out's folder; an empty name would write into the current folder."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty: name the folder certify writes into (default: "
+                                         "sage-qual-report)")
+    return Path(text)
+
+
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "certify", help="run every variant on every fixture and a speed sweep; write report and profile",
         description="Run every runnable variant on every fixture, and a speed sweep, on each GPU.")
-    parser.add_argument("--out", type=Path, default=Path("sage-qual-report"),
+    parser.add_argument("--out", type=folder, default=Path("sage-qual-report"),
                         help="output directory (default: %(default)s); one that holds a report.json is "
                              "refused unless --force")
     parser.add_argument("--force", action="store_true",

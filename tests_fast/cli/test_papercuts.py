@@ -123,3 +123,53 @@ def test_a_garbled_test_hook_is_named_with_the_fix(monkeypatch, capsys, tmp_path
     message = capsys.readouterr().err
     assert f"SAGE_QUAL_TEST_WORKER {said}" in message and "unset SAGE_QUAL_TEST_WORKER" in message
     assert not (tmp_path / "sage-qual-report").exists()
+
+
+# --out holds only what a run writes ----------------------------------------------------------------
+def _report_folder(out: Path) -> str:
+    (out / "report.json").mkdir(parents=True)
+    return f"{out / 'report.json'} is a folder, not what certify writes there"
+
+
+def _linked_profile(out: Path) -> str:
+    out.mkdir()
+    (out.parent / "elsewhere.json").write_text("kept")
+    (out / "profile.json").symlink_to(out.parent / "elsewhere.json")
+    return f"{out / 'profile.json'} is a symbolic link: certify writes only inside --out"
+
+
+@pytest.mark.parametrize("prepare", [_report_folder, _linked_profile])
+@pytest.mark.parametrize("force", [[], ["--force"]], ids=["plain", "force"])
+def test_certify_refuses_an_out_whose_run_files_are_not_its_own(tmp_path, capsys, prepare, force):
+    """A report.json that is a folder gave "internal error" after the run began; --force wrote
+    profile.json through a link to a file outside --out."""
+    out = tmp_path / "out"
+    said = prepare(out)
+    assert cli.main(["certify", "--emulate", "--quick", "--out", str(out), *force]) == 2
+    assert said in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) in (["report.json"], ["profile.json"])
+    assert not (tmp_path / "elsewhere.json").exists() or (tmp_path / "elsewhere.json").read_text() == "kept"
+
+
+def test_certify_refuses_an_empty_out(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["certify", "--emulate", "--quick", "--out", ""])
+    assert exited.value.code == 2 and "argument --out: is empty" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_force_removes_what_the_previous_run_wrote_and_nothing_else(tmp_path):
+    from sage_qual.qualification.run import options, run
+
+    out = tmp_path / "out"
+    (out / "logs").mkdir(parents=True)
+    previous = ["report.json", "report.md", "report.html", "profile.json", "accuracy-cuda1.png", "speedup-3.png",
+                "logs/worker-1.log"]
+    for name in previous + ["notes.txt", "speedup.txt"]:
+        (out / name).write_text("previous")
+    request = options.RunRequest(out=out, executor=options.InProcess(), force=True)
+    request.check()
+    with run.output_directory(out, replacing=request.previous_run()):
+        pass
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "speedup.txt"]

@@ -45,6 +45,11 @@ class InProcess:
     """Run in this process with each variant's numerics model as its kernel (`certify --emulate`)."""
 
 
+# The names a run writes into its --out folder (plots per device and per figure, the workers' logs).
+RUN_OUTPUTS = ("report.json", "report.md", "report.html", "profile.json", "accuracy-*.png", "speedup-*.png",
+               "logs")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunRequest:
     """What a certify run is asked: what it qualifies, where it runs, on which families and fixtures."""
@@ -60,11 +65,11 @@ class RunRequest:
 
     def check(self) -> None:
         """UsageError for a request that cannot run, before torch is imported or a file is written."""
-        previous = Path(self.out) / "report.json"
-        if previous.exists() and not self.force:
+        previous = self.previous_run()
+        if previous and not self.force:
             # Its plots, logs and profile would mix with this run's: a person asks for that by name.
-            raise UsageError(f"{previous} is a previous run's report: give another --out, or --force to "
-                             "replace that run")
+            raise UsageError(f"{Path(self.out) / 'report.json'} is a previous run's report: give another "
+                             "--out, or --force to replace that run")
         names.select_families(self.families)
         if isinstance(self.subject, Variants):
             names.select_variants(self.subject.names)
@@ -76,6 +81,22 @@ class RunRequest:
                                  "--junit-xml")
             return
         check_numbers(self.executor.timeout, self.executor.devices)
+
+    def previous_run(self) -> list[Path]:
+        """What a previous run left in `out` under the names a run writes (`RUN_OUTPUTS`): what
+        --force removes, so that no plot or profile of that run stays beside this run's report.
+        UsageError for one that is a symbolic link (a run writes inside `out` only) or that is not
+        what a run writes there (a report.json that is a folder)."""
+        out = Path(self.out)
+        found = sorted({path for pattern in RUN_OUTPUTS for path in out.glob(pattern)})
+        for path in found:
+            if path.is_symlink():
+                raise UsageError(f"{path} is a symbolic link: certify writes only inside --out; remove the "
+                                 "link or give another --out")
+            if path.is_dir() != (path.name == "logs"):
+                raise UsageError(f"{path} is a {'folder' if path.is_dir() else 'file'}, not what certify "
+                                 "writes there: move it away or give another --out")
+        return found
 
     def check_gpu_visible(self, target_resolved: bool = False) -> None:
         """UsageError where this machine surely shows certify no GPU (`gpu_absent`), before a worker

@@ -54,7 +54,7 @@ def certify(request: RunRequest) -> Report:
                          "--families")
     executor = _executor(request)
     failure, phases = None, Phases()
-    with output_directory(request.out):
+    with output_directory(request.out, replacing=request.previous_run()):
         try:
             machine = executor.discover(request, subjects)
             phases.end("discovery")
@@ -154,12 +154,15 @@ def fixture_record(fixture: fileformat.Fixture) -> report_model.FixtureRecord:
 
 
 @contextlib.contextmanager
-def output_directory(out: Path):
-    """`out`, created for the run; a UsageError before report.json was written removes what was
-    created, so a refused run leaves nothing behind."""
+def output_directory(out: Path, replacing: list[Path]):
+    """`out`, created for the run, without what a previous run left there (`replacing`, which
+    --force asked to replace); a UsageError before report.json was written removes what was created,
+    so a refused run leaves nothing behind."""
     new = None if out.exists() else _first_missing(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
+        for path in replacing:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
     except OSError as error:
         raise UsageError(f"cannot write to {out}: {error.strerror or error}") from None
     try:
