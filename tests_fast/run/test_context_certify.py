@@ -130,6 +130,18 @@ def test_a_context_is_safe_only_when_every_check_of_it_passed():
     assert not run("side_stream", error="RuntimeError: capture invalidated").passed
 
 
+@pytest.mark.parametrize("ran, said", [
+    (run("side_stream", served=0, calls=0), "it made no call, so nothing was checked"),
+    (run("capture", served=1, calls=2), "served 1 of 2 calls (no reason)"),
+    (run("compile", identical=False, diff=0.5, rel=0.02), "not bit-identical to the eager call (relative L2 0.02)"),
+    (run("capture", error="RuntimeError: capture invalidated"), "RuntimeError: capture invalidated"),
+    (run("side_stream"), ""),
+])
+def test_a_context_run_says_why_it_failed_from_its_numbers(ran, said):
+    """A side-stream run of no call was said "not bit-identical (relative L2 0)" (issue 43)."""
+    assert ran.failure() == said
+
+
 # certify end to end on the fake GPU -----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def certified(tmp_path_factory):

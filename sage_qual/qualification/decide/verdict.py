@@ -335,7 +335,7 @@ class _Model:
             safe &= set(found[-1].safe_contexts)
             for run in found[-1].runs:
                 if not run.passed:
-                    why = (f"{where}, {run.name}: {_context_failure(run)}; falls back there "
+                    why = (f"{where}, {run.name}: {run.failure()}; falls back there "
                            f"({REASON[run.context]})")
                     reasons.append(Reason(ReasonKind.CONTEXT, why))
         return [name for name in CONTEXTS if name in safe], reasons
@@ -412,18 +412,6 @@ class _Model:
         paying = [v for v in ranked if thresholds[v]]
         chosen = (serving or paying or ranked)[0]
         return chosen, thresholds[chosen]
-
-
-def _context_failure(run) -> str:
-    """Why a context check did not pass, from its numbers."""
-    if run.error:
-        return run.error
-    if run.served < run.calls:
-        return f"served {run.served} of {run.calls} calls ({', '.join(run.fallbacks) or 'no reason'})"
-    if not run.finite:
-        return "output not finite"
-    return f"not bit-identical to the eager call (relative L2 {run.rel_l2:.3g})" if run.rel_l2 is not None \
-        else "not bit-identical to the eager call"
 
 
 def long_check_counts(check: LongCheck, family: Family | None) -> bool:

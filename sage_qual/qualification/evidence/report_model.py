@@ -343,6 +343,21 @@ class ContextRun:
         return (not self.error and self.calls > 0 and self.served == self.calls and self.bit_identical
                 and self.finite and self.max_abs_diff == 0)
 
+    def failure(self) -> str:
+        """Why it did not pass, from its numbers ("" when it passed)."""
+        if self.passed:
+            return ""
+        if self.error:
+            return self.error
+        if self.calls == 0:
+            return "it made no call, so nothing was checked"
+        if self.served < self.calls:
+            return f"served {self.served} of {self.calls} calls ({', '.join(self.fallbacks) or 'no reason'})"
+        if not self.finite:
+            return "output not finite"
+        return "not bit-identical to the eager call" + (
+            f" (relative L2 {self.rel_l2:.3g})" if self.rel_l2 is not None else "")
+
     def check(self) -> list[tuple[str, str]]:
         if self.name not in CHECKS:
             return [("name", f"{self.name!r} is not a context check ({', '.join(CHECKS)})")]

@@ -288,8 +288,8 @@ class Worker:
         with fault_hooks.context_fault(self.context_faults.get(task.variant)):
             runs = context_check.check_variant(variant, place, tuple(task.shape), getattr(torch, task.dtype))
         ran = list(place.kernel_shape(task.shape))
-        failed = [run.name for run in runs if not run.passed]
-        detail = f"not bit-identical to the eager call: {', '.join(failed)}" if failed else ""
+        failed = [run for run in runs if not run.passed]
+        detail = "; ".join(f"{run.name}: {run.failure()}" for run in failed)
         return task.record(Outcome.FAIL if failed else Outcome.PASS, runs=runs, detail=detail,
                            ran_shape=ran if ran != list(task.shape) else None)
 
