@@ -258,6 +258,27 @@ def test_a_profile_entry_gives_its_device_the_certified_contexts():
     assert profile.apply(SMALL, SM90, profile.Entry(dataclasses.replace(served, contexts=None))).contexts is None
 
 
+def test_a_profile_entry_with_no_context_certified_serves_the_default_stream_only():
+    """`contexts: []` (certify checked, and none passed) is not null (never checked: the built-in
+    rule, which trusts a legacy-stream kernel on a side stream): a side-stream call falls back."""
+    from sage_qual.serving import profile
+
+    from .. import builders
+
+    data = builders.make_profile(gpu=builders.H200, entry=builders.make_entry(
+        "sm90-fp8-cuda", 32, 16, [64], max_query_tokens=64, max_key_tokens=64, contexts=[]))
+    entry = profile.load(data).gpus[0].default
+    assert entry.served.contexts == []
+    config = profile.apply(SMALL, SM90, entry)
+    assert config.safe_contexts(VARIANTS["sm90-fp8-cuda"]) == ()
+    tensors = qkv()
+    with wrapped(gpus=(SM90,), config=config) as (cuda, fake):
+        with cuda.side_stream():
+            _, report = serve(*tensors)
+        _, default = serve(*tensors)
+    assert report.fallbacks == {"stream": 1} and default.served == 1
+
+
 @pytest.mark.parametrize("given, words", [(["graphs"], "'graphs' is not"), (["capture", "capture"], "twice")])
 def test_a_profile_entry_with_bad_contexts_names_the_field(given, words):
 
