@@ -9,7 +9,8 @@ the run-to-run spread, `speed.RUN_TO_RUN_SPREAD`). The length a family is served
 compared on its own: it sits where the speedup is flat near the bar and moved one refinement step
 (11,648 against 12,672 tokens) between identical runs (docs/runs/run29_speed_spread.txt), while the
 speedups it serves agreed. A GPU model, a family or a variant that ran in one report only is a
-difference too. Exit 0 when nothing differs, 1 when something does (each difference printed), 2 on
+difference too. The software each ran on (sageattention, its build, torch, CUDA, Triton, the driver)
+is said where it differs, not counted. Exit 0 when nothing differs, 1 when something does (each difference printed), 2 on
 unreadable input and on reports that cannot be compared: partial, predicted (certify --emulate) or
 --quick runs (their thresholds are no profile's).
 """
@@ -26,6 +27,7 @@ from sage_qual.errors import Answer, ExitCode, UsageError
 from sage_qual.qualification.decide import checked, verdict
 from sage_qual.qualification.evidence.report_model import ReportError, ShapeSpec
 from sage_qual.qualification.measure.speed import RUN_TO_RUN_SPREAD
+from sage_qual.serving.env_record import EnvironmentRecord
 
 DEFAULT_TOLERANCE = RUN_TO_RUN_SPREAD
 
@@ -41,15 +43,31 @@ def add_parser(subparsers) -> None:
                              f"shapes either report serves; default {DEFAULT_TOLERANCE:g}, the run-to-run "
                              "spread measured on the H200)")
     parser.add_argument("--json", action="store_true",
-                        help="one JSON object on stdout: exit_code, problem, entries, differences")
+                        help="one JSON object on stdout: exit_code, problem, entries, differences, software")
     parser.set_defaults(func=_compare)
 
 
 @dataclass(frozen=True)
 class Decided:
-    """One report's decisions per GPU model, and the shapes its speedups are keyed by."""
+    """One report's decisions per GPU model, the shapes its speedups are keyed by, and the software
+    it ran on."""
     gpus: dict[str, verdict.GpuDecision]
     shapes: dict[str, ShapeSpec]
+    environment: EnvironmentRecord
+
+
+# The software that makes a kernel's numbers and times, as the report records it. A rebuild of one
+# source gives another build fingerprint (runs 31 and 33, docs/results/), so a change here is said,
+# not counted as a difference: the verdicts decide whether the two serve the same calls.
+SOFTWARE = {"sageattention": "sageattention", "sageattention_source": "sageattention build",
+            "torch": "torch", "torch_cuda": "CUDA", "triton": "triton", "driver": "driver"}
+
+
+def software_changes(first: Decided, second: Decided) -> list[str]:
+    """One line per piece of software the two reports ran on that differs."""
+    return [f"{said} {getattr(first.environment, field) or '-'} vs {getattr(second.environment, field) or '-'}"
+            for field, said in SOFTWARE.items()
+            if getattr(first.environment, field) != getattr(second.environment, field)]
 
 
 def _decide(path: Path) -> Decided:
@@ -72,7 +90,7 @@ def _decide(path: Path) -> Decided:
 def decided(data) -> Decided:
     """A report read back (`checked.load`) as compare sees it."""
     return Decided({gpu.model: gpu for gpu in verdict.decide(data)},
-                   {key: entry.shape for key, entry in data.shapes.items()})
+                   {key: entry.shape for key, entry in data.shapes.items()}, data.environment)
 
 
 def _entry(decision: verdict.FamilyDecision) -> str:
@@ -160,17 +178,22 @@ class CompareAnswer(Answer):
     tolerance: float
     entries: list[str]
     differences: list[str]
+    software: list[str]  # what the two ran on that differs (said, not a difference)
 
 
 def _compare(args: argparse.Namespace) -> int:
     if not 0 <= args.tolerance < 1:
         raise UsageError(f"--tolerance is {args.tolerance:g}: give a fraction from 0 to below 1 (0.1 = 10 %)")
-    lines, found = differences(_decide(args.first), _decide(args.second), args.tolerance)
+    first, second = _decide(args.first), _decide(args.second)
+    lines, found = differences(first, second, args.tolerance)
+    software = software_changes(first, second)
     code = ExitCode.KEEP_OFF if found else ExitCode.OK
     if args.json:
-        answer = CompareAnswer("compare", code, "", args.tolerance, lines, found)
+        answer = CompareAnswer("compare", code, "", args.tolerance, lines, found, software)
         print(jsonfile.line(records.dump(answer)))
         return code
+    if software:
+        print(f"ran on other software: {'; '.join(software)}")
     print("\n".join(lines))
     if found:
         print(f"{len(found)} difference(s) beyond {args.tolerance:.0%}:")

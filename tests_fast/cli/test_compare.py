@@ -21,6 +21,7 @@ RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
 RUN8 = RESULTS / "run8-h200x2-final" / "certify" / "certify-a" / "report.json"  # no long checks
 RUN13 = RESULTS / "run13-h200x2" / "certify-e" / "report.json"  # ranges capped, three layouts
 SAMPLE = Path(__file__).parent.parent / "data" / "sample_h200_2gpu.json"
+ENVIRONMENT = checked.load(SAMPLE).environment
 
 
 def test_run_8_against_run_13_reports_the_range_and_layout_differences(capsys):
@@ -53,7 +54,7 @@ def gpu(*families: FamilyDecision, ran=("sm90-fp8-cuda",), speedup=1.2, extra=()
     speedups = {(name, key): (speedup * 0.95, speedup) for name in ran for key in SHAPES}
     model = GpuDecision("NVIDIA H200", (9, 0), 139.8, [0], status, list(families), decision(family=None),
                         speedups)
-    return compare.Decided({model.model: model, **{m.model: m for m in extra}}, SHAPES)
+    return compare.Decided({model.model: model, **{m.model: m for m in extra}}, SHAPES, ENVIRONMENT)
 
 
 @pytest.mark.parametrize("change", [
@@ -121,7 +122,25 @@ def test_predicted_and_quick_reports_are_refused(tmp_path, capsys, field, words)
 
 def test_the_same_report_is_the_same(capsys):
     assert cli.main(["compare", str(SAMPLE), str(SAMPLE)]) == 0
-    assert capsys.readouterr().out.strip().endswith("served speedups within 5%")
+    out = capsys.readouterr().out
+    assert out.strip().endswith("served speedups within 5%") and "other software" not in out
+
+
+@pytest.mark.parametrize("field, said", [("sageattention_source", "sageattention build sha256:aaaa vs sha256:bbbb"),
+                                         ("torch", "torch sha256:aaaa vs sha256:bbbb")])
+def test_another_build_or_torch_under_the_same_verdicts_is_said_not_counted(tmp_path, capsys, field, said):
+    """Another sageattention build under the same version went unsaid (issue 43); a rebuild of one
+    source gets another fingerprint (runs 31 and 33), so it is not a difference by itself."""
+    paths = []
+    for name, value in (("a", "sha256:aaaa"), ("b", "sha256:bbbb")):
+        data = json.loads(SAMPLE.read_text())
+        data["environment"][field] = value
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(data))
+    assert cli.main(["compare", *map(str, paths)]) == 0
+    assert capsys.readouterr().out.startswith(f"ran on other software: {said}\n")
+    assert cli.main(["compare", "--json", *map(str, paths)]) == 0
+    assert json.loads(capsys.readouterr().out)["software"] == [said]
 
 
 def test_a_gpu_model_in_one_report_only_is_a_difference_and_the_others_still_compared():
