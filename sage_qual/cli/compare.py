@@ -10,8 +10,8 @@ compared on its own: it sits where the speedup is flat near the bar and moved on
 (11,648 against 12,672 tokens) between identical runs (docs/runs/run29_speed_spread.txt), while the
 speedups it serves agreed. A GPU model, a family or a variant that ran in one report only is a
 difference too. The software each ran on (sageattention, its build, torch, CUDA, Triton, the driver)
-is said where it differs, not counted. Exit 0 when nothing differs, 1 when something does (each difference printed), 2 on
-unreadable input and on reports that cannot be compared: partial, predicted (certify --emulate) or
+is said where it differs, not counted. Exit 0 when nothing differs, 1 when something does (each
+difference printed), 2 on unreadable input and on reports that cannot be compared: partial, predicted (certify --emulate) or
 --quick runs (their thresholds are no profile's).
 """
 
@@ -65,9 +65,9 @@ SOFTWARE = {"sageattention": "sageattention", "sageattention_source": "sageatten
 
 def software_changes(first: Decided, second: Decided) -> list[str]:
     """One line per piece of software the two reports ran on that differs."""
-    return [f"{said} {getattr(first.environment, field) or '-'} vs {getattr(second.environment, field) or '-'}"
-            for field, said in SOFTWARE.items()
-            if getattr(first.environment, field) != getattr(second.environment, field)]
+    pairs = {said: (getattr(first.environment, field), getattr(second.environment, field))
+             for field, said in SOFTWARE.items()}
+    return [f"{said} {a or '-'} vs {b or '-'}" for said, (a, b) in pairs.items() if a != b]
 
 
 def _decide(path: Path) -> Decided:

@@ -126,8 +126,9 @@ def test_the_same_report_is_the_same(capsys):
     assert out.strip().endswith("served speedups within 5%") and "other software" not in out
 
 
-@pytest.mark.parametrize("field, said", [("sageattention_source", "sageattention build sha256:aaaa vs sha256:bbbb"),
-                                         ("torch", "torch sha256:aaaa vs sha256:bbbb")])
+@pytest.mark.parametrize("field, said", [
+    ("sageattention_source", "sageattention build sha256:aaaa vs sha256:bbbb"),
+    ("torch", "torch sha256:aaaa vs sha256:bbbb")])
 def test_another_build_or_torch_under_the_same_verdicts_is_said_not_counted(tmp_path, capsys, field, said):
     """Another sageattention build under the same version went unsaid (issue 43); a rebuild of one
     source gets another fingerprint (runs 31 and 33), so it is not a difference by itself."""
