@@ -11,8 +11,8 @@ compared on its own: it sits where the speedup is flat near the bar and moved on
 speedups it serves agreed. A GPU model, a family or a variant that ran in one report only is a
 difference too. The software each ran on (sageattention, its build, torch, CUDA, Triton, the driver)
 is said where it differs, not counted. Exit 0 when nothing differs, 1 when something does (each
-difference printed), 2 on unreadable input and on reports that cannot be compared: partial, predicted (certify --emulate) or
---quick runs (their thresholds are no profile's).
+difference printed), 2 on unreadable input and on reports that cannot be compared: partial,
+predicted (certify --emulate) or --quick runs (their thresholds are no profile's).
 """
 
 from __future__ import annotations
