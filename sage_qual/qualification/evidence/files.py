@@ -80,12 +80,6 @@ class Writer:
             self._commit(self._with_device(position, **{field: [*(getattr(device, field) or []), *items]}),
                          data)
 
-    def replace_device(self, position: int, **fields) -> None:
-        """Fields of the device at `position` replaced (a GPU found unable to run the target)."""
-        with self.lock:
-            changed = self._with_device(position, **fields)
-            self._commit(changed, records.dump(changed))
-
     def add_shapes(self, entries: dict) -> None:
         """Timed shapes (key -> ShapeEntry) added where the report has none of that key yet."""
         with self.lock:

@@ -251,7 +251,6 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-
 def run_task(task: SpanTask, variant, package, bench) -> SpanProbe:
     """A worker's span task: the kernel on its case (cut down on fake GPUs: `bench.tokens`/`heads`),
     "pass" when right on the sampled rows, "fail" when wrong; a fault raises."""

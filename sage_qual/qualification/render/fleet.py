@@ -36,8 +36,6 @@ def merge_markdown(rows: list[FleetRow]) -> str:
     return "\n".join(markdown_table(header, body))
 
 
-
-
 def cell(found: FleetVerdict) -> str:
     """What an enabled family serves (`Served.short`), else the verdict and its reason kinds."""
     if found.served is None:

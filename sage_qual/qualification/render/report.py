@@ -77,8 +77,6 @@ def _number(x, digits: int = 3) -> str:
     return "-" if x is None else f"{x:.{digits}g}"
 
 
-
-
 def _status(data: Report) -> str:
     return status_line(data.complete, data.started, data.finished, data.stopped)
 
@@ -122,10 +120,6 @@ def _blocks(data: Report, decisions: list[verdict.GpuDecision], images: dict,
     for device in data.devices:
         blocks += _device_blocks(data, device, images)
     return blocks
-
-
-
-
 
 
 def _left_out_blocks(left_out: Sequence[LeftOut]) -> list[Block]:
@@ -369,12 +363,6 @@ def _speed_table(data: Report, device: report_model.Device) -> tuple[list, list]
     return ["shape", "used by", "fastest SDPA"] + variants, rows
 
 
-
-
-
-
-
-
 def _markdown(blocks: list[Block]) -> str:
     lines = []
     for block in blocks:
@@ -422,13 +410,5 @@ def _html(blocks: list[Block], out_dir: Path, data: Report) -> str:
     title = f"sage-qual report {html.escape(data.host)}"
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{title}</title><style>{style}</style>"
             f"</head><body>{banner}{''.join(parts)}</body></html>\n")
-
-
-
-
-
-
-
-
 
 
