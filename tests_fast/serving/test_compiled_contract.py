@@ -42,7 +42,8 @@ def qkv(d_value=64):
 
 def test_every_argument_reaches_the_operator_as_its_schema_types_it(emitted):
     q, k, v = qkv()
-    compiled.traced_call(torch_call(emitted), frozenset(), q, k, v, None, 0.25, True, scale=2, enable_gqa=True)
+    compiled.traced_call(torch_call(emitted), frozenset(), q, k, v, None, 0.25, True, scale=2,
+                         enable_gqa=True)
     ((name, args),) = emitted
     assert name == "sdpa_outside_cuda_graphs"
     assert args[3:] == (None, 0.25, True, 2.0, True)
@@ -50,7 +51,7 @@ def test_every_argument_reaches_the_operator_as_its_schema_types_it(emitted):
 
 
 @pytest.mark.parametrize("index, expected", [(0, "sdpa"), (1, "sdpa_outside_cuda_graphs")])
-def test_a_device_gets_the_graph_safe_operator_only_where_its_variant_is_capture_safe(emitted, index, expected):
+def test_the_graph_safe_operator_only_where_the_variant_is_capture_safe(emitted, index, expected):
     q, k, v = (on_cuda(t, index) for t in qkv())
     compiled.traced_call(torch_call(emitted), frozenset({0}), q, k, v)
     assert [name for name, _ in emitted] == [expected]
