@@ -1,14 +1,19 @@
 """The exact text gate and merge print, from hand-made decisions and rows: a CI log or a fleet
 table read by people and scripts must say what the verdicts say, in every branch."""
 
+import json
+from pathlib import Path
+
 from sage_qual import records
-from sage_qual.qualification.decide import budget_check, fleet, gate
+from sage_qual.qualification.decide import budget_check, checked, fleet, gate, verdict
 from sage_qual.qualification.decide.verdict import FamilyDecision, VariantResults, Verdict
 from sage_qual.qualification.evidence.report_model import Reason, ReasonKind
 from sage_qual.qualification.render import fleet as fleet_render
 from sage_qual.qualification.render.gate import lines as gate_lines
 from sage_qual.serving.config import Bound
 from sage_qual.serving.served import Served
+
+SAMPLE = Path(__file__).parent.parent / "data" / "sample_h200_2gpu.json"
 
 
 def enabled(variant="sm90-fp8-cuda", head_dims=(64, 128), verified=True, **served):
@@ -74,7 +79,8 @@ FLUX = fleet_verdict("enable", "sm90-fp8-cuda", (4608, 512), head_dims=[128])
 
 def row(**changes):
     base = dict(host="box-a", report="box-a/report.json", complete=True, predicted=False, target="",
-                driver="580.1", torch="2.11.0", sageattention="2.2.0", gpu="NVIDIA H200", capability=[9, 0],
+                driver="580.1", torch="2.11.0", sageattention="2.2.0", sageattention_source="",
+                gpu="NVIDIA H200", capability=[9, 0],
                 devices=[0, 1], families={"FLUX.1": FLUX,
                                           "SDXL": fleet_verdict("safe, no speedup", reasons=["speed"]),
                                           "Wan 2.2": fleet_verdict("keep off", reasons=["crash", "oom"])})
@@ -100,6 +106,34 @@ def test_merge_table_for_every_kind_of_row():
         "| box-d | NVIDIA H200 | 90 | 2 | 580.1 | 2.11.0 | 2.2.0 | predicted, not measured | "
         "predicted, not measured | predicted, not measured |",
     ]
+
+
+def test_merge_table_tells_two_builds_of_one_version_apart():
+    rows = [row(families={}, sageattention_source="sha256:9b1e6a18984cab51"),
+            row(host="box-b", families={}, sageattention_source="sha256:6bccd0c119a473ff")]
+    table = fleet_render.merge_markdown(rows).splitlines()[2:]
+    assert [line.split(" | ")[6].rstrip(" |") for line in table] == [
+        "2.2.0 (sha256:9b1e6a18984cab51)", "2.2.0 (sha256:6bccd0c119a473ff)"]
+
+
+def test_merge_rows_of_a_report_as_it_is_decided():
+    """A complete report gives a row per GPU model with each family's verdict, its build and the kinds of
+    reason once each, sorted; a partial one a row per device and no verdict."""
+    data = json.loads(SAMPLE.read_text())
+    data["environment"]["sageattention_source"] = "sha256:feedface"
+    typed = checked.parse(data, "r.json")
+    (model,) = fleet.merge_rows([(Path("r.json"), typed)])
+    assert model.devices == [d.index for d in typed.devices]
+    assert model.sageattention_source == "sha256:feedface"
+    (decided,) = verdict.decide(typed)
+    for decision in decided.families:
+        kinds = model.families[decision.family].reasons
+        assert kinds == sorted({r.kind for r in decision.reasons}, key=lambda kind: kind.value)
+        assert model.families[decision.family].served == decision.served
+    partial = checked.parse({**data, "complete": False, "finished": None}, "r.json")
+    rows = fleet.merge_rows([(Path("r.json"), partial)])
+    assert [(r.devices, r.families, r.complete) for r in rows] == [
+        ([d.index], {}, False) for d in typed.devices]
 
 
 def test_merge_table_gives_the_verified_range_and_layouts():

@@ -40,6 +40,7 @@ class FleetRow:
     driver: str
     torch: str
     sageattention: str
+    sageattention_source: str  # its build fingerprint ("" where the report has none)
     gpu: str
     capability: list[int]
     devices: list[int]
@@ -51,7 +52,8 @@ def merge_rows(reports: list[tuple[Path, Report]]) -> list[FleetRow]:
     for path, data in reports:
         env = data.environment
         common = dict(host=data.host, report=str(path), complete=data.complete, predicted=data.predicted,
-                      target=data.target, driver=env.driver, torch=env.torch, sageattention=env.sageattention)
+                      target=data.target, driver=env.driver, torch=env.torch, sageattention=env.sageattention,
+                      sageattention_source=env.sageattention_source)
         if not data.complete:
             rows += [FleetRow(**common, gpu=device.name, capability=list(device.capability),
                               devices=[device.index], families={}) for device in data.devices]

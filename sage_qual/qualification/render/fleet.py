@@ -20,7 +20,7 @@ def merge_markdown(rows: list[FleetRow]) -> str:
     for row in rows:
         cells = [row.host] + [row.report] * files + [
             row.gpu, "%d%d" % tuple(row.capability), str(len(row.devices)), row.driver or "-", row.torch,
-            row.sageattention or "-"]
+            sageattention(row)]
         if targets:
             cells.append(row.target or "(variants)")
         for name in names:
@@ -34,6 +34,14 @@ def merge_markdown(rows: list[FleetRow]) -> str:
                 cells.append(cell(row.families[name]))
         body.append(cells)
     return "\n".join(markdown_table(header, body))
+
+
+def sageattention(row: FleetRow) -> str:
+    """Its version and build: two builds of one version are two rows to tell apart."""
+    if not row.sageattention:
+        return "-"
+    build = f" ({row.sageattention_source})" if row.sageattention_source else ""
+    return row.sageattention + build
 
 
 def cell(found: FleetVerdict) -> str:
