@@ -77,7 +77,9 @@ class _NoKernel(sage_package.SageUnavailable):
 class _Installed:
     """What a successful install() holds; module-level singleton while installed."""
 
-    def __init__(self, original, package, config: WrapperConfig, devices: dict[int, DeviceState]):
+    def __init__(self, original, package, config: WrapperConfig, devices: dict[int, DeviceState],
+                 arguments: tuple):
+        self.arguments = arguments  # install()'s (config, profile, family)
         self.original = original
         self.package = package
         self.config = config
@@ -110,6 +112,10 @@ def install(config: WrapperConfig | None = None, profile=None, family: str | Non
     thresholds certified for `family` (default: for all families), or no kernel. A GPU no entry
     describes keeps the defaults, and a family the nearest entry keeps off stays off, with one WARNING.
     Without config and profile, the built-in defaults apply (`sage_qual.serving.defaults`).
+
+    Called again while installed: with the same arguments it changes nothing and returns the same
+    status; with others it installs anew with them (a notebook or a server switching families gets
+    what it asked for, said in one INFO line), as `uninstall()` then `install()` would.
     """
     with _install_lock:
         return _install(config, profile, family)
@@ -117,8 +123,13 @@ def install(config: WrapperConfig | None = None, profile=None, family: str | Non
 
 def _install(config: WrapperConfig | None, profile=None, family: str | None = None) -> InstallStatus:
     global _installed, _status
+    arguments = (config, profile, family)
     if _installed is not None:
-        return _status
+        if _installed.arguments == arguments:
+            return _status
+        log.info("install() called again with other arguments: installing anew with them")
+        torch_sdpa.unbind(_installed.function)
+        _installed = None
     try:
         loaded = _load_profile(profile)  # a broken profile is said before any GPU or package check
         devices, package = _probe(config or DEFAULT_CONFIG, loaded, family, builtin=config is None)
@@ -131,7 +142,7 @@ def _install(config: WrapperConfig | None, profile=None, family: str | None = No
         log.warning("SageAttention not enabled, attention stays on PyTorch SDPA: %s", _status.reason)
         return _status
     _installed = _Installed(torch.nn.functional.scaled_dot_product_attention, package,
-                            config or DEFAULT_CONFIG, devices)
+                            config or DEFAULT_CONFIG, devices, arguments)
     _installed.function = _make_sdpa(_installed)
     torch_sdpa.bind(_installed.function, _installed.original)
     _status = InstallStatus(True, "", package.version, tuple(devices.values()))

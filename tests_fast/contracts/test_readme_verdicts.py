@@ -5,6 +5,7 @@ of docs/results/ whose certify*/report.json it states, the newest among them. Wh
 committed, this test fails until it is named, and then with the table to paste.
 """
 
+import json
 import re
 from pathlib import Path
 
@@ -53,3 +54,12 @@ def test_the_table_is_what_those_reports_decide():
     assert all(run.is_dir() for run in runs), TABLE.group(1)
     expected = expected_table(runs)
     assert TABLE.group(2) == expected, "README.md's verdict table differs from the reports; paste:\n" + expected
+
+
+def test_the_defaults_sentence_names_the_runs_the_defaults_were_built_from():
+    sentence = re.search(r"\*\*Built-in defaults\.\*\*(.*?)decided with", README, re.S).group(1)
+    said = {int(n) for n in re.findall(r"\d+", sentence.split("(runs", 1)[1])}
+    built = json.loads((ROOT / "sage_qual" / "serving" / "default_profile.json").read_text())
+    sources = {int(re.match(r"docs/results/run(\d+)-", source["file"]).group(1))
+               for source in built["sources"]}
+    assert said == sources, f"README names runs {sorted(said)}; the defaults come from {sorted(sources)}"

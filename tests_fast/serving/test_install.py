@@ -81,6 +81,28 @@ def test_install_twice_rebinds_once(caplog):
         assert F.scaled_dot_product_attention is TORCH_SDPA
 
 
+def test_install_again_with_other_arguments_installs_anew_with_them(caplog):
+    """A second install() with another family or profile was silently ignored (issue 43): the old
+    thresholds stayed and the status said all was well."""
+    from .. import builders
+
+    off = builders.make_entry(None, reasons=[builders.reason("speed", "no speedup at its shapes")])
+    profile = builders.make_profile(gpu=FakeGpu((9, 0), "GPU0"), entry=off, families={
+        "FLUX.1": builders.make_entry("sm90-fp8-cuda", 4096, 512), "SDXL": off})
+    with fake_box():
+        flux = sage_qual.install(profile=profile, family="FLUX.1")
+        wrapped = F.scaled_dot_product_attention
+        assert flux.enabled and flux.devices[0].variant.name == "sm90-fp8-cuda"
+        assert sage_qual.install(profile=profile, family="FLUX.1") is flux  # the same: nothing changes
+        assert F.scaled_dot_product_attention is wrapped
+        sdxl = sage_qual.install(profile=profile, family="SDXL")
+        assert sage_qual.install_status() is sdxl and sdxl.devices[0].variant is None
+        assert F.scaled_dot_product_attention is not wrapped
+        assert any("installing anew" in r.getMessage() for r in infos_of(caplog))
+        sage_qual.uninstall()
+    assert F.scaled_dot_product_attention is TORCH_SDPA
+
+
 def test_install_again_after_uninstall_works():
     with fake_box():
         assert sage_qual.install().enabled
