@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from sage_qual.serving import contexts, platform
+from sage_qual.serving import contexts, platform, sage_package
 from sage_qual.serving.variants import EXTENSIONS, KERNEL_FUNCTIONS, KernelFunction, upstream_pick
 
 _FAKE_INDEX = "_sage_qual_fake_cuda_index"
@@ -239,7 +239,8 @@ class FakeSageAttention:
     version: what its metadata reports (None: no metadata at all).
     import_error: raised when `sageattention` is imported (e.g. OSError("DLL load failed")).
     extensions: compiled extensions that import; the others raise ImportError.
-    triton: whether `triton` looks installed.
+    triton: whether the wrapper sees triton installed (`sage_package.has_triton`); the `triton`
+        module itself is left alone, so torch.compile (Dynamo, Inductor) finds the real one or none.
     missing: kernel functions the module lacks.
     signature_drops: keyword names removed from every kernel's signature (they fall into **kwargs).
     current_stream: kernel functions that launch on torch's current stream (None: those the registry
@@ -374,25 +375,21 @@ class FakeSageAttention:
 
     @contextlib.contextmanager
     def installed(self):
-        """Put the fake package (and a fake triton) in place of any real one for a block."""
-        names = ["sageattention", "triton"] + [f"sageattention.{e}" for e in EXTENSIONS]
+        """Put the fake package in place of any real one for a block, and tell the wrapper whether
+        triton is installed (`triton`)."""
+        names = ["sageattention"] + [f"sageattention.{e}" for e in EXTENSIONS]
         saved = {name: sys.modules.get(name) for name in names}
         finder = _FakeFinder(self)
         for name in names:
             sys.modules.pop(name, None)
         if self.import_error is None:
             sys.modules["sageattention"] = self.module()
-        if self.triton:
-            triton = types.ModuleType("triton")
-            triton.__spec__ = importlib.machinery.ModuleSpec("triton", None)
-            triton.__version__ = "0.0.0+fake"
-            sys.modules["triton"] = triton
-        else:
-            sys.modules["triton"] = None  # find_spec answers None, import raises
+        has_triton, sage_package.has_triton = sage_package.has_triton, lambda: self.triton
         sys.meta_path.insert(0, finder)
         try:
             yield self
         finally:
+            sage_package.has_triton = has_triton
             sys.meta_path.remove(finder)
             for name, module in saved.items():
                 if module is None:

@@ -3,9 +3,6 @@
 The CPU tests (tests_fast/fixtures/test_diffusers_cpu.py) and the GPU tests (tests_gpu/test_diffusers_gpu.py)
 run the same model code at different sizes. The models are untrained: the attention calls' shapes,
 layouts and arguments are diffusers' own, their statistics are not a real model's.
-
-diffusers imports torch._dynamo, which must happen before sage_qual.testing's fake `triton` is in
-sys.modules: import this module at collection, before any fake is installed.
 """
 
 import torch

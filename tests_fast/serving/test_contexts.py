@@ -6,11 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-
-# Dynamo imports triton.language when it loads: load it before a fake `triton` stands in.
-import torch._dynamo  # noqa: F401
-import torch._functorch.aot_autograd  # noqa: F401
-import torch._inductor.codecache  # noqa: F401
+import torch._dynamo
 import torch.nn.functional as F
 
 import sage_qual

@@ -329,3 +329,29 @@ def test_measure_imported_after_install_times_torch_own_sdpa(monkeypatch):
         monkeypatch.delitem(sys.modules, "sage_qual.qualification.measure.accuracy")
         measure = importlib.import_module("sage_qual.qualification.measure.accuracy")
     assert measure.TORCH_SDPA is TORCH_SDPA
+
+
+COMPILE_INSIDE_THE_FAKE = """
+import torch, torch.nn.functional as F
+import sage_qual
+from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
+
+with FakeCuda([FakeGpu((9, 0), "Fake H200")]), FakeSageAttention().installed() as fake:
+    config = sage_qual.WrapperConfig(min_query_tokens=32, min_key_tokens=16, check_rows=16)
+    assert sage_qual.install(config).enabled
+    compiled = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v))
+    q = torch.randn(1, 2, 64, 64, dtype=torch.bfloat16)
+    with sage_qual.sage_attention_scope() as scope:
+        out = compiled(q, q, q)
+    print(scope.served, len(fake.calls), out.shape == q.shape)
+"""
+
+
+def test_torch_compile_works_inside_the_public_fake_in_a_fresh_interpreter():
+    """Dynamo and Inductor, imported for the first time inside `FakeSageAttention().installed()`: its
+    bare `triton` module made the first compile die (AttributeError: module 'triton' has no attribute
+    'language'), and the project's own tests imported them first to get by (issue 43)."""
+    done = subprocess.run([sys.executable, "-c", COMPILE_INSIDE_THE_FAKE], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["1", "1", "True"], done.stdout

@@ -195,8 +195,7 @@ def test_out_of_memory_while_copying_falls_back_like_the_kernels_own(monkeypatch
 
 def test_a_fused_100k_by_56_view_is_refused_at_the_default_limit():
     """issue 16's faulting call: span 2,150,385,664 > 2^31 - 1; each contiguous copy 716,800,000
-    elements, 717,488,128 padded to 100,096 tokens.
-    (Through the wrapper, the fallback would run torch's meta SDPA, which the fake triton breaks.)"""
+    elements, 717,488,128 padded to 100,096 tokens."""
     q, k, v = fused(100_000, 56, head_dim=128, device="meta")
     reason, template, values = refusal(SdpaCall(q, k, v), DEFAULT_CONFIG, NoAutocast())
     assert reason == "span"
