@@ -24,6 +24,9 @@ from sage_qual.version import __version__
 # finished or interrupted certify, merge's table of readable reports): it stands when their
 # output was cut. The others only print; cut short, they exit as any writer into a closed pipe
 # does in a shell: 128 + SIGPIPE.
+# What `sage-qual --help` opens with: what the tool is for, in a user's words.
+DESCRIPTION = ("Qualify SageAttention on this GPU before an app switches it on: certify the kernels against "
+               "real activations, then gate each model family on the report.")
 DECIDING = ("gate", "compare", "merge", "certify")
 BROKEN_PIPE = 141
 
@@ -76,7 +79,7 @@ class _Surviving(io.TextIOBase):
 def build_parser() -> argparse.ArgumentParser:
     from sage_qual.cli import certify, compare, env, fixtures, gate
 
-    parser = argparse.ArgumentParser(prog="sage-qual", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="sage-qual", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"sage-qual {__version__}")
     parser.add_argument("--debug", action="store_true",
                         help="on an internal error, print the traceback (default: one line)")

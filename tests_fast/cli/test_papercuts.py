@@ -173,3 +173,15 @@ def test_force_removes_what_the_previous_run_wrote_and_nothing_else(tmp_path):
     with run.output_directory(out, replacing=request.previous_run()):
         pass
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "speedup.txt"]
+
+
+def test_the_readme_test_command_runs_the_benchmarks_once_without_a_warning():
+    """Every run of the README's test command (xdist) warned that it disables the benchmarks."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadfile", "-p",
+                           "no:cacheprovider", "tests_fast/serving/test_overhead_benchmarks.py"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:]
+    assert "passed" in done.stdout and "Benchmark" not in done.stdout + done.stderr, done.stdout[-2000:]

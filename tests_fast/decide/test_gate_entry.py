@@ -91,7 +91,8 @@ def test_machine_problems_name_the_machine():
     here = sample_machine()
     assert gate.machine_problem(here) == ""
     assert gate.machine_problem(dataclasses.replace(here, gpus=[])) == (
-        "no CUDA GPU is visible here, so no report can be matched to this machine")
+        "no CUDA GPU is visible here, so no report can be matched to this machine; `sage-qual merge REPORT` "
+        "gives a report's verdicts on any machine")
     assert gate.machine_problem(dataclasses.replace(here, sageattention_problem="not installed")) == (
         "sageattention cannot run here: not installed")
 

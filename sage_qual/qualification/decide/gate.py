@@ -132,7 +132,8 @@ def report_problem(source: str, data: Report, family: Family) -> str:
 def no_gpu_problem(why: str = "") -> str:
     """gate's refusal on a machine without a GPU (`why`: how that is known, when it is)."""
     known = f" ({why})" if why else ""
-    return f"no CUDA GPU is visible here{known}, so no report can be matched to this machine"
+    return (f"no CUDA GPU is visible here{known}, so no report can be matched to this machine; "
+            "`sage-qual merge REPORT` gives a report's verdicts on any machine")
 
 
 def machine_problem(here: EnvironmentRecord) -> str:
