@@ -22,6 +22,7 @@ from sage_qual.qualification.evidence.report_model import (
 )
 from sage_qual.qualification.measure import context_check
 from sage_qual.qualification.run import fault_hooks
+from sage_qual.qualification.run import run as run_mod
 from sage_qual.qualification.run.run import certify
 from sage_qual.qualification.selftest import detection
 from sage_qual.serving.contexts import CAPTURE, CHECKS, COMPILE, CONTEXTS, SIDE_STREAM
@@ -136,6 +137,18 @@ def test_a_context_is_safe_only_when_every_check_of_it_passed():
 def test_a_context_run_says_why_it_failed_from_its_numbers(ran, said):
     """A side-stream run of no call was said "not bit-identical (relative L2 0)" (issue 43)."""
     assert ran.failure() == said
+
+
+def test_a_context_check_says_where_it_serves_and_where_it_falls_back_not_fail():
+    """"outcome fail" read as broken for a variant safe in two of three contexts (issue 43)."""
+    legacy = check_of([run("side_stream"), run("capture", identical=False, diff=1.0, rel=1.0), run("compile"),
+                       run("compile_reduce_overhead")])
+    assert legacy.decided() == "safe in side_stream, compile; falls back under capture"
+    assert check_of([run(name) for name in CHECKS]).decided() == "safe in side_stream, capture, compile"
+    crashed = dataclasses.replace(legacy, outcome=Outcome.CRASH, runs=[])
+    assert crashed.decided() == "crash"
+    assert run_mod.describe(legacy) == ("sm90-fp8-cuda in every context: safe in side_stream, compile; falls "
+                                        "back under capture")
 
 
 # certify end to end on the fake GPU -----------------------------------------------------------------

@@ -22,7 +22,7 @@ from sage_qual.qualification.evidence import identity
 from sage_qual.qualification.evidence.context_runs import ContextRun, safe_contexts  # noqa: F401 (the model's)
 from sage_qual.qualification.evidence.numbers import COSINE, NOT_NEGATIVE, Budget, Metrics, PublishedBound  # noqa: F401
 from sage_qual.qualification.families import FAMILIES
-from sage_qual.serving.contexts import CHECKS
+from sage_qual.serving.contexts import CHECKS, CONTEXTS
 
 # GpuInfo, ReasonKind: part of the report's model, imported from here
 from sage_qual.serving.env_record import EnvironmentRecord, GpuIdentity, GpuInfo, Reason, ReasonKind  # noqa: F401
@@ -336,6 +336,15 @@ class ContextCheck(_Measured):
     @property
     def safe_contexts(self) -> list[str]:
         return safe_contexts(self.runs) if self.measured else []
+
+    def decided(self) -> str:
+        """What it decides, in words ("safe in side_stream, compile; falls back under capture"), or how
+        it ended when nothing was measured (crash, timeout, skip)."""
+        if not self.measured:
+            return self.outcome.value
+        safe, unsafe = self.safe_contexts, [name for name in CONTEXTS if name not in self.safe_contexts]
+        return f"safe in {', '.join(safe) or 'no context'}" + (
+            f"; falls back under {', '.join(unsafe)}" if unsafe else "")
 
     def check(self) -> list[tuple[str, str]]:
         if not self.measured:

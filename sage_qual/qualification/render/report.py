@@ -288,8 +288,7 @@ def _context_blocks(checks: list[report_model.ContextCheck]) -> list[Block]:
     for check in checks:
         runs = {run.name: run for run in check.runs}
         shape = "x".join(map(str, check.ran_shape or check.shape))
-        rows.append([check.variant, shape, *(_context_run(runs.get(name)) for name in CHECKS),
-                     ", ".join(check.safe_contexts) or "none", check.outcome.value])
+        rows.append([check.variant, shape, *(_context_run(runs.get(name)) for name in CHECKS), check.decided()])
     return [Heading(3, "Execution contexts"),
             Paragraph("Each variant served through the wrapper on a busy side stream, captured in a CUDA "
                       "graph and replayed on new values, and under torch.compile (default mode and "
@@ -297,7 +296,7 @@ def _context_blocks(checks: list[report_model.ContextCheck]) -> list[Block]:
                       "on the default stream, bit for bit. The profile lets a variant serve only in the "
                       "contexts every check of which passed; elsewhere it falls back (reasons stream, "
                       "capture, compile)."),
-            Table(["variant", "call", *CHECKS, "safe in", "outcome"], rows)]
+            Table(["variant", "call", *CHECKS, "served"], rows)]
 
 
 def _span_blocks(probes: list[report_model.SpanProbe]) -> list[Block]:

@@ -269,8 +269,7 @@ class Progress:
 def describe(record: Cell | LongCheck | report_model.Speed | SpanProbe | report_model.ContextCheck) -> str:
     """One result in a line: what ran where, its outcome and, unless it passed, why."""
     if isinstance(record, report_model.ContextCheck):
-        safe = ", ".join(record.safe_contexts) or "none"
-        what = f"{record.variant} in every context: {record.outcome.value} (safe in: {safe})"
+        what = f"{record.variant} in every context: {record.decided()}"
     elif isinstance(record, SpanProbe):
         what = (f"{record.variant} span {record.span:,} ({record.layout}, {record.side} {record.limit:,}): "
                 f"{record.outcome.value}")
