@@ -288,7 +288,8 @@ def _context_blocks(checks: list[report_model.ContextCheck]) -> list[Block]:
     for check in checks:
         runs = {run.name: run for run in check.runs}
         shape = "x".join(map(str, check.ran_shape or check.shape))
-        rows.append([check.variant, shape, *(_context_run(runs.get(name)) for name in CHECKS), check.decided()])
+        checked = [_context_run(runs.get(name)) for name in CHECKS]
+        rows.append([check.variant, shape, *checked, check.decided()])
     return [Heading(3, "Execution contexts"),
             Paragraph("Each variant served through the wrapper on a busy side stream, captured in a CUDA "
                       "graph and replayed on new values, and under torch.compile (default mode and "
