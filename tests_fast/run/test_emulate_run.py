@@ -73,6 +73,9 @@ def test_the_report_header_says_predicted_and_complete(emulated):
     assert data["finished"] is not None and data["started"] <= data["finished"]
     assert data["host"] == socket.gethostname()
     assert data["command"] == "sage_qual.qualification.run.run.certify()"
+    plots = sorted(p.name for p in (root / "out").glob("*.png"))
+    assert "accuracy-cpu.png" in plots and not [name for name in plots if "cuda" in name]  # named where it ran
+    assert "](accuracy-cpu.png)" in (root / "out" / "report.md").read_text()
     assert data["options"] == {
         "devices": [0],
         "variants": VARIANT_NAMES,
