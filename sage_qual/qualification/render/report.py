@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import html
 import re
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -227,8 +228,8 @@ def _device_blocks(data: Report, device: report_model.Device, images: dict) -> l
                          "the input precision; memory is the extra peak in bytes per q/k/v element; "
                          "'smooth_k on' gives relative L2 / worst cosine with K smoothing on (outlier "
                          "fixtures; the wrapper runs it off)."),
-               Table(["variant", "fixture", "outcome", "relative L2", "worst head cosine", "x SDPA",
-                      "bytes/elem", "smooth_k on", "reasons"], [_cell_row(c) for c in device.cells])]
+               *_folded(["variant", "fixture", "outcome", "relative L2", "worst head cosine", "x SDPA",
+                         "bytes/elem", "smooth_k on", "reasons"], [_cell_row(c) for c in device.cells])]
     headers, rows = _speed_table(data, device)
     blocks += [Heading(3, "Speed"), Table(headers, rows) if rows else
                Paragraph("Not timed" + (" (a predicted report: no GPU ran)." if predicted else "."))]
@@ -240,8 +241,8 @@ def _device_blocks(data: Report, device: report_model.Device, images: dict) -> l
                              "the same rows), and whether each layout's output equals the contiguous call's "
                              "bit for bit" + (ROWS_MOVED if any(c.rows_identical is not None
                                                                 for c in device.long) else "") + "."),
-                   Table(["variant", "call", "used by", "outcome", "relative L2", "layouts identical",
-                          "reasons"], [_long_row(c) for c in device.long])]
+                   *_folded(["variant", "call", "used by", "outcome", "relative L2", "layouts identical",
+                             "reasons"], [_long_row(c) for c in device.long])]
     if device.span is not None:
         blocks += _span_blocks(device.span)
     if device.contexts is not None:
@@ -254,6 +255,20 @@ def _device_blocks(data: Report, device: report_model.Device, images: dict) -> l
             blocks += [Paragraph(f"{_what_ran(r)}: {r.outcome.value}: {r.detail}"),
                        Preformatted((r.stderr_tail or r.traceback)[-2000:])]
     return blocks
+
+
+# A reason this long, given by this many rows of one table, is said once under the table, and each of
+# those rows points to it: a predicted report repeated one 95-character sentence in 96 rows (issue 43).
+FOLD_CHARS, FOLD_ROWS = 40, 3
+
+
+def _folded(headers: list[str], rows: list[list[str]]) -> list[Block]:
+    """The table, its last column's repeated long reasons each replaced by "note N", and the notes."""
+    counts = Counter(row[-1] for row in rows)
+    notes = [text for text, n in counts.items() if n >= FOLD_ROWS and len(text) >= FOLD_CHARS]
+    labels = {text: f"note {n}" for n, text in enumerate(notes, 1)}
+    table = Table(headers, [row[:-1] + [labels.get(row[-1], row[-1])] for row in rows])
+    return [table] + [Paragraph(f"{labels[text]} ({counts[text]} rows): {text}") for text in notes]
 
 
 def _what_ran(r: report_model.Cell | report_model.Speed | report_model.LongCheck
