@@ -68,7 +68,7 @@ CONTEXT_CHECK_SHAPE = (1, 24, 16384, 128)
 MEMORY_BOUND = 2.5
 
 # Seconds a worker may send nothing before it is killed (`certify --timeout`'s default). The
-# slowest task measured took 8.6 s (docs/results/run2-h200-certify-full/report.json, a first
+# slowest task measured took 8.6 s (docs/results/run2-h200-certify-full/report.json.gz, a first
 # fixture with kernel compilation): 90 s is ten times that, and a hung kernel still costs little.
 TASK_TIMEOUT = 90.0
 # The first task of a worker initializes CUDA and compiles kernels (Triton into an empty cache):
@@ -81,7 +81,7 @@ STARTUP_TIMEOUT = 120.0
 MAX_WORKER_FAILURES = 2
 
 # Largest JSON file (report, profile) sage-qual reads: a full certify report of eight variants on
-# two H200s is 0.44 MB (docs/results/run8-h200x2-final/certify/certify-a/report.json), and reading
+# two H200s is 0.44 MB (docs/results/run8-h200x2-final/certify/certify-a/report.json.gz), and reading
 # takes about three times the file's size in memory. A policy with a wide margin, not a measurement.
 MAX_JSON_BYTES = 32 * 2**20
 

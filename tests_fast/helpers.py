@@ -61,5 +61,5 @@ RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 
 def newest_h200_run() -> Path:
     """The newest run folder of docs/results/ (by its run number) that holds certify reports."""
-    folders = [f for f in RESULTS.glob("run*-h200*") if list(f.glob("certify*/report.json"))]
+    folders = [f for f in RESULTS.glob("run*-h200*") if list(f.glob("certify*/report.json.gz"))]
     return max(folders, key=lambda folder: int(folder.name[3:].split("-")[0]))

@@ -36,7 +36,7 @@ _ZERO_V = (
     "{function} returns NaN when a V channel is zero in every token, as in IP-Adapter's unconditional "
     "batch item (the image projection of a zero embedding): measured on the H200 in device run 8 "
     "(2026-11-30, torch 2.11.0+cu130, SageAttention 2.2.0; "
-    "docs/results/run8-h200x2-final/suite/gpu_results.json); the V scale of such a channel is 0, with no "
+    "docs/results/run8-h200x2-final/suite/gpu_results.json.gz); the V scale of such a channel is 0, with no "
     "epsilon, and the numerics model predicts NaN on exactly these cells (docs/numerics.md). Field "
     "report: black images with IP-Adapter, fixed by an epsilon (cubiq/ComfyUI_IPAdapter_plus PR #784).")
 for _variant, _function in (("sm89-fp8-cuda", "sageattn_qk_int8_pv_fp8_cuda"),

@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-BASE_REPORT = "docs/results/run18-h200/certify-a/report.json"
+BASE_REPORT = "docs/results/run18-h200/certify-a/report.json.gz"
 BASE_PROFILE = "docs/results/run18-h200/certify-a/profile.json"
 SM90 = "sm90-fp8-cuda"
 # Enabled on the H200 by run 18's report (docs/results/run18-h200/gates.txt: sm90-fp8-cuda from 9,728 to

@@ -18,8 +18,8 @@ from sage_qual.serving.config import Bound
 from sage_qual.serving.served import Served
 
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
-RUN8 = RESULTS / "run8-h200x2-final" / "certify" / "certify-a" / "report.json"  # no long checks
-RUN13 = RESULTS / "run13-h200x2" / "certify-e" / "report.json"  # ranges capped, three layouts
+RUN8 = RESULTS / "run8-h200x2-final" / "certify" / "certify-a" / "report.json.gz"  # no long checks
+RUN13 = RESULTS / "run13-h200x2" / "certify-e" / "report.json.gz"  # ranges capped, three layouts
 SAMPLE = Path(__file__).parent.parent / "data" / "sample_h200_2gpu.json"
 ENVIRONMENT = checked.load(SAMPLE).environment
 

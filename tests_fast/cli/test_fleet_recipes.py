@@ -63,9 +63,9 @@ def test_the_slurm_job_certifies_its_partition_into_a_folder_named_for_it(tmp_pa
 @pytest.fixture
 def fleet(tmp_path):
     """Two hosts (run 11's GPUs) and a baseline for the first (run 8's first report)."""
-    run8 = RESULTS / "run8-h200x2-final" / "certify" / "certify-a" / "report.json"
-    for host, report in (("h200-a", RESULTS / "run11-h200x2" / "certify-gpu0" / "report.json"),
-                         ("h200-b", RESULTS / "run11-h200x2" / "certify-gpu1" / "report.json"),
+    run8 = RESULTS / "run8-h200x2-final" / "certify" / "certify-a" / "report.json.gz"
+    for host, report in (("h200-a", RESULTS / "run11-h200x2" / "certify-gpu0" / "report.json.gz"),
+                         ("h200-b", RESULTS / "run11-h200x2" / "certify-gpu1" / "report.json.gz"),
                          ("../baseline/h200-a", run8)):
         (tmp_path / "reports" / host).mkdir(parents=True)
         shutil.copy(report, tmp_path / "reports" / host / "report.json")
@@ -109,7 +109,7 @@ def test_the_fleet_gate_names_the_variant_and_the_range_every_host_verified(tmp_
     """Issue 27: the fleet's enable line named neither. Runs 21 and 22 (one H200 each) with long checks."""
     for host, run in (("h200-a", "run21-h200"), ("h200-b", "run22-h200")):
         (tmp_path / "reports" / host).mkdir(parents=True)
-        shutil.copy(RESULTS / run / "certify" / "report.json", tmp_path / "reports" / host / "report.json")
+        shutil.copy(RESULTS / run / "certify" / "report.json.gz", tmp_path / "reports" / host / "report.json")
     done = merge_and_gate(tmp_path, baseline=False, REQUIRED_FAMILIES="Wan 2.2")
     assert done.returncode == 0, done.stderr
     decided = gates(tmp_path)
@@ -126,7 +126,7 @@ def test_the_fleet_gate_states_the_hosts_bounds(tmp_path):
     """Issue 26: run 25 bounds FLUX.1 (its IP-Adapter calls, 4 to 16 keys, stay on torch); two hosts of it."""
     for host in ("h200-a", "h200-b"):
         (tmp_path / "reports" / host).mkdir(parents=True)
-        run25 = RESULTS / "run25-h200" / "certify" / "report.json"
+        run25 = RESULTS / "run25-h200" / "certify" / "report.json.gz"
         shutil.copy(run25, tmp_path / "reports" / host / "report.json")
     done = merge_and_gate(tmp_path, baseline=False, REQUIRED_FAMILIES="FLUX.1")
     assert done.returncode == 0, done.stderr
@@ -168,7 +168,7 @@ def test_certify_one_sh_that_cannot_certify_never_gates_an_older_report(tmp_path
     report as this run's."""
     out = tmp_path / "host"
     out.mkdir()
-    shutil.copy(RESULTS / "run11-h200x2" / "certify-gpu0" / "report.json", out / "report.json")
+    shutil.copy(RESULTS / "run11-h200x2" / "certify-gpu0" / "report.json.gz", out / "report.json")
     done = subprocess.run(["bash", str(FLEET / "certify-one.sh"), str(out)], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "PYTHON": sys.executable})
     assert done.returncode == 2, done.stdout + done.stderr
@@ -183,7 +183,7 @@ def test_gate_answers_appended_as_certify_one_sh_appends_them_read_back_one_obje
     loop = script[script.index(": > \"$out/gates.jsonl\""):script.index("exit \"$certified\"")]
     out = tmp_path / "host"
     out.mkdir()
-    shutil.copy(RESULTS / "run11-h200x2" / "certify-gpu0" / "report.json", out / "report.json")
+    shutil.copy(RESULTS / "run11-h200x2" / "certify-gpu0" / "report.json.gz", out / "report.json")
     families = 'families=("FLUX.1" "Wan 2.2" "Flux 9")\n'  # the last one is refused: exit 2, one line too
     done = subprocess.run(["bash", "-c", f"out={out}; python={sys.executable}\n{families}{loop}"],
                           capture_output=True, text=True, timeout=120)
@@ -249,7 +249,7 @@ def test_an_unknown_require_speedup_value_is_bad_input(fleet):
 
 def test_the_fleet_line_carries_the_contexts_every_host_certified(tmp_path):
     """As gate's line does: run 30's H200 certified sm90-fp8-cuda in side_stream and compile."""
-    run30 = RESULTS / "run30-h200" / "certify" / "report.json"
+    run30 = RESULTS / "run30-h200" / "certify" / "report.json.gz"
     for host in ("h200-a", "h200-b"):
         (tmp_path / "reports" / host).mkdir(parents=True)
         shutil.copy(run30, tmp_path / "reports" / host / "report.json")

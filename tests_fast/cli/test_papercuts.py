@@ -72,7 +72,7 @@ def test_gate_without_a_gpu_refuses_before_importing_torch_or_starting_a_worker(
     import subprocess
     import sys
 
-    report = Path(__file__).resolve().parents[2] / "docs/results/run25-h200/certify/report.json"
+    report = Path(__file__).resolve().parents[2] / "docs/results/run25-h200/certify/report.json.gz"
     code = ("import sys\nfrom sage_qual import cli\ncode = cli.main(sys.argv[1:])\n"
             "print('torch imported' if 'torch' in sys.modules else 'no torch')\nsys.exit(code)")
     environ = {k: v for k, v in os.environ.items() if k != "SAGE_QUAL_TEST_WORKER"}

@@ -14,10 +14,10 @@ from sage_qual.qualification.decide import checked, verdict
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "docs" / "guide.md").read_text()  # the README's reference page
 CERTIFY_DOC = (ROOT / "docs" / "certify.md").read_text()
-CURRENT = [ROOT / "docs/results/run11-h200x2" / f"certify-gpu{n}" / "report.json" for n in (0, 1)]
-NEWEST = ROOT / "docs/results/run25-h200/certify/report.json"  # the latest full certify
+CURRENT = [ROOT / "docs/results/run11-h200x2" / f"certify-gpu{n}" / "report.json.gz" for n in (0, 1)]
+NEWEST = ROOT / "docs/results/run25-h200/certify/report.json.gz"  # the latest full certify
 RUN13 = ROOT / "docs/results/run13-h200x2"  # four runs with paired timing: every family's threshold
-RUN8 = [ROOT / "docs/results/run8-h200x2-final/certify" / f"certify-{n}" / "report.json" for n in "ab"]
+RUN8 = [ROOT / "docs/results/run8-h200x2-final/certify" / f"certify-{n}" / "report.json.gz" for n in "ab"]
 
 
 def flat(text: str) -> str:
@@ -52,12 +52,12 @@ def test_the_break_even_ranges_are_the_committed_runs():
     low, high = min(current + run8), max(current + run8)
     assert (f"SDPA call by call near the crossover: {low:,} to {high:,} tokens for the sm90 kernel at "
             "head_dim 128") in flat(README)
-    runs = [checked.load(RUN13 / f"certify-{n}" / "report.json") for n in "bcde"]
+    runs = [checked.load(RUN13 / f"certify-{n}" / "report.json.gz") for n in "bcde"]
     decisions = [gpu for run in runs for gpu in verdict.decide(run)]
     run13 = {f.served.min_query_tokens for gpu in decisions for f in gpu.families
              if f.served and f.served.head_dims == [128]}
     assert len(run13) == 1 and f"all gave {run13.pop():,} tokens" in flat(README)
-    later = [checked.load(ROOT / f"docs/results/{run}/certify/report.json")
+    later = [checked.load(ROOT / f"docs/results/{run}/certify/report.json.gz")
              for run in ("run22-h200", "run24-h200", "run25-h200")]
     sdxl = [gpu.family("SDXL") for run in runs + later for gpu in verdict.decide(run)]
     largest = [d.speedups["2048² self, 640 ch"] for d in sdxl]
@@ -113,8 +113,8 @@ def test_the_4096_token_example_is_the_current_report():
 def test_the_full_certify_time_is_the_newest_full_reports():
     from datetime import datetime
 
-    paths = sorted(ROOT.glob("docs/results/run29-h200/certify-*/report.json")) + [
-        ROOT / f"docs/results/run{n}-h200/certify/report.json" for n in (30, 31, 33, 34)]
+    paths = sorted(ROOT.glob("docs/results/run29-h200/certify-*/report.json.gz")) + [
+        ROOT / f"docs/results/run{n}-h200/certify/report.json.gz" for n in (30, 31, 33, 34)]
     runs = [checked.load(path) for path in paths]
     seconds = [(datetime.fromisoformat(r.finished) - datetime.fromisoformat(r.started)).total_seconds()
                for r in runs if r.complete and not r.options.quick]

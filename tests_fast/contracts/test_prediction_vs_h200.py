@@ -33,7 +33,7 @@ def test_every_cell_the_h200_measured_non_finite_is_predicted_to_fail():
 
 def test_a_hazard_fails_the_prediction_and_is_named():
     """sm80-fp16-cuda on 4 keys: the model's own output is finite, its stale V tail is a hazard; the
-    H200 returned NaN there (docs/results/run18-h200/certify-a/report.md)."""
+    H200 returned NaN there (docs/results/run18-h200/certify-a/report.md.gz)."""
     cell = predicted("sm80-fp16-cuda", "flux1_ip_adapter_zero_uncond")
     assert cell.finite is True and cell.outcome == Outcome.FAIL
     assert cell.hazards and cell.hazards[0].startswith("4 keys, fewer than one key block")

@@ -26,7 +26,7 @@ def _tokens(values: list[int | None]) -> str:
 
 
 def expected_table(runs: list[Path]) -> str:
-    decisions = [gpu for run in runs for path in sorted(run.glob("certify*/report.json"))
+    decisions = [gpu for run in runs for path in sorted(run.glob("certify*/report.json.gz"))
                  for gpu in verdict.decide(checked.load(path))]
     lines = ["| family | verdict on the H200 | served from (tokens, over the runs) | up to | calls kept on torch |",
              "| --- | --- | --- | --- | --- |"]

@@ -9,6 +9,7 @@ objects.
 """
 
 import copy
+import gzip
 import io
 import json
 import random
@@ -220,13 +221,13 @@ def test_the_generated_reports_cover_every_verdict():
 
 
 RESULTS = Path(__file__).resolve().parent.parent.parent / "docs" / "results"
-CURRENT = sorted((RESULTS / "run11-h200x2").rglob("report.json"))
+CURRENT = sorted((RESULTS / "run11-h200x2").rglob("report.json.gz"))
 
 
 @pytest.mark.parametrize("path", CURRENT, ids=lambda p: str(p.parent.name))
 def test_the_committed_current_reports_agree(path, tmp_path, monkeypatch):
     """The final GPU run's reports (docs/results/run11-h200x2/): the same four outputs, same verdicts."""
-    data = json.loads(path.read_text())
+    data = json.loads(gzip.decompress(path.read_bytes()))
     markdown = from_markdown(data, tmp_path, monkeypatch)
     assert markdown and from_merge(data) == markdown and from_summary(data, tmp_path) == markdown
     assert from_gate(data) == markdown

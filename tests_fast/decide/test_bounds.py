@@ -23,8 +23,8 @@ from sage_qual.serving.config import Bound
 from .. import builders
 
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
-RUN25 = RESULTS / "run25-h200" / "certify" / "report.json"
-RUN22 = RESULTS / "run22-h200" / "certify" / "report.json"
+RUN25 = RESULTS / "run25-h200" / "certify" / "report.json.gz"
+RUN22 = RESULTS / "run22-h200" / "certify" / "report.json.gz"
 IP_ADAPTER = "flux1_ip_adapter_zero_uncond"
 
 

@@ -4,6 +4,7 @@ appended after it, as an edit would) is refused naming the kind; every list re-o
 same verdicts. The kinds are read from the report model's types, so a new kind is covered here."""
 
 import copy
+import gzip
 import json
 
 import pytest
@@ -14,7 +15,7 @@ from sage_qual.qualification.evidence.report_model import ReportError
 
 from ..helpers import newest_h200_run
 
-REPORT = json.loads(sorted(newest_h200_run().glob("certify*/report.json"))[0].read_text())
+REPORT = json.loads(gzip.decompress(sorted(newest_h200_run().glob("certify*/report.json.gz"))[0].read_bytes()))
 KINDS = [name for name, _ in evidence_lists(checked.parse(copy.deepcopy(REPORT), "report").devices[0])]
 
 

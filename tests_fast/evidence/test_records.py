@@ -71,6 +71,6 @@ def test_dump_takes_instances_only():
 
 @pytest.mark.parametrize("run", ["certify-b", "certify-e"])
 def test_a_real_report_round_trips(run):
-    path = RUN13 / run / "report.json"
+    path = RUN13 / run / "report.json.gz"
     report = files.load(path)
     assert files.from_dict(json.loads(json.dumps(records.dump(report))), str(path)) == report

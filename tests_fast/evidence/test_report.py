@@ -75,7 +75,7 @@ def test_the_schema_rejects_what_load_refuses(validator, damage):
     assert errors(validator, data)
 
 
-COMMITTED = sorted(Path(__file__).resolve().parent.parent.parent.glob("docs/results/*/report.json"))
+COMMITTED = sorted(Path(__file__).resolve().parent.parent.parent.glob("docs/results/*/report.json.gz"))
 
 
 @pytest.mark.parametrize("path", COMMITTED, ids=lambda p: p.parent.name)
@@ -91,7 +91,7 @@ def test_current_reports_were_made_on_the_shipped_fixtures():
     so `gate` on them is not stale. The older runs' folders are history and may differ."""
     from sage_qual.fixtures import fileformat
 
-    reports = sorted(CURRENT.rglob("report.json"))
+    reports = sorted(CURRENT.rglob("report.json.gz"))
     if not reports:
         pytest.skip(f"no {CURRENT.relative_to(CURRENT.parents[2])}/**/report.json yet: the final GPU run "
                     "fills it")

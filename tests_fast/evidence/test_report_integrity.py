@@ -4,6 +4,7 @@ variant, fixture or family, and a file larger than any report certify writes. Ea
 line naming the file and the entry."""
 
 import copy
+import gzip
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -100,3 +101,30 @@ def test_a_file_larger_than_the_limit_is_refused_unread(tmp_path, monkeypatch):
         checked.load(path)
     monkeypatch.setattr(jsonfile, "MAX_JSON_BYTES", path.stat().st_size)
     assert checked.load(path).host == "sample-h200-2gpu"
+
+
+def test_a_gzip_compressed_report_reads_as_the_plain_one_whatever_its_name(tmp_path):
+    """docs/results/ keeps its reports as report.json.gz: every reader takes them as they are."""
+    plain = checked.load(SAMPLE)
+    for name in ("report.json.gz", "report.json"):
+        path = tmp_path / name
+        path.write_bytes(gzip.compress(SAMPLE.read_bytes()))
+        assert checked.load(path) == plain
+
+
+def test_a_compressed_file_is_held_to_the_limit_by_what_it_decompresses_to(tmp_path, monkeypatch):
+    path = tmp_path / "report.json.gz"
+    path.write_bytes(gzip.compress(SAMPLE.read_bytes()))
+    monkeypatch.setattr(jsonfile, "MAX_JSON_BYTES", len(SAMPLE.read_bytes()) - 1)
+    assert path.stat().st_size < jsonfile.MAX_JSON_BYTES
+    with pytest.raises(report_model.ReportError, match=r"cannot be read \(more than"):
+        checked.load(path)
+
+
+@pytest.mark.parametrize("damage", [lambda b: b[: len(b) // 2], lambda b: b[:10] + b"\0" * 64 + b[74:]],
+                         ids=["torn", "corrupt"])
+def test_a_damaged_compressed_report_says_so(tmp_path, damage):
+    path = tmp_path / "report.json.gz"
+    path.write_bytes(damage(gzip.compress(SAMPLE.read_bytes())))
+    with pytest.raises(report_model.ReportError, match=r"report.json.gz: cannot be read \(a damaged gzip file"):
+        checked.load(path)

@@ -3,6 +3,7 @@
 a real report's numbers, a cosine of 1.0000001 among them, still read."""
 
 import copy
+import gzip
 import json
 from pathlib import Path
 
@@ -11,12 +12,12 @@ import pytest
 from sage_qual.qualification.decide import checked
 from sage_qual.qualification.evidence import report_model
 
-REAL = Path(__file__).resolve().parents[2] / "docs/results/run8-h200x2-final/certify/certify-b/report.json"
+REAL = Path(__file__).resolve().parents[2] / "docs/results/run8-h200x2-final/certify/certify-b/report.json.gz"
 
 
 @pytest.fixture(scope="module")
 def real():
-    return json.loads(REAL.read_text())
+    return json.loads(gzip.decompress(REAL.read_bytes()))
 
 
 def measured_cell(data):

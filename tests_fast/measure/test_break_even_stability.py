@@ -23,7 +23,7 @@ DATA = Path(__file__).resolve().parent.parent / "data"
 RUNS = [DATA / "h200_certify_a.json.gz", DATA / "h200_certify_b.json.gz"]
 # Device run 11: certify on both H200s of one host at once, the code that screens SDPA backends.
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
-RUN11 = [RESULTS / "run11-h200x2" / f"certify-gpu{g}" / "report.json" for g in (0, 1)]
+RUN11 = [RESULTS / "run11-h200x2" / f"certify-gpu{g}" / "report.json.gz" for g in (0, 1)]
 VARIANT = "sm90-fp8-cuda"
 PROPERTY = settings(max_examples=60, deadline=None, derandomize=True, database=None)
 
@@ -49,7 +49,7 @@ def test_two_h200_runs_give_the_same_verdicts_and_served_speed():
 # certify runs back to back on cuda:0, b to d, and one on cuda:1 beside d, e). SDXL sat at the edge
 # there (its largest call's lower bound 0.97-1.01x), and flipped between enable and no speedup until
 # the bar carried the run-to-run spread (speed.RUN_TO_RUN_SPREAD).
-RUN13 = {name: RESULTS / "run13-h200x2" / f"certify-{name}" / "report.json" for name in "bcde"}
+RUN13 = {name: RESULTS / "run13-h200x2" / f"certify-{name}" / "report.json.gz" for name in "bcde"}
 
 
 @pytest.mark.parametrize("pair", ["bc", "cd", "bd", "de"])

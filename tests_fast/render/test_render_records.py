@@ -8,6 +8,7 @@ with them, only the verdict rows of the families they bound change).
 """
 
 import dataclasses
+import gzip
 import json
 from pathlib import Path
 
@@ -31,18 +32,18 @@ def test_run_13s_reports_render_as_committed(run, tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")  # the committed report.md shows the plots
     monkeypatch.setattr(speed, "RUN_TO_RUN_SPREAD", 0.0)  # the bar those reports were decided with
     monkeypatch.setattr(bounds, "sites_of", lambda fixture, family=None: [])
-    builders.rendered(checked.load(RUN13 / run / "report.json"), tmp_path)
-    assert (tmp_path / "report.md").read_bytes() == (RUN13 / run / "report.md").read_bytes()
+    builders.rendered(checked.load(RUN13 / run / "report.json.gz"), tmp_path)
+    assert (tmp_path / "report.md").read_bytes() == gzip.decompress((RUN13 / run / "report.md.gz").read_bytes())
 
 
 @pytest.mark.parametrize("run", ["certify-b", "certify-e"])
 def test_bounds_change_only_the_rows_of_the_families_they_bound(run, tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     monkeypatch.setattr(speed, "RUN_TO_RUN_SPREAD", 0.0)  # the bar those reports were decided with
-    data = checked.load(RUN13 / run / "report.json")
+    data = checked.load(RUN13 / run / "report.json.gz")
     builders.rendered(data, tmp_path)
     now = (tmp_path / "report.md").read_text().splitlines()
-    then = (RUN13 / run / "report.md").read_text().splitlines()
+    then = gzip.decompress((RUN13 / run / "report.md.gz").read_bytes()).decode().splitlines()
     assert len(now) == len(then)
     changed = {line.split(" | ")[0] for line, old in zip(now, then, strict=True) if line != old}
     [gpu] = verdict.decide(data)

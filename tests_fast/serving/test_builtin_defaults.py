@@ -26,8 +26,8 @@ from ..builders import make_entry, make_gpu, make_profile, reason
 from ..helpers import newest_h200_run
 
 RESULTS = Path(__file__).resolve().parent.parent.parent / "docs" / "results"
-SOURCES = [RESULTS / "run29-h200" / f"certify-{n}" / "report.json" for n in (1, 2, 3)] + [
-    RESULTS / f"run{n}-h200" / "certify" / "report.json" for n in (30, 31, 33, 34)]
+SOURCES = [RESULTS / "run29-h200" / f"certify-{n}" / "report.json.gz" for n in (1, 2, 3)] + [
+    RESULTS / f"run{n}-h200" / "certify" / "report.json.gz" for n in (30, 31, 33, 34)]
 H200 = FakeGpu((9, 0), "NVIDIA H200", 139.8)  # as torch names the H200 of docs/results
 H100 = FakeGpu((9, 0), "NVIDIA H100 80GB HBM3", 79.6)
 RTX4090 = FakeGpu((8, 9), "NVIDIA GeForce RTX 4090", 24.0)
@@ -147,7 +147,7 @@ def test_a_family_the_h200_runs_kept_off_is_not_served_on_an_h200_or_an_unmeasur
 
 def newest_runs() -> list[Path]:
     """The full certify reports of the newest H200 run folder of docs/results/."""
-    reports = [(path, checked.load(path)) for path in sorted(newest_h200_run().glob("certify*/report.json"))]
+    reports = [(path, checked.load(path)) for path in sorted(newest_h200_run().glob("certify*/report.json.gz"))]
     return [path for path, r in reports if r.complete and not r.predicted and not r.options.quick]
 
 

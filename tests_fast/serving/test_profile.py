@@ -317,7 +317,7 @@ def test_the_built_profile_is_the_one_run_13_wrote(run, tmp_path, monkeypatch):
     FLUX.1's calls with two items, so FLUX.1's IP-Adapter failure is not bounded)."""
     monkeypatch.setattr(speed, "RUN_TO_RUN_SPREAD", 0.0)  # the bar run 13's profiles were written with
     folder = Path(__file__).resolve().parents[2] / "docs" / "results" / "run13-h200x2" / run
-    data = checked.load(folder / "report.json")
+    data = checked.load(folder / "report.json.gz")
     committed = profile.load(folder / "profile.json")
     building.save(building.build(data, verdict.decide(data)), tmp_path / "bounded.json")
     with monkeypatch.context() as patched:

@@ -40,7 +40,7 @@ from sage_qual.qualification.measure import accuracy
 from sage_qual.serving.variants import Variant
 
 # Kernel against model on every shipped fixture where both are finite: at most 1.5 % apart in
-# relative L2 (H200, docs/results/run6-h200x2-pytest-slow/gpu_results.json; table and method in
+# relative L2 (H200, docs/results/run6-h200x2-pytest-slow/gpu_results.json.gz; table and method in
 # docs/numerics.md); run to run 0 % (runs 5 and 6 equal to 4 significant digits). One margin for
 # the suite: about 7x the worst measured spread, for the worst-slice errors (maxima over heads, items and
 # row blocks, which move more than the whole-tensor error), and well under the 0.25 allowed.
@@ -54,7 +54,7 @@ NORM_FLOOR = 2.0 ** -9
 # The element-wise allowance. The model's max |out - ref| was not measured against a kernel before
 # this criterion (H200 run 8 stored the aggregate and slice errors only); what was measured: the
 # model within 1.5 % of the kernels' relative L2 and within 3.5 % of their worst 64-row block
-# (docs/results/run8-h200x2-final/suite/numerics_vs_kernel.json, 144 cells finite on both sides).
+# (docs/results/run8-h200x2-final/suite/numerics_vs_kernel.json.gz, 144 cells finite on both sides).
 # On the CPU, rounding-level changes to the model's arithmetic moved its max abs error, over the 128
 # (variant, fixture) cells: exp perturbed by 2^-21 (as the GPU's ex2.approx differs) by at most
 # 6e-6; by 2^-11 (an fp16 partial sum's rounding) by 5.3 % and 8.8 % in two draws, where the

@@ -39,7 +39,7 @@ the fixtures: 10 per variant with the shipped fixtures (8192, 16384, 32768; 1372
 64, 16896 at four head counts; 75600), 2 with --quick. A check calls the kernel once per layout (4
 calls) and runs the float32 reference and the numerics model on 512 rows, on tensors of at most 3 x
 0.8 GB plus one layout's copy. Kernel time, scaled from the H200 run of
-docs/results/run11-h200x2/certify-gpu0/report.json (40 heads x 32,760 tokens: sm90 27.5 ms, the other
+docs/results/run11-h200x2/certify-gpu0/report.json.gz (40 heads x 32,760 tokens: sm90 27.5 ms, the other
 variants 48-69 ms) by the square of the length: at 75,600 tokens 0.15 s (sm90) to 0.37 s per call,
 so 0.6-1.5 s per check; every other check is under 0.2 s. With the model and the reference on 512
 rows (0.1-1 s per check, most at 75,600), 2-4 s per variant: 20-30 s for the eight variants on one

@@ -17,7 +17,7 @@ from sage_qual.errors import UsageError
 from sage_qual.qualification import names
 
 # The longest --timeout taken: an hour without a result is a hang by any measure (the slowest task
-# measured took 8.6 s, docs/results/run2-h200-certify-full/report.json).
+# measured took 8.6 s, docs/results/run2-h200-certify-full/report.json.gz).
 MAX_TIMEOUT_S = 3600.0
 
 

@@ -338,7 +338,7 @@ def long_checks(chosen: list[families_mod.Family], longest_fixture: int, quick: 
 # must have been measured for what it serves); other variants are not probed, to save time.
 #
 # Cost, measured: the sm90 kernel's six cases returned 3.0-5.3 s after the sweep ended, beside the
-# context checks, in a follow-up of 7.3 s (docs/results/run33-h200/certify.log). At most 12 GB of GPU
+# context checks, in a follow-up of 7.3 s (docs/results/run33-h200/certify.log.gz). At most 12 GB of GPU
 # memory per worker (span_probe).
 
 

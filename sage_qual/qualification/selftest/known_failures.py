@@ -1,7 +1,7 @@
 """The committed H200 certify reports as known failures per shipped fixture (`sage_qual.fixtures.known`).
 
 `python -m sage_qual.qualification.selftest.known_failures [REPORT ...]` rewrites
-sage_qual/fixtures/known_failures.json from the given reports (default: every report.json under
+sage_qual/fixtures/known_failures.json from the given reports (default: every report.json.gz under
 docs/results/). A report counts for a fixture when it holds a cell on that very file (the same
 sha256 as the shipped one); a GPU-less prediction (certify --emulate) and an integration's report
 (certify --target) say nothing of the kernels and are left out.
@@ -24,7 +24,7 @@ HOW = {"non_finite": "not finite", "accuracy": "over its budget", "memory": "ove
 
 
 def committed_reports(root: Path = RESULTS) -> list[Path]:
-    return sorted(root.rglob("report.json"))
+    return sorted(root.rglob("report.json.gz"))
 
 
 def tables(reports: list[Path], shipped: dict[str, str]) -> dict:

@@ -14,6 +14,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from sage_qual import jsonfile
 from sage_qual.fixtures.fileformat import list_fixtures, load_fixture, shipped_dir
 from sage_qual.qualification.measure import budgets
 from sage_qual.qualification.render.report import markdown_table
@@ -80,7 +81,8 @@ def from_results(results_path, fixture_dir) -> list[Row]:
     """Rows for every accuracy cell of a results table whose fixture is in `fixture_dir`."""
     fixtures = {p.name.removesuffix(".safetensors"): p for p in list_fixtures(fixture_dir)}
     rows, loaded = [], {}
-    table = json.loads(Path(results_path).read_text())
+    table = jsonfile.read(results_path, ValueError, unreadable="cannot read {path}: {reason}",
+                                    not_json="{path} is not JSON: {reason}")
     if not isinstance(table, list) or not all(isinstance(entry, dict) for entry in table):
         raise ValueError("not a list of result rows")
     for entry in table:
