@@ -8,11 +8,9 @@ tests_gpu/test_numerics_vs_kernel.py builds the same table from the kernels it r
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 from sage_qual import jsonfile
 from sage_qual.fixtures.fileformat import list_fixtures, load_fixture, shipped_dir
