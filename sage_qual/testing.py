@@ -1,4 +1,5 @@
-"""A fake `sageattention` and a fake CUDA, for our tests and for downstream apps' tests.
+"""A fake `sageattention` (and, when asked, a fake `comfy_kitchen`) and a fake CUDA, for our tests
+and for downstream apps' tests.
 
     from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention, on_device
 
@@ -20,6 +21,10 @@ Execution contexts: `with cuda.side_stream():` and `with cuda.capture():` make c
 side stream or during a CUDA-graph capture. The fake kernels of thu-ml's CUDA functions then return
 zeros, as a launch on the legacy stream does there (unordered, or not recorded); the Triton one, which
 launches on the current stream, stays right (`FakeSageAttention.current_stream` changes which).
+
+`FakeSageAttention(comfy_kitchen="0.2.40")` also installs a fake comfy-kitchen whose
+`comfy_kitchen.sage_attention.int8_attention` is made the same way; without it a real comfy-kitchen
+is hidden for the block, so a test sees the same machine wherever it runs.
 """
 
 from __future__ import annotations
@@ -38,7 +43,13 @@ from typing import Any, Callable, Optional
 import torch
 
 from sage_qual.serving import contexts, platform, sage_package
+from sage_qual.serving.providers import COMFY_KITCHEN, THU_ML
 from sage_qual.serving.variants import EXTENSIONS, KERNEL_FUNCTIONS, KernelFunction, upstream_pick
+
+# comfy_kitchen's modules the fake puts in place (or hides): its package, kernels module and the
+# packages above its CUDA extension.
+_CK_MODULES = ("comfy_kitchen", "comfy_kitchen.sage_attention", "comfy_kitchen.backends",
+               "comfy_kitchen.backends.cuda")
 
 _FAKE_INDEX = "_sage_qual_fake_cuda_index"
 ROW_TILE = 128  # query rows the fake kernels compute at a time
@@ -251,6 +262,8 @@ class FakeSageAttention:
     extension_dir: a folder to give the package files, as a built one has: its `__init__.py` and one
         `<extension>.so` per extension (written when absent), so `sage_package.source_digest` sees a
         build; a test rewrites one to stand for another build. None: a package without files.
+    comfy_kitchen: the version of a fake comfy-kitchen to install beside it (None: none, and a real
+        one hidden); `ck_extensions` are its compiled extensions that import.
     """
 
     version: Optional[str] = "2.2.0"
@@ -262,6 +275,8 @@ class FakeSageAttention:
     current_stream: Optional[tuple[str, ...]] = None
     legacy_stream_output: Callable[[torch.Tensor], torch.Tensor] = torch.zeros_like
     extension_dir: Optional[Path] = None
+    comfy_kitchen: Optional[str] = None
+    ck_extensions: tuple[str, ...] = COMFY_KITCHEN.extensions
     calls: list[KernelCall] = field(default_factory=list)
     _behaviour: Optional[Callable] = None
 
@@ -298,7 +313,7 @@ class FakeSageAttention:
         nhd = keywords.get("tensor_layout") == "NHD"
         if nhd:
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        sm_scale = keywords.get("sm_scale")
+        sm_scale = keywords.get(function.scale_keyword)
         exact = exact_attention(q, k, v, q.shape[-1] ** -0.5 if sm_scale is None else sm_scale,
                                 bool(keywords.get("is_causal")), keywords.get("attn_mask"),
                                 bool(keywords.get("return_lse")))
@@ -346,11 +361,30 @@ class FakeSageAttention:
             self.extension_dir.mkdir(parents=True, exist_ok=True)
             module.__file__ = str(self.extension_dir / "__init__.py")
             Path(module.__file__).touch()
-        for function in KERNEL_FUNCTIONS.values():
-            if function.name not in self.missing:
-                setattr(module, function.name, self._make_kernel(function))
+        self._add_kernels(module, THU_ML.name)
         module.sageattn = self._make_dispatcher(module)
         return module
+
+    def _add_kernels(self, module: types.ModuleType, provider: str) -> None:
+        for function in KERNEL_FUNCTIONS.values():
+            if function.provider == provider and function.name not in self.missing:
+                setattr(module, function.name, self._make_kernel(function))
+
+    def function(self, name: str) -> Callable:
+        """The fake kernel function `name` of any provider (`KERNEL_FUNCTIONS`), as its module holds it."""
+        return self._make_kernel(KERNEL_FUNCTIONS[name])
+
+    def ck_modules(self) -> dict[str, types.ModuleType]:
+        """The fake comfy_kitchen's modules by name: packages, and the kernels module."""
+        modules = {}
+        for name in _CK_MODULES:
+            module = types.ModuleType(name)
+            module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+            module.__path__ = []
+            modules[name] = module
+        modules["comfy_kitchen"].__version__ = self.comfy_kitchen
+        self._add_kernels(modules["comfy_kitchen.sage_attention"], COMFY_KITCHEN.name)
+        return modules
 
     def _make_dispatcher(self, module: types.ModuleType) -> Callable:
         """Upstream's `sageattn()`: the kernel and options core.py picks for the GPU of `q` (the
@@ -377,13 +411,16 @@ class FakeSageAttention:
     def installed(self):
         """Put the fake package in place of any real one for a block, and tell the wrapper whether
         triton is installed (`triton`)."""
-        names = ["sageattention"] + [f"sageattention.{e}" for e in EXTENSIONS]
+        names = (["sageattention"] + [f"sageattention.{e}" for e in EXTENSIONS] + list(_CK_MODULES)
+                 + [f"comfy_kitchen.{e}" for e in COMFY_KITCHEN.extensions])
         saved = {name: sys.modules.get(name) for name in names}
         finder = _FakeFinder(self)
         for name in names:
             sys.modules.pop(name, None)
         if self.import_error is None:
             sys.modules["sageattention"] = self.module()
+        # A module set to None is one Python finds nowhere: the real comfy_kitchen stays hidden.
+        sys.modules.update(self.ck_modules() if self.comfy_kitchen else {"comfy_kitchen": None})
         has_triton, sage_package.has_triton = sage_package.has_triton, lambda: self.triton
         sys.meta_path.insert(0, finder)
         try:
@@ -399,8 +436,8 @@ class FakeSageAttention:
 
 
 class _FakeDistribution(importlib.metadata.Distribution):
-    def __init__(self, version: str):
-        self._metadata = f"Metadata-Version: 2.1\nName: sageattention\nVersion: {version}\n"
+    def __init__(self, version: str, name: str = "sageattention"):
+        self._metadata = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
 
     def read_text(self, filename):
         return self._metadata if filename in ("METADATA", "PKG-INFO") else None
@@ -426,6 +463,8 @@ class _FakeFinder(importlib.abc.MetaPathFinder):
         if name.startswith("sageattention.") and name.split(".", 1)[1] in EXTENSIONS:
             return importlib.machinery.ModuleSpec(name, _ExtensionLoader(self.fake.extensions,
                                                                          self.fake.extension_dir))
+        if self.fake.comfy_kitchen and name.split(".", 1)[-1] in COMFY_KITCHEN.extensions:
+            return importlib.machinery.ModuleSpec(name, _ExtensionLoader(self.fake.ck_extensions, None))
         return None
 
     def find_distributions(self, context=_ANY_DISTRIBUTION):
@@ -434,6 +473,10 @@ class _FakeFinder(importlib.abc.MetaPathFinder):
         elif context.name == "sageattention":
             # Shadow a real installation: this fake has no metadata.
             raise importlib.metadata.PackageNotFoundError("sageattention")
+        if context.name in (None, "comfy-kitchen", "comfy_kitchen") and self.fake.comfy_kitchen is not None:
+            yield _FakeDistribution(self.fake.comfy_kitchen, "comfy-kitchen")
+        elif context.name in ("comfy-kitchen", "comfy_kitchen"):
+            raise importlib.metadata.PackageNotFoundError("comfy-kitchen")  # hide a real one
 
 
 class _FailingLoader(importlib.abc.Loader):

@@ -34,14 +34,31 @@ def sage():
         pytest.skip(f"sageattention unusable: {why}")
 
 
-def assess_device(sage: sage_package.SagePackage, index: int = 0) -> GpuAssessment:
+def assess_device(packages, index: int = 0) -> GpuAssessment:
     """What cuda:`index` can run: the one `assess()` that install(), `sage-qual env` and certify use."""
-    return assess(index, box_facts(platform.current(), index, sage), sage)
+    return assess(index, box_facts(platform.current(), index, packages), packages)
 
 
 @pytest.fixture(scope="session")
-def gpu0(sage) -> GpuAssessment:
-    return assess_device(sage, 0)
+def packages(sage):
+    """Every provider's package, or why it is not usable (`sage_package.load_all`)."""
+    return sage_package.load_all()
+
+
+@pytest.fixture(scope="session")
+def kernels(packages):
+    """The package of a variant's provider (its kernels); the test is skipped where it does not load."""
+    def of(variant):
+        package = packages[variant.provider]
+        if isinstance(package, str):
+            pytest.skip(package)
+        return package
+    return of
+
+
+@pytest.fixture(scope="session")
+def gpu0(packages) -> GpuAssessment:
+    return assess_device(packages, 0)
 
 
 @pytest.fixture(scope="session")

@@ -32,11 +32,11 @@ CASES = [
 
 
 @pytest.mark.parametrize("variant_name, fixture_path", CASES)
-def test_variant_on_fixture(variant_name, fixture_path, sage, runnable, wrapper_serving, record):
+def test_variant_on_fixture(variant_name, fixture_path, kernels, runnable, wrapper_serving, record):
     variant = runnable(variant_name)
     fixture = load_fixture(fixture_path, device="cuda")
     q, k, v = fixture.q, fixture.k, fixture.v
-    direct = accuracy.call_kernel(sage, variant, q, k, v)
+    direct = accuracy.call_kernel(kernels(variant), variant, q, k, v)
     found = accuracy.accuracy(direct, q, k, v)
     budget = budgets.budget(variant, fixture)
     expected = budgets.expectation(variant, fixture)

@@ -48,23 +48,23 @@ def _write() -> None:
 
 @pytest.mark.parametrize("fixture_path", FIXTURE_PATHS, ids=lambda p: p.stem)
 @pytest.mark.parametrize("variant_name", VARIANT_NAMES)
-def test_model_matches_kernel_on_fixture(variant_name, fixture_path, sage, runnable, record):
+def test_model_matches_kernel_on_fixture(variant_name, fixture_path, kernels, runnable, record):
     variant = runnable(variant_name)
     fixture = load_fixture(fixture_path, device="cuda")
     expected = budgets.expectation(variant, fixture)
-    _check(sage, variant, fixture.name, fixture.q, fixture.k, fixture.v, expected, record)
+    _check(kernels(variant), variant, fixture.name, fixture.q, fixture.k, fixture.v, expected, record)
 
 
 # head_dim 80 and 96: no family calls them and the wrapper serves 64 and 128 only, so they are no
 # fixture; the kernels pad them to 128 (core.py), which the model must still describe.
 @pytest.mark.parametrize("head_dim", [80, 96])
 @pytest.mark.parametrize("variant_name", VARIANT_NAMES)
-def test_model_matches_kernel_at_padded_head_dims(variant_name, head_dim, sage, runnable, record):
+def test_model_matches_kernel_at_padded_head_dims(variant_name, head_dim, kernels, runnable, record):
     variant = runnable(variant_name)
     g = torch.Generator("cuda").manual_seed(head_dim)
     q, k, v = (torch.randn(1, 2, 1549, head_dim, generator=g, device="cuda").bfloat16() for _ in range(3))
     expected = budgets.expected(variant, q, k, v)
-    _check(sage, variant, f"random_head_dim_{head_dim}", q, k, v, expected, record)
+    _check(kernels(variant), variant, f"random_head_dim_{head_dim}", q, k, v, expected, record)
 
 
 # Long sequences: the field report of noise past about 160k tokens (ComfyUI #15263, sm120) and the
@@ -72,7 +72,7 @@ def test_model_matches_kernel_at_padded_head_dims(variant_name, head_dim, sage, 
 # comparison reads eight whole 128-row query tiles spread over the sequence, each against all keys.
 @pytest.mark.parametrize("tokens", [32768 + 16, 163840 + 16])
 @pytest.mark.parametrize("variant_name", VARIANT_NAMES)
-def test_model_matches_kernel_on_long_sequences(variant_name, tokens, sage, runnable, record):
+def test_model_matches_kernel_on_long_sequences(variant_name, tokens, kernels, runnable, record):
     variant = runnable(variant_name)
     g = torch.Generator("cuda").manual_seed(tokens)
     q, k, v = (torch.randn(1, 1, tokens, 128, generator=g, device="cuda").bfloat16() for _ in range(3))
@@ -80,7 +80,7 @@ def test_model_matches_kernel_on_long_sequences(variant_name, tokens, sage, runn
     rows = (tiles[:, None] * 128 + torch.arange(128, device="cuda")).flatten()
     q_rows = q[:, :, rows].contiguous()  # whole tiles: each row keeps its INT8 group
     ref = accuracy.reference(q_rows, k, v)
-    found = accuracy.errors(accuracy.call_kernel(sage, variant, q, k, v)[:, :, rows], ref)
+    found = accuracy.errors(accuracy.call_kernel(kernels(variant), variant, q, k, v)[:, :, rows], ref)
     expected = budgets.metrics_of(numerics.predict(variant, q_rows, k, v), ref)
     _report(variant, f"random_{tokens}_tokens", found, expected, record)
 

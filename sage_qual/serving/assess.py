@@ -12,9 +12,12 @@ from typing import Mapping
 
 from sage_qual.serving import platform, sage_package
 from sage_qual.serving.config import DEFAULT_CONFIG, WrapperConfig
+from sage_qual.serving.providers import THU_ML
 from sage_qual.serving.variants import VARIANTS, BoxFacts, Variant
 
 UNUSABLE_PACKAGE = "sageattention unusable (see above)"
+# Every provider's package, or why it cannot serve (`sage_package.load_all`).
+Packages = Mapping[str, "sage_package.SagePackage | str"]
 
 
 @dataclass(frozen=True)
@@ -35,41 +38,46 @@ class GpuAssessment:
 
 @dataclass(frozen=True)
 class MachineAssessment:
-    package: sage_package.SagePackage | None
+    package: sage_package.SagePackage | None  # thu-ml's sageattention
     problem: str  # why sageattention cannot serve at all; "" when it loads
     gpus: list[GpuAssessment] = field(default_factory=list)
+    packages: Packages = field(default_factory=dict)  # every provider's, or why not
 
 
-def box_facts(cuda: platform.CudaPlatform, index: int, package: sage_package.SagePackage | None) -> BoxFacts:
-    extensions = package.extensions if package is not None else frozenset()
+def loaded(packages: Packages) -> list[sage_package.SagePackage]:
+    return [p for p in packages.values() if not isinstance(p, str)]
+
+
+def box_facts(cuda: platform.CudaPlatform, index: int, packages: Packages) -> BoxFacts:
+    extensions = frozenset().union(*(p.extensions for p in loaded(packages)))
     return BoxFacts(cuda.capability(index), cuda.torch_cuda(), extensions, sage_package.has_triton())
 
 
-def assess(index: int, box: BoxFacts, package: sage_package.SagePackage | None,
-           config: WrapperConfig = DEFAULT_CONFIG, problem: str = UNUSABLE_PACKAGE) -> GpuAssessment:
-    """One GPU: each variant's reasons (its box facts, then the installed function's signature)
-    and the first variant of the config's table for this capability that has none."""
+def assess(index: int, box: BoxFacts, packages: Packages,
+           config: WrapperConfig = DEFAULT_CONFIG) -> GpuAssessment:
+    """One GPU: each variant's reasons (its provider's package, its box facts, then the installed
+    function's signature) and the first variant of the config's table for this capability that has none."""
     reasons = {}
     for name, variant in VARIANTS.items():
-        if package is None:
-            reasons[name] = (problem,)
+        package = packages.get(variant.provider, f"{variant.provider}: not looked for")
+        if isinstance(package, str):
+            reasons[name] = (package,)
             continue
         why = variant.not_supported_reasons(box)
         kernel_problem = None if why else sage_package.kernel_problem(package, variant)
         reasons[name] = tuple(why) if why else ((kernel_problem,) if kernel_problem else ())
-    if package is None:
+    if not loaded(packages):
         return GpuAssessment(index, box, reasons, None, UNUSABLE_PACKAGE)
     kernel, why_none = config.choose(box.capability, reasons)
     return GpuAssessment(index, box, reasons, kernel, why_none)
 
 
 def assess_machine(config: WrapperConfig = DEFAULT_CONFIG) -> MachineAssessment:
-    """Every visible GPU (through `platform`), with the installed sageattention or why it is unusable."""
+    """Every visible GPU (through `platform`), with every provider's package or why it is unusable."""
     cuda = platform.current()
-    try:
-        package, problem = sage_package.load(), ""
-    except sage_package.SageUnavailable as why:
-        package, problem = None, str(why)
-    gpus = [assess(index, box_facts(cuda, index, package), package, config, problem or UNUSABLE_PACKAGE)
+    packages = sage_package.load_all()
+    thu_ml = packages[THU_ML.name]
+    gpus = [assess(index, box_facts(cuda, index, packages), packages, config)
             for index in range(cuda.device_count())]
-    return MachineAssessment(package, problem, gpus)
+    return MachineAssessment(None if isinstance(thu_ml, str) else thu_ml,
+                             thu_ml if isinstance(thu_ml, str) else "", gpus, packages)

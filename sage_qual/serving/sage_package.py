@@ -1,7 +1,9 @@
-"""Find, import and vet the installed `sageattention` package.
+"""Find, import and vet the installed package of a kernel provider (`providers`: thu-ml's
+`sageattention`, comfy-kitchen's `comfy_kitchen`).
 
-`load()` returns the module with its version and which compiled extensions import, or raises
-`SageUnavailable` whose message names the cause and the fix. Nothing here touches a GPU.
+`load(provider)` returns its kernel module with its version and which compiled extensions import,
+or raises `SageUnavailable` whose message names the cause and the fix; `load_all()` tries every
+provider. Nothing here touches a GPU.
 """
 
 from __future__ import annotations
@@ -20,24 +22,25 @@ from types import ModuleType
 
 from packaging.version import InvalidVersion, Version
 
-from sage_qual.serving.variants import EXTENSIONS, Variant
+from sage_qual.serving.providers import PROVIDERS, THU_ML, Provider
+from sage_qual.serving.variants import Variant
 
-MIN_VERSION = Version("2.2.0")
-BUILD_HINT = "build SageAttention 2.2 from source (github.com/thu-ml/SageAttention, see its README)"
+BUILD_HINT = THU_ML.install_hint
 
 
 class SageUnavailable(Exception):
-    """SageAttention cannot serve; the message says why and what to do."""
+    """A provider's kernels cannot serve; the message says why and what to do."""
 
 
 @dataclass(frozen=True)
 class SagePackage:
-    module: ModuleType
+    module: ModuleType  # its kernels module (`Provider.kernels_module`)
     version: str
     extensions: frozenset[str]  # compiled extensions that import
     extension_errors: dict[str, str]  # the others, with the import error
     source: str = ""  # `source_digest()` of its Python and extension files ("" where none, a fake's)
     origin: str = ""  # `origin()`: the commit or wheel it was installed from, "" where unknown
+    provider: str = THU_ML.name
 
     def kernel(self, variant: Variant):
         return getattr(self.module, variant.function)
@@ -50,22 +53,23 @@ def has_triton() -> bool:
         return False
 
 
-def parse_version(text: str) -> Version:
-    """Version of a SageAttention build, local labels such as `+cu130torch2.10.0andhigher.post6` included."""
+def parse_version(text: str, provider: Provider = THU_ML) -> Version:
+    """Version of a build, local labels such as `+cu130torch2.10.0andhigher.post6` included."""
     try:
         return Version(text)
     except InvalidVersion:
-        raise SageUnavailable(f"sageattention reports version {text!r}, which is not a version number; "
-                              f"reinstall it: {BUILD_HINT}") from None
+        raise SageUnavailable(f"{provider.distribution} reports version {text!r}, which is not a version "
+                              f"number; reinstall it: {provider.install_hint}") from None
 
 
-def check_version(text: str) -> None:
-    version = parse_version(text)
-    if version.major < 2:
-        raise SageUnavailable(f"sageattention {text} is SageAttention 1, the release on PyPI; it has no "
-                              f"INT8/FP8 kernels of 2.x: uninstall it and {BUILD_HINT}")
-    if Version(version.base_version) < MIN_VERSION:
-        raise SageUnavailable(f"sageattention {text} is older than {MIN_VERSION}: {BUILD_HINT}")
+def check_version(text: str, provider: Provider = THU_ML) -> None:
+    version = parse_version(text, provider)
+    if version.major < 2 and provider.major_1_is:
+        raise SageUnavailable(f"{provider.distribution} {text} is {provider.major_1_is}: uninstall it and "
+                              f"{provider.install_hint}")
+    if Version(version.base_version) < Version(provider.min_version):
+        raise SageUnavailable(f"{provider.distribution} {text} is older than {provider.min_version}: "
+                              f"{provider.install_hint}")
 
 
 def source_digest(module: ModuleType, extensions: Iterable[ModuleType] = ()) -> str:
@@ -120,33 +124,51 @@ def origin(distribution: importlib.metadata.Distribution) -> str:
     return f"wheel {', '.join(tags)}" if tags else ""
 
 
-def load() -> SagePackage:
-    if importlib.util.find_spec("sageattention") is None:
-        raise SageUnavailable(f"sageattention is not installed: {BUILD_HINT}")
-    if not has_triton():
-        raise SageUnavailable("triton is not installed; SageAttention needs it: pip install triton "
+def _installed(package: str) -> bool:
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def load(provider: Provider = THU_ML) -> SagePackage:
+    name, hint = provider.distribution, provider.install_hint
+    if not _installed(provider.package):
+        raise SageUnavailable(f"{name} is not installed: {hint}")
+    if provider.needs_triton and not has_triton():
+        raise SageUnavailable(f"triton is not installed; {name} needs it: pip install triton "
                               "(triton-windows on Windows)")
     try:
-        version = importlib.metadata.version("sageattention")
+        version = importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
-        raise SageUnavailable("sageattention imports but has no package metadata, so its version is "
-                              "unknown (a source folder on sys.path?): install it properly: "
-                              f"{BUILD_HINT}") from None
-    check_version(version)
+        raise SageUnavailable(f"{name} imports but has no package metadata, so its version is unknown "
+                              f"(a source folder on sys.path?): install it properly: {hint}") from None
+    check_version(version, provider)
     try:
-        module = importlib.import_module("sageattention")
+        module = importlib.import_module(provider.kernels_module)
     except Exception as error:  # a DLL load failure is an OSError, an ABI mismatch an ImportError
-        raise SageUnavailable(f"importing sageattention {version} failed: {type(error).__name__}: {error}; "
-                              f"it was probably built for another torch or CUDA: {BUILD_HINT}") from None
+        raise SageUnavailable(f"importing {name} {version} failed: {type(error).__name__}: {error}; "
+                              f"it was probably built for another torch or CUDA: {hint}") from None
     extensions, errors = {}, {}
-    for name in EXTENSIONS:
+    for extension in provider.extensions:
         try:
-            extensions[name] = importlib.import_module(f"sageattention.{name}")
+            extensions[extension] = importlib.import_module(f"{provider.package}.{extension}")
         except Exception as error:
-            errors[name] = f"{type(error).__name__}: {error}"
+            errors[extension] = f"{type(error).__name__}: {error}"
     return SagePackage(module, version, frozenset(extensions), errors,
                        source_digest(module, extensions.values()),
-                       origin(importlib.metadata.distribution("sageattention")))
+                       origin(importlib.metadata.distribution(name)), provider.name)
+
+
+def load_all() -> dict[str, SagePackage | str]:
+    """Every provider's package, or why it cannot serve (the SageUnavailable message)."""
+    loaded: dict[str, SagePackage | str] = {}
+    for provider in PROVIDERS.values():
+        try:
+            loaded[provider.name] = load(provider)
+        except SageUnavailable as why:
+            loaded[provider.name] = str(why)
+    return loaded
 
 
 def kernel_problem(package: SagePackage, variant: Variant) -> str | None:
@@ -155,9 +177,10 @@ def kernel_problem(package: SagePackage, variant: Variant) -> str | None:
     Every real kernel ends in **kwargs, so a keyword it no longer names (say a renamed `smooth_k`)
     would be swallowed and smoothing would silently come back on: require each one by name.
     """
+    provider = PROVIDERS[package.provider]
     function = getattr(package.module, variant.function, None)
     if function is None:
-        return f"sageattention {package.version} has no {variant.function}: {BUILD_HINT}"
+        return f"{provider.distribution} {package.version} has no {variant.function}: {provider.install_hint}"
     try:
         parameters = inspect.signature(function).parameters
     except (TypeError, ValueError) as error:
@@ -165,7 +188,7 @@ def kernel_problem(package: SagePackage, variant: Variant) -> str | None:
     named = {n for n, p in parameters.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
     missing = sorted(set(variant.call_keywords(1.0)) - named)
     if missing:
-        return (f"{variant.function} in sageattention {package.version} does not take "
+        return (f"{variant.function} in {provider.distribution} {package.version} does not take "
                 f"{', '.join(missing)} by name; a **kwargs would swallow it (smooth_k=False would be "
-                f"ignored): use a SageAttention whose kernels name these keywords")
+                f"ignored): use a build whose kernels name these keywords")
     return None

@@ -1,10 +1,12 @@
-"""SageAttention kernel variants: one small object per kernel function and option set.
+"""SageAttention kernel variants of every provider: one small object per kernel function and option set.
 
 This registry is the single source of truth for the wrapper's per-GPU kernel table
 (`config.KERNEL_TABLE` names variants from here), for what a GPU can run (`assess`), for the fake
 kernels of `sage_qual.testing` (generated from `KERNEL_FUNCTIONS`) and for the GPU qualification
-suite, which runs every variant the box can execute. Everything upstream-specific is read from
-SageAttention 2.2's source (sageattention/core.py, setup.py, csrc/qattn) and cited where declared.
+suite, which runs every variant the box can execute. Each kernel function names its provider
+(`serving.providers`): thu-ml's SageAttention 2.2, read from its source (sageattention/core.py,
+setup.py, csrc/qattn), and comfy-kitchen's INT8 attention, read from comfy_kitchen/sage_attention.py
+and backends/cuda/sage_attention/ (github.com/Comfy-Org/comfy-kitchen at 7d86acf, 0.2.31).
 
 K smoothing is always off: with SageAttention's default `smooth_k=True` the outlier replicas of
 Qwen-Image / Krea-2 block 0 (one Q/K channel near +600) land at relative L2 1.95-2.10 / cosine
@@ -16,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
+
+from sage_qual.serving.providers import COMFY_KITCHEN, PROVIDERS, THU_ML
 
 Capability = tuple[int, int]
 
@@ -47,8 +51,10 @@ class Numerics:
 
     Q and K are INT8 with one scale per group of rows: a tile of `q_tile` (`k_tile`) rows is split
     into `q_groups` (`k_groups`) interleaved groups (8/4: per thread; 1: per warp or per block).
-    P.V runs in `pv` ("fp16" or "fp8" e4m3, V scaled per channel to `v_scale_max`) and accumulates
-    in `pv_accumulation`. `v_tail`: what a kernel reads for the key rows past the end of a partial
+    P.V runs in `pv` ("fp16"; "fp8" e4m3, V scaled per channel to `v_scale_max`; or "int8": P
+    unsigned 8-bit of scale 255, V signed 8-bit per channel) and accumulates in `pv_accumulation`.
+    `rotation` ("hadamard"): Q and K multiplied by one orthonormal block-Hadamard matrix before
+    they are quantized, which keeps their dot products and spreads an outlier channel. `v_tail`: what a kernel reads for the key rows past the end of a partial
     key block: "zero" (V quantized into a padded buffer, or a masked load), or "stale" (V loaded
     straight from the caller's tensor with cp.async no-fill, csrc/qattn/attn_utils.cuh
     load_global_to_share: those rows keep whatever shared memory held; their P is 0, but 0 x NaN is
@@ -64,17 +70,26 @@ class Numerics:
     v_scale_max: float = 448.0
     q_tile_at_head_dim_128: int | None = None  # a kernel that takes smaller Q tiles for head_dim 128
     v_tail: str = "zero"
+    rotation: str = "none"
+    # A kernel that takes larger K tiles on long calls: comfy-kitchen's CTA_K of 128 from head_dim
+    # 128 on past 1,024 keys (sage_attention.py, _select_cta_k).
+    k_tile_past_1024_keys: int | None = None
 
     @property
     def accuracy_class(self) -> str:
-        """Which of a fixture's bounds apply: "fp16" for FP16 P.V kernels, "fp8" for the others."""
+        """Which of a fixture's bounds apply: "fp16" for FP16 P.V kernels, "fp8" for the others
+        (INT8 P.V, 8 bits as FP8's, included)."""
         return "fp16" if self.pv == "fp16" else "fp8"
 
-    def at_head_dim(self, head_dim: int) -> "Numerics":
-        """The scheme a call of this head size runs (head_dim pads to 64 or 128 upstream)."""
+    def at_head_dim(self, head_dim: int, keys: int = 0) -> "Numerics":
+        """The scheme a call of this head size (and key count) runs (head_dim pads to 64 or 128
+        upstream)."""
+        scheme = self
         if head_dim > 64 and self.q_tile_at_head_dim_128 is not None:
-            return dataclasses.replace(self, q_tile=self.q_tile_at_head_dim_128, q_tile_at_head_dim_128=None)
-        return self
+            scheme = dataclasses.replace(scheme, q_tile=self.q_tile_at_head_dim_128, q_tile_at_head_dim_128=None)
+        if head_dim > 64 and keys > 1024 and self.k_tile_past_1024_keys is not None:
+            scheme = dataclasses.replace(scheme, k_tile=self.k_tile_past_1024_keys, k_tile_past_1024_keys=None)
+        return scheme
 
 
 @dataclass(frozen=True)
@@ -96,6 +111,12 @@ class KernelFunction:
     keywords: tuple[tuple[str, Any], ...]
     choices: Mapping[str, tuple[Any, ...]]
     max_head_dim: int = 128
+    provider: str = THU_ML.name  # a key of `providers.PROVIDERS`
+    scale_keyword: str = "sm_scale"
+    # What every call passes beside the scale: thu-ml's layout keyword, no causal mask and K
+    # smoothing off. A function without `tensor_layout` takes [B, H, N, D] views only, so a call in
+    # another layout reaches it transposed (`Variant.invoke`).
+    fixed: tuple[tuple[str, Any], ...] = (("tensor_layout", "HND"), ("is_causal", False), ("smooth_k", False))
     # Where its CUDA work runs: "current" (torch's current stream: Triton launches) or "legacy" (the
     # legacy default stream: csrc/qattn/*.cu and csrc/fused/fused.cu launch `<<<grid, block>>>`
     # with no stream). A "legacy" kernel is unordered with a side stream's work and is not recorded
@@ -105,6 +126,14 @@ class KernelFunction:
     @property
     def defaults(self) -> dict[str, Any]:
         return dict(self.keywords)
+
+    @property
+    def takes_layout(self) -> bool:
+        return "tensor_layout" in self.defaults
+
+    @property
+    def can_smooth_k(self) -> bool:
+        return "smooth_k" in self.defaults
 
 
 _LAYOUTS = ("HND", "NHD")
@@ -128,13 +157,34 @@ class Variant:
     def accuracy_class(self) -> str:
         return self.numerics.accuracy_class
 
+    @property
+    def provider(self) -> str:
+        return self.kernel_function.provider
+
     def fixed_keywords(self) -> dict[str, Any]:
-        """The keywords every call of this variant passes: all of `call_keywords` but sm_scale."""
-        return {"tensor_layout": "HND", "is_causal": False, "smooth_k": False, **self.options}
+        """The keywords every call of this variant passes: all of `call_keywords` but the scale."""
+        return {**dict(self.kernel_function.fixed), **self.options}
 
     def call_keywords(self, sm_scale: float) -> dict[str, Any]:
         """Every keyword the wrapper passes; each must be a named parameter of the kernel."""
-        return {**self.fixed_keywords(), "sm_scale": sm_scale}
+        return {**self.fixed_keywords(), self.kernel_function.scale_keyword: sm_scale}
+
+    def invoke(self, function, q, k, v, sm_scale: float, layout: str = "HND", smooth_k: bool = False):
+        """`function` (this variant's kernel, real or fake) called as sage-qual calls every kernel:
+        q, k, v in `layout` ([B, H, N, D] "HND" or [B, N, H, D] "NHD"), the output in that layout.
+        K smoothing is asked of thu-ml's kernels only (certify's smoothing check); a provider
+        without the option never smooths."""
+        keywords = self.call_keywords(sm_scale)
+        contract = self.kernel_function
+        if smooth_k and not contract.can_smooth_k:
+            raise ValueError(f"{self.name} has no K smoothing to turn on")
+        if contract.can_smooth_k:
+            keywords["smooth_k"] = smooth_k
+        if contract.takes_layout:
+            keywords["tensor_layout"] = layout
+        if contract.takes_layout or layout == "HND":
+            return function(q, k, v, **keywords)
+        return function(*(t.transpose(1, 2) for t in (q, k, v)), **keywords).transpose(1, 2)
 
     @property
     def native_on(self) -> tuple[Capability, ...]:
@@ -157,7 +207,7 @@ class Variant:
     def not_supported_reasons(self, box: BoxFacts) -> list[str]:
         """Why this box cannot run the variant, from its facts alone (`assess` adds the package's)."""
         reasons = []
-        if self.extension is not None and not has_compiled_code(box.capability):
+        if self.provider == THU_ML.name and self.extension is not None and not has_compiled_code(box.capability):
             targets = ", ".join(BUILD_TARGETS.values())
             reasons.append("capability=%s: SageAttention 2.2 builds no code that runs on %s "
                            "(builds for %s)" % (box.capability, capability_label(box.capability), targets))
@@ -166,7 +216,8 @@ class Variant:
                            "core.py)" % (box.capability,))
         reasons += self.capability_reasons(box.capability)
         if self.extension is not None and self.extension not in box.extensions:
-            reasons.append(f"extension sageattention.{self.extension} not built or does not import")
+            package = PROVIDERS[self.provider].package
+            reasons.append(f"extension {package}.{self.extension} not built or does not import")
         if self.needs_triton and not box.has_triton:
             reasons.append("triton not installed")
         if self.min_torch_cuda is not None:
@@ -180,6 +231,7 @@ FP16_CUDA = "sageattn_qk_int8_pv_fp16_cuda"
 FP16_TRITON = "sageattn_qk_int8_pv_fp16_triton"
 FP8_CUDA = "sageattn_qk_int8_pv_fp8_cuda"
 FP8_CUDA_SM90 = "sageattn_qk_int8_pv_fp8_cuda_sm90"
+CK_INT8 = "int8_attention"  # comfy_kitchen.sage_attention
 # Signatures and accepted values as in upstream core.py (SageAttention 2.2.0).
 KERNEL_FUNCTIONS: dict[str, KernelFunction] = {
     f.name: f
@@ -213,9 +265,15 @@ KERNEL_FUNCTIONS: dict[str, KernelFunction] = {
              ("sm_scale", None), ("pv_accum_dtype", "fp32+fp32"), ("smooth_k", True), ("return_lse", False)),
             {"tensor_layout": _LAYOUTS, "qk_quant_gran": _GRANULARITY, "pv_accum_dtype": ("fp32+fp32",)},
         ),
+        # comfy_kitchen/sage_attention.py: int8_attention(q, k, v, *, scale=None, attn_mask=None) on
+        # [B, H, N, D] fp32/fp16/bf16 with the last dimension contiguous, head_dim up to 256 (padded to
+        # 64, 128 or 256), grouped-query heads; it launches on torch's current stream.
+        KernelFunction(CK_INT8, (("scale", None), ("attn_mask", None)), {}, max_head_dim=256,
+                       launches_on="current", provider=COMFY_KITCHEN.name, scale_keyword="scale", fixed=()),
     )
 }
-EXTENSIONS = ("_qattn_sm80", "_qattn_sm89", "_qattn_sm90", "_fused")
+EXTENSIONS = THU_ML.extensions
+[CK_EXTENSION] = COMFY_KITCHEN.extensions  # its CUDA extension, relative to comfy_kitchen
 # The GPUs upstream's sageattn() gives the per-warp fp8 kernel (core.py: "sm120", "sm121"); for any
 # other capability outside 8.0/8.6/8.9/9.0 it raises "Unsupported CUDA architecture", sm100 included.
 BLACKWELL = ((12, 0), (12, 1))
@@ -297,6 +355,16 @@ VARIANTS: dict[str, Variant] = {
             (8, 9), extension="_qattn_sm89",
             description="INT8 QK per warp, FP8 PV, fp32 (Blackwell before CUDA 12.8)",
             numerics=Numerics(**_PER_WARP, pv="fp8", pv_accumulation="fp32"),
+        ),
+        Variant(
+            "ck-int8-cuda", CK_INT8, {}, (7, 5), extension=CK_EXTENSION,
+            description="INT8 QK (block-Hadamard rotated), INT8 PV (comfy-kitchen; Turing and newer)",
+            # sage_attention.py and quant_qk_int8.cu: Q per thread in 128-row blocks of 32 scales,
+            # K in blocks of CTA_K (64, or 128 for head_dim 128+ past 1,024 keys) of 4 scales;
+            # qk_int_sv_i8_cuda.cuh: P as u8 at S_U8_OFFSET = log2(255), V int8 per channel over all
+            # keys (quant_v_int8.cu: max |v| / 127), P.V summed in int32.
+            numerics=Numerics(**_PER_THREAD, pv="int8", pv_accumulation="int32", v_scale_max=127.0,
+                              rotation="hadamard", k_tile_past_1024_keys=128),
         ),
     )
 }

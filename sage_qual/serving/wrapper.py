@@ -16,11 +16,12 @@ import torch
 
 from sage_qual.limits import one_line
 from sage_qual.serving import platform, sage_package, scope, torch_sdpa
-from sage_qual.serving.assess import assess, box_facts
+from sage_qual.serving.assess import Packages, assess, box_facts, loaded
 from sage_qual.serving.config import DEFAULT_CONFIG, WrapperConfig
 from sage_qual.serving.contexts import CAPTURE, COMPILE, REASON, SIDE_STREAM
 from sage_qual.serving.eligibility import SdpaCall, bind, copies_fit, refusal, within_span
 from sage_qual.serving.failures import Failure, classify
+from sage_qual.serving.providers import PROVIDERS, THU_ML
 from sage_qual.serving.scope import ScopeReport, _active
 from sage_qual.serving.variants import Variant, capability_label
 
@@ -77,15 +78,16 @@ class _NoKernel(sage_package.SageUnavailable):
 class _Installed:
     """What a successful install() holds; module-level singleton while installed."""
 
-    def __init__(self, original, package, config: WrapperConfig, devices: dict[int, DeviceState],
+    def __init__(self, original, packages: Packages, config: WrapperConfig, devices: dict[int, DeviceState],
                  arguments: tuple):
         self.arguments = arguments  # install()'s (config, profile, family)
         self.original = original
-        self.package = package
+        self.packages = packages
         self.config = config
         self.devices = devices
-        # Per device, its kernel with the variant's fixed keywords bound: a call adds only sm_scale.
-        self.kernels = {i: functools.partial(package.kernel(d.variant), **d.variant.fixed_keywords())
+        # Per device, its variant's kernel from its provider's package, called as the variant is
+        # (`Variant.invoke`): a call adds q, k, v and sm_scale.
+        self.kernels = {i: functools.partial(d.variant.invoke, packages[d.variant.provider].kernel(d.variant))
                         for i, d in devices.items() if d.variant}
         self.lock = threading.Lock()
         self.function = None  # the function bound over torch's (see `_make_sdpa`)
@@ -132,7 +134,8 @@ def _install(config: WrapperConfig | None, profile=None, family: str | None = No
         _installed = None
     try:
         loaded = _load_profile(profile)  # a broken profile is said before any GPU or package check
-        devices, package = _probe(config or DEFAULT_CONFIG, loaded, family, builtin=config is None)
+        devices, packages = _probe(config or DEFAULT_CONFIG, loaded, family, builtin=config is None)
+        package = _primary(packages)
     except sage_package.SageUnavailable as why:
         _status = InstallStatus(False, str(why), devices=getattr(why, "devices", ()))
         log.warning("SageAttention not enabled, attention stays on PyTorch SDPA: %s", why)
@@ -141,7 +144,7 @@ def _install(config: WrapperConfig | None, profile=None, family: str | None = No
         _status = InstallStatus(False, f"unexpected {type(error).__name__}: {error}")
         log.warning("SageAttention not enabled, attention stays on PyTorch SDPA: %s", _status.reason)
         return _status
-    _installed = _Installed(torch.nn.functional.scaled_dot_product_attention, package,
+    _installed = _Installed(torch.nn.functional.scaled_dot_product_attention, packages,
                             config or DEFAULT_CONFIG, devices, arguments)
     _installed.function = _make_sdpa(_installed)
     torch_sdpa.bind(_installed.function, _installed.original)
@@ -203,8 +206,15 @@ def _device_configs(cuda, package, config: WrapperConfig, profile, family: str |
     return chosen
 
 
+def _primary(packages: Packages) -> sage_package.SagePackage:
+    """The package install_status() names and a profile's build is matched with: thu-ml's where it
+    loads, else the first provider's that does."""
+    thu_ml = packages[THU_ML.name]
+    return loaded(packages)[0] if isinstance(thu_ml, str) else thu_ml
+
+
 def _probe(config: WrapperConfig, profile=None, family: str | None = None,
-           builtin: bool = False) -> tuple[dict[int, DeviceState], sage_package.SagePackage]:
+           builtin: bool = False) -> tuple[dict[int, DeviceState], Packages]:
     """Each device's state, with its own config and note from the built-in defaults and the profile."""
     cuda = platform.current()
     if cuda.is_rocm():
@@ -219,12 +229,14 @@ def _probe(config: WrapperConfig, profile=None, family: str | None = None,
         found = ", ".join("cuda:%d %s" % (i, capability_label(cap)) for i, cap in capabilities.items())
         raise sage_package.SageUnavailable(f"no GPU of compute capability 8.0 or newer ({found}); "
                                            "SageAttention 2 needs Ampere or newer")
-    package = sage_package.load()
-    per_device = _device_configs(cuda, package, config, profile, family, builtin)
+    packages = sage_package.load_all()
+    if not loaded(packages):
+        raise sage_package.SageUnavailable(packages[THU_ML.name])
+    per_device = _device_configs(cuda, _primary(packages), config, profile, family, builtin)
     devices = {}
     for index, capability in capabilities.items():
         own = per_device[index]
-        gpu = assess(index, box_facts(cuda, index, package), package, own.config)
+        gpu = assess(index, box_facts(cuda, index, packages), packages, own.config)
         variant, reason = gpu.kernel, gpu.no_kernel_reason
         if own.note and not variant and own.config.kernel_table.get(capability) == ():
             reason = own.note  # the profile or the built-in defaults keep it off: say why
@@ -235,7 +247,7 @@ def _probe(config: WrapperConfig, profile=None, family: str | None = None,
         more = f" and {len(others)} more GPUs (install_status().devices)" if others else ""
         raise _NoKernel(one_line(f"{first.label}{more}: {first.no_kernel_reason}"),
                         tuple(devices.values()))
-    return devices, package
+    return devices, packages
 
 
 def _make_sdpa(state: _Installed):
@@ -341,8 +353,9 @@ def _serve(state: _Installed, report: ScopeReport, args: tuple, kwargs: dict, co
     report.copied += copy
     if not device.announced:
         device.announced = True
-        log.info("SageAttention %s serves attention on %s with %s (variant %s)", state.package.version,
-                 device.label, device.variant.function, device.variant.name)
+        package = state.packages[device.variant.provider]
+        log.info("%s %s serves attention on %s with %s (variant %s)", PROVIDERS[package.provider].title,
+                 package.version, device.label, device.variant.function, device.variant.name)
     return out
 
 

@@ -37,6 +37,9 @@ class _Package:
     def __init__(self, module):
         self.module = module
 
+    def kernel(self, variant):
+        return getattr(self.module, variant.function)
+
 
 @pytest.fixture(scope="module")
 def bench():

@@ -15,7 +15,7 @@ from sage_qual.serving.variants import FP8_CUDA_SM90, VARIANTS
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
 from tests_gpu.conftest import assess_device
 
-ALL = set(VARIANTS)
+ALL = {name for name, v in VARIANTS.items() if v.provider == "thu-ml"}
 NOT_SM90 = ("_qattn_sm80", "_qattn_sm89", "_fused")
 
 
@@ -44,7 +44,7 @@ def test_install_env_certify_and_gpu_tests_agree(capabilities, torch_cuda, fake_
         env = environment.collect()
         certify_env = records.dump(Worker(bench=None, faults={}).env(EnvTask("env")))
         try:
-            gpu0 = assess_device(sage_package.load(), 0)
+            gpu0 = assess_device(sage_package.load_all(), 0) if sage_package.load() else None
         except sage_package.SageUnavailable:
             gpu0 = None
         status = sage_qual.install()
@@ -92,6 +92,21 @@ def test_runnable_variants_per_capability(capability, runnable):
     with box((capability,), torch_cuda=(12, 8)):
         [gpu] = environment.collect().gpus
     assert set(gpu.runnable_variants) == runnable
+
+
+@pytest.mark.parametrize("capability", [(7, 0), (7, 5), (8, 6), (9, 0), (12, 0), (13, 0)])
+def test_comfy_kitchen_runs_from_turing_on_beside_thu_ml(capability):
+    """comfy_kitchen/sage_attention.py: compute capability 7.5 or newer, with its CUDA extension;
+    thu-ml's variants stay as they were."""
+    with box((capability,), torch_cuda=(12, 8)):
+        [alone] = environment.collect().gpus
+    with box((capability,), torch_cuda=(12, 8), comfy_kitchen="0.2.40"):
+        [both] = environment.collect().gpus
+    with box((capability,), torch_cuda=(12, 8), comfy_kitchen="0.2.40", ck_extensions=()):
+        [unbuilt] = environment.collect().gpus
+    added = {"ck-int8-cuda"} if capability >= (7, 5) else set()
+    assert set(both.runnable_variants) == set(alone.runnable_variants) | added
+    assert set(unbuilt.runnable_variants) == set(alone.runnable_variants)
 
 
 @pytest.mark.parametrize("capability, kernel", [

@@ -13,7 +13,7 @@ import sage_qual
 from sage_qual.serving import compiled, contexts
 from sage_qual.serving.eligibility import REASONS
 from sage_qual.serving.served import Served
-from sage_qual.serving.variants import FP8_CUDA_SM90, FP16_TRITON, VARIANTS
+from sage_qual.serving.variants import CK_INT8, FP8_CUDA_SM90, FP16_TRITON, VARIANTS
 from sage_qual.testing import FakeSageAttention
 
 from ..helpers import SMALL, TORCH_SDPA, qkv, retired, wrapped
@@ -42,7 +42,7 @@ def test_every_context_has_a_fallback_reason_in_the_list():
 def test_only_current_stream_kernels_are_trusted_under_capture(name):
     variant = VARIANTS[name]
     safe = contexts.builtin_safe(variant)
-    assert (contexts.CAPTURE in safe) == (variant.function == FP16_TRITON)
+    assert (contexts.CAPTURE in safe) == (variant.function in (FP16_TRITON, CK_INT8))  # current-stream launches
     assert contexts.SIDE_STREAM in safe and contexts.COMPILE in safe  # bridged / an opaque operator
 
 

@@ -203,13 +203,13 @@ def test_device_is_restored_when_the_kernel_raises():
 
 @pytest.mark.parametrize("function", KERNELS)
 def test_fake_kernels_are_signed_as_the_registry_declares(function):
-    module = FakeSageAttention().module()
-    parameters = list(inspect.signature(getattr(module, function)).parameters.values())
+    parameters = list(inspect.signature(FakeSageAttention().function(function)).parameters.values())
     assert [p.name for p in parameters[:3]] == ["q", "k", "v"]
     keywords = [(p.name, p.default) for p in parameters[3:-1]]
     assert keywords == list(KERNEL_FUNCTIONS[function].keywords)
     assert parameters[-1].kind is inspect.Parameter.VAR_KEYWORD
-    assert dict(keywords)["smooth_k"] is True  # upstream's default, which the wrapper must override
+    if KERNEL_FUNCTIONS[function].takes_layout:
+        assert dict(keywords)["smooth_k"] is True  # upstream's default, which the wrapper must override
 
 
 @pytest.mark.parametrize("variant", VARIANTS.values(), ids=VARIANTS)
@@ -219,7 +219,10 @@ def test_every_keyword_a_variant_passes_is_in_its_kernels_contract(variant):
     assert set(passed) <= set(contract.defaults), set(passed) - set(contract.defaults)
     for name, value in passed.items():
         assert value in contract.choices.get(name, (value,)), (name, value)
-    assert passed["smooth_k"] is False and passed["is_causal"] is False and passed["tensor_layout"] == "HND"
+    if contract.takes_layout:
+        assert passed["smooth_k"] is False and passed["is_causal"] is False and passed["tensor_layout"] == "HND"
+    else:  # comfy-kitchen's: no smoothing, no causal mask to turn off; only the scale
+        assert passed == {contract.scale_keyword: 0.125}
 
 
 def test_fake_signature_drops_and_missing():
@@ -236,17 +239,17 @@ def test_fake_signature_drops_and_missing():
     pytest.param(4, 2, 0.2, id="gqa_scale=0.2"),
 ])
 def test_fake_kernels_record_and_return_exact_attention(function, heads, kv_heads, sm_scale):
-    fake = FakeSageAttention()
-    kernel = getattr(fake.module(), function)
+    fake, contract = FakeSageAttention(), KERNEL_FUNCTIONS[function]
+    kernel = fake.function(function)
     q, k, v = qkv(heads=heads, kv_heads=kv_heads, dtype=torch.bfloat16)
-    out = kernel(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=sm_scale, smooth_k=False)
+    out = kernel(q, k, v, **dict(contract.fixed), **{contract.scale_keyword: sm_scale})
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
     expected = TORCH_SDPA(q.float(), k.float(), v.float(), scale=sm_scale, enable_gqa=heads != kv_heads)
     torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
     [call] = fake.calls
     assert call.function == function and call.q is q and call.k is k and call.v is v
-    assert call.keywords["smooth_k"] is False and call.keywords["sm_scale"] == sm_scale
-    assert call.keywords["tensor_layout"] == "HND"
+    assert call.keywords[contract.scale_keyword] == sm_scale
+    assert {name: call.keywords[name] for name, _ in contract.fixed} == dict(contract.fixed)
 
 
 def test_fake_behaviours():
@@ -320,7 +323,10 @@ MALFORMED = [
 @pytest.mark.parametrize("function", KERNELS)
 @pytest.mark.parametrize("make, error", MALFORMED)
 def test_fake_kernels_refuse_malformed_calls(function, make, error):
-    kernel = getattr(FakeSageAttention().module(), function)
+    kernel = FakeSageAttention().function(function)
+    head_dim = make()[0].shape[-1]
+    if 128 < head_dim <= KERNEL_FUNCTIONS[function].max_head_dim:
+        pytest.skip(f"{function} takes head_dim {head_dim}")
     with pytest.raises(error):
         kernel(*make())
 

@@ -33,6 +33,7 @@ import torch
 from sage_qual.serving import assess, platform, sage_package
 from sage_qual.serving.config import DEFAULT_CONFIG, KERNEL_TABLE, WrapperConfig
 from sage_qual.serving.eligibility import SdpaCall, refusal
+from sage_qual.serving.providers import THU_ML
 from sage_qual.serving.scope import ScopeReport
 from sage_qual.serving.variants import (
     KERNEL_FUNCTIONS,
@@ -47,7 +48,7 @@ from sage_qual.serving.variants import (
 
 FP16_TYPES = (torch.float16, torch.bfloat16)
 # Every sageattention function an integration may call; `Evidence` counts calls to these.
-SAGE_FUNCTIONS = ("sageattn", "sageattn_varlen", *KERNEL_FUNCTIONS)
+SAGE_FUNCTIONS = ("sageattn", "sageattn_varlen", *(name for name, f in KERNEL_FUNCTIONS.items() if f.provider == THU_ML.name))
 # diffusers' backends that download their kernel from the Hugging Face Hub when enabled: nothing
 # a qualification run on an offline GPU box can reach, so they are named and left out.
 DIFFUSERS_HUB_BACKENDS = ("sage_hub", "sage_blackwell_hub")

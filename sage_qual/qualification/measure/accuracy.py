@@ -107,8 +107,7 @@ def _block_errors(blocks: torch.Tensor, ref_blocks: torch.Tensor, rows: int) -> 
 def call_kernel(package, variant: Variant, q, k, v, scale: float | None = None, smooth_k: bool = False):
     """Call one variant directly (never through sageattn()), K smoothing as asked."""
     sm_scale = scale if scale is not None else q.shape[-1] ** -0.5
-    keywords = {**variant.call_keywords(sm_scale), "smooth_k": smooth_k}
-    return getattr(package.module, variant.function)(q, k, v, **keywords)
+    return variant.invoke(package.kernel(variant), q, k, v, sm_scale, smooth_k=smooth_k)
 
 
 def accuracy(out, q, k, v, ref=None, scale: float | None = None) -> Accuracy:

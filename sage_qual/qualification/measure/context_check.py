@@ -23,6 +23,7 @@ the aot_eager backend; no reduce-overhead on a CPU, so that check runs as the de
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -199,9 +200,10 @@ def check_variant(variant, place=None, shape=limits.CONTEXT_CHECK_SHAPE, dtype=t
     stream_checks = (("side_stream", place.side_stream), ("capture", place.captured))
     if through == "kernel":
         from sage_qual.serving import sage_package
+        from sage_qual.serving.providers import PROVIDERS
 
-        kernel = sage_package.load().kernel(variant)
-        keywords = {**variant.fixed_keywords(), "sm_scale": shape[-1] ** -0.5}
+        kernel = functools.partial(variant.invoke, sage_package.load(PROVIDERS[variant.provider]).kernel(variant))
+        keywords = {"sm_scale": shape[-1] ** -0.5}
         expected = kernel(q, k, v, **keywords)
         runs = []
         for name, context in stream_checks:

@@ -225,10 +225,9 @@ def _model_on_sampled_rows(variant: Variant, q, k, v, blocks: int = SAMPLE_BLOCK
 
 def kernel_of(package, variant: Variant) -> Kernel:
     """The variant's kernel function called as certify calls it (K smoothing off), in a layout."""
-    function = getattr(package.module, variant.function)
+    function = package.kernel(variant)
 
     def call(q, k, v, tensor_layout: str):
-        keywords = {**variant.call_keywords(q.shape[-1] ** -0.5), "tensor_layout": tensor_layout}
-        return function(q, k, v, **keywords)
+        return variant.invoke(function, q, k, v, q.shape[-1] ** -0.5, layout=tensor_layout)
 
     return call

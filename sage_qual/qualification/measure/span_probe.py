@@ -232,12 +232,13 @@ def check_case(variant, package, case: SpanCase, device: str) -> Checked:
 
 def main(argv: list[str]) -> int:
     from sage_qual.serving import sage_package
+    from sage_qual.serving.providers import PROVIDERS
     from sage_qual.serving.variants import VARIANTS
 
     device = argv[argv.index("--device") + 1] if "--device" in argv else "cuda"
     variant, cases = VARIANTS[argv[0]], [records.parse(SpanCase, case, "span probe cases", CHILD_FIX)
                                          for case in json.loads(argv[1])]
-    package = sage_package.load()
+    package = sage_package.load(PROVIDERS[variant.provider])
     for case in cases:
         try:
             found = check_case(variant, package, case, device)

@@ -45,6 +45,7 @@ from sage_qual.qualification.run import fault_hooks
 from sage_qual.qualification.run.pool import EXIT_POISONED
 from sage_qual.serving import environment, failures, sage_package
 from sage_qual.serving.assess import assess_machine
+from sage_qual.serving.providers import PROVIDERS
 from sage_qual.serving.variants import VARIANTS
 
 # SDPA's backends by the SDPBackend member that selects each; left alone, SDPA picks one of them.
@@ -90,26 +91,27 @@ class GpuBench:
 
 
 class PackageKernels:
-    """The variants' kernels of the installed sageattention (the fake one under the test hooks),
-    loaded at the first task that needs one, as certify calls them (K smoothing off)."""
+    """The variants' kernels of the installed providers (the fakes under the test hooks), each
+    provider's package loaded at the first task that needs it, as certify calls them (K smoothing off)."""
 
     def __init__(self):
-        self._package = None
+        self._packages = {}
 
-    def package(self):
-        if self._package is None:
-            self._package = sage_package.load()
-        return self._package
+    def package(self, variant):
+        """The package of `variant`'s provider; SageUnavailable (the task's crash) when it does not load."""
+        if variant.provider not in self._packages:
+            self._packages[variant.provider] = sage_package.load(PROVIDERS[variant.provider])
+        return self._packages[variant.provider]
 
     def problem(self, variant) -> str | None:
         """Why the package cannot run `variant` (None: it can)."""
-        return sage_package.kernel_problem(self.package(), variant)
+        return sage_package.kernel_problem(self.package(variant), variant)
 
     def call(self, variant, q, k, v, smooth_k: bool = False, fixture=None):
-        return accuracy.call_kernel(self.package(), variant, q, k, v, smooth_k=smooth_k)
+        return accuracy.call_kernel(self.package(variant), variant, q, k, v, smooth_k=smooth_k)
 
     def long_kernel(self, variant) -> long_check.Kernel | None:
-        return long_check.kernel_of(self.package(), variant)
+        return long_check.kernel_of(self.package(variant), variant)
 
 
 class Worker:
@@ -160,8 +162,10 @@ class Worker:
         def call(q, k, v, smooth_k=False):
             return self.kernels.call(variant, q, k, v, smooth_k=smooth_k, fixture=fixture)
 
+        # K smoothing on, for comparison on outlier fixtures: only where the kernel has the option.
+        smoothed = functools.partial(call, smooth_k=True) if variant.kernel_function.can_smooth_k else None
         return cell.measure_cell(task.variant, variant, fixture, call, self.bench, task.memory_bound,
-                                 smooth_k_call=functools.partial(call, smooth_k=True))
+                                 smooth_k_call=smoothed)
 
     def target_machine(self, task: tasks.TargetMachineTask):
         """`certify --target`: why the integration cannot run on this GPU ([]: it can)."""
@@ -275,7 +279,7 @@ class Worker:
         variant, problem = self._variant(task)
         if problem:
             return task.record(Outcome.SKIP, detail=problem)
-        return span_probe.run_task(task, variant, self.kernels.package(), self.bench)
+        return span_probe.run_task(task, variant, self.kernels.package(variant), self.bench)
 
     def context(self, task: tasks.ContextTask):
         """The variant in every execution context (`context_check`): pass when every check passed."""
