@@ -51,6 +51,16 @@ class GpuInfo(GpuIdentity):
 
 
 @dataclass(frozen=True)
+class OtherProvider:
+    """A kernel provider beside thu-ml's sageattention (`serving.providers`), as this machine has it."""
+    provider: str
+    version: str  # "" when not usable
+    source: str = ""  # its build: sage_package.source_digest()
+    origin: str = ""  # sage_package.origin()
+    problem: str = ""  # why it cannot serve, "" when it can
+
+
+@dataclass(frozen=True)
 class EnvironmentRecord:
     """sage_qual.serving.environment.Environment, collected in a worker."""
     sage_qual: str
@@ -69,3 +79,5 @@ class EnvironmentRecord:
     sageattention_source: str = ""
     # Where it was installed from: sage_package.origin() ("" when unknown or from before it).
     sageattention_origin: str = ""
+    # The other providers' packages (comfy-kitchen), [] in a report from before them.
+    other_providers: list[OtherProvider] = field(default_factory=list)

@@ -21,7 +21,8 @@ from sage_qual.serving import platform
 from sage_qual.serving.assess import MachineAssessment, assess_machine
 from sage_qual.serving.config import DEFAULT_CONFIG, WrapperConfig
 from sage_qual.serving.contexts import builtin_safe
-from sage_qual.serving.env_record import EnvironmentRecord, GpuInfo
+from sage_qual.serving.env_record import EnvironmentRecord, GpuInfo, OtherProvider
+from sage_qual.serving.providers import THU_ML
 from sage_qual.serving.variants import VARIANTS, capability_label
 from sage_qual.version import __version__
 
@@ -74,7 +75,14 @@ def collect(config: WrapperConfig = DEFAULT_CONFIG,
         gpus=gpus,
         sageattention_source=package.source if package else "",
         sageattention_origin=package.origin if package else "",
+        other_providers=[_other(name, found) for name, found in machine.packages.items() if name != THU_ML.name],
     )
+
+
+def _other(name: str, found) -> OtherProvider:
+    if isinstance(found, str):
+        return OtherProvider(name, "", problem=found)
+    return OtherProvider(name, found.version, found.source, found.origin)
 
 
 def to_json(env: Environment) -> str:
@@ -103,6 +111,11 @@ def render_text(env: Environment, contexts: bool = False) -> str:
     ]
     for name, state in sorted(env.extensions.items()):
         lines.append(f"  {name:<14} {state}")
+    for other in env.other_providers:
+        lines.append(f"{other.provider:<14} {other.version or 'not installed'}"
+                     + (f" (build {other.source})" if other.source else "")
+                     + (f" from {other.origin}" if other.origin else "")
+                     + (f"  -- cannot serve: {other.problem}" if other.problem and other.version else ""))
     if not env.gpus:
         lines.append("GPUs           none visible")
     for gpu in env.gpus:
