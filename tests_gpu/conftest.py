@@ -40,8 +40,9 @@ def assess_device(packages, index: int = 0) -> GpuAssessment:
 
 
 @pytest.fixture(scope="session")
-def packages(sage):
-    """Every provider's package, or why it is not usable (`sage_package.load_all`)."""
+def packages():
+    """Every provider's package, or why it is not usable (`sage_package.load_all`); a box with
+    comfy-kitchen alone still runs that provider's tests."""
     return sage_package.load_all()
 
 
