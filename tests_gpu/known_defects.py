@@ -47,6 +47,41 @@ for _variant, _function in (("sm89-fp8-cuda", "sageattn_qk_int8_pv_fp8_cuda"),
     for _fixture in ("flux1_ip_adapter_zero_uncond", "sdxl_ip_adapter_zero_uncond"):
         KNOWN_DEFECTS[(_variant, _fixture)] = _ZERO_V.format(function=_function)
 
+# comfy-kitchen 0.2.40 (PyPI wheel, build sha256:65f98cf1050cc674) on the H200, torch 2.11.0+cu130,
+# 2026-12-04: certify run 35 (docs/results/run35-h200/certify/) and its GPU tests, run 36
+# (docs/results/run36-h200-comfy-kitchen/). Its numerics model lands within 8.7 % of the kernel's
+# relative L2 on every fixture (numerics_vs_kernel.md there); these cells miss their budgets all the same.
+_CK = "comfy_kitchen int8_attention (ck-int8-cuda), runs 35 and 36 on the H200: "
+KNOWN_DEFECTS.update({
+    ("ck-int8-cuda", "qwen_image_b0_outlier_head"): _CK + (
+        "relative L2 0.438 and output norm 1.128 of the reference (budget 1.116): Q and K share one "
+        "outlier channel near 600, and the block-Hadamard rotation spreads it over every channel before "
+        "INT8 quantization (thu-ml's sm90 kernel: 0.097 on this file)."),
+    ("ck-int8-cuda", "krea2_b0_outlier_gqa"): _CK + (
+        "relative L2 0.508 (within its model-derived budget 0.58, as the rotation predicts), over the "
+        "first-call check's 0.5: the wrapper keeps the call on torch, so the served-call test fails."),
+    ("ck-int8-cuda", "qwen_image_b52_value_sinks"): _CK + (
+        "output norm 0.968 of the reference (budget 0.9938) and worst head cosine 0.9983 (budget 0.9992)."),
+    ("ck-int8-cuda", "flux2_joint_padded_text"): _CK + (
+        "output norm 1.0023 of the reference, over its budget of 1.002; the model does not carry the "
+        "kernel's small norm bias (long calls: 1.007-1.009)."),
+})
+
+# Long calls (tests_gpu/test_long_calls.py): variant -> what was measured.
+LONG_CALL_DEFECTS: dict[str, str] = {
+    "ck-int8-cuda": _CK + (
+        "output norm 1.007-1.009 of the reference at 4,096 to 75,600 tokens against model-derived "
+        "budgets of 1.007, and a worst query-row block of 0.040 relative L2 at 32,768 tokens (budget "
+        "0.035): the model does not carry the kernel's norm bias, so certify keeps its long calls off."),
+}
+
+
+def long_call_marks(variant: str) -> list:
+    import pytest
+
+    reason = LONG_CALL_DEFECTS.get(variant)
+    return [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+
 
 def marks(variant: str, fixture: str) -> list:
     import pytest

@@ -21,6 +21,7 @@ from sage_qual.qualification.measure import long_check
 from sage_qual.qualification.run import worker
 
 from .conftest import VARIANT_NAMES
+from .known_defects import long_call_marks
 
 pytestmark = [pytest.mark.slow, pytest.mark.gpu]
 
@@ -50,7 +51,7 @@ def spied(package, variant):
 
 
 @pytest.mark.parametrize("call", list(CALLS))
-@pytest.mark.parametrize("variant_name", VARIANT_NAMES)
+@pytest.mark.parametrize("variant_name", [pytest.param(v, marks=long_call_marks(v)) for v in VARIANT_NAMES])
 def test_long_call_in_every_layout(variant_name, call, kernels, runnable, record):
     variant = runnable(variant_name)
     shape = CALLS[call]

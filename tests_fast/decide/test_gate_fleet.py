@@ -324,7 +324,8 @@ def test_gate_json_holds_each_models_decision(capsys, fleet, machine):
         assert entry == {"gpu": entry["gpu"], "verdict": d.verdict.value,
                          "served": None if d.served is None else records.dump(d.served),
                          "certified": d.results.certified,
-                         "reasons": [{"kind": r.kind.value, "detail": r.detail} for r in d.reasons]}
+                         "reasons": [{"kind": r.kind.value, "detail": r.detail} for r in d.reasons],
+                         "provider": "" if d.served is None else "thu-ml"}
     h200, h100 = printed["gpus"]
     assert h200["verdict"] == "keep off"
     assert [r["kind"] for r in h200["reasons"]] == ["crash", "timeout", "oom"]

@@ -27,7 +27,7 @@ from ..helpers import newest_h200_run
 
 RESULTS = Path(__file__).resolve().parent.parent.parent / "docs" / "results"
 SOURCES = [RESULTS / "run29-h200" / f"certify-{n}" / "report.json.gz" for n in (1, 2, 3)] + [
-    RESULTS / f"run{n}-h200" / "certify" / "report.json.gz" for n in (30, 31, 33, 34)]
+    RESULTS / f"run{n}-h200" / "certify" / "report.json.gz" for n in (30, 31, 33, 34, 35)]
 H200 = FakeGpu((9, 0), "NVIDIA H200", 139.8)  # as torch names the H200 of docs/results
 H100 = FakeGpu((9, 0), "NVIDIA H100 80GB HBM3", 79.6)
 RTX4090 = FakeGpu((8, 9), "NVIDIA GeForce RTX 4090", 24.0)
@@ -82,7 +82,7 @@ def test_the_h200_default_entry_is_the_highest_threshold_any_run_served_the_kern
     entry = h200.default
     assert entry.variant == KERNEL_TABLE[(9, 0)][0] and entry.served.head_dims == [128]
     thresholds = (entry.served.min_query_tokens, entry.served.min_key_tokens)
-    assert thresholds == served_thresholds_of_the_sources() == (12672, 12672)
+    assert thresholds == served_thresholds_of_the_sources() == (13824, 13824)
 
 
 @pytest.mark.parametrize("name", ["NVIDIA H200", "nvidia h200 ", "  NVIDIA H200"])
@@ -92,11 +92,11 @@ def test_an_h200_gets_its_measured_thresholds_and_4k_tokens_go_to_torch(name):
     [device] = status.devices
     assert device.variant.name == "sm90-fp8-cuda"
     assert (device.config.min_query_tokens, device.config.min_key_tokens, device.config.head_dims) == \
-        (12672, 12672, (128,))
+        (13824, 13824, (128,))
     assert device.profile_note.startswith("built-in defaults, measured on NVIDIA H200 (sm_90)")
     # The case: a [.., 4096, 128] call, 0.75x of cuDNN on the H200, now stays on torch.
     assert (report.served, dict(report.fallbacks)) == (0, {"short": 1})
-    assert report.details["short"] == "tokens=4096/4096 (needs >= 12672/12672)"
+    assert report.details["short"] == "tokens=4096/4096 (needs >= 13824/13824)"
 
 
 def test_a_gpu_never_measured_keeps_the_table_with_the_strictest_thresholds_of_its_capability():
@@ -104,7 +104,7 @@ def test_a_gpu_never_measured_keeps_the_table_with_the_strictest_thresholds_of_i
     [device] = status.devices
     assert device.variant.name == "sm90-fp8-cuda"  # today's table
     assert (device.config.min_query_tokens, device.config.min_key_tokens, device.config.head_dims) == \
-        (12672, 12672, (128,))
+        (13824, 13824, (128,))
     assert "NVIDIA H100 80GB HBM3 was never measured" in device.profile_note
     assert len(device.profile_note) <= STATUS_LINE_LIMIT
 
@@ -127,7 +127,7 @@ def test_the_strictest_thresholds_take_the_highest_counts_at_the_head_sizes_all_
     machine = profile.Machine(H100.name, (9, 0), H100.memory_gib, "2.13.0", "13.0", "2.2.0")
     [unknown] = defaults.device_configs([machine], path=path)
     assert (unknown.config.min_query_tokens, unknown.config.min_key_tokens, unknown.config.head_dims) == \
-        (12672, 32768, (128,))
+        (13824, 32768, (128,))
     assert "(NVIDIA H200, Fake sm90 card)" in unknown.note
     card = profile.Machine("Fake sm90 card", (9, 0), 80.0, "2", "", "")
     [measured] = defaults.device_configs([card], path=path)

@@ -355,3 +355,37 @@ def test_torch_compile_works_inside_the_public_fake_in_a_fresh_interpreter():
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["1", "1", "True"], done.stdout
+
+
+def test_a_profile_naming_comfy_kitchens_variant_serves_it_from_its_provider(caplog):
+    """A profile entry can name comfy-kitchen's variant: install() then calls
+    comfy_kitchen.sage_attention.int8_attention (scale by name, no layout or smoothing keywords),
+    and a family the entry keeps on thu-ml's kernel still gets that one."""
+    from .. import builders
+
+    profile = builders.make_profile(gpu=FakeGpu((9, 0), "GPU0"), entry=builders.make_entry("sm90-fp8-cuda", 64, 64),
+                                    families={"SDXL": builders.make_entry("ck-int8-cuda", 64, 64, head_dims=(64,))})
+    q, k, v = (torch.randn(1, 2, 128, 64, dtype=torch.float16) for _ in range(3))
+    with fake_box(fake=FakeSageAttention(comfy_kitchen="0.2.40")) as (_, fake):
+        status = sage_qual.install(profile=profile, family="SDXL")
+        assert status.enabled and status.devices[0].variant.name == "ck-int8-cuda"
+        with sage_qual.sage_attention_scope() as report:
+            out = F.scaled_dot_product_attention(q, k, v)
+        sage_qual.uninstall()
+    assert report.served == 1, report.summary()
+    served = [c for c in fake.calls if c.q.shape == q.shape]
+    assert {c.function for c in served} == {"int8_attention"}
+    assert set(served[-1].keywords) == {"scale", "attn_mask"} and served[-1].keywords["scale"] == 64 ** -0.5
+    torch.testing.assert_close(out.float(), TORCH_SDPA(q.float(), k.float(), v.float()), atol=2e-3, rtol=2e-3)
+    assert any("comfy-kitchen 0.2.40 serves attention" in r.getMessage() for r in infos_of(caplog))
+
+
+def test_without_comfy_kitchen_a_profile_naming_its_variant_says_so():
+    from .. import builders
+
+    profile = builders.make_profile(gpu=FakeGpu((9, 0), "GPU0"), families={
+        "SDXL": builders.make_entry("ck-int8-cuda", 64, 64, head_dims=(64,))})
+    with fake_box():
+        status = sage_qual.install(profile=profile, family="SDXL")
+        sage_qual.uninstall()
+    assert not status.enabled and "comfy-kitchen is not installed" in status.devices[0].no_kernel_reason

@@ -3,7 +3,7 @@ family, each verdict `verdict.decide()`'s, with the range, layouts, head sizes a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from sage_qual.qualification.decide import verdict
@@ -45,6 +45,8 @@ class FleetRow:
     capability: list[int]
     devices: list[int]
     families: dict[str, FleetVerdict]
+    # The other providers' packages that served certify ("comfy-kitchen 0.2.40 (sha256:...)").
+    other_providers: list[str] = field(default_factory=list)
 
 
 def merge_rows(reports: list[tuple[Path, Report]]) -> list[FleetRow]:
@@ -53,7 +55,9 @@ def merge_rows(reports: list[tuple[Path, Report]]) -> list[FleetRow]:
         env = data.environment
         common = dict(host=data.host, report=str(path), complete=data.complete, predicted=data.predicted,
                       target=data.target, driver=env.driver, torch=env.torch, sageattention=env.sageattention,
-                      sageattention_source=env.sageattention_source)
+                      sageattention_source=env.sageattention_source,
+                      other_providers=[f"{o.provider} {o.version}" + (f" ({o.source})" if o.source else "")
+                                       for o in env.other_providers if o.version])
         if not data.complete:
             rows += [FleetRow(**common, gpu=device.name, capability=list(device.capability),
                               devices=[device.index], families={}) for device in data.devices]

@@ -35,7 +35,7 @@ from sage_qual.qualification.evidence.report_model import Report, ReportError
 from sage_qual.qualification.families import Family, counts_for, find
 from sage_qual.serving.env_record import EnvironmentRecord, Reason
 from sage_qual.serving.served import Served
-from sage_qual.serving.variants import gpu_label
+from sage_qual.serving.variants import VARIANTS, gpu_label
 
 if TYPE_CHECKING:
     from sage_qual.fixtures.fileformat import Fixture
@@ -84,7 +84,8 @@ class GateDecision:
     def answer(self) -> GateAnswer:
         """The `gate --json` answer: each GPU's verdict with its `Served` unchanged."""
         return GateAnswer(self.family, self.code, self.problem, [
-            GpuAnswer(model, d.verdict, d.served, d.results.certified, d.reasons) for model, d in self.gpus])
+            GpuAnswer(model, d.verdict, d.served, d.results.certified, d.reasons,
+                      VARIANTS[d.served.variant].provider if d.served else "") for model, d in self.gpus])
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,7 @@ class GpuAnswer:
     served: Served | None
     certified: list[str]
     reasons: list[Reason]
+    provider: str = ""  # whose kernel `served` names (`serving.providers`); "" when nothing is served
 
 
 # Version 2 (2026-12-03): what a GPU serves moved into its `served` object (the fields of

@@ -37,11 +37,10 @@ def merge_markdown(rows: list[FleetRow]) -> str:
 
 
 def sageattention(row: FleetRow) -> str:
-    """Its version and build: two builds of one version are two rows to tell apart."""
-    if not row.sageattention:
-        return "-"
+    """Its version and build (two builds of one version are two rows to tell apart), and the other
+    providers' beside it."""
     build = f" ({row.sageattention_source})" if row.sageattention_source else ""
-    return row.sageattention + build
+    return "; ".join(([row.sageattention + build] if row.sageattention else ["-"]) + row.other_providers)
 
 
 def cell(found: FleetVerdict) -> str:
