@@ -30,6 +30,7 @@ model at the top level, no memory) still read: they are upgraded as read.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Literal, Mapping
@@ -81,6 +82,9 @@ class ProfileEnvironment:
     triton: str
     # The build certified (sage_package.source_digest); "" or absent: not recorded, not compared.
     sageattention_source: str = ""
+    # The other providers' builds certified beside it (provider -> source digest, "comfy-kitchen"):
+    # each binds the entry as sageattention's build does; a provider absent here is not compared.
+    other_providers: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -135,7 +139,7 @@ class Profile:
         # serves to their order (issue 28).
         first: dict[tuple, int] = {}
         for n, gpu in enumerate(self.gpus):
-            key = (gpu.label, gpu.memory_gib, gpu.sm_count, gpu.environment)
+            key = (gpu.label, gpu.memory_gib, gpu.sm_count, json.dumps(records.dump(gpu.environment), sort_keys=True))
             if key in first:
                 return [(f"gpus[{n}]", f"{gpu.label} with this memory, SM count and software is "
                                        f"gpus[{first[key]}] already: keep one entry per machine (merge the "
@@ -276,6 +280,7 @@ class Machine:
     sageattention: str
     sageattention_source: str = ""  # "" when unknown: not compared
     sm_count: int | None = None  # None when unknown: not compared
+    other_sources: Mapping[str, str] = field(default_factory=dict)  # the other providers' builds here
 
 
 def same_gpu_name(a: str, b: str) -> bool:
@@ -310,6 +315,11 @@ def differences(gpu: ProfileGpu, device: Machine) -> list[str]:
     if not _same_build(env.sageattention_source, device.sageattention_source):
         found.append(f"sageattention build {env.sageattention_source}, {device.sageattention_source} here "
                      "(another source under one version: a fork or an older build)")
+    served = {VARIANTS[e.variant].provider for e in (gpu.default, *gpu.families.values()) if e.variant in VARIANTS}
+    for provider, certified in sorted(env.other_providers.items()):
+        here = device.other_sources.get(provider, "")
+        if provider in served and not _same_build(certified, here):  # only where its kernel is served
+            found.append(f"{provider} build {certified}, {here or 'none'} here")
     return found
 
 
@@ -416,14 +426,17 @@ def this_machine() -> list[Machine]:
     """Every visible device as a profile entry must match it. Raises SageUnavailable without a
     usable sageattention (its version is part of the match)."""
     package = sage_package.load()
-    return machines(platform.current(), package.version, package.source)
+    others = {p.provider: p.source for p in sage_package.load_all().values()
+              if not isinstance(p, str) and p.provider != package.provider}
+    return machines(platform.current(), package.version, package.source, others)
 
 
-def machines(cuda: platform.CudaPlatform, sageattention: str, source: str = "") -> list[Machine]:
+def machines(cuda: platform.CudaPlatform, sageattention: str, source: str = "",
+             other_sources: Mapping[str, str] | None = None) -> list[Machine]:
     """Every device of `cuda` as a profile entry must match it, with this sageattention version and
-    build (`source`)."""
+    build (`source`), and the other providers' builds (`other_sources`: provider -> source digest)."""
     cuda_version = cuda.torch_cuda()
     torch_cuda = "%d.%d" % cuda_version if cuda_version else ""
     return [Machine(cuda.device_name(i), cuda.capability(i), round(cuda.total_memory(i) / 2**30, 1),
-                    torch.__version__, torch_cuda, sageattention, source, cuda.sm_count(i))
+                    torch.__version__, torch_cuda, sageattention, source, cuda.sm_count(i), dict(other_sources or {}))
             for i in range(cuda.device_count())]

@@ -182,14 +182,16 @@ def _load_profile(profile):
         raise sage_package.SageUnavailable(str(error)) from None
 
 
-def _device_configs(cuda, package, config: WrapperConfig, profile, family: str | None, builtin: bool):
+def _device_configs(cuda, packages: Packages, config: WrapperConfig, profile, family: str | None, builtin: bool):
     """Each device's config and note: the built-in defaults (when `builtin`) or `config`, then the
     profile's entry where one matches; one WARNING when the profile describes a GPU not, or when the
     built-in defaults were measured with another sageattention build."""
     from sage_qual.serving import defaults
     from sage_qual.serving.profile import DeviceConfig, ProfileError, device_configs, machines
 
-    here = machines(cuda, package.version, package.source)
+    package = _primary(packages)
+    others = {p.provider: p.source for p in loaded(packages) if p.provider != package.provider}
+    here = machines(cuda, package.version, package.source, others)
     try:
         bases = (defaults.device_configs(here, family, config) if builtin
                  else [DeviceConfig(config, "")] * len(here))
@@ -232,7 +234,7 @@ def _probe(config: WrapperConfig, profile=None, family: str | None = None,
     packages = sage_package.load_all()
     if not loaded(packages):
         raise sage_package.SageUnavailable(packages[THU_ML.name])
-    per_device = _device_configs(cuda, _primary(packages), config, profile, family, builtin)
+    per_device = _device_configs(cuda, packages, config, profile, family, builtin)
     devices = {}
     for index, capability in capabilities.items():
         own = per_device[index]

@@ -110,6 +110,43 @@ def test_an_entry_applies_only_to_the_build_it_certified(made, here, applies):
         assert "sageattention build sha256:aaaa, sha256:bbbb here" in config.note
 
 
+def with_comfy_kitchen(source: str, serves_it: bool) -> dict:
+    """An H200 entry certified with comfy-kitchen build `source`, serving its variant for SDXL or not."""
+    variant = "ck-int8-cuda" if serves_it else "sm90-fp8-cuda"
+    data = make_profile(make_gpu(H200, families={"SDXL": make_entry(variant, 1024, 1024, head_dims=(64,))}))
+    data["gpus"][0]["environment"]["other_providers"] = {"comfy-kitchen": source}
+    return data
+
+
+@pytest.mark.parametrize(("made", "here", "serves_it", "applies"), [
+    ("sha256:cccc", "sha256:cccc", True, True), ("sha256:cccc", "sha256:dddd", True, False),
+    ("sha256:cccc", "sha256:dddd", False, True), ("sha256:cccc", "", True, True)],
+    ids=["same-build", "another-build", "another-build-not-served", "not-installed-here"])
+def test_comfy_kitchens_build_binds_an_entry_that_serves_its_variant(made, here, serves_it, applies):
+    """A second provider's build binds as sageattention's does, where the entry serves its kernel:
+    an H200 profile made with comfy-kitchen beside thu-ml's kernels still applies to a machine with
+    another comfy-kitchen when every family it enables runs on thu-ml's."""
+    device = dataclasses.replace(machine(H200), other_sources={"comfy-kitchen": here})
+    [config] = profile.device_configs(with_comfy_kitchen(made, serves_it), [device], family="SDXL")
+    assert config.matched == applies
+    if not applies:
+        assert "comfy-kitchen build sha256:cccc, sha256:dddd here" in config.note
+
+
+def test_certify_records_comfy_kitchens_build_in_the_profile():
+    """Run 35's report (comfy-kitchen 0.2.40 beside thu-ml's build on the H200) gives a profile whose
+    entry carries that build, as the profile certify wrote there did not yet."""
+    from pathlib import Path
+
+    from sage_qual.qualification.decide import checked, verdict
+    from sage_qual.qualification.decide import profile as building
+
+    path = Path(__file__).resolve().parents[2] / "docs/results/run35-h200/certify/report.json.gz"
+    report = checked.load(path)
+    [gpu] = building.build(report, verdict.decide(report)).gpus
+    assert gpu.environment.other_providers == {"comfy-kitchen": "sha256:65f98cf1050cc674"}
+
+
 def test_a_profile_without_the_field_still_reads():
     data = certified("")
     del data["gpus"][0]["environment"]["sageattention_source"]

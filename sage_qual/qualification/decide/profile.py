@@ -31,7 +31,8 @@ def build(report: Report, decisions: list[GpuDecision]) -> Profile:
     """One entry per GPU model of a complete report, each with what defines its machine."""
     env = report.environment
     machine = ProfileEnvironment(env.torch, env.torch_cuda, env.driver, env.sageattention, env.triton,
-                                 env.sageattention_source)
+                                 env.sageattention_source,
+                                 {o.provider: o.source for o in env.other_providers if o.source})
     fixtures = {f.name: f.sha256 for f in report.fixtures}
     return Profile(KIND, SCHEMA_VERSION, report.finished, report.host, fixtures,
                    [ProfileGpu(gpu.name, list(gpu.capability), gpu.memory_gib, machine, _entry(gpu.default),
