@@ -2,7 +2,8 @@
 returning what the numerics model says the H200's kernel returns, wrapped with each defect of
 `sage_qual.qualification.selftest.detection`; the cells certify would write for every shipped fixture, read
 by the gate's `verdict.decide()`, must keep off exactly the families the defect reaches (and those
-the clean kernel keeps off already). docs/detection.md holds the matrix."""
+the clean kernel keeps off already). docs/detection.md holds the matrix. The fixture defects are
+injected into thu-ml's sm90 kernel and into comfy-kitchen's `ck-int8-cuda` alike (issue 42)."""
 
 import json
 from pathlib import Path
@@ -28,21 +29,32 @@ from sage_qual.testing import FakeSageAttention
 from .. import builders
 
 VARIANT = VARIANTS["sm90-fp8-cuda"]  # the kernel the field reports were tried with (H200)
+# What the clean kernel (its numerics model) fails without a defect, and the families the gate then
+# keeps off: thu-ml's FP8 V scale has no epsilon, so NaN on the IP-Adapter fixtures' all-zero V
+# (numerics.py); SDXL stays off for it (the sample's timings serve nothing at head_dim 64 that could
+# exclude those calls), while FLUX.1's NaN is bounded (decide/bounds.py). comfy-kitchen's V scale
+# has a floor of 1e-12 (quant_v_int8.cu): it fails nothing.
+CLEAN_FAILURES = {
+    "sm90-fp8-cuda": ({"sdxl_ip_adapter_zero_uncond", "flux1_ip_adapter_zero_uncond"}, {"SDXL", "FLUX.1"}, {"SDXL"}),
+    "ck-int8-cuda": (set(), set(), set()),
+}
+# Fixtures where a variant's own error is so large that a few wrong elements pass its budget:
+# comfy-kitchen's rotation spreads the shared Q/K outlier channel of the block-0 replicas (relative
+# L2 0.44 and 0.51 on the H200, docs/results/run35-h200/), and its element-wise budget follows.
+# Those families are still kept off, by their other fixtures.
+HIDES_A_FEW_ELEMENTS = {"ck-int8-cuda": {"krea2_b0_outlier_gqa", "qwen_image_b0_outlier_head"}}
 # A complete two-H200 report (B's test data): its speed evidence, our fixtures and cells.
 SAMPLE = Path(__file__).resolve().parent.parent / "data" / "sample_h200_2gpu.json"
 EXTRA_BYTES = 1.5  # per q/k/v element, within the memory bound: memory is not what is tested here
 
 
-class _Package:
-    def __init__(self, module):
-        self.module = module
-
-    def kernel(self, variant):
-        return getattr(self.module, variant.function)
+@pytest.fixture(scope="module", params=sorted(CLEAN_FAILURES))
+def variant(request):
+    return VARIANTS[request.param]
 
 
 @pytest.fixture(scope="module")
-def bench():
+def bench(variant):
     """Every shipped fixture, the fake kernel's clean output on it (the model's), its reference."""
     fixtures = [load_fixture(p) for p in list_fixtures(shipped_dir())]
     fake = FakeSageAttention()
@@ -50,13 +62,13 @@ def bench():
     def as_modelled(exact):
         call = fake.calls[-1]
         fixture = next(f for f in fixtures if f.q is call.q)
-        assert call.keywords["sm_scale"] == fixture.q.shape[-1] ** -0.5
-        return budgets.prediction(VARIANT, fixture)
+        assert call.keywords[variant.kernel_function.scale_keyword] == fixture.q.shape[-1] ** -0.5
+        return budgets.prediction(variant, fixture)
 
     fake.return_value(as_modelled)
-    package = _Package(fake.module())
-    clean = {f.name: accuracy.call_kernel(package, VARIANT, f.q, f.k, f.v) for f in fixtures}
-    assert [c.function for c in fake.calls] == [VARIANT.function] * len(fixtures)
+    package = SimpleNamespace(kernel=lambda asked: fake.function(asked.function))  # either provider's fake
+    clean = {f.name: accuracy.call_kernel(package, variant, f.q, f.k, f.v) for f in fixtures}
+    assert [c.function for c in fake.calls] == [variant.function] * len(fixtures)
     references = {f.name: accuracy.reference(f.q, f.k, f.v) for f in fixtures}
     return fixtures, clean, references
 
@@ -66,10 +78,9 @@ def test_every_fixture_is_read_by_some_family(bench):
     assert all(detection.owners(f) for f in fixtures)
 
 
-def test_the_clean_kernel_fails_only_where_the_model_predicts_a_kernel_defect(failing, baseline):
-    # FP8 V scale without epsilon: NaN on the IP-Adapter fixtures' all-zero V (numerics.py).
-    assert failing == {"sdxl_ip_adapter_zero_uncond", "flux1_ip_adapter_zero_uncond"}
-    assert baseline == {"SDXL", "FLUX.1"}
+def test_the_clean_kernel_fails_only_where_the_model_predicts_a_kernel_defect(variant, failing, baseline):
+    fixtures, families_off, _ = CLEAN_FAILURES[variant.name]
+    assert failing == fixtures and baseline == families_off
 
 
 def test_at_least_eight_defects_including_the_three_of_the_field():
@@ -79,9 +90,9 @@ def test_at_least_eight_defects_including_the_three_of_the_field():
 
 
 @pytest.fixture(scope="module")
-def failing(bench):
+def failing(variant, bench):
     """The fixtures the clean kernel already fails."""
-    return detection.failing(VARIANT, *bench)
+    return detection.failing(variant, *bench)
 
 
 @pytest.fixture(scope="module")
@@ -95,53 +106,51 @@ def _record(fixture) -> report_model.FixtureRecord:
     return run.fixture_record(fixture)  # as certify records it
 
 
-def _cell(fixture, metrics: Metrics) -> report_model.Cell:
-    budget = budgets.budget(VARIANT, fixture)
+def _cell(variant, fixture, metrics: Metrics) -> report_model.Cell:
+    budget = budgets.budget(variant, fixture)
     reasons = judge.cell_reasons(metrics, EXTRA_BYTES, budget, MEMORY_BOUND)
     numbers = vars(metrics.stored())
-    return builders.cell(VARIANT.name, _record(fixture), "fail" if reasons else "pass", reasons=reasons,
+    return builders.cell(variant.name, _record(fixture), "fail" if reasons else "pass", reasons=reasons,
                          bounds=budget, **numbers, extra_bytes_per_element=EXTRA_BYTES, seconds=0.1)
 
 
-def kept_off_by_the_gate(fixtures, outputs, references) -> frozenset[str]:
+def kept_off_by_the_gate(variant, fixtures, outputs, references) -> frozenset[str]:
     """The families `verdict.decide()` keeps off for a report holding these outputs' cells."""
     data = json.loads(SAMPLE.read_text())
-    data["options"]["variants"] = [VARIANT.name]
+    data["options"]["variants"] = [variant.name]
     data["fixtures"] = [records.dump(_record(f)) for f in fixtures]
-    cells = [records.dump(_cell(f, accuracy.errors(outputs[f.name], references[f.name]))) for f in fixtures]
+    cells = [records.dump(_cell(variant, f, accuracy.errors(outputs[f.name], references[f.name]))) for f in fixtures]
     for device in data["devices"]:
         device["cells"] = cells
         # the report holds one variant: the sample's timings of the others go with the rest of it
-        device["speed"] = [t for t in device["speed"] if t["kernel"] in ("sdpa", VARIANT.name)]
+        device["speed"] = [t for t in device["speed"] if t["kernel"] in ("sdpa", variant.name)]
     gpu = verdict.decide(files.from_dict(data, "detection test"))[0]
     return frozenset(d.family for d in gpu.families if d.verdict == verdict.Verdict.KEEP_OFF)
 
 
 @pytest.fixture(scope="module")
-def gate_baseline(bench):
-    return kept_off_by_the_gate(*bench)
+def gate_baseline(variant, bench):
+    return kept_off_by_the_gate(variant, *bench)
 
 
 @pytest.mark.parametrize("defect", detection.DEFECTS, ids=lambda d: d.name)
-def test_defect_keeps_off_exactly_the_families_it_reaches(bench, gate_baseline, defect):
+def test_defect_keeps_off_exactly_the_families_it_reaches(variant, bench, gate_baseline, defect):
     fixtures, clean, references = bench
     defective = {f.name: defect.apply(detection.Call(f.q, f.k, f.v, clean[f.name], f.q.shape[-1] ** -0.5))
                  for f in fixtures}
-    off = kept_off_by_the_gate(fixtures, defective, references)
+    off = kept_off_by_the_gate(variant, fixtures, defective, references)
     # Every family it reaches is kept off; any other family keeps the verdict it had without it.
     assert off == defect.reaches | gate_baseline, f"kept off {sorted(off)}, baseline {sorted(gate_baseline)}"
 
 
-def test_the_gate_keeps_off_without_a_defect_only_what_the_model_predicts_and_the_uncertified(gate_baseline):
-    # SDXL: NaN on the IP-Adapter zero V, and the sample's timings serve nothing at head_dim 64 that
-    # could exclude those calls. FLUX.1's NaN there is bounded instead (decide/bounds.py): its
-    # break-even excludes 4-16 keys and flux1_two_images passes. Every family has fixtures of its own.
-    assert gate_baseline == {"SDXL"}
+def test_the_gate_keeps_off_without_a_defect_only_what_the_model_predicts_and_the_uncertified(variant, gate_baseline):
+    # Every family has fixtures of its own; what stays off is the clean kernel's own failure.
+    assert gate_baseline == CLEAN_FAILURES[variant.name][2]
 
 
-def test_a_defect_that_changes_nothing_keeps_nothing_off(bench, failing):
+def test_a_defect_that_changes_nothing_keeps_nothing_off(variant, bench, failing):
     harmless = detection.Defect("none", "returns the kernel's output", frozenset(), lambda call: call.out)
-    assert detection.kept_off(VARIANT, *bench, harmless, failing)[0] == frozenset()
+    assert detection.kept_off(variant, *bench, harmless, failing)[0] == frozenset()
 
 
 
@@ -150,14 +159,16 @@ def test_a_defect_that_changes_nothing_keeps_nothing_off(bench, failing):
 # fixtures with an FP8-sized error (relative L2 0.05-0.17) pass both defects.
 @pytest.mark.parametrize("defect", [detection.few_elements_wrong(1, 3.0),
                                     detection.few_elements_wrong(3, 2.5, seed=7)], ids=lambda d: d.name)
-def test_a_few_wrong_elements_fail_every_fixture_the_clean_kernel_passes(bench, failing, defect):
+def test_a_few_wrong_elements_fail_every_fixture_the_clean_kernel_passes(variant, bench, failing, defect):
     fixtures, _, _ = bench
-    off, caught = detection.kept_off(VARIANT, *bench, defect, failing)
-    assert set(caught) == {f.name for f in fixtures} - failing
+    off, caught = detection.kept_off(variant, *bench, defect, failing)
+    assert set(caught) == {f.name for f in fixtures} - failing - HIDES_A_FEW_ELEMENTS.get(variant.name, set())
     assert off == defect.reaches == detection.ALL
     alone = [name for name, reasons in caught.items()
              if [r.detail.split(" |")[0] for r in reasons] == ["largest element error"]]
-    assert len(alone) >= 4, f"only the element-wise limit fails {alone}"
+    # With FP8 P.V's error (sm90) the element-wise limit alone catches it on four fixtures or more;
+    # comfy-kitchen's smaller error lets its relative-L2 budgets catch it too (1-2 alone).
+    assert len(alone) >= (4 if variant is VARIANT else 1), f"only the element-wise limit fails {alone}"
 
 
 @pytest.mark.parametrize("defect", detection.CALL_SPACE_DEFECTS, ids=lambda d: d.name)
