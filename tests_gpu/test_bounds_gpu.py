@@ -24,7 +24,7 @@ from .conftest import FIXTURE_DIR
 
 pytestmark = [pytest.mark.slow, pytest.mark.gpu]
 
-RUN25 = Path(__file__).resolve().parents[1] / "docs" / "results" / "run25-h200" / "certify" / "report.json"
+RUN25 = Path(__file__).resolve().parents[1] / "docs" / "results" / "run25-h200" / "certify" / "report.json.gz"
 IP_ADAPTER = FIXTURE_DIR / "flux1_ip_adapter_zero_uncond.safetensors"
 
 

@@ -56,11 +56,16 @@ TWO_SCOPES = """
 """
 
 
+OTHER_BUILD = "measured with sageattention build"
+
+
 def assert_rest_of_each_scope_ran_on_torch(result: dict) -> None:
     assert all(result["equal"])
     assert result["reports"] == [{"memory": 2}, {"memory": 2}]
     assert sum("ran out of memory" in m for m in result["infos"]) == 2  # once per scope
-    assert result["warnings"] == []
+    # The one WARNING a fresh build may give: the built-in defaults were measured on another build
+    # of the same version (each device build has its own digest: runs 34 and 35).
+    assert [w for w in result["warnings"] if OTHER_BUILD not in w] == []
 
 
 def test_out_of_memory_moves_the_rest_of_the_scope_to_torch():
@@ -97,7 +102,8 @@ def test_kernel_returning_garbage_is_retired_by_the_first_call_check(garbage):
     assert all(result["equal"])
     assert result["served"] == 0
     assert result["fallbacks"] == {"kernel_error": 1, "device": 2}
-    assert len(result["warnings"]) == 1 and "first-call check failed" in result["retired"]
+    assert len([w for w in result["warnings"] if OTHER_BUILD not in w]) == 1
+    assert "first-call check failed" in result["retired"]
 
 
 def test_unwritable_triton_cache_falls_back_per_call_then_retires(tmp_path):
