@@ -42,9 +42,11 @@ def run25_profile(sage) -> profile.Profile:
 
 
 def flux1_entry(run25_profile, **changes) -> profile.Profile:
-    """The profile with its FLUX.1 entry changed as a hand edit would."""
+    """The profile with what its FLUX.1 entry serves changed as a hand edit would."""
     [gpu] = run25_profile.gpus
-    families = {**gpu.families, "FLUX.1": dataclasses.replace(gpu.families["FLUX.1"], **changes)}
+    entry = gpu.families["FLUX.1"]
+    served = dataclasses.replace(entry.served, **changes)
+    families = {**gpu.families, "FLUX.1": dataclasses.replace(entry, served=served)}
     return dataclasses.replace(run25_profile, gpus=[dataclasses.replace(gpu, families=families)])
 
 
@@ -80,9 +82,9 @@ def routed(q, k, v):
 
 
 def test_the_run_25_entry_is_the_bounded_one(run25_profile):
-    entry = run25_profile.gpus[0].families["FLUX.1"]
-    assert (entry.variant, entry.min_key_tokens, entry.max_query_tokens) == ("sm90-fp8-cuda", 10624, 32768)
-    assert [(b.side, b.below) for b in entry.bounds] == [("key", 17)]
+    served = run25_profile.gpus[0].families["FLUX.1"].served  # decided as tests_fast/decide/test_bounds.py
+    assert (served.variant, served.min_key_tokens, served.max_query_tokens) == ("sm90-fp8-cuda", 12672, 32768)
+    assert [(b.side, b.below) for b in served.bounds] == [("key", 17)]
 
 
 # Relative to the entry: below its threshold, at it, FLUX.1's 2048² call, its verified end and past it.
@@ -92,8 +94,8 @@ EDGES = [(-1, "min", "short"), (0, "min", None), (16896, None, None), (0, "max",
 @pytest.mark.parametrize(("offset", "edge", "fallback"), EDGES,
                          ids=["below-min", "min", "2048sq", "max", "past-max"])
 def test_the_profile_serves_its_range_and_no_more(run25_profile, installed, offset, edge, fallback):
-    entry = run25_profile.gpus[0].families["FLUX.1"]
-    tokens = offset + {"min": entry.min_query_tokens, "max": entry.max_query_tokens, None: 0}[edge]
+    served = run25_profile.gpus[0].families["FLUX.1"].served
+    tokens = offset + {"min": served.min_query_tokens, "max": served.max_query_tokens, None: 0}[edge]
     installed(run25_profile)
     report, out = routed(*joint(tokens))
     if fallback is None:
@@ -124,7 +126,7 @@ def test_with_the_thresholds_lowered_by_hand_the_bound_keeps_it_on_torch(run25_p
 
 def test_without_the_bound_the_kernel_gets_the_ip_adapter_call(run25_profile, installed, record):
     """What the bound prevents: the same lowered entry without it hands the call to the kernel."""
-    installed(flux1_entry(run25_profile, min_query_tokens=1, min_key_tokens=1, bounds=None))
+    installed(flux1_entry(run25_profile, min_query_tokens=1, min_key_tokens=1, bounds=[]))
     report, out = routed(*ip_adapter())
     handed = report.served + report.fallbacks.get("kernel_error", 0)
     assert handed == 1, dict(report.fallbacks)

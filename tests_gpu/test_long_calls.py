@@ -43,8 +43,8 @@ def spied(package, variant):
 
     def spy(q, k, v, **keywords):
         # comfy-kitchen's kernel takes no layout: an NHD call reaches it as [B, H, N, D] views
-        calls.append({"layout": keywords.get("tensor_layout", "HND"), "q_ptr": q.data_ptr(), "q_stride": q.stride(),
-                      "v_stride": v.stride()})
+        calls.append({"layout": keywords.get("tensor_layout", "HND"), "q_ptr": q.data_ptr(),
+                      "q_stride": q.stride(), "v_stride": v.stride()})
         return function(q, k, v, **keywords)
 
     return long_check.kernel_of(types.SimpleNamespace(kernel=lambda asked: spy), variant), calls
