@@ -67,6 +67,10 @@ def software_changes(first: Decided, second: Decided) -> list[str]:
     """One line per piece of software the two reports ran on that differs."""
     pairs = {said: (getattr(first.environment, field), getattr(second.environment, field))
              for field, said in SOFTWARE.items()}
+    builds = [{o.provider: f"{o.version} {o.source}".strip() for o in d.environment.other_providers if o.version}
+              for d in (first, second)]
+    pairs.update({provider: (builds[0].get(provider, ""), builds[1].get(provider, ""))
+                  for provider in sorted(set(builds[0]) | set(builds[1]))})
     return [f"{said} {a or '-'} vs {b or '-'}" for said, (a, b) in pairs.items() if a != b]
 
 
@@ -129,26 +133,55 @@ def served_speed_change(a: verdict.FamilyDecision, b: verdict.FamilyDecision, fi
     return math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None
 
 
-def _differ(a: verdict.FamilyDecision, b: verdict.FamilyDecision, change: float | None, tolerance: float) -> bool:
+# What must be equal between two runs, in the words a difference is named with: all a decision serves
+# but its thresholds (judged by the served speedups) and its bounds' words.
+EXACT = {"variant": "variant", "head_dims": "head dims", "layouts": "layouts", "contexts": "contexts",
+         "max_query_tokens": "upper bound", "max_key_tokens": "upper bound"}
+
+
+def changed(a: verdict.FamilyDecision, b: verdict.FamilyDecision, change: float | None, tolerance: float) -> list[str]:
+    """What differs between two decisions of one entry, in words ([]: nothing beyond `tolerance`)."""
+    if a.verdict != b.verdict:
+        return [f"verdict {a.verdict.value} vs {b.verdict.value}"]
+    found = [] if (a.served is None) == (b.served is None) else ["what is served"]
+    if a.served and b.served:
+        found = list(dict.fromkeys(said for name, said in EXACT.items()
+                                   if str(getattr(a.served, name)) != str(getattr(b.served, name))))
     if _bound_limits(a) != _bound_limits(b):
-        return True
-    moved = change is not None and abs(math.log(change)) > math.log1p(tolerance)
-    return moved or _compared(a) != _compared(b)
+        found.append("calls kept on torch")
+    if change is not None and abs(math.log(change)) > math.log1p(tolerance):
+        found.append(f"served speedup x{change:.3f}")
+    return found
 
 
-# What must be equal between two runs: all a decision serves but its thresholds (judged by the served
-# speedups) and its bounds' words.
-EXACT = ("variant", "head_dims", "layouts", "contexts", "max_query_tokens", "max_key_tokens")
+@dataclass(frozen=True)
+class Comparison:
+    """One entry (a GPU model's family, or its default) in both reports."""
+    where: str  # "NVIDIA H200 (sm_90) FLUX.1"
+    first: str  # `_entry` of each
+    second: str
+    change: float | None  # the served speedup's ratio, second over first (None: not comparable)
+    changed: list[str]  # what differs beyond the tolerance, in words ([]: nothing)
+
+    @property
+    def line(self) -> str:
+        """The whole entry on one line (compare --json's `entries` and `differences`)."""
+        speed = "" if self.change is None else f" (served speedup x{self.change:.3f})"
+        return f"{self.where}: {self.first} vs {self.second}{speed}"
+
+    def short(self) -> list[str]:
+        """One short line, and under a difference its two sides in full."""
+        speed = "" if self.change is None else f", served speedup x{self.change:.3f}"
+        if not self.changed:
+            return [f"{self.where}: no difference{speed}"]
+        return [f"{self.where}: DIFFERS: {', '.join(self.changed)}", f"    first:  {self.first}",
+                f"    second: {self.second}"]
 
 
-def _compared(decision: verdict.FamilyDecision) -> tuple:
-    served = decision.served
-    return (decision.verdict, None if served is None else tuple(str(getattr(served, name)) for name in EXACT))
-
-
-def differences(first: Decided, second: Decided, tolerance: float) -> tuple[list[str], list[str]]:
-    """(one line per entry compared, the differences)."""
-    lines, found = [], []
+def differences(first: Decided, second: Decided, tolerance: float) -> tuple[list[Comparison], list[str]]:
+    """(every entry compared, every difference as one line: a GPU model or a variant in one report
+    only, then each entry that differs, whole)."""
+    compared, found = [], []
     for model in sorted(set(first.gpus) | set(second.gpus)):
         if model not in first.gpus or model not in second.gpus:
             found.append(f"{model}: in only one report")
@@ -164,12 +197,9 @@ def differences(first: Decided, second: Decided, tolerance: float) -> tuple[list
                 found.append(f"{model} {label}: in only one report")
                 continue
             change = served_speed_change(a, b, first, second, model) if a.variant == b.variant else None
-            speed = "" if change is None else f" (served speedup x{change:.3f})"
-            line = f"{model} {label}: {_entry(a)} vs {_entry(b)}{speed}"
-            lines.append(line)
-            if _differ(a, b, change, tolerance):
-                found.append(line)
-    return lines, found
+            compared.append(Comparison(f"{model} {label}", _entry(a), _entry(b), change,
+                                       changed(a, b, change, tolerance)))
+    return compared, found + [c.line for c in compared if c.changed]
 
 
 @dataclass(frozen=True)
@@ -185,19 +215,21 @@ def _compare(args: argparse.Namespace) -> int:
     if not 0 <= args.tolerance < 1:
         raise UsageError(f"--tolerance is {args.tolerance:g}: give a fraction from 0 to below 1 (0.1 = 10 %)")
     first, second = _decide(args.first), _decide(args.second)
-    lines, found = differences(first, second, args.tolerance)
+    compared, found = differences(first, second, args.tolerance)
     software = software_changes(first, second)
     code = ExitCode.KEEP_OFF if found else ExitCode.OK
     if args.json:
-        answer = CompareAnswer("compare", code, "", args.tolerance, lines, found, software)
+        answer = CompareAnswer("compare", code, "", args.tolerance, [c.line for c in compared], found, software)
         print(jsonfile.line(records.dump(answer)))
         return code
     if software:
         print(f"ran on other software: {'; '.join(software)}")
-    print("\n".join(lines))
+    print("\n".join(line for c in compared for line in c.short()))
     if found:
+        short = [line for line in found if line not in {c.line for c in compared}]
+        short += [f"{c.where}: {', '.join(c.changed)}" for c in compared if c.changed]
         print(f"{len(found)} difference(s) beyond {args.tolerance:.0%}:")
-        print("\n".join(f"  {line}" for line in found))
+        print("\n".join(f"  {line}" for line in short))
         return ExitCode.KEEP_OFF
     print("same verdicts, variants, ranges, layouts and contexts; served speedups within "
           f"{args.tolerance:.0%}")

@@ -25,12 +25,24 @@ ENVIRONMENT = checked.load(SAMPLE).environment
 
 
 def test_run_8_against_run_13_reports_the_range_and_layout_differences(capsys):
+    """One short line per entry; under one that differs, both sides in full; the differences again,
+    one short line each (issue 43: compare's lines ran past 300 characters)."""
     assert cli.main(["compare", str(RUN8), str(RUN13)]) == 1
-    out = capsys.readouterr().out
-    found = out.split("difference(s) beyond 5%:\n")[1].splitlines()
-    qwen = next(line for line in found if "Qwen-Image:" in line)
-    assert "(no upper bound verified" in qwen.split(" vs ")[0]  # run 8: no long checks
-    assert " to 32,768 tokens" in qwen.split(" vs ")[1] and "(layouts: " in qwen.split(" vs ")[1]
+    out = capsys.readouterr().out.splitlines()
+    at = out.index("NVIDIA H200 (sm_90) Qwen-Image: DIFFERS: layouts, upper bound")
+    assert out[at + 1].startswith("    first:  enable ") and "(no upper bound verified" in out[at + 1]  # run 8
+    assert out[at + 2].startswith("    second: enable ") and " to 32,768 tokens" in out[at + 2]
+    assert "  NVIDIA H200 (sm_90) Qwen-Image: layouts, upper bound" in out[out.index(next(
+        line for line in out if "difference(s) beyond 5%:" in line)):]
+    entries = [line for line in out if not line.startswith("    ")]
+    assert max(map(len, entries)) < 120, max(entries, key=len)
+
+
+def test_an_entry_that_is_the_same_is_one_short_line_with_its_served_speed(capsys):
+    assert cli.main(["compare", str(SAMPLE), str(SAMPLE)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "NVIDIA H200 (sm_90) FLUX.1: no difference, served speedup x1.000" in out
+    assert not any(line.startswith("    ") for line in out)
 
 
 SERVED_FIELDS = {f.name for f in dataclasses.fields(Served)}
@@ -128,13 +140,16 @@ def test_the_same_report_is_the_same(capsys):
 
 @pytest.mark.parametrize("field, said", [
     ("sageattention_source", "sageattention build sha256:aaaa vs sha256:bbbb"),
-    ("torch", "torch sha256:aaaa vs sha256:bbbb")])
+    ("torch", "torch sha256:aaaa vs sha256:bbbb"),
+    ("other_providers", "comfy-kitchen 0.2.40 sha256:aaaa vs 0.2.40 sha256:bbbb")])
 def test_another_build_or_torch_under_the_same_verdicts_is_said_not_counted(tmp_path, capsys, field, said):
     """Another sageattention build under the same version went unsaid (issue 43); a rebuild of one
     source gets another fingerprint (runs 31 and 33), so it is not a difference by itself."""
     paths = []
     for name, value in (("a", "sha256:aaaa"), ("b", "sha256:bbbb")):
         data = json.loads(SAMPLE.read_text())
+        if field == "other_providers":  # comfy-kitchen's build beside sageattention's
+            value = [{"provider": "comfy-kitchen", "version": "0.2.40", "source": value}]
         data["environment"][field] = value
         paths.append(tmp_path / f"{name}.json")
         paths[-1].write_text(json.dumps(data))
@@ -153,8 +168,7 @@ def test_a_gpu_model_in_one_report_only_is_a_difference_and_the_others_still_com
     lines, found = compare.differences(first, second, 0.10)
     assert found == ["NVIDIA H100 (sm_90): in only one report",
                      "NVIDIA H200 (sm_90): variant sm86-fp16-triton ran in only one report"]
-    compared = [line.split(":")[0] for line in lines]
-    assert compared == ["NVIDIA H200 (sm_90) FLUX.1", "NVIDIA H200 (sm_90) default"]
+    assert [c.where for c in lines] == ["NVIDIA H200 (sm_90) FLUX.1", "NVIDIA H200 (sm_90) default"]
     assert compare.differences(second, first, 0.10)[1][0] == "NVIDIA H100 (sm_90): in only one report"
 
 
