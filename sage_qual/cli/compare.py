@@ -67,8 +67,8 @@ def software_changes(first: Decided, second: Decided) -> list[str]:
     """One line per piece of software the two reports ran on that differs."""
     pairs = {said: (getattr(first.environment, field), getattr(second.environment, field))
              for field, said in SOFTWARE.items()}
-    builds = [{o.provider: f"{o.version} {o.source}".strip() for o in d.environment.other_providers if o.version}
-              for d in (first, second)]
+    builds = [{o.provider: f"{o.version} {o.source}".strip()
+               for o in d.environment.other_providers if o.version} for d in (first, second)]
     pairs.update({provider: (builds[0].get(provider, ""), builds[1].get(provider, ""))
                   for provider in sorted(set(builds[0]) | set(builds[1]))})
     return [f"{said} {a or '-'} vs {b or '-'}" for said, (a, b) in pairs.items() if a != b]
@@ -139,7 +139,8 @@ EXACT = {"variant": "variant", "head_dims": "head dims", "layouts": "layouts", "
          "max_query_tokens": "upper bound", "max_key_tokens": "upper bound"}
 
 
-def changed(a: verdict.FamilyDecision, b: verdict.FamilyDecision, change: float | None, tolerance: float) -> list[str]:
+def changed(a: verdict.FamilyDecision, b: verdict.FamilyDecision, change: float | None,
+            tolerance: float) -> list[str]:
     """What differs between two decisions of one entry, in words ([]: nothing beyond `tolerance`)."""
     if a.verdict != b.verdict:
         return [f"verdict {a.verdict.value} vs {b.verdict.value}"]
@@ -219,7 +220,8 @@ def _compare(args: argparse.Namespace) -> int:
     software = software_changes(first, second)
     code = ExitCode.KEEP_OFF if found else ExitCode.OK
     if args.json:
-        answer = CompareAnswer("compare", code, "", args.tolerance, [c.line for c in compared], found, software)
+        entries = [c.line for c in compared]
+        answer = CompareAnswer("compare", code, "", args.tolerance, entries, found, software)
         print(jsonfile.line(records.dump(answer)))
         return code
     if software:

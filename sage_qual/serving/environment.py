@@ -75,7 +75,8 @@ def collect(config: WrapperConfig = DEFAULT_CONFIG,
         gpus=gpus,
         sageattention_source=package.source if package else "",
         sageattention_origin=package.origin if package else "",
-        other_providers=[_other(name, found) for name, found in machine.packages.items() if name != THU_ML.name],
+        other_providers=[_other(name, found) for name, found in machine.packages.items()
+                         if name != THU_ML.name],
     )
 
 

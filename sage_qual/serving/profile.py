@@ -139,7 +139,8 @@ class Profile:
         # serves to their order (issue 28).
         first: dict[tuple, int] = {}
         for n, gpu in enumerate(self.gpus):
-            key = (gpu.label, gpu.memory_gib, gpu.sm_count, json.dumps(records.dump(gpu.environment), sort_keys=True))
+            software = json.dumps(records.dump(gpu.environment), sort_keys=True)
+            key = (gpu.label, gpu.memory_gib, gpu.sm_count, software)
             if key in first:
                 return [(f"gpus[{n}]", f"{gpu.label} with this memory, SM count and software is "
                                        f"gpus[{first[key]}] already: keep one entry per machine (merge the "
@@ -315,7 +316,8 @@ def differences(gpu: ProfileGpu, device: Machine) -> list[str]:
     if not _same_build(env.sageattention_source, device.sageattention_source):
         found.append(f"sageattention build {env.sageattention_source}, {device.sageattention_source} here "
                      "(another source under one version: a fork or an older build)")
-    served = {VARIANTS[e.variant].provider for e in (gpu.default, *gpu.families.values()) if e.variant in VARIANTS}
+    entries = (gpu.default, *gpu.families.values())
+    served = {VARIANTS[e.variant].provider for e in entries if e.variant in VARIANTS}
     for provider, certified in sorted(env.other_providers.items()):
         here = device.other_sources.get(provider, "")
         if provider in served and not _same_build(certified, here):  # only where its kernel is served
@@ -438,5 +440,6 @@ def machines(cuda: platform.CudaPlatform, sageattention: str, source: str = "",
     cuda_version = cuda.torch_cuda()
     torch_cuda = "%d.%d" % cuda_version if cuda_version else ""
     return [Machine(cuda.device_name(i), cuda.capability(i), round(cuda.total_memory(i) / 2**30, 1),
-                    torch.__version__, torch_cuda, sageattention, source, cuda.sm_count(i), dict(other_sources or {}))
+                    torch.__version__, torch_cuda, sageattention, source, cuda.sm_count(i),
+                    dict(other_sources or {}))
             for i in range(cuda.device_count())]

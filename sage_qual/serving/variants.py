@@ -54,8 +54,8 @@ class Numerics:
     P.V runs in `pv` ("fp16"; "fp8" e4m3, V scaled per channel to `v_scale_max`; or "int8": P
     unsigned 8-bit of scale 255, V signed 8-bit per channel) and accumulates in `pv_accumulation`.
     `rotation` ("hadamard"): Q and K multiplied by one orthonormal block-Hadamard matrix before
-    they are quantized, which keeps their dot products and spreads an outlier channel. `v_tail`: what a kernel reads for the key rows past the end of a partial
-    key block: "zero" (V quantized into a padded buffer, or a masked load), or "stale" (V loaded
+    they are quantized, which keeps their dot products and spreads an outlier channel. `v_tail`:
+    what a kernel reads for the key rows past the end of a partial key block: "zero" (V quantized into a padded buffer, or a masked load), or "stale" (V loaded
     straight from the caller's tensor with cp.async no-fill, csrc/qattn/attn_utils.cuh
     load_global_to_share: those rows keep whatever shared memory held; their P is 0, but 0 x NaN is
     NaN when no earlier key block overwrote them).
@@ -86,9 +86,11 @@ class Numerics:
         upstream)."""
         scheme = self
         if head_dim > 64 and self.q_tile_at_head_dim_128 is not None:
-            scheme = dataclasses.replace(scheme, q_tile=self.q_tile_at_head_dim_128, q_tile_at_head_dim_128=None)
+            scheme = dataclasses.replace(scheme, q_tile=self.q_tile_at_head_dim_128,
+                                         q_tile_at_head_dim_128=None)
         if head_dim > 64 and keys > 1024 and self.k_tile_past_1024_keys is not None:
-            scheme = dataclasses.replace(scheme, k_tile=self.k_tile_past_1024_keys, k_tile_past_1024_keys=None)
+            scheme = dataclasses.replace(scheme, k_tile=self.k_tile_past_1024_keys,
+                                         k_tile_past_1024_keys=None)
         return scheme
 
 
@@ -207,7 +209,8 @@ class Variant:
     def not_supported_reasons(self, box: BoxFacts) -> list[str]:
         """Why this box cannot run the variant, from its facts alone (`assess` adds the package's)."""
         reasons = []
-        if self.provider == THU_ML.name and self.extension is not None and not has_compiled_code(box.capability):
+        thu_ml_build = self.provider == THU_ML.name and self.extension is not None
+        if thu_ml_build and not has_compiled_code(box.capability):
             targets = ", ".join(BUILD_TARGETS.values())
             reasons.append("capability=%s: SageAttention 2.2 builds no code that runs on %s "
                            "(builds for %s)" % (box.capability, capability_label(box.capability), targets))

@@ -182,7 +182,8 @@ def _load_profile(profile):
         raise sage_package.SageUnavailable(str(error)) from None
 
 
-def _device_configs(cuda, packages: Packages, config: WrapperConfig, profile, family: str | None, builtin: bool):
+def _device_configs(cuda, packages: Packages, config: WrapperConfig, profile, family: str | None,
+                    builtin: bool):
     """Each device's config and note: the built-in defaults (when `builtin`) or `config`, then the
     profile's entry where one matches; one WARNING when the profile describes a GPU not, or when the
     built-in defaults were measured with another sageattention build."""

@@ -48,7 +48,8 @@ from sage_qual.serving.variants import (
 
 FP16_TYPES = (torch.float16, torch.bfloat16)
 # Every sageattention function an integration may call; `Evidence` counts calls to these.
-SAGE_FUNCTIONS = ("sageattn", "sageattn_varlen", *(name for name, f in KERNEL_FUNCTIONS.items() if f.provider == THU_ML.name))
+SAGE_FUNCTIONS = ("sageattn", "sageattn_varlen",
+                  *(name for name, f in KERNEL_FUNCTIONS.items() if f.provider == THU_ML.name))
 # diffusers' backends that download their kernel from the Hugging Face Hub when enabled: nothing
 # a qualification run on an offline GPU box can reach, so they are named and left out.
 DIFFUSERS_HUB_BACKENDS = ("sage_hub", "sage_blackwell_hub")

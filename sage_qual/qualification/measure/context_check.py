@@ -202,7 +202,8 @@ def check_variant(variant, place=None, shape=limits.CONTEXT_CHECK_SHAPE, dtype=t
         from sage_qual.serving import sage_package
         from sage_qual.serving.providers import PROVIDERS
 
-        kernel = functools.partial(variant.invoke, sage_package.load(PROVIDERS[variant.provider]).kernel(variant))
+        package = sage_package.load(PROVIDERS[variant.provider])
+        kernel = functools.partial(variant.invoke, package.kernel(variant))
         keywords = {"sm_scale": shape[-1] ** -0.5}
         expected = kernel(q, k, v, **keywords)
         runs = []
