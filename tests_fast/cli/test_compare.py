@@ -30,7 +30,8 @@ def test_run_8_against_run_13_reports_the_range_and_layout_differences(capsys):
     assert cli.main(["compare", str(RUN8), str(RUN13)]) == 1
     out = capsys.readouterr().out.splitlines()
     at = out.index("NVIDIA H200 (sm_90) Qwen-Image: DIFFERS: layouts, upper bound")
-    assert out[at + 1].startswith("    first:  enable ") and "(no upper bound verified" in out[at + 1]  # run 8
+    assert out[at + 1].startswith("    first:  enable ")
+    assert "(no upper bound verified" in out[at + 1]  # run 8: no long checks
     assert out[at + 2].startswith("    second: enable ") and " to 32,768 tokens" in out[at + 2]
     assert "  NVIDIA H200 (sm_90) Qwen-Image: layouts, upper bound" in out[out.index(next(
         line for line in out if "difference(s) beyond 5%:" in line)):]

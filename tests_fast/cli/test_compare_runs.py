@@ -13,7 +13,8 @@ import pytest
 from sage_qual.cli import compare
 from sage_qual.qualification.decide import checked, verdict
 
-RUN29 = [Path(__file__).resolve().parents[2] / "docs" / "results" / "run29-h200" / f"certify-{n}" / "report.json.gz"
+RUN29 = [Path(__file__).resolve().parents[2] / "docs" / "results" / "run29-h200" / f"certify-{n}"
+         / "report.json.gz"
          for n in (1, 2, 3)]
 SLOWER = 1.10
 

@@ -22,7 +22,8 @@ def tracked(under: str = ".") -> list[Path]:
 
 def test_every_large_text_file_of_the_evidence_is_compressed():
     plain = [str(p.relative_to(ROOT)) for p in tracked("docs/results")
-             if p.suffix not in COMPRESSED_ALREADY and p.stat().st_size > LARGEST_PLAIN and p.name != "README.md"]
+             if p.suffix not in COMPRESSED_ALREADY and p.stat().st_size > LARGEST_PLAIN
+             and p.name != "README.md"]
     assert not plain, f"gzip -9 -n these (and point their readers at the .gz): {plain}"
 
 

@@ -15,7 +15,8 @@ from sage_qual.qualification.evidence.report_model import ReportError
 
 from ..helpers import newest_h200_run
 
-REPORT = json.loads(gzip.decompress(sorted(newest_h200_run().glob("certify*/report.json.gz"))[0].read_bytes()))
+NEWEST = sorted(newest_h200_run().glob("certify*/report.json.gz"))[0]
+REPORT = json.loads(gzip.decompress(NEWEST.read_bytes()))
 KINDS = [name for name, _ in evidence_lists(checked.parse(copy.deepcopy(REPORT), "report").devices[0])]
 
 

@@ -126,5 +126,6 @@ def test_a_compressed_file_is_held_to_the_limit_by_what_it_decompresses_to(tmp_p
 def test_a_damaged_compressed_report_says_so(tmp_path, damage):
     path = tmp_path / "report.json.gz"
     path.write_bytes(damage(gzip.compress(SAMPLE.read_bytes())))
-    with pytest.raises(report_model.ReportError, match=r"report.json.gz: cannot be read \(a damaged gzip file"):
+    damaged = r"report.json.gz: cannot be read \(a damaged gzip file"
+    with pytest.raises(report_model.ReportError, match=damaged):
         checked.load(path)

@@ -35,7 +35,8 @@ VARIANT = VARIANTS["sm90-fp8-cuda"]  # the kernel the field reports were tried w
 # exclude those calls), while FLUX.1's NaN is bounded (decide/bounds.py). comfy-kitchen's V scale
 # has a floor of 1e-12 (quant_v_int8.cu): it fails nothing.
 CLEAN_FAILURES = {
-    "sm90-fp8-cuda": ({"sdxl_ip_adapter_zero_uncond", "flux1_ip_adapter_zero_uncond"}, {"SDXL", "FLUX.1"}, {"SDXL"}),
+    "sm90-fp8-cuda": ({"sdxl_ip_adapter_zero_uncond", "flux1_ip_adapter_zero_uncond"}, {"SDXL", "FLUX.1"},
+                      {"SDXL"}),
     "ck-int8-cuda": (set(), set(), set()),
 }
 # Fixtures where a variant's own error is so large that a few wrong elements pass its budget:
@@ -119,7 +120,8 @@ def kept_off_by_the_gate(variant, fixtures, outputs, references) -> frozenset[st
     data = json.loads(SAMPLE.read_text())
     data["options"]["variants"] = [variant.name]
     data["fixtures"] = [records.dump(_record(f)) for f in fixtures]
-    cells = [records.dump(_cell(variant, f, accuracy.errors(outputs[f.name], references[f.name]))) for f in fixtures]
+    cells = [records.dump(_cell(variant, f, accuracy.errors(outputs[f.name], references[f.name])))
+             for f in fixtures]
     for device in data["devices"]:
         device["cells"] = cells
         # the report holds one variant: the sample's timings of the others go with the rest of it
@@ -143,7 +145,8 @@ def test_defect_keeps_off_exactly_the_families_it_reaches(variant, bench, gate_b
     assert off == defect.reaches | gate_baseline, f"kept off {sorted(off)}, baseline {sorted(gate_baseline)}"
 
 
-def test_the_gate_keeps_off_without_a_defect_only_what_the_model_predicts_and_the_uncertified(variant, gate_baseline):
+def test_the_gate_keeps_off_without_a_defect_only_what_the_model_predicts_and_the_uncertified(variant,
+                                                                                            gate_baseline):
     # Every family has fixtures of its own; what stays off is the clean kernel's own failure.
     assert gate_baseline == CLEAN_FAILURES[variant.name][2]
 

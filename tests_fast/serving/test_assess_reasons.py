@@ -49,7 +49,8 @@ def test_every_variant_is_runnable_or_has_its_reasons():
 def test_a_function_the_package_lacks_is_a_reason_after_the_box_facts():
     package = package_of(FakeSageAttention(missing=(SM90,)))
     gpu = assess.assess(0, h200_box(), package)
-    assert gpu.reasons["sm90-fp8-cuda"] == (sage_package.kernel_problem(package["thu-ml"], VARIANTS["sm90-fp8-cuda"]),)
+    problem = sage_package.kernel_problem(package["thu-ml"], VARIANTS["sm90-fp8-cuda"])
+    assert gpu.reasons["sm90-fp8-cuda"] == (problem,)
     assert SM90 in gpu.reasons["sm90-fp8-cuda"][0]
     # The sm120 variants are refused by the box first; their function is not asked about.
     assert gpu.reasons["sm120-fp8-perwarp"] == tuple(
@@ -68,7 +69,8 @@ def test_the_config_picks_the_kernel():
 
 
 def test_without_a_package_every_variant_carries_its_providers_problem():
-    missing = {"thu-ml": "sageattention is not installed: build it", "comfy-kitchen": "comfy-kitchen is not installed"}
+    missing = {"thu-ml": "sageattention is not installed: build it",
+               "comfy-kitchen": "comfy-kitchen is not installed"}
     gpu = assess.assess(1, h200_box(), missing, DEFAULT_CONFIG)
     assert gpu.reasons == {name: (missing[v.provider],) for name, v in VARIANTS.items()}
     assert gpu.kernel is None and gpu.no_kernel_reason == assess.UNUSABLE_PACKAGE
@@ -96,7 +98,8 @@ def test_box_facts_read_the_gpu_the_package_and_triton(monkeypatch):
         packages = sage_package.load_all()
         box = assess.box_facts(cuda, 1, packages)
         assert box == BoxFacts((8, 9), (12, 6), frozenset({"_qattn_sm80", "_fused"}), True)
-        assert assess.box_facts(cuda, 0, {"thu-ml": "not installed"}) == BoxFacts((8, 0), (12, 6), frozenset(), True)
+        unusable = assess.box_facts(cuda, 0, {"thu-ml": "not installed"})
+        assert unusable == BoxFacts((8, 0), (12, 6), frozenset(), True)
         monkeypatch.setattr(sage_package, "has_triton", lambda: False)
         assert assess.box_facts(cuda, 0, packages).has_triton is False
 

@@ -147,7 +147,8 @@ def test_a_family_the_h200_runs_kept_off_is_not_served_on_an_h200_or_an_unmeasur
 
 def newest_runs() -> list[Path]:
     """The full certify reports of the newest H200 run folder of docs/results/."""
-    reports = [(path, checked.load(path)) for path in sorted(newest_h200_run().glob("certify*/report.json.gz"))]
+    paths = sorted(newest_h200_run().glob("certify*/report.json.gz"))
+    reports = [(path, checked.load(path)) for path in paths]
     return [path for path, r in reports if r.complete and not r.predicted and not r.options.quick]
 
 

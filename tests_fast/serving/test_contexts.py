@@ -42,7 +42,8 @@ def test_every_context_has_a_fallback_reason_in_the_list():
 def test_only_current_stream_kernels_are_trusted_under_capture(name):
     variant = VARIANTS[name]
     safe = contexts.builtin_safe(variant)
-    assert (contexts.CAPTURE in safe) == (variant.function in (FP16_TRITON, CK_INT8))  # current-stream launches
+    current_stream = variant.function in (FP16_TRITON, CK_INT8)
+    assert (contexts.CAPTURE in safe) == current_stream
     assert contexts.SIDE_STREAM in safe and contexts.COMPILE in safe  # bridged / an opaque operator
 
 

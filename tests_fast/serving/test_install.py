@@ -363,8 +363,9 @@ def test_a_profile_naming_comfy_kitchens_variant_serves_it_from_its_provider(cap
     and a family the entry keeps on thu-ml's kernel still gets that one."""
     from .. import builders
 
-    profile = builders.make_profile(gpu=FakeGpu((9, 0), "GPU0"), entry=builders.make_entry("sm90-fp8-cuda", 64, 64),
-                                    families={"SDXL": builders.make_entry("ck-int8-cuda", 64, 64, head_dims=(64,))})
+    sdxl = builders.make_entry("ck-int8-cuda", 64, 64, head_dims=(64,))
+    default = builders.make_entry("sm90-fp8-cuda", 64, 64)
+    profile = builders.make_profile(gpu=FakeGpu((9, 0), "GPU0"), entry=default, families={"SDXL": sdxl})
     q, k, v = (torch.randn(1, 2, 128, 64, dtype=torch.float16) for _ in range(3))
     with fake_box(fake=FakeSageAttention(comfy_kitchen="0.2.40")) as (_, fake):
         status = sage_qual.install(profile=profile, family="SDXL")

@@ -413,7 +413,8 @@ def refusal(default=None, gpus=None) -> str:
             entry("sm99"),
             "gpus[0].default.variant: 'sm99' is not a SageAttention variant sage-qual knows "
             "(sm80-fp16-cuda, sm80-fp16-cuda-fp16acc, sm86-fp16-triton, sm89-fp8-cuda, "
-            "sm89-fp8-cuda-fp32acc, sm90-fp8-cuda, sm120-fp8-perwarp, sm120-fp8-perwarp-fp32acc, ck-int8-cuda)",
+            "sm89-fp8-cuda-fp32acc, sm90-fp8-cuda, sm120-fp8-perwarp, sm120-fp8-perwarp-fp32acc, "
+            "ck-int8-cuda)",
         ),
         (entry(min_q=0), "gpus[0].default.min_query_tokens: is 0, expected a token count of at least 1"),
         (entry(min_k=None), "gpus[0].default.min_key_tokens: is null, expected an integer"),
