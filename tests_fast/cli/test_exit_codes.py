@@ -170,7 +170,8 @@ def test_compare_json_and_text_print_no_python_none(capsys, tmp_path):
     """The sample keeps Wan 2.2 off: an entry without thresholds."""
     assert cli.main(["compare", str(H200), str(moved_report(tmp_path))]) == 1
     text = capsys.readouterr().out
-    assert "Wan 2.2: keep off - - vs keep off - -" in text and "None" not in text
+    assert "Wan 2.2: no difference" in text and "None" not in text
+    assert "first:  enable sm90-fp8-cuda from 4,608 query / 512 key tokens" in text
     assert cli.main(["compare", "--json", str(H200), str(moved_report(tmp_path))]) == 1
     answer = json.loads(capsys.readouterr().out)
     assert answer["exit_code"] == 1 and len(answer["differences"]) == 1

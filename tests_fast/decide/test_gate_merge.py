@@ -432,9 +432,14 @@ def test_compare_same_report_and_moved_thresholds(capsys, tmp_path):
     path.write_text(json.dumps(moved))
     code, out, _ = run_cli(capsys, "compare", str(H200), str(path))
     assert code == 1 and out.split("1 difference(s) beyond 5%:\n")[1].strip() == (
-        "NVIDIA H200 (sm_90) FLUX.1: enable sm90-fp8-cuda from 4,608 query / 512 key tokens, head_dim 128 (no "
-        "upper bound verified: a report without long checks) vs enable sm90-fp8-cuda from 8,192 query / 512 key "
-        "tokens, head_dim 128 (no upper bound verified: a report without long checks) (served speedup x0.783)")
+        "NVIDIA H200 (sm_90) FLUX.1: served speedup x0.783")
+    lines = out.splitlines()
+    at = lines.index("NVIDIA H200 (sm_90) FLUX.1: DIFFERS: served speedup x0.783")
+    assert lines[at + 1:at + 3] == [
+        "    first:  enable sm90-fp8-cuda from 4,608 query / 512 key tokens, head_dim 128 (no upper bound "
+        "verified: a report without long checks)",
+        "    second: enable sm90-fp8-cuda from 8,192 query / 512 key tokens, head_dim 128 (no upper bound "
+        "verified: a report without long checks)"]
     code, _, err = run_cli(capsys, "compare", str(H200), str(path), "--tolerance", "2")
     assert code == 2 and "--tolerance is 2" in err
 
