@@ -106,3 +106,19 @@ def test_a_predicted_heatmap_cell_is_measured_against_its_class_published_bound(
     assert plots.heat_ratio(cell, published) == pytest.approx(0.25)
     assert plots.heat_ratio(cell) == pytest.approx(cell.rel_l2 / cell.bounds.max_rel_l2)
     assert plots.heat_ratio(cell, {}) is None  # a fixture with no published bound: no number
+
+
+def test_no_number_has_a_colour_of_its_own_on_the_heatmap():
+    """The heatmap's colour for a cell without a number was a light grey, and cividis's middle (0.35-0.52
+    of the budget) reads as grey too (issue 43): a neutral colour must lie outside the lightness the
+    scale spans."""
+    matplotlib = pytest.importorskip("matplotlib")
+    import numpy as np
+
+    def lightness(rgb):
+        return np.asarray(rgb) @ np.array([0.2126, 0.7152, 0.0722])  # Rec. 709 luminance
+
+    scale = matplotlib.colormaps["cividis"](np.linspace(0, 1, 256))[:, :3]
+    missing = np.array(matplotlib.colors.to_rgb(plots.NO_NUMBER))
+    neutral = missing.max() - missing.min() < 0.1
+    assert not (neutral and lightness(scale).min() <= lightness(missing) <= lightness(scale).max())

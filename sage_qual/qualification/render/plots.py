@@ -53,6 +53,9 @@ def heat_ratio(cell: report_model.Cell, published: dict | None = None) -> float 
     return cell.rel_l2 / bounds.max_rel_l2
 
 
+NO_NUMBER = "#ffffff"  # the heatmap's colour for a cell without a number
+
+
 def _heatmap(plt, device: report_model.Device, path: Path, published: dict | None = None) -> None:
     """Relative L2 over the cell's budget; with `published` (fixture -> class -> limits, for a
     predicted report) over the fixture's published bound instead."""
@@ -64,8 +67,9 @@ def _heatmap(plt, device: report_model.Device, path: Path, published: dict | Non
     height = max(MIN_HEIGHT_INCHES, 2.2 + ROW_INCHES * len(variants))
     figure, axes = plt.subplots(figsize=(3 + COLUMN_INCHES * len(fixtures), height))
     # Sequential and colour-blind safe (cividis: dark blue = far within the bound, yellow = over it);
-    # the outcome word is printed in every cell, so nothing rests on colour alone.
-    colours = plt.get_cmap("cividis").with_extremes(bad="#d9d9d9")
+    # the outcome word is printed in every cell, so nothing rests on colour alone. A cell without a
+    # number is white, a colour cividis never takes (its grey middle meant both, issue 43).
+    colours = plt.get_cmap("cividis").with_extremes(bad=NO_NUMBER)
     for c in device.cells:
         i, j = variants.index(c.variant), fixtures.index(c.fixture)
         ratio = heat_ratio(c, published)
@@ -80,10 +84,10 @@ def _heatmap(plt, device: report_model.Device, path: Path, published: dict | Non
     if published is not None:
         figure.colorbar(shown, ax=axes, label="log10(predicted rel. L2 / published bound)")
         axes.set_title("numerics model (CPU): predicted relative L2 / the fixture's published bound "
-                       "(> 1: over it; the outcome word is against the budget; grey: no number)", fontsize=9)
+                       "(> 1: over it; the outcome word is against the budget; white: no number)", fontsize=9)
     else:
         figure.colorbar(shown, ax=axes, label="log10(rel. L2 / budget)")
-        axes.set_title("cuda:%d %s: relative L2 / budget against float32 (> 1 fails; grey: no number)"
+        axes.set_title("cuda:%d %s: relative L2 / budget against float32 (> 1 fails; white: no number)"
                        % (device.index, device.name), fontsize=9)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
