@@ -18,7 +18,8 @@ def _bf16(*shape):
 CASES = {
     "gqa_odd_lengths": lambda: (_bf16(1, 4, 37, 64), _bf16(1, 2, 41, 64), _bf16(1, 2, 41, 64), None, True),
     "transposed_views": lambda: (*(_bf16(1, 37, 4, 64).transpose(1, 2) for _ in range(3)), 0.2, False),
-    "value_head_size_32": lambda: (_bf16(2, 3, 33, 64), _bf16(2, 3, 17, 64), _bf16(2, 3, 17, 32), None, False),
+    "value_head_size_32": lambda: (_bf16(2, 3, 33, 64), _bf16(2, 3, 17, 64), _bf16(2, 3, 17, 32), None,
+                                   False),
 }
 
 
