@@ -38,10 +38,20 @@ class GpuAssessment:
 
 @dataclass(frozen=True)
 class MachineAssessment:
-    package: sage_package.SagePackage | None  # thu-ml's sageattention
-    problem: str  # why sageattention cannot serve at all; "" when it loads
+    packages: Packages  # every provider's, or why not
     gpus: list[GpuAssessment] = field(default_factory=list)
-    packages: Packages = field(default_factory=dict)  # every provider's, or why not
+
+    @property
+    def package(self) -> sage_package.SagePackage | None:
+        """thu-ml's sageattention, None when it cannot serve."""
+        found = self.packages[THU_ML.name]
+        return None if isinstance(found, str) else found
+
+    @property
+    def problem(self) -> str:
+        """Why sageattention cannot serve at all; "" when it loads."""
+        found = self.packages[THU_ML.name]
+        return found if isinstance(found, str) else ""
 
 
 def loaded(packages: Packages) -> list[sage_package.SagePackage]:
@@ -76,8 +86,6 @@ def assess_machine(config: WrapperConfig = DEFAULT_CONFIG) -> MachineAssessment:
     """Every visible GPU (through `platform`), with every provider's package or why it is unusable."""
     cuda = platform.current()
     packages = sage_package.load_all()
-    thu_ml = packages[THU_ML.name]
     gpus = [assess(index, box_facts(cuda, index, packages), packages, config)
             for index in range(cuda.device_count())]
-    return MachineAssessment(None if isinstance(thu_ml, str) else thu_ml,
-                             thu_ml if isinstance(thu_ml, str) else "", gpus, packages)
+    return MachineAssessment(packages, gpus)

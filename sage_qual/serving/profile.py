@@ -43,6 +43,7 @@ from sage_qual.limits import one_line
 from sage_qual.serving import platform, sage_package
 from sage_qual.serving.config import DEFAULT_CONFIG, WrapperConfig
 from sage_qual.serving.env_record import Reason
+from sage_qual.serving.providers import THU_ML
 from sage_qual.serving.served import Served, served_nothing
 from sage_qual.serving.variants import VARIANTS, capability_label, gpu_label
 
@@ -427,10 +428,12 @@ def _device_config(profile: Profile, device: Machine, family: str | None,
 def this_machine() -> list[Machine]:
     """Every visible device as a profile entry must match it. Raises SageUnavailable without a
     usable sageattention (its version is part of the match)."""
-    package = sage_package.load()
-    others = {p.provider: p.source for p in sage_package.load_all().values()
-              if not isinstance(p, str) and p.provider != package.provider}
-    return machines(platform.current(), package.version, package.source, others)
+    packages = sage_package.load_all()
+    package = packages[THU_ML.name]
+    if isinstance(package, str):
+        raise sage_package.SageUnavailable(package)
+    return machines(platform.current(), package.version, package.source,
+                    sage_package.other_builds(packages, package))
 
 
 def machines(cuda: platform.CudaPlatform, sageattention: str, source: str = "",

@@ -171,6 +171,13 @@ def load_all() -> dict[str, SagePackage | str]:
     return loaded
 
 
+def other_builds(packages: dict[str, SagePackage | str], beside: SagePackage) -> dict[str, str]:
+    """The build (`source_digest`) of every provider of `packages` that loaded but `beside`'s: what
+    binds a profile entry besides sageattention's version and build."""
+    return {p.provider: p.source for p in packages.values()
+            if not isinstance(p, str) and p.provider != beside.provider}
+
+
 def kernel_problem(package: SagePackage, variant: Variant) -> str | None:
     """Why the package's function for `variant` cannot be called safely, or None.
 

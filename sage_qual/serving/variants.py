@@ -16,6 +16,7 @@ Qwen-Image / Krea-2 block 0 (one Q/K channel near +600) land at relative L2 1.95
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -129,11 +130,12 @@ class KernelFunction:
     def defaults(self) -> dict[str, Any]:
         return dict(self.keywords)
 
-    @property
+    # Read on every served call (`Variant.invoke`): computed once.
+    @functools.cached_property
     def takes_layout(self) -> bool:
         return "tensor_layout" in self.defaults
 
-    @property
+    @functools.cached_property
     def can_smooth_k(self) -> bool:
         return "smooth_k" in self.defaults
 
@@ -165,11 +167,15 @@ class Variant:
 
     def fixed_keywords(self) -> dict[str, Any]:
         """The keywords every call of this variant passes: all of `call_keywords` but the scale."""
+        return dict(self._fixed)
+
+    @functools.cached_property
+    def _fixed(self) -> dict[str, Any]:  # read on every served call: merged once
         return {**dict(self.kernel_function.fixed), **self.options}
 
     def call_keywords(self, sm_scale: float) -> dict[str, Any]:
         """Every keyword the wrapper passes; each must be a named parameter of the kernel."""
-        return {**self.fixed_keywords(), self.kernel_function.scale_keyword: sm_scale}
+        return {**self._fixed, self.kernel_function.scale_keyword: sm_scale}
 
     def invoke(self, function, q, k, v, sm_scale: float, layout: str = "HND", smooth_k: bool = False):
         """`function` (this variant's kernel, real or fake) called as sage-qual calls every kernel:

@@ -191,8 +191,7 @@ def _device_configs(cuda, packages: Packages, config: WrapperConfig, profile, fa
     from sage_qual.serving.profile import DeviceConfig, ProfileError, device_configs, machines
 
     package = _primary(packages)
-    others = {p.provider: p.source for p in loaded(packages) if p.provider != package.provider}
-    here = machines(cuda, package.version, package.source, others)
+    here = machines(cuda, package.version, package.source, sage_package.other_builds(packages, package))
     try:
         bases = (defaults.device_configs(here, family, config) if builtin
                  else [DeviceConfig(config, "")] * len(here))
