@@ -39,7 +39,9 @@ LONG = tasks.LongTask("sm90-fp8-cuda~k", "sm90-fp8-cuda", SHAPE, [ShapeUse(None,
 SPAN = tasks.SpanTask("sm90-fp8-cuda^span", "sm90-fp8-cuda", 2**31 - 1, "fused_qkv", "above", 99_866,
                       2_147_504_128, 56, 128, 1024)
 CONTEXT = tasks.ContextTask("sm90-fp8-cuda#contexts", "sm90-fp8-cuda", [1, 24, 16384, 128], "bfloat16")
-TASKS = [tasks.EnvTask("env"), CELL, tasks.SdpaTask("sdpa@k", "k", SHAPE, 3, 20), SPEED, PAIRED, LONG, SPAN,
+COMPILE = tasks.CompileTask("compile:sm86-fp16-triton", "sm86-fp16-triton",
+                            [tasks.KernelCall(SHAPE, "contiguous"), tasks.KernelCall(SHAPE, "fused_qkv")])
+TASKS = [tasks.EnvTask("env"), COMPILE, CELL, tasks.SdpaTask("sdpa@k", "k", SHAPE, 3, 20), SPEED, PAIRED, LONG, SPAN,
          CONTEXT, tasks.TargetMachineTask("machine", "wrapper"),
          tasks.TargetCellTask("flux1_1024", "wrapper", "flux1_1024", FIXTURE, [9, 0], 2.5)]
 
@@ -81,6 +83,7 @@ RESULTS = [
         ContextRun("compile", 3, 3, True, True, 0.0, 0.0, 0.039),
         ContextRun("compile_reduce_overhead", 3, 3, True, True, 0.0, 0.0, 0.039)])),
     (tasks.TargetMachineTask("machine", "wrapper"), tasks.MachineResult(Outcome.PASS, ["no kernel"])),
+    (COMPILE, COMPILE.record(Outcome.PASS, calls=2)),
 ]
 
 
@@ -95,7 +98,7 @@ def test_a_result_reads_back_as_itself_with_the_time_the_worker_took(task, resul
 
 def test_every_ending_of_a_task_is_its_own_report_record():
     crashed = [task.record(Outcome.CRASH, detail="it died", stderr_tail="tail") for task in TASKS]
-    stored = [record for result in crashed[1:-2] for _, record in tasks.report_entries(result)]
+    stored = [record for result in crashed[2:-2] for _, record in tasks.report_entries(result)]
     assert [(type(r), r.outcome, r.detail, r.stderr_tail) for r in stored] == [
         (kind, Outcome.CRASH, "it died", "tail")
         for kind in (Cell, Speed, Speed, Speed, LongCheck, SpanProbe, ContextCheck)]
@@ -227,7 +230,7 @@ def test_a_worker_given_a_malformed_job_exits_naming_the_key(tmp_path):
     assert process.ended() == "exit code 1"
     last = process.stderr_tail().strip().splitlines()[-1]
     assert last.endswith("a task from the parent: kind: is 'sped', expected one of 'env', 'cell', 'sdpa', "
-                         "'speed', 'paired', 'long', 'span', 'context', 'target_machine', 'target_cell'; "
+                         "'speed', 'paired', 'long', 'span', 'context', 'compile', 'target_machine', 'target_cell'; "
                          + tasks.FIX)
     process.close()
 

@@ -112,7 +112,7 @@ def test_the_three_modes_start_the_same_report(box, monkeypatch):
 def one_cell_then(error):
     """A run_slots that records one skipped cell, then meets `error` (an interrupt or a bug)."""
 
-    def run_slots(self, jobs, writer, progress, stop, refine=None):
+    def run_slots(self, jobs, writer, progress, stop, refine=None, ahead=()):
         writer.append(0, "cells", Cell(variant=writer.report.options.variants[0], fixture="flux",
                                        outcome=Outcome.SKIP, detail="recorded before the end"))
         raise error
@@ -153,7 +153,7 @@ def test_a_result_recorded_twice_stops_the_conclusion_in_every_mode(box, monkeyp
     report back, so a backend that appends a duplicate is one line, not a verdict on it."""
     name, options, executor = next(m for m in modes(box) if m[0] == mode)
 
-    def twice(self, jobs, writer, progress, stop, refine=None):
+    def twice(self, jobs, writer, progress, stop, refine=None, ahead=()):
         cell = Cell(variant=writer.report.options.variants[0], fixture="flux", outcome=Outcome.SKIP,
                     detail="recorded")
         writer.append(0, "cells", cell, cell)

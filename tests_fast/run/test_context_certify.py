@@ -3,6 +3,7 @@ under compile (`context_check`, here on the fake GPU: `FakePlace`), the contexts
 every check passed, and what the verdict, the profile, the gate and the report say about them. A
 context defect (detection.CONTEXT_DEFECTS) takes exactly its context, and no family."""
 
+import ast
 import dataclasses
 import json
 
@@ -229,3 +230,17 @@ def test_a_decision_without_context_checks_keeps_the_built_in_rule(certified):
     contexts, reasons = checked.contexts(SM90.name)
     assert contexts == []  # nothing certified: the default stream only
     assert any("context check crash: the worker died" in r.detail for r in reasons)
+
+
+def test_the_triton_variants_kernels_compile_ahead_beside_its_job_on_its_gpu_and_triton_cache(certified):
+    """The compile-ahead (`plan.compile_ahead`) runs in a worker of its own whose environment is the
+    Triton job's: the same GPU and the same Triton cache, where the job then finds the kernels."""
+    out, _ = certified
+    env_of = {}
+    for log in (out / "logs").glob("worker-*.log"):
+        head = log.read_text().split("\n", 1)[0]
+        if "first " in head:
+            first, env = head.split("first ", 1)[1].split(", env ", 1)
+            env_of[first] = ast.literal_eval(env)
+    ahead, job = env_of[f"compile:{TRITON.name}"], env_of[f"{TRITON.name}|c-flux"]
+    assert ahead == job and ahead["TRITON_CACHE_DIR"]

@@ -54,6 +54,7 @@ class TaskKind(str, enum.Enum):
     LONG = "long"  # a variant at a long call, in the layouts integrations pass (`long_check`)
     SPAN = "span"  # a variant at the 32-bit span boundary (`span_probe`)
     CONTEXT = "context"  # a variant in every execution context (`context_check`)
+    COMPILE = "compile"  # a Triton variant's kernels compiled ahead of its sweep job (`Worker.compile`)
     TARGET_MACHINE = "target_machine"  # certify --target: why the integration cannot run on this GPU
     TARGET_CELL = "target_cell"  # certify --target: the integration on a fixture (`cell.measure_target`)
 
@@ -102,6 +103,17 @@ class MachineResult:
 
 
 @dataclass(frozen=True)
+class CompileResult:
+    """What a compile-ahead did: the calls it compiled (no evidence: a progress line)."""
+    outcome: Outcome
+    calls: int = 0
+    detail: str = ""
+    seconds: float | None = None
+    stderr_tail: str = ""
+    traceback: str = ""
+
+
+@dataclass(frozen=True)
 class Paired:
     """A paired timing: the variant's, and the fastest SDPA backend's (none when the task ended
     before SDPA was timed)."""
@@ -113,7 +125,7 @@ class Paired:
         return self.ours.outcome
 
 
-Result = Union[EnvResult, MachineResult, Cell, Speed, Paired, LongCheck, SpanProbe, ContextCheck]
+Result = Union[EnvResult, MachineResult, CompileResult, Cell, Speed, Paired, LongCheck, SpanProbe, ContextCheck]
 
 
 # Tasks --------------------------------------------------------------------------------------------
@@ -242,6 +254,28 @@ class ContextTask:
 
 
 @dataclass(frozen=True)
+class KernelCall:
+    """One call a sweep job makes of its variant: q, k, v of `shape`, arranged in `layout`
+    (`long_check.arrange`)."""
+    shape: ShapeSpec
+    layout: str
+
+
+@dataclass(frozen=True)
+class CompileTask:
+    """A Triton variant's kernels compiled, not launched, for each call its sweep job will make
+    (`Worker.compile`), in a worker beside the sweep."""
+    KIND: ClassVar[TaskKind] = TaskKind.COMPILE
+    RESULT: ClassVar[type] = CompileResult
+    id: str
+    variant: str
+    calls: list[KernelCall]
+
+    def record(self, outcome: Outcome, **fields) -> CompileResult:
+        return CompileResult(outcome, **fields)
+
+
+@dataclass(frozen=True)
 class TargetMachineTask:
     KIND: ClassVar[TaskKind] = TaskKind.TARGET_MACHINE
     RESULT: ClassVar[type] = MachineResult
@@ -269,7 +303,7 @@ class TargetCellTask:
 
 
 Task = Union[EnvTask, CellTask, SdpaTask, SpeedTask, PairedTask, LongTask, SpanTask, ContextTask,
-             TargetMachineTask, TargetCellTask]
+             CompileTask, TargetMachineTask, TargetCellTask]
 TASKS: dict[TaskKind, type] = {cls.KIND: cls for cls in typing.get_args(Task)}
 
 

@@ -101,7 +101,8 @@ class InProcessExecutor:
         return plan_mod.Machine(environment.collect(), [plan_mod.DeviceFacts(device, {})])
 
     def run_slots(self, jobs: list[list[list[tasks.Task]]], writer: files.Writer, progress,
-                  stop: threading.Event, refine=None) -> None:
+                  stop: threading.Event, refine=None, ahead=()) -> None:
+        # A prediction is planned with neither a refinement nor tasks ahead (`plan.build`).
         for slot, slot_jobs in enumerate(jobs):
             for job in slot_jobs:
                 for task in job:

@@ -3,7 +3,8 @@
 A run is planned once its machine is known (`Machine`: the GPUs the executor found, or the one
 pseudo-device of the in-process executor, each with the subjects that cannot run there). The plan
 holds the report's device entries (the cells that will not run already marked skip), the timed
-shapes and, per device slot, its jobs: lists of tasks, each run by one worker in turn. Two rules
+shapes and, per device slot, its jobs: lists of tasks, each run by one worker in turn, and the
+tasks run beside them from the start (`compile_ahead`: a Triton variant's kernels). Two rules
 follow the evidence as it arrives, both functions of the report so far:
 
 - `refinement`: after a variant's sweep on a GPU, more timing lengths around its crossover;
@@ -26,6 +27,7 @@ from sage_qual.qualification.evidence import tasks
 from sage_qual.qualification.evidence.report_model import (
     Cell,
     Device,
+    DType,
     Outcome,
     Report,
     ShapeEntry,
@@ -38,6 +40,7 @@ from sage_qual.qualification.measure.speed import intervals_to_refine, served_ba
 from sage_qual.qualification.run.options import Integration, RunRequest
 from sage_qual.qualification.selection import Selection
 from sage_qual.serving.env_record import EnvironmentRecord, GpuInfo
+from sage_qual.serving.variants import VARIANTS
 
 # The generic sweep: self-attention of GENERIC_HEADS heads at SELF_TOKENS (families.py, where the
 # verdict's evidence check reads them too) at both head sizes, and cross-attention on short keys
@@ -92,6 +95,9 @@ class Plan:
     shapes: dict[str, ShapeEntry]
     jobs: list[list[list[tasks.Task]]]  # per device slot, its jobs in order; a job is one worker's
     follows_up: bool  # refinement and the follow-up after the sweep (full certify runs)
+    # Per device slot, tasks run beside its jobs from the sweep's start: the kernels of its Triton
+    # variants compiled ahead of their jobs (full runs; `compile_ahead`).
+    ahead: list[list[tasks.Task]] = dataclasses.field(default_factory=list)
 
     @property
     def task_count(self) -> int:
@@ -116,7 +122,8 @@ def build(request: RunRequest, selection: Selection, machine: Machine, subjects:
     sweeps = not (target or in_process)  # times kernels, refines and follows up
     shapes = speed_shapes(selection.families, request.quick) if sweeps else {}
     checks = {} if target else _long_checks(selection, request.quick)
-    devices, jobs = [], []
+    devices, jobs, ahead = [], [], []
+    full = sweeps and not request.quick
     for facts in machine.devices:
         gpu = facts.gpu
         not_supported = {name: why for name, why in facts.not_supported.items() if name in subjects}
@@ -136,7 +143,8 @@ def build(request: RunRequest, selection: Selection, machine: Machine, subjects:
                 # 67 s with --quick on two H200s (device run 3), one is a worker's start and a few calls.
                 runnable = [name for name in runnable if name == gpu.kernel]
             jobs.append(_sweep(runnable, fixtures, shapes, checks, request.quick))
-    return Plan(request, selection, subjects, devices, shapes, jobs, follows_up=sweeps and not request.quick)
+        ahead.append(compile_ahead(runnable, fixtures, shapes, checks) if full else [])
+    return Plan(request, selection, subjects, devices, shapes, jobs, follows_up=full, ahead=ahead)
 
 
 def _sweep(variants: list[str], fixtures: list[fileformat.Fixture], shapes: dict[str, ShapeEntry],
@@ -151,6 +159,26 @@ def _sweep(variants: list[str], fixtures: list[fileformat.Fixture], shapes: dict
                        for key, (warmup, repeats) in timing.items()]
                     + [_long_task(variant, key, check) for key, check in checks.items()])
     return jobs
+
+
+def compile_ahead(variants: list[str], fixtures: list[fileformat.Fixture], shapes: dict[str, ShapeEntry],
+                  checks: dict[str, LongPlan]) -> list[tasks.Task]:
+    """For each variant whose kernels are Triton's (compiled at their first call of each
+    specialization: `worker.Worker.compile`), the task compiling each call its sweep job makes (as
+    `_sweep` plans it): its fixtures', its timed shapes' and its long checks' in each layout."""
+    planned = [tasks.KernelCall(_fixture_shape(f), "contiguous") for f in fixtures]
+    planned += [tasks.KernelCall(entry.shape, "contiguous") for entry in shapes.values()]
+    for check in checks.values():
+        planned += [tasks.KernelCall(check.shape, layout) for layout in ("contiguous", *check.layouts)]
+    distinct = list(dict.fromkeys(planned))
+    return [tasks.CompileTask(f"compile:{name}", name, distinct) for name in variants
+            if VARIANTS[name].needs_triton]
+
+
+def _fixture_shape(fixture: fileformat.Fixture) -> ShapeSpec:
+    batch, heads, q_tokens, head_dim = fixture.q.shape
+    return ShapeSpec(heads, fixture.k.shape[1], q_tokens, fixture.k.shape[2], head_dim,
+                     DType(str(fixture.dtype).removeprefix("torch.")), batch)
 
 
 def _predicted(variants: list[str], fixtures: list[fileformat.Fixture],

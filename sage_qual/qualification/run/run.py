@@ -116,7 +116,7 @@ def _execute(planned: plan_mod.Plan, executor, writer: files.Writer, progress: P
     if planned.follows_up:
         executor.start_ahead(plan_mod.context_jobs(planned.devices, planned.subjects))
     executor.run_slots(planned.jobs, writer, progress, stop,
-                       refine=plan_mod.refinement if planned.follows_up else None)
+                       refine=plan_mod.refinement if planned.follows_up else None, ahead=planned.ahead)
     phases.end("sweep")
     if not planned.follows_up or stop.is_set():
         return
@@ -259,6 +259,14 @@ class Progress:
             self.bar.update(1)
             self.bar.set_postfix_str(line[:60])
             if self.lines and record.outcome not in (Outcome.PASS, Outcome.SKIP):
+                self.bar.write(line)
+
+    def note(self, line: str) -> None:
+        """A line about the run that is no result (the bar's count stays)."""
+        with self.lock:
+            if self.bar is None:
+                print(f"[{self.clock() - self.began:.1f} s] {line}", flush=True)
+            else:
                 self.bar.write(line)
 
     def close(self) -> None:

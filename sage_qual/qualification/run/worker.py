@@ -85,6 +85,9 @@ class GpuBench:
 
         return context_check.Gpu()
 
+    def compile_only(self):
+        return triton_launches_off()
+
     def release(self) -> None:
         with contextlib.suppress(Exception):  # a poisoned context fails here too; healthy() says so
             torch.cuda.empty_cache()
@@ -297,6 +300,38 @@ class Worker:
         return task.record(Outcome.FAIL if failed else Outcome.PASS, runs=runs, detail=detail,
                            ran_shape=ran if ran != list(task.shape) else None)
 
+    def compile(self, task: tasks.CompileTask):
+        """A Triton variant's kernels compiled ahead of its sweep job, none launched.
+
+        Triton compiles a kernel at its first call of each specialization (dtype, head size, whether
+        each length and stride divides by 16) and builds a C launcher per new signature: so
+        sm86-fp16-triton's sweep job took 36.8 s of run 34's 155.6 s certify on the H200, against
+        10-16 s for each CUDA variant's (docs/results/run34-h200/certify.log.gz). This worker, on the
+        job's GPU and Triton cache, beside the sweep, calls the variant once per call the job will
+        make (`plan.compile_ahead`) on uninitialized tensors (a compile reads shapes, strides and
+        alignment, never values) under the bench's compile-only mode; the job then loads every
+        kernel from the cache. Nothing here is evidence."""
+        variant, problem = self._variant(task)
+        if problem:
+            return task.record(Outcome.SKIP, detail=problem)
+        kernel = self.kernels.long_kernel(variant)
+        with self.bench.compile_only():
+            for call in task.calls:
+                kernel(*self._empty(call.shape, call.layout))
+        return task.record(Outcome.PASS, calls=len(task.calls))
+
+    def _empty(self, s: ShapeSpec, layout: str) -> tuple:
+        """Uninitialized q, k, v of the shape (lengths as the bench runs them) arranged in `layout`,
+        and the tensor_layout to call with (`long_check.arrange`)."""
+        dtype = getattr(torch, s.dtype.value)
+
+        def empty(heads: int, tokens: int) -> torch.Tensor:
+            return torch.empty(s.batch, heads, self.bench.tokens(tokens), s.head_dim, dtype=dtype,
+                               device=self.bench.device)
+
+        q, k, v = empty(s.heads, s.q_tokens), empty(s.kv_heads, s.kv_tokens), empty(s.kv_heads, s.kv_tokens)
+        return long_check.arrange(q, k, v, layout)
+
     def _tensors(self, s: ShapeSpec):
         generator = torch.Generator(self.bench.device).manual_seed(0)
         dtype = getattr(torch, s.dtype.value)
@@ -306,6 +341,28 @@ class Worker:
                                device=self.bench.device, generator=generator)
 
         return make(s.heads, s.q_tokens), make(s.kv_heads, s.kv_tokens), make(s.kv_heads, s.kv_tokens)
+
+
+@contextlib.contextmanager
+def triton_launches_off():
+    """Every Triton kernel launch in the block replaced by Triton's own warm-up of it (`warmup=True`:
+    compiled and cached, not launched), and the compiled kernel's launcher built and its binary
+    loaded (`CompiledKernel.run`, which a warm-up leaves to the first launch): all but the launch."""
+    from triton.runtime.jit import JITFunction
+
+    launch = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
+        if kernel is not None:
+            kernel.run  # noqa: B018 (the property builds the launcher and loads the binary)
+        return kernel
+
+    JITFunction.run = compile_only
+    try:
+        yield
+    finally:
+        JITFunction.run = launch
 
 
 # One handler per task kind, for a worker process and for the in-process executor alike.
@@ -318,6 +375,7 @@ HANDLERS: dict[tasks.TaskKind, Callable[[Worker, tasks.Task], tasks.Result]] = {
     tasks.TaskKind.LONG: Worker.long,
     tasks.TaskKind.SPAN: Worker.span,
     tasks.TaskKind.CONTEXT: Worker.context,
+    tasks.TaskKind.COMPILE: Worker.compile,
     tasks.TaskKind.TARGET_MACHINE: Worker.target_machine,
     tasks.TaskKind.TARGET_CELL: Worker.target_cell,
 }

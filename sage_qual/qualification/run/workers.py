@@ -87,12 +87,16 @@ class WorkerExecutor:
         return found
 
     def run_slots(self, jobs: list[list[list[tasks.Task]]], writer: files.Writer, progress,
-                  stop: threading.Event, refine: Callable | None = None) -> None:
+                  stop: threading.Event, refine: Callable | None = None,
+                  ahead: list[list[tasks.Task]] = ()) -> None:
         """Every device slot's jobs, in order, the slots side by side; `refine(report, slot, job)` gives
-        (shapes, tasks) to run after a job (none: nothing follows)."""
+        (shapes, tasks) to run after a job (none: nothing follows); `ahead[slot]`: tasks run beside
+        the slot's jobs in a worker of their own, sharing its GPU and Triton cache (the plan's
+        compile-ahead tasks)."""
         def slot_run(slot: int) -> None:
             index = writer.report.devices[slot].index
-            with gpu_env(index) as env:
+            beside = ahead[slot] if ahead else []
+            with gpu_env(index) as env, self._beside(beside, index, progress, stop, env):
                 for n, job in enumerate(jobs[slot]):
                     for todo in (job, None):
                         if todo is None:  # after a variant's sweep: time more lengths around its crossover
@@ -109,13 +113,41 @@ class WorkerExecutor:
                         # run that follows up always starts one (refinements and span probes follow);
                         # otherwise all jobs are known, so no spare is left unused (each cost a 1.5 s
                         # import on two test cores, 7 s on the H200 host).
-                        ahead = n + SPARES_PER_GPU < len(jobs[slot]) or refine is not None
-                        spawn = functools.partial(self.pool.take, prefetch=ahead)
+                        prefetch = n + SPARES_PER_GPU < len(jobs[slot]) or refine is not None
+                        spawn = functools.partial(self.pool.take, prefetch=prefetch)
                         self._run(todo, slot, index, spawn, writer, progress, stop, env)
                         if stop.is_set():
                             return
 
         parallel([functools.partial(slot_run, slot) for slot in range(len(jobs))], stop)
+
+    @contextlib.contextmanager
+    def _beside(self, todo: list[tasks.Task], index: int, progress, stop: threading.Event, env: dict):
+        """`todo` run in a thread of its own while the block runs, and waited for before it ends (the
+        block's Triton cache outlives it). Each result is one progress line, never evidence: what
+        fails here costs time only (the job then compiles as it runs)."""
+        if not todo:
+            yield
+            return
+
+        def said(task: tasks.Task, result) -> None:
+            progress.note(f"cuda:{index} {task.id}: " + (
+                f"{result.calls} call(s) compiled in {result.seconds:.1f} s" if result.outcome == Outcome.PASS
+                else f"{result.outcome.value}, {result.detail}; its job compiles as it runs"))
+
+        def run() -> None:
+            try:
+                pool.run_tasks(todo, functools.partial(self.pool.take, prefetch=True), self.timeout,
+                               limits.startup_timeout(self.timeout), said, stop, env=env)
+            except Exception as error:  # a protocol error: the sweep's own jobs go on
+                progress.note(f"cuda:{index} compile ahead failed: {type(error).__name__}: {error}")
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            thread.join()
 
     def start_ahead(self, jobs: list[tuple[int, list[tasks.Task]]]) -> None:
         """A worker now for each job that will follow and whose tasks declare imports: it imports them
