@@ -43,6 +43,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from sage_qual.serving import contexts, platform, sage_package
+from sage_qual.serving.numerics import exact_attention
 from sage_qual.serving.providers import COMFY_KITCHEN, THU_ML
 from sage_qual.serving.variants import EXTENSIONS, KERNEL_FUNCTIONS, KernelFunction, upstream_pick
 
@@ -52,7 +53,6 @@ _CK_MODULES = ("comfy_kitchen", "comfy_kitchen.sage_attention", "comfy_kitchen.b
                "comfy_kitchen.backends.cuda")
 
 _FAKE_INDEX = "_sage_qual_fake_cuda_index"
-ROW_TILE = 128  # query rows the fake kernels compute at a time
 
 
 def on_device(tensor: torch.Tensor, index: int) -> torch.Tensor:
@@ -82,8 +82,11 @@ class FakeCuda(platform.CudaPlatform):
         self._torch_cuda = torch_cuda
         self.rocm = rocm
         self.current_device = 0
-        self.stream = "default"  # the fake current stream: "default" or "side"
-        self.capturing = False  # whether it is capturing a CUDA graph
+        # Per device, as torch keeps a current stream per device: "default" or "side", and whether
+        # that device's current stream is capturing a CUDA graph. A call is judged by its own
+        # device's stream, never by the current device's (issue 43).
+        self.streams = {index: "default" for index in range(len(self.gpus))}
+        self.capturing: set[int] = set()
         self.events: list[str] = []
         self._swap = None
 
@@ -128,36 +131,48 @@ class FakeCuda(platform.CudaPlatform):
         return torch.is_autocast_enabled("cpu")
 
     @contextlib.contextmanager
-    def side_stream(self):
-        """Run the block as if torch's current stream were a side stream."""
-        previous, self.stream = self.stream, "side"
+    def side_stream(self, index: Optional[int] = None):
+        """Run the block as if torch's current stream of device `index` (None: the current device)
+        were a side stream."""
+        index = self.current_device if index is None else index
+        previous, self.streams[index] = self.streams[index], "side"
         try:
             yield
         finally:
-            self.stream = previous
+            self.streams[index] = previous
 
     @contextlib.contextmanager
-    def capture(self):
-        """Run the block as if a CUDA graph were being captured (on a side stream, as torch does)."""
-        previous = self.stream, self.capturing
-        self.stream, self.capturing = "side", True
+    def capture(self, index: Optional[int] = None):
+        """Run the block as if a CUDA graph were being captured on device `index` (None: the current
+        device), on a side stream, as torch does."""
+        index = self.current_device if index is None else index
+        previous = self.streams[index], index in self.capturing
+        self.streams[index] = "side"
+        self.capturing.add(index)
         try:
             yield
         finally:
-            self.stream, self.capturing = previous
+            self.streams[index] = previous[0]
+            if not previous[1]:
+                self.capturing.discard(index)
+
+    @property
+    def stream(self) -> str:
+        """The current device's current stream."""
+        return self.streams[self.current_device]
 
     def stream_contexts(self, index: int) -> tuple[str, ...]:
-        if self.capturing:
+        if index in self.capturing:
             return (contexts.CAPTURE, contexts.SIDE_STREAM)
-        return (contexts.SIDE_STREAM,) if self.stream != "default" else ()
+        return (contexts.SIDE_STREAM,) if self.streams[index] != "default" else ()
 
     def run_on_legacy_stream(self, index: int, call):
         self.events.append(f"legacy stream on {index}")
-        previous, self.stream = self.stream, "default"
+        previous, self.streams[index] = self.streams[index], "default"
         try:
             return call()
         finally:
-            self.stream = previous
+            self.streams[index] = previous
 
     def __enter__(self):
         self._swap = platform.use(self)
@@ -165,29 +180,6 @@ class FakeCuda(platform.CudaPlatform):
 
     def __exit__(self, *exc):
         return self._swap.__exit__(*exc)
-
-
-def exact_attention(q, k, v, sm_scale: float, is_causal: bool = False, attn_mask=None,
-                    return_lse: bool = False):
-    """Attention in float32 on [B, H, N, D] tensors (K/V may have fewer heads), in q's dtype;
-    with `return_lse`, also the natural log of each row's softmax denominator, [B, H, N] float32."""
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1).float(), v.repeat_interleave(group, 1).float()
-    outs, lses = [], []
-    # Block by block of query rows, as the real kernels compute tile by tile: a block's output is then
-    # the same bits wherever it sits (a CPU matmul's result may depend on the row's place in the matrix).
-    for start in range(0, q.shape[2], ROW_TILE):
-        scores = (q[:, :, start:start + ROW_TILE].float() @ k.transpose(-1, -2)) * sm_scale
-        if is_causal:
-            rows = torch.arange(start, start + scores.shape[2]).unsqueeze(-1)
-            scores = scores.masked_fill(torch.arange(k.shape[2]) > rows, float("-inf"))
-        if attn_mask is not None:
-            mask = attn_mask.expand(*scores.shape[:2], q.shape[2], k.shape[2])[:, :, start:start + ROW_TILE]
-            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-        outs.append(scores.softmax(-1) @ v)
-        lses.append(scores.logsumexp(-1))
-    out = torch.cat(outs, dim=2).to(q.dtype)
-    return (out, torch.cat(lses, dim=2)) if return_lse else out
 
 
 def _device_of(tensor: torch.Tensor) -> Optional[int]:

@@ -105,7 +105,7 @@ def refusal(entry) -> str:
 
 
 def machine(gpu, torch_version=None, sageattention="2.2.0", torch_cuda="13.0", source="", sm_count=None):
-    return profile.Machine(gpu.name, gpu.capability, gpu.memory_gib, torch_version or torch.__version__,
+    return profile.LocalDevice(gpu.name, gpu.capability, gpu.memory_gib, torch_version or torch.__version__,
                            torch_cuda, sageattention, source, sm_count)
 
 

@@ -30,7 +30,7 @@ def _local_fixture_files(directories, family):
 
 
 _real_gate = gate.gate
-# gate's machine is the sample's, not a worker's: run.workers imports torch through the plan.
+# gate's machine is the sample's, not a worker's: run.worker_executor imports torch through the plan.
 gate.gate = lambda report, family, _machine, *rest: _real_gate(report, family, lambda: _MACHINE, *rest)
 gate.family_fixtures = _local_fixture_files
 budget_check.budget_problem = lambda *args: ""

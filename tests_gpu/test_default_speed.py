@@ -58,7 +58,7 @@ def test_the_default_install_is_never_measurably_slower_than_torch_sdpa(tokens, 
     expect_served = (tokens >= max(config.min_query_tokens, config.min_key_tokens)
                      and HEAD_DIM in config.head_dims)
     if device.name.strip().casefold() == "nvidia h200":  # the GPU model the built-in defaults measured
-        # after "measured with sageattention build ..., ... here: " where this build is another one
+        # followed by " with sageattention build ..., ... here: ..." where this build is another one
         assert "built-in defaults, measured on NVIDIA H200" in device.profile_note, \
             device.profile_note
         assert expect_served == H200_SERVED[tokens]

@@ -56,7 +56,7 @@ TWO_SCOPES = """
 """
 
 
-OTHER_BUILD = "measured with sageattention build"
+OTHER_BUILD = "certify this build for its own profile"
 
 
 def assert_rest_of_each_scope_ran_on_torch(result: dict) -> None:

@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from sage_qual.fixtures import numerics
 from sage_qual.fixtures.fileformat import list_fixtures, load_fixture, shipped_dir
 from sage_qual.qualification.decide import budget_check
 from sage_qual.qualification.measure import accuracy, budgets
 from sage_qual.qualification.selftest import model_check
+from sage_qual.serving import numerics
 from sage_qual.serving.variants import VARIANTS
 
 from .conftest import FIXTURE_PATHS, VARIANT_NAMES

@@ -63,9 +63,10 @@ def _gate(args: argparse.Namespace) -> int:
         absent = options.gpu_absent()  # known without torch or a worker: 0.3 s instead of 2.9 s here
         if absent:
             raise UsageError(gate.no_gpu_problem(absent))
-        from sage_qual.qualification.run import workers  # a worker: torch, only once a report was read
+        # A worker: torch, only once a report was read.
+        from sage_qual.qualification.run import worker_executor
 
-        return workers.this_machine()
+        return worker_executor.this_machine()
 
     try:
         decision = gate.gate(args.report, args.family, this_machine, args.fixtures, args.require_speedup)

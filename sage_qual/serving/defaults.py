@@ -68,35 +68,35 @@ def read(path: Path = DATA) -> tuple[profile.Profile, list[Source]]:
     return profile.load(wrapper.profile, f"built-in defaults {path}: profile", FIX), wrapper.sources
 
 
-def _same_model(gpu: profile.ProfileGpu, device: profile.Machine) -> bool:
+def _same_model(gpu: profile.ProfileGpu, device: profile.LocalDevice) -> bool:
     memory = gpu.memory_gib is None or abs(gpu.memory_gib - device.memory_gib) <= profile.MEMORY_TOLERANCE_GIB
     return (profile.same_gpu_name(gpu.name, device.name) and tuple(gpu.capability) == device.capability
             and memory)
 
 
-def device_configs(machines: list[profile.Machine], family: str | None = None,
+def device_configs(machines: list[profile.LocalDevice], family: str | None = None,
                    base: WrapperConfig = DEFAULT_CONFIG, path: Path = DATA) -> list[profile.DeviceConfig]:
     """Each device's defaults under the rules of the module docstring."""
     measured, _ = read(path)
     return [_device_config(measured, device, family, base) for device in machines]
 
 
-def _device_config(measured: profile.Profile, device: profile.Machine, family: str | None,
+def _device_config(measured: profile.Profile, device: profile.LocalDevice, family: str | None,
                    base: WrapperConfig) -> profile.DeviceConfig:
     what = f"family {family}" if family else "all families"
     same = next((gpu for gpu in measured.gpus if _same_model(gpu, device)), None)
     if same is not None:
         chosen = profile.family_entry(same, family) or same.default
         where = f"built-in defaults, measured on {same.label} with torch {same.environment.torch}"
-        applied = _applied(base, device, chosen, where, what, same.max_span_elements)
         other = _other_build(same.environment, device)
-        if not other:
-            return applied
-        # The entry still applies, and it serves only what was verified: its range, layouts, contexts
-        # and bounds. A build that differs is said once (install's WARNING), with how to certify it.
-        return dataclasses.replace(applied, matched=False, note=one_line(
-            f"measured with {other}: only their verified range and contexts are served, certify this build "
-            f"for its own profile; {applied.note}"))
+        if other:
+            # The entry still applies, and it serves only what was verified: its range, layouts,
+            # contexts and bounds. A build that differs is said once (install's WARNING), with how to
+            # certify it, before what is served, which the 200-character line may cut (limits.one_line).
+            where = (f"built-in defaults, measured on {same.label} with {other}: verified range only, "
+                     "certify this build for its own profile")
+        applied = _applied(base, device, chosen, where, what, same.max_span_elements)
+        return dataclasses.replace(applied, matched=not other)
     kin = [gpu for gpu in measured.gpus if tuple(gpu.capability) == device.capability]
     capability = capability_label(device.capability)
     models = ", ".join(gpu.name for gpu in kin)
@@ -115,7 +115,7 @@ def _device_config(measured: profile.Profile, device: profile.Machine, family: s
         f"on {capability} ({models}): {strictest.served.short()}"))
 
 
-def _applied(base: WrapperConfig, device: profile.Machine, chosen: profile.Entry, where: str,
+def _applied(base: WrapperConfig, device: profile.LocalDevice, chosen: profile.Entry, where: str,
              what: str, max_span_elements: int | None = None) -> profile.DeviceConfig:
     config = profile.apply(base, device.capability, chosen, max_span_elements)
     if chosen.served:
@@ -125,7 +125,7 @@ def _applied(base: WrapperConfig, device: profile.Machine, chosen: profile.Entry
                                 tuple(r.detail for r in chosen.reasons))
 
 
-def _other_build(measured: profile.ProfileEnvironment, device: profile.Machine) -> str:
+def _other_build(measured: profile.ProfileEnvironment, device: profile.LocalDevice) -> str:
     """The defaults' sageattention build against this device's, when they differ ("" when the same,
     or when either did not record its build)."""
     if measured.sageattention != device.sageattention:

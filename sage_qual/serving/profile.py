@@ -272,7 +272,7 @@ def apply(base: WrapperConfig, capability: tuple[int, int], chosen: Entry,
 
 
 @dataclass(frozen=True)
-class Machine:
+class LocalDevice:
     """What defines one visible device, as a profile entry must match it."""
     name: str
     capability: tuple[int, int]
@@ -299,7 +299,7 @@ def _torch_release(version: str) -> tuple:
     return (*parsed.release[:2], parsed.local)
 
 
-def differences(gpu: ProfileGpu, device: Machine) -> list[str]:
+def differences(gpu: ProfileGpu, device: LocalDevice) -> list[str]:
     """What differs between the machine an entry was certified on and this device, hardware first."""
     found = []
     if not same_gpu_name(gpu.name, device.name) or tuple(gpu.capability) != device.capability:
@@ -326,7 +326,7 @@ def differences(gpu: ProfileGpu, device: Machine) -> list[str]:
     return found
 
 
-def is_near_match(gpu: ProfileGpu, device: Machine) -> bool:
+def is_near_match(gpu: ProfileGpu, device: LocalDevice) -> bool:
     """The same GPU model, sageattention and CUDA, with torch another patch release of the same build
     (2.11.1+cu130 for 2.11.0+cu130): the kernels are the same binaries and torch's SDPA backends do
     not change within a minor release, so the entry applies (docs/certify.md, "Which entry applies")."""
@@ -335,7 +335,7 @@ def is_near_match(gpu: ProfileGpu, device: Machine) -> bool:
             and _torch_release(env.torch) == _torch_release(device.torch))
 
 
-def nearest(profile: Profile, device: Machine) -> ProfileGpu:
+def nearest(profile: Profile, device: LocalDevice) -> ProfileGpu:
     """The entry closest to this device: one that matches in everything that binds it (GPU model,
     memory, SM count, sageattention and its build, CUDA, torch) first, then a near match
     (`is_near_match`), then the same GPU model, memory, SM count, sageattention, its build, CUDA,
@@ -391,7 +391,7 @@ def _entry_note(gpu: ProfileGpu, chosen: Entry, family: str | None, near: str) -
     return one_line(f"{near}the profile certifies no SageAttention variant on {gpu.label}{scope}: {why}")
 
 
-def device_configs(profile, machines: list[Machine], family: str | None = None,
+def device_configs(profile, machines: list[LocalDevice], family: str | None = None,
                    base: WrapperConfig | list[WrapperConfig] = DEFAULT_CONFIG) -> list[DeviceConfig]:
     """Each device's configuration: its matching entry applied to `base` (one config, or one per
     device), else `base` with a note naming the nearest entry and what differs; a family that the
@@ -403,7 +403,7 @@ def device_configs(profile, machines: list[Machine], family: str | None = None,
             for device, own in zip(machines, bases, strict=True)]
 
 
-def _device_config(profile: Profile, device: Machine, family: str | None,
+def _device_config(profile: Profile, device: LocalDevice, family: str | None,
                    base: WrapperConfig) -> DeviceConfig:
     gpu = nearest(profile, device)
     differ = differences(gpu, device)
@@ -425,7 +425,7 @@ def _device_config(profile: Profile, device: Machine, family: str | None,
     return DeviceConfig(base, one_line(note), matched=False)
 
 
-def this_machine() -> list[Machine]:
+def this_machine() -> list[LocalDevice]:
     """Every visible device as a profile entry must match it. Raises SageUnavailable without a
     usable sageattention (its version is part of the match)."""
     packages = sage_package.load_all()
@@ -437,12 +437,12 @@ def this_machine() -> list[Machine]:
 
 
 def machines(cuda: platform.CudaPlatform, sageattention: str, source: str = "",
-             other_sources: Mapping[str, str] | None = None) -> list[Machine]:
+             other_sources: Mapping[str, str] | None = None) -> list[LocalDevice]:
     """Every device of `cuda` as a profile entry must match it, with this sageattention version and
     build (`source`), and the other providers' builds (`other_sources`: provider -> source digest)."""
     cuda_version = cuda.torch_cuda()
     torch_cuda = "%d.%d" % cuda_version if cuda_version else ""
-    return [Machine(cuda.device_name(i), cuda.capability(i), round(cuda.total_memory(i) / 2**30, 1),
+    return [LocalDevice(cuda.device_name(i), cuda.capability(i), round(cuda.total_memory(i) / 2**30, 1),
                     torch.__version__, torch_cuda, sageattention, source, cuda.sm_count(i),
                     dict(other_sources or {}))
             for i in range(cuda.device_count())]

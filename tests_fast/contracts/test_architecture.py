@@ -139,7 +139,7 @@ def test_every_task_is_built_by_the_plan():
 
 def test_only_the_gpu_executor_and_the_pool_run_worker_jobs():
     run = "sage_qual.qualification.run"
-    assert _callers({"run_tasks"}) == {f"{run}.workers", f"{run}.pool"}
+    assert _callers({"run_tasks"}) == {f"{run}.worker_executor", f"{run}.pool"}
 
 
 def test_one_function_measures_a_cell():

@@ -21,7 +21,7 @@ from sage_qual.qualification import families, selection
 from sage_qual.qualification.decide import budget_check, checked
 from sage_qual.qualification.decide import gate as gate_module
 from sage_qual.qualification.measure import budgets
-from sage_qual.qualification.run import workers
+from sage_qual.qualification.run import worker_executor
 from sage_qual.serving.variants import VARIANTS
 
 from ..builders import reason
@@ -111,12 +111,12 @@ def test_the_library_decision_rederives_the_budgets_too(flux_report):
     derived = data["devices"][0]["cells"][index]["bounds"]["max_rel_l2"]
     loosen(path, data, index, max_rel_l2=derived * 4)
     flux = families.find("FLUX.1")
-    here = workers.this_machine()  # the fixture's machine: an H200 at cuda:0
+    here = worker_executor.this_machine()  # the fixture's machine: an H200 at cuda:0
     decision = gate_module.decide(checked.load(path), flux, here,
                                   selection.family_fixtures([str(fixtures)], flux), False, str(path))
     assert decision.code == 2
     assert f"bounds.max_rel_l2: {derived * 4} in the report is looser" in decision.problem
-    assert gate_module.gate(path, "flux.1", workers.this_machine, [str(fixtures)]).problem == decision.problem
+    assert gate_module.gate(path, "flux.1", worker_executor.this_machine, [str(fixtures)]).problem == decision.problem
 
 
 def test_a_dropped_limit_is_refused(capsys, flux_report):

@@ -12,7 +12,7 @@ from sage_qual import limits
 from sage_qual.errors import ExitCode, UsageError
 from sage_qual.qualification import families, selection
 from sage_qual.qualification.decide import budget_check, checked, gate
-from sage_qual.qualification.run import pool, workers
+from sage_qual.qualification.run import pool, worker_executor
 
 from ..fakes import DATA, env_result, load
 
@@ -45,7 +45,7 @@ def test_this_machine_is_the_environment_a_worker_collected_into_a_temporary_log
         return env_result(load(SAMPLE.name)["environment"])
 
     monkeypatch.setattr(pool, "collect_environment", collect)
-    assert workers.this_machine() == sample_machine()
+    assert worker_executor.this_machine() == sample_machine()
     ((log_path, timeout, folder_existed),) = asked
     assert (log_path.name, timeout, folder_existed) == ("environment.log", limits.STARTUP_TIMEOUT, True)
     assert log_path.parent.name.startswith("sage-qual-gate-") and not log_path.parent.exists()
@@ -84,7 +84,7 @@ def test_a_worker_that_cannot_collect_the_machine_is_a_usage_error(monkeypatch):
 
     monkeypatch.setattr(pool, "collect_environment", collect)
     with pytest.raises(UsageError, match="killed by SIGSEGV"):
-        workers.this_machine()
+        worker_executor.this_machine()
 
 
 def test_machine_problems_name_the_machine():

@@ -18,7 +18,7 @@ from sage_qual.fixtures.fileformat import save_fixture
 from sage_qual.qualification.decide import checked
 from sage_qual.qualification.evidence.report_model import Cell, Device, Outcome, Reason, ReasonKind, Report
 from sage_qual.qualification.measure import judge
-from sage_qual.qualification.run import in_process, pool, run, workers
+from sage_qual.qualification.run import in_process, pool, run, worker_executor
 from sage_qual.qualification.run import options as run_options
 from sage_qual.serving.env_record import EnvironmentRecord, GpuInfo
 
@@ -53,7 +53,7 @@ def box(monkeypatch, tmp_path):
     monkeypatch.setattr(run_options, "gpu_absent", lambda: "")  # nor do its /dev nodes say otherwise
     monkeypatch.setattr(pool, "collect_environment", lambda *args, **kwargs: env_result(
         ENVIRONMENT, {"0": {}}))
-    monkeypatch.setattr(workers.WorkerExecutor, "_target_machine",
+    monkeypatch.setattr(worker_executor.WorkerExecutor, "_target_machine",
                         lambda self, target, indices: {index: {} for index in indices})
     NoWorkers.closed = 0
     generator = torch.Generator().manual_seed(0)
@@ -70,8 +70,8 @@ def modes(root):
     variants = ["sm90-fp8-cuda"]
     return [
         ("certify", builders.gpu_request(root / "certify", variants=variants, **chosen),
-         workers.WorkerExecutor),
-        ("target", builders.target_request(root / "target", "sageattn", **chosen), workers.WorkerExecutor),
+         worker_executor.WorkerExecutor),
+        ("target", builders.target_request(root / "target", "sageattn", **chosen), worker_executor.WorkerExecutor),
         ("emulate", builders.emulate_request(root / "emulate", variants=variants, **chosen),
          in_process.InProcessExecutor),
     ]
@@ -173,7 +173,7 @@ def test_parallel_jobs_finish_before_the_first_error_is_raised():
         finished.append(True)
 
     with pytest.raises(ValueError, match="first"):
-        workers.parallel([fails, works, works], threading.Event())
+        worker_executor.parallel([fails, works, works], threading.Event())
     assert finished == [True, True]
 
 
@@ -231,7 +231,7 @@ def test_a_prediction_writes_no_junit_and_says_so(tmp_path, capsys):
 def test_a_target_run_writes_junit_as_certify_does(box, monkeypatch):
     options = builders.target_request(box / "out", "sageattn", families=["FLUX.1"],
                                       fixture_dirs=[str(box / "fixtures")], junit_xml=box / "target.xml")
-    run_without_tasks(monkeypatch, workers.WorkerExecutor, lambda *args, **kwargs: None, options)
+    run_without_tasks(monkeypatch, worker_executor.WorkerExecutor, lambda *args, **kwargs: None, options)
     cases = ET.parse(box / "target.xml").getroot().findall("testsuite/testcase")
     assert [(c.get("classname"), c.get("name")) for c in cases] == [("Fake H200 (sm_90)", "FLUX.1")]
     assert cases[0].find("failure").get("message") == "keep off"  # no cell ran: no evidence

@@ -11,7 +11,7 @@ from sage_qual.qualification import families
 from sage_qual.qualification.evidence import files, tasks
 from sage_qual.qualification.evidence.report_model import Outcome, ShapeEntry, ShapeSpec, ShapeUse, Speed
 from sage_qual.qualification.measure import accuracy
-from sage_qual.qualification.run import fault_hooks, run, worker, workers
+from sage_qual.qualification.run import fault_hooks, run, worker, worker_executor
 
 from .. import builders
 
@@ -79,7 +79,7 @@ def test_a_paired_result_becomes_two_speed_records(tmp_path):
     sdpa = task.sdpa_record(Outcome.PASS, 2.0, samples_ms=[2.0, 2.0, 2.0], best_backend="cudnn",
                             backends={"cudnn": 2.0})
     paired = task.record(Outcome.PASS, 1.5, samples_ms=[1.4, 1.5, 1.6], sdpa=sdpa)
-    workers.record(writer, 0, "cuda:0", run.Progress(1), task, paired)
+    worker_executor.record(writer, 0, "cuda:0", run.Progress(1), task, paired)
     on_disk = json.loads((tmp_path / "report.json").read_text())["devices"][0]["speed"]
     assert [(r["kernel"], r["shape"], r["ms"], r["samples_ms"]) for r in on_disk] == [
         ("sdpa", "k", 2.0, [2.0, 2.0, 2.0]), ("sm90-fp8-cuda", "k", 1.5, [1.4, 1.5, 1.6])]
@@ -90,6 +90,6 @@ def test_a_paired_result_becomes_two_speed_records(tmp_path):
 def test_a_paired_task_that_crashed_records_the_variant_only(tmp_path):
     writer = started(tmp_path)
     task = tasks.PairedTask("v+sdpa@k", "sm90-fp8-cuda", "k", SHAPE, 1, 3)
-    workers.record(writer, 0, "cuda:0", run.Progress(1), task, task.record(Outcome.CRASH, detail="boom"))
+    worker_executor.record(writer, 0, "cuda:0", run.Progress(1), task, task.record(Outcome.CRASH, detail="boom"))
     assert writer.report.devices[0].speed == [
         Speed(kernel="sm90-fp8-cuda", shape="k", ms=None, outcome=Outcome.CRASH, detail="boom")]

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from sage_qual import records
-from sage_qual.fixtures import numerics
 from sage_qual.fixtures.fileformat import list_fixtures, load_fixture, shipped_dir
 from sage_qual.limits import MEMORY_BOUND
 from sage_qual.qualification import families
@@ -23,6 +22,7 @@ from sage_qual.qualification.evidence.report_model import Metrics, Outcome, Reas
 from sage_qual.qualification.measure import accuracy, budgets, judge, long_check
 from sage_qual.qualification.run import run
 from sage_qual.qualification.selftest import detection
+from sage_qual.serving import numerics
 from sage_qual.serving.variants import VARIANTS
 from sage_qual.testing import FakeSageAttention
 

@@ -27,7 +27,8 @@ from ..helpers import newest_h200_run
 
 RESULTS = Path(__file__).resolve().parent.parent.parent / "docs" / "results"
 SOURCES = [RESULTS / "run29-h200" / f"certify-{n}" / "report.json.gz" for n in (1, 2, 3)] + [
-    RESULTS / f"run{n}-h200" / "certify" / "report.json.gz" for n in (30, 31, 33, 34, 35)]
+    RESULTS / f"run{n}-h200" / "certify" / "report.json.gz" for n in (30, 31, 33, 34, 35)] + [
+    RESULTS / "run39-h200" / f"certify-{n}" / "report.json.gz" for n in (1, 2, 3)]
 H200 = FakeGpu((9, 0), "NVIDIA H200", 139.8)  # as torch names the H200 of docs/results
 H100 = FakeGpu((9, 0), "NVIDIA H100 80GB HBM3", 79.6)
 RTX4090 = FakeGpu((8, 9), "NVIDIA GeForce RTX 4090", 24.0)
@@ -124,12 +125,12 @@ def test_the_strictest_thresholds_take_the_highest_counts_at_the_head_sizes_all_
     data["profile"]["gpus"].append(other)
     path = tmp_path / "defaults.json"
     path.write_text(json.dumps(data))
-    machine = profile.Machine(H100.name, (9, 0), H100.memory_gib, "2.13.0", "13.0", "2.2.0")
+    machine = profile.LocalDevice(H100.name, (9, 0), H100.memory_gib, "2.13.0", "13.0", "2.2.0")
     [unknown] = defaults.device_configs([machine], path=path)
     assert (unknown.config.min_query_tokens, unknown.config.min_key_tokens, unknown.config.head_dims) == \
         (13824, 32768, (128,))
     assert "(NVIDIA H200, Fake sm90 card)" in unknown.note
-    card = profile.Machine("Fake sm90 card", (9, 0), 80.0, "2", "", "")
+    card = profile.LocalDevice("Fake sm90 card", (9, 0), 80.0, "2", "", "")
     [measured] = defaults.device_configs([card], path=path)
     assert (measured.config.min_query_tokens, measured.config.head_dims) == (4096, (64, 128))
 
@@ -225,7 +226,9 @@ def test_another_sageattention_build_keeps_the_verified_range_with_one_warning(c
         status = sage_qual.install(family="Wan 2.2")
     [device] = status.devices
     assert device.variant.name == "sm90-fp8-cuda" and device.config.max_query_tokens == 75600
-    assert device.profile_note.startswith("measured with sageattention 2.2.0, 2.2.1 here")
+    assert device.profile_note.startswith("built-in defaults, measured on NVIDIA H200 (sm_90) with sageattention "
+                                          "2.2.0, 2.2.1 here: verified range only, certify this build for its "
+                                          "own profile: ")
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and warnings[0].startswith("built-in defaults: cuda:0 (NVIDIA H200, sm_90)")
     assert "certify this build" in warnings[0]

@@ -14,7 +14,7 @@ from sage_qual.serving import compiled, contexts
 from sage_qual.serving.eligibility import REASONS
 from sage_qual.serving.served import Served
 from sage_qual.serving.variants import CK_INT8, FP8_CUDA_SM90, FP16_TRITON, VARIANTS
-from sage_qual.testing import FakeSageAttention
+from sage_qual.testing import FakeSageAttention, on_device
 
 from ..helpers import SMALL, TORCH_SDPA, qkv, retired, wrapped
 
@@ -70,6 +70,33 @@ def test_a_side_stream_call_of_a_legacy_kernel_is_bridged_and_right():
     assert close_to_torch(out, tensors)
     assert "legacy stream on 0" in cuda.events
     assert cuda.stream == "default"
+
+
+@pytest.mark.parametrize("side", [0, 1])
+def test_a_call_is_judged_by_its_own_devices_stream_not_the_current_devices(side):
+    """torch keeps a current stream per device: with the current device 0 and a call's tensors on
+    cuda:1, only cuda:1's stream decides whether the call runs off the legacy stream (the fake keeps
+    a stream per device, so a wrapper reading the current device's fails one of the two cases)."""
+    tensors = [on_device(t, 1) for t in qkv()]
+    with wrapped(gpus=(SM90, SM90)) as (cuda, fake):
+        with cuda.side_stream(side):
+            out, report = serve(*tensors)
+    assert report.served == 1, report.summary()
+    assert close_to_torch(out, tensors)
+    assert ("legacy stream on 1" in cuda.events) == (side == 1), cuda.events
+    assert cuda.streams == {0: "default", 1: "default"}
+
+
+def test_a_capture_on_one_device_leaves_the_others_calls_served():
+    tensors = [on_device(t, 1) for t in qkv()]
+    with wrapped(gpus=(SM90, SM90)) as (cuda, fake):
+        with cuda.capture(0):
+            out, report = serve(*tensors)
+        with cuda.capture(1):
+            _, captured = serve(*tensors)
+    assert report.served == 1 and close_to_torch(out, tensors), report.summary()
+    assert captured.served == 0 and contexts.REASON[contexts.CAPTURE] in captured.fallbacks, captured.summary()
+    assert cuda.capturing == set()
 
 
 def test_the_default_stream_needs_no_bridge():

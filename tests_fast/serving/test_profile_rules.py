@@ -67,7 +67,7 @@ def machine(
     torch_cuda="13.0",
     sageattention="2.2.0",
 ):
-    return profile.Machine(name, capability, memory, torch_version, torch_cuda, sageattention)
+    return profile.LocalDevice(name, capability, memory, torch_version, torch_cuda, sageattention)
 
 
 # Family names ------------------------------------------------------------------------------------
@@ -147,8 +147,8 @@ def test_this_machine_is_every_visible_device_with_the_installed_sageattention()
     with FakeCuda(gpus, torch_cuda=(12, 8)), FakeSageAttention(version="2.2.0+cu128").installed():
         found = profile.this_machine()
     assert found == [
-        profile.Machine("NVIDIA H200", (9, 0), 139.8, torch.__version__, "12.8", "2.2.0+cu128"),
-        profile.Machine("NVIDIA GeForce RTX 4090", (8, 9), 24.0, torch.__version__, "12.8", "2.2.0+cu128"),
+        profile.LocalDevice("NVIDIA H200", (9, 0), 139.8, torch.__version__, "12.8", "2.2.0+cu128"),
+        profile.LocalDevice("NVIDIA GeForce RTX 4090", (8, 9), 24.0, torch.__version__, "12.8", "2.2.0+cu128"),
     ]
 
 

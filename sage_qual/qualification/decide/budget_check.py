@@ -145,7 +145,7 @@ _EXACT = {"min_cosine": 1.0, "min_norm_ratio": 1.0, "max_norm_ratio": 1.0}  # th
 
 # Derived budgets cost about a second per variant and fixture on a CPU: kept on disk per (model code,
 # variant, fixture sha256), so a second gate on the same fixtures takes no model run.
-_MODEL_CODE = ("sage_qual.qualification.measure.budgets", "sage_qual.fixtures.numerics",
+_MODEL_CODE = ("sage_qual.qualification.measure.budgets", "sage_qual.serving.numerics",
                "sage_qual.qualification.measure.accuracy", "sage_qual.serving.variants")  # a budget's inputs
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -28,6 +29,18 @@ from sage_qual.serving.variants import Variant, capability_label
 Call = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+class Bench(Protocol):
+    """Where a cell runs, the seam every measurement of a cell goes through. Four benches implement
+    it: a certify worker's GPU (`worker.GpuBench`), the tests' fake GPU (`fault_hooks.FakeBench`),
+    this process's CPU under the numerics model (`in_process.CpuBench`) and a pytest session's GPU
+    (the plugin's `_CudaBench`); a worker's bench does more (`worker.WorkerBench`)."""
+
+    device: str  # where the fixture's tensors are put
+
+    def extra_peak_bytes(self, fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int | None]:
+        """fn's output, and the peak bytes it allocated beyond it (None: not measurable here)."""
+
+
 class NotServed(Exception):
     """The subject took the call but did not run SageAttention on it: the cell is a skip saying why,
     so a family is never enabled on a call SageAttention never saw."""
@@ -38,7 +51,7 @@ def is_outlier(fixture_name: str) -> bool:
     return "outlier" in fixture_name
 
 
-def measure_cell(name: str, variant: Variant, fixture: Fixture, call: Call, bench,
+def measure_cell(name: str, variant: Variant, fixture: Fixture, call: Call, bench: Bench,
                  memory_bound: float = limits.MEMORY_BOUND, smooth_k_call: Call | None = None) -> Cell:
     """`call(q, k, v)` on the fixture, judged by `variant`'s budget; `name` is what the report calls the
     subject. `smooth_k_call`, on an outlier fixture: the same kernel with K smoothing on, recorded

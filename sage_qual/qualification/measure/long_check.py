@@ -52,12 +52,12 @@ from typing import Callable
 
 import torch
 
-from sage_qual.fixtures import numerics
 from sage_qual.qualification import families as families_mod
 from sage_qual.qualification.evidence.report_model import Budget, DType, LongCheck, Outcome, ShapeSpec
 from sage_qual.qualification.evidence.tasks import LongTask
 from sage_qual.qualification.families import Shape
 from sage_qual.qualification.measure import accuracy, budgets, judge
+from sage_qual.serving import numerics
 from sage_qual.serving.variants import VARIANTS, Variant
 
 SAMPLE_BLOCKS = 4

@@ -34,11 +34,6 @@ FAULTS = {
 }
 
 
-def read() -> dict:
-    """The hook's settings; {} when the variable is not set."""
-    return test_hook()
-
-
 class FakeBench:
     """Test-only: the fake CUDA and fake sageattention on CPU tensors, speed shapes cut 256-fold."""
 

@@ -1,5 +1,5 @@
 """The in-process executor (`certify --emulate`): the worker's own task handlers, run in this
-process, with each variant's numerics model (`sage_qual.fixtures.numerics`) as its kernel.
+process, with each variant's numerics model (`sage_qual.serving.numerics`) as its kernel.
 
 No GPU runs: a cell is measured and judged by `measure.cell` exactly as on a GPU, against the budget
 derived from the same model with the suite's margin, so a prediction fails where the model's own
@@ -22,18 +22,18 @@ import dataclasses
 import threading
 import time
 
-from sage_qual.fixtures import fileformat, numerics
+from sage_qual.fixtures import fileformat
 from sage_qual.qualification.evidence import files, tasks
 from sage_qual.qualification.evidence.report_model import Cell, LongCheck, Outcome
 from sage_qual.qualification.measure import budgets, judge
 from sage_qual.qualification.run import plan as plan_mod
 from sage_qual.qualification.run import worker as worker_mod
-from sage_qual.qualification.run import workers
-from sage_qual.serving import environment
+from sage_qual.qualification.run import worker_executor
+from sage_qual.serving import environment, numerics
 from sage_qual.serving.env_record import GpuInfo
 from sage_qual.serving.variants import VARIANTS
 
-PREDICTED = "predicted by the CPU numerics model (sage_qual.fixtures.numerics), not measured on a GPU"
+PREDICTED = "predicted by the CPU numerics model (sage_qual.serving.numerics), not measured on a GPU"
 LONG_BLOCKS = 2  # sampled row blocks per predicted long check: the first and the last
 DEVICE_NAME = "numerics model (CPU, predicted)"
 
@@ -110,7 +110,7 @@ class InProcessExecutor:
                     result = self.predict(task)
                     result = dataclasses.replace(tasks.timed(result, round(time.monotonic() - start, 3)),
                                                  detail=result.detail or PREDICTED)
-                    workers.record(writer, slot, "cpu", progress, task, result)
+                    worker_executor.record(writer, slot, "cpu", progress, task, result)
 
     def predict(self, task: tasks.Task) -> tasks.Result:
         """One task's result as the model predicts it: a cell failed by each hazard the model names,

@@ -1,7 +1,7 @@
 """One certify run, in every mode: select, find the machine, plan, execute, conclude.
 
 `certify(request)` is the whole run. The request (`options.RunRequest`) names the subject (our
-variants, or an integration with `certify --target`) and the executor (`workers`: isolated worker
+variants, or an integration with `certify --target`) and the executor (`worker_executor`: isolated worker
 processes on the GPUs; `in_process`: the numerics model in this process, `certify --emulate`).
 Everything but the execution is here, once for every mode: the selection, the plan, the report's
 header, the one answer to an interrupt or an internal error, the verdicts (drawn twice at most:
@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 from sage_qual.errors import UsageError
 from sage_qual.fixtures import fileformat
@@ -98,14 +98,39 @@ def _subjects(request: RunRequest) -> tuple[list[str], str]:
     return names.select_variants(request.subject.names), ""
 
 
-def _executor(request: RunRequest):
+class Executor(Protocol):
+    """What runs a plan's tasks: in worker processes on the GPUs (`worker_executor.WorkerExecutor`) or in
+    this process under the numerics model (`in_process.InProcessExecutor`). It appends each result to
+    the writer's report. `start_ahead` and `run_side_by_side` serve a plan that follows up, which a
+    prediction never is: the in-process executor has no start_ahead and refuses the other."""
+    predicted: bool  # its numbers are a model's, not a GPU's
+
+    def discover(self, request: RunRequest, subjects: list[str]) -> plan_mod.Machine:
+        """The machine the plan is built for (UsageError when there is none to run on)."""
+
+    def start_ahead(self, jobs: list[tuple[int, list]]) -> None:
+        """Workers for jobs that will follow the sweep, started now."""
+
+    def run_slots(self, jobs: list[list[list]], writer: files.Writer, progress: "Progress",
+                  stop: threading.Event, refine: Callable | None = None, ahead: list[list] = ()) -> None:
+        """Each device slot's jobs in order, the slots side by side (`ahead`: tasks beside them)."""
+
+    def run_side_by_side(self, jobs: list[tuple[int, list]], writer: files.Writer, progress: "Progress",
+                         stop: threading.Event) -> None:
+        """Jobs after the sweep, all at once."""
+
+    def close(self) -> None:
+        """Its workers ended."""
+
+
+def _executor(request: RunRequest) -> Executor:
     if isinstance(request.executor, InProcess):
         from sage_qual.qualification.run import in_process
 
         return in_process.InProcessExecutor()
-    from sage_qual.qualification.run import workers
+    from sage_qual.qualification.run import worker_executor
 
-    return workers.WorkerExecutor(request)
+    return worker_executor.WorkerExecutor(request)
 
 
 def _execute(planned: plan_mod.Plan, executor, writer: files.Writer, progress: Progress,

@@ -32,6 +32,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from typing import ContextManager, Protocol
 
 import torch
 
@@ -54,6 +55,50 @@ SDPA_BACKENDS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "effici
 # backends took 28 s of a 160 s certify on the H200 (docs/results/run8-h200x2-final/certify/
 # certify-a); only the chosen backend needs the repeats behind the confidence interval.
 SCREEN = (1, 3)
+
+
+class WorkerBench(cell.Bench, Protocol):
+    """What a worker's handlers need of where they run, beyond a cell's (`cell.Bench`): `GpuBench`
+    and the tests' `fault_hooks.FakeBench` implement all of it; the numerics model's
+    `in_process.CpuBench` the part its handlers (cells, long checks) call."""
+
+    def tokens(self, n: int) -> int:
+        """The token count run for a planned one (a fake GPU cuts them)."""
+
+    def heads(self, heads: int, kv_heads: int) -> int:
+        """The query heads a long check runs."""
+
+    def timings_ms(self, fn: Callable[[], object], warmup: int, repeats: int) -> list[float]:
+        """fn timed `repeats` times after `warmup` calls, in milliseconds."""
+
+    def healthy(self) -> bool:
+        """Whether the device still works (a CUDA fault poisons it)."""
+
+    def release(self) -> None:
+        """Whatever a task left allocated, freed."""
+
+    def context_place(self):
+        """Where `context_check` runs its execution contexts."""
+
+    def compile_only(self) -> ContextManager[None]:
+        """A block whose JIT kernels compile without a launch (`Worker.compile`)."""
+
+
+class Kernels(Protocol):
+    """The kernels a worker measures: the installed providers' (`PackageKernels`, the fakes under the
+    test hooks) or each variant's numerics model (`in_process.ModelKernels`)."""
+
+    def problem(self, variant) -> str | None:
+        """Why `variant` cannot run here (None: it can)."""
+
+    def call(self, variant, q, k, v, smooth_k: bool = False, fixture=None) -> torch.Tensor:
+        """`variant` on [B, H, N, D] q, k, v, as certify calls it."""
+
+    def long_kernel(self, variant) -> long_check.Kernel | None:
+        """`variant` called in a layout (None: the model stands for it, `long_check.check`)."""
+
+    def package(self, variant):
+        """`variant`'s provider package (span probes call its kernel; a prediction runs none)."""
 
 
 class GpuBench:
@@ -121,8 +166,8 @@ class Worker:
     """Runs tasks, each through its kind's handler (`HANDLERS`), on one bench with one set of kernels;
     an exception becomes the task's oom or crash result."""
 
-    def __init__(self, bench, faults: dict[str, str], span_faults: dict | None = None,
-                 context_faults: dict[str, str] | None = None, kernels=None):
+    def __init__(self, bench: WorkerBench, faults: dict[str, str], span_faults: dict | None = None,
+                 context_faults: dict[str, str] | None = None, kernels: Kernels | None = None):
         self.bench = bench
         self.faults = faults
         self.span_faults = span_faults or {}
@@ -406,7 +451,7 @@ def main() -> int:
     def send(message: tasks.Message) -> None:
         channel.write(json.dumps(records.dump(message), allow_nan=False) + "\n")
 
-    hook = fault_hooks.read()
+    hook = fault_hooks.test_hook()
     compiles = any(task.KIND == tasks.TaskKind.CONTEXT for task in todo)
     bench = fault_hooks.FakeBench(hook["gpus"], compiles) if "gpus" in hook else GpuBench()
     worker = Worker(bench, hook.get("faults", {}), hook.get("span_faults"), hook.get("context_faults"))
