@@ -223,6 +223,19 @@ def check_call(function: KernelFunction, q, k, v, keywords: dict[str, Any]) -> N
         raise ValueError(f"num_qo_heads ({q_heads}) must be divisible by num_kv_heads ({kv_heads})")
     if keywords.get("is_causal") and keywords.get("attn_mask") is not None:
         raise AssertionError("Mask should be None for causal attention.")
+    mask = keywords.get(function.mask_keyword) if function.mask_keyword else None
+    if mask is not None:  # comfy-kitchen's _validate_inputs
+        if _device_of(mask) != _device_of(q):
+            raise ValueError("attn_mask must be on the same CUDA device as q, k, and v")
+        if mask.dtype not in (torch.bool, torch.float16, torch.bfloat16, torch.float32):
+            raise TypeError("attn_mask must be bool, float16, bfloat16, or float32")
+        scores = (batch, q_heads, q.shape[1] if nhd else q.shape[2], kv_len)
+        try:
+            broadcast = torch.broadcast_shapes(mask.shape, scores)
+        except RuntimeError:
+            broadcast = None
+        if broadcast != torch.Size(scores):
+            raise ValueError(f"attn_mask must be broadcastable to {list(scores)}, got {tuple(mask.shape)}")
 
 
 @dataclass

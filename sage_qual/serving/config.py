@@ -88,6 +88,9 @@ class WrapperConfig:
     contexts: tuple[str, ...] | None = None
     # Calls kept on torch whatever the thresholds (a profile's bounds: `Bound`).
     bounds: tuple[Bound, ...] = ()
+    # Whether a call with an attn_mask may be served: only where a profile certified the served
+    # variant on masked calls (`Served.masks`), and only by a variant that takes a mask.
+    masks: bool = False
 
     def __post_init__(self):
         for name in ("max_query_tokens", "max_key_tokens"):

@@ -123,8 +123,8 @@ def refusal(call: SdpaCall, config: WrapperConfig, cuda) -> Refusal | None:
     (what a fallback costs is in docs/benchmarks.md).
     """
     q, k, v, attn_mask, dropout_p, is_causal, _, enable_gqa = call
-    if attn_mask is not None:
-        return "mask", "attn_mask given", ()
+    if attn_mask is not None and not config.masks:
+        return "mask", "attn_mask given (no masked call was certified here)", ()
     if dropout_p:
         return "dropout", "dropout_p=%s", (dropout_p,)
     if is_causal:
@@ -179,6 +179,10 @@ def refusal(call: SdpaCall, config: WrapperConfig, cuda) -> Refusal | None:
         return "grad", "an input requires grad (SageAttention has no backward)", ()
     if cuda.autocast_enabled():
         return "autocast", "CUDA autocast is on", ()
+    if attn_mask is not None:
+        refused = _mask_refusal(attn_mask, q, (qs[0], qs[1], qs[2], ks[2]), cuda)
+        if refused is not None:
+            return refused
     # Checked before the call: past 2^31 elements every kernel faults on a strided view (which
     # poisons the CUDA context) and the sm90 kernel aborts the process, which no except can catch
     # (limits.MAX_SPAN_ELEMENTS). Last of the rules, so that `span` means every other one passed: the
@@ -187,6 +191,26 @@ def refusal(call: SdpaCall, config: WrapperConfig, cuda) -> Refusal | None:
     limit = config.max_span_elements
     if extent(qs, qst) > limit or extent(ks, kst) > limit or extent(vs, vst) > limit:
         return span_refusal(call, limit)
+    return None
+
+
+# What comfy-kitchen's kernel takes for a mask (sage_attention.py, _validate_inputs; any other
+# dtype raises there): bool, True keeping a key, or an additive float bias, -inf dropping one.
+MASK_DTYPES = (torch.bool, torch.float16, torch.bfloat16, torch.float32)
+
+
+def _mask_refusal(mask: torch.Tensor, q: torch.Tensor, scores: tuple[int, int, int, int], cuda) -> Refusal | None:
+    """Why a mask cannot go to the kernel as SDPA takes it (None: it can): its dtype, a shape that
+    does not broadcast to the scores' [B, H, N_q, N_k], a gradient, or another GPU than q's."""
+    if mask.dtype not in MASK_DTYPES:
+        return "mask", "attn_mask dtype %s (served: bool, float16, bfloat16, float32)", (mask.dtype,)
+    shape = mask.shape
+    if len(shape) > 4 or any(m not in (1, n) for m, n in zip(reversed(shape), reversed(scores))):
+        return "mask", "attn_mask shape %s (must broadcast to %s)", (tuple(shape), scores)
+    if mask.requires_grad and torch.is_grad_enabled():
+        return "grad", "attn_mask requires grad (SageAttention has no backward)", ()
+    if cuda.tensor_device(mask) != cuda.tensor_device(q):
+        return "mask", "attn_mask on another device than the query", ()
     return None
 
 

@@ -35,6 +35,9 @@ class Served:
     contexts: list[str] | None = None
     # Calls kept on torch whatever the thresholds.
     bounds: list[Bound] = field(default_factory=list)
+    # Whether masked calls (an attn_mask) are served: the variant takes a mask and passed every masked
+    # fixture of the family (false: masked calls stay on torch).
+    masks: bool = False
 
     def check(self) -> list[tuple[str, str]]:
         """(field, problem) for what makes it unusable; empty when nothing does."""
@@ -62,6 +65,8 @@ class Served:
             unknown = [name for name in self.layouts if name not in LAYOUTS]
             if unknown:
                 return [("layouts", f"{unknown[0]!r} is not a layout sage-qual knows ({', '.join(LAYOUTS)})")]
+        if self.masks and not VARIANTS[self.variant].takes_mask:
+            return [("masks", f"is true, but {self.variant} takes no attn_mask: set it false")]
         if self.contexts is not None:
             unknown = [name for name in self.contexts if name not in CONTEXTS]
             if unknown or len(set(self.contexts)) != len(self.contexts):
@@ -89,7 +94,8 @@ class Served:
         dims = "/".join(map(str, self.head_dims))
         contexts = "" if self.contexts is None else f"; contexts: {', '.join(self.contexts) or 'none'}"
         layouts = "any" if self.layouts is None else ", ".join(self.layouts)
-        return f"{self._tokens()}, head_dim {dims} (layouts: {layouts}{contexts}){bounds}"
+        masks = "; masked calls too" if self.masks else ""
+        return f"{self._tokens()}, head_dim {dims} (layouts: {layouts}{contexts}{masks}){bounds}"
 
     def _tokens(self) -> str:
         """"from 9,728 to 75,600 tokens", "at 16,384 tokens" (a range of one length), or the query and
@@ -121,7 +127,8 @@ class Served:
         tokens = self._lengths()
         contexts = "" if self.contexts is None else f"; contexts: {', '.join(self.contexts) or 'none'}"
         layouts = "any layout" if self.layouts is None else ", ".join(self.layouts)
-        return f"{self.variant} {tokens}{dims} ({layouts}{contexts}{bounds})"
+        masks = "; masks" if self.masks else ""
+        return f"{self.variant} {tokens}{dims} ({layouts}{contexts}{masks}{bounds})"
 
     def config(self, base: WrapperConfig, capability: Capability,
                max_span_elements: int | None = None) -> WrapperConfig:
@@ -134,7 +141,7 @@ class Served:
             head_dims=tuple(self.head_dims), max_query_tokens=self.max_query_tokens,
             max_key_tokens=self.max_key_tokens, layouts=None if self.layouts is None else tuple(self.layouts),
             contexts=None if self.contexts is None else tuple(self.contexts), bounds=tuple(self.bounds),
-            max_span_elements=max_span_elements or base.max_span_elements)
+            masks=self.masks, max_span_elements=max_span_elements or base.max_span_elements)
 
 
 def served_nothing(base: WrapperConfig, capability: Capability) -> WrapperConfig:

@@ -125,6 +125,10 @@ class KernelFunction:
     # with no stream). A "legacy" kernel is unordered with a side stream's work and is not recorded
     # by a CUDA-graph capture (`contexts.builtin_safe`).
     launches_on: str = "legacy"
+    # The keyword its attention mask goes by (None: it takes none, and a masked call stays on torch):
+    # comfy-kitchen's `attn_mask`, bool (True keeps a key) or additive float, broadcast to
+    # [B, H, N_q, N_k] (sage_attention.py, _validate_inputs).
+    mask_keyword: str | None = None
 
     @property
     def defaults(self) -> dict[str, Any]:
@@ -177,15 +181,25 @@ class Variant:
         """Every keyword the wrapper passes; each must be a named parameter of the kernel."""
         return {**self._fixed, self.kernel_function.scale_keyword: sm_scale}
 
-    def invoke(self, function, q, k, v, sm_scale: float, layout: str = "HND", smooth_k: bool = False):
+    @property
+    def takes_mask(self) -> bool:
+        return self.kernel_function.mask_keyword is not None
+
+    def invoke(self, function, q, k, v, sm_scale: float, layout: str = "HND", smooth_k: bool = False,
+               attn_mask=None):
         """`function` (this variant's kernel, real or fake) called as sage-qual calls every kernel:
-        q, k, v in `layout` ([B, H, N, D] "HND" or [B, N, H, D] "NHD"), the output in that layout.
-        K smoothing is asked of thu-ml's kernels only (certify's smoothing check); a provider
-        without the option never smooths."""
+        q, k, v in `layout` ([B, H, N, D] "HND" or [B, N, H, D] "NHD"), the output in that layout;
+        `attn_mask` as SDPA takes it (over [B, H, N_q, N_k] whatever the layout), for a kernel that
+        takes one. K smoothing is asked of thu-ml's kernels only (certify's smoothing check); a
+        provider without the option never smooths."""
         keywords = self.call_keywords(sm_scale)
         contract = self.kernel_function
         if smooth_k and not contract.can_smooth_k:
             raise ValueError(f"{self.name} has no K smoothing to turn on")
+        if attn_mask is not None:
+            if contract.mask_keyword is None:
+                raise ValueError(f"{self.name} takes no attn_mask")
+            keywords[contract.mask_keyword] = attn_mask
         if contract.can_smooth_k:
             keywords["smooth_k"] = smooth_k
         if contract.takes_layout:
@@ -278,7 +292,8 @@ KERNEL_FUNCTIONS: dict[str, KernelFunction] = {
         # [B, H, N, D] fp32/fp16/bf16 with the last dimension contiguous, head_dim up to 256 (padded to
         # 64, 128 or 256), grouped-query heads; it launches on torch's current stream.
         KernelFunction(CK_INT8, (("scale", None), ("attn_mask", None)), {}, max_head_dim=256,
-                       launches_on="current", provider=COMFY_KITCHEN.name, scale_keyword="scale", fixed=()),
+                       launches_on="current", provider=COMFY_KITCHEN.name, scale_keyword="scale", fixed=(),
+                       mask_keyword="attn_mask"),
     )
 }
 EXTENSIONS = THU_ML.extensions

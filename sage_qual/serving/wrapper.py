@@ -308,6 +308,8 @@ def _serve(state: _Installed, report: ScopeReport, args: tuple, kwargs: dict, co
     if refused is None:
         device = _device_refusal(state, call, cuda, index, device)
         refused = ("device", "%s", (device,)) if isinstance(device, str) else None
+    if refused is None and call.attn_mask is not None and not device.variant.takes_mask:
+        refused = ("mask", "attn_mask given (%s takes none)", (device.variant.name,))
     if refused is None:
         context = cuda.stream_contexts(device.index) + ((COMPILE,) if compiled else ())
         refused = _context_refusal(device, context) if context else None
@@ -322,7 +324,7 @@ def _serve(state: _Installed, report: ScopeReport, args: tuple, kwargs: dict, co
 
     def run():  # the copies are made here: out of memory for them is handled as for the kernel's own
         given = within_span(call, config.max_span_elements) if copy else call
-        return kernel(given.query, given.key, given.value, sm_scale=call.sm_scale)
+        return kernel(given.query, given.key, given.value, sm_scale=call.sm_scale, attn_mask=call.attn_mask)
 
     with cuda.device_guard(device.index):
         try:
@@ -388,7 +390,11 @@ def _first_call_problem(state: _Installed, call: SdpaCall, out: torch.Tensor) ->
     group = q.shape[1] // k.shape[1]
     rows = slice(-state.config.check_rows, None)
     q_slice, k_slice, v_slice = q[:1, :group, rows], k[:1, :1], v[:1, :1]
-    expected = state.original(q_slice, k_slice, v_slice, scale=call.scale, enable_gqa=group > 1).float()
+    mask = call.attn_mask
+    if mask is not None:  # the same slice of the scores' mask: a view, nothing copied
+        mask = mask.expand(*q.shape[:3], k.shape[2])[:1, :group, rows]
+    expected = state.original(q_slice, k_slice, v_slice, attn_mask=mask, scale=call.scale,
+                              enable_gqa=group > 1).float()
     got = out[:1, :group, rows].float()
     error = torch.linalg.vector_norm(got - expected) / torch.linalg.vector_norm(expected).clamp_min(1e-12)
     rel_l2 = error.item()  # the one host read of a served call's first instance

@@ -149,11 +149,11 @@ def retire_device_0(fake):
 
 REFUSED = [
     pytest.param(Case(lambda: (qkv(), {"attn_mask": torch.rand(Q_TOKENS, K_TOKENS) > 0.3}),
-                      "mask", "attn_mask given"), id="mask_bool"),
+                      "mask", "attn_mask given (no masked call was certified here)"), id="mask_bool"),
     pytest.param(Case(lambda: (qkv(), {"attn_mask": rand(1, 1, Q_TOKENS, K_TOKENS, seed=5)}),
-                      "mask", "attn_mask given"), id="mask_additive"),
+                      "mask", "attn_mask given (no masked call was certified here)"), id="mask_additive"),
     pytest.param(Case(lambda: (qkv() + (rand(1, 1, Q_TOKENS, K_TOKENS, seed=5),), {}),
-                      "mask", "attn_mask given"), id="mask_positional"),
+                      "mask", "attn_mask given (no masked call was certified here)"), id="mask_positional"),
     pytest.param(Case(lambda: (qkv(), {"dropout_p": 0.1}), "dropout", "dropout_p=0.1"), id="dropout=0.1"),
     pytest.param(Case(lambda: (qkv() + (None, 0.5), {}),
                       "dropout", "dropout_p=0.5"), id="dropout_positional"),
