@@ -199,13 +199,14 @@ def refusal(call: SdpaCall, config: WrapperConfig, cuda) -> Refusal | None:
 MASK_DTYPES = (torch.bool, torch.float16, torch.bfloat16, torch.float32)
 
 
-def _mask_refusal(mask: torch.Tensor, q: torch.Tensor, scores: tuple[int, int, int, int], cuda) -> Refusal | None:
+def _mask_refusal(mask: torch.Tensor, q: torch.Tensor, scores: tuple[int, ...], cuda) -> Refusal | None:
     """Why a mask cannot go to the kernel as SDPA takes it (None: it can): its dtype, a shape that
     does not broadcast to the scores' [B, H, N_q, N_k], a gradient, or another GPU than q's."""
     if mask.dtype not in MASK_DTYPES:
         return "mask", "attn_mask dtype %s (served: bool, float16, bfloat16, float32)", (mask.dtype,)
     shape = mask.shape
-    if len(shape) > 4 or any(m not in (1, n) for m, n in zip(reversed(shape), reversed(scores))):
+    trailing = zip(reversed(shape), reversed(scores), strict=False)  # broadcasting aligns the last dims
+    if len(shape) > 4 or any(m not in (1, n) for m, n in trailing):
         return "mask", "attn_mask shape %s (must broadcast to %s)", (tuple(shape), scores)
     if mask.requires_grad and torch.is_grad_enabled():
         return "grad", "attn_mask requires grad (SageAttention has no backward)", ()

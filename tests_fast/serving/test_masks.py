@@ -133,7 +133,7 @@ def test_the_first_call_check_of_a_masked_call_compares_with_the_mask():
     """The check recomputes a slice with torch: without the mask's slice its result differs from
     the kernel's on every masked item and the GPU would be retired."""
     q, k, v = qkv(batch=1)
-    with served() as fake:
+    with served():
         _, first = call(q, k, v, key_padding(1, (40,))[:, None, None, :])
         _, second = call(q, k, v, key_padding(1, (40,))[:, None, None, :])
         [device] = sage_qual.install_status().devices
