@@ -15,14 +15,19 @@ import pytest
 import torch
 
 import sage_qual
+from sage_qual.fixtures.fileformat import load_fixture
 from sage_qual.serving import platform, sage_package
 from sage_qual.serving.assess import GpuAssessment, assess, box_facts
 from sage_qual.serving.config import WrapperConfig
 from sage_qual.serving.variants import VARIANTS, BoxFacts
 
 FIXTURE_DIR = Path(__file__).resolve().parent.parent / "fixtures"
-FIXTURE_PATHS = sorted(FIXTURE_DIR.glob("*.safetensors"))
+# Masked calls (a fixture holding an attn_mask) run only on the variants that take a mask
+# (`MASK_CASES`), as certify plans them (`plan.runs`); every variant runs the others.
+MASKED_PATHS = sorted(p for p in FIXTURE_DIR.glob("*.safetensors") if load_fixture(p).mask is not None)
+FIXTURE_PATHS = sorted(p for p in FIXTURE_DIR.glob("*.safetensors") if p not in MASKED_PATHS)
 VARIANT_NAMES = list(VARIANTS)
+MASK_CASES = [(name, path) for path in MASKED_PATHS for name in VARIANT_NAMES if VARIANTS[name].takes_mask]
 _results: list[dict] = []
 
 

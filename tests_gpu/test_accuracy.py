@@ -19,15 +19,14 @@ from sage_qual import records
 from sage_qual.fixtures.fileformat import load_fixture
 from sage_qual.qualification.measure import accuracy, budgets, judge
 
-from .conftest import FIXTURE_PATHS, VARIANT_NAMES
+from .conftest import FIXTURE_PATHS, MASK_CASES, VARIANT_NAMES
 from .known_defects import marks
 
 pytestmark = [pytest.mark.slow, pytest.mark.gpu]
 
 CASES = [
     pytest.param(variant, path, id=f"{variant}-{path.stem}", marks=marks(variant, path.stem))
-    for path in FIXTURE_PATHS
-    for variant in VARIANT_NAMES
+    for variant, path in [(v, p) for p in FIXTURE_PATHS for v in VARIANT_NAMES] + MASK_CASES
 ]
 
 
@@ -35,9 +34,9 @@ CASES = [
 def test_variant_on_fixture(variant_name, fixture_path, kernels, runnable, wrapper_serving, record):
     variant = runnable(variant_name)
     fixture = load_fixture(fixture_path, device="cuda")
-    q, k, v = fixture.q, fixture.k, fixture.v
-    direct = accuracy.call_kernel(kernels(variant), variant, q, k, v)
-    found = accuracy.accuracy(direct, q, k, v)
+    q, k, v, mask = fixture.q, fixture.k, fixture.v, fixture.mask
+    direct = accuracy.call_kernel(kernels(variant), variant, q, k, v, attn_mask=mask)
+    found = accuracy.accuracy(direct, q, k, v, attn_mask=mask)
     budget = budgets.budget(variant, fixture)
     expected = budgets.expectation(variant, fixture)
     reasons = judge.cell_reasons(found, 0.0, budget, math.inf, found.sdpa_rel_l2)
@@ -56,8 +55,9 @@ def test_variant_on_fixture(variant_name, fixture_path, kernels, runnable, wrapp
         pytest.xfail(f"{label}: non-finite output, as the numerics model predicts (a kernel defect)")
     assert not reasons, f"{label}: " + "; ".join(r.detail for r in reasons)
 
-    # Through the wrapper, forced to this variant: served, and bit-identical to the direct call.
-    with wrapper_serving(variant), sage_qual.sage_attention_scope() as report:
-        routed = F.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1])
+    # Through the wrapper, forced to this variant (masked calls allowed for a masked fixture): served,
+    # and bit-identical to the direct call.
+    with wrapper_serving(variant, masks=mask is not None), sage_qual.sage_attention_scope() as report:
+        routed = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
     assert report.served == 1, f"{label}: wrapper fell back ({dict(report.fallbacks)})"
     assert torch.equal(routed, direct), f"{label}: wrapper output differs from the direct kernel call"

@@ -26,7 +26,7 @@ from sage_qual.qualification.selftest import model_check
 from sage_qual.serving import numerics
 from sage_qual.serving.variants import VARIANTS
 
-from .conftest import FIXTURE_PATHS, VARIANT_NAMES
+from .conftest import FIXTURE_PATHS, MASK_CASES, VARIANT_NAMES
 
 pytestmark = [pytest.mark.slow, pytest.mark.gpu]
 
@@ -53,6 +53,16 @@ def test_model_matches_kernel_on_fixture(variant_name, fixture_path, kernels, ru
     fixture = load_fixture(fixture_path, device="cuda")
     expected = budgets.expectation(variant, fixture)
     _check(kernels(variant), variant, fixture.name, fixture.q, fixture.k, fixture.v, expected, record)
+
+
+@pytest.mark.parametrize("variant_name, fixture_path", MASK_CASES, ids=lambda x: getattr(x, "stem", x))
+def test_model_matches_kernel_on_masked_fixture(variant_name, fixture_path, kernels, runnable, record):
+    """A masked call: the model and the kernel both given the fixture's attn_mask."""
+    variant = runnable(variant_name)
+    fixture = load_fixture(fixture_path, device="cuda")
+    expected = budgets.expectation(variant, fixture)
+    _check(kernels(variant), variant, fixture.name, fixture.q, fixture.k, fixture.v, expected, record,
+           attn_mask=fixture.mask)
 
 
 # head_dim 80 and 96: no family calls them and the wrapper serves 64 and 128 only, so they are no
@@ -85,9 +95,9 @@ def test_model_matches_kernel_on_long_sequences(variant_name, tokens, kernels, r
     _report(variant, f"random_{tokens}_tokens", found, expected, record)
 
 
-def _check(sage, variant, name, q, k, v, expected, record) -> None:
-    ref = accuracy.reference(q, k, v)
-    found = accuracy.errors(accuracy.call_kernel(sage, variant, q, k, v), ref)
+def _check(sage, variant, name, q, k, v, expected, record, attn_mask=None) -> None:
+    ref = accuracy.reference(q, k, v, attn_mask=attn_mask)
+    found = accuracy.errors(accuracy.call_kernel(sage, variant, q, k, v, attn_mask=attn_mask), ref)
     _report(variant, name, found, expected, record)
 
 

@@ -89,12 +89,12 @@ class Served:
         install_status() give it: "from 9,728 to 75,600 tokens, head_dim 128 (layouts: contiguous,
         transposed; contexts: side_stream, compile); calls with fewer than 17 keys stay on torch (...)"."""
         bounds = "".join(f"; {bound.text()}" for bound in self.bounds)
+        masks = "; masked calls too" if self.masks else ""
         if not self.range_verified:
-            return f"from {self.start()} (no upper bound verified: a report without long checks){bounds}"
+            return f"from {self.start()} (no upper bound verified: a report without long checks{masks}){bounds}"
         dims = "/".join(map(str, self.head_dims))
         contexts = "" if self.contexts is None else f"; contexts: {', '.join(self.contexts) or 'none'}"
         layouts = "any" if self.layouts is None else ", ".join(self.layouts)
-        masks = "; masked calls too" if self.masks else ""
         return f"{self._tokens()}, head_dim {dims} (layouts: {layouts}{contexts}{masks}){bounds}"
 
     def _tokens(self) -> str:

@@ -82,14 +82,15 @@ class Numerics:
         (INT8 P.V, 8 bits as FP8's, included)."""
         return "fp16" if self.pv == "fp16" else "fp8"
 
-    def at_head_dim(self, head_dim: int, keys: int = 0) -> "Numerics":
-        """The scheme a call of this head size (and key count) runs (head_dim pads to 64 or 128
-        upstream)."""
+    def at_head_dim(self, head_dim: int, keys: int = 0, masked: bool = False) -> "Numerics":
+        """The scheme a call of this head size (and key count; with a mask or not) runs (head_dim
+        pads to 64 or 128 upstream)."""
         scheme = self
         if head_dim > 64 and self.q_tile_at_head_dim_128 is not None:
             scheme = dataclasses.replace(scheme, q_tile=self.q_tile_at_head_dim_128,
                                          q_tile_at_head_dim_128=None)
-        if head_dim > 64 and keys > 1024 and self.k_tile_past_1024_keys is not None:
+        # comfy-kitchen keeps CTA_K 64 for a masked call (sage_attention.py, _select_cta_k).
+        if head_dim > 64 and keys > 1024 and not masked and self.k_tile_past_1024_keys is not None:
             scheme = dataclasses.replace(scheme, k_tile=self.k_tile_past_1024_keys,
                                          k_tile_past_1024_keys=None)
         return scheme

@@ -23,7 +23,7 @@ def loaded():
     def load(name):
         if name not in cache:
             fixture = load_fixture(FIXTURES[name])
-            cache[name] = (fixture, accuracy.reference(fixture.q, fixture.k, fixture.v))
+            cache[name] = (fixture, accuracy.reference(fixture.q, fixture.k, fixture.v, attn_mask=fixture.mask))
         return cache[name]
     return load
 

@@ -221,7 +221,7 @@ def test_gate_json_carries_the_served_record_unchanged():
         "gpu": "H200 (sm_90)", "verdict": "enable",
         "served": {"variant": "sm90-fp8-cuda", "min_query_tokens": 4608, "min_key_tokens": 512,
                    "head_dims": [64, 128], "max_query_tokens": 16384, "max_key_tokens": 16384,
-                   "layouts": ["contiguous", "transposed"], "contexts": None, "bounds": []},
+                   "layouts": ["contiguous", "transposed"], "contexts": None, "bounds": [], "masks": False},
         "certified": ["sm90-fp8-cuda", "sm80-fp16-cuda"], "reasons": [], "provider": "thu-ml"}]
     assert records.dump(enabled().served) == answer["gpus"][0]["served"]
 

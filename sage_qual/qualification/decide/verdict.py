@@ -64,7 +64,7 @@ from sage_qual.qualification.measure.speed import (
 from sage_qual.serving.config import KERNEL_TABLE, Bound
 from sage_qual.serving.contexts import CONTEXTS, REASON
 from sage_qual.serving.served import Served
-from sage_qual.serving.variants import gpu_label
+from sage_qual.serving.variants import VARIANTS, gpu_label
 
 
 class Verdict(str, enum.Enum):
@@ -215,6 +215,7 @@ class _Model:
         self.shapes = {key: entry.shape for key, entry in report.shapes.items()}
         self.uses = {key: entry.uses for key, entry in report.shapes.items()}
         self.cells = {(c.variant, c.fixture, d.index): c for d in devices for c in d.cells}
+        self.masked = {f.name for f in report.fixtures if f.masked}
         self.speedup = _speedups(devices, self.shapes)
         self.ms = {}
         for device in devices:
@@ -234,7 +235,8 @@ class _Model:
     def verdict(self, family: Family | None) -> FamilyDecision:
         name = family.name if family else None
         fixtures = [f.name for f in self.report.fixtures if counts_for(family, f.family)]
-        if not any(family is None or family.owns(f.family) for f in self.report.fixtures):
+        # A masked fixture is evidence about masked calls only: it certifies no family alone.
+        if not any((family is None or family.owns(f.family)) and not f.masked for f in self.report.fixtures):
             label = family.name if family else "any family"
             return FamilyDecision(name, Verdict.KEEP_OFF, reasons=[
                 Reason(ReasonKind.NO_FIXTURES, f"no fixtures of {label} in this run: not certified")])
@@ -260,8 +262,9 @@ class _Model:
         reasons = self._speed_reasons(family, chosen, thresholds, list(own), speedups, min_speedup)
         if reasons:
             return FamilyDecision(name, Verdict.NO_SPEEDUP, reasons=reasons, results=results, speedups=speedups)
+        masks, mask_reasons = self._masks(chosen, fixtures)
         start = Served(chosen, thresholds.min_query_tokens, thresholds.min_key_tokens, list(thresholds.head_dims),
-                       bounds=list(results.bounded.get(chosen, [])))
+                       bounds=list(results.bounded.get(chosen, [])), masks=masks)
         found = self._range(chosen, family)
         if found is None:  # a report from before long checks: no upper bound verified
             served, range_reasons = start, []
@@ -276,14 +279,28 @@ class _Model:
             served = dataclasses.replace(start, max_query_tokens=max_q, max_key_tokens=max_k, layouts=layouts)
         contexts, context_reasons = self.contexts(chosen)
         return FamilyDecision(name, Verdict.ENABLE, dataclasses.replace(served, contexts=contexts),
-                              range_reasons=range_reasons + context_reasons, results=results, speedups=speedups)
+                              range_reasons=range_reasons + context_reasons + mask_reasons, results=results,
+                              speedups=speedups)
+
+    def _masks(self, variant: str, fixtures: list[str]) -> tuple[bool, list[Reason]]:
+        """Whether the variant serves the family's masked calls (it takes a mask, the family has
+        masked fixtures, and it passed every one on every device), and why not where it failed one:
+        a masked call's failure keeps masked calls on torch, not the family."""
+        masked = [f for f in fixtures if f in self.masked]
+        if not (masked and _takes_mask(variant)):
+            return False, []
+        failed = [finding for f in masked for finding in self._failures(variant, f)]
+        return not failed, [Reason(f.reason.kind, f"masked calls stay on torch: {f.variant} on {f.fixture} "
+                                                  f"(cuda:{f.device}): {f.reason.detail}") for f in failed]
 
     def _results(self, family: Family | None, fixtures: list[str], relevant: list[str],
                  min_speedup: float) -> VariantResults:
         """Each runnable variant on the family's fixtures: certified, bounded or failing."""
         certified, bounded, findings = [], {}, {}
         for variant in self.runnable:
-            per_fixture = {fixture: self._failures(variant, fixture) for fixture in fixtures}
+            # A masked call is evidence about masked calls only (`_masks`).
+            per_fixture = {fixture: self._failures(variant, fixture) for fixture in fixtures
+                           if fixture not in self.masked}
             failures = [r for found in per_fixture.values() for r in found]
             if not failures:
                 certified.append(variant)
@@ -412,6 +429,11 @@ class _Model:
         paying = [v for v in ranked if thresholds[v]]
         chosen = (serving or paying or ranked)[0]
         return chosen, thresholds[chosen]
+
+
+def _takes_mask(subject: str) -> bool:
+    """A variant that takes a mask; an integration (`certify --target`) runs no masked call."""
+    return subject in VARIANTS and VARIANTS[subject].takes_mask
 
 
 def long_check_counts(check: LongCheck, family: Family | None) -> bool:

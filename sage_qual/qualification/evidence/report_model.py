@@ -314,6 +314,8 @@ class FixtureRecord:
     sha256: str = field(metadata={"pattern": "[0-9a-f]{64}"})
     bounds: dict[AccuracyClass, PublishedBound] = field(metadata={"description": "accuracy class -> bound"})
     provenance: str
+    masked: bool = field(default=False, metadata={
+        "description": "the call has an attn_mask: only variants that take a mask run it"})
 
 
 @dataclass(frozen=True)

@@ -38,13 +38,14 @@ class Accuracy(Metrics):
     error_vs_sdpa: float = math.nan  # rel_l2 / sdpa_rel_l2
 
 
-def reference(q, k, v, scale: float | None = None) -> torch.Tensor:
+def reference(q, k, v, scale: float | None = None, attn_mask=None) -> torch.Tensor:
     """Float32 attention through PyTorch's math backend (no TF32, no fused approximations)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     group = q.shape[1] // k.shape[1]
     with sdpa_kernel([SDPBackend.MATH]):
-        return TORCH_SDPA(q.float(), k.float(), v.float(), scale=scale, enable_gqa=group > 1)
+        return TORCH_SDPA(q.float(), k.float(), v.float(), attn_mask=attn_mask, scale=scale,
+                          enable_gqa=group > 1)
 
 
 def compare(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, bool]:
@@ -104,16 +105,17 @@ def _block_errors(blocks: torch.Tensor, ref_blocks: torch.Tensor, rows: int) -> 
     return (diff_sq / torch.maximum(ref_sq, share).clamp_min(1e-30)).sqrt().max().item()
 
 
-def call_kernel(package, variant: Variant, q, k, v, scale: float | None = None, smooth_k: bool = False):
-    """Call one variant directly (never through sageattn()), K smoothing as asked."""
+def call_kernel(package, variant: Variant, q, k, v, scale: float | None = None, smooth_k: bool = False,
+                attn_mask=None):
+    """Call one variant directly (never through sageattn()), K smoothing as asked, with the call's mask."""
     sm_scale = scale if scale is not None else q.shape[-1] ** -0.5
-    return variant.invoke(package.kernel(variant), q, k, v, sm_scale, smooth_k=smooth_k)
+    return variant.invoke(package.kernel(variant), q, k, v, sm_scale, smooth_k=smooth_k, attn_mask=attn_mask)
 
 
-def accuracy(out, q, k, v, ref=None, scale: float | None = None) -> Accuracy:
-    ref = reference(q, k, v, scale) if ref is None else ref
+def accuracy(out, q, k, v, ref=None, scale: float | None = None, attn_mask=None) -> Accuracy:
+    ref = reference(q, k, v, scale, attn_mask) if ref is None else ref
     found = errors(out, ref)
-    sdpa = TORCH_SDPA(q, k, v, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    sdpa = TORCH_SDPA(q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     sdpa_rel_l2 = errors(sdpa, ref).rel_l2
     ratio = found.rel_l2 / sdpa_rel_l2 if sdpa_rel_l2 > 0 else float("inf")
     return Accuracy(**vars(found), sdpa_rel_l2=sdpa_rel_l2, error_vs_sdpa=ratio)

@@ -134,14 +134,14 @@ def reference(fixture: Fixture) -> torch.Tensor:
     key = (fixture.sha256, str(fixture.q.device))
     if key not in _REFERENCES:
         _REFERENCES.clear()
-        _REFERENCES[key] = accuracy.reference(fixture.q, fixture.k, fixture.v)
+        _REFERENCES[key] = accuracy.reference(fixture.q, fixture.k, fixture.v, attn_mask=fixture.mask)
     return _REFERENCES[key]
 
 
 def _cached(variant: Variant, fixture: Fixture) -> tuple[Expected, Budget, torch.Tensor]:
     key = (fixture.sha256, variant.name, str(fixture.q.device))
     if key not in _CACHE:
-        predicted = numerics.predict(variant, fixture.q, fixture.k, fixture.v)
+        predicted = numerics.predict(variant, fixture.q, fixture.k, fixture.v, attn_mask=fixture.mask)
         found = dataclasses.replace(metrics_of(predicted, reference(fixture)), hazards=tuple(
             numerics.hazards(variant, fixture.q, fixture.k, fixture.v)))
         _CACHE[key] = (found, from_expected(found), predicted)

@@ -62,7 +62,7 @@ def measure_cell(name: str, variant: Variant, fixture: Fixture, call: Call, benc
         out, extra = bench.extra_peak_bytes(lambda: call(q, k, v))
     except NotServed as why:
         return Cell(name, fixture.name, Outcome.SKIP, str(why))
-    found = accuracy.accuracy(out, q, k, v, ref)
+    found = accuracy.accuracy(out, q, k, v, ref, attn_mask=fixture.mask)
     del out
     bounds = budgets.budget(variant, fixture)  # derived from the numerics model
     per_element = None if extra is None else extra / accuracy.elements(q, k, v)

@@ -109,8 +109,11 @@ def _blocks(data: Report, decisions: list[verdict.GpuDecision], images: dict,
 
     blocks += [Heading(2, "Environment"), Preformatted(environment.render_text(data.environment))]
     blocks += [Heading(2, "Fixtures"), Table(["fixture", "family", "kind", "q", "k/v", "dtype", "sha256"],
-               [[f.name, f.family, f.kind.value, "x".join(map(str, f.q)), "x".join(map(str, f.k)),
-                 f.dtype.value, f.sha256] for f in data.fixtures])]
+               [[f.name + (" (masked)" if f.masked else ""), f.family, f.kind.value, "x".join(map(str, f.q)),
+                 "x".join(map(str, f.k)), f.dtype.value, f.sha256] for f in data.fixtures])]
+    if any(f.masked for f in data.fixtures):
+        blocks.append(Paragraph("A masked fixture is a call with an attn_mask: only the variants that take a mask "
+                                "run it, and it decides whether masked calls are served, not the family."))
     if any(f.kind == report_model.FixtureKind.REPLICA for f in data.fixtures):
         blocks.append(Paragraph("Fixtures of kind 'replica' are generated to reproduce published statistics, "
                                 "not recorded from a model: every verdict below rests on them as such."))

@@ -128,7 +128,7 @@ def build(request: RunRequest, selection: Selection, machine: Machine, subjects:
         gpu = facts.gpu
         not_supported = {name: why for name, why in facts.not_supported.items() if name in subjects}
         skips = [Cell(variant=name, fixture=f.name, outcome=Outcome.SKIP, detail="; ".join(why))
-                 for name, why in not_supported.items() for f in fixtures]
+                 for name, why in not_supported.items() for f in fixtures if runs(name, f)]
         devices.append(Device(index=gpu.index, name=gpu.name, capability=list(gpu.capability),
                               memory_gib=gpu.memory_gib, not_supported=not_supported, cells=skips,
                               speed=[], long=None if target else [], sm_count=gpu.sm_count))
@@ -154,7 +154,7 @@ def _sweep(variants: list[str], fixtures: list[fileformat.Fixture], shapes: dict
     jobs: list[list[tasks.Task]] = [[tasks.SdpaTask(f"sdpa@{key}", key, shapes[key].shape, warmup, repeats)
                                      for key, (warmup, repeats) in timing.items()]]
     for variant in variants:
-        jobs.append([_cell_task(variant, f) for f in fixtures]
+        jobs.append([_cell_task(variant, f) for f in fixtures if runs(variant, f)]
                     + [tasks.SpeedTask(f"{variant}@{key}", variant, key, shapes[key].shape, warmup, repeats)
                        for key, (warmup, repeats) in timing.items()]
                     + [_long_task(variant, key, check) for key, check in checks.items()])
@@ -166,7 +166,8 @@ def compile_ahead(variants: list[str], fixtures: list[fileformat.Fixture], shape
     """For each variant whose kernels are Triton's (compiled at their first call of each
     specialization: `worker.Worker.compile`), the task compiling each call its sweep job makes (as
     `_sweep` plans it): its fixtures', its timed shapes' and its long checks' in each layout."""
-    planned = [tasks.KernelCall(_fixture_shape(f), "contiguous") for f in fixtures]
+    # No Triton variant takes a mask, so none runs a masked fixture (`runs`).
+    planned = [tasks.KernelCall(_fixture_shape(f), "contiguous") for f in fixtures if f.mask is None]
     planned += [tasks.KernelCall(entry.shape, "contiguous") for entry in shapes.values()]
     for check in checks.values():
         planned += [tasks.KernelCall(check.shape, layout) for layout in ("contiguous", *check.layouts)]
@@ -185,8 +186,14 @@ def _predicted(variants: list[str], fixtures: list[fileformat.Fixture],
                checks: dict[str, LongPlan]) -> list[tasks.Task]:
     """The in-process job: fixture by fixture (one float32 reference each), every variant's cell, then
     every variant's long checks."""
-    return ([_cell_task(variant, f) for f in fixtures for variant in variants]
+    return ([_cell_task(variant, f) for f in fixtures for variant in variants if runs(variant, f)]
             + [_long_task(variant, key, check) for variant in variants for key, check in checks.items()])
+
+
+def runs(variant: str, fixture: fileformat.Fixture) -> bool:
+    """Whether a variant's cells run the fixture: a masked call only where the variant takes a mask
+    (the wrapper keeps masked calls from the others on torch: they are no evidence about them)."""
+    return fixture.mask is None or VARIANTS[variant].takes_mask
 
 
 def _long_checks(selection: Selection, quick: bool) -> dict[str, LongPlan]:
@@ -204,8 +211,10 @@ def _long_task(variant: str, key: str, check: LongPlan) -> tasks.LongTask:
 
 
 def _target_cells(target: str, gpu: GpuInfo, fixtures: list[fileformat.Fixture]) -> list[tasks.Task]:
+    """An integration's cells, on its unmasked calls (a masked one is served only where a profile
+    certified masks: the wrapper's rules, not the integration's)."""
     return [tasks.TargetCellTask(f.name, target, f.name, str(f.path), list(gpu.capability),
-                                 families_mod.memory_bound(f.family)) for f in fixtures]
+                                 families_mod.memory_bound(f.family)) for f in fixtures if f.mask is None]
 
 
 def machine_check(target: str) -> tasks.TargetMachineTask:

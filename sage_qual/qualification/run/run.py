@@ -175,7 +175,7 @@ def fixture_record(fixture: fileformat.Fixture) -> report_model.FixtureRecord:
         dtype=report_model.DType(str(fixture.dtype).replace("torch.", "")), q=list(fixture.q.shape),
         k=list(fixture.k.shape), sha256=fixture.sha256, provenance=fixture.provenance,
         bounds={report_model.AccuracyClass(name): report_model.PublishedBound(**bound)
-                for name, bound in fixture.bounds.items()})
+                for name, bound in fixture.bounds.items()}, masked=fixture.mask is not None)
 
 
 @contextlib.contextmanager

@@ -156,7 +156,8 @@ class PackageKernels:
         return sage_package.kernel_problem(self.package(variant), variant)
 
     def call(self, variant, q, k, v, smooth_k: bool = False, fixture=None):
-        return accuracy.call_kernel(self.package(variant), variant, q, k, v, smooth_k=smooth_k)
+        return accuracy.call_kernel(self.package(variant), variant, q, k, v, smooth_k=smooth_k,
+                                    attn_mask=None if fixture is None else fixture.mask)
 
     def long_kernel(self, variant) -> long_check.Kernel | None:
         return long_check.kernel_of(self.package(variant), variant)
