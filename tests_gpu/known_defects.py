@@ -65,6 +65,12 @@ KNOWN_DEFECTS.update({
     ("ck-int8-cuda", "flux2_joint_padded_text"): _CK + (
         "output norm 1.0023 of the reference, over its budget of 1.002; the model does not carry the "
         "kernel's small norm bias (long calls: 1.007-1.009)."),
+    # Certify run 40 (docs/results/run40-h200/certify/, build sha256:83ecf6af24833fba), same
+    # measurement as the accuracy test: masked calls stay on torch for comfy-kitchen on the H200.
+    ("ck-int8-cuda", "qwen_image_padded_prompt_batch"): (
+        "comfy_kitchen int8_attention (ck-int8-cuda), certify run 40 on the H200: on the masked "
+        "Qwen-Image batch, relative L2 0.0151 (model 0.0133, budget 0.01467) and output norm 1.005 of the "
+        "reference (budget 1.002): the kernel's norm bias again, which the model does not carry."),
 })
 
 # Long calls (tests_gpu/test_long_calls.py): variant -> what was measured.

@@ -28,7 +28,8 @@ from ..helpers import newest_h200_run
 RESULTS = Path(__file__).resolve().parent.parent.parent / "docs" / "results"
 SOURCES = [RESULTS / "run29-h200" / f"certify-{n}" / "report.json.gz" for n in (1, 2, 3)] + [
     RESULTS / f"run{n}-h200" / "certify" / "report.json.gz" for n in (30, 31, 33, 34, 35)] + [
-    RESULTS / "run39-h200" / f"certify-{n}" / "report.json.gz" for n in (1, 2, 3)]
+    RESULTS / "run39-h200" / f"certify-{n}" / "report.json.gz" for n in (1, 2, 3)] + [
+    RESULTS / "run40-h200" / "certify" / "report.json.gz"]
 H200 = FakeGpu((9, 0), "NVIDIA H200", 139.8)  # as torch names the H200 of docs/results
 H100 = FakeGpu((9, 0), "NVIDIA H100 80GB HBM3", 79.6)
 RTX4090 = FakeGpu((8, 9), "NVIDIA GeForce RTX 4090", 24.0)
