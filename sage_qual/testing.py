@@ -43,9 +43,16 @@ from typing import Any, Callable, Optional
 import torch
 
 from sage_qual.serving import contexts, platform, sage_package
+from sage_qual.serving.eligibility import MASK_DTYPES
 from sage_qual.serving.numerics import exact_attention
 from sage_qual.serving.providers import COMFY_KITCHEN, THU_ML
-from sage_qual.serving.variants import EXTENSIONS, KERNEL_FUNCTIONS, KernelFunction, upstream_pick
+from sage_qual.serving.variants import (
+    EXTENSIONS,
+    KERNEL_FUNCTIONS,
+    KernelFunction,
+    mask_broadcasts,
+    upstream_pick,
+)
 
 # comfy_kitchen's modules the fake puts in place (or hides): its package, kernels module and the
 # packages above its CUDA extension.
@@ -227,14 +234,10 @@ def check_call(function: KernelFunction, q, k, v, keywords: dict[str, Any]) -> N
     if mask is not None:  # comfy-kitchen's _validate_inputs
         if _device_of(mask) != _device_of(q):
             raise ValueError("attn_mask must be on the same CUDA device as q, k, and v")
-        if mask.dtype not in (torch.bool, torch.float16, torch.bfloat16, torch.float32):
+        if mask.dtype not in MASK_DTYPES:
             raise TypeError("attn_mask must be bool, float16, bfloat16, or float32")
         scores = (batch, q_heads, q.shape[1] if nhd else q.shape[2], kv_len)
-        try:
-            broadcast = torch.broadcast_shapes(mask.shape, scores)
-        except RuntimeError:
-            broadcast = None
-        if broadcast != torch.Size(scores):
+        if not mask_broadcasts(tuple(mask.shape), scores):
             raise ValueError(f"attn_mask must be broadcastable to {list(scores)}, got {tuple(mask.shape)}")
 
 

@@ -14,6 +14,7 @@ import torch
 
 from sage_qual.limits import SPAN_PAD_TOKENS as SPAN_PAD
 from sage_qual.serving.config import WrapperConfig
+from sage_qual.serving.variants import mask_broadcasts
 
 # Every reason a call in a scope can fall back to PyTorch, in the order they are tested.
 REASONS = (
@@ -204,10 +205,8 @@ def _mask_refusal(mask: torch.Tensor, q: torch.Tensor, scores: tuple[int, ...], 
     does not broadcast to the scores' [B, H, N_q, N_k], a gradient, or another GPU than q's."""
     if mask.dtype not in MASK_DTYPES:
         return "mask", "attn_mask dtype %s (served: bool, float16, bfloat16, float32)", (mask.dtype,)
-    shape = mask.shape
-    trailing = zip(reversed(shape), reversed(scores), strict=False)  # broadcasting aligns the last dims
-    if len(shape) > 4 or any(m not in (1, n) for m, n in trailing):
-        return "mask", "attn_mask shape %s (must broadcast to %s)", (tuple(shape), scores)
+    if not mask_broadcasts(mask.shape, scores):
+        return "mask", "attn_mask shape %s (must broadcast to %s)", (tuple(mask.shape), scores)
     if mask.requires_grad and torch.is_grad_enabled():
         return "grad", "attn_mask requires grad (SageAttention has no backward)", ()
     if cuda.tensor_device(mask) != cuda.tensor_device(q):

@@ -96,6 +96,14 @@ class Numerics:
         return scheme
 
 
+def mask_broadcasts(mask_shape: tuple[int, ...], scores: tuple[int, int, int, int]) -> bool:
+    """Whether a mask of `mask_shape` broadcasts to the scores' [B, H, N_q, N_k] as SDPA broadcasts
+    it, leaving their shape as it is: one rule for the wrapper's eligibility, the fake kernel and the
+    fixture files. Plain arithmetic, since it runs on every masked call the wrapper is given."""
+    trailing = zip(reversed(mask_shape), reversed(scores), strict=False)  # broadcasting aligns the last dims
+    return len(mask_shape) <= len(scores) and all(m in (1, n) for m, n in trailing)
+
+
 @dataclass(frozen=True)
 class KernelFunction:
     """One kernel function of the `sageattention` module and its keyword contract.

@@ -7,11 +7,14 @@ import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import sage_qual
 from sage_qual.serving import profile as profile_mod
 from sage_qual.serving.profile import ProfileError
 from sage_qual.serving.served import Served
+from sage_qual.serving.variants import mask_broadcasts
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention, on_device
 
 from .. import builders
@@ -145,3 +148,16 @@ def test_served_says_it_serves_masked_calls():
     assert "masked calls too" in served_record.text() and "; masks" in served_record.short()
     assert served_record.config(sage_qual.WrapperConfig(), (7, 5)).masks
     assert not Served(CK, 1024, 1024, [128], 32768, 32768).config(sage_qual.WrapperConfig(), (7, 5)).masks
+
+
+@settings(deadline=None)  # the first call imports torch's broadcasting
+@given(scores=st.tuples(*[st.integers(1, 4)] * 4),
+       mask_shape=st.lists(st.integers(0, 4), min_size=0, max_size=5).map(tuple))
+def test_the_one_broadcast_rule_is_torchs(scores, mask_shape):
+    """The wrapper, the fake kernel and the fixture files share mask_broadcasts: it holds exactly
+    where torch broadcasts the mask to the scores and leaves their shape as it is."""
+    try:
+        torch_says = torch.broadcast_shapes(mask_shape, scores) == torch.Size(scores)
+    except RuntimeError:
+        torch_says = False
+    assert mask_broadcasts(mask_shape, scores) is torch_says
