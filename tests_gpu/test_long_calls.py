@@ -85,7 +85,7 @@ def test_certify_worker_runs_a_long_task(sage, gpu0):
     if gpu0.kernel is None:
         pytest.skip(f"no kernel for this GPU: {gpu0.no_kernel_reason}")
     task = long_task(gpu0.kernel.name, "32k")
-    result = worker.Worker(worker.GpuBench(), {}).run(task)
+    result = worker.Worker(worker.GpuBench()).run(task)
     assert result.outcome == Outcome.PASS, result.reasons or result.detail
     assert result.ran_tokens is None and result.rows[-1] == 32768 - long_check.SAMPLE_ROWS
     assert result.rows_identical is True

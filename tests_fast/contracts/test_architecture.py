@@ -75,7 +75,7 @@ def test_imports_flow_one_way(module):
 # before it. selection and measure share a floor (neither needs the other); the self-test sits
 # below run, whose test hooks inject its defects into the fake kernels.
 STAGES = (("families", "names"), ("evidence",), ("selection", "measure"), ("integrations",), ("decide",),
-          ("render",), ("selftest",), ("run",))
+          ("render",), ("run",), ("selftest",))
 STAGE_FLOOR = {stage: floor for floor, stages in enumerate(STAGES) for stage in stages}
 MAX_MODULES_PER_STAGE, MAX_MODULE_LINES = 8, 500
 

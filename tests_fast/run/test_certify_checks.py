@@ -14,8 +14,9 @@ from sage_qual.errors import UsageError
 from sage_qual.fixtures.fileformat import save_fixture
 from sage_qual.qualification import families
 from sage_qual.qualification.evidence import tasks
-from sage_qual.qualification.run import fault_hooks, plan, run
+from sage_qual.qualification.run import plan, run
 from sage_qual.qualification.run import pool as workers
+from sage_qual.qualification.selftest import faults as worker_faults
 
 from .. import builders
 
@@ -147,7 +148,7 @@ def test_a_fixture_with_non_finite_values_is_refused(tmp_path, no_workers, poiso
 
 def test_a_missing_gpu_index_is_refused_and_leaves_no_output(tmp_path, monkeypatch):
     monkeypatch.setenv(
-        fault_hooks.TEST_HOOK, json.dumps({"gpus": [{"name": "Fake H200", "capability": [9, 0]}]})
+        worker_faults.TEST_HOOK, json.dumps({"gpus": [{"name": "Fake H200", "capability": [9, 0]}]})
     )
     out = tmp_path / "new" / "out"
     with pytest.raises(UsageError, match=r"there is no cuda:3: this machine shows 1 GPU\(s\)"):

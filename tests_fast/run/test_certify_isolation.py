@@ -33,9 +33,10 @@ from sage_qual.qualification.evidence import files
 from sage_qual.qualification.evidence.report_model import Cell, Outcome
 from sage_qual.qualification.measure import judge
 from sage_qual.qualification.measure.accuracy import Accuracy
-from sage_qual.qualification.run import fault_hooks, pool
 from sage_qual.qualification.run import options as run_options
+from sage_qual.qualification.run import pool
 from sage_qual.qualification.run.run import Phases, Progress, certify
+from sage_qual.qualification.selftest import faults as worker_faults
 
 from .. import builders
 from ..fakes import env_result
@@ -88,7 +89,7 @@ def run(tmp_path_factory):
 
     watcher = threading.Thread(target=watch, daemon=True)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(fault_hooks.TEST_HOOK, json.dumps({"gpus": [H200, RTX4090], "faults": FAULTS}))
+        mp.setenv(worker_faults.TEST_HOOK, json.dumps({"gpus": [H200, RTX4090], "faults": FAULTS}))
         for name in ("init", "_lazy_init", "is_available", "device_count", "get_device_capability",
                      "get_device_name", "set_device", "synchronize"):
             mp.setattr(torch.cuda, name, no_cuda)
@@ -313,7 +314,7 @@ def test_a_killed_run_leaves_a_partial_report_and_no_workers(tmp_path):
     out = tmp_path / "out"
     marker = f"kill-test-{uuid.uuid4()}"  # in every worker's environment, to find them
     # TMPDIR: the SIGKILLed parent cannot remove its Triton cache folder; it is left in tmp_path.
-    env = {**os.environ, "TMPDIR": str(tmp_path), fault_hooks.TEST_HOOK: json.dumps(
+    env = {**os.environ, "TMPDIR": str(tmp_path), worker_faults.TEST_HOOK: json.dumps(
         {"gpus": [H200], "faults": {"sdpa@b1 h24 q4096 k4096 d128 bfloat16": "hang", marker: "none"}})}
     parent = subprocess.Popen([sys.executable, "-m", "sage_qual", "certify", "--out", str(out), "--quick",
                                "--variants", "sm90-fp8-cuda", "--fixtures", str(fixtures), "--timeout", "60"],
@@ -366,7 +367,7 @@ def quick_run(tmp_path_factory):
         return collect(*args, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(fault_hooks.TEST_HOOK, json.dumps({"gpus": [H200, RTX4090], "faults": {}}))
+        mp.setenv(worker_faults.TEST_HOOK, json.dumps({"gpus": [H200, RTX4090], "faults": {}}))
         mp.setattr(pool.Process, "__init__", started)
         mp.setattr(pool.Process, "start", given_job)
         mp.setattr(pool, "collect_environment", collect_environment)

@@ -16,7 +16,8 @@ from sage_qual.cli import main
 from sage_qual.fixtures.fileformat import load_fixture, save_fixture, shipped_dir
 from sage_qual.qualification.decide import checked
 from sage_qual.qualification.evidence import tasks
-from sage_qual.qualification.run import fault_hooks, in_process, run
+from sage_qual.qualification.run import in_process, run
+from sage_qual.qualification.selftest import faults as worker_faults
 
 from .. import builders
 
@@ -43,7 +44,7 @@ def fixtures_dir(directory, zero_v_channel: str | None = None):
 @pytest.fixture
 def fake_gpus(monkeypatch):
     def use(*gpus, faults=None):
-        monkeypatch.setenv(fault_hooks.TEST_HOOK, json.dumps({"gpus": list(gpus), "faults": faults or {}}))
+        monkeypatch.setenv(worker_faults.TEST_HOOK, json.dumps({"gpus": list(gpus), "faults": faults or {}}))
 
     return use
 
@@ -115,7 +116,7 @@ def test_sigterm_leaves_a_partial_report_and_exit_130(tmp_path):
     # PYTHONFAULTHANDLER: should the parent ever abort again (it once did under load, rc -6, before the
     # pool joined its pipe readers), its stderr shows every thread's stack.
     env = {**os.environ, "PYTHONFAULTHANDLER": "1",
-           fault_hooks.TEST_HOOK: json.dumps({"gpus": [H200], "faults": {"qwen": "hang"}})}
+           worker_faults.TEST_HOOK: json.dumps({"gpus": [H200], "faults": {"qwen": "hang"}})}
     parent = subprocess.Popen([sys.executable, "-m", "sage_qual", "certify", "--target", "sageattn",
                                "--fixtures", str(fixtures_dir(tmp_path / "f")), "--out", str(out)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -13,8 +13,9 @@ from sage_qual.fixtures import fileformat
 from sage_qual.qualification import families
 from sage_qual.qualification.evidence import tasks
 from sage_qual.qualification.evidence.report_model import DType, Outcome, ShapeEntry, ShapeSpec
-from sage_qual.qualification.run import fault_hooks, plan, worker
+from sage_qual.qualification.run import plan, worker
 from sage_qual.qualification.selection import Selection
+from sage_qual.qualification.selftest import faults as worker_faults
 from sage_qual.serving.env_record import GpuInfo
 
 from .. import builders
@@ -23,7 +24,7 @@ BOUNDS = {"fp16": {"max_rel_l2": 0.05, "min_cosine": 0.99}, "fp8": {"max_rel_l2"
 TRITON = "sm86-fp16-triton"
 
 
-class WholeBench(fault_hooks.FakeBench):
+class WholeBench(worker_faults.FakeBench):
     """The fake GPU at the planned lengths and heads (the fake bench cuts them; a GPU does not)."""
 
     def tokens(self, n: int) -> int:
@@ -101,8 +102,8 @@ def test_the_compile_ahead_task_makes_every_call_its_variants_sweep_job_makes(tm
     [job] = [job for job in jobs[1:] if job[0].variant == TRITON]
     in_job, in_ahead = CallLog(), CallLog()
     for task in job:
-        assert worker.Worker(bench, {}, kernels=in_job).run(task).outcome in (Outcome.PASS, Outcome.FAIL)
-    result = worker.Worker(bench, {}, kernels=in_ahead).run(compiling)
+        assert worker.Worker(bench, kernels=in_job).run(task).outcome in (Outcome.PASS, Outcome.FAIL)
+    result = worker.Worker(bench, kernels=in_ahead).run(compiling)
     assert result.outcome == Outcome.PASS, result.detail
     assert result.calls == len(compiling.calls) == len(in_ahead.seen)
     assert in_job.seen <= in_ahead.seen, in_job.seen - in_ahead.seen
@@ -164,7 +165,7 @@ def test_launches_off_restores_triton_after_an_error(fake_triton):
 
 
 def test_each_call_gets_tensors_of_its_shape_in_its_layout(bench):
-    arranged = worker.Worker(bench, {})._empty
+    arranged = worker.Worker(bench)._empty
     for layout in families.LAYOUTS:  # fused_qkv: as many query as key tokens and heads
         q, k, v, tensor_layout = arranged(ShapeSpec(8, 8, 40, 40, 64, DType("bfloat16"), 1), layout)
         hnd = [t.transpose(1, 2) if tensor_layout == "NHD" else t for t in (q, k, v)]

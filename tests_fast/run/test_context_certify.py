@@ -22,10 +22,10 @@ from sage_qual.qualification.evidence.report_model import (
     safe_contexts,
 )
 from sage_qual.qualification.measure import context_check
-from sage_qual.qualification.run import fault_hooks
 from sage_qual.qualification.run import run as run_mod
 from sage_qual.qualification.run.run import certify
 from sage_qual.qualification.selftest import detection
+from sage_qual.qualification.selftest import faults as worker_faults
 from sage_qual.serving.contexts import CAPTURE, CHECKS, COMPILE, CONTEXTS, SIDE_STREAM
 from sage_qual.serving.variants import VARIANTS
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
@@ -164,7 +164,7 @@ def certified(tmp_path_factory):
     hook = {"gpus": [{"name": "Fake H200", "capability": [9, 0]}],
             "context_faults": {TRITON.name: "compile_pattern"}}
     with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.setenv(fault_hooks.TEST_HOOK, json.dumps(hook))
+        monkeypatch.setenv(worker_faults.TEST_HOOK, json.dumps(hook))
         out = root / "out"
         certify(builders.gpu_request(out, devices="0", variants=[SM90.name, TRITON.name], families=["FLUX.1"],
                                     fixture_dirs=[str(fixtures)], timeout=60.0))

@@ -11,7 +11,8 @@ from sage_qual.qualification import families
 from sage_qual.qualification.evidence import files, tasks
 from sage_qual.qualification.evidence.report_model import Outcome, ShapeEntry, ShapeSpec, ShapeUse, Speed
 from sage_qual.qualification.measure import accuracy
-from sage_qual.qualification.run import fault_hooks, run, worker, worker_executor
+from sage_qual.qualification.run import run, worker, worker_executor
+from sage_qual.qualification.selftest import faults as worker_faults
 
 from .. import builders
 
@@ -20,7 +21,7 @@ SHAPE = tasks.shape_spec(families.self_attention(24, 8192, 128).as_dict())
 
 @pytest.fixture
 def bench():
-    fake = fault_hooks.FakeBench([{"name": "Fake H200", "capability": [9, 0]}])
+    fake = worker_faults.FakeBench([{"name": "Fake H200", "capability": [9, 0]}])
     try:
         yield fake
     finally:
@@ -49,7 +50,7 @@ def test_the_variant_and_sdpa_are_timed_in_turn_after_their_warm_ups(bench, monk
         return timings_ms(fn, warmup, repeats)
 
     monkeypatch.setattr(bench, "timings_ms", timed)
-    result = worker.Worker(bench, {}).run(task)
+    result = worker.Worker(bench).run(task)
     assert result.outcome == Outcome.PASS, result
     # after the backends' screen: both warmed up, then one timed call of each in turn
     assert asked[-12:] == [(2, 0), (2, 0)] + [(0, 1), (0, 1)] * 5

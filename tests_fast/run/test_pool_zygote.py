@@ -8,7 +8,8 @@ import os
 import time
 from pathlib import Path
 
-from sage_qual.qualification.run import fault_hooks, plan, pool
+from sage_qual.qualification.run import plan, pool
+from sage_qual.qualification.selftest import faults as worker_faults
 
 
 def parent_of(pid: int) -> int:
@@ -42,11 +43,11 @@ def test_a_worker_gets_the_environment_of_its_start_not_the_zygotes(tmp_path, mo
         return json.dumps({"gpus": [{"name": name, "capability": [9, 0]}]})
 
     multiprocessing.forkserver._forkserver._stop()  # private: so that the next start is a new zygote
-    monkeypatch.setenv(fault_hooks.TEST_HOOK, fake("Fake A"))
+    monkeypatch.setenv(worker_faults.TEST_HOOK, fake("Fake A"))
     assert gpus_seen("a") == ["Fake A"]
-    monkeypatch.setenv(fault_hooks.TEST_HOOK, fake("Fake B"))
+    monkeypatch.setenv(worker_faults.TEST_HOOK, fake("Fake B"))
     assert gpus_seen("b") == ["Fake B"]
-    monkeypatch.delenv(fault_hooks.TEST_HOOK)
+    monkeypatch.delenv(worker_faults.TEST_HOOK)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert gpus_seen("none") == []
 

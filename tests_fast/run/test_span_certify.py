@@ -17,7 +17,8 @@ from sage_qual.qualification.decide import checked, profile, verdict
 from sage_qual.qualification.evidence import report_model
 from sage_qual.qualification.evidence.report_model import Outcome, SpanProbe
 from sage_qual.qualification.render import plots
-from sage_qual.qualification.run import fault_hooks, plan, run
+from sage_qual.qualification.run import plan, run
+from sage_qual.qualification.selftest import faults as worker_faults
 from sage_qual.records import dump
 from sage_qual.serving import profile as serving_profile
 
@@ -144,7 +145,7 @@ def test_certify_probes_in_workers_and_records_an_abort_and_a_fault_as_findings(
     rules = [{"above": 10**9, "fault": "crash", "layouts": ["contiguous"]},
              {"above": limits.MAX_SPAN_ELEMENTS, "fault": "illegal-address", "layouts": ["fused_qkv"]}]
     hook = {"gpus": [{"name": "Fake H200", "capability": [9, 0]}], "span_faults": {"sm90-fp8-cuda": rules}}
-    monkeypatch.setenv(fault_hooks.TEST_HOOK, json.dumps(hook))
+    monkeypatch.setenv(worker_faults.TEST_HOOK, json.dumps(hook))
     out = tmp_path / "out"
     data = records.dump(run.certify(builders.gpu_request(
         out, devices="0", variants=["sm90-fp8-cuda"], families=["FLUX.1"], fixture_dirs=[str(fixtures)],

@@ -42,7 +42,7 @@ BOXES = [
 def test_install_env_certify_and_gpu_tests_agree(capabilities, torch_cuda, fake_options):
     with box(capabilities, torch_cuda, **fake_options):
         env = environment.collect()
-        certify_env = records.dump(Worker(bench=None, faults={}).env(EnvTask("env")))
+        certify_env = records.dump(Worker(bench=None).env(EnvTask("env")))
         try:
             gpu0 = assess_device(sage_package.load_all(), 0) if sage_package.load() else None
         except sage_package.SageUnavailable:
@@ -133,7 +133,7 @@ def test_wrapper_kernel_per_capability_follows_upstream_sageattn(capability, ker
 def test_a_variant_not_runnable_says_why_for_each_bound():
     with box(((13, 0), (12, 0), (7, 5)), torch_cuda=(12, 4)):
         future, blackwell, turing = environment.collect().gpus
-        not_supported = Worker(bench=None, faults={}).env(EnvTask("env")).not_supported
+        not_supported = Worker(bench=None).env(EnvTask("env")).not_supported
     assert "builds no code that runs on sm_130" in not_supported["0"]["sm90-fp8-cuda"][0]
     assert "Triton kernel is not usable" in not_supported["1"]["sm86-fp16-triton"][0]
     assert any("needs >= 12.8" in why for why in not_supported["1"]["sm120-fp8-perwarp"])

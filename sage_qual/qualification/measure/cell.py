@@ -31,7 +31,7 @@ Call = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 class Bench(Protocol):
     """Where a cell runs, the seam every measurement of a cell goes through. Four benches implement
-    it: a certify worker's GPU (`worker.GpuBench`), the tests' fake GPU (`fault_hooks.FakeBench`),
+    it: a certify worker's GPU (`worker.GpuBench`), the tests' fake GPU (`selftest.faults.FakeBench`),
     this process's CPU under the numerics model (`in_process.CpuBench`) and a pytest session's GPU
     (the plugin's `_CudaBench`); a worker's bench does more (`worker.WorkerBench`)."""
 

@@ -93,7 +93,7 @@ class InProcessExecutor:
     predicted = True
 
     def __init__(self):
-        self.worker = worker_mod.Worker(CpuBench(), {}, kernels=ModelKernels())
+        self.worker = worker_mod.Worker(CpuBench(), kernels=ModelKernels())
         self.long: dict[tuple, LongCheck] = {}
 
     def discover(self, request, subjects: list[str]) -> plan_mod.Machine:

@@ -135,7 +135,7 @@ def requested_devices(text: str) -> list[int] | None:
     return list(dict.fromkeys(indices))
 
 
-# The certify worker's test hook (`fault_hooks`): fake GPUs where the machine has none.
+# The certify worker's test hook (`selftest.faults`): fake GPUs where the machine has none.
 TEST_HOOK = "SAGE_QUAL_TEST_WORKER"
 
 

@@ -37,8 +37,12 @@ from sage_qual.limits import MAX_WORKER_FAILURES
 from sage_qual.qualification.evidence import tasks as tasks_mod
 from sage_qual.qualification.evidence.report_model import Outcome
 from sage_qual.qualification.evidence.tasks import MessageType, Result, Task
+from sage_qual.qualification.run.options import TEST_HOOK
 
 WORKER_MODULE = "sage_qual.qualification.run.worker"
+# Under the test suite's fake-GPU hook (`options.TEST_HOOK`) a worker is the self-test's, faults on top
+# of `worker.Worker`: named, never imported here, so that run/ does not depend on selftest/.
+FAULTY_WORKER_MODULE = "sage_qual.qualification.selftest.faults"
 EXIT_POISONED = 70  # a worker's exit code when a CUDA error left its context unusable
 # Seconds to wait for a dead worker's pipe to close (its process group was killed, so at once; a
 # grandchild that escaped the group could hold it open, and then the reader is left behind).
@@ -105,7 +109,8 @@ def _forked_worker(env: dict, imports: tuple[str, ...], stdin: int, stdout: int,
         with contextlib.suppress(Exception):
             importlib.import_module(name)
     # By name, as `python -m` ran it: the worker imports this module, not the other way round.
-    sys.exit(importlib.import_module(WORKER_MODULE).main())
+    module = FAULTY_WORKER_MODULE if os.environ.get(TEST_HOOK, "").strip() else WORKER_MODULE
+    sys.exit(importlib.import_module(module).main())
 
 
 class _Forked:

@@ -1,7 +1,7 @@
 """A certify worker: one fresh process runs one job of tasks on one GPU and streams the results.
 
 The parent's side (starting, following and killing workers) is `pool`; the test hooks that fake
-the GPU or inject faults are `fault_hooks`.
+the GPU or inject faults (`selftest.faults.FaultyWorker`) sit on top of `Worker`, which knows none.
 
 A worker, forked from the zygote, has torch and what a kernel's first call imports
 (`serving.kernel_imports`); it waits for one JSON job line on stdin (so the parent can start it early,
@@ -42,7 +42,6 @@ from sage_qual.qualification.evidence import tasks
 from sage_qual.qualification.evidence.report_model import Outcome, ShapeSpec
 from sage_qual.qualification.evidence.tasks import MessageType
 from sage_qual.qualification.measure import accuracy, cell, long_check, span_probe
-from sage_qual.qualification.run import fault_hooks
 from sage_qual.qualification.run.pool import EXIT_POISONED
 from sage_qual.serving import environment, failures, sage_package
 from sage_qual.serving.assess import assess_machine
@@ -59,7 +58,7 @@ SCREEN = (1, 3)
 
 class WorkerBench(cell.Bench, Protocol):
     """What a worker's handlers need of where they run, beyond a cell's (`cell.Bench`): `GpuBench`
-    and the tests' `fault_hooks.FakeBench` implement all of it; the numerics model's
+    and the tests' `selftest.faults.FakeBench` implement all of it; the numerics model's
     `in_process.CpuBench` the part its handlers (cells, long checks) call."""
 
     def tokens(self, n: int) -> int:
@@ -167,19 +166,13 @@ class Worker:
     """Runs tasks, each through its kind's handler (`HANDLERS`), on one bench with one set of kernels;
     an exception becomes the task's oom or crash result."""
 
-    def __init__(self, bench: WorkerBench, faults: dict[str, str], span_faults: dict | None = None,
-                 context_faults: dict[str, str] | None = None, kernels: Kernels | None = None):
+    def __init__(self, bench: WorkerBench, kernels: Kernels | None = None):
         self.bench = bench
-        self.faults = faults
-        self.span_faults = span_faults or {}
-        self.context_faults = context_faults or {}
         self.kernels = kernels or PackageKernels()
 
     def run(self, task: tasks.Task) -> tasks.Result:
         try:
-            fault_hooks.inject(self.faults.get(task.id) or fault_hooks.span_fault(self.span_faults, task),
-                               self.bench)
-            return HANDLERS[task.KIND](self, task)
+            return self.handle(task)
         except Exception as error:
             first_line = (str(error).strip().splitlines() or [""])[0]
             detail = f"{type(error).__name__}: {first_line}"[:500]
@@ -188,6 +181,11 @@ class Worker:
             return task.record(Outcome.CRASH, detail=detail, traceback=traceback.format_exc()[-3000:])
         finally:
             self.bench.release()
+
+    def handle(self, task: tasks.Task) -> tasks.Result:
+        """The task's result from its kind's handler; what it raises, `run` records. The seam where
+        the tests' `selftest.faults.FaultyWorker` makes a task misbehave."""
+        return HANDLERS[task.KIND](self, task)
 
     def _variant(self, task):
         """The task's variant, and why the kernels cannot run it (None: they can)."""
@@ -338,8 +336,7 @@ class Worker:
         from sage_qual.qualification.measure import context_check  # torch.compile's imports: only here
 
         place = self.bench.context_place()
-        with fault_hooks.context_fault(self.context_faults.get(task.variant)):
-            runs = context_check.check_variant(variant, place, tuple(task.shape), getattr(torch, task.dtype))
+        runs = context_check.check_variant(variant, place, tuple(task.shape), getattr(torch, task.dtype))
         ran = list(place.kernel_shape(task.shape))
         failed = [run for run in runs if not run.passed]
         detail = "; ".join(f"{run.name}: {run.failure()}" for run in failed)
@@ -434,7 +431,9 @@ def _exit_when_orphaned() -> None:
     os._exit(3)  # end of file: the parent is gone (or done with us)
 
 
-def main() -> int:
+def main(make_worker: Callable[[list[tasks.Task]], Worker] | None = None) -> int:
+    """A worker process: reads its job, runs its tasks on `make_worker(tasks)` (the GPU's by default),
+    streams the results."""
     channel = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
@@ -452,10 +451,8 @@ def main() -> int:
     def send(message: tasks.Message) -> None:
         channel.write(json.dumps(records.dump(message), allow_nan=False) + "\n")
 
-    hook = fault_hooks.test_hook()
-    compiles = any(task.KIND == tasks.TaskKind.CONTEXT for task in todo)
-    bench = fault_hooks.FakeBench(hook["gpus"], compiles) if "gpus" in hook else GpuBench()
-    worker = Worker(bench, hook.get("faults", {}), hook.get("span_faults"), hook.get("context_faults"))
+    worker = make_worker(todo) if make_worker else Worker(GpuBench())
+    bench = worker.bench
     send(tasks.Message(MessageType.READY))
     for task in todo:
         send(tasks.Message(MessageType.START, task.id))

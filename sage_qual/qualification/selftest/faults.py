@@ -1,4 +1,4 @@
-"""Test hooks of the certify worker: fake GPUs and injected faults, read only in the worker.
+"""The certify worker under the test hook: fake GPUs and injected faults, on top of `run.worker`.
 
 The environment variable `SAGE_QUAL_TEST_WORKER` holds JSON. {"gpus": [{"name", "capability"}...]}
 runs the job on the fake CUDA and fake sageattention of `sage_qual.testing` with CPU tensors
@@ -8,7 +8,7 @@ span probes (`span_probe`) misbehave as F where the planned span exceeds N eleme
 named; all when left out; the first rule that applies), as the real kernels fault or abort past
 their 32-bit offsets; {"context_faults": {variant: defect}} applies that `detection.CONTEXT_DEFECTS`
 defect (by name) to the variant's served calls during its context check. Without the variable the
-worker measures the real GPU and nothing here runs.
+worker measures the real GPU and nothing here runs (`pool.FAULTY_WORKER_MODULE` picks this module).
 """
 
 from __future__ import annotations
@@ -21,8 +21,11 @@ import time
 
 import torch
 
+from sage_qual.qualification.evidence import tasks
 from sage_qual.qualification.evidence.tasks import TaskKind
+from sage_qual.qualification.run import worker
 from sage_qual.qualification.run.options import TEST_HOOK, test_hook  # noqa: F401 (tests set TEST_HOOK here)
+from sage_qual.qualification.run.worker import GpuBench, Worker
 
 FAULTS = {
     "crash": "abort the worker process",
@@ -89,6 +92,28 @@ class FakeBench:
         self.sage.behave()
 
 
+class FaultyWorker(Worker):
+    """The certify worker under the test hook: on the fake GPUs its "gpus" name (the real GPU without
+    them), each task misbehaving as "faults", "span_faults" and "context_faults" say."""
+
+    def __init__(self, hook: dict, compiles: bool = False):
+        super().__init__(FakeBench(hook["gpus"], compiles) if "gpus" in hook else GpuBench())
+        self.faults = hook.get("faults", {})
+        self.span_faults = hook.get("span_faults", {})
+        self.context_faults = hook.get("context_faults", {})
+
+    def handle(self, task: tasks.Task) -> tasks.Result:
+        inject(self.faults.get(task.id) or span_fault(self.span_faults, task), self.bench)
+        defect = self.context_faults.get(task.variant) if task.KIND == TaskKind.CONTEXT else None
+        with context_fault(defect):
+            return super().handle(task)
+
+
+def main() -> int:
+    """A worker process whose tasks run on `FaultyWorker` (read after its job set the environment)."""
+    return worker.main(lambda todo: FaultyWorker(test_hook(), any(t.KIND == TaskKind.CONTEXT for t in todo)))
+
+
 def span_fault(settings: dict, task) -> str | None:
     """The fault `span_faults` assigns a span probe task (`tasks.SpanTask`): that of the variant's
     first rule whose span it exceeds, in a layout the rule names (None: none, or not a span task)."""
@@ -102,7 +127,7 @@ def context_fault(name: str | None):
     """The context defect `context_faults` names for a variant, applied for a block (none: nothing)."""
     if name is None:
         return contextlib.nullcontext()
-    from sage_qual.qualification.selftest import detection
+    from sage_qual.qualification.selftest import detection  # it certifies, through this module
 
     known = {defect.name: defect for defect in detection.CONTEXT_DEFECTS}
     if name not in known:
