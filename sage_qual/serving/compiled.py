@@ -19,8 +19,8 @@ with `torch._inductor.config.graph_partition`, is split around it) and the kerne
 torch without the tag, the body still sees the capture and falls back with the reason `capture`.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: custom_op reads _body's annotations as types, and string
+# ones fail to resolve where the function is wrapped (mutmut's trampolines, docs/mutation.md).
 import inspect
 from typing import Callable, Optional
 

@@ -121,10 +121,15 @@ def test_merge_rows_of_a_report_as_it_is_decided():
     reason once each, sorted; a partial one a row per device and no verdict."""
     data = json.loads(SAMPLE.read_text())
     data["environment"]["sageattention_source"] = "sha256:feedface"
+    data["environment"]["other_providers"] = [
+        {"provider": "comfy-kitchen", "version": "0.2.40", "source": "sha256:65f98cf1050cc674"},
+        {"provider": "fourth", "version": "1.0"}, {"provider": "broken", "version": "", "problem": "no GPU"}]
     typed = checked.parse(data, "r.json")
     (model,) = fleet.merge_rows([(Path("r.json"), typed)])
     assert model.devices == [d.index for d in typed.devices]
     assert model.sageattention_source == "sha256:feedface"
+    # the providers that could serve, each with its build where the report has one
+    assert model.other_providers == ["comfy-kitchen 0.2.40 (sha256:65f98cf1050cc674)", "fourth 1.0"]
     (decided,) = verdict.decide(typed)
     for decision in decided.families:
         kinds = model.families[decision.family].reasons

@@ -33,6 +33,21 @@ def close_to_torch(out, tensors):
 
 # The registry's rule ------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("names", ["side_stream", {"side_stream"}, None, 3])
+def test_contexts_are_a_list_or_tuple_of_names_and_the_error_lists_them(names):
+    with pytest.raises(ValueError) as caught:
+        contexts.check_names(names, "contexts")
+    assert str(caught.value) == f"contexts={names!r}: give a list of context names from side_stream, capture, compile"
+
+
+def test_an_unknown_context_is_named_with_the_known_ones():
+    contexts.check_names(["capture", "compile"], "contexts")
+    contexts.check_names((), "contexts")
+    with pytest.raises(ValueError, match=r"^contexts: 'graph' is not an execution context sage-qual knows "
+                                         r"\(side_stream, capture, compile\)$"):
+        contexts.check_names(["capture", "graph"], "contexts")
+
+
 def test_every_context_has_a_fallback_reason_in_the_list():
     assert set(contexts.REASON) == set(contexts.CONTEXTS)
     assert set(contexts.REASON.values()) <= set(REASONS)

@@ -99,3 +99,51 @@ def test_launch_bridges_only_a_legacy_kernel_off_the_default_stream_outside_capt
     CudaPlatform().launch(1, context, legacy, call)
     assert ran_on == (["default 1"] if bridged else [None])
     assert ("output recorded on side 1" in events) == bridged
+
+
+def test_the_device_queries_ask_torch_cuda_about_the_given_index(monkeypatch):
+    """What the wrapper reads of a GPU comes from torch.cuda for that device index (issue 43: SM counts
+    never read, or read off another device, passed the fast suite)."""
+    from sage_qual.serving import platform
+
+    class Properties:
+        def __init__(self, index):
+            self.total_memory, self.multi_processor_count = (141 + index) << 30, 132 + index
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, index))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: f"GPU {index}")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", Properties)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: ("guard", index))
+    monkeypatch.setattr(torch.version, "cuda", "13.0.48")
+    monkeypatch.setattr(torch.version, "hip", None)
+    platform._capability.cache_clear()
+    platform._device_name.cache_clear()
+    try:
+        cuda = CudaPlatform()
+        assert cuda.device_count() == 2 and not cuda.is_rocm()
+        assert (cuda.capability(1), cuda.device_name(1)) == ((9, 1), "GPU 1")
+        assert (cuda.total_memory(1), cuda.sm_count(1)) == (142 << 30, 133)
+        assert cuda.torch_cuda() == (13, 0)
+        assert cuda.device_guard(1) == ("guard", 1)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        monkeypatch.setattr(torch.version, "cuda", None)
+        monkeypatch.setattr(torch.version, "hip", "6.2")
+        assert (cuda.device_count(), cuda.torch_cuda(), cuda.is_rocm()) == (0, None, True)
+    finally:
+        platform._capability.cache_clear()
+        platform._device_name.cache_clear()
+
+
+@pytest.mark.parametrize("device, index", [(torch.device("cuda", 1), 1), (torch.device("xpu", 1), None),
+                                           (torch.device("cpu"), None)])
+def test_a_tensors_device_index_on_cuda_and_none_elsewhere(device, index):
+    on = type("On", (torch.Tensor,), {"device": property(lambda self: device)})
+    assert CudaPlatform().tensor_device(torch.Tensor._make_subclass(on, torch.zeros(1))) == index
+
+
+def test_autocast_is_read_for_cuda(monkeypatch):
+    asked = []
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda device_type: asked.append(device_type) or True)
+    assert CudaPlatform().autocast_enabled() and asked == ["cuda"]
