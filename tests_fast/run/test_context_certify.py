@@ -33,22 +33,23 @@ from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
 from .. import builders, fakes
 from ..helpers import TORCH_SDPA
 
-TRITON, SM90 = VARIANTS["sm86-fp16-triton"], VARIANTS["sm90-fp8-cuda"]
-# On the fake, as on the H200 (docs/results/run19-h200/): the Triton kernel is right everywhere, a
-# legacy-stream kernel everywhere but under capture.
-CLEAN = {TRITON.name: list(CONTEXTS), SM90.name: [SIDE_STREAM, COMPILE]}
+TRITON, SM90, CK = VARIANTS["sm86-fp16-triton"], VARIANTS["sm90-fp8-cuda"], VARIANTS["ck-int8-cuda"]
+# On the fake, as on the H200 (docs/results/run19-h200/; run37-h200-suite/ for comfy-kitchen): the current-stream
+# kernels (Triton's, comfy-kitchen's) are right everywhere, a legacy-stream kernel everywhere but under capture.
+CLEAN = {TRITON.name: list(CONTEXTS), SM90.name: [SIDE_STREAM, COMPILE], CK.name: list(CONTEXTS)}
 BOUNDS = {name: {"max_rel_l2": 0.08, "min_cosine": 0.99} for name in ("fp16", "fp8")}
 
 
 @pytest.fixture
 def fake_h200():
     torch._dynamo.reset()
-    with FakeCuda([FakeGpu((9, 0), "Fake H200")]) as cuda, FakeSageAttention().installed() as fake:
+    with FakeCuda([FakeGpu((9, 0), "Fake H200")]) as cuda, \
+            FakeSageAttention(comfy_kitchen="0.2.40").installed() as fake:
         yield cuda, fake
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("variant", [TRITON, SM90], ids=lambda v: v.name)
+@pytest.mark.parametrize("variant", [TRITON, SM90, CK], ids=lambda v: v.name)
 def test_the_checks_certify_what_the_fake_kernel_gets_right(fake_h200, variant):
     runs = context_check.check_variant(variant, context_check.FakePlace())
     assert [run.name for run in runs] == list(CHECKS)
@@ -75,7 +76,7 @@ def test_under_the_built_in_rule_a_capture_falls_back_and_is_torchs(fake_h200):
 
 
 @pytest.mark.parametrize("defect", detection.CONTEXT_DEFECTS, ids=lambda d: d.name)
-@pytest.mark.parametrize("variant", [TRITON, SM90], ids=lambda v: v.name)
+@pytest.mark.parametrize("variant", [TRITON, SM90, CK], ids=lambda v: v.name)
 def test_a_context_defect_takes_exactly_its_context(fake_h200, variant, defect):
     cuda, fake = fake_h200
     with detection.injected(defect):

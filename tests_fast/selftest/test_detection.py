@@ -303,27 +303,36 @@ def test_certify_emulate_fails_every_cell_of_a_kernel_with_one_wrong_element(tmp
 # Caught by certify's call-space checks: the long check's layout comparison (long_check.check) on a
 # kernel returning the numerics model's output with the defect applied to each call as the kernel
 # sees it. A family is caught exactly when its declared layouts give the defect's trigger.
-def _modelled_kernel(defect):
+def _modelled_kernel(defect, variant=VARIANT):
     def kernel(q, k, v, tensor_layout):
         q, k, v = (long_check.as_hnd(t, tensor_layout) for t in (q, k, v))
+        # The model reads contiguous copies, as a kernel reads values whatever the view (CPU matmuls
+        # over other strides round otherwise: comfy-kitchen's rotation did); the defect sees the views.
         # Block by block of 128 query rows, as a kernel computes tile by tile: each block's model output
         # is the same bits wherever it sits (one CPU matmul over all rows need not be).
         rows = long_check.SAMPLE_ROWS
-        model = torch.cat([numerics.predict(VARIANT, q[:, :, start:start + rows], k, v)
+        dense_q, dense_k, dense_v = (t.contiguous() for t in (q, k, v))
+        model = torch.cat([numerics.predict(variant, dense_q[:, :, start:start + rows], dense_k, dense_v)
                            for start in range(0, q.shape[2], rows)], dim=2)
         out = defect.apply(detection.Call(q, k, v, model, q.shape[-1] ** -0.5))
         return long_check.as_hnd(out, tensor_layout)
     return kernel
 
 
-def _caught_by_layout_check(defect, shape, q, k, v, family) -> bool:
-    task = builders.long_task(shape, family.layouts, VARIANT.name)
-    found = long_check.check(task, q, k, v, _modelled_kernel(defect))
+def _caught_by_layout_check(defect, shape, q, k, v, family, variant=VARIANT) -> bool:
+    task = builders.long_task(shape, family.layouts, variant.name)
+    found = long_check.check(task, q, k, v, _modelled_kernel(defect, variant))
     assert not [r for r in found.reasons if r.kind != ReasonKind.LAYOUT], found.reasons
     return found.outcome == Outcome.FAIL
 
 
-def test_the_long_checks_catch_the_view_defect_on_exactly_the_families_it_reaches():
+# The call-space defects through either provider's kernel (issue 42): thu-ml's sm90 and comfy-kitchen's.
+CALL_SPACE_VARIANTS = pytest.mark.parametrize("variant", [VARIANT, VARIANTS["ck-int8-cuda"]],
+                                              ids=lambda v: v.name)
+
+
+@CALL_SPACE_VARIANTS
+def test_the_long_checks_catch_the_view_defect_on_exactly_the_families_it_reaches(variant):
     shape = families.self_attention(2, 384, kv_heads=1)
     q, k, v = long_check.synthetic(shape, "cpu")
     declared = families.FAMILIES + (SimpleNamespace(name="contiguous only", layouts=("contiguous",),
@@ -338,14 +347,15 @@ def test_the_long_checks_catch_the_view_defect_on_exactly_the_families_it_reache
     def caught_by(defect, family):
         key = (defect.name, tuple(family.layouts))
         if key not in outcomes:
-            outcomes[key] = _caught_by_layout_check(defect, shape, q, k, v, family)
+            outcomes[key] = _caught_by_layout_check(defect, shape, q, k, v, family, variant)
         return outcomes[key]
 
     assert {f.name for f in declared if caught_by(defect, f)} == defect.reaches
     assert not any(caught_by(harmless, f) for f in declared)
 
 
-def test_the_long_checks_catch_the_span_defect_on_exactly_the_families_it_reaches():
+@CALL_SPACE_VARIANTS
+def test_the_long_checks_catch_the_span_defect_on_exactly_the_families_it_reaches(variant):
     # A span limit between the call's contiguous span and its fused-QKV span: only a family that
     # passes fused views reaches it, and only its layout comparison differs.
     shape = families.self_attention(2, 384, kv_heads=1)
@@ -356,10 +366,12 @@ def test_the_long_checks_catch_the_span_defect_on_exactly_the_families_it_reache
     limit = detection.call_space(stand_ins[0]).max_span
     defect = detection.wrong_past_span(limit, stand_ins)
     assert defect.reaches == {"fused_qkv"}
-    assert {f.name for f in stand_ins if _caught_by_layout_check(defect, shape, q, k, v, f)} == {"fused_qkv"}
+    assert {f.name for f in stand_ins if _caught_by_layout_check(defect, shape, q, k, v, f, variant)} == \
+        {"fused_qkv"}
 
 
-def test_the_long_checks_catch_the_length_defect_on_exactly_the_families_it_reaches():
+@CALL_SPACE_VARIANTS
+def test_the_long_checks_catch_the_length_defect_on_exactly_the_families_it_reaches(variant):
     # Each stand-in family's longest call checked as certify checks it (sampled rows, all keys, the
     # model's budget): a defect past 300 tokens fails the check of the family whose calls reach 384.
     stand_ins = tuple(SimpleNamespace(name=str(tokens), layouts=("contiguous",),
@@ -371,8 +383,8 @@ def test_the_long_checks_catch_the_length_defect_on_exactly_the_families_it_reac
     for family in stand_ins:
         shape = family.calls[0].largest
         q, k, v = long_check.synthetic(shape, "cpu")
-        task = builders.long_task(shape, ["contiguous"], VARIANT.name)
-        found = long_check.check(task, q, k, v, _modelled_kernel(defect))
+        task = builders.long_task(shape, ["contiguous"], variant.name)
+        found = long_check.check(task, q, k, v, _modelled_kernel(defect, variant))
         if found.outcome == Outcome.FAIL:
             caught.add(family.name)
     assert caught == defect.reaches
