@@ -125,6 +125,11 @@ def reason(kind: str, detail: str) -> Reason:
     return Reason(ReasonKind(kind), detail)
 
 
+def budget_of(**limits) -> Budget:
+    """A budget holding only the limits given, the others null (as a report that predates them)."""
+    return budget(**{"max_rel_l2": None, "min_cosine": None, **limits})
+
+
 def budget(max_rel_l2=0.06, min_cosine=0.99, **limits) -> Budget:
     """A budget of these limits; a limit not named is null (not checked, as in an older report)."""
     nulls = {f.name: None for f in dataclasses.fields(Budget)}

@@ -22,6 +22,7 @@ from sage_qual.qualification.integrations import targets
 from sage_qual.qualification.measure import budgets
 from sage_qual.serving.variants import VARIANTS, gpu_label
 
+from ..builders import budget_of as only
 from ..fakes import CAPABILITY, H100, H200, L40S, RTX4090, fleet_report, write_fleet
 from ..fakes import within_budget as _within
 
@@ -197,7 +198,15 @@ def test_a_limit_exactly_at_its_allowance_is_accepted_and_one_step_past_it_refus
     allowed = budget_check.BUDGET_ABS + budget_check.BUDGET_REL * derived
     stored = derived + allowed
     assert stored - derived == allowed
-    assert budget_check._looser("w", {"max_rel_l2": stored}, {"max_rel_l2": derived}) == ""
+    assert budget_check._looser("w", only(max_rel_l2=stored), only(max_rel_l2=derived)) == ""
     past = math.nextafter(stored, 1.0)
-    assert budget_check._looser("w", {"max_rel_l2": past}, {"max_rel_l2": derived}).startswith(
+    assert budget_check._looser("w", only(max_rel_l2=past), only(max_rel_l2=derived)).startswith(
         f"w: bounds.max_rel_l2: {past} in the report is looser than {derived}")
+
+
+@pytest.mark.parametrize("entry, budget", [
+    ({"max_rel_l2": 0.1, "min_cosine": 0.99}, only(max_rel_l2=0.1, min_cosine=0.99)),
+    ({"max_rel_l2": 0.1, "tolerance": 0.5}, None),  # a limit no budget has: another sage-qual's entry
+    ({"max_rel_l2": float("nan")}, None), ({"max_rel_l2": 1}, None), ({}, None), ([0.1], None)])
+def test_a_cache_entry_is_read_as_a_budget_only_when_it_is_one(entry, budget):
+    assert budget_check._cached(entry) == budget

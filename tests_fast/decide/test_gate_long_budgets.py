@@ -26,8 +26,8 @@ EXACT = {"min_cosine": 1.0, "min_norm_ratio": 1.0, "max_norm_ratio": 1.0}
 def derived():
     """sm90-fp8-cuda's sweep check at 1,024 tokens, with the budget and rows derived on this CPU."""
     check = builders.read(LongCheck, builders.long_check("sm90-fp8-cuda", 24, 1024, [], families.LAYOUTS))
-    limits, rows = budget_check.derived_long_budget(check, "cpu")
-    return dataclasses.replace(check, bounds=Budget(**limits), rows=rows)
+    budget, rows = budget_check.derived_long_budget(check, "cpu")
+    return dataclasses.replace(check, bounds=budget, rows=rows)
 
 
 @pytest.fixture(autouse=True)
@@ -132,10 +132,10 @@ def test_a_cut_down_check_is_derived_at_the_call_it_ran(derived):
     """The test hook's fake GPUs run fewer heads and tokens: derived there, such a check as certify
     wrote it passes, and its rows are that call's."""
     cut = dataclasses.replace(derived, ran_heads=1, ran_tokens=512, ran_kv_tokens=512)
-    limits, rows = budget_check.derived_long_budget(cut, "cpu")
+    budget, rows = budget_check.derived_long_budget(cut, "cpu")
     assert rows != derived.rows
-    assert problem(dataclasses.replace(cut, bounds=Budget(**limits), rows=rows)) == ""
-    assert "rows:" in problem(dataclasses.replace(cut, bounds=Budget(**limits)))
+    assert problem(dataclasses.replace(cut, bounds=budget, rows=rows)) == ""
+    assert "rows:" in problem(dataclasses.replace(cut, bounds=budget))
 
 
 def test_a_cut_down_check_whose_key_tokens_are_unknown_is_refused(derived):
@@ -152,7 +152,7 @@ def test_on_the_gpu_the_allowance_is_a_cells(derived, monkeypatch):
 
     def on(check, device, variant=None):
         asked.append(device)
-        return budget_check.limits(derived.bounds), derived.rows
+        return derived.bounds, derived.rows
 
     monkeypatch.setattr(budget_check, "derived_long_budget", on)
     somewhat = loosened(derived, "max_rel_l2", 1.3)

@@ -13,6 +13,8 @@ from sage_qual.qualification.render.gate import lines as gate_lines
 from sage_qual.serving.config import Bound
 from sage_qual.serving.served import Served
 
+from ..builders import budget_of as only
+
 SAMPLE = Path(__file__).parent.parent / "data" / "sample_h200_2gpu.json"
 
 
@@ -165,31 +167,31 @@ AGAIN = "the budget was edited or comes from another sage-qual: certify again"
 
 
 def test_a_limit_on_one_side_only_is_named():
-    assert budget_check._looser("w", {"max_rel_l2": 0.1}, {"max_rel_l2": 0.1, "min_cosine": 0.99}) == (
+    assert budget_check._looser("w", only(max_rel_l2=0.1), only(max_rel_l2=0.1, min_cosine=0.99)) == (
         f"w: bounds.min_cosine: missing in the report, 0.99 derived from the fixture here; {AGAIN}")
-    assert budget_check._looser("w", {"max_rel_l2": 0.1, "min_cosine": 0.99}, {"max_rel_l2": 0.1}) == (
+    assert budget_check._looser("w", only(max_rel_l2=0.1, min_cosine=0.99), only(max_rel_l2=0.1)) == (
         f"w: bounds.min_cosine: 0.99 in the report, none derived from the fixture here; {AGAIN}")
 
 
 def test_a_maximum_may_exceed_the_derived_one_by_its_allowance_only():
     derived = 0.5
     allowed = budget_check.BUDGET_ABS + budget_check.BUDGET_REL * derived
-    assert budget_check._looser("w", {"max_rel_l2": derived + allowed / 2}, {"max_rel_l2": derived}) == ""
+    assert budget_check._looser("w", only(max_rel_l2=derived + allowed / 2), only(max_rel_l2=derived)) == ""
     stored = derived + 2 * allowed
-    assert budget_check._looser("w", {"max_rel_l2": stored}, {"max_rel_l2": derived}) == (
+    assert budget_check._looser("w", only(max_rel_l2=stored), only(max_rel_l2=derived)) == (
         f"w: bounds.max_rel_l2: {stored} in the report is looser than {derived} derived from the fixture "
         f"here (budgets.budget); {AGAIN}")
-    looser = budget_check._looser("w", {"max_rel_l2": 1.5}, {"max_rel_l2": 1.2})
+    looser = budget_check._looser("w", only(max_rel_l2=1.5), only(max_rel_l2=1.2))
     assert looser.startswith("w: bounds.max_rel_l2: 1.5")
 
 
 def test_a_minimum_may_fall_below_the_derived_one_by_its_allowance_only():
     derived = 0.9
     allowed = budget_check.BUDGET_ABS_COSINE + budget_check.BUDGET_REL * (1.0 - derived)
-    assert budget_check._looser("w", {"min_cosine": derived - allowed / 2}, {"min_cosine": derived}) == ""
-    assert budget_check._looser("w", {"min_cosine": 0.95}, {"min_cosine": derived}) == ""  # stricter
+    assert budget_check._looser("w", only(min_cosine=derived - allowed / 2), only(min_cosine=derived)) == ""
+    assert budget_check._looser("w", only(min_cosine=0.95), only(min_cosine=derived)) == ""  # stricter
     stored = derived - 2 * allowed
-    assert budget_check._looser("w", {"min_cosine": stored}, {"min_cosine": derived}).startswith(
+    assert budget_check._looser("w", only(min_cosine=stored), only(min_cosine=derived)).startswith(
         f"w: bounds.min_cosine: {stored} in the report is looser than {derived}")
 
 
@@ -197,7 +199,7 @@ def test_a_cosine_over_one_is_compared_as_one():
     """5e-5 under a derived cosine of 1.0005 is within the cosine's absolute allowance (1e-4) once
     both sides are capped at 1, and far outside it if they were not."""
     assert budget_check.BUDGET_ABS < 5e-5 < budget_check.BUDGET_ABS_COSINE
-    assert budget_check._looser("w", {"min_cosine": 0.99995}, {"min_cosine": 1.0005}) == ""
+    assert budget_check._looser("w", only(min_cosine=0.99995), only(min_cosine=1.0005)) == ""
 
 
 def test_a_maximums_absolute_allowance_is_the_smaller_one():
@@ -205,17 +207,17 @@ def test_a_maximums_absolute_allowance_is_the_smaller_one():
     within the cosine's absolute 1e-4."""
     derived = 0.001
     assert budget_check.BUDGET_ABS + budget_check.BUDGET_REL * derived < 8e-5 < budget_check.BUDGET_ABS_COSINE
-    assert budget_check._looser("w", {"max_rel_l2": derived + 8e-5}, {"max_rel_l2": derived}) != ""
+    assert budget_check._looser("w", only(max_rel_l2=derived + 8e-5), only(max_rel_l2=derived)) != ""
 
 
 def test_the_largest_element_error_has_its_own_wider_allowance():
     """Run 13's H200 budget for sm80-fp16-cuda-fp16acc on krea2_gqa_partial_tiles (0.093545) against
     the one this CPU derives (0.082421) passes; 20 % over the derived one, or the same excess on
     another limit, does not."""
-    assert budget_check._looser("w", {"max_abs": 0.093545}, {"max_abs": 0.082421}) == ""
-    loosened = {"max_abs": 0.082421 * 1.2}
-    assert budget_check._looser("w", loosened, {"max_abs": 0.082421}).startswith("w: bounds.max_abs:")
-    assert budget_check._looser("w", {"max_rel_l2": 0.093545}, {"max_rel_l2": 0.082421}).startswith(
+    assert budget_check._looser("w", only(max_abs=0.093545), only(max_abs=0.082421)) == ""
+    loosened = only(max_abs=0.082421 * 1.2)
+    assert budget_check._looser("w", loosened, only(max_abs=0.082421)).startswith("w: bounds.max_abs:")
+    assert budget_check._looser("w", only(max_rel_l2=0.093545), only(max_rel_l2=0.082421)).startswith(
         "w: bounds.max_rel_l2:")
 
 

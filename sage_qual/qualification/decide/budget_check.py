@@ -163,21 +163,29 @@ def _cache_path(run_folder: Path) -> Path:
 
 
 def limits(budget: Budget) -> dict[str, float]:
-    """A budget's limits as the cache stores and `_looser` compares them: null ones (a report that
-    predates the limit) left out."""
+    """A budget's limits as the cache stores them: null ones (a report that predates the limit) left out."""
     return {name: bound for name, bound in dataclasses.asdict(budget).items() if bound is not None}
 
 
-def derived_budget(variant: Variant, fixture: Fixture, cache: dict) -> dict[str, float]:
-    """`budgets.budget(variant, fixture)`'s limits, through `cache` (key: variant and fixture sha256)."""
+def _cached(found) -> Budget | None:
+    """A cache entry as the budget it holds; None when it holds none (edited, or another sage-qual's)."""
+    names = {f.name for f in dataclasses.fields(Budget)}
+    if not (isinstance(found, dict) and found and set(found) <= names
+            and all(isinstance(x, float) and math.isfinite(x) for x in found.values())):
+        return None
+    return Budget(**{name: found.get(name) for name in names})
+
+
+def derived_budget(variant: Variant, fixture: Fixture, cache: dict) -> Budget:
+    """`budgets.budget(variant, fixture)`, through `cache` (key: variant and fixture sha256)."""
     from sage_qual.qualification.measure import budgets
 
     key = f"{variant.name} {fixture.sha256}"
-    found = cache.get(key)
-    if not (isinstance(found, dict) and found
-            and all(isinstance(x, float) and math.isfinite(x) for x in found.values())):
-        cache[key] = limits(budgets.budget(variant, fixture))
-    return cache[key]
+    budget = _cached(cache.get(key))
+    if budget is None:
+        budget = budgets.budget(variant, fixture)
+        cache[key] = limits(budget)
+    return budget
 
 
 def _cell_variant(data: Report, name: str, capability: tuple[int, int]) -> Variant | None:
@@ -214,14 +222,14 @@ def budget_problem(source: str, data: Report, family: Family, models_here: set[s
                 missing = "no fixture file here" if variant else "no known variant"
                 return f"{where}: bounds: cannot be re-derived ({missing}); certify again on this machine"
             derived = derived_budget(variant, fixtures[cell.fixture], cache)
-            problem = _looser(where, limits(cell.bounds), derived)
+            problem = _looser(where, cell.bounds, derived)
             if problem:
                 break
         if problem:
             break
     by_key = {f"{v.name} {f.sha256}": (v, f) for v in VARIANTS.values() for f in fixtures.values()}
-    if not spot_check(cache, list(cache.hits), lambda key: derived_budget(*by_key[key], {}),
-                                   BUDGET_ABS_COSINE):
+    if not spot_check(cache, list(cache.hits), lambda key: limits(derived_budget(*by_key[key], {})),
+                      BUDGET_ABS_COSINE):
         save_cache(path, model, {})  # an entry disagrees with the model here: derive them all
         return budget_problem(source, data, family, models_here, fixtures)
     if len(cache) > known:
@@ -229,13 +237,15 @@ def budget_problem(source: str, data: Report, family: Family, models_here: set[s
     return problem
 
 
-def _looser(where: str, stored: dict, derived: dict, relative: float = BUDGET_REL,
+def _looser(where: str, stored: Budget | None, derived: Budget, relative: float = BUDGET_REL,
             derived_where: str = "from the fixture here", derived_by: str = "budgets.budget") -> str:
+    """Empty when no limit of the `stored` budget (None: the record holds none) is looser than the
+    `derived` one's by more than its allowance, or held on one side only; else one line naming it."""
     # A head the model reproduces almost exactly has a float32 cosine a little over 1 on the CPU
     # (budget 1.000049 for sm80-fp16-cuda on qwen_image_b52_value_offset, 0.999999 on the H200):
     # no cosine exceeds 1, so both sides are compared at most 1.
-    stored, derived = ({k: min(x, 1.0) if k == "min_cosine" else x for k, x in side.items()}
-                       for side in (stored, derived))
+    stored, derived = ({k: min(x, 1.0) if k == "min_cosine" else x for k, x in limits(side).items()}
+                       if side is not None else {} for side in (stored, derived))
     for limit in sorted(set(stored) | set(derived)):
         if limit not in stored or limit not in derived:
             found = "missing" if limit not in stored else stored[limit]
@@ -275,15 +285,14 @@ def long_device() -> str | None:
 
 
 def derived_long_budget(check: LongCheck, device: str, variant: Variant | None = None,
-                        ) -> tuple[dict[str, float], list[int]]:
-    """`long_check.model_budget`'s limits and sampled rows for the check's variant (`variant`: the
+                        ) -> tuple[Budget, list[int]]:
+    """`long_check.model_budget`'s budget and sampled rows for the check's variant (`variant`: the
     registry variant behind it, for certify --target) at the call it ran (`LongCheck.ran_shape`). Not
     kept on disk as the cells' are, so no restored cache can loosen it: on the H200 the first gate of
     run 27 (FLUX.1, nothing cached) took 13 s in all, cells and long checks derived."""
     from sage_qual.qualification.measure import long_check
 
-    budget, rows = long_check.model_budget(variant or VARIANTS[check.variant], check.ran_shape(), device)
-    return limits(budget), rows
+    return long_check.model_budget(variant or VARIANTS[check.variant], check.ran_shape(), device)
 
 
 def long_budget_problem(source: str, data: Report, family: Family, models_here: set[str],
@@ -313,7 +322,7 @@ def long_budget_problem(source: str, data: Report, family: Family, models_here: 
         if check.rows != rows:
             return (f"{where}: rows: {check.rows} in the report, but certify samples the query rows "
                     f"{rows} of this call; the file was edited: certify again")
-        problem = _looser(where, limits(check.bounds) if check.bounds else {}, derived, relative,
+        problem = _looser(where, check.bounds, derived, relative,
                           f"here, its inputs drawn on {device}", "long_check.model_budget")
         if problem:
             return problem
