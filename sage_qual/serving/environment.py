@@ -22,7 +22,7 @@ from sage_qual.serving.assess import MachineAssessment, assess_machine
 from sage_qual.serving.config import DEFAULT_CONFIG, WrapperConfig
 from sage_qual.serving.contexts import builtin_safe
 from sage_qual.serving.env_record import EnvironmentRecord, GpuInfo, OtherProvider
-from sage_qual.serving.providers import THU_ML
+from sage_qual.serving.providers import PROVIDERS, THU_ML
 from sage_qual.serving.variants import VARIANTS, capability_label
 from sage_qual.version import __version__
 
@@ -113,10 +113,15 @@ def render_text(env: Environment, contexts: bool = False) -> str:
     for name, state in sorted(env.extensions.items()):
         lines.append(f"  {name:<14} {state}")
     for other in env.other_providers:
-        lines.append(f"{other.provider:<14} {other.version or 'not installed'}"
+        # Without a version, "not installed" only where it is not importable: a package that imports
+        # but has no metadata, or fails to import, says why (it read "not installed" in device run 41).
+        absent = other.problem.startswith(f"{PROVIDERS[other.provider].distribution} is not installed") \
+            if other.provider in PROVIDERS else not other.problem
+        state = other.version or ("not installed" if absent else "not usable")
+        lines.append(f"{other.provider:<14} {state}"
                      + (f" (build {other.source})" if other.source else "")
                      + (f" from {other.origin}" if other.origin else "")
-                     + (f"  -- cannot serve: {other.problem}" if other.problem and other.version else ""))
+                     + (f"  -- cannot serve: {other.problem}" if other.problem and not absent else ""))
     if not env.gpus:
         lines.append("GPUs           none visible")
     for gpu in env.gpus:
