@@ -121,13 +121,14 @@ class Served:
         side_stream, compile; keys >= 17)"."""
         dims = f", head_dim {'/'.join(map(str, self.head_dims))}"
         bounds = "".join(f"; {b.short()}" for b in self.bounds)
+        masks = "; masks" if self.masks else ""
         if not self.range_verified:
-            kept = f" ({bounds[2:]})" if bounds else ""
-            return f"{self.variant} >= {self.min_query_tokens}/{self.min_key_tokens}{dims}{kept}"
+            notes = (masks + bounds)[2:]
+            return f"{self.variant} >= {self.min_query_tokens}/{self.min_key_tokens}{dims}" + (
+                f" ({notes})" if notes else "")
         tokens = self._lengths()
         contexts = "" if self.contexts is None else f"; contexts: {', '.join(self.contexts) or 'none'}"
         layouts = "any layout" if self.layouts is None else ", ".join(self.layouts)
-        masks = "; masks" if self.masks else ""
         return f"{self.variant} {tokens}{dims} ({layouts}{contexts}{masks}{bounds})"
 
     def config(self, base: WrapperConfig, capability: Capability,

@@ -397,3 +397,33 @@ def test_fake_sageattn_refuses_architectures_upstream_does_not_know(capability):
 
         with pytest.raises(ValueError, match="Unsupported CUDA architecture: sm%d%d" % capability):
             sageattention.sageattn(*qkv())
+
+
+def test_a_kernel_without_a_layout_keyword_gets_hnd_views_and_gives_the_callers_layout():
+    """comfy-kitchen's kernel takes [B, H, N, D] only: an NHD call reaches it transposed, with no
+    tensor_layout keyword, and its output goes back to the caller's layout (Variant.invoke)."""
+    ck = VARIANTS["ck-int8-cuda"]
+    seen = []
+
+    def kernel(q, k, v, **keywords):
+        seen.append((tuple(q.shape), tuple(k.shape), keywords))
+        return TORCH_SDPA(q, k, v, scale=keywords["scale"])
+
+    q, k, v = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 7, 8), torch.randn(2, 3, 7, 8)  # HND
+    hnd = ck.invoke(kernel, q, k, v, sm_scale=0.3)
+    nhd = ck.invoke(kernel, *(t.transpose(1, 2) for t in (q, k, v)), sm_scale=0.3, layout="NHD")
+    assert [shapes for *shapes, _ in seen] == [[(2, 3, 5, 8), (2, 3, 7, 8)]] * 2
+    assert all("tensor_layout" not in keywords and keywords["scale"] == 0.3 for *_, keywords in seen)
+    assert nhd.shape == (2, 5, 3, 8) and torch.equal(nhd, hnd.transpose(1, 2))
+
+
+def test_invoke_refuses_what_a_kernel_does_not_have_by_name():
+    ck, sm90 = VARIANTS["ck-int8-cuda"], VARIANTS["sm90-fp8-cuda"]
+    q = torch.randn(1, 1, 4, 8)
+    with pytest.raises(ValueError, match="^ck-int8-cuda has no K smoothing to turn on$"):
+        ck.invoke(lambda *a, **k: a[0], q, q, q, sm_scale=1.0, smooth_k=True)
+    with pytest.raises(ValueError, match="^sm90-fp8-cuda takes no attn_mask$"):
+        sm90.invoke(lambda *a, **k: a[0], q, q, q, sm_scale=1.0, attn_mask=torch.ones(4, 4, dtype=torch.bool))
+    passed = []
+    sm90.invoke(lambda *a, **k: passed.append(k) or a[0], q, q, q, sm_scale=1.0, smooth_k=True)
+    assert passed[0]["smooth_k"] is True and passed[0]["tensor_layout"] == "HND"

@@ -124,11 +124,26 @@ def test_a_mask_the_kernel_would_refuse_stays_on_torch_named(mask, reason, words
     assert not [c for c in fake.calls if c.q.shape == q.shape]
 
 
+def test_each_mask_refusal_says_what_and_why_in_full():
+    q, k, v = qkv()
+    scores = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    cases = [(torch.ones(2, 1, 1, TOKENS, dtype=torch.int64), "mask",
+              "attn_mask dtype torch.int64 (served: bool, float16, bfloat16, float32)"),
+             (torch.ones(3, 1, 1, TOKENS, dtype=torch.bool), "mask",
+              f"attn_mask shape (3, 1, 1, {TOKENS}) (must broadcast to {scores})"),
+             (torch.zeros(2, 1, 1, TOKENS, requires_grad=True), "grad",
+              "attn_mask requires grad (SageAttention has no backward)")]
+    for mask, reason, detail in cases:
+        with served():
+            _, report = call(q, k, v, mask)
+        assert report.details == {reason: detail}
+
+
 def test_a_mask_on_another_gpu_stays_on_torch():
     q, k, v = (on_device(t, 1) for t in qkv())
     with served(gpus=2) as fake:
         _, report = call(q, k, v, on_device(key_padding()[:, None, None, :], 0))
-    assert report.served == 0 and "another device" in report.details["mask"]
+    assert report.served == 0 and report.details == {"mask": "attn_mask on another device than the query"}
     assert not [c for c in fake.calls if c.q.shape == q.shape]
 
 

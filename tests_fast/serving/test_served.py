@@ -4,8 +4,10 @@ so each wording rule has its test here."""
 
 import pytest
 
-from sage_qual.serving.config import DEFAULT_CONFIG, Bound
-from sage_qual.serving.served import Served, served_nothing
+from sage_qual.serving.config import DEFAULT_CONFIG, LAYOUTS, Bound
+from sage_qual.serving.contexts import CONTEXTS
+from sage_qual.serving.served import KERNEL_HEAD_DIMS, Served, served_nothing
+from sage_qual.serving.variants import VARIANTS
 
 SM90 = (9, 0)
 BOUND = Bound("key", 17, "flux1_ip_adapter_zero_uncond: output not finite")
@@ -51,6 +53,46 @@ def test_without_long_checks_no_upper_bound_is_claimed():
 def test_the_short_form_carries_contexts_and_bounds():
     assert served(bounds=[BOUND]).short() == ("sm90-fp8-cuda 9,728 to 75,600 tokens, head_dim 128 (contiguous, "
                                               "transposed; contexts: side_stream, compile; keys >= 17)")
+
+
+def test_any_layout_the_built_in_contexts_and_masked_calls_in_both_forms():
+    """A range verified with no layout, under the built-in context rule (null), serving masked calls,
+    kept off below two bounds; a key range left null is the query range."""
+    queries = Bound("query", 5, "z: wrong")
+    ck = served(variant="ck-int8-cuda", max_key_tokens=None, layouts=None, contexts=None, masks=True,
+                bounds=[BOUND, queries])
+    assert ck.text() == (
+        "from 9,728 to 75,600 tokens, head_dim 128 (layouts: any; masked calls too); calls with fewer than 17 "
+        "keys stay on torch (flux1_ip_adapter_zero_uncond: output not finite); calls with fewer than 5 query "
+        "tokens stay on torch (z: wrong)")
+    assert ck.short() == ("ck-int8-cuda 9,728 to 75,600 tokens, head_dim 128 (any layout; masks; keys >= 17; "
+                          "query tokens >= 5)")
+    legacy = served(variant="ck-int8-cuda", max_query_tokens=None, max_key_tokens=None, masks=True)
+    assert legacy.text() == ("from 9,728 query / 9,728 key tokens, head_dim 128 (no upper bound verified: a "
+                             "report without long checks; masked calls too)")
+    assert legacy.short() == "ck-int8-cuda >= 9728/9728, head_dim 128 (masks)"
+    assert served(max_query_tokens=None, max_key_tokens=None).short() == "sm90-fp8-cuda >= 9728/9728, head_dim 128"
+
+
+def test_the_smallest_range_is_one_token_and_a_range_may_be_one_length():
+    assert served(min_query_tokens=1, min_key_tokens=1, max_query_tokens=1, max_key_tokens=1).check() == []
+    assert served(max_query_tokens=9728, max_key_tokens=9728).check() == []
+
+
+def test_the_checks_list_what_is_known_in_full():
+    assert served(variant="sm99").check() == [("variant", "'sm99' is not a SageAttention variant sage-qual "
+                                                          f"knows ({', '.join(VARIANTS)})")]
+    assert served(head_dims=[]).check() == [("head_dims", "empty: name the head sizes served")]
+    assert served(head_dims=[96]).check() == [("head_dims", "96 is not a head size the kernels take "
+                                                            f"({', '.join(map(str, KERNEL_HEAD_DIMS))})")]
+    assert served(layouts=[]).check() == [("layouts", "empty: name the verified layouts, or null for any")]
+    assert served(layouts=["diagonal"]).check() == [
+        ("layouts", f"'diagonal' is not a layout sage-qual knows ({', '.join(LAYOUTS)})")]
+    assert served(masks=True).check() == [
+        ("masks", "is true, but sm90-fp8-cuda takes no attn_mask: set it false")]
+    assert served(contexts=["compile", "compile"]).check() == [
+        ("contexts", "names a context twice, not a list of execution contexts sage-qual knows "
+                     f"({', '.join(CONTEXTS)}); [] for none, null for the built-in rule")]
 
 
 @pytest.mark.parametrize("change, field, words", [
