@@ -55,8 +55,9 @@ def _list(args: argparse.Namespace) -> int:
         except FixtureError as error:
             status = _fail(str(error))
             continue
+        masked = "" if f.mask is None else f"  masked ({_shape(f.mask.shape)})"
         print(f"{f.name:<34} {f.family:<16} {f.kind:<9} q {_shape(f.q.shape):<15} kv {_shape(f.k.shape):<15} "
-              f"{str(f.dtype).replace('torch.', ''):<9} {path.stat().st_size / 1e6:.2f} MB")
+              f"{str(f.dtype).replace('torch.', ''):<9} {path.stat().st_size / 1e6:.2f} MB{masked}")
     return status
 
 
@@ -127,6 +128,8 @@ def render(info: dict) -> str:
          f"k {info['shapes']['k']}, v {info['shapes']['v']}; query heads per K/V head: {info['gqa_group']}"),
         f"  source       {_value(info['source'])}",
     ]
+    if info["mask"] is not None:
+        lines.append(f"  attn_mask    bool {info['mask']}: a masked call, run only by a variant that takes a mask")
     lines += [f"  |{name}|{' ' * 10} {_channels(info['channels'][name])}" for name in ("q", "k", "v")]
     lines.append(f"  outliers     {info['outlier_rule']}")
     v_mean = info["v_mean"]
