@@ -25,7 +25,6 @@ from sage_qual.qualification.evidence import tasks
 from sage_qual.qualification.evidence.tasks import TaskKind
 from sage_qual.qualification.run import worker
 from sage_qual.qualification.run.options import TEST_HOOK, test_hook  # noqa: F401 (tests set TEST_HOOK here)
-from sage_qual.qualification.run.worker import GpuBench, Worker
 
 FAULTS = {
     "crash": "abort the worker process",
@@ -92,12 +91,12 @@ class FakeBench:
         self.sage.behave()
 
 
-class FaultyWorker(Worker):
+class FaultyWorker(worker.Worker):
     """The certify worker under the test hook: on the fake GPUs its "gpus" name (the real GPU without
     them), each task misbehaving as "faults", "span_faults" and "context_faults" say."""
 
     def __init__(self, hook: dict, compiles: bool = False):
-        super().__init__(FakeBench(hook["gpus"], compiles) if "gpus" in hook else GpuBench())
+        super().__init__(FakeBench(hook["gpus"], compiles) if "gpus" in hook else worker.GpuBench())
         self.faults = hook.get("faults", {})
         self.span_faults = hook.get("span_faults", {})
         self.context_faults = hook.get("context_faults", {})
