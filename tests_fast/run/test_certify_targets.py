@@ -183,3 +183,16 @@ def test_the_prediction_is_the_numerics_models_output_judged_against_its_budget(
     assert cell.bounds == budgets.budget(variant, fixture)
     reasons = judge.cell_reasons(expected, 0.0, cell.bounds, math.inf)
     assert cell.outcome == ("fail" if reasons else "pass")
+
+
+def test_comfy_kitchens_variant_is_certified_beside_thu_mls_on_fake_gpus(tmp_path, monkeypatch, capsys):
+    """Both providers installed (the test hook's fake comfy-kitchen beside the fake sageattention):
+    certify measures each provider's variant on every fixture, and the report names comfy-kitchen."""
+    monkeypatch.setenv(worker_faults.TEST_HOOK, json.dumps({"gpus": [H200], "comfy_kitchen": "0.2.40"}))
+    out = tmp_path / "out"
+    assert main(["certify", "--variants", "ck-int8-cuda", "sm90-fp8-cuda", "--fixtures",
+                 str(fixtures_dir(tmp_path / "f")), "--families", "FLUX.1", "--out", str(out)]) == 0
+    data = checked.load(out / "report.json")
+    measured = {(c.variant, c.fixture) for c in data.devices[0].cells if c.measured}
+    assert {("ck-int8-cuda", "flux"), ("sm90-fp8-cuda", "flux")} <= measured
+    assert [(o.provider, o.version) for o in data.environment.other_providers] == [("comfy-kitchen", "0.2.40")]

@@ -2,7 +2,7 @@
 
 The environment variable `SAGE_QUAL_TEST_WORKER` holds JSON. {"gpus": [{"name", "capability"}...]}
 runs the job on the fake CUDA and fake sageattention of `sage_qual.testing` with CPU tensors
-(`FakeBench`); {"faults": {task id: fault}} makes that task misbehave (`FAULTS`);
+(`FakeBench`), and {"comfy_kitchen": version} a fake comfy-kitchen of that version beside it; {"faults": {task id: fault}} makes that task misbehave (`FAULTS`);
 {"span_faults": {variant: [{"above": N, "fault": F, "layouts": [...]}, ...]}} makes that variant's
 span probes (`span_probe`) misbehave as F where the planned span exceeds N elements (in the layouts
 named; all when left out; the first rule that applies), as the real kernels fault or abort past
@@ -41,7 +41,7 @@ class FakeBench:
 
     device = "cpu"
 
-    def __init__(self, gpus: list[dict], compiles: bool = False):
+    def __init__(self, gpus: list[dict], compiles: bool = False, comfy_kitchen: str | None = None):
         from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
 
         if compiles:  # TorchDynamo imports triton.language as it loads: before the fake `triton` stands in
@@ -53,7 +53,7 @@ class FakeBench:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         if visible:
             fakes = [fakes[int(i)] for i in visible.split(",")]
-        self.sage = FakeSageAttention()
+        self.sage = FakeSageAttention(comfy_kitchen=comfy_kitchen)
         self._stack = contextlib.ExitStack()
         self._stack.enter_context(FakeCuda(fakes))
         self._stack.enter_context(self.sage.installed())
@@ -96,7 +96,8 @@ class FaultyWorker(worker.Worker):
     them), each task misbehaving as "faults", "span_faults" and "context_faults" say."""
 
     def __init__(self, hook: dict, compiles: bool = False):
-        super().__init__(FakeBench(hook["gpus"], compiles) if "gpus" in hook else worker.GpuBench())
+        super().__init__(FakeBench(hook["gpus"], compiles, hook.get("comfy_kitchen")) if "gpus" in hook
+                         else worker.GpuBench())
         self.faults = hook.get("faults", {})
         self.span_faults = hook.get("span_faults", {})
         self.context_faults = hook.get("context_faults", {})
