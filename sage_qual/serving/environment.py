@@ -17,7 +17,7 @@ import sys
 import torch
 
 from sage_qual import records
-from sage_qual.serving import platform
+from sage_qual.serving import platform, sage_package
 from sage_qual.serving.assess import MachineAssessment, assess_machine
 from sage_qual.serving.config import DEFAULT_CONFIG, WrapperConfig
 from sage_qual.serving.contexts import builtin_safe
@@ -115,7 +115,7 @@ def render_text(env: Environment, contexts: bool = False) -> str:
     for other in env.other_providers:
         # Without a version, "not installed" only where it is not importable: a package that imports
         # but has no metadata, or fails to import, says why (it read "not installed" in device run 41).
-        absent = other.problem.startswith(f"{PROVIDERS[other.provider].distribution} is not installed") \
+        absent = other.problem.startswith(sage_package.absent(PROVIDERS[other.provider])) \
             if other.provider in PROVIDERS else not other.problem
         state = other.version or ("not installed" if absent else "not usable")
         lines.append(f"{other.provider:<14} {state}"

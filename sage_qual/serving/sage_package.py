@@ -131,10 +131,16 @@ def _installed(package: str) -> bool:
         return False
 
 
+def absent(provider: Provider) -> str:
+    """How `load` begins its refusal when the provider's package is not there at all (`sage-qual env`
+    tells that apart from a package that is there but cannot serve)."""
+    return f"{provider.distribution} is not installed"
+
+
 def load(provider: Provider = THU_ML) -> SagePackage:
     name, hint = provider.distribution, provider.install_hint
     if not _installed(provider.package):
-        raise SageUnavailable(f"{name} is not installed: {hint}")
+        raise SageUnavailable(f"{absent(provider)}: {hint}")
     if provider.needs_triton and not has_triton():
         raise SageUnavailable(f"triton is not installed; {name} needs it: pip install triton "
                               "(triton-windows on Windows)")
