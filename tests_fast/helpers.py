@@ -50,16 +50,21 @@ def retired(index=0):
 
 
 def builtin_sm90_thresholds() -> str:
-    """The built-in defaults' thresholds for an sm_90 GPU ("Q/K"), as a note quotes them."""
+    """The built-in defaults' thresholds for the H200 ("Q/K"), as a note quotes them."""
     from sage_qual.serving import defaults
-    [h200] = [gpu for gpu in defaults.read()[0].gpus if tuple(gpu.capability) == (9, 0)]
+    [h200] = [gpu for gpu in defaults.read()[0].gpus if gpu.name == "NVIDIA H200"]
     return f"{h200.default.served.min_query_tokens}/{h200.default.served.min_key_tokens}"
 
 
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 
 
-def newest_h200_run() -> Path:
-    """The newest run folder of docs/results/ (by its run number) that holds certify reports."""
-    folders = [f for f in RESULTS.glob("run*-h200*") if list(f.glob("certify*/report.json.gz"))]
+def newest_certify_run(gpu: str = "") -> Path:
+    """The newest run folder of docs/results/ (by its run number) that holds certify reports, of one
+    GPU model where `gpu` names it as the folders do (h200, h100), else of any."""
+    folders = [f for f in RESULTS.glob(f"run*-{gpu}*") if list(f.glob("certify*/report.json.gz"))]
     return max(folders, key=lambda folder: int(folder.name[3:].split("-")[0]))
+
+
+def newest_h200_run() -> Path:
+    return newest_certify_run("h200")

@@ -82,6 +82,25 @@ LONG_CALL_DEFECTS: dict[str, str] = {
 }
 
 
+# Where the numerics model misses the kernel by more than model_check.TOLERANCE
+# (tests_gpu/test_numerics_vs_kernel.py): (variant, fixture stem) -> what was measured.
+MODEL_MISSES: dict[tuple[str, str], str] = {
+    ("ck-int8-cuda", "qwen_image_padded_prompt_batch"): (
+        "comfy_kitchen int8_attention (ck-int8-cuda) with the fixture's [2, 1, 1, N] key mask: kernel "
+        "relative L2 0.0151, model 0.0133 (model / kernel 0.883), output norm 1.005 against the model's "
+        "1.001; the same numbers on the H200 (certify run 40, docs/results/run40-h200/) and the H100 "
+        "(run 42, docs/results/run42-h100/numerics_vs_kernel.md): the kernel's norm bias, which the model "
+        "does not carry; the masked Z-Image batch agrees (0.994)."),
+}
+
+
+def model_miss_marks(variant: str, fixture: str) -> list:
+    import pytest
+
+    reason = MODEL_MISSES.get((variant, fixture))
+    return [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+
+
 def long_call_marks(variant: str) -> list:
     import pytest
 

@@ -40,7 +40,9 @@ def rel_l2(out, ref):
     return float((out.float() - ref.float()).norm() / ref.float().norm())
 
 for kind, mask in (("bool", keep), ("additive", bias)):
-    torch_out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
+    # torch takes an additive mask only in the query's dtype: float32 for the float32 reference.
+    torch_out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(),
+                                               attn_mask=mask if kind == "bool" else mask.float())
 
     def call():
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)

@@ -27,6 +27,7 @@ from sage_qual.serving import numerics
 from sage_qual.serving.variants import VARIANTS
 
 from .conftest import FIXTURE_PATHS, MASK_CASES, VARIANT_NAMES
+from .known_defects import model_miss_marks
 
 pytestmark = [pytest.mark.slow, pytest.mark.gpu]
 
@@ -55,7 +56,9 @@ def test_model_matches_kernel_on_fixture(variant_name, fixture_path, kernels, ru
     _check(kernels(variant), variant, fixture.name, fixture.q, fixture.k, fixture.v, expected, record)
 
 
-@pytest.mark.parametrize("variant_name, fixture_path", MASK_CASES, ids=lambda x: getattr(x, "stem", x))
+@pytest.mark.parametrize("variant_name, fixture_path", [
+    pytest.param(name, path, id=f"{name}-{path.stem}", marks=model_miss_marks(name, path.stem))
+    for name, path in MASK_CASES])
 def test_model_matches_kernel_on_masked_fixture(variant_name, fixture_path, kernels, runnable, record):
     """A masked call: the model and the kernel both given the fixture's attn_mask."""
     variant = runnable(variant_name)

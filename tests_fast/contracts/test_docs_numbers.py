@@ -11,16 +11,16 @@ from sage_qual import cli
 from sage_qual.fixtures.fileformat import list_fixtures, shipped_dir
 from sage_qual.qualification.decide import checked, verdict
 
-from ..helpers import newest_h200_run
+from ..helpers import newest_certify_run
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "docs" / "guide.md").read_text()  # the README's reference page
 CERTIFY_DOC = (ROOT / "docs" / "certify.md").read_text()
 CURRENT = [ROOT / "docs/results/run11-h200x2" / f"certify-gpu{n}" / "report.json.gz" for n in (0, 1)]
-NEWEST = sorted(newest_h200_run().glob("certify*/report.json.gz"))[-1]  # the latest full certify
-# Fixtures shipped after the newest full certify (no H200 was lent the session that added them,
-# 2026-12-06): each leaves this set once a certify has run it.
-SHIPPED_SINCE_NEWEST = {"z_image_padded_caption_batch"}
+NEWEST = sorted(newest_certify_run().glob("certify*/report.json.gz"))[-1]  # the latest full certify
+# Fixtures shipped after the newest full certify (a session that lent no GPU): each leaves this set
+# once a certify has run it.
+SHIPPED_SINCE_NEWEST: set[str] = set()
 RUN13 = ROOT / "docs/results/run13-h200x2"  # four runs with paired timing: every family's threshold
 RUN8 = [ROOT / "docs/results/run8-h200x2-final/certify" / f"certify-{n}" / "report.json.gz" for n in "ab"]
 

@@ -58,8 +58,29 @@ def test_the_table_is_what_those_reports_decide():
 
 def test_the_defaults_sentence_names_the_runs_the_defaults_were_built_from():
     sentence = re.search(r"\*\*Built-in defaults\.\*\*(.*?)decided with", README, re.S).group(1)
-    said = {int(n) for n in re.findall(r"\d+", sentence.split("(runs", 1)[1])}
+    said = {int(n) for n in re.findall(r"\b\d+\b", sentence.split("(runs", 1)[1])}  # not H200's 200
     built = json.loads((ROOT / "sage_qual" / "serving" / "default_profile.json").read_text())
     sources = {int(re.match(r"docs/results/run(\d+)-", source["file"]).group(1))
                for source in built["sources"]}
     assert said == sources, f"README names runs {sorted(said)}; the defaults come from {sorted(sources)}"
+
+
+def test_the_h100_sentence_is_what_its_run_decides():
+    """"an H100 80GB HBM3 gets the same verdicts from N tokens (run M)": run M decides each family as the
+    H200 table states, every served family from N tokens."""
+    said = re.search(r"an H100 80GB HBM3 gets the same verdicts from ([\d,]+) tokens \(run (\d+)\)", flat(README))
+    assert said, "README.md lost its sentence on the H100"
+    tokens, run = int(said.group(1).replace(",", "")), said.group(2)
+    [folder] = (ROOT / "docs" / "results").glob(f"run{run}-h100*")
+    decisions = [gpu for path in sorted(folder.glob("certify*/report.json.gz"))
+                 for gpu in verdict.decide(checked.load(path))]
+    assert decisions and all(gpu.model.startswith("NVIDIA H100") for gpu in decisions)
+    table = {row.split(" | ")[0].strip("| "): row.split(" | ")[1] for row in TABLE.group(2).splitlines()[2:]}
+    for gpu in decisions:
+        for d in gpu.families:
+            assert f"{d.verdict.value}{' ' + d.variant if d.variant else ''}" == table[d.family], d.family
+            assert d.served is None or d.served.min_query_tokens == tokens, d.family
+
+
+def flat(text: str) -> str:
+    return " ".join(text.split())

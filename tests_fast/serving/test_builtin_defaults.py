@@ -23,15 +23,17 @@ from sage_qual.serving.config import DEFAULT_CONFIG, KERNEL_TABLE
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
 
 from ..builders import make_entry, make_gpu, make_profile, reason
-from ..helpers import newest_h200_run
+from ..helpers import newest_certify_run
 
 RESULTS = Path(__file__).resolve().parent.parent.parent / "docs" / "results"
 SOURCES = [RESULTS / "run29-h200" / f"certify-{n}" / "report.json.gz" for n in (1, 2, 3)] + [
     RESULTS / f"run{n}-h200" / "certify" / "report.json.gz" for n in (30, 31, 33, 34, 35)] + [
     RESULTS / "run39-h200" / f"certify-{n}" / "report.json.gz" for n in (1, 2, 3)] + [
     RESULTS / "run40-h200" / "certify" / "report.json.gz"]
-H200 = FakeGpu((9, 0), "NVIDIA H200", 139.8)  # as torch names the H200 of docs/results
-H100 = FakeGpu((9, 0), "NVIDIA H100 80GB HBM3", 79.6)
+H100_SOURCES = [RESULTS / "run42-h100" / "certify" / "report.json.gz"]
+H200 = FakeGpu((9, 0), "NVIDIA H200", 139.8)  # as torch names the GPUs of docs/results
+H100 = FakeGpu((9, 0), "NVIDIA H100 80GB HBM3", 79.2)
+H800 = FakeGpu((9, 0), "NVIDIA H800", 79.6)  # an sm_90 model no run measured
 RTX4090 = FakeGpu((8, 9), "NVIDIA GeForce RTX 4090", 24.0)
 
 
@@ -54,10 +56,10 @@ def call(tokens: int, device_gpus, **options):
     return status, report
 
 
-def served_thresholds_of_the_sources(variant="sm90-fp8-cuda", head_dim=128):
+def served_thresholds_of_the_sources(sources=SOURCES, variant="sm90-fp8-cuda", head_dim=128):
     """The highest (query, key) thresholds any source run served `variant` from at `head_dim`."""
     found = []
-    for path in SOURCES:
+    for path in sources:
         for gpu in building.load_run(path).gpus:
             for entry in (gpu.default, *gpu.families.values()):
                 if entry.variant == variant and head_dim in entry.served.head_dims:
@@ -101,13 +103,22 @@ def test_an_h200_gets_its_measured_thresholds_and_4k_tokens_go_to_torch(name):
     assert report.details["short"] == "tokens=4096/4096 (needs >= 13824/13824)"
 
 
+def test_an_h100_gets_its_own_measured_thresholds():
+    """Run 42 measured the H100 apart from the H200s: its thresholds are its own run's."""
+    [device] = installed([H100]).devices
+    assert device.profile_note.startswith("built-in defaults, measured on NVIDIA H100 80GB HBM3 (sm_90)")
+    thresholds = (device.config.min_query_tokens, device.config.min_key_tokens)
+    assert thresholds == served_thresholds_of_the_sources(H100_SOURCES) == (11648, 11648)
+    assert device.config.head_dims == (128,)
+
+
 def test_a_gpu_never_measured_keeps_the_table_with_the_strictest_thresholds_of_its_capability():
-    status = installed([H100])
+    status = installed([H800])
     [device] = status.devices
     assert device.variant.name == "sm90-fp8-cuda"  # today's table
     assert (device.config.min_query_tokens, device.config.min_key_tokens, device.config.head_dims) == \
-        (13824, 13824, (128,))
-    assert "NVIDIA H100 80GB HBM3 was never measured" in device.profile_note
+        (13824, 13824, (128,))  # the H200's, the higher of the two models measured
+    assert "NVIDIA H800 was never measured" in device.profile_note
     assert len(device.profile_note) <= STATUS_LINE_LIMIT
 
 
@@ -126,18 +137,18 @@ def test_the_strictest_thresholds_take_the_highest_counts_at_the_head_sizes_all_
     data["profile"]["gpus"].append(other)
     path = tmp_path / "defaults.json"
     path.write_text(json.dumps(data))
-    machine = profile.LocalDevice(H100.name, (9, 0), H100.memory_gib, "2.13.0", "13.0", "2.2.0")
+    machine = profile.LocalDevice(H800.name, (9, 0), H800.memory_gib, "2.13.0", "13.0", "2.2.0")
     [unknown] = defaults.device_configs([machine], path=path)
     assert (unknown.config.min_query_tokens, unknown.config.min_key_tokens, unknown.config.head_dims) == \
         (13824, 32768, (128,))
-    assert "(NVIDIA H200, Fake sm90 card)" in unknown.note
+    assert "(NVIDIA H200, NVIDIA H100 80GB HBM3, Fake sm90 card)" in unknown.note
     card = profile.LocalDevice("Fake sm90 card", (9, 0), 80.0, "2", "", "")
     [measured] = defaults.device_configs([card], path=path)
     assert (measured.config.min_query_tokens, measured.config.head_dims) == (4096, (64, 128))
 
 
 def test_a_family_the_h200_runs_kept_off_is_not_served_on_an_h200_or_an_unmeasured_sm90():
-    for gpu in (H200, H100):
+    for gpu in (H200, H800):
         status = installed([gpu], family="LTX-2")
         assert not status.enabled and len(status.reason) <= STATUS_LINE_LIMIT
         [device] = status.devices
@@ -147,17 +158,18 @@ def test_a_family_the_h200_runs_kept_off_is_not_served_on_an_h200_or_an_unmeasur
     assert installed([H200], family="Wan 2.2").devices[0].variant.name == "sm90-fp8-cuda"
 
 
-def newest_runs() -> list[Path]:
-    """The full certify reports of the newest H200 run folder of docs/results/."""
-    paths = sorted(newest_h200_run().glob("certify*/report.json.gz"))
+def newest_runs(gpu: str) -> list[Path]:
+    """The full certify reports of the newest run folder of docs/results/ of one GPU model."""
+    paths = sorted(newest_certify_run(gpu).glob("certify*/report.json.gz"))
     reports = [(path, checked.load(path)) for path in paths]
     return [path for path, r in reports if r.complete and not r.predicted and not r.options.quick]
 
 
-def test_the_defaults_are_built_from_the_newest_committed_runs():
+@pytest.mark.parametrize("gpu", ["h200", "h100"])
+def test_the_defaults_are_built_from_the_newest_committed_runs(gpu):
     """A certify run committed after the defaults' sources fails here until they are rebuilt from it."""
     _, sources = defaults.read()
-    newest = newest_runs()
+    newest = newest_runs(gpu)
     assert newest, "no full certify run under docs/results"
     listed = {RESULTS.parent.parent / s.file for s in sources}
     missing = [str(p.relative_to(RESULTS.parent.parent)) for p in newest if p not in listed]
@@ -172,8 +184,8 @@ def test_the_defaults_carry_every_field_the_newest_run_sets():
     """A field a profile carries (of the GPU, its environment or an entry) that the newest run set and
     the defaults dropped fails here: a new field cannot be forgotten by the builder again."""
     measured, _ = defaults.read()
-    [h200] = measured.gpus
-    [newest] = building.load_run(newest_runs()[-1]).gpus
+    [h200] = [gpu for gpu in measured.gpus if gpu.name == H200.name]
+    [newest] = building.load_run(newest_runs("h200")[-1]).gpus
     assert _fields_set(newest) - _fields_set(h200) == set()
     assert _fields_set(newest.environment) - _fields_set(h200.environment) == set()
     for name, entry in newest.families.items():
@@ -211,14 +223,14 @@ def test_the_default_entry_serves_no_length_past_the_verified_range():
 
 def test_an_h200_gets_the_span_limit_and_an_unmeasured_sm90_the_verified_range():
     measured, _ = defaults.read()
-    [h200] = measured.gpus
+    [h200] = [gpu for gpu in measured.gpus if gpu.name == H200.name]
     [on_h200] = installed([H200]).devices
     assert on_h200.config.max_span_elements == h200.max_span_elements is not None
-    [on_h100] = installed([H100]).devices
+    [on_h800] = installed([H800]).devices
     default = h200.default.served
-    assert (on_h100.config.max_query_tokens, list(on_h100.config.layouts), list(on_h100.config.contexts)) == \
+    assert (on_h800.config.max_query_tokens, list(on_h800.config.layouts), list(on_h800.config.contexts)) == \
         (default.max_query_tokens, default.layouts, default.contexts)
-    assert on_h100.config.kernel_table == DEFAULT_CONFIG.kernel_table  # never measured: today's table
+    assert on_h800.config.kernel_table == DEFAULT_CONFIG.kernel_table  # never measured: today's table
 
 
 def test_another_sageattention_build_keeps_the_verified_range_with_one_warning(caplog):
@@ -281,10 +293,10 @@ def test_the_command_adds_a_gpu_model_and_keeps_the_others(tmp_path, capsys):
         "FLUX.1": make_entry(sm89, 3072, 256, [128]), "Wan 2.2": make_entry(sm89, 1024, 512, [128]),
         "SDXL": make_entry("sm89-fp8-cuda-fp32acc", 4096, 512, [64])})
     assert building.main([str(first), str(second), "--out", str(data)]) == 0
-    assert "NVIDIA H200 (sm_90), RTX 4090 (sm_89)" in capsys.readouterr().out
+    assert "NVIDIA H200 (sm_90), NVIDIA H100 80GB HBM3 (sm_90), RTX 4090 (sm_89)" in capsys.readouterr().out
     measured, sources = defaults.read(data)
-    h200, rtx = measured.gpus
-    assert h200 == defaults.read()[0].gpus[0]
+    *kept, rtx = measured.gpus
+    assert kept == defaults.read()[0].gpus
     assert [s.file for s in sources][-2:] == [str(first), str(second)]
     # The default kernel where every run served it: head_dim 128 (the second run served no 64), from
     # the highest thresholds of those entries.
