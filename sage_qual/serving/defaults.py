@@ -91,10 +91,11 @@ def _device_config(measured: profile.Profile, device: profile.LocalDevice, famil
         other = _other_build(same.environment, device)
         if other:
             # The entry still applies, and it serves only what was verified: its range, layouts,
-            # contexts and bounds. A build that differs is said once (install's WARNING), with how to
-            # certify it, before what is served, which the 200-character line may cut (limits.one_line).
-            where = (f"built-in defaults, measured on {same.label} with {other}: verified range only, "
-                     "certify this build for its own profile")
+            # contexts and bounds. A build that differs is said once (install's WARNING), the advice
+            # first: the 200-character line (limits.one_line) cut it after the GPU's name and both
+            # build digests on the H100 of device run 42.
+            where = ("built-in defaults of another build (verified range only; certify this build for its "
+                     f"own profile), measured on {same.label} with {other}")
         applied = _applied(base, device, chosen, where, what, same.max_span_elements)
         return dataclasses.replace(applied, matched=not other)
     kin = [gpu for gpu in measured.gpus if tuple(gpu.capability) == device.capability]

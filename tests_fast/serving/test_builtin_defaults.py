@@ -239,12 +239,25 @@ def test_another_sageattention_build_keeps_the_verified_range_with_one_warning(c
         status = sage_qual.install(family="Wan 2.2")
     [device] = status.devices
     assert device.variant.name == "sm90-fp8-cuda" and device.config.max_query_tokens == 75600
-    assert device.profile_note.startswith("built-in defaults, measured on NVIDIA H200 (sm_90) with sageattention "
-                                          "2.2.0, 2.2.1 here: verified range only, certify this build for its "
-                                          "own profile: ")
+    assert device.profile_note.startswith("built-in defaults of another build (verified range only; certify this "
+                                          "build for its own profile), measured on NVIDIA H200 (sm_90) with "
+                                          "sageattention 2.2.0, 2.2.1 here: ")
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and warnings[0].startswith("built-in defaults: cuda:0 (NVIDIA H200, sm_90)")
-    assert "certify this build" in warnings[0]
+    assert "certify this build for its own profile" in warnings[0]
+
+
+def test_the_warning_for_another_build_keeps_its_advice_beside_a_long_gpu_name_and_two_digests(caplog, tmp_path):
+    """Device run 42: on an H100 80GB HBM3 with a fresh build (two build digests in the line), the
+    200-character WARNING lost its advice to certify the build."""
+    fake = FakeSageAttention(extension_dir=tmp_path / "sageattention")  # a build with a digest of its own
+    with FakeCuda([H100]), fake.installed(), caplog.at_level(logging.WARNING, logger="sage_qual"):
+        status = sage_qual.install()
+    [device] = status.devices
+    assert device.variant.name == "sm90-fp8-cuda" and device.config.min_query_tokens == 11648
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "sageattention build sha256:" in device.profile_note  # both digests, in the note
+    assert len(warning) <= STATUS_LINE_LIMIT and "certify this build for its own profile" in warning
 
 
 def test_a_config_of_ones_own_replaces_the_built_in_defaults():
