@@ -136,6 +136,9 @@ def budget(max_rel_l2=0.06, min_cosine=0.99, **limits) -> Budget:
     return Budget(**{**nulls, "max_rel_l2": max_rel_l2, "min_cosine": min_cosine, **limits})
 
 
+METRIC_NAMES = tuple(f.name for f in dataclasses.fields(Metrics))
+
+
 def metrics(finite=True, **numbers) -> Metrics:
     """An output's metrics: these numbers, the others null (not measured)."""
     nulls = {f.name: None for f in dataclasses.fields(Metrics)}
@@ -151,17 +154,20 @@ def fixture(name="fx0", family="flux.1", **fields) -> FixtureRecord:
 
 def cell(variant: str, fixture_: FixtureRecord, outcome="pass", **fields) -> Cell:
     """`variant` on `fixture_`: measured (pass, fail) halfway inside the fixture's bounds for the
-    variant's accuracy class, else a cell that did not run, with a detail."""
+    variant's accuracy class, else a cell that did not run, with a detail. A `Metrics` field named in
+    `fields` (rel_l2=..., finite=...) goes into the cell's metrics."""
     outcome = Outcome(outcome)
+    numbers = {name: fields.pop(name) for name in METRIC_NAMES if name in fields}
     if outcome in MEASURED:
         accuracy = VARIANTS[variant].accuracy_class
         published = fixture_.bounds[AccuracyClass(accuracy)]
-        values = {"accuracy_class": AccuracyClass(accuracy), "finite": True,
-                  "bounds": budget(published.max_rel_l2, published.min_cosine),
-                  "rel_l2": published.max_rel_l2 / 2, "worst_head_cosine": (1 + published.min_cosine) / 2,
-                  "extra_bytes_per_element": 1.5}
+        numbers = {"rel_l2": published.max_rel_l2 / 2, "worst_head_cosine": (1 + published.min_cosine) / 2,
+                   **numbers}
+        values = {"accuracy_class": AccuracyClass(accuracy),
+                  "budget": budget(published.max_rel_l2, published.min_cosine),
+                  "metrics": metrics(**numbers), "extra_bytes_per_element": 1.5}
     else:
-        values = {"detail": f"test {outcome.value}"}
+        values = {"detail": f"test {outcome.value}", "metrics": metrics(**numbers) if numbers else None}
     return Cell(variant, fixture_.name, outcome, **{**values, **fields})
 
 
@@ -216,7 +222,7 @@ def long_check(variant, heads, tokens, families_, layouts, outcome="pass", numbe
     values = {"detail": "the worker ran this task when it died (killed by SIGSEGV)"}
     if Outcome(outcome) in MEASURED:
         same = {name: True for name in layouts if name != "contiguous"} if identical is None else identical
-        values = {"bounds": budget(), "metrics": metrics(**numbers), "identical": same,
+        values = {"budget": budget(), "metrics": metrics(**numbers), "identical": same,
                   "rows": long_check_mod.sample_starts(tokens), "row_block": long_check_mod.SAMPLE_ROWS}
     return records.dump(LongCheck(variant, shape, uses, list(layouts), Outcome(outcome), **values))
 

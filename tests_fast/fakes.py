@@ -105,7 +105,7 @@ def write_fleet(directory: Path, data: dict) -> tuple[Path, Path, dict]:
 
 
 def within_budget(budget: dict) -> dict:
-    """Numbers halfway inside every limit of `budget`."""
+    """Metrics (as a report stores them) halfway inside every limit of `budget`."""
     return {"rel_l2": budget["max_rel_l2"] / 2, "worst_head_rel_l2": budget["max_head_rel_l2"] / 2,
             "worst_batch_rel_l2": budget["max_batch_rel_l2"] / 2,
             "worst_block_rel_l2": budget["max_block_rel_l2"] / 2,

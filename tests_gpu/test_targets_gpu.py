@@ -41,7 +41,8 @@ def test_target_cell(name, fixture_path, box, record):
     fixture = load_fixture(fixture_path, device="cuda")
     cell = measure_target(target, fixture, box.capability, CudaBench(), MEMORY_BOUND)
     record(test="target", variant=name, fixture=fixture.name, kind=fixture.kind, outcome=cell.outcome.value,
-           rel_l2=cell.rel_l2, worst_head_cosine=cell.worst_head_cosine,
+           **({"rel_l2": cell.metrics.rel_l2, "worst_head_cosine": cell.metrics.worst_head_cosine}
+              if cell.metrics else {}),
            detail=cell.detail or "; ".join(r.detail for r in cell.reasons))
     assert cell.outcome in (Outcome.PASS, Outcome.FAIL, Outcome.SKIP)
     # A call the integration claims to take must reach SageAttention: a skip is a claim, never silence.
@@ -75,7 +76,7 @@ def _foreseen_non_finite(target, fixture, box, detail: str) -> str:
 
 
 @pytest.mark.parametrize("variant_name", VARIANT_NAMES)
-def test_the_wrapper_target_returns_the_kernels_own_result(variant_name, sage, runnable, box):
+def test_the_wrapper_target_returns_the_kernels_own_result(variant_name, kernels, runnable, box):
     variant = runnable(variant_name)
     fixture = load_fixture(FIXTURE_PATHS[0], device="cuda")
     q, k, v = fixture.q, fixture.k, fixture.v
@@ -83,4 +84,4 @@ def test_the_wrapper_target_returns_the_kernels_own_result(variant_name, sage, r
     with targets.resolve(f"wrapper:{variant.name}").session() as session:
         out, served = session.call(q, k, v, **sdpa_kwargs)
     assert served, session.evidence.not_served_detail()
-    assert torch.equal(out, accuracy.call_kernel(sage, variant, q, k, v))
+    assert torch.equal(out, accuracy.call_kernel(kernels(variant), variant, q, k, v))

@@ -47,7 +47,7 @@ def test_the_fixture_count_is_the_shipped_one_and_the_reports_one():
 
 def test_the_error_ranges_are_the_current_reports():
     cells = [c for path in CURRENT for d in checked.load(path).devices for c in d.cells if c.measured]
-    kernels = [c.rel_l2 for c in cells if c.rel_l2 is not None]
+    kernels = [c.metrics.rel_l2 for c in cells if c.metrics.rel_l2 is not None]
     sdpa = [c.sdpa_rel_l2 for c in cells if c.sdpa_rel_l2 is not None]
     assert (f"the kernels land at {min(kernels):.2g}-{max(kernels):.2g} relative L2 against float32"
             in flat(README))

@@ -35,7 +35,7 @@ def test_a_hazard_fails_the_prediction_and_is_named():
     """sm80-fp16-cuda on 4 keys: the model's own output is finite, its stale V tail is a hazard; the
     H200 returned NaN there (docs/results/run18-h200/certify-a/report.md.gz)."""
     cell = predicted("sm80-fp16-cuda", "flux1_ip_adapter_zero_uncond")
-    assert cell.finite is True and cell.outcome == Outcome.FAIL
+    assert cell.metrics.finite is True and cell.outcome == Outcome.FAIL
     assert cell.hazards and cell.hazards[0].startswith("4 keys, fewer than one key block")
     assert [r.kind for r in cell.reasons] == [ReasonKind.NON_FINITE]
     assert cell.reasons[0].detail.startswith("predicted to fail: the numerics model names a hazard: 4 keys")

@@ -56,13 +56,13 @@ def _cell(rng: random.Random, variant: str, fixture: FixtureRecord) -> Cell | No
     if roll < 0.12:
         return builders.cell(variant, fixture, rng.choice(["crash", "oom", "timeout", "skip"]))
     published = fixture.bounds[AccuracyClass(VARIANTS[variant].accuracy_class)]
-    bounds = builders.budget(published.max_rel_l2, published.min_cosine)
+    budget = builders.budget(published.max_rel_l2, published.min_cosine)
     failing = roll < 0.25
-    rel_l2 = bounds.max_rel_l2 * (rng.uniform(1.1, 4) if failing else rng.uniform(0.2, 0.95))
-    numbers = {"rel_l2": rel_l2, "worst_head_cosine": rng.uniform(max(bounds.min_cosine, 0.9), 1.0)}
+    rel_l2 = budget.max_rel_l2 * (rng.uniform(1.1, 4) if failing else rng.uniform(0.2, 0.95))
+    numbers = {"rel_l2": rel_l2, "worst_head_cosine": rng.uniform(max(budget.min_cosine, 0.9), 1.0)}
     extra = rng.uniform(1.2, 1.8)
-    reasons = judge.cell_reasons(builders.metrics(**numbers), extra, bounds, 2.5, 0.002)
-    return builders.cell(variant, fixture, "fail" if reasons else "pass", reasons=reasons, bounds=bounds,
+    reasons = judge.cell_reasons(builders.metrics(**numbers), extra, budget, 2.5, 0.002)
+    return builders.cell(variant, fixture, "fail" if reasons else "pass", reasons=reasons, budget=budget,
                          extra_bytes_per_element=extra, finite=True, sdpa_rel_l2=0.002,
                          error_vs_sdpa=rel_l2 / 0.002, **numbers)
 

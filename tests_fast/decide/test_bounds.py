@@ -38,10 +38,12 @@ def flux1(report):
     return gpu.family("FLUX.1")
 
 
-def edited_cells(report, variant, fixture, **fields):
-    """The report with `variant`'s cell on `fixture` given these fields on every device."""
-    devices = [dataclasses.replace(d, cells=[dataclasses.replace(c, **fields)
-                                             if (c.variant, c.fixture) == (variant, fixture) else c
+def edited_metrics(report, variant, fixture, **numbers):
+    """The report with `variant`'s cell on `fixture` given these metrics on every device."""
+    def edited(c):
+        return dataclasses.replace(c, metrics=dataclasses.replace(c.metrics, **numbers))
+
+    devices = [dataclasses.replace(d, cells=[edited(c) if (c.variant, c.fixture) == (variant, fixture) else c
                                              for c in d.cells]) for d in report.devices]
     return dataclasses.replace(report, devices=devices)
 
@@ -70,8 +72,8 @@ def test_sdxls_fixture_stands_for_both_of_its_ip_adapter_sites(run25, monkeypatc
 
 
 def test_a_failure_on_a_fixture_no_site_names_still_vetoes(run25):
-    broken = edited_cells(run25, "sm90-fp8-cuda", "flux1_1024", finite=False, rel_l2=None,
-                          worst_head_cosine=None)
+    broken = edited_metrics(run25, "sm90-fp8-cuda", "flux1_1024", finite=False, rel_l2=None,
+                            worst_head_cosine=None)
     decision = flux1(broken)
     assert decision.variant != "sm90-fp8-cuda" and "sm90-fp8-cuda" in decision.results.findings
     assert {f.fixture for f in decision.results.findings["sm90-fp8-cuda"]} == {"flux1_1024", IP_ADAPTER}
@@ -89,8 +91,8 @@ def test_without_a_passing_fixture_of_two_items_the_batch_2_ip_adapter_failure_i
     decision = flux1(checked.load(RUN22))
     assert (decision.verdict, decision.served, decision.results.bounded) == (Verdict.NO_SPEEDUP, None, {})
     assert "sm90-fp8-cuda" in decision.results.findings
-    swapped = flux1(edited_cells(run25, "sm90-fp8-cuda", "flux1_two_images", rel_l2=1.4,
-                                 worst_head_cosine=0.0))
+    swapped = flux1(edited_metrics(run25, "sm90-fp8-cuda", "flux1_two_images", rel_l2=1.4,
+                                   worst_head_cosine=0.0))
     assert swapped.variant != "sm90-fp8-cuda"
     assert {f.fixture for f in swapped.results.findings["sm90-fp8-cuda"]} == {"flux1_two_images", IP_ADAPTER}
 

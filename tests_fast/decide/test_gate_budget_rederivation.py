@@ -33,7 +33,7 @@ APP = "my_app_not_installed.attention:sage_sdpa"  # a certify --target function 
 
 def derive(cell: dict, variant, fixtures: dict) -> None:
     budget = dataclasses.asdict(budgets.budget(variant, fixtures[cell["fixture"]]))
-    cell.update(bounds=budget, **_within(budget))
+    cell.update(budget=budget, metrics=_within(budget))
 
 
 @pytest.fixture
@@ -88,10 +88,10 @@ def test_a_loosened_budget_on_a_later_gpu_model_here_is_refused(fleet):
     over and the H100's still checked."""
     data, fixtures = fleet
     index, cell = first_flux_cell(data["devices"][1])
-    cell["bounds"]["max_rel_l2"] *= 4
+    cell["budget"]["max_rel_l2"] *= 4
     assert problem(data, fixtures, H200) == ""
     assert problem(data, fixtures, H100).startswith(
-        f"report.json: devices[1].cells[{index}] ({cell['variant']} on {FIXTURE}): bounds.max_rel_l2: ")
+        f"report.json: devices[1].cells[{index}] ({cell['variant']} on {FIXTURE}): budget.max_rel_l2: ")
 
 
 @pytest.mark.parametrize("family, here", [
@@ -103,8 +103,8 @@ def test_nothing_to_rederive_is_no_problem(fleet, family, here):
     data, fixtures = fleet
     for device in data["devices"]:
         for cell in device["cells"]:
-            if cell.get("bounds"):
-                cell["bounds"]["max_rel_l2"] *= 4
+            if cell.get("budget"):
+                cell["budget"]["max_rel_l2"] *= 4
     assert problem(data, fixtures, here, family=family) == ""
 
 
@@ -116,11 +116,11 @@ def test_a_target_report_is_rederived_with_the_targets_variant_on_each_gpu(fleet
     assert wrapper.variant(CAPABILITY[H200]) != wrapper.variant(CAPABILITY[RTX4090])
     data = as_target(data, "wrapper", fixtures)
     assert problem(data, fixtures, H200, RTX4090) == ""
-    bounds = data["devices"][2]["cells"][0]["bounds"]
+    bounds = data["devices"][2]["cells"][0]["budget"]
     derived = bounds["max_rel_l2"]
     bounds["max_rel_l2"] = derived * 4
     assert problem(data, fixtures, H200, RTX4090) == (
-        f"report.json: devices[2].cells[0] (wrapper on {FIXTURE}): bounds.max_rel_l2: {derived * 4} in the "
+        f"report.json: devices[2].cells[0] (wrapper on {FIXTURE}): budget.max_rel_l2: {derived * 4} in the "
         f"report is looser than {derived} derived from the fixture here (budgets.budget); the budget was "
         "edited or comes from another sage-qual: certify again")
 
@@ -137,7 +137,7 @@ def test_a_budget_that_cannot_be_rederived_is_refused_saying_why(fleet, case, wh
         data = as_target(data, APP, fixtures)
     index, cell = first_flux_cell(data["devices"][0])
     assert problem(data, fixtures, H200) == (
-        f"report.json: devices[0].cells[{index}] ({cell['variant']} on {FIXTURE}): bounds: cannot be "
+        f"report.json: devices[0].cells[{index}] ({cell['variant']} on {FIXTURE}): budget: cannot be "
         f"re-derived ({why}); certify again on this machine")
 
 
@@ -201,7 +201,7 @@ def test_a_limit_exactly_at_its_allowance_is_accepted_and_one_step_past_it_refus
     assert budget_check._looser("w", only(max_rel_l2=stored), only(max_rel_l2=derived)) == ""
     past = math.nextafter(stored, 1.0)
     assert budget_check._looser("w", only(max_rel_l2=past), only(max_rel_l2=derived)).startswith(
-        f"w: bounds.max_rel_l2: {past} in the report is looser than {derived}")
+        f"w: budget.max_rel_l2: {past} in the report is looser than {derived}")
 
 
 @pytest.mark.parametrize("entry, budget", [

@@ -19,6 +19,7 @@ from sage_qual import cli, records
 from sage_qual.fixtures import fileformat
 from sage_qual.qualification import families, selection
 from sage_qual.qualification.decide import budget_check, checked
+from sage_qual.qualification.evidence import files
 from sage_qual.qualification.decide import gate as gate_module
 from sage_qual.qualification.measure import budgets
 from sage_qual.qualification.run import worker_executor
@@ -47,11 +48,11 @@ def flux_report(tmp_path, monkeypatch):
         if cell["outcome"] not in ("pass", "fail") or cell["fixture"] not in counted:
             continue
         budget = dataclasses.asdict(budgets.budget(VARIANTS[cell["variant"]], loaded[cell["fixture"]]))
-        cell.update(bounds=budget, outcome="pass", reasons=[], **_within(budget))
+        cell.update(budget=budget, outcome="pass", reasons=[], metrics=_within(budget))
         if cell["variant"] == FAILING and failing is None:
             failing = index
-            cell.update(outcome="fail", rel_l2=budget["max_rel_l2"] * 3,
-                        reasons=[OVER_BUDGET])
+            cell.update(outcome="fail", reasons=[OVER_BUDGET])
+            cell["metrics"]["rel_l2"] = budget["max_rel_l2"] * 3
     assert failing is not None
     path.write_text(json.dumps(data))
     environment = data["environment"]
@@ -69,7 +70,7 @@ def gate(capsys, path, fixtures, *options):
 def loosen(path, data, index, **limits) -> dict:
     """The failing cell's budget loosened until its numbers pass, its outcome edited to match."""
     cell = data["devices"][0]["cells"][index]
-    cell["bounds"] = {**cell["bounds"], **limits}
+    cell["budget"] = {**cell["budget"], **limits}
     cell.update(outcome="pass", reasons=[])
     path.write_text(json.dumps(data))
     return cell
@@ -85,11 +86,11 @@ def test_an_untouched_report_is_decided_without_the_failing_variant(capsys, flux
 
 def test_a_loosened_budget_is_refused_naming_file_cell_limit_and_values(capsys, flux_report):
     path, fixtures, data, index = flux_report
-    derived = data["devices"][0]["cells"][index]["bounds"]["max_rel_l2"]
+    derived = data["devices"][0]["cells"][index]["budget"]["max_rel_l2"]
     cell = loosen(path, data, index, max_rel_l2=derived * 4)
     code, out, err = gate(capsys, path, fixtures)
     assert code == 2 and out == "" and err.count("\n") == 1
-    assert (f"{path}: devices[0].cells[{index}] ({FAILING} on {cell['fixture']}): bounds.max_rel_l2: "
+    assert (f"{path}: devices[0].cells[{index}] ({FAILING} on {cell['fixture']}): budget.max_rel_l2: "
             f"{derived * 4} in the report is looser than {derived} derived from the fixture here") in err
     assert "certify again" in err
 
@@ -101,21 +102,21 @@ def test_a_loosened_budget_is_refused_in_json_and_junit(capsys, tmp_path, flux_r
     code, out, _ = gate(capsys, path, fixtures, "--json", "--junit-xml", str(junit))
     answer = json.loads(out)
     assert code == 2 and answer["exit_code"] == 2 and answer["gpus"] == []
-    assert "bounds.max_rel_l2: 1.0 in the report is looser" in answer["problem"]
-    assert "bounds.max_rel_l2" in junit.read_text()
+    assert "budget.max_rel_l2: 1.0 in the report is looser" in answer["problem"]
+    assert "budget.max_rel_l2" in junit.read_text()
 
 
 def test_the_library_decision_rederives_the_budgets_too(flux_report):
     """A library caller of gate_module.decide() gets the command's answer: a loosened budget cannot enable."""
     path, fixtures, data, index = flux_report
-    derived = data["devices"][0]["cells"][index]["bounds"]["max_rel_l2"]
+    derived = data["devices"][0]["cells"][index]["budget"]["max_rel_l2"]
     loosen(path, data, index, max_rel_l2=derived * 4)
     flux = families.find("FLUX.1")
     here = worker_executor.this_machine()  # the fixture's machine: an H200 at cuda:0
     decision = gate_module.decide(checked.load(path), flux, here,
                                   selection.family_fixtures([str(fixtures)], flux), False, str(path))
     assert decision.code == 2
-    assert f"bounds.max_rel_l2: {derived * 4} in the report is looser" in decision.problem
+    assert f"budget.max_rel_l2: {derived * 4} in the report is looser" in decision.problem
     assert gate_module.gate(path, "flux.1", worker_executor.this_machine, [str(fixtures)]).problem == decision.problem
 
 
@@ -124,15 +125,15 @@ def test_a_dropped_limit_is_refused(capsys, flux_report):
     null one (an older report's, which judge does not check) by the re-derivation."""
     path, fixtures, data, index = flux_report
     cell = data["devices"][0]["cells"][index]
-    del cell["bounds"]["max_rel_l2"]
+    del cell["budget"]["max_rel_l2"]
     cell.update(outcome="pass", reasons=[])
     path.write_text(json.dumps(data))
     code, _, err = gate(capsys, path, fixtures)
-    assert code == 2 and f"devices[0].cells[{index}].bounds.max_rel_l2: missing" in err
-    cell["bounds"].update(max_rel_l2=1.0, max_abs=None)
+    assert code == 2 and f"devices[0].cells[{index}].budget.max_rel_l2: missing" in err
+    cell["budget"].update(max_rel_l2=1.0, max_abs=None)
     path.write_text(json.dumps(data))
     code, _, err = gate(capsys, path, fixtures)
-    assert code == 2 and "bounds.max_abs: missing in the report" in err
+    assert code == 2 and "budget.max_abs: missing in the report" in err
 
 
 def test_a_budget_on_a_generic_fixture_is_rederived(capsys, flux_report):
@@ -140,18 +141,18 @@ def test_a_budget_on_a_generic_fixture_is_rederived(capsys, flux_report):
     generic = data["fixtures"][-1]["name"]
     index, cell = next((i, c) for i, c in enumerate(data["devices"][0]["cells"])
                        if c["fixture"] == generic and c["outcome"] == "pass")
-    cell["bounds"]["min_cosine"] -= 0.01
+    cell["budget"]["min_cosine"] -= 0.01
     path.write_text(json.dumps(data))
     code, _, err = gate(capsys, path, fixtures)
     assert code == 2
-    assert f"devices[0].cells[{index}] ({cell['variant']} on {generic}): bounds.min_cosine" in err
+    assert f"devices[0].cells[{index}] ({cell['variant']} on {generic}): budget.min_cosine" in err
 
 
 def test_a_difference_within_the_model_spread_between_devices_decides(capsys, flux_report):
     """A GPU derives budgets up to 2e-5 looser than a CPU: that is not an edit."""
     path, fixtures, data, index = flux_report
     cell = data["devices"][0]["cells"][index]
-    cell["bounds"]["max_rel_l2"] += 2e-5
+    cell["budget"]["max_rel_l2"] += 2e-5
     path.write_text(json.dumps(data))
     assert gate(capsys, path, fixtures)[0] == 0
 
@@ -161,8 +162,8 @@ def test_a_tighter_budget_decides_as_it_stands(capsys, flux_report):
     tightened under their numbers fail."""
     path, fixtures, data, _ = flux_report
     for cell in data["devices"][0]["cells"]:
-        if cell.get("bounds") and cell["variant"] != FAILING and "max_head_rel_l2" in cell["bounds"]:
-            cell["bounds"]["max_rel_l2"] = cell["rel_l2"] / 2
+        if cell.get("budget") and cell["variant"] != FAILING and "max_head_rel_l2" in cell["budget"]:
+            cell["budget"]["max_rel_l2"] = cell["metrics"]["rel_l2"] / 2
             cell.update(outcome="fail", reasons=[OVER_BUDGET])
     path.write_text(json.dumps(data))
     code, out, err = gate(capsys, path, fixtures)
@@ -176,8 +177,8 @@ def test_a_budget_of_another_family_or_another_gpu_is_not_gated(capsys, flux_rep
     qwen = next(f["name"] for f in data["fixtures"] if f["family"] == "qwen-image")
     for device in data["devices"]:
         for cell in device["cells"]:
-            if cell.get("bounds") and (cell["fixture"] == qwen or device["index"] == 1):
-                cell["bounds"] = {**cell["bounds"], "max_rel_l2": 1.0, "min_cosine": -1.0}
+            if cell.get("budget") and (cell["fixture"] == qwen or device["index"] == 1):
+                cell["budget"] = {**cell["budget"], "max_rel_l2": 1.0, "min_cosine": -1.0}
                 cell.update(outcome="pass", reasons=[])
     path.write_text(json.dumps(data))
     code, _, err = gate(capsys, path, fixtures)
@@ -205,7 +206,7 @@ def test_a_tampered_cache_entry_is_derived_again(capsys, flux_report, tmp_path):
     cache_file.write_text(json.dumps(cache))
     loosen(path, data, index, max_rel_l2=1.0)
     code, _, err = gate(capsys, path, fixtures)
-    assert code == 2 and "bounds.max_rel_l2: 1.0 in the report is looser" in err
+    assert code == 2 and "budget.max_rel_l2: 1.0 in the report is looser" in err
 
 
 def test_merge_trusts_stored_budgets_and_says_so(capsys, flux_report):
@@ -224,8 +225,10 @@ H200_RUNS = [Path(__file__).parent.parent / "data" / f"h200_certify_{run}.json.g
 
 
 def h200_run(path: Path) -> dict:
+    """A committed H200 report as this version writes it."""
     with gzip.open(path, "rt", encoding="utf-8") as file:
-        return json.load(file)
+        data = json.load(file)
+    return files.upgrade(data, data["schema_version"])
 
 
 def test_budgets_derived_on_an_h200_pass_against_this_cpu(tmp_path, monkeypatch):
@@ -245,10 +248,10 @@ def test_budgets_derived_on_an_h200_pass_against_this_cpu(tmp_path, monkeypatch)
         assert budget_check.budget_problem(path.name, typed, qwen, here, fixtures) == ""
     index, cell = next((i, c) for i, c in enumerate(data["devices"][0]["cells"])
                        if c["fixture"].startswith("qwen") and c["outcome"] == "pass")
-    cell["bounds"]["max_block_rel_l2"] *= 1.2
+    cell["budget"]["max_block_rel_l2"] *= 1.2
     problem = budget_check.budget_problem(path.name, checked.parse(data, path.name), qwen, here, fixtures)
     assert problem.startswith(f"{path.name}: devices[0].cells[{index}] ({cell['variant']} on "
-                              f"{cell['fixture']}): bounds.max_block_rel_l2: ")
+                              f"{cell['fixture']}): budget.max_block_rel_l2: ")
 
 
 # The cache of derived budgets in odd environments and restored from elsewhere (budget_check.py) ------
@@ -293,6 +296,6 @@ def test_a_forged_cache_matching_a_loosened_report_is_caught(capsys, tmp_path, f
     assert gate(capsys, path, fixtures)[0] == 0
     cache_file = forge(tmp_path, path, data, index)
     code, _, err = gate(capsys, path, fixtures)
-    assert code == 2 and "bounds.max_rel_l2: 1.0 in the report is looser" in err
+    assert code == 2 and "budget.max_rel_l2: 1.0 in the report is looser" in err
     entries = json.loads(cache_file.read_text())["entries"]
     assert entries and all(e["max_rel_l2"] < 1.0 for e in entries.values())  # derived afresh

@@ -27,7 +27,7 @@ def derived():
     """sm90-fp8-cuda's sweep check at 1,024 tokens, with the budget and rows derived on this CPU."""
     check = builders.read(LongCheck, builders.long_check("sm90-fp8-cuda", 24, 1024, [], families.LAYOUTS))
     budget, rows = budget_check.derived_long_budget(check, "cpu")
-    return dataclasses.replace(check, bounds=budget, rows=rows)
+    return dataclasses.replace(check, budget=budget, rows=rows)
 
 
 @pytest.fixture(autouse=True)
@@ -45,10 +45,10 @@ def problem(*checks: LongCheck) -> str:
 
 
 def loosened(check: LongCheck, limit: str, factor: float) -> LongCheck:
-    bounds = dataclasses.asdict(check.bounds)
+    limits = dataclasses.asdict(check.budget)
     exact = EXACT.get(limit, 0.0)
-    bounds[limit] = exact + (bounds[limit] - exact) * factor
-    return dataclasses.replace(check, bounds=Budget(**bounds))
+    limits[limit] = exact + (limits[limit] - exact) * factor
+    return dataclasses.replace(check, budget=Budget(**limits))
 
 
 def test_a_check_as_certify_wrote_it_passes(derived):
@@ -57,11 +57,11 @@ def test_a_check_as_certify_wrote_it_passes(derived):
 
 @pytest.mark.parametrize("limit", [f.name for f in dataclasses.fields(Budget)])
 def test_every_limit_loosened_twice_over_is_refused_naming_it(derived, limit):
-    if getattr(derived.bounds, limit) is None:
+    if getattr(derived.budget, limit) is None:
         pytest.skip(f"{limit} is not derived for long checks")
     found = problem(loosened(derived, limit, 2.0))
     assert found.startswith("r.json: devices[0].long[0] (sm90-fp8-cuda at 1,024 tokens): "
-                            f"bounds.{limit}: "), found
+                            f"budget.{limit}: "), found
     assert "derived here, its inputs drawn on cpu (long_check.model_budget)" in found
     assert found.endswith("certify again")
 
@@ -101,7 +101,7 @@ def test_gate_refuses_a_loosened_long_check(derived, monkeypatch):
     monkeypatch.setattr(budget_check, "long_device", lambda: "cpu")
     data = report_of(loosened(derived, "max_rel_l2", 10.0))
     decision = gate.decide(data, FLUX, data.environment, {}, require_speedup=False, source="r.json")
-    assert decision.code == 2 and "bounds.max_rel_l2" in decision.problem, decision.problem
+    assert decision.code == 2 and "budget.max_rel_l2" in decision.problem, decision.problem
     clean = report_of(derived)
     assert gate.decide(clean, FLUX, clean.environment, {}, require_speedup=False).code != 2
 
@@ -134,14 +134,14 @@ def test_a_cut_down_check_is_derived_at_the_call_it_ran(derived):
     cut = dataclasses.replace(derived, ran_heads=1, ran_tokens=512, ran_kv_tokens=512)
     budget, rows = budget_check.derived_long_budget(cut, "cpu")
     assert rows != derived.rows
-    assert problem(dataclasses.replace(cut, bounds=budget, rows=rows)) == ""
-    assert "rows:" in problem(dataclasses.replace(cut, bounds=budget))
+    assert problem(dataclasses.replace(cut, budget=budget, rows=rows)) == ""
+    assert "rows:" in problem(dataclasses.replace(cut, budget=budget))
 
 
 def test_a_cut_down_check_whose_key_tokens_are_unknown_is_refused(derived):
     cross = dataclasses.replace(derived, shape=dataclasses.replace(derived.shape, kv_tokens=512),
                                 ran_tokens=256)
-    assert problem(cross).endswith("bounds: cannot be re-derived (the key tokens it ran are not recorded); "
+    assert problem(cross).endswith("budget: cannot be re-derived (the key tokens it ran are not recorded); "
                                    "certify again on this machine")
 
 
@@ -152,11 +152,11 @@ def test_on_the_gpu_the_allowance_is_a_cells(derived, monkeypatch):
 
     def on(check, device, variant=None):
         asked.append(device)
-        return derived.bounds, derived.rows
+        return derived.budget, derived.rows
 
     monkeypatch.setattr(budget_check, "derived_long_budget", on)
     somewhat = loosened(derived, "max_rel_l2", 1.3)
-    assert "bounds.max_rel_l2" in budget_check.long_budget_problem("r.json", report_of(somewhat), FLUX, HERE,
+    assert "budget.max_rel_l2" in budget_check.long_budget_problem("r.json", report_of(somewhat), FLUX, HERE,
                                                                    "cuda")
     assert budget_check.long_budget_problem("r.json", report_of(somewhat), FLUX, HERE, "cpu") == ""
     assert asked == ["cuda", "cpu"]

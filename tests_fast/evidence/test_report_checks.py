@@ -29,7 +29,7 @@ LONG = {
     "uses": [{"family": "FLUX.1", "label": "joint"}],
     "layouts": ["contiguous"],
     "outcome": "pass",
-    "bounds": {"max_rel_l2": 0.1, "max_head_rel_l2": None, "max_batch_rel_l2": None, "max_block_rel_l2": None,
+    "budget": {"max_rel_l2": 0.1, "max_head_rel_l2": None, "max_batch_rel_l2": None, "max_block_rel_l2": None,
                "min_norm_ratio": None, "max_norm_ratio": None, "min_cosine": 0.99, "max_abs": None},
     "metrics": {"rel_l2": 0.05, "worst_head_cosine": 0.999, "finite": True, "worst_head_rel_l2": None,
                 "worst_batch_rel_l2": None, "worst_block_rel_l2": None, "norm_ratio": None,
@@ -72,6 +72,12 @@ def refused(change) -> str:
     return message.removeprefix("r.json: ").removesuffix("; " + report_model.FIX)
 
 
+def refused_as_is(data: dict) -> str:
+    with pytest.raises(ReportError) as error:
+        files.from_dict(data, "r.json")
+    return str(error.value).removeprefix("r.json: ").removesuffix("; " + report_model.FIX)
+
+
 def reads(change) -> report_model.Report:
     data = valid()
     change(data)
@@ -101,25 +107,25 @@ def test_a_foreign_document_is_not_a_report(data):
 
 
 def test_a_newer_schema_says_to_upgrade():
-    assert refused(lambda d: d.update(schema_version=4)) == (
-        "schema_version: 4 is newer than this sage-qual reads (1, 2, 3); upgrade sage-qual"
+    assert refused(lambda d: d.update(schema_version=5)) == (
+        "schema_version: 5 is newer than this sage-qual reads (1, 2, 3, 4); upgrade sage-qual"
     )
 
 
 @pytest.mark.parametrize("version", [0, True, "2", None, 1.5])
 def test_an_unreadable_schema_version_is_refused_with_the_fix(version):
     message = refused(lambda d: d.update(schema_version=version))
-    assert message == f"schema_version: {version!r} is not a report schema version (1, 2, 3)"
+    assert message == f"schema_version: {version!r} is not a report schema version (1, 2, 3, 4)"
 
 
 def test_a_version_1_report_drops_its_stored_analysis_and_reads_as_the_current_version():
     data = json.loads(SAMPLE.read_text())
     assert data["schema_version"] == 1 and "gpus" in data
     parsed = files.from_dict(data, "r.json")
-    assert parsed.schema_version == report_model.SCHEMA_VERSION == 3
+    assert parsed.schema_version == report_model.SCHEMA_VERSION == 4
     assert data["schema_version"] == 1 and "gpus" in data  # the caller's dict is not changed
     # Its budgets held two limits: the others read as null, and judge checks no null limit.
-    budget = parsed.devices[0].cells[0].bounds
+    budget = parsed.devices[0].cells[0].budget
     assert (budget.max_rel_l2, budget.min_cosine) == tuple(data["devices"][0]["cells"][0]["bounds"].values())
     assert budget.max_abs is None and budget.max_head_rel_l2 is None
 
@@ -129,25 +135,61 @@ def test_a_version_2_long_check_moves_its_finiteness_into_its_metrics():
     data["schema_version"] = 2
     long = data["devices"][0]["long"][0]
     long["finite"] = long["metrics"].pop("finite")
+    del long["budget"]
     long["bounds"] = {"max_rel_l2": 0.1, "min_cosine": 0.99}  # version 2: a mapping of the limits it had
     long["metrics"] = {"rel_l2": 0.05, "worst_head_cosine": 0.999}
     parsed = files.from_dict(data, "r.json").devices[0].long[0]
     assert parsed.metrics.finite is True and parsed.metrics.rel_l2 == 0.05
     assert parsed.metrics.norm_ratio is None
-    assert parsed.bounds.max_rel_l2 == 0.1 and parsed.bounds.max_abs is None
+    assert parsed.budget.max_rel_l2 == 0.1 and parsed.budget.max_abs is None
     long.update(metrics={}, finite=None, outcome="crash", detail="killed by SIGSEGV")
     assert files.from_dict(data, "r.json").devices[0].long[0].metrics is None
+
+
+def version_3(data: dict) -> dict:
+    """A current report as version 3 wrote it: a cell's numbers flat beside its `bounds`, a long
+    check's `bounds`."""
+    data["schema_version"] = 3
+    for device in data["devices"]:
+        for record in device["cells"] + device.get("long", []):
+            if "budget" in record:
+                record["bounds"] = record.pop("budget")
+        for c in device["cells"]:
+            c.update(c.pop("metrics") or {"finite": None})
+    return data
+
+
+def test_a_version_3_report_reads_as_the_same_evidence():
+    """3 -> 4: each cell's numbers move into its metrics (null where it did not run), `bounds` is
+    `budget`; the verdicts are the same."""
+    current = files.from_dict(valid(), "r.json")
+    upgraded = files.from_dict(version_3(valid()), "r.json")
+    assert upgraded == current
+    assert any(c.metrics is None for c in upgraded.devices[0].cells)  # the crashed cells
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c.update(finite=None), "metrics.finite: is null, expected true or false"),
+    (lambda c: c.update(budget=c["bounds"]), "bounds: unknown key"),
+    (lambda c: c.update(metrics={}), ": unknown key"),  # its first flat number
+])
+def test_a_version_3_cell_with_numbers_that_do_not_fit_is_refused_not_dropped(edit, message):
+    data = version_3(valid())
+    measured = next(c for c in data["devices"][0]["cells"] if c["outcome"] == "pass")
+    edit(measured)
+    index = data["devices"][0]["cells"].index(measured)
+    assert refused_as_is(data).startswith(f"devices[0].cells[{index}].") and message in refused_as_is(data)
 
 
 def test_the_current_version_holds_every_limit_and_metric():
     """Version 3 stores each limit of a budget and each number of a long check's metrics: one left out
     is refused (a version 2 mapping could lack any)."""
-    assert refused(lambda d: d["devices"][0]["long"][0]["bounds"].pop("max_abs")) == (
-        "devices[0].long[0].bounds.max_abs: missing")
+    assert refused(lambda d: d["devices"][0]["long"][0]["budget"].pop("max_abs")) == (
+        "devices[0].long[0].budget.max_abs: missing")
     assert refused(lambda d: d["devices"][0]["long"][0]["metrics"].pop("norm_ratio")) == (
         "devices[0].long[0].metrics.norm_ratio: missing")
-    assert refused(lambda d: cell(d)["bounds"].update(min_cosine=None)) == (
-        "devices[0].cells[0].bounds.min_cosine: is null, expected a number")
+    assert refused(lambda d: cell(d)["budget"].update(min_cosine=None)) == (
+        "devices[0].cells[0].budget.min_cosine: is null, expected a number")
 
 
 def test_a_missing_file_says_to_certify(tmp_path):
@@ -305,8 +347,8 @@ def test_the_same_pair_on_two_gpus_is_two_results():
 # Records ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("missing", ["bounds", "finite"])
-def test_a_measured_cell_has_its_budget_and_finiteness(missing):
+@pytest.mark.parametrize("missing", ["budget", "metrics"])
+def test_a_measured_cell_has_its_budget_and_metrics(missing):
     assert refused(lambda d: cell(d, 1, 0).update({missing: None})) == (
         f"devices[1].cells[0].{missing}: missing for a cell whose outcome is 'pass'"
     )
@@ -317,7 +359,7 @@ def test_a_cell_that_did_not_run_says_why():
     assert refused(lambda d: cell(d, 0, crash).update(detail="")) == (
         f"devices[0].cells[{crash}].detail: empty for a cell whose outcome is 'crash' (it says why)"
     )
-    assert reads(lambda d: cell(d, 0, crash).update(bounds=None, finite=None))
+    assert reads(lambda d: cell(d, 0, crash).update(budget=None, metrics=None))
 
 
 def timing(data, n=1) -> dict:
@@ -410,7 +452,7 @@ def test_a_long_checks_metric_at_its_range_edge_reads(name, value):
     assert reads(lambda d: d["devices"][0]["long"][0]["metrics"].update({name: value}))
 
 
-@pytest.mark.parametrize("missing", ["bounds", "metrics"])
+@pytest.mark.parametrize("missing", ["budget", "metrics"])
 def test_a_measured_long_check_has_its_budget_and_metrics(missing):
     assert refused(lambda d: d["devices"][0]["long"][0].update({missing: None})) == (
         f"devices[0].long[0].{missing}: missing for a long check whose outcome is 'pass'"
@@ -418,12 +460,12 @@ def test_a_measured_long_check_has_its_budget_and_metrics(missing):
 
 
 def test_a_long_check_that_did_not_run_says_why():
-    assert refused(lambda d: d["devices"][0]["long"][0].update(outcome="timeout", bounds=None)) == (
+    assert refused(lambda d: d["devices"][0]["long"][0].update(outcome="timeout", budget=None)) == (
         "devices[0].long[0].detail: empty for a long check whose outcome is 'timeout' (it says why)"
     )
     assert reads(
         lambda d: d["devices"][0]["long"][0].update(
-            outcome="timeout", bounds=None, metrics=None, detail="ran past 90 s"
+            outcome="timeout", budget=None, metrics=None, detail="ran past 90 s"
         )
     )
     failed = reads(lambda d: d["devices"][0]["long"][0].update(outcome="fail"))
@@ -498,8 +540,8 @@ def test_a_devices_model_is_its_name_and_capability():
 
 def test_the_json_schema_names_this_version():
     schema = files.json_schema()
-    assert schema["$id"] == "https://sage-qual.invalid/report/3"
-    assert "schema version 3" in schema["title"]
+    assert schema["$id"] == "https://sage-qual.invalid/report/4"
+    assert "schema version 4" in schema["title"]
 
 
 @pytest.mark.parametrize("rows, said", [
@@ -519,7 +561,7 @@ def test_a_measured_long_check_judged_rows_inside_its_call(rows, said):
     assert message.startswith("r.json: devices[0].long[0] (sm90-fp8-cuda at 16896 tokens): rows: ")
     assert said in message and message.endswith("certify again"), message
     crashed = valid()
-    crashed["devices"][0]["long"][0].update(outcome="crash", detail="killed", bounds=None, metrics=None,
+    crashed["devices"][0]["long"][0].update(outcome="crash", detail="killed", budget=None, metrics=None,
                                             rows=[])
     assert checked.parse(crashed, "r.json").devices[0].long[0].rows == []
     assert checked.parse(valid(), "r.json").devices[0].long[0].rows == [0, 5632, 11136, 16768]

@@ -39,7 +39,8 @@ def failing_copy_first(data: dict) -> None:
     cells = data["devices"][0]["cells"]
     index = next(n for n, c in enumerate(cells) if c["outcome"] == "pass")
     passing = read(Cell, files.upgrade({"devices": [{"cells": [cells[index]]}]}, 1)["devices"][0]["cells"][0])
-    failing = replace(passing, outcome=Outcome.FAIL, rel_l2=passing.bounds.max_rel_l2 * 3,
+    failing = replace(passing, outcome=Outcome.FAIL,
+                      metrics=replace(passing.metrics, rel_l2=passing.budget.max_rel_l2 * 3),
                       reasons=[reason("accuracy", "relative L2 over its bound")])
     cells.insert(index, records.dump(failing))
 

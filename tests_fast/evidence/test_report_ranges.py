@@ -3,6 +3,7 @@
 a real report's numbers, a cosine of 1.0000001 among them, still read."""
 
 import copy
+import dataclasses
 import gzip
 import json
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 from sage_qual.qualification.decide import checked
 from sage_qual.qualification.evidence import report_model
 
+METRICS = {f.name for f in dataclasses.fields(report_model.Metrics)}
 REAL = Path(__file__).resolve().parents[2] / "docs/results/run8-h200x2-final/certify/certify-b/report.json.gz"
 
 
@@ -31,8 +33,9 @@ def measured_cell(data):
 ])
 def test_an_impossible_number_is_refused(real, field, value):
     data = copy.deepcopy(real)
-    measured_cell(data)[field] = value
-    with pytest.raises(report_model.ReportError, match=f"cells\\[\\d+\\]\\.{field}: is {value}"):
+    measured_cell(data)[field] = value  # run 8 wrote version 2: the reader moves an error number into metrics
+    path = f"metrics\\.{field}" if field in METRICS else field
+    with pytest.raises(report_model.ReportError, match=f"cells\\[\\d+\\]\\.{path}: is {value}"):
         checked.parse(data, "r.json")
 
 

@@ -202,8 +202,8 @@ def test_the_check_a_test_calls_returns_the_cell_record(fake_h200):
     assert (cell.variant, cell.fixture, cell.outcome) == ("wrapper:sm90-fp8-cuda", "sdxl_1024_level1",
                                                           report_model.Outcome.PASS)
     assert cell.accuracy_class == report_model.AccuracyClass.FP8
-    assert cell.finite is True and cell.reasons == []
-    assert 0 < cell.rel_l2 <= cell.bounds.max_rel_l2 and cell.extra_bytes_per_element == 0
+    assert cell.metrics.finite is True and cell.reasons == []
+    assert 0 < cell.metrics.rel_l2 <= cell.budget.max_rel_l2 and cell.extra_bytes_per_element == 0
 
 
 def test_the_check_fails_the_test_with_every_reason(fake_h200):

@@ -75,7 +75,7 @@ def test_a_kernels_accuracy_and_a_stored_cells_metrics_judge_alike():
                                   error_vs_sdpa=30.0)
         live = judge.cell_reasons(found, 1.0, BUDGET, 2.5, found.sdpa_rel_l2)
         cell = tasks.judged_cell("sm90-fp8-cuda", "fx", found, BUDGET, live, "fp8", 1.0)
-        assert judge.cell_reasons(cell.metrics, 1.0, cell.bounds, 2.5, cell.sdpa_rel_l2) == live
+        assert judge.cell_reasons(cell.metrics, 1.0, cell.budget, 2.5, cell.sdpa_rel_l2) == live
         assert bool(live) == (metric is not None)
 
 

@@ -176,7 +176,7 @@ def test_a_correct_kernel_passes_in_every_layout():
     result = long_check.check(task, *tensors(), exact)
     assert result.outcome == Outcome.PASS and result.reasons == []
     assert result.identical == {"transposed": True, "fused_qkv": True, "nhd": True}
-    assert result.metrics.rel_l2 < result.bounds.max_rel_l2 and result.metrics.finite
+    assert result.metrics.rel_l2 < result.budget.max_rel_l2 and result.metrics.finite
     assert result.model_finite is True
     assert (result.rows, result.row_block) == ([0, 128, 256], long_check.SAMPLE_ROWS)
     # the task's call, as the report stores it
@@ -357,7 +357,7 @@ def test_an_edited_long_check_is_refused():
 
 
 @pytest.mark.parametrize("outcome, how, key, missing", [
-    ("pass", None, "bounds", "missing for a long check whose outcome is 'pass'"),
+    ("pass", None, "budget", "missing for a long check whose outcome is 'pass'"),
     ("fail", "accuracy", "metrics", "missing for a long check whose outcome is 'fail'"),
     ("crash", "crash", "detail", "empty for a long check whose outcome is 'crash' (it says why)")])
 def test_a_long_check_without_what_its_outcome_needs_is_refused_naming_the_key(outcome, how, key, missing):

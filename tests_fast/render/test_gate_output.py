@@ -168,9 +168,9 @@ AGAIN = "the budget was edited or comes from another sage-qual: certify again"
 
 def test_a_limit_on_one_side_only_is_named():
     assert budget_check._looser("w", only(max_rel_l2=0.1), only(max_rel_l2=0.1, min_cosine=0.99)) == (
-        f"w: bounds.min_cosine: missing in the report, 0.99 derived from the fixture here; {AGAIN}")
+        f"w: budget.min_cosine: missing in the report, 0.99 derived from the fixture here; {AGAIN}")
     assert budget_check._looser("w", only(max_rel_l2=0.1, min_cosine=0.99), only(max_rel_l2=0.1)) == (
-        f"w: bounds.min_cosine: 0.99 in the report, none derived from the fixture here; {AGAIN}")
+        f"w: budget.min_cosine: 0.99 in the report, none derived from the fixture here; {AGAIN}")
 
 
 def test_a_maximum_may_exceed_the_derived_one_by_its_allowance_only():
@@ -179,10 +179,10 @@ def test_a_maximum_may_exceed_the_derived_one_by_its_allowance_only():
     assert budget_check._looser("w", only(max_rel_l2=derived + allowed / 2), only(max_rel_l2=derived)) == ""
     stored = derived + 2 * allowed
     assert budget_check._looser("w", only(max_rel_l2=stored), only(max_rel_l2=derived)) == (
-        f"w: bounds.max_rel_l2: {stored} in the report is looser than {derived} derived from the fixture "
+        f"w: budget.max_rel_l2: {stored} in the report is looser than {derived} derived from the fixture "
         f"here (budgets.budget); {AGAIN}")
     looser = budget_check._looser("w", only(max_rel_l2=1.5), only(max_rel_l2=1.2))
-    assert looser.startswith("w: bounds.max_rel_l2: 1.5")
+    assert looser.startswith("w: budget.max_rel_l2: 1.5")
 
 
 def test_a_minimum_may_fall_below_the_derived_one_by_its_allowance_only():
@@ -192,7 +192,7 @@ def test_a_minimum_may_fall_below_the_derived_one_by_its_allowance_only():
     assert budget_check._looser("w", only(min_cosine=0.95), only(min_cosine=derived)) == ""  # stricter
     stored = derived - 2 * allowed
     assert budget_check._looser("w", only(min_cosine=stored), only(min_cosine=derived)).startswith(
-        f"w: bounds.min_cosine: {stored} in the report is looser than {derived}")
+        f"w: budget.min_cosine: {stored} in the report is looser than {derived}")
 
 
 def test_a_cosine_over_one_is_compared_as_one():
@@ -216,9 +216,9 @@ def test_the_largest_element_error_has_its_own_wider_allowance():
     another limit, does not."""
     assert budget_check._looser("w", only(max_abs=0.093545), only(max_abs=0.082421)) == ""
     loosened = only(max_abs=0.082421 * 1.2)
-    assert budget_check._looser("w", loosened, only(max_abs=0.082421)).startswith("w: bounds.max_abs:")
+    assert budget_check._looser("w", loosened, only(max_abs=0.082421)).startswith("w: budget.max_abs:")
     assert budget_check._looser("w", only(max_rel_l2=0.093545), only(max_rel_l2=0.082421)).startswith(
-        "w: bounds.max_rel_l2:")
+        "w: budget.max_rel_l2:")
 
 
 def test_gate_json_carries_the_served_record_unchanged():

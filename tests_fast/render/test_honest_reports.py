@@ -91,7 +91,7 @@ def test_a_predicted_plot_sets_the_prediction_against_the_published_bound(predic
     published = {f.name: f.bounds for f in typed.fixtures}
     for cell in typed.devices[0].cells:
         assert plots.heat_ratio(cell, published) == pytest.approx(
-            cell.rel_l2 / PUBLISHED[cell.accuracy_class.value]["max_rel_l2"])
+            cell.metrics.rel_l2 / PUBLISHED[cell.accuracy_class.value]["max_rel_l2"])
 
 
 def test_quick_on_the_shipped_fixtures_keeps_every_file_the_h200_saw_fail():

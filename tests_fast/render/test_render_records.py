@@ -101,10 +101,10 @@ def test_each_kind_of_record_heads_its_crash_output(tmp_path, no_plots):
 
 def test_a_predicted_heatmap_cell_is_measured_against_its_class_published_bound():
     cell = checked.load(SAMPLE).devices[0].cells[0]
-    bound = PublishedBound(max_rel_l2=cell.rel_l2 * 4, min_cosine=0.9)
+    bound = PublishedBound(max_rel_l2=cell.metrics.rel_l2 * 4, min_cosine=0.9)
     published = {cell.fixture: {cell.accuracy_class: bound}}
     assert plots.heat_ratio(cell, published) == pytest.approx(0.25)
-    assert plots.heat_ratio(cell) == pytest.approx(cell.rel_l2 / cell.bounds.max_rel_l2)
+    assert plots.heat_ratio(cell) == pytest.approx(cell.metrics.rel_l2 / cell.budget.max_rel_l2)
     assert plots.heat_ratio(cell, {}) is None  # a fixture with no published bound: no number
 
 

@@ -124,7 +124,8 @@ def test_a_crash_costs_its_cell_only(run):
     assert crashed["detail"] == "the worker ran this task when it died (killed by SIGABRT)"
     assert "test fault: aborting the worker" in crashed["stderr_tail"]
     passed = h200[("sm90-fp8-cuda", "b-qwen-outlier")]  # in a fresh worker
-    assert passed["outcome"] == "pass" and passed["rel_l2"] < 0.01 and passed["worst_head_cosine"] > 0.999
+    numbers = passed["metrics"]
+    assert passed["outcome"] == "pass" and numbers["rel_l2"] < 0.01 and numbers["worst_head_cosine"] > 0.999
     assert passed["smooth_k_on"]["finite"] and h200[("sm89-fp8-cuda", "a-cross")]["smooth_k_on"] is None
 
 
@@ -144,10 +145,10 @@ def test_fail_and_oom_are_reported_with_their_numbers_and_the_variant_goes_on(ru
     assert got[("sm89-fp8-cuda", "a-cross")]["outcome"] == "pass"
     noisy = got[("sm89-fp8-cuda", "b-qwen-outlier")]
     # The budget is derived from the numerics model (qualification/measure/budgets.py), not a fixed bound.
-    bound = noisy["bounds"]["max_rel_l2"]
-    assert noisy["outcome"] == "fail" and noisy["rel_l2"] > bound
+    limit = noisy["budget"]["max_rel_l2"]
+    assert noisy["outcome"] == "fail" and noisy["metrics"]["rel_l2"] > limit
     assert {r["kind"] for r in noisy["reasons"]} == {"accuracy"}
-    assert noisy["reasons"][0]["detail"].startswith(f"relative L2 {noisy['rel_l2']:.4g} > {bound:.4g}")
+    assert noisy["reasons"][0]["detail"].startswith(f"relative L2 {noisy['metrics']['rel_l2']:.4g} > {limit:.4g}")
     oom = got[("sm89-fp8-cuda", "c-flux")]
     assert oom["outcome"] == "oom" and "OutOfMemoryError: CUDA out of memory" in oom["detail"]
     speed = [r for r in run["data"]["devices"][device]["speed"] if r["kernel"] == "sm89-fp8-cuda"]
@@ -229,8 +230,8 @@ def test_cell_reasons(acc, per_element, kinds):
     assert [r.kind.value for r in reasons] == kinds
 
 
-PASSED = Cell(variant="sm90-fp8-cuda", fixture="f", outcome=Outcome.PASS, rel_l2=0.01,
-              worst_head_cosine=0.999)
+PASSED = Cell(variant="sm90-fp8-cuda", fixture="f", outcome=Outcome.PASS,
+              metrics=builders.metrics(rel_l2=0.01, worst_head_cosine=0.999))
 CRASHED = Cell(variant="sm90-fp8-cuda", fixture="g", outcome=Outcome.CRASH,
                detail="the worker died (SIGSEGV)")
 

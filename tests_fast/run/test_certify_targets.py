@@ -179,9 +179,9 @@ def test_the_prediction_is_the_numerics_models_output_judged_against_its_budget(
     cell = in_process.InProcessExecutor().worker.run(task)
     expected = accuracy.accuracy(numerics.predict(variant, fixture.q, fixture.k, fixture.v),
                                 fixture.q, fixture.k, fixture.v)
-    assert cell.rel_l2 == pytest.approx(expected.rel_l2) and cell.accuracy_class == "fp8"
-    assert cell.bounds == budgets.budget(variant, fixture)
-    reasons = judge.cell_reasons(expected, 0.0, cell.bounds, math.inf)
+    assert cell.metrics.rel_l2 == pytest.approx(expected.rel_l2) and cell.accuracy_class == "fp8"
+    assert cell.budget == budgets.budget(variant, fixture)
+    reasons = judge.cell_reasons(expected, 0.0, cell.budget, math.inf)
     assert cell.outcome == ("fail" if reasons else "pass")
 
 

@@ -110,13 +110,14 @@ def test_each_cell_is_judged_against_its_budget_like_a_measured_one(emulated):
     for name in VARIANT_NAMES:
         cell, variant = cells[(name, "sdxl_plain")], VARIANTS[name]
         acc = accuracy.accuracy(budgets.prediction(variant, fixture), fixture.q, fixture.k, fixture.v, ref)
-        assert cell["bounds"] == limits(budgets.budget(variant, fixture))
+        assert cell["budget"] == limits(budgets.budget(variant, fixture))
         budget = budgets.budget(variant, fixture)
         assert cell["reasons"] == judge.cell_reasons(acc, 0.0, budget, math.inf) == []
         assert cell["outcome"] == "pass" and cell["detail"] == in_process.PREDICTED
         assert cell["accuracy_class"] == variant.accuracy_class
-        assert cell["rel_l2"] == acc.rel_l2 and cell["worst_head_cosine"] == acc.worst_head_cosine
-        assert cell["max_abs_error"] == acc.max_abs_error and cell["finite"] is True
+        numbers = cell["metrics"]
+        assert numbers["rel_l2"] == acc.rel_l2 and numbers["worst_head_cosine"] == acc.worst_head_cosine
+        assert numbers["max_abs_error"] == acc.max_abs_error and numbers["finite"] is True
         assert cell["extra_bytes_per_element"] is None  # the model measures no memory
         assert cell["seconds"] >= 0 and round(cell["seconds"], 3) == cell["seconds"]
 
@@ -127,9 +128,9 @@ def test_a_non_finite_prediction_fails_and_stores_no_number(emulated):
         cells_of(data)[("sm90-fp8-cuda", "sdxl_zero_v")],
         cells_of(data)[("sm80-fp16-cuda", "sdxl_zero_v")],
     )
-    assert fp8["outcome"] == "fail" and fp8["finite"] is False
+    assert fp8["outcome"] == "fail" and fp8["metrics"]["finite"] is False
     assert [r["kind"] for r in fp8["reasons"]][:1] == ["non_finite"]
-    assert fp8["rel_l2"] is None and fp8["max_abs_error"] is None  # JSON has no NaN or infinity
+    assert fp8["metrics"]["rel_l2"] is None and fp8["metrics"]["max_abs_error"] is None  # JSON: no NaN, no inf
     assert fp16["outcome"] == "pass"
 
 

@@ -113,7 +113,7 @@ def _cell(variant, fixture, metrics: Metrics) -> report_model.Cell:
     reasons = judge.cell_reasons(metrics, EXTRA_BYTES, budget, MEMORY_BOUND)
     numbers = vars(metrics.stored())
     return builders.cell(variant.name, _record(fixture), "fail" if reasons else "pass", reasons=reasons,
-                         bounds=budget, **numbers, extra_bytes_per_element=EXTRA_BYTES, seconds=0.1)
+                         budget=budget, **numbers, extra_bytes_per_element=EXTRA_BYTES, seconds=0.1)
 
 
 def kept_off_by_the_gate(variant, fixtures, outputs, references) -> frozenset[str]:

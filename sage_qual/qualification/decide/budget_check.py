@@ -220,9 +220,9 @@ def budget_problem(source: str, data: Report, family: Family, models_here: set[s
             variant = _cell_variant(data, cell.variant, tuple(device.capability))
             if variant is None or cell.fixture not in fixtures:
                 missing = "no fixture file here" if variant else "no known variant"
-                return f"{where}: bounds: cannot be re-derived ({missing}); certify again on this machine"
+                return f"{where}: budget: cannot be re-derived ({missing}); certify again on this machine"
             derived = derived_budget(variant, fixtures[cell.fixture], cache)
-            problem = _looser(where, cell.bounds, derived)
+            problem = _looser(where, cell.budget, derived)
             if problem:
                 break
         if problem:
@@ -249,14 +249,14 @@ def _looser(where: str, stored: Budget | None, derived: Budget, relative: float 
     for limit in sorted(set(stored) | set(derived)):
         if limit not in stored or limit not in derived:
             found = "missing" if limit not in stored else stored[limit]
-            return (f"{where}: bounds.{limit}: {found} in the report, "
+            return (f"{where}: budget.{limit}: {found} in the report, "
                     f"{derived.get(limit, 'none')} derived {derived_where}; the budget was "
                     "edited or comes from another sage-qual: certify again")
         floor = BUDGET_ABS_COSINE if limit == "min_cosine" else BUDGET_ABS
         distance = abs(derived[limit] - _EXACT.get(limit, 0.0))
         allowed = floor + max(relative, BUDGET_REL_OF.get(limit, 0.0)) * distance
         if not _LOOSER.get(limit, 1) * (stored[limit] - derived[limit]) <= allowed:
-            return (f"{where}: bounds.{limit}: {stored[limit]} in the report is looser than "
+            return (f"{where}: budget.{limit}: {stored[limit]} in the report is looser than "
                     f"{derived[limit]} derived {derived_where} ({derived_by}); the budget was "
                     "edited or comes from another sage-qual: certify again")
     return ""
@@ -317,12 +317,12 @@ def long_budget_problem(source: str, data: Report, family: Family, models_here: 
         variant = _cell_variant(data, check.variant, tuple(gpu.capability))
         if variant is None or check.ran_shape() is None:
             missing = "the key tokens it ran are not recorded" if variant else "no known variant"
-            return f"{where}: bounds: cannot be re-derived ({missing}); certify again on this machine"
+            return f"{where}: budget: cannot be re-derived ({missing}); certify again on this machine"
         derived, rows = derived_long_budget(check, device, variant)
         if check.rows != rows:
             return (f"{where}: rows: {check.rows} in the report, but certify samples the query rows "
                     f"{rows} of this call; the file was edited: certify again")
-        problem = _looser(where, check.bounds, derived, relative,
+        problem = _looser(where, check.budget, derived, relative,
                           f"here, its inputs drawn on {device}", "long_check.model_budget")
         if problem:
             return problem

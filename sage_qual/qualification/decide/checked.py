@@ -50,7 +50,7 @@ def judged(report: Report, cell: Cell) -> list[Reason]:
     fixture = next(f for f in report.fixtures if f.name == cell.fixture)
     # A predicted cell (certify --emulate) has no memory number: only its accuracy is judged.
     extra = 0.0 if cell.extra_bytes_per_element is None and report.predicted else cell.extra_bytes_per_element
-    return (judge.cell_reasons(cell.metrics, extra, cell.bounds, memory_bound(fixture.family),
+    return (judge.cell_reasons(cell.metrics, extra, cell.budget, memory_bound(fixture.family),
                                cell.sdpa_rel_l2) + judge.hazard_reasons(cell.hazards))
 
 
@@ -58,7 +58,7 @@ def long_judged(check: LongCheck) -> list[Reason]:
     """Why a long check fails, recomputed from its stored numbers, budget and layout comparisons."""
     if not check.measured:
         return [Reason(ReasonKind.LONG, f"{check.outcome.value}: {check.detail}")]
-    reasons = judge.cell_reasons(check.metrics, 0.0, check.bounds, math.inf)
+    reasons = judge.cell_reasons(check.metrics, 0.0, check.budget, math.inf)
     reasons += judge.row_order_reasons(check.rows_identical)
     reasons += judge.layout_reasons(check.identical, check.layouts)
     reasons += [Reason(ReasonKind.LAYOUT, f"layout {name}: unknown to this sage-qual")

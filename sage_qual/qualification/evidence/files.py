@@ -31,7 +31,7 @@ from sage_qual.qualification.evidence.report_model import (
 SCHEMA_FILE = "report_schema.json"
 
 
-READABLE_VERSIONS = (1, 2, 3)
+READABLE_VERSIONS = (1, 2, 3, 4)
 
 
 def schema() -> dict:
@@ -114,7 +114,9 @@ def upgrade(data: dict, version: int) -> dict:
     """A report of an older schema `version` as the current one, the same evidence:
     1 -> 2 drops the stored analysis (`gpus`); 2 -> 3 gives every budget each limit, null where the
     older writer had none (judge checks no null limit), and moves a long check's `finite` into its
-    metrics, which get each number the same way (no metrics: null)."""
+    metrics, which get each number the same way (no metrics: null); 3 -> 4 names a cell's and a long
+    check's `bounds` `budget` and moves a cell's error numbers into its `metrics` (none where it has
+    no number and no `finite`: it did not run to the end)."""
     if version == 1:
         data = {k: v for k, v in data.items() if k != "gpus"}
     devices = data.get("devices")
@@ -131,17 +133,35 @@ def _upgrade_device(device: dict) -> dict:
     return device
 
 
+_CELL_NUMBERS = tuple(f.name for f in dataclasses.fields(Metrics))  # schema 3's numbers of a cell
+
+
 def _upgrade_cell(cell: dict) -> dict:
-    return {**cell, "bounds": _filled(Budget, cell["bounds"])} if "bounds" in cell else cell
+    cell = _upgrade_budget(cell)
+    if "metrics" in cell:  # already schema 4's shape; a flat number beside it is left for the reader to refuse
+        return cell
+    numbers = {name: cell.pop(name) for name in _CELL_NUMBERS if name in cell}
+    # A number beside a null `finite` is kept, for the reader to refuse by its path, never dropped.
+    measured = any(value is not None for value in numbers.values())
+    return {**cell, "metrics": _filled(Metrics, numbers) if measured else None}
 
 
 def _upgrade_long(check: dict) -> dict:
-    check = _upgrade_cell(check)
+    check = _upgrade_budget(check)
     moved = {"finite": check.pop("finite")} if "finite" in check else {}
     metrics = check.get("metrics")
     if isinstance(metrics, dict):
         check["metrics"] = {**moved, **_filled(Metrics, metrics)} if metrics else None
     return check
+
+
+def _upgrade_budget(record: dict) -> dict:
+    """`bounds` (schema 1 to 3) as `budget`, with every limit (null where the writer had none); a
+    record that has both keeps both, for the reader to refuse."""
+    if "bounds" not in record or "budget" in record:
+        return record
+    rest = {k: v for k, v in record.items() if k != "bounds"}
+    return {**rest, "budget": _filled(Budget, record["bounds"])}
 
 
 def _filled(cls, mapping) -> Any:

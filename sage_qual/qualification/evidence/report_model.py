@@ -29,7 +29,7 @@ from sage_qual.serving.env_record import EnvironmentRecord, GpuIdentity, GpuInfo
 from sage_qual.serving.variants import VARIANTS
 
 KIND = "sage-qual-report"
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 FIX = "the file was edited, damaged or written by another tool: run `sage-qual certify` again"
 
 
@@ -89,7 +89,8 @@ class _Measured:
 
 @dataclass(frozen=True)
 class Cell(_Measured):
-    """One variant on one fixture; the numbers only when it ran to the end (null: not finite)."""
+    """One variant on one fixture: its metrics only when it ran to the end (a number that was not finite
+    is null), judged against its budget."""
     IDENTITY = ("variant", "fixture")  # one result per variant and fixture
     variant: str
     fixture: str
@@ -97,20 +98,13 @@ class Cell(_Measured):
     detail: str = ""
     reasons: list[Reason] = field(default_factory=list)
     accuracy_class: AccuracyClass | None = None
-    bounds: Budget | None = field(default=None, metadata={
+    budget: Budget | None = field(default=None, metadata={
         "description": "the budget the cell was judged against"})
-    # Errors, norms and bytes cannot be negative, nor a cosine leave [-1, 1]: an edited number that
-    # does would pass any limit on its side.
-    rel_l2: float | None = field(default=None, metadata=NOT_NEGATIVE)
-    worst_head_cosine: float | None = field(default=None, metadata=COSINE)
-    finite: bool | None = None
+    metrics: Metrics | None = field(default=None, metadata={
+        "description": "its output's errors against float32 (null: it did not run to the end)"})
+    # Errors and bytes cannot be negative: an edited number that is would pass any limit on its side.
     sdpa_rel_l2: float | None = field(default=None, metadata=NOT_NEGATIVE)
     error_vs_sdpa: float | None = field(default=None, metadata=NOT_NEGATIVE)
-    worst_head_rel_l2: float | None = field(default=None, metadata=NOT_NEGATIVE)
-    worst_batch_rel_l2: float | None = field(default=None, metadata=NOT_NEGATIVE)
-    worst_block_rel_l2: float | None = field(default=None, metadata=NOT_NEGATIVE)
-    norm_ratio: float | None = field(default=None, metadata=NOT_NEGATIVE)
-    max_abs_error: float | None = field(default=None, metadata=NOT_NEGATIVE)  # max |out - ref|
     extra_bytes_per_element: float | None = field(default=None, metadata=NOT_NEGATIVE)
     smooth_k_on: SmoothK | None = None
     hazards: list[str] = field(default_factory=list, metadata={
@@ -120,14 +114,8 @@ class Cell(_Measured):
     stderr_tail: str = ""
     traceback: str = ""
 
-    @property
-    def metrics(self) -> Metrics:
-        """Its error numbers as the record a long check stores (`judge.cell_reasons` reads either)."""
-        numbers = {f.name: getattr(self, f.name) for f in dataclasses.fields(Metrics) if f.name != "finite"}
-        return Metrics(**numbers, finite=self.finite is True)
-
     def check(self) -> list[tuple[str, str]]:  # memory is measured on a GPU only: Report.check
-        return self._outcome_problems("cell", ("bounds", "finite"))
+        return self._outcome_problems("cell", ("budget", "metrics"))
 
 
 @dataclass(frozen=True)
@@ -210,7 +198,7 @@ class LongCheck(_Measured):
     outcome: Outcome
     detail: str = ""
     reasons: list[Reason] = field(default_factory=list)
-    bounds: Budget | None = None
+    budget: Budget | None = None
     metrics: Metrics | None = field(default=None, metadata={
         "description": "the sampled rows' errors against float32 (null: not measured)"})
     model_finite: bool | None = None
@@ -253,7 +241,7 @@ class LongCheck(_Measured):
         if undeclared:
             return [("identical", f"{undeclared[0]!r} is not among the layouts checked "
                                   f"({', '.join(self.layouts)})")]
-        return self._outcome_problems("long check", ("bounds", "metrics"))
+        return self._outcome_problems("long check", ("budget", "metrics"))
 
 
 @dataclass(frozen=True)
@@ -395,7 +383,7 @@ class Report:
     complete=false, and with complete=true when the run finished. Holds evidence only: every
     verdict is computed from it when it is read."""
     kind: Literal["sage-qual-report"]
-    schema_version: Literal[3]
+    schema_version: Literal[4]
     complete: bool
     stopped: str = field(metadata={"description": "why the run stopped before the end ('' when it did not)"})
     started: str

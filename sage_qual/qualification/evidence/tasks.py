@@ -389,11 +389,13 @@ def report_entries(result: Result) -> list[tuple[str, Any]]:
     return [(lists[type(result)], result)]
 
 
-def judged_cell(variant: str, fixture: str, accuracy: Metrics, bounds: Budget, reasons: list[Reason],
+def judged_cell(variant: str, fixture: str, accuracy: Metrics, budget: Budget, reasons: list[Reason],
                 accuracy_class: str, extra_bytes_per_element: float | None, **more) -> Cell:
-    """A measured (or predicted) cell: its accuracy numbers (`measure.Accuracy`; non-finite ones
-    stored as null), the budget it was judged against and the reasons it fails ([]: it passes)."""
+    """A measured (or predicted) cell: its accuracy numbers (`measure.Accuracy`, or a prediction's
+    `Metrics`; non-finite ones stored as null), the budget it was judged against and the reasons it
+    fails ([]: it passes)."""
+    numbers = records.finite_or_none(vars(accuracy))
+    metrics = Metrics(**{f.name: numbers.pop(f.name) for f in dataclasses.fields(Metrics)})
     return Cell(variant, fixture, Outcome.FAIL if reasons else Outcome.PASS, reasons=reasons,
-                accuracy_class=AccuracyClass(accuracy_class), bounds=bounds,
-                **records.finite_or_none(vars(accuracy)), extra_bytes_per_element=extra_bytes_per_element,
-                **more)
+                accuracy_class=AccuracyClass(accuracy_class), budget=budget, metrics=metrics, **numbers,
+                extra_bytes_per_element=extra_bytes_per_element, **more)

@@ -13,7 +13,7 @@ in the app's own test suite, on sage-qual's activation fixtures and budgets.
   `sage_qual_budget`: the budget certify gives that fixture for the kernel the target runs here;
   `sage_qual_target`: the resolved `Target`; `sage_qual_check(fixture)`: runs the target on it as
   certify does, skips or fails with the reasons unless SageAttention served the call within budget,
-  and returns the `report_model.Cell` record (`cell.rel_l2`, `cell.bounds`, ...).
+  and returns the `report_model.Cell` record (`cell.metrics.rel_l2`, `cell.budget`, ...).
 - Without a CUDA GPU, or when the target cannot run on this one, these tests skip with the reason;
   with `--sage-qual-require-gpu` (or SAGE_QUAL_REQUIRE_GPU=1) a run without a GPU is one failure
   with the reason instead, so a CI runner that lost its GPU goes red.
@@ -323,6 +323,6 @@ def check_cell(target, fixture, capability: tuple[int, int], bench) -> Cell:
 
 @pytest.fixture
 def sage_qual_check(request, sage_qual_target):
-    """check(fixture) -> its `report_model.Cell` (rel_l2, worst_head_cosine, bounds, ...); skips or
+    """check(fixture) -> its `report_model.Cell` (metrics, budget, ...); skips or
     fails the test with every reason unless the target served the call within budget."""
     return lambda fixture: check_cell(sage_qual_target, fixture, _capability(request.config), _CudaBench())

@@ -64,16 +64,16 @@ def measure_cell(name: str, variant: Variant, fixture: Fixture, call: Call, benc
         return Cell(name, fixture.name, Outcome.SKIP, str(why))
     found = accuracy.accuracy(out, q, k, v, ref, attn_mask=fixture.mask)
     del out
-    bounds = budgets.budget(variant, fixture)  # derived from the numerics model
+    budget = budgets.budget(variant, fixture)  # derived from the numerics model
     per_element = None if extra is None else extra / accuracy.elements(q, k, v)
-    reasons = judge.cell_reasons(found, per_element or 0.0, bounds,
+    reasons = judge.cell_reasons(found, per_element or 0.0, budget,
                                  math.inf if per_element is None else memory_bound, found.sdpa_rel_l2)
     smooth_k_on = None
     if smooth_k_call is not None and is_outlier(fixture.name):
         rel_l2, cosine, finite = accuracy.compare(smooth_k_call(q, k, v), ref)
         smooth_k_on = SmoothK(**records.finite_or_none({"rel_l2": rel_l2, "worst_head_cosine": cosine,
                                                         "finite": finite}))
-    return tasks.judged_cell(name, fixture.name, found, bounds, reasons, variant.accuracy_class,
+    return tasks.judged_cell(name, fixture.name, found, budget, reasons, variant.accuracy_class,
                              per_element, smooth_k_on=smooth_k_on)
 
 

@@ -4,7 +4,7 @@ certify's worker calls it as it measures, the verdict recomputes it from the sto
 GPU tests assert with it, so a cell cannot pass in one place and fail in another.
 
 A budget is a `report_model.Budget`, per variant and fixture, derived from the numerics model
-(`sage_qual.qualification.measure.budgets.budget`) or stored (`Cell.bounds`). Every limit is checked
+(`sage_qual.qualification.measure.budgets.budget`) or stored (`Cell.budget`). Every limit is checked
 against its metric (null only in a report that predates the limit); a metric that is missing or not a
 number for a limit is a reason too, so a report stripped of a number cannot pass. Finiteness is
 always checked.

@@ -197,11 +197,11 @@ def check(task: LongTask, q, k, v, kernel: Kernel | None, blocks: int = SAMPLE_B
             del tensors
         del out
     expected = budgets.metrics_of(model_rows, ref_rows)
-    bounds = budgets.from_expected(expected)
+    budget = budgets.from_expected(expected)
     metrics = accuracy.errors(out_rows, ref_rows)
-    reasons = (judge.cell_reasons(metrics, 0.0, bounds, math.inf) + judge.row_order_reasons(rows_identical)
+    reasons = (judge.cell_reasons(metrics, 0.0, budget, math.inf) + judge.row_order_reasons(rows_identical)
                + judge.layout_reasons(identical, layouts))
-    return task.record(Outcome.FAIL if reasons else Outcome.PASS, reasons=reasons, bounds=bounds,
+    return task.record(Outcome.FAIL if reasons else Outcome.PASS, reasons=reasons, budget=budget,
                        metrics=metrics.stored(), model_finite=expected.model_finite, rows=starts,
                        row_block=SAMPLE_ROWS,
                        rows_identical=rows_identical, identical=identical, inputs=INPUTS)
@@ -209,7 +209,7 @@ def check(task: LongTask, q, k, v, kernel: Kernel | None, blocks: int = SAMPLE_B
 
 def model_budget(variant: Variant, shape: ShapeSpec, device) -> tuple[Budget, list[int]]:
     """The budget `check` derives for the variant at the planned call, drawn again on `device`, and
-    the sampled rows it is for: what gate re-derives a stored long check's bounds with."""
+    the sampled rows it is for: what gate re-derives a stored long check's budget with."""
     starts, model_rows, ref_rows = _model_on_sampled_rows(variant, *synthetic(shape, device))
     return budgets.from_expected(budgets.metrics_of(model_rows, ref_rows)), starts
 

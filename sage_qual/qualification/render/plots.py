@@ -45,12 +45,12 @@ ROW_INCHES, COLUMN_INCHES, MIN_HEIGHT_INCHES = 0.5, 1.1, 3.2
 def heat_ratio(cell: report_model.Cell, published: dict | None = None) -> float | None:
     """What a heatmap cell shows: relative L2 over the cell's budget, or over the fixture's published
     bound for its class when `published` (fixture -> class -> limits) is given; None: no number."""
-    bounds = cell.bounds
+    limit = cell.budget
     if published is not None:
-        bounds = published.get(cell.fixture, {}).get(cell.accuracy_class)
-    if cell.rel_l2 is None or bounds is None:
+        limit = published.get(cell.fixture, {}).get(cell.accuracy_class)
+    if cell.metrics is None or cell.metrics.rel_l2 is None or limit is None:
         return None
-    return cell.rel_l2 / bounds.max_rel_l2
+    return cell.metrics.rel_l2 / limit.max_rel_l2
 
 
 NO_NUMBER = "#ffffff"  # the heatmap's colour for a cell without a number

@@ -207,9 +207,9 @@ def _gpu_blocks(gpu: verdict.GpuDecision, images: dict) -> list[Block]:
 
 def _cell_row(c: report_model.Cell) -> list:
     accuracy = ["-", "-"]
-    if c.bounds:
-        accuracy = [f"{_number(c.rel_l2)} (<= {_number(c.bounds.max_rel_l2)})",
-                    f"{_number(c.worst_head_cosine, 4)} (>= {_number(c.bounds.min_cosine, 4)})"]
+    if c.budget and c.metrics:
+        accuracy = [f"{_number(c.metrics.rel_l2)} (<= {_number(c.budget.max_rel_l2)})",
+                    f"{_number(c.metrics.worst_head_cosine, 4)} (>= {_number(c.budget.min_cosine, 4)})"]
     smooth = c.smooth_k_on
     return [c.variant, c.fixture, c.outcome.value, *accuracy, _number(c.error_vs_sdpa),
             _number(c.extra_bytes_per_element),
@@ -351,8 +351,8 @@ def _long_row(c: report_model.LongCheck) -> list:
     if c.ran_tokens or c.ran_heads:
         call += f" (ran {c.ran_tokens or shape.q_tokens} tokens, {c.ran_heads or heads} heads)"
     accuracy = "-"
-    if c.bounds and c.metrics:
-        accuracy = f"{_number(c.metrics.rel_l2)} (<= {_number(c.bounds.max_rel_l2)})"
+    if c.budget and c.metrics:
+        accuracy = f"{_number(c.metrics.rel_l2)} (<= {_number(c.budget.max_rel_l2)})"
     identical = ", ".join(f"{name} {'yes' if same else 'NO'}" for name, same in c.identical.items())
     if c.rows_identical is not None:
         moved = f"rows moved {'yes' if c.rows_identical else 'NO'}"

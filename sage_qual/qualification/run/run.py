@@ -310,8 +310,9 @@ def describe(record: Cell | LongCheck | report_model.Speed | SpanProbe | report_
         where = record.fixture if isinstance(record, Cell) else \
             f"{record.shape.q_tokens} tokens ({', '.join(record.layouts)})"
         what = f"{record.variant} x {where}: {record.outcome.value}"
-        if isinstance(record, Cell) and record.rel_l2 is not None:
-            what += f" (rel L2 {record.rel_l2:.3g}, worst cos {_number(record.worst_head_cosine)})"
+        if isinstance(record, Cell) and record.metrics and record.metrics.rel_l2 is not None:
+            what += (f" (rel L2 {record.metrics.rel_l2:.3g}, "
+                     f"worst cos {_number(record.metrics.worst_head_cosine)})")
     else:
         name = f"sdpa/{record.best_backend}" if record.best_backend else record.kernel
         timing = f"{record.ms:.3g} ms" if record.ms else record.outcome.value
