@@ -8,6 +8,7 @@ version 1 still reads, upgraded to the current version (3).
 import copy
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -392,3 +393,15 @@ def test_a_cell_holds_every_accuracy_metric_the_worker_measures():
     stored = {f.name for f in dataclasses.fields(report_model.Cell)} | {
         f.name for f in dataclasses.fields(report_model.Metrics)}  # a cell's metrics
     assert {f.name for f in dataclasses.fields(accuracy.Accuracy)} <= stored
+
+
+@pytest.mark.parametrize("old, new", [("rel_l2", "metrics.rel_l2"), ("finite", "metrics.finite"),
+                                      ("worst_head_cosine", "metrics.worst_head_cosine"), ("bounds", "budget")])
+def test_a_cell_read_by_its_schema_3_name_says_where_the_number_went(old, new):
+    """A downstream test of the pytest plugin written against schema 3 (`cell.rel_l2`) is told the new path."""
+    cell = builders.cell("sm90-fp8-cuda", builders.fixture())
+    with pytest.raises(AttributeError, match=rf"^Cell\.{old} is Cell\.{re.escape(new)} since report schema 4$"):
+        getattr(cell, old)
+    with pytest.raises(AttributeError, match="has no attribute 'rel_l3'"):
+        cell.rel_l3
+    assert not hasattr(cell, old)
