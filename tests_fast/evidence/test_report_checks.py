@@ -159,6 +159,19 @@ def version_3(data: dict) -> dict:
     return data
 
 
+@pytest.mark.parametrize("version", [1, 2, 3])
+def test_upgrading_leaves_the_callers_report_as_it_was(version):
+    """gate and merge may read one dict twice: the upgrade works on copies, down to each record (a
+    crashed cell or long check has no budget to rename, so nothing else copied it)."""
+    data = version_3(valid())
+    data["schema_version"] = version
+    data["devices"][0]["long"][0].update(outcome="crash", detail="killed", finite=None)
+    del data["devices"][0]["long"][0]["bounds"]
+    before = copy.deepcopy(data)
+    files.from_dict(data, "r.json")
+    assert data == before
+
+
 def test_a_version_3_report_reads_as_the_same_evidence():
     """3 -> 4: each cell's numbers move into its metrics (null where it did not run), `bounds` is
     `budget`; the verdicts are the same."""

@@ -137,7 +137,7 @@ _CELL_NUMBERS = tuple(f.name for f in dataclasses.fields(Metrics))  # schema 3's
 
 
 def _upgrade_cell(cell: dict) -> dict:
-    cell = _upgrade_budget(cell)
+    cell = dict(_upgrade_budget(cell))  # a copy: the caller's report stays as it was read
     if "metrics" in cell:  # already schema 4's shape; a flat number beside it is left for the reader to refuse
         return cell
     numbers = {name: cell.pop(name) for name in _CELL_NUMBERS if name in cell}
@@ -147,7 +147,7 @@ def _upgrade_cell(cell: dict) -> dict:
 
 
 def _upgrade_long(check: dict) -> dict:
-    check = _upgrade_budget(check)
+    check = dict(_upgrade_budget(check))
     moved = {"finite": check.pop("finite")} if "finite" in check else {}
     metrics = check.get("metrics")
     if isinstance(metrics, dict):
