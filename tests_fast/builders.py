@@ -15,6 +15,7 @@ from sage_qual import limits, records
 from sage_qual.qualification import families
 from sage_qual.qualification.evidence import tasks
 from sage_qual.qualification.evidence.report_model import (
+    METRIC_NAMES,
     SCHEMA_VERSION,
     AccuracyClass,
     Budget,
@@ -134,9 +135,6 @@ def budget(max_rel_l2=0.06, min_cosine=0.99, **limits) -> Budget:
     """A budget of these limits; a limit not named is null (not checked, as in an older report)."""
     nulls = {f.name: None for f in dataclasses.fields(Budget)}
     return Budget(**{**nulls, "max_rel_l2": max_rel_l2, "min_cosine": min_cosine, **limits})
-
-
-METRIC_NAMES = tuple(f.name for f in dataclasses.fields(Metrics))
 
 
 def metrics(finite=True, **numbers) -> Metrics:

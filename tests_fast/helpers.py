@@ -59,6 +59,11 @@ def builtin_sm90_thresholds() -> str:
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 
 
+def flat(text: str) -> str:
+    """`text` on one line, its runs of whitespace one space: a document's sentence however wrapped."""
+    return " ".join(text.split())
+
+
 def newest_certify_run(gpu: str = "") -> Path:
     """The newest run folder of docs/results/ (by its run number) that holds certify reports, of one
     GPU model where `gpu` names it as the folders do (h200, h100), else of any."""

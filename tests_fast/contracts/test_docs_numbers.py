@@ -11,7 +11,7 @@ from sage_qual import cli
 from sage_qual.fixtures.fileformat import list_fixtures, shipped_dir
 from sage_qual.qualification.decide import checked, verdict
 
-from ..helpers import newest_certify_run
+from ..helpers import flat, newest_certify_run
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "docs" / "guide.md").read_text()  # the README's reference page
@@ -23,10 +23,6 @@ NEWEST = sorted(newest_certify_run().glob("certify*/report.json.gz"))[-1]  # the
 SHIPPED_SINCE_NEWEST: set[str] = set()
 RUN13 = ROOT / "docs/results/run13-h200x2"  # four runs with paired timing: every family's threshold
 RUN8 = [ROOT / "docs/results/run8-h200x2-final/certify" / f"certify-{n}" / "report.json.gz" for n in "ab"]
-
-
-def flat(text: str) -> str:
-    return " ".join(text.split())
 
 
 def sm90_break_even(path: Path) -> int:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from sage_qual.qualification.decide import checked, verdict
 
-from ..helpers import newest_h200_run
+from ..helpers import flat, newest_h200_run
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
@@ -80,7 +80,3 @@ def test_the_h100_sentence_is_what_its_run_decides():
         for d in gpu.families:
             assert f"{d.verdict.value}{' ' + d.variant if d.variant else ''}" == table[d.family], d.family
             assert d.served is None or d.served.min_query_tokens == tokens, d.family
-
-
-def flat(text: str) -> str:
-    return " ".join(text.split())

@@ -403,5 +403,5 @@ def test_a_cell_read_by_its_schema_3_name_says_where_the_number_went(old, new):
     with pytest.raises(AttributeError, match=rf"^Cell\.{old} is Cell\.{re.escape(new)} since report schema 4$"):
         getattr(cell, old)
     with pytest.raises(AttributeError, match="has no attribute 'rel_l3'"):
-        cell.rel_l3
+        _ = cell.rel_l3
     assert not hasattr(cell, old)

@@ -21,6 +21,7 @@ from sage_qual import jsonfile, records
 from sage_qual.qualification.evidence.report_model import (
     FIX,
     KIND,
+    METRIC_NAMES,
     SCHEMA_VERSION,
     Budget,
     Metrics,
@@ -133,14 +134,11 @@ def _upgrade_device(device: dict) -> dict:
     return device
 
 
-_CELL_NUMBERS = tuple(f.name for f in dataclasses.fields(Metrics))  # schema 3's numbers of a cell
-
-
 def _upgrade_cell(cell: dict) -> dict:
     cell = dict(_upgrade_budget(cell))  # a copy: the caller's report stays as it was read
     if "metrics" in cell:  # already schema 4's shape; a flat number beside it is left for the reader to refuse
         return cell
-    numbers = {name: cell.pop(name) for name in _CELL_NUMBERS if name in cell}
+    numbers = {name: cell.pop(name) for name in METRIC_NAMES if name in cell}  # schema 3 kept them flat
     # A number beside a null `finite` is kept, for the reader to refuse by its path, never dropped.
     measured = any(value is not None for value in numbers.values())
     return {**cell, "metrics": _filled(Metrics, numbers) if measured else None}

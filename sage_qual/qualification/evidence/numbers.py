@@ -4,6 +4,7 @@ process, the decisions and the renderers read them."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from sage_qual import records
@@ -53,3 +54,6 @@ class Metrics:
     def stored(self) -> "Metrics":
         """The same numbers as a report stores them: a non-finite one is null."""
         return Metrics(**records.finite_or_none(vars(self)))
+
+
+METRIC_NAMES = tuple(f.name for f in dataclasses.fields(Metrics))  # a cell's and a long check's numbers

@@ -20,7 +20,14 @@ from typing import Literal
 from sage_qual import limits
 from sage_qual.qualification.evidence import identity
 from sage_qual.qualification.evidence.context_runs import ContextRun, safe_contexts  # noqa: F401 (the model's)
-from sage_qual.qualification.evidence.numbers import COSINE, NOT_NEGATIVE, Budget, Metrics, PublishedBound  # noqa: F401
+from sage_qual.qualification.evidence.numbers import (  # noqa: F401 (the model's)
+    COSINE,
+    METRIC_NAMES,
+    NOT_NEGATIVE,
+    Budget,
+    Metrics,
+    PublishedBound,
+)
 from sage_qual.qualification.families import FAMILIES
 from sage_qual.serving.contexts import CHECKS, CONTEXTS
 
@@ -87,9 +94,6 @@ class _Measured:
         return []
 
 
-_METRIC_NAMES = frozenset(f.name for f in dataclasses.fields(Metrics))
-
-
 @dataclass(frozen=True)
 class Cell(_Measured):
     """One variant on one fixture: its metrics only when it ran to the end (a number that was not finite
@@ -123,7 +127,7 @@ class Cell(_Measured):
     def __getattr__(self, name: str):
         """A name schema 4 moved (a test of sage-qual's pytest plugin may still read `cell.rel_l2`):
         an AttributeError that says where it went."""
-        moved = f"metrics.{name}" if name in _METRIC_NAMES else "budget" if name == "bounds" else ""
+        moved = f"metrics.{name}" if name in METRIC_NAMES else "budget" if name == "bounds" else ""
         if moved:
             raise AttributeError(f"Cell.{name} is Cell.{moved} since report schema 4")
         raise AttributeError(f"'Cell' object has no attribute {name!r}")

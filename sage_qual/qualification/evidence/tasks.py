@@ -26,6 +26,7 @@ from typing import Any, ClassVar, Union
 
 from sage_qual import records
 from sage_qual.qualification.evidence.report_model import (
+    METRIC_NAMES,
     AccuracyClass,
     Budget,
     Cell,
@@ -395,7 +396,7 @@ def judged_cell(variant: str, fixture: str, accuracy: Metrics, budget: Budget, r
     `Metrics`; non-finite ones stored as null), the budget it was judged against and the reasons it
     fails ([]: it passes)."""
     numbers = records.finite_or_none(vars(accuracy))
-    metrics = Metrics(**{f.name: numbers.pop(f.name) for f in dataclasses.fields(Metrics)})
+    metrics = Metrics(**{name: numbers.pop(name) for name in METRIC_NAMES})
     return Cell(variant, fixture, Outcome.FAIL if reasons else Outcome.PASS, reasons=reasons,
                 accuracy_class=AccuracyClass(accuracy_class), budget=budget, metrics=metrics, **numbers,
                 extra_bytes_per_element=extra_bytes_per_element, **more)
