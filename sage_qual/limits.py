@@ -20,10 +20,21 @@ MIN_KEY_TOKENS = 512
 # torch (a few MiB at most, so the checked call costs no more memory than later ones:
 # docs/results/README.md, "Extra memory per call", first checked call and later calls equal).
 CHECK_ROWS = 1024
-# Largest relative L2 against torch the first-call check accepts. A served FLUX.1 call measured
-# 0.038 (docs/runs/run1/probe.log, H200) and the worst shipped fixture 0.17 with smoothing off
-# (README "Known limits"); 0.5 lets every working kernel through and catches a broken one.
-CHECK_MAX_REL_L2 = 0.5
+# Largest relative L2 against torch the first-call check accepts: the fitness bound of the family
+# served (sage_qual/fixtures/fitness.py). The first call may be any of the family's calls (Qwen-Image's
+# is its outlier block 0), so it is held to the loosest fitness bound among the family's shipped
+# fixtures, keyed by normalized family name (letters and digits; a fast test recomputes the table
+# from fixtures/): 0.3 for every family, the stress rule. With no family named, the loosest of all.
+# The seeds' fixed 0.5 passed comfy-kitchen's 0.508 on the Krea-2 outlier replica (run 40, H200).
+FIRST_CALL_MAX_REL_L2 = {"flux1": 0.3, "flux2": 0.3, "zimage": 0.3, "qwenimage": 0.3, "krea2": 0.3,
+                         "sdxl": 0.3, "ltx2": 0.3, "wan22": 0.3}
+CHECK_MAX_REL_L2 = max(FIRST_CALL_MAX_REL_L2.values())
+
+
+def first_call_max_rel_l2(family: str | None) -> float:
+    """The first-call check's limit for `family` (None, or a family no table names: the loosest)."""
+    key = "".join(c for c in (family or "").lower() if c.isascii() and c.isalnum())
+    return FIRST_CALL_MAX_REL_L2.get(key, CHECK_MAX_REL_L2)
 
 # Consecutive Triton cache write failures (OSError) before a GPU is retired. A policy, not a
 # measurement: one failure is a race between processes sharing a cache, three in a row a cache

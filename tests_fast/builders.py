@@ -7,11 +7,13 @@ report builds a valid one here and then breaks the dumped dict, so it shows whic
 
 import dataclasses
 import hashlib
+import math
 from pathlib import Path
 
 import torch
 
 from sage_qual import limits, records
+from sage_qual.fixtures.fitness import FitnessBound
 from sage_qual.qualification import families
 from sage_qual.qualification.evidence import tasks
 from sage_qual.qualification.evidence.report_model import (
@@ -113,6 +115,8 @@ def machine(gpu, torch_version=None, sageattention="2.2.0", torch_cuda="13.0", s
 # Report records ---------------------------------------------------------------------------------
 FIXTURE_BOUNDS = {AccuracyClass.FP16: PublishedBound(max_rel_l2=0.05, min_cosine=0.99),
                   AccuracyClass.FP8: PublishedBound(max_rel_l2=0.12, min_cosine=0.98)}
+# A fitness bound nothing passes over, for tests of the conformance judge alone.
+CONFORMANCE_ONLY = FitnessBound(math.inf, None, "a test of conformance alone", "a test of conformance alone")
 H200_DEVICE = ("NVIDIA H200", [9, 0], 139.8)  # name, capability, memory_gib as torch reports them
 MEASURED = (Outcome.PASS, Outcome.FAIL)
 

@@ -39,7 +39,8 @@ def test_variant_on_fixture(variant_name, fixture_path, kernels, runnable, wrapp
     found = accuracy.accuracy(direct, q, k, v, attn_mask=mask)
     budget = budgets.budget(variant, fixture)
     expected = budgets.expectation(variant, fixture)
-    reasons = judge.cell_reasons(found, 0.0, budget, math.inf, found.sdpa_rel_l2)
+    reasons = judge.cell_reasons(found, 0.0, budget, math.inf, found.sdpa_rel_l2,
+                                 fitness=fixture.fitness(variant))
     record(test="accuracy", variant=variant.name, fixture=fixture.name, kind=fixture.kind,
            family=fixture.family, **records.finite_or_none(vars(found)), model_rel_l2=expected.metrics.rel_l2,
            model_finite=expected.model_finite, model_hazards="; ".join(expected.hazards),

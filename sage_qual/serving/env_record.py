@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 
 class ReasonKind(str, enum.Enum):
-    ACCURACY = "accuracy"
+    ACCURACY = "accuracy"  # off its model: past the budget its numerics model derives (conformance)
+    UNFIT = "unfit"  # unfit for the family: past the error the family was shown to tolerate (fitness)
     NON_FINITE = "non_finite"
     MEMORY = "memory"
     SPEED = "speed"

@@ -7,6 +7,7 @@ replacement hands every call to torch untouched. Inside a scope, a call that pas
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sage_qual import limits
 from sage_qual.limits import one_line
 from sage_qual.serving import platform, sage_package, scope, torch_sdpa
 from sage_qual.serving.assess import Packages, assess, box_facts, loaded
@@ -134,7 +136,10 @@ def _install(config: WrapperConfig | None, profile=None, family: str | None = No
         _installed = None
     try:
         loaded = _load_profile(profile)  # a broken profile is said before any GPU or package check
-        devices, packages = _probe(config or DEFAULT_CONFIG, loaded, family, builtin=config is None)
+        # Without a config of the caller's, the first-call check holds the family's fitness bound.
+        config = config or dataclasses.replace(DEFAULT_CONFIG,
+                                               check_max_rel_l2=limits.first_call_max_rel_l2(family))
+        devices, packages = _probe(config, loaded, family, builtin=arguments[0] is None)
         package = _primary(packages)
     except sage_package.SageUnavailable as why:
         _status = InstallStatus(False, str(why), devices=getattr(why, "devices", ()))
@@ -144,8 +149,8 @@ def _install(config: WrapperConfig | None, profile=None, family: str | None = No
         _status = InstallStatus(False, f"unexpected {type(error).__name__}: {error}")
         log.warning("SageAttention not enabled, attention stays on PyTorch SDPA: %s", _status.reason)
         return _status
-    _installed = _Installed(torch.nn.functional.scaled_dot_product_attention, packages,
-                            config or DEFAULT_CONFIG, devices, arguments)
+    _installed = _Installed(torch.nn.functional.scaled_dot_product_attention, packages, config, devices,
+                            arguments)
     _installed.function = _make_sdpa(_installed)
     torch_sdpa.bind(_installed.function, _installed.original)
     _status = InstallStatus(True, "", package.version, tuple(devices.values()))
@@ -399,7 +404,8 @@ def _first_call_problem(state: _Installed, call: SdpaCall, out: torch.Tensor) ->
     error = torch.linalg.vector_norm(got - expected) / torch.linalg.vector_norm(expected).clamp_min(1e-12)
     rel_l2 = error.item()  # the one host read of a served call's first instance
     if not rel_l2 <= state.config.check_max_rel_l2:  # NaN fails this too
-        return f"relative L2 {rel_l2:.3g} against PyTorch (limit {state.config.check_max_rel_l2})"
+        return (f"relative L2 {rel_l2:.3g} against PyTorch (limit {state.config.check_max_rel_l2}: the "
+                "fitness bound of the family served, sage_qual/limits.py)")
     return ""
 
 

@@ -152,8 +152,8 @@ DAMAGE = {
                             "devices[0].capability: has 3 items, expected 2"),
     "cell of an unknown fixture": (edit(lambda d: d["devices"][0]["cells"][0].update(fixture="ghost")),
                                    "'ghost' is not in `fixtures`"),
-    "future schema": (edit(lambda d: d.update(schema_version=5)),
-                      "schema_version: 5 is newer than this sage-qual reads (1, 2, 3, 4); upgrade sage-qual"),
+    "future schema": (edit(lambda d: d.update(schema_version=6)),
+                      "schema_version: 6 is newer than this sage-qual reads (1, 2, 3, 4, 5); upgrade sage-qual"),
     "complete without finish": (edit(lambda d: d.update(finished=None)), "finished: null in a report marked "
                                                                           "complete"),
 }

@@ -107,22 +107,22 @@ def test_a_foreign_document_is_not_a_report(data):
 
 
 def test_a_newer_schema_says_to_upgrade():
-    assert refused(lambda d: d.update(schema_version=5)) == (
-        "schema_version: 5 is newer than this sage-qual reads (1, 2, 3, 4); upgrade sage-qual"
+    assert refused(lambda d: d.update(schema_version=6)) == (
+        "schema_version: 6 is newer than this sage-qual reads (1, 2, 3, 4, 5); upgrade sage-qual"
     )
 
 
 @pytest.mark.parametrize("version", [0, True, "2", None, 1.5])
 def test_an_unreadable_schema_version_is_refused_with_the_fix(version):
     message = refused(lambda d: d.update(schema_version=version))
-    assert message == f"schema_version: {version!r} is not a report schema version (1, 2, 3, 4)"
+    assert message == f"schema_version: {version!r} is not a report schema version (1, 2, 3, 4, 5)"
 
 
 def test_a_version_1_report_drops_its_stored_analysis_and_reads_as_the_current_version():
     data = json.loads(SAMPLE.read_text())
     assert data["schema_version"] == 1 and "gpus" in data
     parsed = files.from_dict(data, "r.json")
-    assert parsed.schema_version == report_model.SCHEMA_VERSION == 4
+    assert parsed.schema_version == report_model.SCHEMA_VERSION == 5
     assert data["schema_version"] == 1 and "gpus" in data  # the caller's dict is not changed
     # Its budgets held two limits: the others read as null, and judge checks no null limit.
     budget = parsed.devices[0].cells[0].budget
@@ -553,8 +553,8 @@ def test_a_devices_model_is_its_name_and_capability():
 
 def test_the_json_schema_names_this_version():
     schema = files.json_schema()
-    assert schema["$id"] == "https://sage-qual.invalid/report/4"
-    assert "schema version 4" in schema["title"]
+    assert schema["$id"] == "https://sage-qual.invalid/report/5"
+    assert "schema version 5" in schema["title"]
 
 
 @pytest.mark.parametrize("rows, said", [

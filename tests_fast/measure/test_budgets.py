@@ -12,6 +12,7 @@ from sage_qual.fixtures.fileformat import list_fixtures, load_fixture, shipped_d
 from sage_qual.qualification.evidence.report_model import Metrics, Reason, ReasonKind
 from sage_qual.qualification.measure import accuracy, budgets, judge
 from sage_qual.serving.variants import VARIANTS
+from tests_fast import builders
 
 FIXTURES = {p.stem: p for p in list_fixtures(shipped_dir())}
 
@@ -29,7 +30,7 @@ def loaded():
 
 
 def _reasons(out, ref, budget) -> list[Reason]:
-    return judge.cell_reasons(accuracy.errors(out, ref), 0.0, budget, math.inf)
+    return judge.cell_reasons(accuracy.errors(out, ref), 0.0, budget, math.inf, fitness=builders.CONFORMANCE_ONLY)
 
 
 # Fixture outermost: the budgets' model run caches one fixture's reference at a time.

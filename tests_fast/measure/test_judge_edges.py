@@ -8,6 +8,7 @@ import pytest
 
 from sage_qual.qualification.evidence.report_model import Budget, Metrics
 from sage_qual.qualification.measure import judge
+from tests_fast import builders
 
 BUDGET = {
     "max_rel_l2": 0.05,
@@ -53,7 +54,7 @@ def judged(values, per_element=2.5, budget=BUDGET, bound=2.5):
     else:
         sdpa_rel_l2 = getattr(values, "sdpa_rel_l2", None)
     limits = Budget(**{f.name: budget.get(f.name) for f in dataclasses.fields(Budget)})
-    return pairs(judge.cell_reasons(values, per_element, limits, bound, sdpa_rel_l2))
+    return pairs(judge.cell_reasons(values, per_element, limits, bound, sdpa_rel_l2, fitness=builders.CONFORMANCE_ONLY))
 
 
 def test_every_metric_exactly_at_its_bound_passes():

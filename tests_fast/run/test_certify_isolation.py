@@ -226,7 +226,7 @@ def measured(rel_l2: float, cosine: float, finite: bool = True) -> Accuracy:
 ])
 def test_cell_reasons(acc, per_element, kinds):
     published = BOUNDS["fp8"]
-    reasons = judge.cell_reasons(acc, per_element, builders.budget(**published), 2.5)
+    reasons = judge.cell_reasons(acc, per_element, builders.budget(**published), 2.5, fitness=builders.CONFORMANCE_ONLY)
     assert [r.kind.value for r in reasons] == kinds
 
 

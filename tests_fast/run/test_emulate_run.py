@@ -112,7 +112,7 @@ def test_each_cell_is_judged_against_its_budget_like_a_measured_one(emulated):
         acc = accuracy.accuracy(budgets.prediction(variant, fixture), fixture.q, fixture.k, fixture.v, ref)
         assert cell["budget"] == limits(budgets.budget(variant, fixture))
         budget = budgets.budget(variant, fixture)
-        assert cell["reasons"] == judge.cell_reasons(acc, 0.0, budget, math.inf) == []
+        assert cell["reasons"] == judge.cell_reasons(acc, 0.0, budget, math.inf, fitness=builders.CONFORMANCE_ONLY) == []
         assert cell["outcome"] == "pass" and cell["detail"] == in_process.PREDICTED
         assert cell["accuracy_class"] == variant.accuracy_class
         numbers = cell["metrics"]
@@ -160,8 +160,8 @@ def test_the_summary_tables_each_variant_and_lists_each_predicted_failure(emulat
         "PREDICTED (CPU numerics model, no GPU ran): 2 fixture(s), 2 variant(s); FAIL = "
         "would fail at least one fixture of the family"
     )
-    assert lines[start + 1] == ("  it finds non-finite model outputs and named hazards only: a finite "
-                                "prediction passes its own budget (report.md says more)")
+    assert lines[start + 1] == ("  it finds non-finite model outputs, named hazards and outputs unfit for the "
+                                "family: a finite prediction conforms to its own model (report.md says more)")
     width = len("sm80-fp16-cuda") + 2
     assert lines[start + 2] == "variant".ljust(width) + "default on".ljust(16) + "SDXL".ljust(10)
     assert lines[start + 3] == "sm90-fp8-cuda".ljust(width) + "sm_90".ljust(16) + "FAIL".ljust(10)

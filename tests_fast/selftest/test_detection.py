@@ -110,7 +110,7 @@ def _record(fixture) -> report_model.FixtureRecord:
 
 def _cell(variant, fixture, metrics: Metrics) -> report_model.Cell:
     budget = budgets.budget(variant, fixture)
-    reasons = judge.cell_reasons(metrics, EXTRA_BYTES, budget, MEMORY_BOUND)
+    reasons = judge.cell_reasons(metrics, EXTRA_BYTES, budget, MEMORY_BOUND, fitness=builders.CONFORMANCE_ONLY)
     numbers = vars(metrics.stored())
     return builders.cell(variant.name, _record(fixture), "fail" if reasons else "pass", reasons=reasons,
                          budget=budget, **numbers, extra_bytes_per_element=EXTRA_BYTES, seconds=0.1)

@@ -1,11 +1,15 @@
 """A report read back as the decisions may trust it: every key and type checked (`report_model`),
 then every result checked against its own numbers (a cell's outcome and reasons are what its
-metrics and budget give, a long check's too), so an edited outcome is refused with one line."""
+metrics, budget and fitness bound give, a long check's too), so an edited outcome is refused with
+one line. A report written before the fitness judge (schema 4 and older) is checked against the
+judges it was written with, then judged for fitness too: what every reader gets is both judges."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
+from sage_qual.fixtures import fitness
 from sage_qual.qualification.evidence import files, tasks
 from sage_qual.qualification.evidence.report_model import (
     Cell,
@@ -33,32 +37,46 @@ def load(path) -> Report:
     ReportError (one line: file, key, fix) otherwise."""
     data = files.load(path)
     check_evidence(data, str(path))
-    return data
+    return fitted(data)
 
 
 def parse(data: dict, where: str) -> Report:
     """The same checks as load() on a report already in memory."""
     typed = files.from_dict(data, where)
     check_evidence(typed, where)
-    return typed
+    return fitted(typed)
 
 
-def judged(report: Report, cell: Cell) -> list[Reason]:
-    """Why a cell fails, recomputed from its stored numbers and budget (`judge.cell_reasons`)."""
+def cell_fitness(report: Report, cell: Cell) -> fitness.FitnessBound:
+    """The fitness bound of a cell: its fixture's bound for the cell's accuracy class."""
+    fixture = next(f for f in report.fixtures if f.name == cell.fixture)
+    accuracy_class = cell.accuracy_class or VARIANTS[cell.variant].accuracy_class
+    return fitness.bound_for(fixture.name, fixture.kind.value, fixture.bounds[accuracy_class])
+
+
+def judged(report: Report, cell: Cell, with_fitness: bool = True) -> list[Reason]:
+    """Why a cell fails, recomputed from its stored numbers, budget and fitness bound
+    (`judge.cell_reasons`); `with_fitness` false: as a report written before the fitness judge
+    judged it."""
     if not cell.measured:
         return [Reason(ReasonKind(cell.outcome.value), cell.detail)]
     fixture = next(f for f in report.fixtures if f.name == cell.fixture)
     # A predicted cell (certify --emulate) has no memory number: only its accuracy is judged.
     extra = 0.0 if cell.extra_bytes_per_element is None and report.predicted else cell.extra_bytes_per_element
-    return (judge.cell_reasons(cell.metrics, extra, cell.budget, memory_bound(fixture.family),
-                               cell.sdpa_rel_l2) + judge.hazard_reasons(cell.hazards))
+    reasons = (judge.cell_reasons(cell.metrics, extra, cell.budget, memory_bound(fixture.family),
+                                  cell.sdpa_rel_l2, fitness=cell_fitness(report, cell))
+               + judge.hazard_reasons(cell.hazards))
+    return reasons if with_fitness else [r for r in reasons if r.kind != ReasonKind.UNFIT]
 
 
-def long_judged(check: LongCheck) -> list[Reason]:
-    """Why a long check fails, recomputed from its stored numbers, budget and layout comparisons."""
+def long_judged(check: LongCheck, with_fitness: bool = True) -> list[Reason]:
+    """Why a long check fails, recomputed from its stored numbers, budget, fitness bound
+    (`fitness.LONG_CHECK_BOUND`) and layout comparisons."""
     if not check.measured:
         return [Reason(ReasonKind.LONG, f"{check.outcome.value}: {check.detail}")]
-    reasons = judge.cell_reasons(check.metrics, 0.0, check.budget, math.inf)
+    reasons = judge.cell_reasons(check.metrics, 0.0, check.budget, math.inf, fitness=fitness.LONG_CHECK_BOUND)
+    if not with_fitness:
+        reasons = [r for r in reasons if r.kind != ReasonKind.UNFIT]
     reasons += judge.row_order_reasons(check.rows_identical)
     reasons += judge.layout_reasons(check.identical, check.layouts)
     reasons += [Reason(ReasonKind.LAYOUT, f"layout {name}: unknown to this sage-qual")
@@ -86,7 +104,7 @@ def check_evidence(report: Report, where: str) -> None:
             if not report.target and cell.variant not in VARIANTS:
                 raise ReportError(f"{key}: variant: unknown to this sage-qual; certify again with this "
                                   "version")
-            reasons = judged(report, cell)
+            reasons = judged(report, cell, report.fitness_judged)
             outcome = Outcome.FAIL if reasons else Outcome.PASS
             if cell.outcome != outcome:
                 why = "; ".join(r.detail for r in reasons) or "every number within its bound"
@@ -102,12 +120,32 @@ def check_evidence(report: Report, where: str) -> None:
             rows = _rows_problem(check)
             if rows:
                 raise ReportError(f"{where_long}: rows: {rows}; the report was edited: certify again")
-            reasons = long_judged(check)
+            reasons = long_judged(check, report.fitness_judged)
             outcome = Outcome.FAIL if reasons else Outcome.PASS
             if check.outcome != outcome:
                 why = "; ".join(r.detail for r in reasons) or "every number within its bound"
                 raise ReportError(f"{where_long}: outcome: {check.outcome.value!r} but its numbers say "
                                   f"{outcome.value!r} ({why}); the report was edited: certify again")
+
+
+def fitted(report: Report) -> Report:
+    """`report` with every outcome judged for fitness too: a report written before the fitness judge
+    gets the unfit cells and long checks failed, with the reasons (run 40's comfy-kitchen cell on the
+    Krea-2 outlier replica: a pass at relative L2 0.508, unfit against the fixture's 0.3)."""
+    if report.fitness_judged:
+        return report
+
+    def refit(result, reasons: list[Reason]):
+        unfit = [r for r in reasons if r.kind == ReasonKind.UNFIT]
+        if not result.measured or not unfit:
+            return result
+        return dataclasses.replace(result, outcome=Outcome.FAIL, reasons=[*result.reasons, *unfit])
+
+    devices = [dataclasses.replace(
+        device, cells=[refit(cell, judged(report, cell)) for cell in device.cells],
+        long=None if device.long is None else [refit(check, long_judged(check)) for check in device.long])
+        for device in report.devices]
+    return dataclasses.replace(report, devices=devices, fitness_judged=True)
 
 
 # The shapes of the sweep's long checks, as run/plan.py plans them.

@@ -32,7 +32,7 @@ from sage_qual.qualification.evidence.report_model import (
 SCHEMA_FILE = "report_schema.json"
 
 
-READABLE_VERSIONS = (1, 2, 3, 4)
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 
 
 def schema() -> dict:
@@ -117,7 +117,9 @@ def upgrade(data: dict, version: int) -> dict:
     older writer had none (judge checks no null limit), and moves a long check's `finite` into its
     metrics, which get each number the same way (no metrics: null); 3 -> 4 names a cell's and a long
     check's `bounds` `budget` and moves a cell's error numbers into its `metrics` (none where it has
-    no number and no `finite`: it did not run to the end)."""
+    no number and no `finite`: it did not run to the end); 4 -> 5 changes no key: an older report's
+    outcomes were judged by conformance alone (`fitness_judged` false), and the reader judges them
+    for fitness too (`decide.checked`)."""
     if version == 1:
         data = {k: v for k, v in data.items() if k != "gpus"}
     devices = data.get("devices")

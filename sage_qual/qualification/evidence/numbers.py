@@ -32,8 +32,8 @@ class Budget:
 
 @dataclass(frozen=True)
 class PublishedBound:
-    """A fixture's published accuracy bound for one class (`fixtures/fileformat.py`): provenance, shown
-    beside a predicted report; it bounds no cell."""
+    """A fixture's bound for one accuracy class as its file states it (`fixtures/fileformat.py`): the
+    fitness bound of every cell of that class on it (`fixtures.fitness.bound_for`)."""
     max_rel_l2: float
     min_cosine: float
 

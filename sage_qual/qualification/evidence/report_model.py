@@ -36,7 +36,7 @@ from sage_qual.serving.env_record import EnvironmentRecord, GpuIdentity, GpuInfo
 from sage_qual.serving.variants import VARIANTS
 
 KIND = "sage-qual-report"
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 FIX = "the file was edited, damaged or written by another tool: run `sage-qual certify` again"
 
 
@@ -398,7 +398,7 @@ class Report:
     complete=false, and with complete=true when the run finished. Holds evidence only: every
     verdict is computed from it when it is read."""
     kind: Literal["sage-qual-report"]
-    schema_version: Literal[4]
+    schema_version: Literal[5]
     complete: bool
     stopped: str = field(metadata={"description": "why the run stopped before the end ('' when it did not)"})
     started: str
@@ -417,6 +417,9 @@ class Report:
         "description": "certify --target: the integration qualified instead of the variants (wrapper, "
                        "sageattn, diffusers:BACKEND, module:function); it stands where a variant stands "
                        "(options.variants, cells' variant) and each cell stores its kernel class"})
+    fitness_judged: bool = field(default=False, metadata={
+        "description": "true: every outcome was judged for fitness as well as conformance (schema 5); "
+                       "false in an older report, whose outcomes the reader judges for fitness again"})
 
     def check(self) -> list[tuple[str, str]]:
         if self.complete and not self.finished:

@@ -67,7 +67,8 @@ def measure_cell(name: str, variant: Variant, fixture: Fixture, call: Call, benc
     budget = budgets.budget(variant, fixture)  # derived from the numerics model
     per_element = None if extra is None else extra / accuracy.elements(q, k, v)
     reasons = judge.cell_reasons(found, per_element or 0.0, budget,
-                                 math.inf if per_element is None else memory_bound, found.sdpa_rel_l2)
+                                 math.inf if per_element is None else memory_bound, found.sdpa_rel_l2,
+                                 fitness=fixture.fitness(variant))
     smooth_k_on = None
     if smooth_k_call is not None and is_outlier(fixture.name):
         rel_l2, cosine, finite = accuracy.compare(smooth_k_call(q, k, v), ref)

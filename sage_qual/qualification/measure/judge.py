@@ -1,4 +1,8 @@
-"""The one judgement of a cell: its measured metrics and its budget in, the reasons it fails out.
+"""The one judgement of a cell: its measured metrics, its budget and its fitness bound in, the reasons
+it fails out. Two judges: conformance (within the budget its numerics model derives: the kernel is
+on its model) and fitness (within the error the family was shown to tolerate, `fixtures.fitness`);
+a cell passes only where both hold, and each failure says which judge it is (`ReasonKind.ACCURACY`:
+off its model; `ReasonKind.UNFIT`: unfit for the family).
 
 certify's worker calls it as it measures, the verdict recomputes it from the stored metrics, and the
 GPU tests assert with it, so a cell cannot pass in one place and fail in another.
@@ -15,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+from sage_qual.fixtures.fitness import FitnessBound
 from sage_qual.qualification.evidence.report_model import Budget, Metrics, Reason, ReasonKind
 
 # limit -> (metric, "max" or "min", what it says)
@@ -37,11 +42,12 @@ def _number(value) -> float | None:
 
 
 def cell_reasons(metrics: Metrics, per_element: float | None, budget: Budget, memory_bound: float,
-                 sdpa_rel_l2: float | None = None) -> list[Reason]:
+                 sdpa_rel_l2: float | None = None, *, fitness: FitnessBound) -> list[Reason]:
     """Why a cell fails, each reason with its numbers; empty when it passes.
 
     `metrics`: a kernel's (`measure.Accuracy`), a stored cell's (`Cell.metrics`) or a long check's;
-    `sdpa_rel_l2`, when known, is quoted beside a failing relative L2.
+    `sdpa_rel_l2`, when known, is quoted beside a failing relative L2; `fitness`: the bound of the
+    calls the output stands for.
     """
     reasons = []
     finite = metrics.finite is True
@@ -65,12 +71,31 @@ def cell_reasons(metrics: Metrics, per_element: float | None, budget: Budget, me
             if metric == "rel_l2" and _number(sdpa_rel_l2) is not None:
                 extra = f" (SDPA in the input precision: {sdpa_rel_l2:.3g})"
             reasons.append(Reason(ReasonKind.ACCURACY, f"{label} {value:.4g} {relation} {bound:.4g}{extra}"))
+    reasons += fitness_reasons(metrics, fitness)
     if per_element is None:
         reasons.append(Reason(ReasonKind.MEMORY, "extra peak memory not measured"))
     elif per_element > memory_bound:
         reasons.append(Reason(ReasonKind.MEMORY,
                               f"extra peak {per_element:.2f} bytes per q/k/v element > {memory_bound:g}"))
     return reasons
+
+
+def fitness_reasons(metrics: Metrics, fitness: FitnessBound) -> list[Reason]:
+    """Why an output is unfit for the calls it stands for, in one reason: its relative L2 past the
+    bound's, its worst head's cosine below it (not read where the bound says the reference makes it
+    meaningless), or both. A non-finite output is judged once, by its finiteness, and a missing number
+    once, by conformance (every budget limits both numbers)."""
+    if metrics.finite is not True:
+        return []
+    checks = [("relative L2", metrics.rel_l2, fitness.max_rel_l2, ">")]
+    if fitness.min_cosine is not None:
+        checks.append(("worst head cosine", metrics.worst_head_cosine, fitness.min_cosine, "<"))
+    past = [f"{label} {number:.4g} {relation} {bound:.4g}" for label, value, bound, relation in checks
+            if (number := _number(value)) is not None
+            and ((number > bound) if relation == ">" else (number < bound))]
+    if not past:
+        return []
+    return [Reason(ReasonKind.UNFIT, f"unfit for the family: {', '.join(past)} (fitness bound: {fitness.source})")]
 
 
 def hazard_reasons(hazards) -> list[Reason]:

@@ -52,6 +52,7 @@ from typing import Callable
 
 import torch
 
+from sage_qual.fixtures import fitness
 from sage_qual.qualification import families as families_mod
 from sage_qual.qualification.evidence.report_model import Budget, DType, LongCheck, Outcome, ShapeSpec
 from sage_qual.qualification.evidence.tasks import LongTask
@@ -199,7 +200,8 @@ def check(task: LongTask, q, k, v, kernel: Kernel | None, blocks: int = SAMPLE_B
     expected = budgets.metrics_of(model_rows, ref_rows)
     budget = budgets.from_expected(expected)
     metrics = accuracy.errors(out_rows, ref_rows)
-    reasons = (judge.cell_reasons(metrics, 0.0, budget, math.inf) + judge.row_order_reasons(rows_identical)
+    reasons = (judge.cell_reasons(metrics, 0.0, budget, math.inf, fitness=fitness.LONG_CHECK_BOUND)
+               + judge.row_order_reasons(rows_identical)
                + judge.layout_reasons(identical, layouts))
     return task.record(Outcome.FAIL if reasons else Outcome.PASS, reasons=reasons, budget=budget,
                        metrics=metrics.stored(), model_finite=expected.model_finite, rows=starts,

@@ -76,8 +76,8 @@ def _predicted(written: Report, decisions: list[verdict.GpuDecision]) -> list[st
     variants = written.options.variants
     lines = [f"PREDICTED (CPU numerics model, no GPU ran): {len(written.fixtures)} fixture(s), "
              f"{len(variants)} variant(s); FAIL = would fail at least one fixture of the family",
-             "  it finds non-finite model outputs and named hazards only: a finite prediction passes its own "
-             "budget (report.md says more)"]
+             "  it finds non-finite model outputs, named hazards and outputs unfit for the family: a finite "
+             "prediction conforms to its own model (report.md says more)"]
     width = max(map(len, variants)) + 2
     lines.append("variant".ljust(width) + "default on".ljust(16)
                  + " ".join(f.label.ljust(10) for f in families))

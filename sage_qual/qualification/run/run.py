@@ -166,7 +166,8 @@ def header(planned: plan_mod.Plan, machine: plan_mod.Machine, predicted: bool, t
                                      fixture_dirs=chosen.fixture_dirs,
                                      quick=request.quick, timeout_s=timeout),
         environment=machine.environment, fixtures=[fixture_record(f) for f in chosen.fixtures],
-        shapes=planned.shapes, devices=planned.devices, predicted=predicted, target=target)
+        shapes=planned.shapes, devices=planned.devices, predicted=predicted, target=target,
+        fitness_judged=True)
 
 
 def fixture_record(fixture: fileformat.Fixture) -> report_model.FixtureRecord:

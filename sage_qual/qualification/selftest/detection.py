@@ -399,7 +399,8 @@ def owners(fixture: Fixture) -> frozenset[str]:
 
 def fails(variant: Variant, fixture: Fixture, out: torch.Tensor, ref: torch.Tensor) -> list[Reason]:
     """certify's judgement of one output against the float32 reference (memory not measured here)."""
-    return judge.cell_reasons(accuracy.errors(out, ref), 0.0, budgets.budget(variant, fixture), math.inf)
+    return judge.cell_reasons(accuracy.errors(out, ref), 0.0, budgets.budget(variant, fixture), math.inf,
+                              fitness=fixture.fitness(variant))
 
 
 def failing(variant: Variant, fixtures: list[Fixture], clean: dict[str, torch.Tensor],

@@ -24,6 +24,7 @@ import torch
 from sage_qual.qualification.evidence import tasks
 from sage_qual.qualification.evidence.tasks import TaskKind
 from sage_qual.qualification.run import worker
+from sage_qual.qualification.run.in_process import ModelKernels
 from sage_qual.qualification.run.options import TEST_HOOK, test_hook  # noqa: F401 (tests set TEST_HOOK here)
 
 FAULTS = {
@@ -31,6 +32,8 @@ FAULTS = {
     "hang": "sleep for an hour (the parent's timeout kills it)",
     "oom": "raise torch.OutOfMemoryError",
     "noise": "the fake kernel returns exact attention plus noise (fake GPUs only)",
+    "model": ("the kernel computes as the variant's numerics model: on its model however poor that model "
+              "is, a defect only the fitness judge sees"),
     "cuda-fault": "trip a real device-side assert, which poisons the worker's CUDA context",
     "illegal-address": "raise the error of a kernel's illegal memory access (fake GPUs: nothing poisoned)",
 }
@@ -103,10 +106,17 @@ class FaultyWorker(worker.Worker):
         self.context_faults = hook.get("context_faults", {})
 
     def handle(self, task: tasks.Task) -> tasks.Result:
-        inject(self.faults.get(task.id) or span_fault(self.span_faults, task), self.bench)
+        fault = self.faults.get(task.id) or span_fault(self.span_faults, task)
+        inject(fault, self.bench)
         defect = self.context_faults.get(task.variant) if task.KIND == TaskKind.CONTEXT else None
-        with context_fault(defect):
-            return super().handle(task)
+        kernels = self.kernels
+        if fault == "model":
+            self.kernels = ModelKernels()
+        try:
+            with context_fault(defect):
+                return super().handle(task)
+        finally:
+            self.kernels = kernels
 
 
 def main() -> int:
@@ -153,5 +163,5 @@ def inject(fault: str | None, bench) -> None:
         torch.cuda.synchronize()
     elif fault == "illegal-address":
         raise RuntimeError("CUDA error: an illegal memory access was encountered (test fault)")
-    elif fault is not None:
+    elif fault is not None and fault not in FAULTS:
         raise ValueError(f"unknown test fault {fault!r} (known: {', '.join(FAULTS)})")

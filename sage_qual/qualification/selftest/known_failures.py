@@ -20,7 +20,8 @@ from sage_qual.qualification.evidence.report_model import Outcome
 
 RESULTS = Path("docs/results")
 # What a failed cell says, in the words `fixtures show` prints.
-HOW = {"non_finite": "not finite", "accuracy": "over its budget", "memory": "over the memory bound"}
+HOW = {"non_finite": "not finite", "accuracy": "over its budget", "unfit": "past its fitness bound",
+       "memory": "over the memory bound"}
 
 
 def committed_reports(root: Path = RESULTS) -> list[Path]:
