@@ -52,7 +52,7 @@ def test_gate_lines_for_each_verdict():
         "  - speed: sm90-fp8-cuda never measured faster",
         "FLUX.1 on RTX 4090 (sm_89): keep off",
         "  - crash: sm90-fp8-cuda on flux (cuda:0): killed by SIGSEGV",
-        "  - accuracy: sm89-fp8-cuda on flux (cuda:1): relative L2 0.2 > 0.08",
+        "  - accuracy (off its model): sm89-fp8-cuda on flux (cuda:1): relative L2 0.2 > 0.08",
     ]
     assert gate_lines(decision, True)[2] == (
         "FLUX.1 on H100 (sm_90): safe, no speedup (passes with sm90-fp8-cuda, sm89-fp8-cuda; a profile "

@@ -18,8 +18,8 @@ from sage_qual import records
 from sage_qual.qualification.decide import bounds, checked, verdict
 from sage_qual.qualification.evidence import report_model
 from sage_qual.qualification.evidence.report_model import PublishedBound
-from sage_qual.qualification.measure import speed
-from sage_qual.qualification.render import plots
+from sage_qual.qualification.measure import judge, speed
+from sage_qual.qualification.render import plots, report
 from tests_fast import builders
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,11 +27,18 @@ RUN13 = ROOT / "docs" / "results" / "run13-h200x2"
 SAMPLE = ROOT / "tests_fast" / "data" / "sample_h200_2gpu.json"
 
 
+def without_the_fitness_judge(monkeypatch):
+    """As run 13's reports were rendered: the fitness judge (issue 52) and its table came later."""
+    monkeypatch.setattr(judge, "fitness_reasons", lambda metrics, fitness: [])
+    monkeypatch.setattr(report, "_fitness_blocks", lambda data: [])
+
+
 @pytest.mark.parametrize("run", ["certify-b", "certify-e"])
 def test_run_13s_reports_render_as_committed(run, tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")  # the committed report.md shows the plots
     monkeypatch.setattr(speed, "RUN_TO_RUN_SPREAD", 0.0)  # the bar those reports were decided with
     monkeypatch.setattr(bounds, "sites_of", lambda fixture, family=None: [])
+    without_the_fitness_judge(monkeypatch)
     builders.rendered(checked.load(RUN13 / run / "report.json.gz"), tmp_path)
     committed = gzip.decompress((RUN13 / run / "report.md.gz").read_bytes())
     assert (tmp_path / "report.md").read_bytes() == committed
@@ -41,6 +48,7 @@ def test_run_13s_reports_render_as_committed(run, tmp_path, monkeypatch):
 def test_bounds_change_only_the_rows_of_the_families_they_bound(run, tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     monkeypatch.setattr(speed, "RUN_TO_RUN_SPREAD", 0.0)  # the bar those reports were decided with
+    without_the_fitness_judge(monkeypatch)
     data = checked.load(RUN13 / run / "report.json.gz")
     builders.rendered(data, tmp_path)
     now = (tmp_path / "report.md").read_text().splitlines()

@@ -37,7 +37,10 @@ VARIANT = VARIANTS["sm90-fp8-cuda"]  # the kernel the field reports were tried w
 CLEAN_FAILURES = {
     "sm90-fp8-cuda": ({"sdxl_ip_adapter_zero_uncond", "flux1_ip_adapter_zero_uncond"}, {"SDXL", "FLUX.1"},
                       {"SDXL"}),
-    "ck-int8-cuda": (set(), set(), set()),
+    # Its model's own error on the block-0 outlier replicas is past their fitness bounds (0.51 > 0.3,
+    # 0.44 > 0.2 on the H200, run 40): on its model and unfit, as certify judges it.
+    "ck-int8-cuda": ({"krea2_b0_outlier_gqa", "qwen_image_b0_outlier_head"}, {"Krea-2", "Qwen-Image"},
+                     {"Krea-2", "Qwen-Image"}),
 }
 # Fixtures where a variant's own error is so large that a few wrong elements pass its budget:
 # comfy-kitchen's rotation spreads the shared Q/K outlier channel of the block-0 replicas (relative
@@ -110,7 +113,7 @@ def _record(fixture) -> report_model.FixtureRecord:
 
 def _cell(variant, fixture, metrics: Metrics) -> report_model.Cell:
     budget = budgets.budget(variant, fixture)
-    reasons = judge.cell_reasons(metrics, EXTRA_BYTES, budget, MEMORY_BOUND, fitness=builders.CONFORMANCE_ONLY)
+    reasons = judge.cell_reasons(metrics, EXTRA_BYTES, budget, MEMORY_BOUND, fitness=fixture.fitness(variant))
     numbers = vars(metrics.stored())
     return builders.cell(variant.name, _record(fixture), "fail" if reasons else "pass", reasons=reasons,
                          budget=budget, **numbers, extra_bytes_per_element=EXTRA_BYTES, seconds=0.1)

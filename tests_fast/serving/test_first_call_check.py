@@ -45,8 +45,9 @@ def garbage_in_head(head):
 @pytest.mark.parametrize("make, passes", [
     pytest.param(None, True, id="exact"),
     pytest.param(scaled(1.02), True, id="off_by_2_percent"),
-    pytest.param(scaled(1.45), True, id="rel_l2=0.45"),
-    pytest.param(scaled(1.55), False, id="rel_l2=0.55"),
+    # Past the fitness bound (0.3 with no family named: limits.CHECK_MAX_REL_L2), not past 0.5.
+    pytest.param(scaled(1.25), True, id="rel_l2=0.25"),
+    pytest.param(scaled(1.35), False, id="rel_l2=0.35"),
     pytest.param(scaled(0.0), False, id="zeros"),
     pytest.param(scaled(-1.0), False, id="negated"),
     pytest.param(with_value(float("nan")), False, id="nan_in_last_row"),
@@ -196,3 +197,24 @@ def test_only_the_check_reads_back_to_the_host():
             torch.Tensor.item = original_item
     assert first in ([], [1])
     assert reads == first
+
+
+# Whose bound ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family, limit", [("Krea-2", 0.1), ("flux.1", 0.2), (None, 0.3), ("a family no run knows", 0.3)])
+def test_install_holds_the_first_call_to_the_fitness_bound_of_the_family_it_serves(monkeypatch, family, limit):
+    """Without a config of the caller's, the check's limit is the family's (limits.FIRST_CALL_MAX_REL_L2);
+    with no family, or one the table does not name, the loosest of all."""
+    from sage_qual import limits
+    from sage_qual.serving import wrapper
+    from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
+
+    monkeypatch.setattr(limits, "FIRST_CALL_MAX_REL_L2", {"krea2": 0.1, "flux1": 0.2})
+    monkeypatch.setattr(limits, "CHECK_MAX_REL_L2", 0.3)
+    with FakeCuda([FakeGpu((9, 0), "GPU0")]), FakeSageAttention().installed():
+        assert sage_qual.install(family=family).enabled
+        assert wrapper._installed.config.check_max_rel_l2 == limit
+        config = wrapper.DEFAULT_CONFIG
+        assert sage_qual.install(config=config, family=family).enabled
+        assert wrapper._installed.config.check_max_rel_l2 == config.check_max_rel_l2  # the caller's own
+        sage_qual.uninstall()

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from sage_qual.qualification.decide.gate import GateDecision
 from sage_qual.qualification.decide.verdict import Verdict
+from sage_qual.qualification.evidence.report_model import ReasonKind
+
+# The judge a reason comes from, where its kind's name does not say it.
+JUDGES = {ReasonKind.ACCURACY: "accuracy (off its model)"}
 
 
 def lines(decision: GateDecision, require_speedup: bool) -> list[str]:
@@ -25,5 +29,5 @@ def lines(decision: GateDecision, require_speedup: bool) -> list[str]:
             note = (" (passes with " + ", ".join(passing) + "; a profile serves no call"
                     + ("" if require_speedup else "; --require-speedup would keep it off") + ")")
         found.append(f"{where}: {family.verdict.value}{note}")
-        found += [f"  - {r.kind.value}: {r.detail}" for r in family.reasons]
+        found += [f"  - {JUDGES.get(r.kind, r.kind.value)}: {r.detail}" for r in family.reasons]
     return found

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from sage_qual.fixtures import fitness
 from sage_qual.qualification.decide import verdict
 from sage_qual.qualification.decide.checked import status_line
 from sage_qual.qualification.evidence import report_model
@@ -111,6 +112,7 @@ def _blocks(data: Report, decisions: list[verdict.GpuDecision], images: dict,
     blocks += [Heading(2, "Fixtures"), Table(["fixture", "family", "kind", "q", "k/v", "dtype", "sha256"],
                [[f.name + (" (masked)" if f.masked else ""), f.family, f.kind.value, "x".join(map(str, f.q)),
                  "x".join(map(str, f.k)), f.dtype.value, f.sha256] for f in data.fixtures])]
+    blocks += _fitness_blocks(data)
     if any(f.masked for f in data.fixtures):
         blocks.append(Paragraph("A masked fixture is a call with an attn_mask: only the variants that take a mask "
                                 "run it, and it decides whether masked calls are served, not the family."))
@@ -124,6 +126,25 @@ def _blocks(data: Report, decisions: list[verdict.GpuDecision], images: dict,
     for device in data.devices:
         blocks += _device_blocks(data, device, images)
     return blocks
+
+
+def _fitness_blocks(data: Report) -> list[Block]:
+    """Each fixture's fitness bound per accuracy class, with its source: what the second judge holds
+    every output to, beside the budget its numerics model derives."""
+    rows = []
+    for f in data.fixtures:
+        bounds = {name.value: fitness.bound_for(f.name, f.kind.value, bound) for name, bound in f.bounds.items()}
+        numbers = "; ".join(f"{name} {b.max_rel_l2:g}" + (f" / {b.min_cosine:g}" if b.min_cosine is not None else "")
+                            for name, b in sorted(bounds.items()))
+        first = next(iter(bounds.values()))
+        unread = f" Cosine not read: {first.unread}." if first.unread else ""
+        rows.append([f.name, numbers, first.source + unread])
+    return [Heading(3, "Fitness bounds"),
+            Paragraph("A cell passes only when it conforms to its numerics model (its budget) and is fit for "
+                      "the family: within the fixture's bound below for its accuracy class (relative L2 / "
+                      "worst head cosine). A failure says which judge: 'off its model' (kind accuracy) or "
+                      "'unfit for the family' (kind unfit)."),
+            Table(["fixture", "bound per class (relative L2 / cosine)", "source"], rows)]
 
 
 def _left_out_blocks(left_out: Sequence[LeftOut]) -> list[Block]:
@@ -159,10 +180,11 @@ def _predicted_blocks(gpu: verdict.GpuDecision) -> list[Block]:
 # cell's budget is its own prediction plus the margin, so only these can fail it.
 PREDICTION_SCOPE = (
     "What a prediction can find: an output of the modelled arithmetic that is not finite (an fp16 "
-    "accumulator overflowing, a zero V channel under FP8), and a hazard the model names (memory it cannot "
-    "see: such a cell is predicted to fail). What it cannot find: an error beyond the model's arithmetic, "
-    "since a cell's budget is the model's own error plus 10 %, so a finite prediction passes it; a kernel "
-    "or build defect; memory, speed, and side-stream, capture or compile behaviour.")
+    "accumulator overflowing, a zero V channel under FP8), an error of the modelled arithmetic that is "
+    "unfit for the family (past the fixture's fitness bound), and a hazard the model names (memory it "
+    "cannot see: such a cell is predicted to fail). What it cannot find: an error beyond the model's "
+    "arithmetic, since a cell's budget is the model's own error plus 10 %, so a finite prediction conforms "
+    "to it; a kernel or build defect; memory, speed, and side-stream, capture or compile behaviour.")
 
 
 def verdict_rows(gpu: verdict.GpuDecision) -> list[list[str]]:
