@@ -14,6 +14,7 @@ import textwrap
 from pathlib import Path
 
 from sage_qual.errors import ExitCode, UsageError
+from sage_qual.fixtures import fitness
 
 
 def add_parser(subparsers) -> None:
@@ -135,8 +136,10 @@ def render(info: dict) -> str:
     v_mean = info["v_mean"]
     lines.append(f"  V mean       overall {v_mean['overall']:.4g}; largest |channel mean| "
                  f"{v_mean['max_abs_channel_mean']:.4g} (channel {v_mean['channel']})")
-    lines += [f"  published bound {cls:<5} relative L2 <= {b['max_rel_l2']}, cosine >= {b['min_cosine']}"
+    lines += [f"  fitness bound {cls:<5} relative L2 <= {b['max_rel_l2']}, cosine >= {b['min_cosine']}"
               for cls, b in info["bounds"].items()]
+    lines.append(f"  bound source {fitness.bound_for(info['name'], info['kind'], next(iter(info['bounds'].values()))).source}"
+                 if info["bounds"] else "  bound source none: the file states no bound")
     if info["published"]:
         lines.append(f"  published    {_value(info['published'])}")
     calibration = info["calibration"]

@@ -1,7 +1,7 @@
 """The numbers README.md and docs/certify.md quote from committed reports are the ones those reports
 give: the fixture count, the kernels' and SDPA's error ranges, and the sm90 kernel's break-even
 per run. When a run is committed anew, this test names each sentence to update. One word for each
-kind of limit: a fixture's "published bound", a cell's "budget"."""
+kind of limit: a fixture's "fitness bound", a cell's "budget"."""
 
 from pathlib import Path
 
@@ -77,9 +77,11 @@ def test_the_break_even_ranges_are_the_committed_runs():
 def test_one_word_for_the_published_bound_and_one_for_the_budget(capsys):
     assert cli.main(["fixtures", "show", "flux1_1024"]) == 0
     shown = capsys.readouterr().out
-    assert "published bound fp16  relative L2 <= " in shown and "  bounds " not in shown
+    assert "fitness bound fp16  relative L2 <= " in shown and "  bounds " not in shown
+    assert "  bound source rule: twice the error the numerics model predicts" in shown
     outcomes = CERTIFY_DOC.split("| outcome | meaning |", 1)[1].split("\n\n", 1)[0]
-    assert "| pass | within its budget " in outcomes and "fixture's bounds" not in outcomes
+    assert "| pass | conforms to its numerics model (within its budget" in outcomes
+    assert "fit for the family (within the fixture's fitness bound)" in outcomes
 
 
 @pytest.mark.parametrize("module", ["judge"])

@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 from sage_qual.qualification.decide import checked, verdict
+from sage_qual.qualification.evidence.report_model import ReasonKind
 
 from ..helpers import flat, newest_h200_run
 
@@ -25,11 +26,18 @@ def _tokens(values: list[int | None]) -> str:
     return f"{found[0]:,}" if len(found) == 1 else f"{found[0]:,}-{found[-1]:,}"
 
 
+def unfit(decision: verdict.FamilyDecision) -> set[str]:
+    """The variants the fitness judge found unfit for the family (issue 52)."""
+    return {variant for variant, found in decision.results.findings.items()
+            if any(f.reason.kind == ReasonKind.UNFIT for f in found)}
+
+
 def expected_table(runs: list[Path]) -> str:
     decisions = [gpu for run in runs for path in sorted(run.glob("certify*/report.json.gz"))
                  for gpu in verdict.decide(checked.load(path))]
-    lines = ["| family | verdict on the H200 | served from (tokens, over the runs) | up to | calls kept on torch |",
-             "| --- | --- | --- | --- | --- |"]
+    lines = ["| family | verdict on the H200 | served from (tokens, over the runs) | up to | calls kept on torch "
+             "| unfit for the family |",
+             "| --- | --- | --- | --- | --- | --- |"]
     for family in [d.family for d in decisions[0].families]:
         each = [gpu.family(family) for gpu in decisions]
         states = {(d.verdict.value, d.variant) for d in each}
@@ -40,7 +48,7 @@ def expected_table(runs: list[Path]) -> str:
         lines.append(f"| {family} | {state}{' ' + variant if variant else ''} | "
                      f"{_tokens([d.served and d.served.min_query_tokens for d in each])} | "
                      f"{_tokens([d.served and d.served.max_query_tokens for d in each])} | "
-                     f"{' / '.join(sorted(kept))} |")
+                     f"{' / '.join(sorted(kept))} | {', '.join(sorted(set().union(*map(unfit, each)))) or '-'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -75,8 +83,9 @@ def test_the_h100_sentence_is_what_its_run_decides():
     decisions = [gpu for path in sorted(folder.glob("certify*/report.json.gz"))
                  for gpu in verdict.decide(checked.load(path))]
     assert decisions and all(gpu.model.startswith("NVIDIA H100") for gpu in decisions)
-    table = {row.split(" | ")[0].strip("| "): row.split(" | ")[1] for row in TABLE.group(2).splitlines()[2:]}
+    rows = {row.split(" | ")[0].strip("| "): row.strip("| ").split(" | ") for row in TABLE.group(2).splitlines()[2:]}
     for gpu in decisions:
         for d in gpu.families:
-            assert f"{d.verdict.value}{' ' + d.variant if d.variant else ''}" == table[d.family], d.family
+            assert f"{d.verdict.value}{' ' + d.variant if d.variant else ''}" == rows[d.family][1], d.family
             assert d.served is None or d.served.min_query_tokens == tokens, d.family
+            assert (", ".join(sorted(unfit(d))) or "-") == rows[d.family][5], d.family  # unfit there as here
