@@ -16,6 +16,7 @@ from sage_qual.qualification.evidence import files
 from sage_qual.qualification.evidence.report_model import Outcome, ReasonKind
 from sage_qual.qualification.run import run
 from sage_qual.qualification.selftest import faults as worker_faults
+from sage_qual.serving import profile
 
 from .. import builders
 
@@ -72,6 +73,10 @@ def test_gate_names_the_fitness_judge_that_keeps_the_family_off_on_a_fake_gpu(tm
     kinds = {reason["kind"] for reason in gpu["reasons"]}
     assert "unfit" in kinds and "accuracy" not in kinds, gpu["reasons"]
     assert "unfit for the family: relative L2" in json.dumps(gpu["reasons"])
+    # The profile certify wrote carries the same reason for the wrapper to give.
+    (certified,) = profile.load(out / "profile.json").gpus
+    entry = certified.families["Krea-2"]
+    assert entry.served is None and {r.kind for r in entry.reasons} == {ReasonKind.UNFIT}
 
 
 def test_run_40_read_today_fails_comfy_kitchen_on_the_outlier_replicas_as_unfit_and_keeps_the_h200s_pick():
