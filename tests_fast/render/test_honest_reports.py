@@ -82,7 +82,30 @@ def test_a_predicted_report_claims_no_timing_and_no_gpu(predicted_quick):
     for claim in ("runs here", "never measured faster", "cuda:0", "sm_00", "| shape | used by |",
                   "Break-even per variant"):
         assert claim not in text, claim
-    assert "| SDXL | would pass | sm90-fp8-cuda, sm80-fp16-cuda | - |" in text
+    assert "| SDXL | would pass | would pass | - |" in text
+
+
+def test_a_predicted_report_says_per_variant_what_the_terminal_says(tmp_path, capsys):
+    """Issue 54: the report said "would pass" for a family where any variant passed, and "-" under "why
+    not", while the terminal printed FAIL for the kernel of every sm89/sm90/sm120 GPU."""
+    fixture(tmp_path, "plain", 128)
+    generator = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 128, 64, generator=generator).to(torch.bfloat16) for _ in range(3))
+    v[..., 3] = 0  # a zero V channel: FP8 kernels scale V per channel by its maximum, 0/0 (their model)
+    save_fixture(tmp_path / "zero_v.safetensors", q, k, v, family="SDXL", kind="replica", source={"t": 2},
+                 provenance="test", bounds=PUBLISHED)
+    run.certify(builders.emulate_request(tmp_path / "out", ["sm90-fp8-cuda", "sm80-fp16-cuda"], ["SDXL"],
+                                         [str(tmp_path)]))
+    terminal = capsys.readouterr().out.splitlines()
+    said = {line.split()[0]: line.split()[-1] for line in terminal if line.startswith(("sm90-", "sm80-"))}
+    assert said == {"sm90-fp8-cuda": "FAIL", "sm80-fp16-cuda": "pass"}
+    text = (tmp_path / "out" / "report.md").read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| SDXL |"))
+    assert row.startswith("| SDXL | would fail | would pass | sm90-fp8-cuda on zero_v: output not finite"), row
+    header = text.splitlines()[text.splitlines().index(row) - 2]
+    assert header == "| family | sm90-fp8-cuda (sm_90) | sm80-fp16-cuda (sm_80) | why not |"
+    html = (tmp_path / "out" / "report.html").read_text()
+    assert "would fail" in html and "sm90-fp8-cuda on zero_v: output not finite" in html
 
 
 def test_a_predicted_plot_sets_the_prediction_against_the_published_bound(predicted_quick):

@@ -21,7 +21,7 @@ from sage_qual.qualification.evidence.report_model import Report
 from sage_qual.qualification.render import plots
 from sage_qual.qualification.render.markdown import markdown_table, safe_text
 from sage_qual.serving.contexts import CHECKS
-from sage_qual.serving.variants import gpu_label
+from sage_qual.serving.variants import VARIANTS, capability_label, gpu_label
 
 if TYPE_CHECKING:  # selection reads fixtures with torch; rendering imports neither
     from sage_qual.qualification.selection import LeftOut
@@ -157,23 +157,29 @@ def _left_out_blocks(left_out: Sequence[LeftOut]) -> list[Block]:
         blocks.append(Table(["fixture", "family", "known failures (the committed H200 reports)"], rows))
     return blocks
 def _predicted_blocks(gpu: verdict.GpuDecision) -> list[Block]:
-    """A predicted report's verdicts: what the numerics model says of accuracy per family; speed was
-    not timed, so nothing here speaks of speed or of where a variant runs."""
+    """A predicted report's verdicts: per family, whether each variant would pass every fixture (a GPU
+    runs the variant its compute capability defaults to, named beside it), as the terminal says, and
+    why each failing variant would fail; speed was not timed, so nothing here speaks of speed."""
+    variants = list(gpu.variants)
+    header = ["family"] + [f"{name} ({', '.join(map(capability_label, VARIANTS[name].native_on)) or 'no GPU default'})"
+                           if name in VARIANTS else name for name in variants] + ["why not"]
     rows = []
     for v in gpu.families + [gpu.default]:
-        kinds = {r.kind for r in v.reasons}
-        if kinds == {report_model.ReasonKind.NO_FIXTURES}:
-            prediction = "not predicted: no fixture of the family ran"
+        if {r.kind for r in v.reasons} == {report_model.ReasonKind.NO_FIXTURES}:
+            cells = ["not predicted: no fixture of the family ran"] * len(variants)
         else:
-            prediction = "would pass" if v.results.certified else "would fail"
-        why = "; ".join(r.detail for r in v.reasons if r.kind != report_model.ReasonKind.SPEED)
-        rows.append([v.family or "(default: all fixtures)", prediction, ", ".join(v.results.certified) or "-",
-                     why or "-"])
+            cells = ["would pass" if v.evidence(name) == verdict.Evidence.SAFE else "would fail"
+                     for name in variants]
+        why = "; ".join(f"{f.variant} on {f.fixture}: {f.reason.detail}"
+                        for found in v.results.findings.values() for f in found)
+        rows.append([v.family or "(default: all fixtures)", *cells, why or "-"])
     return [Heading(2, "Predicted accuracy verdicts"),
-            Paragraph("From the numerics model's cells below, accuracy only. Speed: not timed (no GPU ran), "
-                      "so no variant is enabled and no break-even exists: certify on the GPU for those."),
+            Paragraph("From the numerics model's cells below, accuracy only, per variant: a GPU runs the "
+                      "variant its compute capability defaults to (in brackets), so a family would pass "
+                      "there only where that variant would. Speed: not timed (no GPU ran), so no variant is "
+                      "enabled and no break-even exists: certify on the GPU for those."),
             Paragraph(PREDICTION_SCOPE),
-            Table(["family", "prediction", "variants that would pass every fixture", "why not"], rows)]
+            Table(header, rows)]
 
 
 # What the verdict table of a predicted report states beside its verdicts (issue 26): a predicted
