@@ -54,19 +54,25 @@ RTX4090 = FakeGpu((8, 9), "Fake RTX 4090", 24.0)
 
 
 # Serving profiles ---------------------------------------------------------------------------------
-def make_entry(variant="sm89-fp8-cuda", min_q=2048, min_k=512, head_dims=(128,), reasons=(), **served) -> dict:
+def make_entry(
+    variant="sm89-fp8-cuda", min_q=2048, min_k=512, head_dims=(128,), reasons=(), **served
+) -> dict:
     """A profile entry serving `variant` from these lengths (and any other `Served` field), or
     (variant None) nothing, for `reasons`."""
     return records.dump(profile.Entry(
         Served(variant, min_q, min_k, list(head_dims), **served) if variant else None, list(reasons)))
 
 
-def flat_entry(variant="sm89-fp8-cuda", min_q=2048, min_k=512, head_dims=(128,), reasons=(), **served) -> dict:
+def flat_entry(
+    variant="sm89-fp8-cuda", min_q=2048, min_k=512, head_dims=(128,), reasons=(), **served
+) -> dict:
     """make_entry()'s entry as profiles of versions 1 and 2 wrote it: every field flat, variant null
     (and every threshold null) for nothing."""
     entry = make_entry(variant, min_q, min_k, head_dims, reasons, **served)
-    return {**(entry["served"] or dict(variant=None, min_query_tokens=None, min_key_tokens=None, head_dims=None)),
-            "reasons": entry["reasons"]}
+    return {
+        **(entry["served"] or dict(variant=None, min_query_tokens=None, min_key_tokens=None, head_dims=None)),
+        "reasons": entry["reasons"],
+    }
 
 
 def edited(entry: dict, **served) -> dict:
@@ -86,9 +92,11 @@ def make_gpu(gpu=H200, entry=None, families=None, torch_version=None, sageattent
 def make_profile(*gpus, **one) -> dict:
     """A profile of `gpus` (make_gpu's), or of one make_gpu(**one)."""
     certified = [read(profile.ProfileGpu, gpu) for gpu in gpus or [make_gpu(**one)]]
-    return records.dump(profile.Profile("sage-qual-profile", profile.SCHEMA_VERSION, "2026-11-29T20:00:00+00:00",
-                                        "test", {},
-                                        certified))
+    return records.dump(
+        profile.Profile(
+            "sage-qual-profile", profile.SCHEMA_VERSION, "2026-11-29T20:00:00+00:00", "test", {}, certified
+        )
+    )
 
 
 def with_default(entry) -> dict:

@@ -90,8 +90,10 @@ MODEL_MISSES: dict[tuple[str, str], str] = {
         "comfy_kitchen int8_attention (ck-int8-cuda) with the fixture's [2, 1, 1, N] key mask: kernel "
         "relative L2 0.0151, model 0.0133 (model / kernel 0.883), output norm 1.005 against the model's "
         "1.001; the same numbers on the H200 (certify run 40, docs/results/run40-h200/) and the H100 "
-        "(run 42, docs/results/run42-h100/pytest-call1/numerics_vs_kernel.md): the kernel's norm bias, which the model "
-        "does not carry; the masked Z-Image batch agrees (0.994)."),
+        "(run 42, docs/results/run42-h100/pytest-call1/numerics_vs_kernel.md): the kernel's norm bias, "
+        "which the model "
+        "does not carry; the masked Z-Image batch agrees (0.994)."
+    ),
 }
 
 

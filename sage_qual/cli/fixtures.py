@@ -130,7 +130,9 @@ def render(info: dict) -> str:
         f"  source       {_value(info['source'])}",
     ]
     if info["mask"] is not None:
-        lines.append(f"  attn_mask    bool {info['mask']}: a masked call, run only by a variant that takes a mask")
+        lines.append(
+            f"  attn_mask    bool {info['mask']}: a masked call, run only by a variant that takes a mask"
+        )
     lines += [f"  |{name}|{' ' * 10} {_channels(info['channels'][name])}" for name in ("q", "k", "v")]
     lines.append(f"  outliers     {info['outlier_rule']}")
     v_mean = info["v_mean"]
@@ -138,8 +140,11 @@ def render(info: dict) -> str:
                  f"{v_mean['max_abs_channel_mean']:.4g} (channel {v_mean['channel']})")
     lines += [f"  fitness bound {cls:<5} relative L2 <= {b['max_rel_l2']}, cosine >= {b['min_cosine']}"
               for cls, b in info["bounds"].items()]
-    lines.append(f"  bound source {fitness.bound_for(info['name'], info['kind'], next(iter(info['bounds'].values()))).source}"
-                 if info["bounds"] else "  bound source none: the file states no bound")
+    if info["bounds"]:
+        bound = fitness.bound_for(info["name"], info["kind"], next(iter(info["bounds"].values())))
+        lines.append(f"  bound source {bound.source}")
+    else:
+        lines.append("  bound source none: the file states no bound")
     if info["published"]:
         lines.append(f"  published    {_value(info['published'])}")
     calibration = info["calibration"]
@@ -154,8 +159,10 @@ def render(info: dict) -> str:
             for variant, numbers in calibration.get(title, {}).items():
                 lines.append(f"    {title} {variant}: {_value(numbers)}")
         if "torch_sdpa_cpu" in calibration:
-            lines.append(f"    torch SDPA on the CPU that wrote the file: {_value(calibration['torch_sdpa_cpu'])} "
-                         "(another CPU's kernels give another number)")
+            lines.append(
+                f"    torch SDPA on the CPU that wrote the file: {_value(calibration['torch_sdpa_cpu'])} "
+                "(another CPU's kernels give another number)"
+            )
     elif calibration:
         lines.append(f"  calibration  {calibration}")
     lines += [f"  known        {line}" if n == 0 else f"               {line}"

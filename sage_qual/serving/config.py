@@ -102,9 +102,11 @@ class WrapperConfig:
         # At most 2^31 - 1, as the profile reader caps it: past it the kernels' 32-bit offsets
         # overflow (limits.MAX_SPAN_ELEMENTS), and a view spanning more would reach them as it is.
         if isinstance(span, bool) or not isinstance(span, int) or not 1 <= span <= limits.MAX_SPAN_ELEMENTS:
-            raise ValueError(f"WrapperConfig.max_span_elements={span!r}: give an element count from 1 to "
-                             f"{limits.MAX_SPAN_ELEMENTS} (2^31 - 1, the default: past it the kernels' 32-bit "
-                             "offsets overflow)")
+            raise ValueError(
+                f"WrapperConfig.max_span_elements={span!r}: give an element count from 1 to "
+                f"{limits.MAX_SPAN_ELEMENTS} (2^31 - 1, the default: past it the kernels' 32-bit "
+                "offsets overflow)"
+            )
         if self.layouts is not None:
             unknown = [name for name in self.layouts if name not in LAYOUTS]
             if isinstance(self.layouts, str) or unknown:

@@ -34,7 +34,9 @@ from sage_qual.serving.variants import capability_label
 
 DATA = Path(__file__).with_name("default_profile.json")
 KIND = "sage-qual-default-profile"
-FIX = "rebuild it with `python -m sage_qual.qualification.decide.defaults` (docs/certify.md, Built-in defaults)"
+FIX = (
+    "rebuild it with `python -m sage_qual.qualification.decide.defaults` (docs/certify.md, Built-in defaults)"
+)
 
 
 @dataclass(frozen=True)

@@ -157,7 +157,17 @@ def json_schema() -> dict:
 
 
 # Older versions, upgraded as read -------------------------------------------------------------------
-V1_KEYS = ("kind", "schema_version", "created", "host", "fixtures", "gpu", "environment", "default", "families")
+V1_KEYS = (
+    "kind",
+    "schema_version",
+    "created",
+    "host",
+    "fixtures",
+    "gpu",
+    "environment",
+    "default",
+    "families",
+)
 
 
 def _from_version_1(data: dict, where: str) -> dict:
@@ -168,8 +178,13 @@ def _from_version_1(data: dict, where: str) -> dict:
     gpu = data.get("gpu")
     if not isinstance(gpu, dict):
         raise ProfileError(f"{where}: gpu: expected an object with the GPU's name and capability; {FIX}")
-    return {**{k: data.get(k) for k in ("kind", "created", "host", "fixtures")}, "schema_version": 2,
-            "gpus": [{**gpu, "memory_gib": None, **{k: data.get(k) for k in ("environment", "default", "families")}}]}
+    return {
+        **{k: data.get(k) for k in ("kind", "created", "host", "fixtures")},
+        "schema_version": 2,
+        "gpus": [
+            {**gpu, "memory_gib": None, **{k: data.get(k) for k in ("environment", "default", "families")}}
+        ],
+    }
 
 
 def _from_version_2(data: dict, where: str) -> dict:
@@ -182,10 +197,18 @@ def _from_version_2(data: dict, where: str) -> dict:
             upgraded.append(gpu)
             continue
         families = gpu.get("families")
-        upgraded.append({**gpu, "default": _entry_from_version_2(gpu.get("default"), f"{where}: gpus[{n}].default"),
-                         "families": {name: _entry_from_version_2(entry, f"{where}: gpus[{n}].families.{name}")
-                                      for name, entry in families.items()} if isinstance(families, dict)
-                         else families})
+        upgraded.append(
+            {
+                **gpu,
+                "default": _entry_from_version_2(gpu.get("default"), f"{where}: gpus[{n}].default"),
+                "families": {
+                    name: _entry_from_version_2(entry, f"{where}: gpus[{n}].families.{name}")
+                    for name, entry in families.items()
+                }
+                if isinstance(families, dict)
+                else families,
+            }
+        )
     return {**data, "schema_version": SCHEMA_VERSION, "gpus": upgraded if isinstance(gpus, list) else gpus}
 
 

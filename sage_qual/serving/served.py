@@ -91,7 +91,9 @@ class Served:
         bounds = "".join(f"; {bound.text()}" for bound in self.bounds)
         masks = "; masked calls too" if self.masks else ""
         if not self.range_verified:
-            return f"from {self.start()} (no upper bound verified: a report without long checks{masks}){bounds}"
+            return (
+                f"from {self.start()} (no upper bound verified: a report without long checks{masks}){bounds}"
+            )
         dims = "/".join(map(str, self.head_dims))
         contexts = "" if self.contexts is None else f"; contexts: {', '.join(self.contexts) or 'none'}"
         layouts = "any" if self.layouts is None else ", ".join(self.layouts)
@@ -138,11 +140,19 @@ class Served:
         `base`'s)."""
         table = {**base.kernel_table, capability: (self.variant,)}
         return dataclasses.replace(
-            base, kernel_table=table, min_query_tokens=self.min_query_tokens, min_key_tokens=self.min_key_tokens,
-            head_dims=tuple(self.head_dims), max_query_tokens=self.max_query_tokens,
-            max_key_tokens=self.max_key_tokens, layouts=None if self.layouts is None else tuple(self.layouts),
-            contexts=None if self.contexts is None else tuple(self.contexts), bounds=tuple(self.bounds),
-            masks=self.masks, max_span_elements=max_span_elements or base.max_span_elements)
+            base,
+            kernel_table=table,
+            min_query_tokens=self.min_query_tokens,
+            min_key_tokens=self.min_key_tokens,
+            head_dims=tuple(self.head_dims),
+            max_query_tokens=self.max_query_tokens,
+            max_key_tokens=self.max_key_tokens,
+            layouts=None if self.layouts is None else tuple(self.layouts),
+            contexts=None if self.contexts is None else tuple(self.contexts),
+            bounds=tuple(self.bounds),
+            masks=self.masks,
+            max_span_elements=max_span_elements or base.max_span_elements,
+        )
 
 
 def served_nothing(base: WrapperConfig, capability: Capability) -> WrapperConfig:

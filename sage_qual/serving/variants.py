@@ -56,7 +56,8 @@ class Numerics:
     unsigned 8-bit of scale 255, V signed 8-bit per channel) and accumulates in `pv_accumulation`.
     `rotation` ("hadamard"): Q and K multiplied by one orthonormal block-Hadamard matrix before
     they are quantized, which keeps their dot products and spreads an outlier channel. `v_tail`:
-    what a kernel reads for the key rows past the end of a partial key block: "zero" (V quantized into a padded buffer, or a masked load), or "stale" (V loaded
+    what a kernel reads for the key rows past the end of a partial key block: "zero" (V quantized into
+    a padded buffer, or a masked load), or "stale" (V loaded
     straight from the caller's tensor with cp.async no-fill, csrc/qattn/attn_utils.cuh
     load_global_to_share: those rows keep whatever shared memory held; their P is 0, but 0 x NaN is
     NaN when no earlier key block overwrote them).

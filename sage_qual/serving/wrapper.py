@@ -200,7 +200,9 @@ def _device_configs(cuda, packages: Packages, config: WrapperConfig, profile, fa
     try:
         bases = (defaults.device_configs(here, family, config) if builtin
                  else [DeviceConfig(config, "")] * len(here))
-        chosen = bases if profile is None else device_configs(profile, here, family, [b.config for b in bases])
+        chosen = (
+            bases if profile is None else device_configs(profile, here, family, [b.config for b in bases])
+        )
     except ProfileError as error:
         raise sage_package.SageUnavailable(str(error)) from None
     unmatched = [(i, c) for i, c in enumerate(chosen) if not c.matched]

@@ -56,7 +56,9 @@ def decision(**fields) -> FamilyDecision:
                   contexts=["side_stream", "compile"])
     served.update({k: v for k, v in fields.items() if k in SERVED_FIELDS})
     rest = {k: v for k, v in fields.items() if k not in SERVED_FIELDS}
-    return FamilyDecision(**{"family": "FLUX.1", "verdict": Verdict.ENABLE, "served": Served(**served), **rest})
+    return FamilyDecision(
+        **{"family": "FLUX.1", "verdict": Verdict.ENABLE, "served": Served(**served), **rest}
+    )
 
 
 SHAPES = {f"self {n}": ShapeSpec(24, 24, n, n, 128, "bfloat16", 1) for n in (8192, 16384, 32768)}
@@ -86,8 +88,11 @@ def test_a_bound_is_compared_by_its_side_and_tokens_not_its_words():
     reworded = decision(bounds=[Bound("key", 17, "flux1_ip_adapter_zero_uncond: output not finite")])
     assert compare.differences(gpu(first), gpu(reworded), 0.10)[1] == []
     _, found = compare.differences(gpu(first), gpu(decision(bounds=[Bound("key", 18, "x")])), 0.10)
-    assert len(found) == 1 and "; calls with fewer than 17 keys stay on torch (flux1_ip_adapter_zero_uncond: NaN) vs " \
+    assert (
+        len(found) == 1
+        and "; calls with fewer than 17 keys stay on torch (flux1_ip_adapter_zero_uncond: NaN) vs "
         in found[0]
+    )
     assert found[0].endswith("; calls with fewer than 18 keys stay on torch (x) (served speedup x1.000)")
     assert compare.differences(gpu(first), gpu(decision(bounds=[Bound("query", 17, "x")])), 0.10)[1] != []
 
@@ -99,7 +104,10 @@ def test_served_speed_is_judged_not_the_length_served_from():
     assert compare.differences(gpu(decision()), gpu(later), 0.05)[1] == []
     assert compare.differences(gpu(decision()), gpu(decision(), speedup=1.2 * 1.04), 0.05)[1] == []
     _, found = compare.differences(gpu(decision()), gpu(decision(), speedup=1.2 / 1.10), 0.05)
-    assert [line.split(":")[0] for line in found] == ["NVIDIA H200 (sm_90) FLUX.1", "NVIDIA H200 (sm_90) default"]
+    assert [line.split(":")[0] for line in found] == [
+        "NVIDIA H200 (sm_90) FLUX.1",
+        "NVIDIA H200 (sm_90) default",
+    ]
     assert all(line.endswith("(served speedup x0.909)") for line in found)
     assert compare.differences(gpu(decision()), gpu(decision(), speedup=1.2 / 1.10), 0.12)[1] == []
 

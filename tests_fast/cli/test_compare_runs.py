@@ -24,7 +24,9 @@ def reports():
     return [checked.load(path) for path in RUN29]
 
 
-@pytest.mark.parametrize("pair", list(itertools.combinations(range(3), 2)), ids=lambda p: f"{p[0] + 1}-{p[1] + 1}")
+@pytest.mark.parametrize(
+    "pair", list(itertools.combinations(range(3), 2)), ids=lambda p: f"{p[0] + 1}-{p[1] + 1}"
+)
 def test_back_to_back_runs_compare_equal(reports, pair):
     first, second = (compare.decided(reports[n]) for n in pair)
     lines, found = compare.differences(first, second, compare.DEFAULT_TOLERANCE)

@@ -116,20 +116,34 @@ def test_render_text():
     assert orin[2].startswith("  runnable here")  # no kernel: no contexts line
 
 
-@pytest.mark.parametrize("problem, line", [
-    ('comfy-kitchen is not installed: pip install "sage-qual[comfy-kitchen]"', "comfy-kitchen  not installed"),
-    ("comfy-kitchen imports but has no package metadata, so its version is unknown",
-     "comfy-kitchen  not usable  -- cannot serve: comfy-kitchen imports but has no package metadata, so its "
-     "version is unknown"),
-    ("importing comfy-kitchen 0.2.40 failed: OSError: libcudart.so.13",
-     "comfy-kitchen  not usable  -- cannot serve: importing comfy-kitchen 0.2.40 failed: OSError: libcudart.so.13"),
-])
+@pytest.mark.parametrize(
+    "problem, line",
+    [
+        (
+            'comfy-kitchen is not installed: pip install "sage-qual[comfy-kitchen]"',
+            "comfy-kitchen  not installed",
+        ),
+        (
+            "comfy-kitchen imports but has no package metadata, so its version is unknown",
+            "comfy-kitchen  not usable  -- cannot serve: comfy-kitchen imports but has no package "
+            "metadata, so its "
+            "version is unknown",
+        ),
+        (
+            "importing comfy-kitchen 0.2.40 failed: OSError: libcudart.so.13",
+            "comfy-kitchen  not usable  -- cannot serve: importing comfy-kitchen 0.2.40 failed: OSError: "
+            "libcudart.so.13",
+        ),
+    ],
+)
 def test_another_provider_reads_not_installed_only_where_it_is_absent(problem, line):
     """A provider that imports but cannot be used says why (device run 41 unpacked comfy-kitchen
     without its metadata, and `env` called it "not installed")."""
     with box():
         env = environment.collect()
-    env = dataclasses.replace(env, other_providers=[environment.OtherProvider("comfy-kitchen", "", problem=problem)])
+    env = dataclasses.replace(
+        env, other_providers=[environment.OtherProvider("comfy-kitchen", "", problem=problem)]
+    )
     assert line in environment.render_text(env).splitlines()
 
 

@@ -176,9 +176,12 @@ def test_compare_json_and_text_print_no_python_none(capsys, tmp_path):
     answer = json.loads(capsys.readouterr().out)
     assert answer["exit_code"] == 1 and len(answer["differences"]) == 1
     assert answer["differences"][0].endswith(
-        "enable sm90-fp8-cuda from 4,608 query / 512 key tokens, head_dim 128 (no upper bound verified: a report "
-        "without long checks) vs enable sm90-fp8-cuda from 8,192 query / 512 key tokens, head_dim 128 (no upper "
-        "bound verified: a report without long checks) (served speedup x0.783)")
+        "enable sm90-fp8-cuda from 4,608 query / 512 key tokens, head_dim 128 (no upper bound verified: a "
+        "report "
+        "without long checks) vs enable sm90-fp8-cuda from 8,192 query / 512 key tokens, head_dim 128 (no "
+        "upper "
+        "bound verified: a report without long checks) (served speedup x0.783)"
+    )
 
 
 def test_a_certify_refusal_is_an_error_case_in_its_junit_xml(capsys, tmp_path):

@@ -19,7 +19,9 @@ def test_list_shipped_directory_by_default(capsys):
     assert err == "" and len(lines) == len(FIXTURES)
     krea = next(line for line in lines if line.startswith("krea2_b0_outlier_gqa"))
     assert krea.split()[1:3] == ["krea-2", "replica"]
-    assert "q 1x4x1536x128" in krea and "kv 1x1x768x128" in krea and "bfloat16" in krea and krea.endswith("MB")
+    assert (
+        "q 1x4x1536x128" in krea and "kv 1x1x768x128" in krea and "bfloat16" in krea and krea.endswith("MB")
+    )
     z_image = next(line for line in lines if line.startswith("z_image_padded_caption_batch"))
     assert z_image.endswith("MB  masked (2x1x1x576)")
 

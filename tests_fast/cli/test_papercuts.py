@@ -164,8 +164,15 @@ def test_force_removes_what_the_previous_run_wrote_and_nothing_else(tmp_path):
 
     out = tmp_path / "out"
     (out / "logs").mkdir(parents=True)
-    previous = ["report.json", "report.md", "report.html", "profile.json", "accuracy-cuda1.png", "speedup-3.png",
-                "logs/worker-1.log"]
+    previous = [
+        "report.json",
+        "report.md",
+        "report.html",
+        "profile.json",
+        "accuracy-cuda1.png",
+        "speedup-3.png",
+        "logs/worker-1.log",
+    ]
     for name in previous + ["notes.txt", "speedup.txt"]:
         (out / name).write_text("previous")
     request = options.RunRequest(out=out, executor=options.InProcess(), force=True)

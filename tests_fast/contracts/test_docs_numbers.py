@@ -65,8 +65,10 @@ def test_the_break_even_ranges_are_the_committed_runs():
     sdxl = [gpu.family("SDXL") for run in runs + later for gpu in verdict.decide(run)]
     largest = [d.speedups["2048² self, 640 ch"] for d in sdxl]
     off = sum(d.verdict == verdict.Verdict.NO_SPEEDUP for d in sdxl)
-    assert (f"speedup bound was {min(largest):.2f}-{max(largest):.2f}x over runs 13, 22, 24 and 25, and the "
-            f"bar with the spread keeps it \"safe, no speedup\" in all {off} of those reports") in flat(README)
+    assert (
+        f"speedup bound was {min(largest):.2f}-{max(largest):.2f}x over runs 13, 22, 24 and 25, and the "
+        f'bar with the spread keeps it "safe, no speedup" in all {off} of those reports'
+    ) in flat(README)
     assert off == len(sdxl)
     about = f"{round(low / 1000)}-{round(high / 1000)}k tokens"
     assert f"the sm90 kernel only pays from about {about}" in flat(README)

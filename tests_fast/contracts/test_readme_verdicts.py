@@ -35,9 +35,11 @@ def unfit(decision: verdict.FamilyDecision) -> set[str]:
 def expected_table(runs: list[Path]) -> str:
     decisions = [gpu for run in runs for path in sorted(run.glob("certify*/report.json.gz"))
                  for gpu in verdict.decide(checked.load(path))]
-    lines = ["| family | verdict on the H200 | served from (tokens, over the runs) | up to | calls kept on torch "
-             "| unfit for the family |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| family | verdict on the H200 | served from (tokens, over the runs) | up to | calls kept on torch "
+        "| unfit for the family |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for family in [d.family for d in decisions[0].families]:
         each = [gpu.family(family) for gpu in decisions]
         states = {(d.verdict.value, d.variant) for d in each}
@@ -45,23 +47,29 @@ def expected_table(runs: list[Path]) -> str:
         state, variant = states.pop()
         kept = {", ".join(b.short().replace("keys >= ", "fewer than ") + (" keys" if b.side == "key" else "")
                           for b in (d.served.bounds if d.served else [])) or "-" for d in each}
-        lines.append(f"| {family} | {state}{' ' + variant if variant else ''} | "
-                     f"{_tokens([d.served and d.served.min_query_tokens for d in each])} | "
-                     f"{_tokens([d.served and d.served.max_query_tokens for d in each])} | "
-                     f"{' / '.join(sorted(kept))} | {', '.join(sorted(set().union(*map(unfit, each)))) or '-'} |")
+        lines.append(
+            f"| {family} | {state}{' ' + variant if variant else ''} | "
+            f"{_tokens([d.served and d.served.min_query_tokens for d in each])} | "
+            f"{_tokens([d.served and d.served.max_query_tokens for d in each])} | "
+            f"{' / '.join(sorted(kept))} | {', '.join(sorted(set().union(*map(unfit, each)))) or '-'} |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def test_the_table_states_the_newest_h200_run():
     assert TABLE, "README.md lost its <!-- verdicts: RUN... --> table"
-    assert newest_h200_run().name in TABLE.group(1).split(), f"a newer run is committed: {newest_h200_run().name}"
+    assert newest_h200_run().name in TABLE.group(1).split(), (
+        f"a newer run is committed: {newest_h200_run().name}"
+    )
 
 
 def test_the_table_is_what_those_reports_decide():
     runs = [ROOT / "docs" / "results" / name for name in TABLE.group(1).split()]
     assert all(run.is_dir() for run in runs), TABLE.group(1)
     expected = expected_table(runs)
-    assert TABLE.group(2) == expected, "README.md's verdict table differs from the reports; paste:\n" + expected
+    assert TABLE.group(2) == expected, (
+        "README.md's verdict table differs from the reports; paste:\n" + expected
+    )
 
 
 def test_the_defaults_sentence_names_the_runs_the_defaults_were_built_from():
@@ -76,14 +84,19 @@ def test_the_defaults_sentence_names_the_runs_the_defaults_were_built_from():
 def test_the_h100_sentence_is_what_its_run_decides():
     """"an H100 80GB HBM3 gets the same verdicts from N tokens (run M)": run M decides each family as the
     H200 table states, every served family from N tokens."""
-    said = re.search(r"an H100 80GB HBM3 gets the same verdicts from ([\d,]+) tokens \(run (\d+)\)", flat(README))
+    said = re.search(
+        r"an H100 80GB HBM3 gets the same verdicts from ([\d,]+) tokens \(run (\d+)\)", flat(README)
+    )
     assert said, "README.md lost its sentence on the H100"
     tokens, run = int(said.group(1).replace(",", "")), said.group(2)
     [folder] = (ROOT / "docs" / "results").glob(f"run{run}-h100*")
     decisions = [gpu for path in sorted(folder.glob("certify*/report.json.gz"))
                  for gpu in verdict.decide(checked.load(path))]
     assert decisions and all(gpu.model.startswith("NVIDIA H100") for gpu in decisions)
-    rows = {row.split(" | ")[0].strip("| "): row.strip("| ").split(" | ") for row in TABLE.group(2).splitlines()[2:]}
+    rows = {
+        row.split(" | ")[0].strip("| "): row.strip("| ").split(" | ")
+        for row in TABLE.group(2).splitlines()[2:]
+    }
     for gpu in decisions:
         for d in gpu.families:
             assert f"{d.verdict.value}{' ' + d.variant if d.variant else ''}" == rows[d.family][1], d.family

@@ -61,7 +61,9 @@ def _cell(rng: random.Random, variant: str, fixture: FixtureRecord) -> Cell | No
     rel_l2 = budget.max_rel_l2 * (rng.uniform(1.1, 4) if failing else rng.uniform(0.2, 0.95))
     numbers = {"rel_l2": rel_l2, "worst_head_cosine": rng.uniform(max(budget.min_cosine, 0.9), 1.0)}
     extra = rng.uniform(1.2, 1.8)
-    reasons = judge.cell_reasons(builders.metrics(**numbers), extra, budget, 2.5, 0.002, fitness=builders.CONFORMANCE_ONLY)
+    reasons = judge.cell_reasons(
+        builders.metrics(**numbers), extra, budget, 2.5, 0.002, fitness=builders.CONFORMANCE_ONLY
+    )
     return builders.cell(variant, fixture, "fail" if reasons else "pass", reasons=reasons, budget=budget,
                          extra_bytes_per_element=extra, finite=True, sdpa_rel_l2=0.002,
                          error_vs_sdpa=rel_l2 / 0.002, **numbers)

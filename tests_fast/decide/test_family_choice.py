@@ -332,13 +332,17 @@ def test_a_variant_without_a_mask_is_not_judged_on_masked_calls():
 def test_a_failed_masked_call_keeps_masked_calls_on_torch_not_the_family():
     decision = decided(CK, "fail")
     assert decision.verdict.value == "enable" and decision.variant == CK and decision.served.masks is False
-    assert any(r.detail.startswith(f"masked calls stay on torch: {CK} on {MASKED}") for r in decision.range_reasons)
+    assert any(
+        r.detail.startswith(f"masked calls stay on torch: {CK} on {MASKED}") for r in decision.range_reasons
+    )
 
 
 def test_a_masked_call_not_run_serves_no_masked_call():
     decision = decided(CK, None)
     assert decision.variant == CK and decision.served.masks is False
-    assert any("masked calls stay on torch" in r.detail and "not run" in r.detail for r in decision.range_reasons)
+    assert any(
+        "masked calls stay on torch" in r.detail and "not run" in r.detail for r in decision.range_reasons
+    )
 
 
 def test_a_masked_fixture_alone_certifies_no_family():

@@ -50,19 +50,37 @@ def test_the_prediction_keeps_off_a_variant_whose_model_predicts_an_error_the_fa
     assert finding.reason.kind == ReasonKind.UNFIT  # conformance holds: the model is its own budget
     assert finding.reason.detail.startswith("unfit for the family: relative L2 0.5")
     assert "> 0.3" in finding.reason.detail and "InvokeAI PR #9662" in finding.reason.detail
-    assert "would fail Krea-2: ck-int8-cuda on krea2_b0_outlier_gqa: unfit for the family" in capsys.readouterr().out
+    assert (
+        "would fail Krea-2: ck-int8-cuda on krea2_b0_outlier_gqa: unfit for the family"
+        in capsys.readouterr().out
+    )
 
 
-def test_gate_names_the_fitness_judge_that_keeps_the_family_off_on_a_fake_gpu(tmp_path, outlier_only, monkeypatch,
-                                                                              capsys):
+def test_gate_names_the_fitness_judge_that_keeps_the_family_off_on_a_fake_gpu(
+    tmp_path, outlier_only, monkeypatch, capsys
+):
     """comfy-kitchen's kernel computing as its numerics model (the test fault "model"): on its model,
     unfit for Krea-2; without the fault the fake kernel is exact, and Krea-2 is safe."""
     hook = {"gpus": [{"name": "Fake H200", "capability": [9, 0]}], "comfy_kitchen": "0.2.40",
             "faults": {f"ck-int8-cuda|{OUTLIER}": "model"}}
     monkeypatch.setenv(worker_faults.TEST_HOOK, json.dumps(hook))
     out = tmp_path / "out"
-    assert main(["certify", "--variants", "ck-int8-cuda", "--fixtures", str(outlier_only), "--families", "Krea-2",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "certify",
+                "--variants",
+                "ck-int8-cuda",
+                "--fixtures",
+                str(outlier_only),
+                "--families",
+                "Krea-2",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     code = main(["gate", "--family", "Krea-2", "--report", str(out / "report.json"), "--fixtures",
                  str(outlier_only), "--json"])

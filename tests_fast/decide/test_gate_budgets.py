@@ -117,7 +117,10 @@ def test_the_library_decision_rederives_the_budgets_too(flux_report):
                                   selection.family_fixtures([str(fixtures)], flux), False, str(path))
     assert decision.code == 2
     assert f"budget.max_rel_l2: {derived * 4} in the report is looser" in decision.problem
-    assert gate_module.gate(path, "flux.1", worker_executor.this_machine, [str(fixtures)]).problem == decision.problem
+    assert (
+        gate_module.gate(path, "flux.1", worker_executor.this_machine, [str(fixtures)]).problem
+        == decision.problem
+    )
 
 
 def test_a_dropped_limit_is_refused(capsys, flux_report):

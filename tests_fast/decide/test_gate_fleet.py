@@ -245,8 +245,13 @@ def test_merge_gives_one_row_per_model_and_report(capsys, fleet):
     assert [(r["devices"], r["complete"], r["families"], r["report"]) for r in partial] == [
         ([0], False, {}, str(reports[1])), ([1], False, {}, str(reports[1]))]
     rows = rows[:3] + rows[5:]
-    qwen = {(r["host"], r["gpu"]): (r["families"]["Qwen-Image"]["verdict"],
-                                    (r["families"]["Qwen-Image"]["served"] or {}).get("variant")) for r in rows[:4]}
+    qwen = {
+        (r["host"], r["gpu"]): (
+            r["families"]["Qwen-Image"]["verdict"],
+            (r["families"]["Qwen-Image"]["served"] or {}).get("variant"),
+        )
+        for r in rows[:4]
+    }
     assert qwen[("fleet-box", H200)] == ("enable", "sm90-fp8-cuda")
     assert qwen[("fleet-box", H100)] == ("enable", "sm89-fp8-cuda")
     wan = {r["gpu"]: r["families"]["Wan 2.2"] for r in rows[:3]}
@@ -295,8 +300,13 @@ def test_gate_refuses_a_predicted_report(capsys, tmp_path, machine):
     assert (decision.family, decision.code, decision.problem, decision.gpus) == (
         "FLUX.1", 2, "report.json is a predicted report (certify --emulate: the CPU numerics model, no GPU "
                      "ran), so it cannot enable a family: run `sage-qual certify` on the GPU", [])
-    assert records.dump(decision.answer()) == {"family": "FLUX.1", "exit_code": 2, "problem": decision.problem,
-                                               "gpus": [], "version": 2}
+    assert records.dump(decision.answer()) == {
+        "family": "FLUX.1",
+        "exit_code": 2,
+        "problem": decision.problem,
+        "gpus": [],
+        "version": 2,
+    }
 
 
 def test_gate_decides_nothing_from_a_partial_report():

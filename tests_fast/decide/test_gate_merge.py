@@ -61,7 +61,9 @@ def test_a_variant_failing_on_one_device_is_rejected_for_the_model():
     qwen = decision(load(H200), "Qwen-Image")
     assert qwen.verdict == verdict.Verdict.ENABLE and qwen.variant == "sm89-fp8-cuda"
     rejected = qwen.results.rejected["sm90-fp8-cuda"]
-    assert [r.detail.split("): ")[0] for r in rejected] == ["sm90-fp8-cuda on qwen-image-block0-outlier (cuda:1"] * 3
+    assert [r.detail.split("): ")[0] for r in rejected] == [
+        "sm90-fp8-cuda on qwen-image-block0-outlier (cuda:1"
+    ] * 3
     # 0.11 and 0.97 are off its model (budget 0.08 / 0.99) and past the fixture's own bound alike.
     assert [r.kind for r in rejected] == [ReasonKind.ACCURACY] * 2 + [ReasonKind.UNFIT]
 
@@ -69,8 +71,12 @@ def test_a_variant_failing_on_one_device_is_rejected_for_the_model():
 def test_fastest_passing_variant_is_chosen_with_its_break_even():
     flux = decision(load(H200), "FLUX.1")
     assert flux.results.certified == ["sm90-fp8-cuda", "sm89-fp8-cuda", "sm80-fp16-cuda"]
-    assert (flux.variant, flux.served.min_query_tokens, flux.served.min_key_tokens, flux.served.head_dims) == \
-        ("sm90-fp8-cuda", 4608, 512, [128])
+    assert (
+        flux.variant,
+        flux.served.min_query_tokens,
+        flux.served.min_key_tokens,
+        flux.served.head_dims,
+    ) == ("sm90-fp8-cuda", 4608, 512, [128])
 
 
 def test_slower_everywhere_is_safe_but_no_speedup():

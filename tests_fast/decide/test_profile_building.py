@@ -22,14 +22,20 @@ SERVED = Served("sm90-fp8-cuda", 2048, 512, [128], 9000, 8000, ["contiguous"], [
 
 
 def test_the_entry_carries_the_decisions_served_record_unchanged():
-    decided = FamilyDecision("FLUX.1", Verdict.ENABLE, SERVED, range_reasons=[Reason(ReasonKind.LONG, "capped")])
+    decided = FamilyDecision(
+        "FLUX.1", Verdict.ENABLE, SERVED, range_reasons=[Reason(ReasonKind.LONG, "capped")]
+    )
     entry = building._entry(decided)
     assert entry.served is SERVED and [r.detail for r in entry.reasons] == ["capped"]
 
 
 def test_a_decision_serving_nothing_gives_an_entry_serving_nothing_with_every_reason():
-    decided = FamilyDecision("FLUX.1", Verdict.KEEP_OFF, reasons=[Reason(ReasonKind.LONG, "no verified range")],
-                             range_reasons=[Reason(ReasonKind.LONG, "capped")])
+    decided = FamilyDecision(
+        "FLUX.1",
+        Verdict.KEEP_OFF,
+        reasons=[Reason(ReasonKind.LONG, "no verified range")],
+        range_reasons=[Reason(ReasonKind.LONG, "capped")],
+    )
     entry = building._entry(decided)
     assert entry.served is None and [r.detail for r in entry.reasons] == ["no verified range", "capped"]
 

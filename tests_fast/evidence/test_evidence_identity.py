@@ -66,7 +66,9 @@ def test_a_context_check_of_a_variant_not_run_is_refused():
     for kind in ("long", "span"):
         data["devices"][0][kind] = [r for r in data["devices"][0][kind]
                                     if r["variant"] in data["options"]["variants"]]
-    with pytest.raises(ReportError, match=r"devices\[0\]\.contexts\[0\]\.variant: .* is not in options.variants"):
+    with pytest.raises(
+        ReportError, match=r"devices\[0\]\.contexts\[0\]\.variant: .* is not in options.variants"
+    ):
         checked.parse(data, "report")
 
 

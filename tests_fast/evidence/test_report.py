@@ -121,41 +121,73 @@ def first_cell(data, outcome):
 
 
 DAMAGE = {
-    "complete is a string": (edit(lambda d: d.update(complete="false")), "complete: is the string 'false', "
-                                                                          "expected true or false"),
+    "complete is a string": (
+        edit(lambda d: d.update(complete="false")),
+        "complete: is the string 'false', expected true or false",
+    ),
     "complete missing": (edit(lambda d: d.pop("complete")), "complete: missing"),
     "environment missing": (edit(lambda d: d.pop("environment")), "environment: missing"),
     "options missing": (edit(lambda d: d.pop("options")), "options: missing"),
-    "gpu name a number": (edit(lambda d: d["environment"]["gpus"][0].update(name=7)),
-                          "environment.gpus[0].name: is a number, expected a string"),
-    "families not a list": (edit(lambda d: d["options"].update(families="FLUX.1")),
-                            "options.families: is the string 'FLUX.1', expected a list"),
-    "unknown key": (edit(lambda d: d["devices"][0]["cells"][0].update(speedy=True)),
-                    "devices[0].cells[0].speedy: unknown key"),
-    "unknown outcome": (edit(lambda d: d["devices"][0]["speed"][0].update(outcome="slow")),
-                        "devices[0].speed[0].outcome: is the string 'slow', expected one of"),
-    "crash without detail": (edit(lambda d: first_cell(d, "crash").pop("detail")),
-                             "detail: empty for a cell"),
-    "NaN time": (edit(lambda d: d["devices"][0]["speed"][0].update(ms=float("nan"))),
-                 "devices[0].speed[0].ms: is nan, expected a finite number"),
-    "negative time": (edit(lambda d: d["devices"][0]["speed"][0].update(ms=-1.0)),
-                      "expected a positive time"),
-    "median edited": (edit(lambda d: d["devices"][0]["speed"][0].update(samples_ms=[1.0, 2.0, 3.0])),
-                      "devices[0].speed[0].ms: 0.0486331 is not the median of samples_ms (2)"),
-    "fastest backend edited": (edit(lambda d: d["devices"][0]["speed"][0]["backends"].update(other=0.001)),
-                               "devices[0].speed[0].best_backend: "),
-    "backend screen edited": (edit(lambda d: d["devices"][0]["speed"][0]["backends"].update(cudnn=99.0)),
-                              "is not the fastest of backends ("),
-    "boolean index": (edit(lambda d: d["devices"][0].update(index=True)),
-                      "devices[0].index: is a boolean, expected an integer"),
-    "capability of three": (edit(lambda d: d["devices"][0].update(capability=[9, 0, 0])),
-                            "devices[0].capability: has 3 items, expected 2"),
-    "cell of an unknown fixture": (edit(lambda d: d["devices"][0]["cells"][0].update(fixture="ghost")),
-                                   "'ghost' is not in `fixtures`"),
-    "future schema": (edit(lambda d: d.update(schema_version=6)),
-                      "schema_version: 6 is newer than this sage-qual reads (1, 2, 3, 4, 5); upgrade sage-qual"),
-    "complete without finish": (edit(lambda d: d.update(finished=None)), "finished: null in a report marked "
-                                                                          "complete"),
+    "gpu name a number": (
+        edit(lambda d: d["environment"]["gpus"][0].update(name=7)),
+        "environment.gpus[0].name: is a number, expected a string",
+    ),
+    "families not a list": (
+        edit(lambda d: d["options"].update(families="FLUX.1")),
+        "options.families: is the string 'FLUX.1', expected a list",
+    ),
+    "unknown key": (
+        edit(lambda d: d["devices"][0]["cells"][0].update(speedy=True)),
+        "devices[0].cells[0].speedy: unknown key",
+    ),
+    "unknown outcome": (
+        edit(lambda d: d["devices"][0]["speed"][0].update(outcome="slow")),
+        "devices[0].speed[0].outcome: is the string 'slow', expected one of",
+    ),
+    "crash without detail": (
+        edit(lambda d: first_cell(d, "crash").pop("detail")),
+        "detail: empty for a cell",
+    ),
+    "NaN time": (
+        edit(lambda d: d["devices"][0]["speed"][0].update(ms=float("nan"))),
+        "devices[0].speed[0].ms: is nan, expected a finite number",
+    ),
+    "negative time": (
+        edit(lambda d: d["devices"][0]["speed"][0].update(ms=-1.0)),
+        "expected a positive time",
+    ),
+    "median edited": (
+        edit(lambda d: d["devices"][0]["speed"][0].update(samples_ms=[1.0, 2.0, 3.0])),
+        "devices[0].speed[0].ms: 0.0486331 is not the median of samples_ms (2)",
+    ),
+    "fastest backend edited": (
+        edit(lambda d: d["devices"][0]["speed"][0]["backends"].update(other=0.001)),
+        "devices[0].speed[0].best_backend: ",
+    ),
+    "backend screen edited": (
+        edit(lambda d: d["devices"][0]["speed"][0]["backends"].update(cudnn=99.0)),
+        "is not the fastest of backends (",
+    ),
+    "boolean index": (
+        edit(lambda d: d["devices"][0].update(index=True)),
+        "devices[0].index: is a boolean, expected an integer",
+    ),
+    "capability of three": (
+        edit(lambda d: d["devices"][0].update(capability=[9, 0, 0])),
+        "devices[0].capability: has 3 items, expected 2",
+    ),
+    "cell of an unknown fixture": (
+        edit(lambda d: d["devices"][0]["cells"][0].update(fixture="ghost")),
+        "'ghost' is not in `fixtures`",
+    ),
+    "future schema": (
+        edit(lambda d: d.update(schema_version=6)),
+        "schema_version: 6 is newer than this sage-qual reads (1, 2, 3, 4, 5); upgrade sage-qual",
+    ),
+    "complete without finish": (
+        edit(lambda d: d.update(finished=None)),
+        "finished: null in a report marked complete",
+    ),
 }
 
 
@@ -395,12 +427,22 @@ def test_a_cell_holds_every_accuracy_metric_the_worker_measures():
     assert {f.name for f in dataclasses.fields(accuracy.Accuracy)} <= stored
 
 
-@pytest.mark.parametrize("old, new", [("rel_l2", "metrics.rel_l2"), ("finite", "metrics.finite"),
-                                      ("worst_head_cosine", "metrics.worst_head_cosine"), ("bounds", "budget")])
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("rel_l2", "metrics.rel_l2"),
+        ("finite", "metrics.finite"),
+        ("worst_head_cosine", "metrics.worst_head_cosine"),
+        ("bounds", "budget"),
+    ],
+)
 def test_a_cell_read_by_its_schema_3_name_says_where_the_number_went(old, new):
-    """A downstream test of the pytest plugin written against schema 3 (`cell.rel_l2`) is told the new path."""
+    """A downstream test of the pytest plugin written against schema 3 (`cell.rel_l2`) is told the new
+    path."""
     cell = builders.cell("sm90-fp8-cuda", builders.fixture())
-    with pytest.raises(AttributeError, match=rf"^Cell\.{old} is Cell\.{re.escape(new)} since report schema 4$"):
+    with pytest.raises(
+        AttributeError, match=rf"^Cell\.{old} is Cell\.{re.escape(new)} since report schema 4$"
+    ):
         getattr(cell, old)
     with pytest.raises(AttributeError, match="has no attribute 'rel_l3'"):
         _ = cell.rel_l3

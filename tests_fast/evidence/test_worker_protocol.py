@@ -41,9 +41,19 @@ SPAN = tasks.SpanTask("sm90-fp8-cuda^span", "sm90-fp8-cuda", 2**31 - 1, "fused_q
 CONTEXT = tasks.ContextTask("sm90-fp8-cuda#contexts", "sm90-fp8-cuda", [1, 24, 16384, 128], "bfloat16")
 COMPILE = tasks.CompileTask("compile:sm86-fp16-triton", "sm86-fp16-triton",
                             [tasks.KernelCall(SHAPE, "contiguous"), tasks.KernelCall(SHAPE, "fused_qkv")])
-TASKS = [tasks.EnvTask("env"), COMPILE, CELL, tasks.SdpaTask("sdpa@k", "k", SHAPE, 3, 20), SPEED, PAIRED, LONG, SPAN,
-         CONTEXT, tasks.TargetMachineTask("machine", "wrapper"),
-         tasks.TargetCellTask("flux1_1024", "wrapper", "flux1_1024", FIXTURE, [9, 0], 2.5)]
+TASKS = [
+    tasks.EnvTask("env"),
+    COMPILE,
+    CELL,
+    tasks.SdpaTask("sdpa@k", "k", SHAPE, 3, 20),
+    SPEED,
+    PAIRED,
+    LONG,
+    SPAN,
+    CONTEXT,
+    tasks.TargetMachineTask("machine", "wrapper"),
+    tasks.TargetCellTask("flux1_1024", "wrapper", "flux1_1024", FIXTURE, [9, 0], 2.5),
+]
 
 
 def test_every_kind_has_a_task_type_and_each_type_is_tested_here():
@@ -60,27 +70,83 @@ def test_a_task_reads_back_as_itself(task):
 
 BUDGET = builders.budget(max_abs=0.5)
 RESULTS = [
-    (tasks.EnvTask("env"), tasks.EnvResult(Outcome.PASS, EnvironmentRecord(
-        "0.2", "3.11", "Linux", "2.11.0", "13.0", "9.1", "580", "3.6", "2.2.0", "", {"_qattn_sm90": "ok"},
-        []),
-        {"0": {"sm80-fp16-cuda": ["not on sm_90"]}})),
-    (CELL, Cell("sm90-fp8-cuda", "flux1_1024", Outcome.FAIL, reasons=[Reason(ReasonKind.ACCURACY, "rel L2")],
-                accuracy_class=AccuracyClass.FP8, budget=BUDGET,
-                metrics=builders.metrics(rel_l2=0.2, worst_head_cosine=0.98), extra_bytes_per_element=1.5, smooth_k_on=SmoothK(None, None, False))),
+    (
+        tasks.EnvTask("env"),
+        tasks.EnvResult(
+            Outcome.PASS,
+            EnvironmentRecord(
+                "0.2",
+                "3.11",
+                "Linux",
+                "2.11.0",
+                "13.0",
+                "9.1",
+                "580",
+                "3.6",
+                "2.2.0",
+                "",
+                {"_qattn_sm90": "ok"},
+                [],
+            ),
+            {"0": {"sm80-fp16-cuda": ["not on sm_90"]}},
+        ),
+    ),
+    (
+        CELL,
+        Cell(
+            "sm90-fp8-cuda",
+            "flux1_1024",
+            Outcome.FAIL,
+            reasons=[Reason(ReasonKind.ACCURACY, "rel L2")],
+            accuracy_class=AccuracyClass.FP8,
+            budget=BUDGET,
+            metrics=builders.metrics(rel_l2=0.2, worst_head_cosine=0.98),
+            extra_bytes_per_element=1.5,
+            smooth_k_on=SmoothK(None, None, False),
+        ),
+    ),
     (SPEED, Speed("sm90-fp8-cuda", "k", Outcome.PASS, 1.0, samples_ms=[0.9, 1.0, 1.1])),
-    (PAIRED, tasks.Paired(Speed("sm90-fp8-cuda", "k", Outcome.PASS, 1.0, samples_ms=[1.0]),
-                          Speed("sdpa", "k", Outcome.PASS, 2.0, samples_ms=[2.0], best_backend="cudnn",
-                                backends={"cudnn": 2.0, "flash": 2.5}))),
+    (
+        PAIRED,
+        tasks.Paired(
+            Speed("sm90-fp8-cuda", "k", Outcome.PASS, 1.0, samples_ms=[1.0]),
+            Speed(
+                "sdpa",
+                "k",
+                Outcome.PASS,
+                2.0,
+                samples_ms=[2.0],
+                best_backend="cudnn",
+                backends={"cudnn": 2.0, "flash": 2.5},
+            ),
+        ),
+    ),
     (PAIRED, tasks.Paired(Speed("sm90-fp8-cuda", "k", Outcome.CRASH, None, detail="died"))),
-    (LONG, LONG.record(Outcome.PASS, budget=BUDGET,
-                       metrics=builders.metrics(rel_l2=0.05, worst_head_cosine=None),
-                       identical={"transposed": True}, rows=[0, 128], row_block=128)),
+    (
+        LONG,
+        LONG.record(
+            Outcome.PASS,
+            budget=BUDGET,
+            metrics=builders.metrics(rel_l2=0.05, worst_head_cosine=None),
+            identical={"transposed": True},
+            rows=[0, 128],
+            row_block=128,
+        ),
+    ),
     (SPAN, SPAN.record(Outcome.CRASH, detail="it died (killed by SIGABRT)", stderr_tail="Assertion")),
-    (CONTEXT, CONTEXT.record(Outcome.FAIL, detail="not bit-identical to the eager call: capture", runs=[
-        ContextRun("side_stream", 1, 1, True, True, 0.0, 0.0, 0.038),
-        ContextRun("capture", 1, 1, False, True, 0.09, 1.17, 1.17),
-        ContextRun("compile", 3, 3, True, True, 0.0, 0.0, 0.039),
-        ContextRun("compile_reduce_overhead", 3, 3, True, True, 0.0, 0.0, 0.039)])),
+    (
+        CONTEXT,
+        CONTEXT.record(
+            Outcome.FAIL,
+            detail="not bit-identical to the eager call: capture",
+            runs=[
+                ContextRun("side_stream", 1, 1, True, True, 0.0, 0.0, 0.038),
+                ContextRun("capture", 1, 1, False, True, 0.09, 1.17, 1.17),
+                ContextRun("compile", 3, 3, True, True, 0.0, 0.0, 0.039),
+                ContextRun("compile_reduce_overhead", 3, 3, True, True, 0.0, 0.0, 0.039),
+            ],
+        ),
+    ),
     (tasks.TargetMachineTask("machine", "wrapper"), tasks.MachineResult(Outcome.PASS, ["no kernel"])),
     (COMPILE, COMPILE.record(Outcome.PASS, calls=2)),
 ]
@@ -228,9 +294,11 @@ def test_a_worker_given_a_malformed_job_exits_naming_the_key(tmp_path):
     assert process.messages.get(timeout=120) is None  # nothing sent, not even "ready"
     assert process.ended() == "exit code 1"
     last = process.stderr_tail().strip().splitlines()[-1]
-    assert last.endswith("a task from the parent: kind: is 'sped', expected one of 'env', 'cell', 'sdpa', "
-                         "'speed', 'paired', 'long', 'span', 'context', 'compile', 'target_machine', 'target_cell'; "
-                         + tasks.FIX)
+    assert last.endswith(
+        "a task from the parent: kind: is 'sped', expected one of 'env', 'cell', 'sdpa', "
+        "'speed', 'paired', 'long', 'span', 'context', 'compile', 'target_machine', 'target_cell'; "
+        + tasks.FIX
+    )
     process.close()
 
 

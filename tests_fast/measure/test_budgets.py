@@ -24,13 +24,18 @@ def loaded():
     def load(name):
         if name not in cache:
             fixture = load_fixture(FIXTURES[name])
-            cache[name] = (fixture, accuracy.reference(fixture.q, fixture.k, fixture.v, attn_mask=fixture.mask))
+            cache[name] = (
+                fixture,
+                accuracy.reference(fixture.q, fixture.k, fixture.v, attn_mask=fixture.mask),
+            )
         return cache[name]
     return load
 
 
 def _reasons(out, ref, budget) -> list[Reason]:
-    return judge.cell_reasons(accuracy.errors(out, ref), 0.0, budget, math.inf, fitness=builders.CONFORMANCE_ONLY)
+    return judge.cell_reasons(
+        accuracy.errors(out, ref), 0.0, budget, math.inf, fitness=builders.CONFORMANCE_ONLY
+    )
 
 
 # Fixture outermost: the budgets' model run caches one fixture's reference at a time.

@@ -24,7 +24,10 @@ def with_(metrics=GOOD, **changed) -> Metrics:
 
 
 def kinds(metrics, per_element=1.0, budget=BUDGET):
-    return [r.kind.value for r in judge.cell_reasons(metrics, per_element, budget, 2.5, fitness=builders.CONFORMANCE_ONLY)]
+    return [
+        r.kind.value
+        for r in judge.cell_reasons(metrics, per_element, budget, 2.5, fitness=builders.CONFORMANCE_ONLY)
+    ]
 
 
 def test_a_cell_within_every_limit_passes():
@@ -42,22 +45,31 @@ def test_a_cell_within_every_limit_passes():
     ("max_abs_error", 0.6, "largest element error |out - ref| 0.6 > 0.5"),
 ])
 def test_each_limit_fails_alone(metric, value, says):
-    reasons = judge.cell_reasons(with_(**{metric: value}), 1.0, BUDGET, 2.5, fitness=builders.CONFORMANCE_ONLY)
+    reasons = judge.cell_reasons(
+        with_(**{metric: value}), 1.0, BUDGET, 2.5, fitness=builders.CONFORMANCE_ONLY
+    )
     assert len(reasons) == 1 and reasons[0].kind == ReasonKind.ACCURACY and says in reasons[0].detail
 
 
 def test_reasons_are_records_with_the_texts_reports_hold():
     """The texts stored in reports and matched by gate, summaries and docs, word for word."""
     worst = with_(rel_l2=0.06, finite=False)
-    assert judge.cell_reasons(worst, 3.0, BUDGET, 2.5, sdpa_rel_l2=0.002, fitness=builders.CONFORMANCE_ONLY) == [
+    assert judge.cell_reasons(
+        worst, 3.0, BUDGET, 2.5, sdpa_rel_l2=0.002, fitness=builders.CONFORMANCE_ONLY
+    ) == [
         Reason(ReasonKind.NON_FINITE, "output not finite where the reference is"),
         Reason(ReasonKind.ACCURACY, "relative L2 0.06 > 0.055 (SDPA in the input precision: 0.002)"),
-        Reason(ReasonKind.MEMORY, "extra peak 3.00 bytes per q/k/v element > 2.5")]
-    assert judge.cell_reasons(with_(norm_ratio=None), None, BUDGET, 2.5, fitness=builders.CONFORMANCE_ONLY) == [
+        Reason(ReasonKind.MEMORY, "extra peak 3.00 bytes per q/k/v element > 2.5"),
+    ]
+    assert judge.cell_reasons(
+        with_(norm_ratio=None), None, BUDGET, 2.5, fitness=builders.CONFORMANCE_ONLY
+    ) == [
         Reason(ReasonKind.ACCURACY, "output norm / reference norm (norm_ratio) not measured"),
-        Reason(ReasonKind.MEMORY, "extra peak memory not measured")]
-    assert judge.cell_reasons(GOOD, 1.0, builders.budget(min_cosine="0.9"), 2.5, fitness=builders.CONFORMANCE_ONLY) == [
-        Reason(ReasonKind.ACCURACY, "budget min_cosine is not a number: '0.9'")]
+        Reason(ReasonKind.MEMORY, "extra peak memory not measured"),
+    ]
+    assert judge.cell_reasons(
+        GOOD, 1.0, builders.budget(min_cosine="0.9"), 2.5, fitness=builders.CONFORMANCE_ONLY
+    ) == [Reason(ReasonKind.ACCURACY, "budget min_cosine is not a number: '0.9'")]
     assert judge.layout_reasons({"transposed": False}, ["contiguous", "transposed", "fused_qkv"]) == [
         Reason(ReasonKind.LAYOUT, "layout transposed: output differs from the same kernel's on contiguous "
                                   "copies"),
@@ -73,9 +85,16 @@ def test_a_kernels_accuracy_and_a_stored_cells_metrics_judge_alike():
                           (None, None)):
         found = accuracy.Accuracy(**vars(with_(**({metric: value} if metric else {}))), sdpa_rel_l2=0.002,
                                   error_vs_sdpa=30.0)
-        live = judge.cell_reasons(found, 1.0, BUDGET, 2.5, found.sdpa_rel_l2, fitness=builders.CONFORMANCE_ONLY)
+        live = judge.cell_reasons(
+            found, 1.0, BUDGET, 2.5, found.sdpa_rel_l2, fitness=builders.CONFORMANCE_ONLY
+        )
         cell = tasks.judged_cell("sm90-fp8-cuda", "fx", found, BUDGET, live, "fp8", 1.0)
-        assert judge.cell_reasons(cell.metrics, 1.0, cell.budget, 2.5, cell.sdpa_rel_l2, fitness=builders.CONFORMANCE_ONLY) == live
+        assert (
+            judge.cell_reasons(
+                cell.metrics, 1.0, cell.budget, 2.5, cell.sdpa_rel_l2, fitness=builders.CONFORMANCE_ONLY
+            )
+            == live
+        )
         assert bool(live) == (metric is not None)
 
 

@@ -54,7 +54,9 @@ def judged(values, per_element=2.5, budget=BUDGET, bound=2.5):
     else:
         sdpa_rel_l2 = getattr(values, "sdpa_rel_l2", None)
     limits = Budget(**{f.name: budget.get(f.name) for f in dataclasses.fields(Budget)})
-    return pairs(judge.cell_reasons(values, per_element, limits, bound, sdpa_rel_l2, fitness=builders.CONFORMANCE_ONLY))
+    return pairs(
+        judge.cell_reasons(values, per_element, limits, bound, sdpa_rel_l2, fitness=builders.CONFORMANCE_ONLY)
+    )
 
 
 def test_every_metric_exactly_at_its_bound_passes():

@@ -240,7 +240,9 @@ def test_a_family_is_enabled_up_to_its_longest_passing_check():
     assert flux.verdict == verdict.Verdict.ENABLE and flux.served.range_verified
     # its own longest call (16,896) and the generic sweep at its head size (to 32,768)
     assert (flux.served.max_query_tokens, flux.served.max_key_tokens) == (32768, 32768)
-    assert flux.served.layouts == ["contiguous", "transposed", "nhd", "fused_qkv"] and flux.range_reasons == []
+    assert (
+        flux.served.layouts == ["contiguous", "transposed", "nhd", "fused_qkv"] and flux.range_reasons == []
+    )
     assert flux.served.text() == ("from 4,608 to 32,768 query / 512 to 32,768 key tokens, head_dim 128 "
                                    "(layouts: contiguous, transposed, nhd, fused_qkv)")
     qwen = gpu.family("Qwen-Image")
@@ -382,7 +384,10 @@ def test_the_profile_holds_the_range_and_layouts():
     assert off.served is None
     legacy = profile.build(checked.load(SAMPLE), verdict.decide(checked.load(SAMPLE)))
     legacy_flux = legacy.gpus[0].families["FLUX.1"]  # enabled, but no long checks: no bound known
-    assert legacy_flux.variant and (legacy_flux.served.max_query_tokens, legacy_flux.served.layouts) == (None, None)
+    assert legacy_flux.variant and (legacy_flux.served.max_query_tokens, legacy_flux.served.layouts) == (
+        None,
+        None,
+    )
 
 
 def test_gate_and_merge_say_the_verified_range():

@@ -299,7 +299,10 @@ def test_any_dropout_or_causal_or_mask_or_autocast_is_refused(case, dropout):
     assert reason(call._replace(dropout_p=dropout), config) == ("dropout", f"dropout_p={dropout}")
     assert reason(call._replace(dropout_p=0.0), config) is None
     assert reason(call._replace(is_causal=True), config) == ("causal", "is_causal=True")
-    assert reason(call._replace(attn_mask=call.query), config) == ("mask", "attn_mask given (no masked call was certified here)")
+    assert reason(call._replace(attn_mask=call.query), config) == (
+        "mask",
+        "attn_mask given (no masked call was certified here)",
+    )
     assert reason(call, config, autocast=True) == ("autocast", "CUDA autocast is on")
 
 

@@ -23,8 +23,13 @@ def enabled(variant="sm90-fp8-cuda", head_dims=(64, 128), verified=True, **serve
     upper = dict(max_query_tokens=16384, max_key_tokens=16384, layouts=["contiguous", "transposed"]) \
         if verified else {}
     reasons = [Reason(ReasonKind.LONG, "verified only below 32,768 query tokens")] if verified else []
-    return FamilyDecision("FLUX.1", Verdict.ENABLE, Served(variant, 4608, 512, list(head_dims), **upper, **served),
-                          range_reasons=reasons, results=VariantResults(certified=[variant, "sm80-fp16-cuda"]))
+    return FamilyDecision(
+        "FLUX.1",
+        Verdict.ENABLE,
+        Served(variant, 4608, 512, list(head_dims), **upper, **served),
+        range_reasons=reasons,
+        results=VariantResults(certified=[variant, "sm80-fp16-cuda"]),
+    )
 
 
 def no_speedup():
@@ -71,8 +76,19 @@ def test_gate_line_for_one_head_size_and_a_problem():
 
 def fleet_verdict(verdict_, variant=None, low=(None, None), reasons=(), upper=None, layouts=None, **more):
     kinds = [ReasonKind(kind) for kind in reasons]
-    served = Served(variant, *low, more.pop("head_dims", []), upper, more.pop("max_key_tokens", upper), layouts,
-                    **more) if variant else None
+    served = (
+        Served(
+            variant,
+            *low,
+            more.pop("head_dims", []),
+            upper,
+            more.pop("max_key_tokens", upper),
+            layouts,
+            **more,
+        )
+        if variant
+        else None
+    )
     return fleet.FleetVerdict(Verdict(verdict_), served, kinds)
 
 
@@ -98,7 +114,8 @@ def test_merge_table_for_every_kind_of_row():
     assert fleet_render.merge_markdown(rows).splitlines() == [
         "| host | GPU | sm | GPUs | driver | torch | sageattention | FLUX.1 | SDXL | Wan 2.2 |",
         "|---|---|---|---|---|---|---|---|---|---|",
-        "| box-a | NVIDIA H200 | 90 | 2 | 580.1 | 2.11.0 | 2.2.0 | enable: sm90-fp8-cuda >= 4608/512, head_dim 128 | "
+        "| box-a | NVIDIA H200 | 90 | 2 | 580.1 | 2.11.0 | 2.2.0 | enable: sm90-fp8-cuda >= 4608/512, "
+        "head_dim 128 | "
         "safe, no speedup: speed | keep off: crash, oom |",
         "| box-b | NVIDIA GeForce RTX 4090 | 89 | 1 | - | 2.11.0 | - | enable: sm90-fp8-cuda >= 4608/512, "
         "head_dim 128 | "
@@ -243,7 +260,10 @@ def test_gate_names_each_bound_and_its_json_carries_it():
         {"side": "key", "below": 17, "reason": bound.reason}]
     cell = fleet_verdict("enable", "sm90-fp8-cuda", (9728, 9728), upper=32768, layouts=["contiguous"],
                          head_dims=[128], bounds=[bound])
-    assert fleet_render.cell(cell) == "enable: sm90-fp8-cuda 9,728 to 32,768 tokens, head_dim 128 (contiguous; keys >= 17)"
+    assert (
+        fleet_render.cell(cell)
+        == "enable: sm90-fp8-cuda 9,728 to 32,768 tokens, head_dim 128 (contiguous; keys >= 17)"
+    )
 
 
 def test_a_fleet_cell_names_the_contexts_certified_when_there_are_checks():
@@ -260,8 +280,9 @@ def test_a_fleet_cell_names_the_contexts_certified_when_there_are_checks():
 def test_a_fleet_cell_names_the_head_sizes_and_a_key_range_of_its_own():
     served = fleet_verdict("enable", "sm90-fp8-cuda", (9728, 512), upper=16896, layouts=["contiguous"],
                            max_key_tokens=4096, head_dims=[64, 128])
-    assert fleet_render.cell(served) == ("enable: sm90-fp8-cuda 9,728 to 16,896 query / 512 to 4,096 key tokens, "
-                                         "head_dim 64/128 (contiguous)")
+    assert fleet_render.cell(served) == (
+        "enable: sm90-fp8-cuda 9,728 to 16,896 query / 512 to 4,096 key tokens, head_dim 64/128 (contiguous)"
+    )
     unbounded = fleet_verdict("enable", "sm90-fp8-cuda", (4608, 512), head_dims=[128])
     assert fleet_render.cell(unbounded) == "enable: sm90-fp8-cuda >= 4608/512, head_dim 128"
     assert fleet_render.cell(fleet_verdict("keep off", reasons=["crash", "oom"])) == "keep off: crash, oom"

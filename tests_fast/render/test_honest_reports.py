@@ -101,7 +101,9 @@ def test_a_predicted_report_says_per_variant_what_the_terminal_says(tmp_path, ca
     assert said == {"sm90-fp8-cuda": "FAIL", "sm80-fp16-cuda": "pass"}
     text = (tmp_path / "out" / "report.md").read_text()
     row = next(line for line in text.splitlines() if line.startswith("| SDXL |"))
-    assert row.startswith("| SDXL | would fail | would pass | sm90-fp8-cuda on zero_v: output not finite"), row
+    assert row.startswith("| SDXL | would fail | would pass | sm90-fp8-cuda on zero_v: output not finite"), (
+        row
+    )
     header = text.splitlines()[text.splitlines().index(row) - 2]
     assert header == "| family | sm90-fp8-cuda (sm_90) | sm80-fp16-cuda (sm_80) | why not |"
     html = (tmp_path / "out" / "report.html").read_text()
@@ -122,7 +124,11 @@ def test_quick_on_the_shipped_fixtures_keeps_every_file_the_h200_saw_fail():
     chosen = selection.select(None, None, quick=True)
     ran = {f.name for f in chosen.fixtures}
     failed = {f.name for f in selection.read_fixtures(selection.fixture_dirs(None)) if known.failed(f)}
-    assert {"flux1_ip_adapter_zero_uncond", "sdxl_ip_adapter_zero_uncond", "qwen_image_b52_value_offset"} <= failed
+    assert {
+        "flux1_ip_adapter_zero_uncond",
+        "sdxl_ip_adapter_zero_uncond",
+        "qwen_image_b52_value_offset",
+    } <= failed
     assert failed <= ran and chosen.left_out
     assert not {f.fixture for f in chosen.left_out} & ran
 
@@ -132,6 +138,8 @@ def test_the_terminal_names_what_quick_left_out(predicted_quick):
     written = checked.parse(data, "predicted")
     left = [selection.LeftOut("large", "SDXL", [known.NOTHING_RAN])]
     printed = summary.text(written, Path("out"), verdict.decide(written), left)
-    assert printed.splitlines()[-1] == ("left out by --quick: 1 fixture(s), not run (report.md lists what the "
-                                        "H200 measured on each): large (SDXL)")
+    assert printed.splitlines()[-1] == (
+        "left out by --quick: 1 fixture(s), not run (report.md lists what the "
+        "H200 measured on each): large (SDXL)"
+    )
     assert "left out" not in summary.text(written, Path("out"), verdict.decide(written))

@@ -149,7 +149,9 @@ def test_fail_and_oom_are_reported_with_their_numbers_and_the_variant_goes_on(ru
     assert noisy["outcome"] == "fail" and noisy["metrics"]["rel_l2"] > limit
     # Noise of the output's own size: off its model and unfit for the family (the fixture's bound) alike.
     assert {r["kind"] for r in noisy["reasons"]} == {"accuracy", "unfit"}
-    assert noisy["reasons"][0]["detail"].startswith(f"relative L2 {noisy['metrics']['rel_l2']:.4g} > {limit:.4g}")
+    assert noisy["reasons"][0]["detail"].startswith(
+        f"relative L2 {noisy['metrics']['rel_l2']:.4g} > {limit:.4g}"
+    )
     oom = got[("sm89-fp8-cuda", "c-flux")]
     assert oom["outcome"] == "oom" and "OutOfMemoryError: CUDA out of memory" in oom["detail"]
     speed = [r for r in run["data"]["devices"][device]["speed"] if r["kernel"] == "sm89-fp8-cuda"]
@@ -181,7 +183,10 @@ def test_verdicts_name_every_reason(run):
     qwen = h200.family("Qwen-Image")
     assert qwen.results.certified == ["sm90-fp8-cuda"] and list(qwen.results.rejected) == ["sm89-fp8-cuda"]
     qwen_rtx = rtx.family("Qwen-Image")
-    assert qwen_rtx.verdict.value == "keep off" and {r.kind.value for r in qwen_rtx.reasons} == {"accuracy", "unfit"}
+    assert qwen_rtx.verdict.value == "keep off" and {r.kind.value for r in qwen_rtx.reasons} == {
+        "accuracy",
+        "unfit",
+    }
     assert rtx.variants["sm90-fp8-cuda"].runnable is False
 
 
@@ -227,7 +232,9 @@ def measured(rel_l2: float, cosine: float, finite: bool = True) -> Accuracy:
 ])
 def test_cell_reasons(acc, per_element, kinds):
     published = BOUNDS["fp8"]
-    reasons = judge.cell_reasons(acc, per_element, builders.budget(**published), 2.5, fitness=builders.CONFORMANCE_ONLY)
+    reasons = judge.cell_reasons(
+        acc, per_element, builders.budget(**published), 2.5, fitness=builders.CONFORMANCE_ONLY
+    )
     assert [r.kind.value for r in reasons] == kinds
 
 

@@ -69,11 +69,21 @@ def modes(root):
     chosen = {"families": ["FLUX.1"], "fixture_dirs": [str(root / "fixtures")]}
     variants = ["sm90-fp8-cuda"]
     return [
-        ("certify", builders.gpu_request(root / "certify", variants=variants, **chosen),
-         worker_executor.WorkerExecutor),
-        ("target", builders.target_request(root / "target", "sageattn", **chosen), worker_executor.WorkerExecutor),
-        ("emulate", builders.emulate_request(root / "emulate", variants=variants, **chosen),
-         in_process.InProcessExecutor),
+        (
+            "certify",
+            builders.gpu_request(root / "certify", variants=variants, **chosen),
+            worker_executor.WorkerExecutor,
+        ),
+        (
+            "target",
+            builders.target_request(root / "target", "sageattn", **chosen),
+            worker_executor.WorkerExecutor,
+        ),
+        (
+            "emulate",
+            builders.emulate_request(root / "emulate", variants=variants, **chosen),
+            in_process.InProcessExecutor,
+        ),
     ]
 
 
@@ -130,7 +140,9 @@ def test_an_interrupt_leaves_a_partial_report_in_every_mode(box, monkeypatch, ca
     assert "PARTIAL REPORT (interrupted" in (options.out / "report.md").read_text()
     said = capsys.readouterr()
     assert said.out.startswith("sage-qual certify")
-    assert re.search(r"^sage-qual certify: [\d.]+ s \(discovery [\d.]+ s, conclusion [\d.]+ s\)$", said.err, re.M)
+    assert re.search(
+        r"^sage-qual certify: [\d.]+ s \(discovery [\d.]+ s, conclusion [\d.]+ s\)$", said.err, re.M
+    )
     assert NoWorkers.closed == (mode != "emulate")
     assert not (options.out / "profile.json").exists()
 

@@ -195,4 +195,6 @@ def test_comfy_kitchens_variant_is_certified_beside_thu_mls_on_fake_gpus(tmp_pat
     data = checked.load(out / "report.json")
     measured = {(c.variant, c.fixture) for c in data.devices[0].cells if c.measured}
     assert {("ck-int8-cuda", "flux"), ("sm90-fp8-cuda", "flux")} <= measured
-    assert [(o.provider, o.version) for o in data.environment.other_providers] == [("comfy-kitchen", "0.2.40")]
+    assert [(o.provider, o.version) for o in data.environment.other_providers] == [
+        ("comfy-kitchen", "0.2.40")
+    ]

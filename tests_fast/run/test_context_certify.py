@@ -34,8 +34,9 @@ from .. import builders, fakes
 from ..helpers import TORCH_SDPA
 
 TRITON, SM90, CK = VARIANTS["sm86-fp16-triton"], VARIANTS["sm90-fp8-cuda"], VARIANTS["ck-int8-cuda"]
-# On the fake, as on the H200 (docs/results/run19-h200/; run37-h200-suite/ for comfy-kitchen): the current-stream
-# kernels (Triton's, comfy-kitchen's) are right everywhere, a legacy-stream kernel everywhere but under capture.
+# On the fake, as on the H200 (docs/results/run19-h200/; run37-h200-suite/ for comfy-kitchen): the
+# current-stream kernels (Triton's, comfy-kitchen's) are right everywhere, a legacy-stream kernel
+# everywhere but under capture.
 CLEAN = {TRITON.name: list(CONTEXTS), SM90.name: [SIDE_STREAM, COMPILE], CK.name: list(CONTEXTS)}
 BOUNDS = {name: {"max_rel_l2": 0.08, "min_cosine": 0.99} for name in ("fp16", "fp8")}
 
@@ -129,13 +130,19 @@ def test_a_context_is_safe_only_when_every_check_of_it_passed():
     assert not run("side_stream", error="RuntimeError: capture invalidated").passed
 
 
-@pytest.mark.parametrize("ran, said", [
-    (run("side_stream", served=0, calls=0), "it made no call, so nothing was checked"),
-    (run("capture", served=1, calls=2), "served 1 of 2 calls (no reason)"),
-    (run("compile", identical=False, diff=0.5, rel=0.02), "not bit-identical to the eager call (relative L2 0.02)"),
-    (run("capture", error="RuntimeError: capture invalidated"), "RuntimeError: capture invalidated"),
-    (run("side_stream"), ""),
-])
+@pytest.mark.parametrize(
+    "ran, said",
+    [
+        (run("side_stream", served=0, calls=0), "it made no call, so nothing was checked"),
+        (run("capture", served=1, calls=2), "served 1 of 2 calls (no reason)"),
+        (
+            run("compile", identical=False, diff=0.5, rel=0.02),
+            "not bit-identical to the eager call (relative L2 0.02)",
+        ),
+        (run("capture", error="RuntimeError: capture invalidated"), "RuntimeError: capture invalidated"),
+        (run("side_stream"), ""),
+    ],
+)
 def test_a_context_run_says_why_it_failed_from_its_numbers(ran, said):
     """A side-stream run of no call was said "not bit-identical (relative L2 0)" (issue 43)."""
     assert ran.failure() == said

@@ -74,7 +74,9 @@ def test_the_report_header_says_predicted_and_complete(emulated):
     assert data["host"] == socket.gethostname()
     assert data["command"] == "sage_qual.qualification.run.run.certify()"
     plots = sorted(p.name for p in (root / "out").glob("*.png"))
-    assert "accuracy-cpu.png" in plots and not [name for name in plots if "cuda" in name]  # named where it ran
+    assert "accuracy-cpu.png" in plots and not [
+        name for name in plots if "cuda" in name
+    ]  # named where it ran
     assert "](accuracy-cpu.png)" in (root / "out" / "report.md").read_text()
     assert data["options"] == {
         "devices": [0],
@@ -112,7 +114,11 @@ def test_each_cell_is_judged_against_its_budget_like_a_measured_one(emulated):
         acc = accuracy.accuracy(budgets.prediction(variant, fixture), fixture.q, fixture.k, fixture.v, ref)
         assert cell["budget"] == limits(budgets.budget(variant, fixture))
         budget = budgets.budget(variant, fixture)
-        assert cell["reasons"] == judge.cell_reasons(acc, 0.0, budget, math.inf, fitness=builders.CONFORMANCE_ONLY) == []
+        assert (
+            cell["reasons"]
+            == judge.cell_reasons(acc, 0.0, budget, math.inf, fitness=builders.CONFORMANCE_ONLY)
+            == []
+        )
         assert cell["outcome"] == "pass" and cell["detail"] == in_process.PREDICTED
         assert cell["accuracy_class"] == variant.accuracy_class
         numbers = cell["metrics"]
@@ -130,7 +136,9 @@ def test_a_non_finite_prediction_fails_and_stores_no_number(emulated):
     )
     assert fp8["outcome"] == "fail" and fp8["metrics"]["finite"] is False
     assert [r["kind"] for r in fp8["reasons"]][:1] == ["non_finite"]
-    assert fp8["metrics"]["rel_l2"] is None and fp8["metrics"]["max_abs_error"] is None  # JSON: no NaN, no inf
+    assert (
+        fp8["metrics"]["rel_l2"] is None and fp8["metrics"]["max_abs_error"] is None
+    )  # JSON: no NaN, no inf
     assert fp16["outcome"] == "pass"
 
 
@@ -160,8 +168,10 @@ def test_the_summary_tables_each_variant_and_lists_each_predicted_failure(emulat
         "PREDICTED (CPU numerics model, no GPU ran): 2 fixture(s), 2 variant(s); FAIL = "
         "would fail at least one fixture of the family"
     )
-    assert lines[start + 1] == ("  it finds non-finite model outputs, named hazards and outputs unfit for the "
-                                "family: a finite prediction conforms to its own model (report.md says more)")
+    assert lines[start + 1] == (
+        "  it finds non-finite model outputs, named hazards and outputs unfit for the "
+        "family: a finite prediction conforms to its own model (report.md says more)"
+    )
     width = len("sm80-fp16-cuda") + 2
     assert lines[start + 2] == "variant".ljust(width) + "default on".ljust(16) + "SDXL".ljust(10)
     assert lines[start + 3] == "sm90-fp8-cuda".ljust(width) + "sm_90".ljust(16) + "FAIL".ljust(10)

@@ -91,6 +91,8 @@ def test_a_paired_result_becomes_two_speed_records(tmp_path):
 def test_a_paired_task_that_crashed_records_the_variant_only(tmp_path):
     writer = started(tmp_path)
     task = tasks.PairedTask("v+sdpa@k", "sm90-fp8-cuda", "k", SHAPE, 1, 3)
-    worker_executor.record(writer, 0, "cuda:0", run.Progress(1), task, task.record(Outcome.CRASH, detail="boom"))
+    worker_executor.record(
+        writer, 0, "cuda:0", run.Progress(1), task, task.record(Outcome.CRASH, detail="boom")
+    )
     assert writer.report.devices[0].speed == [
         Speed(kernel="sm90-fp8-cuda", shape="k", ms=None, outcome=Outcome.CRASH, detail="boom")]

@@ -153,8 +153,9 @@ def test_a_family_the_h200_runs_kept_off_is_not_served_on_an_h200_or_an_unmeasur
         assert not status.enabled and len(status.reason) <= STATUS_LINE_LIMIT
         [device] = status.devices
         assert device.variant is None and "family LTX-2 kept off" in status.reason
-        assert device.profile_reasons == ("sm86-fp16-triton never measured faster than 1.05x the fastest SDPA "
-                                          "backend (lower 95 % bound)",)
+        assert device.profile_reasons == (
+            "sm86-fp16-triton never measured faster than 1.05x the fastest SDPA backend (lower 95 % bound)",
+        )
     assert installed([H200], family="Wan 2.2").devices[0].variant.name == "sm90-fp8-cuda"
 
 
@@ -239,15 +240,19 @@ def test_another_sageattention_build_keeps_the_verified_range_with_one_warning(c
         status = sage_qual.install(family="Wan 2.2")
     [device] = status.devices
     assert device.variant.name == "sm90-fp8-cuda" and device.config.max_query_tokens == 75600
-    assert device.profile_note.startswith("built-in defaults of another build (verified range only; certify this "
-                                          "build for its own profile), measured on NVIDIA H200 (sm_90) with "
-                                          "sageattention 2.2.0, 2.2.1 here: ")
+    assert device.profile_note.startswith(
+        "built-in defaults of another build (verified range only; certify this "
+        "build for its own profile), measured on NVIDIA H200 (sm_90) with "
+        "sageattention 2.2.0, 2.2.1 here: "
+    )
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and warnings[0].startswith("built-in defaults: cuda:0 (NVIDIA H200, sm_90)")
     assert "certify this build for its own profile" in warnings[0]
 
 
-def test_the_warning_for_another_build_keeps_its_advice_beside_a_long_gpu_name_and_two_digests(caplog, tmp_path):
+def test_the_warning_for_another_build_keeps_its_advice_beside_a_long_gpu_name_and_two_digests(
+    caplog, tmp_path
+):
     """Device run 42: on an H100 80GB HBM3 with a fresh build (two build digests in the line), the
     200-character WARNING lost its advice to certify the build."""
     fake = FakeSageAttention(extension_dir=tmp_path / "sageattention")  # a build with a digest of its own
@@ -316,8 +321,12 @@ def test_the_command_adds_a_gpu_model_and_keeps_the_others(tmp_path, capsys):
     assert (rtx.default.variant, rtx.default.served.min_query_tokens, rtx.default.served.min_key_tokens,
             rtx.default.served.head_dims) == ("sm89-fp8-cuda", 3072, 512, [128])
     flux, sdxl, wan = (rtx.families[name] for name in ("FLUX.1", "SDXL", "Wan 2.2"))
-    assert (flux.variant, flux.served.min_query_tokens, flux.served.min_key_tokens, flux.served.head_dims) == \
-        ("sm89-fp8-cuda", 3072, 512, [128])
+    assert (
+        flux.variant,
+        flux.served.min_query_tokens,
+        flux.served.min_key_tokens,
+        flux.served.head_dims,
+    ) == ("sm89-fp8-cuda", 3072, 512, [128])
     assert sdxl.variant is None and "different variants" in sdxl.reasons[0].detail
     assert wan.variant is None and wan.reasons[0].detail == "sm89-fp8-cuda on flux: NaN"  # off once: off
 
@@ -342,5 +351,7 @@ def test_a_broken_defaults_file_names_the_file_the_key_and_the_rebuild(tmp_path)
     path.write_text(json.dumps(data))
     with pytest.raises(profile.ProfileError) as error:
         defaults.read(path)
-    assert str(error.value) == (f"built-in defaults {path}: profile: gpus[0].default.served.min_query_tokens: "
-                                f"is -5, expected a token count of at least 1; {defaults.FIX}")
+    assert str(error.value) == (
+        f"built-in defaults {path}: profile: gpus[0].default.served.min_query_tokens: "
+        f"is -5, expected a token count of at least 1; {defaults.FIX}"
+    )

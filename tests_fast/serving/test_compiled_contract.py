@@ -82,7 +82,13 @@ def test_autocast_and_gradients_trace_torchs_own_call(emitted):
     assert [call[0] for call in emitted] == ["torch", "torch"]
     (_, args, keywords), (_, grad_args, grad_keywords) = emitted
     assert all(given is passed for given, passed in zip((q, k, v), args, strict=True))
-    assert keywords == {"attn_mask": mask, "dropout_p": 0.5, "is_causal": True, "scale": 0.3, "enable_gqa": True}
+    assert keywords == {
+        "attn_mask": mask,
+        "dropout_p": 0.5,
+        "is_causal": True,
+        "scale": 0.3,
+        "enable_gqa": True,
+    }
     assert grad_keywords == {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None,
                              "enable_gqa": False}
 

@@ -37,7 +37,10 @@ def close_to_torch(out, tensors):
 def test_contexts_are_a_list_or_tuple_of_names_and_the_error_lists_them(names):
     with pytest.raises(ValueError) as caught:
         contexts.check_names(names, "contexts")
-    assert str(caught.value) == f"contexts={names!r}: give a list of context names from side_stream, capture, compile"
+    assert (
+        str(caught.value)
+        == f"contexts={names!r}: give a list of context names from side_stream, capture, compile"
+    )
 
 
 def test_an_unknown_context_is_named_with_the_known_ones():
@@ -110,7 +113,9 @@ def test_a_capture_on_one_device_leaves_the_others_calls_served():
         with cuda.capture(1):
             _, captured = serve(*tensors)
     assert report.served == 1 and close_to_torch(out, tensors), report.summary()
-    assert captured.served == 0 and contexts.REASON[contexts.CAPTURE] in captured.fallbacks, captured.summary()
+    assert captured.served == 0 and contexts.REASON[contexts.CAPTURE] in captured.fallbacks, (
+        captured.summary()
+    )
     assert cuda.capturing == set()
 
 
@@ -294,7 +299,9 @@ def test_a_profile_entry_gives_its_device_the_certified_contexts():
     config = profile.apply(SMALL, SM90, profile.Entry(served))
     assert config.safe_contexts(VARIANTS["sm90-fp8-cuda"]) == ("capture",)
     assert "; contexts: capture)" in served.text()
-    assert profile.apply(SMALL, SM90, profile.Entry(dataclasses.replace(served, contexts=None))).contexts is None
+    assert (
+        profile.apply(SMALL, SM90, profile.Entry(dataclasses.replace(served, contexts=None))).contexts is None
+    )
 
 
 def test_a_profile_entry_with_no_context_certified_serves_the_default_stream_only():

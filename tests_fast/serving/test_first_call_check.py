@@ -201,8 +201,12 @@ def test_only_the_check_reads_back_to_the_host():
 
 # Whose bound ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("family, limit", [("Krea-2", 0.1), ("flux.1", 0.2), (None, 0.3), ("a family no run knows", 0.3)])
-def test_install_holds_the_first_call_to_the_fitness_bound_of_the_family_it_serves(monkeypatch, family, limit):
+@pytest.mark.parametrize(
+    "family, limit", [("Krea-2", 0.1), ("flux.1", 0.2), (None, 0.3), ("a family no run knows", 0.3)]
+)
+def test_install_holds_the_first_call_to_the_fitness_bound_of_the_family_it_serves(
+    monkeypatch, family, limit
+):
     """Without a config of the caller's, the check's limit is the family's (limits.FIRST_CALL_MAX_REL_L2);
     with no family, or one the table does not name, the loosest of all."""
     from sage_qual import limits

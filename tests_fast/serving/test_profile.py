@@ -114,21 +114,35 @@ def test_a_device_the_profile_does_not_describe_keeps_the_defaults_and_says_why(
 
 
 BAD_ENTRIES = {
-    "unknown variant": (edited(make_entry(), variant="sm91-turbo"),
-                        "default.served.variant: 'sm91-turbo' is not a SageAttention"),
-    "negative threshold": (edited(make_entry(), min_query_tokens=-5),
-                           "default.served.min_query_tokens: is -5, expected a token count"),
-    "threshold a string": (edited(make_entry(), min_key_tokens="512"),
-                           "default.served.min_key_tokens: is the string '512', expected an integer"),
-    "float threshold": (edited(make_entry(), min_key_tokens=512.5), "default.served.min_key_tokens: is a number"),
-    "head dim the kernels do not take": (edited(make_entry(), head_dims=[96]),
-                                         "96 is not a head size the kernels take"),
+    "unknown variant": (
+        edited(make_entry(), variant="sm91-turbo"),
+        "default.served.variant: 'sm91-turbo' is not a SageAttention",
+    ),
+    "negative threshold": (
+        edited(make_entry(), min_query_tokens=-5),
+        "default.served.min_query_tokens: is -5, expected a token count",
+    ),
+    "threshold a string": (
+        edited(make_entry(), min_key_tokens="512"),
+        "default.served.min_key_tokens: is the string '512', expected an integer",
+    ),
+    "float threshold": (
+        edited(make_entry(), min_key_tokens=512.5),
+        "default.served.min_key_tokens: is a number",
+    ),
+    "head dim the kernels do not take": (
+        edited(make_entry(), head_dims=[96]),
+        "96 is not a head size the kernels take",
+    ),
     "no head dims": (edited(make_entry(), head_dims=[]), "default.served.head_dims: empty"),
-    "thresholds beside no served record": ({**make_entry(variant=None), "min_query_tokens": 4096},
-                                           "default.min_query_tokens: unknown key"),
+    "thresholds beside no served record": (
+        {**make_entry(variant=None), "min_query_tokens": 4096},
+        "default.min_query_tokens: unknown key",
+    ),
     "reason of a kind no verdict gives": (
         {**make_entry(variant=None), "reasons": [{"kind": "vibes", "detail": "x"}]},
-        "default.reasons[0].kind: is the string 'vibes', expected one of 'accuracy'"),
+        "default.reasons[0].kind: is the string 'vibes', expected one of 'accuracy'",
+    ),
 }
 
 
@@ -156,8 +170,11 @@ def test_one_machine_twice_is_refused_and_another_software_is_another_entry():
     """Issue 28: the same GPU model twice was read, and which entry served was left to their order."""
     data = make_profile()
     data["gpus"].append({**copy.deepcopy(data["gpus"][0]), "default": make_entry(min_q=4096)})
-    with pytest.raises(profile.ProfileError, match=r"gpus\[1\]: Fake H200 \(sm_90\) with this memory, SM count and "
-                                                   r"software is gpus\[0\] already"):
+    with pytest.raises(
+        profile.ProfileError,
+        match=r"gpus\[1\]: Fake H200 \(sm_90\) with this memory, SM count and "
+        r"software is gpus\[0\] already",
+    ):
         profile.load(data)
     assert len(profile.load(make_profile(make_gpu(), make_gpu(torch_version="2.12.0"))).gpus) == 2
 
@@ -268,7 +285,10 @@ def test_a_mixed_box_applies_the_profile_per_device():
         for device in (h100, rtx):
             assert "no profile entry matches" in device.profile_note
             assert "defaults here" in device.profile_note
-        assert f"({builtin_sm90_thresholds()} tokens)" in h100.profile_note and "(1536/512 tokens)" in rtx.profile_note
+        assert (
+            f"({builtin_sm90_thresholds()} tokens)" in h100.profile_note
+            and "(1536/512 tokens)" in rtx.profile_note
+        )
         # 4096 tokens: below the H200's certified 16,384 and the sm_90 built-in 16,384, above 1536
         assert dict(attention(4096, device=0).fallbacks) == {"short": 1}
         assert dict(attention(4096, device=1).fallbacks) == {"short": 1}
@@ -360,8 +380,11 @@ def test_speedup_bounds_take_the_pessimistic_ends():
 def test_each_devices_profile_note_is_logged(fake, caplog):
     caplog.set_level("INFO", logger="sage_qual")
     sage_qual.install(profile=make_profile(gpu=H100))
-    note = (f"no profile entry matches: defaults here ({builtin_sm90_thresholds()} tokens); nearest Fake H100 (sm_90) "
-            "differs: GPU Fake H200, sm_90 here")
+    note = (
+        f"no profile entry matches: defaults here ({builtin_sm90_thresholds()} tokens); nearest Fake H100 "
+        "(sm_90) "
+        "differs: GPU Fake H200, sm_90 here"
+    )
     infos = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
     assert [m for m in infos if "no profile entry" in m] == [f"cuda:0 (Fake H200, sm_90): {note}"]
     assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == \

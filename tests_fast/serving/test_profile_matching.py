@@ -22,7 +22,9 @@ from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
 from ..builders import H200, machine, make_entry, make_gpu, make_profile, reason
 from ..helpers import builtin_sm90_thresholds, records
 
-CURRENT = Path(__file__).resolve().parent.parent.parent / "docs/results/run11-h200x2/certify-gpu0/profile.json"
+CURRENT = (
+    Path(__file__).resolve().parent.parent.parent / "docs/results/run11-h200x2/certify-gpu0/profile.json"
+)
 OFF = make_entry(variant=None, reasons=[reason("non_finite", "sm90-fp8-cuda on flux1_ip: NaN")])
 
 

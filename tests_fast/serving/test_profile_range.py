@@ -44,17 +44,28 @@ def test_a_family_entry_brings_its_own_range():
 
 
 BAD = {
-    "max below min": (ranged_entry(max_q=512),
-                      "default.served.max_query_tokens: is 512, below min_query_tokens 1024"),
-    "max key below min": (ranged_entry(max_k=100),
-                          "default.served.max_key_tokens: is 100, below min_key_tokens 256"),
+    "max below min": (
+        ranged_entry(max_q=512),
+        "default.served.max_query_tokens: is 512, below min_query_tokens 1024",
+    ),
+    "max key below min": (
+        ranged_entry(max_k=100),
+        "default.served.max_key_tokens: is 100, below min_key_tokens 256",
+    ),
     "max a string": (ranged_entry(max_q="8192"), "default.served.max_query_tokens: is the string '8192'"),
-    "unknown layout": (ranged_entry(layouts=("contiguous", "nchw")),
-                       "default.served.layouts: 'nchw' is not a layout"),
+    "unknown layout": (
+        ranged_entry(layouts=("contiguous", "nchw")),
+        "default.served.layouts: 'nchw' is not a layout",
+    ),
     "no layouts": (ranged_entry(layouts=()), "default.served.layouts: empty"),
-    "layouts a string": (edited(ranged_entry(), layouts="contiguous"), "default.served.layouts: is the string"),
-    "range beside no served record": ({**make_entry(variant=None), "max_query_tokens": 4096},
-                                      "default.max_query_tokens: unknown key"),
+    "layouts a string": (
+        edited(ranged_entry(), layouts="contiguous"),
+        "default.served.layouts: is the string",
+    ),
+    "range beside no served record": (
+        {**make_entry(variant=None), "max_query_tokens": 4096},
+        "default.max_query_tokens: unknown key",
+    ),
 }
 
 

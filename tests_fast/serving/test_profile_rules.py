@@ -1,6 +1,7 @@
 """serving/profile's rules in detail, on version 2 profiles (flat entries, upgraded as read): family
-names as one family whatever the punctuation, a version 1 profile without its GPU, the schema's identity, this machine as a profile must match it, what differs
-between an entry and a device (in order), which entry is nearest, and each note's words."""
+names as one family whatever the punctuation, a version 1 profile without its GPU, the schema's
+identity, this machine as a profile must match it, what differs between an entry and a device (in
+order), which entry is nearest, and each note's words."""
 
 import dataclasses
 
@@ -148,7 +149,9 @@ def test_this_machine_is_every_visible_device_with_the_installed_sageattention()
         found = profile.this_machine()
     assert found == [
         profile.LocalDevice("NVIDIA H200", (9, 0), 139.8, torch.__version__, "12.8", "2.2.0+cu128"),
-        profile.LocalDevice("NVIDIA GeForce RTX 4090", (8, 9), 24.0, torch.__version__, "12.8", "2.2.0+cu128"),
+        profile.LocalDevice(
+            "NVIDIA GeForce RTX 4090", (8, 9), 24.0, torch.__version__, "12.8", "2.2.0+cu128"
+        ),
     ]
 
 
@@ -363,7 +366,9 @@ def test_an_entry_applies_to_its_capability_only_with_its_span_limit():
 def test_a_matched_family_entry_says_its_family_and_a_served_entry_gives_no_reasons():
     served = {**entry(), "reasons": [{"kind": "speed", "detail": "slower below 2048 tokens"}]}
     found = notes(load(gpu(families={"FLUX.1": served})), machine(), family="FLUX.1")
-    assert found.note.startswith("profile entry NVIDIA H200 (sm_90), family FLUX.1: sm90-fp8-cuda >= 2048/512")
+    assert found.note.startswith(
+        "profile entry NVIDIA H200 (sm_90), family FLUX.1: sm90-fp8-cuda >= 2048/512"
+    )
     assert found.reasons == () and found.matched is True
 
 

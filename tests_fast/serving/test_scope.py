@@ -160,9 +160,11 @@ def test_report_counts_fallbacks_by_reason():
     assert report.summary() == ("7 attention calls, 2 on SageAttention; on PyTorch SDPA: mask=2, short=1, "
                                 "dtype=1, device=1 (first call of each: report.details)")
     assert report.details == {
-        "mask": "attn_mask given (no masked call was certified here)", "short": "tokens=8/24 (needs >= 32/16)",
+        "mask": "attn_mask given (no masked call was certified here)",
+        "short": "tokens=8/24 (needs >= 32/16)",
         "dtype": "dtype=(torch.float32, torch.float32, torch.float32) (supported: one of float16, bfloat16)",
-        "device": "no SageAttention kernel for this GPU"}
+        "device": "no SageAttention kernel for this GPU",
+    }
 
 
 def test_a_scope_without_install_leaves_calls_to_torch():

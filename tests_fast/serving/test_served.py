@@ -23,7 +23,9 @@ def served(**fields) -> Served:
 def test_the_one_phrasing_of_a_verified_range():
     assert served(bounds=[BOUND]).text() == (
         "from 9,728 to 75,600 tokens, head_dim 128 (layouts: contiguous, transposed; contexts: side_stream, "
-        "compile); calls with fewer than 17 keys stay on torch (flux1_ip_adapter_zero_uncond: output not finite)")
+        "compile); calls with fewer than 17 keys stay on torch (flux1_ip_adapter_zero_uncond: output not "
+        "finite)"
+    )
 
 
 def test_a_range_of_one_length_reads_as_one_length():
@@ -35,10 +37,14 @@ def test_a_range_of_one_length_reads_as_one_length():
 
 def test_query_and_key_ranges_that_differ_are_given_apart():
     cross = served(min_key_tokens=512, max_key_tokens=512, head_dims=[64, 128], contexts=[])
-    assert cross.text() == ("from 9,728 to 75,600 query / 512 key tokens, head_dim 64/128 (layouts: contiguous, "
-                            "transposed; contexts: none)")
-    assert cross.short() == ("sm90-fp8-cuda 9,728 to 75,600 query / 512 key tokens, head_dim 64/128 (contiguous, "
-                             "transposed; contexts: none)")
+    assert cross.text() == (
+        "from 9,728 to 75,600 query / 512 key tokens, head_dim 64/128 (layouts: contiguous, "
+        "transposed; contexts: none)"
+    )
+    assert cross.short() == (
+        "sm90-fp8-cuda 9,728 to 75,600 query / 512 key tokens, head_dim 64/128 (contiguous, "
+        "transposed; contexts: none)"
+    )
 
 
 def test_without_long_checks_no_upper_bound_is_claimed():
@@ -51,8 +57,10 @@ def test_without_long_checks_no_upper_bound_is_claimed():
 
 
 def test_the_short_form_carries_contexts_and_bounds():
-    assert served(bounds=[BOUND]).short() == ("sm90-fp8-cuda 9,728 to 75,600 tokens, head_dim 128 (contiguous, "
-                                              "transposed; contexts: side_stream, compile; keys >= 17)")
+    assert served(bounds=[BOUND]).short() == (
+        "sm90-fp8-cuda 9,728 to 75,600 tokens, head_dim 128 (contiguous, "
+        "transposed; contexts: side_stream, compile; keys >= 17)"
+    )
 
 
 def test_any_layout_the_built_in_contexts_and_masked_calls_in_both_forms():
@@ -62,16 +70,21 @@ def test_any_layout_the_built_in_contexts_and_masked_calls_in_both_forms():
     ck = served(variant="ck-int8-cuda", max_key_tokens=None, layouts=None, contexts=None, masks=True,
                 bounds=[BOUND, queries])
     assert ck.text() == (
-        "from 9,728 to 75,600 tokens, head_dim 128 (layouts: any; masked calls too); calls with fewer than 17 "
+        "from 9,728 to 75,600 tokens, head_dim 128 (layouts: any; masked calls too); calls with fewer than "
+        "17 "
         "keys stay on torch (flux1_ip_adapter_zero_uncond: output not finite); calls with fewer than 5 query "
-        "tokens stay on torch (z: wrong)")
+        "tokens stay on torch (z: wrong)"
+    )
     assert ck.short() == ("ck-int8-cuda 9,728 to 75,600 tokens, head_dim 128 (any layout; masks; keys >= 17; "
                           "query tokens >= 5)")
     legacy = served(variant="ck-int8-cuda", max_query_tokens=None, max_key_tokens=None, masks=True)
     assert legacy.text() == ("from 9,728 query / 9,728 key tokens, head_dim 128 (no upper bound verified: a "
                              "report without long checks; masked calls too)")
     assert legacy.short() == "ck-int8-cuda >= 9728/9728, head_dim 128 (masks)"
-    assert served(max_query_tokens=None, max_key_tokens=None).short() == "sm90-fp8-cuda >= 9728/9728, head_dim 128"
+    assert (
+        served(max_query_tokens=None, max_key_tokens=None).short()
+        == "sm90-fp8-cuda >= 9728/9728, head_dim 128"
+    )
 
 
 def test_the_smallest_range_is_one_token_and_a_range_may_be_one_length():
@@ -123,6 +136,9 @@ def test_its_config_serves_the_variant_on_its_capability_only_within_its_range()
     assert config.bounds == (BOUND,) and config.max_span_elements == 1_000_000
     assert served().config(DEFAULT_CONFIG, SM90).max_span_elements == DEFAULT_CONFIG.max_span_elements
     legacy = served(max_query_tokens=None, max_key_tokens=None, layouts=None, contexts=None)
-    assert (legacy.config(DEFAULT_CONFIG, SM90).layouts, legacy.config(DEFAULT_CONFIG, SM90).contexts) == (None, None)
+    assert (legacy.config(DEFAULT_CONFIG, SM90).layouts, legacy.config(DEFAULT_CONFIG, SM90).contexts) == (
+        None,
+        None,
+    )
     off = served_nothing(DEFAULT_CONFIG, SM90)
     assert off.kernel_table[SM90] == () and off.min_query_tokens == DEFAULT_CONFIG.min_query_tokens

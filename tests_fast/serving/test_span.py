@@ -279,17 +279,28 @@ def test_a_layout_the_profile_did_not_verify_goes_to_torch_naming_it():
     assert report.served == 1
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("max_query_tokens", 0, "max_query_tokens=0: give a token count of at least 1"),
-    ("max_key_tokens", 1.5, "max_key_tokens=1.5"),
-    ("max_span_elements", 0, "max_span_elements=0: give an element count from 1 to 2147483647"),
-    ("max_span_elements", None, "max_span_elements=None"),
-    # Issue 43: once accepted, so a view spanning 2,147,549,696 elements reached the kernel as it was.
-    ("max_span_elements", 2**40, "max_span_elements=1099511627776: give an element count from 1 to 2147483647"),
-    ("max_span_elements", 2**31, "max_span_elements=2147483648: give an element count from 1 to 2147483647"),
-    ("layouts", ("contiguous", "nchw"), "layouts=('contiguous', 'nchw'): give a tuple of layout names"),
-    ("layouts", "contiguous", "layouts='contiguous'"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("max_query_tokens", 0, "max_query_tokens=0: give a token count of at least 1"),
+        ("max_key_tokens", 1.5, "max_key_tokens=1.5"),
+        ("max_span_elements", 0, "max_span_elements=0: give an element count from 1 to 2147483647"),
+        ("max_span_elements", None, "max_span_elements=None"),
+        # Issue 43: once accepted, so a view spanning 2,147,549,696 elements reached the kernel as it was.
+        (
+            "max_span_elements",
+            2**40,
+            "max_span_elements=1099511627776: give an element count from 1 to 2147483647",
+        ),
+        (
+            "max_span_elements",
+            2**31,
+            "max_span_elements=2147483648: give an element count from 1 to 2147483647",
+        ),
+        ("layouts", ("contiguous", "nchw"), "layouts=('contiguous', 'nchw'): give a tuple of layout names"),
+        ("layouts", "contiguous", "layouts='contiguous'"),
+    ],
+)
 def test_config_refuses_bad_values_naming_the_field(field, value, message):
     with pytest.raises(ValueError, match=re.escape("WrapperConfig." + message)):
         WrapperConfig(**{field: value})
@@ -299,7 +310,9 @@ def test_the_config_takes_the_profiles_span_limit_and_no_more():
     """One limit where the value enters, by a profile or by a caller's config."""
     from sage_qual.serving.profile import ProfileGpu
 
-    [maximum] = [f.metadata["maximum"] for f in dataclasses.fields(ProfileGpu) if f.name == "max_span_elements"]
+    [maximum] = [
+        f.metadata["maximum"] for f in dataclasses.fields(ProfileGpu) if f.name == "max_span_elements"
+    ]
     assert maximum == limits.MAX_SPAN_ELEMENTS == WrapperConfig(max_span_elements=maximum).max_span_elements
 
 

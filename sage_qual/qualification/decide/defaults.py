@@ -55,11 +55,15 @@ def _default_entry(runs: list[tuple[str, profile.ProfileGpu]]) -> profile.Entry:
         per_run = [entries for entries in per_run if entries]
         if not per_run:
             continue
-        head_dims = set.intersection(*({d for e in entries for d in e.served.head_dims} for entries in per_run))
+        head_dims = set.intersection(
+            *({d for e in entries for d in e.served.head_dims} for entries in per_run)
+        )
         served = [e for entries in per_run for e in entries if head_dims & set(e.served.head_dims)]
         if served:
             return merged(variant, served, sorted(head_dims))
-    return _off([Reason(ReasonKind.SPEED, "the default kernel was never measured faster than torch's SDPA here")])
+    return _off(
+        [Reason(ReasonKind.SPEED, "the default kernel was never measured faster than torch's SDPA here")]
+    )
 
 
 def _family_entry(name: str, runs: list[tuple[str, profile.ProfileGpu]]) -> profile.Entry:
@@ -118,8 +122,12 @@ def main(argv: list[str] | None = None) -> int:
         description="Build the built-in defaults from certify runs (report.json, decided with this code's "
                     "rules, or profile.json): every run of a GPU model merged to its most conservative "
                     "entry; models the files do not name are kept.")
-    parser.add_argument("runs", nargs="+", type=Path, help="report.json or profile.json files written by certify")
-    parser.add_argument("--out", type=Path, default=DATA, help="the data file to write (default: %(default)s)")
+    parser.add_argument(
+        "runs", nargs="+", type=Path, help="report.json or profile.json files written by certify"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=DATA, help="the data file to write (default: %(default)s)"
+    )
     args = parser.parse_args(argv)
     try:
         built = build(args.runs, args.out)

@@ -199,8 +199,8 @@ def family_fixtures(fixture_dirs: list[str] | None, family: Family) -> Mapping[s
 
 def gate(report_path: Path, family_name: str, machine: Callable[[], EnvironmentRecord],
          fixture_dirs: list[str] | None = None, require_speedup: bool = False) -> GateDecision:
-    """`sage-qual gate`: read the report, this machine (`machine()`: `run.worker_executor.this_machine` collects
-    it in a worker; UsageError when it cannot) and its fixtures, and decide. Bad input and every
+    """`sage-qual gate`: read the report, this machine (`machine()`: `run.worker_executor.this_machine`
+    collects it in a worker; UsageError when it cannot) and its fixtures, and decide. Bad input and every
     refusal come back as a decision with a problem."""
     try:
         family = find(family_name)

@@ -261,10 +261,11 @@ class _Model:
         speedups = {own[k]: self.speedup[(chosen, k)][0] for k in own if (chosen, k) in self.speedup}
         reasons = self._speed_reasons(family, chosen, thresholds, list(own), speedups, min_speedup)
         if reasons:
-            return FamilyDecision(name, Verdict.NO_SPEEDUP, reasons=reasons, results=results, speedups=speedups)
+            return FamilyDecision(name, Verdict.NO_SPEEDUP, reasons=reasons, results=results,
+                                  speedups=speedups)
         masks, mask_reasons = self._masks(chosen, fixtures)
-        start = Served(chosen, thresholds.min_query_tokens, thresholds.min_key_tokens, list(thresholds.head_dims),
-                       bounds=list(results.bounded.get(chosen, [])), masks=masks)
+        start = Served(chosen, thresholds.min_query_tokens, thresholds.min_key_tokens,
+                       list(thresholds.head_dims), bounds=list(results.bounded.get(chosen, [])), masks=masks)
         found = self._range(chosen, family)
         if found is None:  # a report from before long checks: no upper bound verified
             served, range_reasons = start, []
@@ -274,8 +275,8 @@ class _Model:
                 return FamilyDecision(name, Verdict.KEEP_OFF, range_reasons=range_reasons, results=results,
                                       speedups=speedups, reasons=[Reason(
                                           ReasonKind.LONG, f"no verified range: {chosen} pays from "
-                                                           f"{start.min_query_tokens:,} tokens but was verified "
-                                                           f"only up to {max_q:,}")] + range_reasons)
+                                          f"{start.min_query_tokens:,} tokens but was verified only up to "
+                                          f"{max_q:,}")] + range_reasons)
             served = dataclasses.replace(start, max_query_tokens=max_q, max_key_tokens=max_k, layouts=layouts)
         contexts, context_reasons = self.contexts(chosen)
         return FamilyDecision(name, Verdict.ENABLE, dataclasses.replace(served, contexts=contexts),
@@ -318,8 +319,9 @@ class _Model:
                        own: list[str], speedups: dict[str, float], min_speedup: float) -> list[Reason]:
         """Why the chosen variant serves none of the family's calls ([] when it serves some)."""
         if thresholds is None:
-            return [Reason(ReasonKind.SPEED, f"{chosen} never measured faster than {served_bar(min_speedup):g}x "
-                                             "the fastest SDPA backend (lower 95 % bound)")]
+            bar = served_bar(min_speedup)
+            return [Reason(ReasonKind.SPEED, f"{chosen} never measured faster than {bar:g}x the fastest SDPA "
+                                             "backend (lower 95 % bound)")]
         if family is None:
             return []
         points = self.points(chosen, own)
@@ -328,9 +330,10 @@ class _Model:
                                              "speedup unknown")]
         if not any(serves(thresholds, q, k, d) for q, k, d, _ in points):
             listed = ", ".join(f"{label} {x:.2f}x" for label, x in speedups.items())
-            start = Served(chosen, thresholds.min_query_tokens, thresholds.min_key_tokens, list(thresholds.head_dims))
-            return [Reason(ReasonKind.SPEED, f"no speedup at its shapes: {chosen} pays only from {start.start()}, "
-                                             f"which serves none of them ({listed})")]
+            start = Served(chosen, thresholds.min_query_tokens, thresholds.min_key_tokens,
+                           list(thresholds.head_dims))
+            return [Reason(ReasonKind.SPEED, f"no speedup at its shapes: {chosen} pays only from "
+                                             f"{start.start()}, which serves none of them ({listed})")]
         return []
 
     def contexts(self, variant: str) -> tuple[list[str] | None, list[Reason]]:
@@ -392,8 +395,8 @@ class _Model:
                     else:
                         failures.append(Reason(reason.kind, f"{where}: {reason.detail}"))
             if failures:
-                reasons.append(Reason(ReasonKind.LONG, f"verified only below {q_tokens:,} query tokens: the long "
-                                                       f"check there failed ({failures[0].detail})"))
+                reasons.append(Reason(ReasonKind.LONG, f"verified only below {q_tokens:,} query tokens: the "
+                                                       f"long check there failed ({failures[0].detail})"))
                 reasons += failures
                 break
             max_q, max_k = max(max_q, q_tokens), max(max_k, kv_tokens)

@@ -138,7 +138,9 @@ def _upgrade_device(device: dict) -> dict:
 
 def _upgrade_cell(cell: dict) -> dict:
     cell = dict(_upgrade_budget(cell))  # a copy: the caller's report stays as it was read
-    if "metrics" in cell:  # already schema 4's shape; a flat number beside it is left for the reader to refuse
+    if (
+        "metrics" in cell
+    ):  # already schema 4's shape; a flat number beside it is left for the reader to refuse
         return cell
     numbers = {name: cell.pop(name) for name in METRIC_NAMES if name in cell}  # schema 3 kept them flat
     # A number beside a null `finite` is kept, for the reader to refuse by its path, never dropped.

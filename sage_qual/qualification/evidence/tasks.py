@@ -126,7 +126,9 @@ class Paired:
         return self.ours.outcome
 
 
-Result = Union[EnvResult, MachineResult, CompileResult, Cell, Speed, Paired, LongCheck, SpanProbe, ContextCheck]
+Result = Union[
+    EnvResult, MachineResult, CompileResult, Cell, Speed, Paired, LongCheck, SpanProbe, ContextCheck
+]
 
 
 # Tasks --------------------------------------------------------------------------------------------

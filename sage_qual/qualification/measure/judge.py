@@ -95,7 +95,9 @@ def fitness_reasons(metrics: Metrics, fitness: FitnessBound) -> list[Reason]:
             and ((number > bound) if relation == ">" else (number < bound))]
     if not past:
         return []
-    return [Reason(ReasonKind.UNFIT, f"unfit for the family: {', '.join(past)} (fitness bound: {fitness.source})")]
+    return [
+        Reason(ReasonKind.UNFIT, f"unfit for the family: {', '.join(past)} (fitness bound: {fitness.source})")
+    ]
 
 
 def hazard_reasons(hazards) -> list[Reason]:

@@ -27,7 +27,9 @@ def plots(data: Report, decisions: list[verdict.GpuDecision], out_dir: Path) -> 
         published = {f.name: f.bounds for f in data.fixtures}
     for device in data.devices:
         if device.cells:
-            name = "accuracy-cpu.png" if data.predicted else f"accuracy-cuda{device.index}.png"  # where it ran
+            name = (
+                "accuracy-cpu.png" if data.predicted else f"accuracy-cuda{device.index}.png"
+            )  # where it ran
             _heatmap(plt, device, out_dir / name, published)
             images[f"cuda:{device.index}"] = name
     for n, gpu in enumerate(decisions):

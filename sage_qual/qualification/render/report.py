@@ -114,8 +114,12 @@ def _blocks(data: Report, decisions: list[verdict.GpuDecision], images: dict,
                  "x".join(map(str, f.k)), f.dtype.value, f.sha256] for f in data.fixtures])]
     blocks += _fitness_blocks(data)
     if any(f.masked for f in data.fixtures):
-        blocks.append(Paragraph("A masked fixture is a call with an attn_mask: only the variants that take a mask "
-                                "run it, and it decides whether masked calls are served, not the family."))
+        blocks.append(
+            Paragraph(
+                "A masked fixture is a call with an attn_mask: only the variants that take a mask "
+                "run it, and it decides whether masked calls are served, not the family."
+            )
+        )
     if any(f.kind == report_model.FixtureKind.REPLICA for f in data.fixtures):
         blocks.append(Paragraph("Fixtures of kind 'replica' are generated to reproduce published statistics, "
                                 "not recorded from a model: every verdict below rests on them as such."))
@@ -133,9 +137,13 @@ def _fitness_blocks(data: Report) -> list[Block]:
     every output to, beside the budget its numerics model derives."""
     rows = []
     for f in data.fixtures:
-        bounds = {name.value: fitness.bound_for(f.name, f.kind.value, bound) for name, bound in f.bounds.items()}
-        numbers = "; ".join(f"{name} {b.max_rel_l2:g}" + (f" / {b.min_cosine:g}" if b.min_cosine is not None else "")
-                            for name, b in sorted(bounds.items()))
+        bounds = {
+            name.value: fitness.bound_for(f.name, f.kind.value, bound) for name, bound in f.bounds.items()
+        }
+        numbers = "; ".join(
+            f"{name} {b.max_rel_l2:g}" + (f" / {b.min_cosine:g}" if b.min_cosine is not None else "")
+            for name, b in sorted(bounds.items())
+        )
         first = next(iter(bounds.values()))
         unread = f" Cosine not read: {first.unread}." if first.unread else ""
         rows.append([f.name, numbers, first.source + unread])
@@ -161,8 +169,16 @@ def _predicted_blocks(gpu: verdict.GpuDecision) -> list[Block]:
     runs the variant its compute capability defaults to, named beside it), as the terminal says, and
     why each failing variant would fail; speed was not timed, so nothing here speaks of speed."""
     variants = list(gpu.variants)
-    header = ["family"] + [f"{name} ({', '.join(map(capability_label, VARIANTS[name].native_on)) or 'no GPU default'})"
-                           if name in VARIANTS else name for name in variants] + ["why not"]
+    header = (
+        ["family"]
+        + [
+            f"{name} ({', '.join(map(capability_label, VARIANTS[name].native_on)) or 'no GPU default'})"
+            if name in VARIANTS
+            else name
+            for name in variants
+        ]
+        + ["why not"]
+    )
     rows = []
     for v in gpu.families + [gpu.default]:
         if {r.kind for r in v.reasons} == {report_model.ReasonKind.NO_FIXTURES}:
@@ -195,10 +211,17 @@ PREDICTION_SCOPE = (
 
 def verdict_rows(gpu: verdict.GpuDecision) -> list[list[str]]:
     """The verdict table of one GPU model, as report.md and report.html show it."""
-    return [[v.family or "(default: all fixtures)", v.verdict.value, v.variant or "-", v.served.text() if v.served else "-",
-             ", ".join(f"{k} {x:.2f}x" for k, x in v.speedups.items()) or "-",
-             "; ".join(r.detail for r in v.reasons + v.range_reasons) or "-"]
-            for v in gpu.families + [gpu.default]]
+    return [
+        [
+            v.family or "(default: all fixtures)",
+            v.verdict.value,
+            v.variant or "-",
+            v.served.text() if v.served else "-",
+            ", ".join(f"{k} {x:.2f}x" for k, x in v.speedups.items()) or "-",
+            "; ".join(r.detail for r in v.reasons + v.range_reasons) or "-",
+        ]
+        for v in gpu.families + [gpu.default]
+    ]
 
 
 def _gpu_blocks(gpu: verdict.GpuDecision, images: dict) -> list[Block]:

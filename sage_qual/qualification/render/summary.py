@@ -34,8 +34,10 @@ def text(written: Report, out: Path, decisions: list[verdict.GpuDecision],
         body = _target if written.target else _predicted if written.predicted else _certified
         lines += body(written, decisions)
     if left_out:
-        lines.append(f"left out by --quick: {len(left_out)} fixture(s), not run (report.md lists what the H200 "
-                     "measured on each): " + ", ".join(f"{f.fixture} ({f.family})" for f in left_out))
+        lines.append(
+            f"left out by --quick: {len(left_out)} fixture(s), not run (report.md lists what the H200 "
+            "measured on each): " + ", ".join(f"{f.fixture} ({f.family})" for f in left_out)
+        )
     return "\n".join(lines)
 
 

@@ -2,7 +2,8 @@
 
 The environment variable `SAGE_QUAL_TEST_WORKER` holds JSON. {"gpus": [{"name", "capability"}...]}
 runs the job on the fake CUDA and fake sageattention of `sage_qual.testing` with CPU tensors
-(`FakeBench`), and {"comfy_kitchen": version} a fake comfy-kitchen of that version beside it; {"faults": {task id: fault}} makes that task misbehave (`FAULTS`);
+(`FakeBench`), and {"comfy_kitchen": version} a fake comfy-kitchen of that version beside it;
+{"faults": {task id: fault}} makes that task misbehave (`FAULTS`);
 {"span_faults": {variant: [{"above": N, "fault": F, "layouts": [...]}, ...]}} makes that variant's
 span probes (`span_probe`) misbehave as F where the planned span exceeds N elements (in the layouts
 named; all when left out; the first rule that applies), as the real kernels fault or abort past
