@@ -152,13 +152,17 @@ def most_conservative(entries: list[profile.Entry]) -> profile.Entry | None:
 
 
 def merged(variant: str, entries: list[profile.Entry], head_dims: list[int]) -> profile.Entry:
-    """Entries serving `variant` as one: the highest thresholds, the lowest verified upper bounds, the
-    layouts and contexts every entry verified, every entry's bounds, the last entry's reasons."""
+    """Entries serving `variant` as one, each of `Served`'s fields by keyword: the highest thresholds,
+    the lowest verified upper bounds, the layouts and contexts every entry verified, every entry's
+    bounds, masked calls only where every entry serves them, the last entry's reasons."""
     served = [e.served for e in entries]
     return profile.Entry(Served(
-        variant, max(s.min_query_tokens for s in served), max(s.min_key_tokens for s in served), head_dims,
-        _lowest([s.max_query_tokens for s in served]), _lowest([s.max_key_tokens for s in served]),
-        _shared([s.layouts for s in served]), _shared([s.contexts for s in served]), merged_bounds(served)),
+        variant=variant, min_query_tokens=max(s.min_query_tokens for s in served),
+        min_key_tokens=max(s.min_key_tokens for s in served), head_dims=head_dims,
+        max_query_tokens=_lowest([s.max_query_tokens for s in served]),
+        max_key_tokens=_lowest([s.max_key_tokens for s in served]),
+        layouts=_shared([s.layouts for s in served]), contexts=_shared([s.contexts for s in served]),
+        bounds=merged_bounds(served), masks=all(s.masks for s in served)),
         list(entries[-1].reasons))
 
 

@@ -355,3 +355,22 @@ def test_a_broken_defaults_file_names_the_file_the_key_and_the_rebuild(tmp_path)
         f"built-in defaults {path}: profile: gpus[0].default.served.min_query_tokens: "
         f"is -5, expected a token count of at least 1; {defaults.FIX}"
     )
+
+
+def test_a_merge_of_equal_entries_is_the_entry_whatever_field_it_sets():
+    """Issue 53: the defaults' merge built the merged Served by position and dropped `masks`, so the
+    built-in defaults could never serve a masked call however a run certified it. Every field of
+    Served is set away from its default here; a field the merge forgets comes back as its default."""
+    from sage_qual.serving.config import Bound
+    from sage_qual.serving.served import Served
+
+    served = Served(variant="ck-int8-cuda", min_query_tokens=9_728, min_key_tokens=640, head_dims=[64, 128],
+                    max_query_tokens=32_768, max_key_tokens=16_384, layouts=["contiguous", "transposed"],
+                    contexts=["side_stream"], bounds=[Bound("key", 17, "a test")], masks=True)
+    defaulted = {f.name for f in dataclasses.fields(Served)
+                 if f.default is not dataclasses.MISSING and getattr(served, f.name) == f.default}
+    assert not defaulted, f"set {sorted(defaulted)} away from their defaults, so a dropped field shows"
+    entry = profile.Entry(served, [reason("speed", "a test")])
+    assert defaults.merged(served.variant, [entry, entry], served.head_dims) == entry
+    masked_once = profile.Entry(dataclasses.replace(served, masks=False), entry.reasons)
+    assert defaults.merged(served.variant, [entry, masked_once], served.head_dims).served.masks is False
