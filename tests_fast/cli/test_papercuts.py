@@ -159,6 +159,22 @@ def test_certify_refuses_an_empty_out(tmp_path, capsys, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("make, said", [
+    (lambda t: (t / "a_file").write_text("kept"), "is a file: give a folder"),
+    (lambda t: (t / "a_file").symlink_to(t / "nowhere"), "is a symbolic link to nothing"),
+    (lambda t: (t / "file").write_text("kept") and t / "file" / "sub", "is under "),
+])
+def test_certify_refuses_an_out_that_cannot_be_a_folder_before_any_work(tmp_path, capsys, make, said):
+    """Issue 54: an --out that was a file or a dangling link ran 30 s, then said "File exists"."""
+    made = make(tmp_path)
+    out = made if isinstance(made, Path) else tmp_path / "a_file"
+    before = sorted(tmp_path.rglob("*"))
+    assert cli.main(["certify", "--emulate", "--out", str(out)]) == 2
+    err = capsys.readouterr()
+    assert said in err.err and f"--out {out}" in err.err and err.out == ""  # nothing ran
+    assert sorted(tmp_path.rglob("*")) == before
+
+
 def test_force_removes_what_the_previous_run_wrote_and_nothing_else(tmp_path):
     from sage_qual.qualification.run import options, run
 

@@ -65,6 +65,7 @@ class RunRequest:
 
     def check(self) -> None:
         """UsageError for a request that cannot run, before torch is imported or a file is written."""
+        check_out(Path(self.out))
         previous = self.previous_run()
         if previous and not self.force:
             # Its plots, logs and profile would mix with this run's: a person asks for that by name.
@@ -109,6 +110,20 @@ class RunRequest:
         absent = gpu_absent()
         if absent:
             raise UsageError(no_gpu_message(target, absent))
+
+
+def check_out(out: Path) -> None:
+    """UsageError when --out cannot become the run's folder: a file, a link to nothing, or a folder
+    under a file (a run found it only when writing its first result, after its setup)."""
+    if out.is_symlink() and not out.exists():
+        raise UsageError(f"--out {out} is a symbolic link to nothing ({os.readlink(out)}): remove the link "
+                         "or give another --out")
+    for place in (out, *out.parents):
+        if place.exists():
+            if not place.is_dir():
+                what = "is a file" if place == out else f"is under {place}, a file"
+                raise UsageError(f"--out {out} {what}: give a folder to write the report into")
+            return
 
 
 def check_numbers(timeout, devices: str) -> None:
