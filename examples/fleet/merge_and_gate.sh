@@ -65,6 +65,7 @@ if strict not in ("1", "true", "yes", "on", "0", "false", "no", "off", ""):
     bad_input(f"REQUIRE_SPEEDUP={strict!r}: give 1 (or true, yes, on) or 0 (or false, no, off)")
 passing = {"enable"} if strict in ("1", "true", "yes", "on") else {"enable", "safe, no speedup"}
 gates = {}  # (report folder, family) -> the gate's exit code on that host
+seen = {}  # (report folder, family) -> the line that answered it
 for report in reports:
     lines = Path(report).with_name("gates.jsonl")
     for number, line in enumerate(lines.read_text(errors="replace").splitlines() if lines.exists() else [], 1):
@@ -80,7 +81,12 @@ for report in reports:
                 isinstance(code, bool) or not isinstance(code, int):
             bad_input(f"{lines} line {number}: not a `sage-qual gate --json` answer (it needs a string "
                       "family and an integer exit_code): run the host's gate again, or remove the line")
-        gates[(str(Path(report).parent), answer["family"])] = code
+        key = (str(Path(report).parent), answer["family"])
+        if key in seen:  # two answers for one family: which holds would depend on line order
+            bad_input(f"{lines} lines {seen[key]} and {number}: both answer {answer['family']}: run the "
+                      "host's gates again into an empty gates.jsonl, or remove one line")
+        seen[key] = number
+        gates[key] = code
 families = list(dict.fromkeys(name for row in fleet for name in row["families"]))
 
 

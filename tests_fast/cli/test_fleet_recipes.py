@@ -235,6 +235,18 @@ def test_a_bad_gates_line_is_bad_input_named_with_its_file_and_line(fleet, line,
     assert f"{answers} line 3: {problem}" in done.stderr and "Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize("codes", [(1, 0), (0, 1), (0, 0)])
+def test_a_family_answered_twice_in_one_gates_file_is_bad_input_naming_both_lines(fleet, codes):
+    """Issue 54: keep off, then enable, for one family: the last line won and the step exited 0."""
+    answers = (fleet / "reports" / "h200-b" / "gates.jsonl")
+    lines = [json.dumps({"family": family, "exit_code": code})
+             for family, code in (("Z-Image", codes[0]), ("SDXL", 0), ("Z-Image", codes[1]))]
+    answers.write_text("\n".join(lines) + "\n")
+    done = merge_and_gate(fleet, baseline=False)
+    assert done.returncode == 2, done.stderr
+    assert f"{answers} lines 1 and 3: both answer Z-Image" in done.stderr and "Traceback" not in done.stderr
+
+
 @pytest.mark.parametrize("value, strict", [("true", True), ("YES", True), ("on", True), ("0", False),
                                            ("false", False), ("", False)])
 def test_require_speedup_reads_the_usual_spellings(fleet, value, strict):
