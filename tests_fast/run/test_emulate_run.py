@@ -224,7 +224,7 @@ def test_an_output_that_cannot_be_made_is_a_usage_error(tmp_path):
     fixtures.mkdir()
     write(fixtures, "one")
     (tmp_path / "file").write_text("x")
-    with pytest.raises(UsageError, match=r"^cannot write to .*file.out: "):
+    with pytest.raises(UsageError, match=r"^--out .*file.out is under .*file, a file: give a folder"):
         run.certify(builders.emulate_request(
                 tmp_path / "file" / "out",
                 variants=["sm80-fp16-cuda"],
