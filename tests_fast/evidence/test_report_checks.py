@@ -578,3 +578,12 @@ def test_a_measured_long_check_judged_rows_inside_its_call(rows, said):
                                             rows=[])
     assert checked.parse(crashed, "r.json").devices[0].long[0].rows == []
     assert checked.parse(valid(), "r.json").devices[0].long[0].rows == [0, 5632, 11136, 16768]
+
+
+@pytest.mark.parametrize("dropped", ["fp16", "fp8"])
+def test_a_fixture_without_a_bound_for_a_class_is_refused_by_its_path(dropped):
+    """Every cell's fitness bound is its fixture's bound for the cell's class (issue 52): a report
+    missing one was an internal KeyError in gate."""
+    message = refused(lambda d: d["fixtures"][0]["bounds"].pop(dropped))
+    assert message == (f"fixtures[0].bounds: no bound for class {dropped} (every cell's fitness bound is its "
+                       "fixture's bound for its class)")

@@ -320,6 +320,14 @@ class FixtureRecord:
     masked: bool = field(default=False, metadata={
         "description": "the call has an attn_mask: only variants that take a mask run it"})
 
+    def check(self) -> list[tuple[str, str]]:
+        # Each bound is the fitness bound of the cells of its class (fixtures.fitness): none may be missing.
+        missing = [c.value for c in AccuracyClass if c not in self.bounds]
+        if missing:
+            return [("bounds", f"no bound for class {', '.join(missing)} (every cell's fitness bound is its "
+                               "fixture's bound for its class)")]
+        return []
+
 
 @dataclass(frozen=True)
 class ContextCheck(_Measured):
