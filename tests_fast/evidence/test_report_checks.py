@@ -587,3 +587,23 @@ def test_a_fixture_without_a_bound_for_a_class_is_refused_by_its_path(dropped):
     message = refused(lambda d: d["fixtures"][0]["bounds"].pop(dropped))
     assert message == (f"fixtures[0].bounds: no bound for class {dropped} (every cell's fitness bound is its "
                        "fixture's bound for its class)")
+
+
+def test_a_target_cell_without_its_class_is_refused_by_its_path():
+    """A certify --target cell names an integration, not a variant: its stored class is the only way to
+    its fitness bound (a null one was an internal KeyError in gate). Run 8's report of the wrapper."""
+    import gzip
+    from pathlib import Path
+
+    from sage_qual.qualification.decide import checked
+
+    path = (Path(__file__).resolve().parents[2] / "docs/results/run8-h200x2-final/targets/wrapper"
+            / "report.json.gz")
+    data = json.loads(gzip.decompress(path.read_bytes()))
+    checked.parse(data, "r.json")  # as committed, it reads
+    first = next(n for n, c in enumerate(data["devices"][0]["cells"]) if c["outcome"] in ("pass", "fail"))
+    data["devices"][0]["cells"][first]["accuracy_class"] = None
+    with pytest.raises(ReportError) as error:
+        checked.parse(data, "r.json")
+    assert f"devices[0].cells[{first}] (wrapper on " in str(error.value)
+    assert "accuracy_class: null, and no variant of that name gives it" in str(error.value)

@@ -104,6 +104,9 @@ def check_evidence(report: Report, where: str) -> None:
             if not report.target and cell.variant not in VARIANTS:
                 raise ReportError(f"{key}: variant: unknown to this sage-qual; certify again with this "
                                   "version")
+            if cell.accuracy_class is None and cell.variant not in VARIANTS:
+                raise ReportError(f"{key}: accuracy_class: null, and no variant of that name gives it: the "
+                                  "cell's fitness bound cannot be found; certify again")
             reasons = judged(report, cell, report.fitness_judged)
             outcome = Outcome.FAIL if reasons else Outcome.PASS
             if cell.outcome != outcome:
