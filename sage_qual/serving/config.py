@@ -6,6 +6,7 @@ the default numbers, and where each was measured, are in `sage_qual.limits`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal, Mapping, Sequence
 
@@ -62,11 +63,15 @@ class Bound:
 SIDE_WORDS = {"key": "keys", "query": "query tokens"}
 
 
+# Head sizes the kernels take: upstream pads others, which the wrapper refuses (eligibility, head_dim).
+KERNEL_HEAD_DIMS = (64, 128)
+
+
 @dataclass(frozen=True)
 class WrapperConfig:
     min_query_tokens: int = limits.MIN_QUERY_TOKENS
     min_key_tokens: int = limits.MIN_KEY_TOKENS
-    head_dims: tuple[int, ...] = (64, 128)
+    head_dims: tuple[int, ...] = KERNEL_HEAD_DIMS
     check_rows: int = limits.CHECK_ROWS  # first-call check: query rows of one sample and K/V group
     check_max_rel_l2: float = limits.CHECK_MAX_REL_L2
     cache_error_limit: int = limits.CACHE_ERROR_LIMIT  # Triton cache failures in a row
@@ -93,6 +98,23 @@ class WrapperConfig:
     masks: bool = False
 
     def __post_init__(self):
+        # A threshold of 0 serves every length (a forced variant's target); the rest count from 1.
+        lowest = {"min_query_tokens": 0, "min_key_tokens": 0, "check_rows": 1, "cache_error_limit": 1}
+        for name, least in lowest.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"WrapperConfig.{name}={value!r}: give a whole number of at least {least}")
+        limit = self.check_max_rel_l2
+        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 < limit < math.inf:
+            raise ValueError(f"WrapperConfig.check_max_rel_l2={limit!r}: give the first-call check's largest "
+                             "relative L2, a finite number above 0 (limits.first_call_max_rel_l2)")
+        dims = self.head_dims
+        if isinstance(dims, (str, int)) or not dims or any(d not in KERNEL_HEAD_DIMS for d in dims):
+            raise ValueError(f"WrapperConfig.head_dims={dims!r}: give a tuple of head sizes the kernels take "
+                             f"({', '.join(map(str, KERNEL_HEAD_DIMS))})")
+        for name in ("masks", "copy_past_span"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"WrapperConfig.{name}={getattr(self, name)!r}: give True or False")
         for name in ("max_query_tokens", "max_key_tokens"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):

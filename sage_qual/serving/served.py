@@ -10,12 +10,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from sage_qual.serving.config import DEFAULT_CONFIG, LAYOUTS, Bound, WrapperConfig
+from sage_qual.serving.config import KERNEL_HEAD_DIMS, LAYOUTS, Bound, WrapperConfig
 from sage_qual.serving.contexts import CONTEXTS
 from sage_qual.serving.variants import VARIANTS, Capability
-
-# Head sizes the kernels take (the wrapper's default; upstream pads others, which it refuses).
-KERNEL_HEAD_DIMS = DEFAULT_CONFIG.head_dims
 
 
 @dataclass(frozen=True)
