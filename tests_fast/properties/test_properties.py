@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from sage_qual.qualification import families
 from sage_qual.qualification.measure import speed
-from sage_qual.serving.config import WrapperConfig
+from sage_qual.serving.config import KERNEL_HEAD_DIMS, WrapperConfig
 from sage_qual.serving.eligibility import SdpaCall, bind, refusal
 from sage_qual.serving.scope import ScopeReport
 
@@ -161,7 +161,7 @@ def tensor(batch, heads, tokens, head_dim, dtype=torch.float16, stride_last=1):
 @st.composite
 def served_calls(draw):
     """A config and a call it serves: lengths at or above its thresholds, a supported head size."""
-    head_dims = draw(st.sets(st.sampled_from([32, 64, 96, 128, 256]), min_size=1))
+    head_dims = draw(st.sets(st.sampled_from(KERNEL_HEAD_DIMS), min_size=1))  # what a config may list
     config = WrapperConfig(min_query_tokens=draw(st.integers(1, 4096)),
                            min_key_tokens=draw(st.integers(1, 4096)), head_dims=tuple(sorted(head_dims)))
     batch, kv_heads = draw(st.integers(1, 3)), draw(st.integers(1, 4))
