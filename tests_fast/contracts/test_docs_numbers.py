@@ -163,3 +163,17 @@ def test_the_edited_evidence_page_is_its_runs():
             "25's profile") in page
     assert f"**{counts['refused']} are refused**" in page and f"**{counts['same']} change nothing:**" in page
     assert f"**{counts['changed']} narrows the range:**" in page
+
+
+def test_the_main_jobs_counts_in_the_readme_are_what_it_selects():
+    """Issue 54: the README said "8 left out" and "all 20" where the run left out 7 of 22."""
+    import re
+
+    from sage_qual.qualification import selection
+
+    readme = flat((ROOT / "README.md").read_text())
+    said = re.search(r"names the (\d+) fixtures it left out; without `--quick` it runs all (\d+)", readme)
+    assert said, "README.md lost its sentence on the main job's fixtures"
+    chosen = selection.select(None, None, quick=True)
+    shipped = len(list_fixtures(shipped_dir()))
+    assert (int(said.group(1)), int(said.group(2))) == (len(chosen.left_out), shipped)
