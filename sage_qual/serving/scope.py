@@ -36,8 +36,9 @@ class ScopeReport:
         """One line of at most limits.STATUS_LINE_LIMIT characters: each fallback reason with its
         count, and its first call's detail where they fit (all of them stay in `details`)."""
         if self.not_installed and not self.calls:
-            return one_line("attention calls not counted, all on PyTorch SDPA: SageAttention is not "
-                            f"installed ({self.not_installed})")
+            # Not "not installed": a profile that keeps the family off leaves torch's function in place too.
+            return one_line("attention calls not counted, all on PyTorch SDPA: the wrapper serves nothing "
+                            f"here ({self.not_installed})")
         counted = self.fallbacks.most_common()
         head = f"{self.calls} attention calls, {self.served} on SageAttention; on PyTorch SDPA: "
         detailed = ", ".join(f"{reason}={count} [{self.details.get(reason, '')}]"

@@ -184,8 +184,8 @@ def test_a_scope_whose_install_was_refused_says_so_instead_of_counting_zero_call
             for _ in range(3):
                 F.scaled_dot_product_attention(*qkv())
     assert report.not_installed == status.reason
-    assert report.summary() == ("attention calls not counted, all on PyTorch SDPA: SageAttention is not "
-                                f"installed ({status.reason})")
+    assert report.summary() == ("attention calls not counted, all on PyTorch SDPA: the wrapper serves "
+                                f"nothing here ({status.reason})")
 
 
 def test_a_scope_that_began_while_installed_counts_its_calls():
@@ -381,3 +381,21 @@ def test_scope_exit_logs_also_when_the_block_raises(caplog):
             raise KeyError("x")
     assert records(caplog, logging.DEBUG) == [
         "1 attention calls, 0 on SageAttention; on PyTorch SDPA: dropout=1 [dropout_p=0.1]"]
+
+
+def test_a_family_a_profile_keeps_off_is_said_as_such_not_as_not_installed():
+    """Issue 54: a scope under a profile that keeps the family off read "SageAttention is not installed"."""
+    from ..builders import H200, make_profile
+
+    kept_off = {"served": None, "reasons": [{"kind": "unfit", "detail": "ck-int8-cuda on krea2: unfit"}]}
+    certified = make_profile(gpu=H200, families={"Krea-2": kept_off})
+    with FakeCuda([FakeGpu((9, 0), H200.name, H200.memory_gib)]), FakeSageAttention().installed():
+        status = sage_qual.install(profile=certified, family="Krea-2")
+        assert not status.enabled and "family Krea-2" in status.reason
+        with sage_qual.sage_attention_scope() as report:
+            F.scaled_dot_product_attention(*qkv())
+    assert "not installed" not in report.summary()
+    assert report.summary().startswith("attention calls not counted, all on PyTorch SDPA: the wrapper serves "
+                                       "nothing here (")
+    assert "family Krea-2" in report.summary()
+    sage_qual.uninstall()

@@ -166,8 +166,8 @@ def test_a_scope_without_install_says_calls_are_not_counted():
     with sage_qual.sage_attention_scope() as report:
         pass
     assert report.not_installed == sage_qual.install_status().reason != ""
-    assert report.summary() == ("attention calls not counted, all on PyTorch SDPA: SageAttention is not "
-                                f"installed ({report.not_installed})")
+    assert report.summary() == ("attention calls not counted, all on PyTorch SDPA: the wrapper serves "
+                                f"nothing here ({report.not_installed})")
 
 
 def test_the_scope_asks_the_installed_check(monkeypatch):
