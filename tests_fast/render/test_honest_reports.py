@@ -143,3 +143,18 @@ def test_the_terminal_names_what_quick_left_out(predicted_quick):
         "H200 measured on each): large (SDXL)"
     )
     assert "left out" not in summary.text(written, Path("out"), verdict.decide(written))
+
+
+def test_the_terminal_folds_one_cause_of_several_variants_into_one_line(tmp_path, capsys):
+    """Issue 54: the same 200-character sentence was printed once per variant (9 times)."""
+    generator = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 128, 64, generator=generator).to(torch.bfloat16) for _ in range(3))
+    v[..., 3] = 0  # every FP8 kernel's model divides by the zero channel's maximum
+    save_fixture(tmp_path / "zero_v.safetensors", q, k, v, family="SDXL", kind="replica", source={"t": 2},
+                 provenance="test", bounds=PUBLISHED)
+    fp8 = ["sm89-fp8-cuda", "sm90-fp8-cuda", "sm120-fp8-perwarp"]
+    variants = [*fp8, "sm80-fp16-cuda"]
+    run.certify(builders.emulate_request(tmp_path / "out", variants, ["SDXL"], [str(tmp_path)]))
+    failing = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  would fail ")]
+    assert failing == [f"  would fail SDXL: {', '.join(fp8)} on zero_v: output not finite where the "
+                       "reference is"]

@@ -89,12 +89,17 @@ def _predicted(written: Report, decisions: list[verdict.GpuDecision]) -> list[st
                        for f in families)
         lines.append(variant.ljust(width) + native[:15].ljust(16) + row)
     for family in families:
+        # One line per fixture and cause, naming every variant it holds for: the same sentence for 9
+        # variants was printed 9 times (issue 54).
+        failing: dict[tuple[str, str], list[str]] = {}  # (fixture, why) -> the variants
         for variant in variants:
             causes: dict[str, list[str]] = {}  # fixture -> why it would fail there
             for finding in family.results.findings.get(variant, []):
                 causes.setdefault(finding.fixture, []).append(finding.reason.detail)
-            lines += [f"  would fail {family.label}: {variant} on {fixture}: {'; '.join(why)}"
-                      for fixture, why in causes.items()]
+            for fixture, why in causes.items():
+                failing.setdefault((fixture, "; ".join(why)), []).append(variant)
+        lines += [f"  would fail {family.label}: {', '.join(names)} on {fixture}: {why}"
+                  for (fixture, why), names in failing.items()]
     skipped = sorted(set(written.options.families) - {f.label for f in families})
     if skipped:
         lines.append(f"  no fixtures, not predicted: {', '.join(skipped)}")
