@@ -130,3 +130,17 @@ def test_no_number_has_a_colour_of_its_own_on_the_heatmap():
     missing = np.array(matplotlib.colors.to_rgb(plots.NO_NUMBER))
     neutral = missing.max() - missing.min() < 0.1
     assert not (neutral and lightness(scale).min() <= lightness(missing) <= lightness(scale).max())
+
+
+def test_a_non_finite_cell_takes_the_top_colour_and_a_skipped_one_the_white():
+    """Issue 54: a non-finite failure was white "fail", the colour of a cell that did not run."""
+    fixture = builders.fixture()
+    nan = builders.cell("sm90-fp8-cuda", fixture, "fail", finite=False,
+                        reasons=[builders.reason("non_finite", "output not finite where the reference is")])
+    value, text = plots.heat_cell(nan)
+    assert value == 1.0 and text == "fail\nnot finite"
+    skipped = report_model.Cell("sm90-fp8-cuda", fixture.name, report_model.Outcome.SKIP, "not supported")
+    value, text = plots.heat_cell(skipped)
+    assert value != value and text == "skip"  # NaN: drawn in NO_NUMBER's white
+    value, _ = plots.heat_cell(builders.cell("sm90-fp8-cuda", fixture, rel_l2=0.01))
+    assert -2 <= value < 0

@@ -55,7 +55,18 @@ def heat_ratio(cell: report_model.Cell, published: dict | None = None) -> float 
     return cell.metrics.rel_l2 / limit.max_rel_l2
 
 
-NO_NUMBER = "#ffffff"  # the heatmap's colour for a cell without a number
+def heat_cell(cell: report_model.Cell, published: dict | None = None) -> tuple[float, str]:
+    """A heatmap cell: the log10 of its ratio (`heat_ratio`; NaN, the white of NO_NUMBER, where it has
+    none) and its text. A non-finite output is past every bound: the scale's top (1), never white."""
+    if cell.measured and cell.metrics is not None and cell.metrics.finite is False:
+        return 1.0, f"{cell.outcome.value}\nnot finite"
+    ratio = heat_ratio(cell, published)
+    if ratio is None:
+        return math.nan, cell.outcome.value
+    return math.log10(max(ratio, 1e-2)), f"{cell.outcome.value}\n{ratio:.2f}"
+
+
+NO_NUMBER = "#ffffff"  # the heatmap's colour for a cell that did not run (a non-finite one is the top colour)
 
 
 def _heatmap(plt, device: report_model.Device, path: Path, published: dict | None = None) -> None:
@@ -74,23 +85,20 @@ def _heatmap(plt, device: report_model.Device, path: Path, published: dict | Non
     colours = plt.get_cmap("cividis").with_extremes(bad=NO_NUMBER)
     for c in device.cells:
         i, j = variants.index(c.variant), fixtures.index(c.fixture)
-        ratio = heat_ratio(c, published)
-        if ratio is not None:
-            values[i, j] = math.log10(max(ratio, 1e-2))
-        text = c.outcome.value if ratio is None else f"{c.outcome.value}\n{ratio:.2f}"
-        dark = ratio is not None and values[i, j] < -0.5
+        values[i, j], text = heat_cell(c, published)
+        dark = not math.isnan(values[i, j]) and values[i, j] < -0.5
         axes.text(j, i, text, ha="center", va="center", fontsize=7, color="white" if dark else "black")
     shown = axes.imshow(values, cmap=colours, vmin=-2, vmax=1, aspect="auto")
     axes.set_xticks(range(len(fixtures)), fixtures, rotation=40, ha="right", fontsize=8)
     axes.set_yticks(range(len(variants)), variants, fontsize=8)
     if published is not None:
-        figure.colorbar(shown, ax=axes, label="log10(predicted rel. L2 / published bound)")
-        axes.set_title("numerics model (CPU): predicted relative L2 / the fixture's published bound "
-                       "(> 1: over it; the outcome word is against the budget; white: no number)", fontsize=9)
+        figure.colorbar(shown, ax=axes, label="log10(predicted rel. L2 / fitness bound)")
+        axes.set_title("numerics model (CPU): predicted relative L2 / the fixture's fitness bound (> 1: "
+                       "over it; top colour: not finite; white: did not run)", fontsize=9)
     else:
         figure.colorbar(shown, ax=axes, label="log10(rel. L2 / budget)")
-        axes.set_title("cuda:%d %s: relative L2 / budget against float32 (> 1 fails; white: no number)"
-                       % (device.index, device.name), fontsize=9)
+        axes.set_title("cuda:%d %s: relative L2 / budget against float32 (> 1 fails; top colour: not "
+                       "finite; white: did not run)" % (device.index, device.name), fontsize=9)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
