@@ -13,6 +13,7 @@ from sage_qual.fixtures import fitness
 from sage_qual.qualification.evidence import files, tasks
 from sage_qual.qualification.evidence.report_model import (
     Cell,
+    FixtureRecord,
     LongCheck,
     Outcome,
     Reason,
@@ -47,9 +48,8 @@ def parse(data: dict, where: str) -> Report:
     return fitted(typed)
 
 
-def cell_fitness(report: Report, cell: Cell) -> fitness.FitnessBound:
+def cell_fitness(fixture: FixtureRecord, cell: Cell) -> fitness.FitnessBound:
     """The fitness bound of a cell: its fixture's bound for the cell's accuracy class."""
-    fixture = next(f for f in report.fixtures if f.name == cell.fixture)
     accuracy_class = cell.accuracy_class or VARIANTS[cell.variant].accuracy_class
     return fitness.bound_for(fixture.name, fixture.kind.value, fixture.bounds[accuracy_class])
 
@@ -64,7 +64,7 @@ def judged(report: Report, cell: Cell, with_fitness: bool = True) -> list[Reason
     # A predicted cell (certify --emulate) has no memory number: only its accuracy is judged.
     extra = 0.0 if cell.extra_bytes_per_element is None and report.predicted else cell.extra_bytes_per_element
     reasons = (judge.cell_reasons(cell.metrics, extra, cell.budget, memory_bound(fixture.family),
-                                  cell.sdpa_rel_l2, fitness=cell_fitness(report, cell))
+                                  cell.sdpa_rel_l2, fitness=cell_fitness(fixture, cell))
                + judge.hazard_reasons(cell.hazards))
     return reasons if with_fitness else [r for r in reasons if r.kind != ReasonKind.UNFIT]
 
