@@ -36,6 +36,11 @@ def first_call_max_rel_l2(family: str | None) -> float:
     key = "".join(c for c in (family or "").lower() if c.isascii() and c.isalnum())
     return FIRST_CALL_MAX_REL_L2.get(key, CHECK_MAX_REL_L2)
 
+# The audit of served calls (`serving.audit`): one served call in AUDIT_EVERY per device recomputes
+# AUDIT_ROWS query rows of one head group with torch. PROVISIONAL until measured on the H200.
+AUDIT_EVERY = 100
+AUDIT_ROWS = 256
+
 # Consecutive Triton cache write failures (OSError) before a GPU is retired. A policy, not a
 # measurement: one failure is a race between processes sharing a cache, three in a row a cache
 # that cannot be written.

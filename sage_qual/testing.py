@@ -95,6 +95,7 @@ class FakeCuda(platform.CudaPlatform):
         self.streams = {index: "default" for index in range(len(self.gpus))}
         self.capturing: set[int] = set()
         self.events: list[str] = []
+        self.reads_held = False  # True: a value sent to the host arrives only when waited for
         self._swap = None
 
     def is_rocm(self) -> bool:
@@ -180,6 +181,10 @@ class FakeCuda(platform.CudaPlatform):
             return call()
         finally:
             self.streams[index] = previous
+
+    def read_later(self, values: torch.Tensor):
+        ready = values.tolist()
+        return lambda wait: ready if wait or not self.reads_held else None
 
     def __enter__(self):
         self._swap = platform.use(self)

@@ -6,6 +6,7 @@ import pytest
 import torch.nn.functional as F
 
 import sage_qual
+from sage_qual.serving import audit
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
 
 from .helpers import TORCH_SDPA
@@ -13,10 +14,12 @@ from .helpers import TORCH_SDPA
 
 @pytest.fixture(autouse=True)
 def _uninstalled():
-    """Every test starts and ends with torch's own SDPA."""
+    """Every test starts and ends with torch's own SDPA, as a fresh process (no audit's findings)."""
     sage_qual.uninstall()
+    audit.reset_process()
     yield
     sage_qual.uninstall()
+    audit.reset_process()
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ from sage_qual.version import __version__
 # What `sage-qual --help` opens with: what the tool is for, in a user's words.
 DESCRIPTION = ("Qualify SageAttention on this GPU before an app switches it on: certify the kernels against "
                "real activations, then gate each model family on the report.")
-DECIDING = ("gate", "compare", "merge", "certify")
+DECIDING = ("gate", "compare", "merge", "certify", "audit")
 BROKEN_PIPE = 141
 
 
@@ -77,14 +77,14 @@ class _Surviving(io.TextIOBase):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from sage_qual.cli import certify, compare, env, fixtures, gate
+    from sage_qual.cli import audit, certify, compare, env, fixtures, gate
 
     parser = argparse.ArgumentParser(prog="sage-qual", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"sage-qual {__version__}")
     parser.add_argument("--debug", action="store_true",
                         help="on an internal error, print the traceback (default: one line)")
     subparsers = parser.add_subparsers(dest="command", required=True)
-    for module in (env, fixtures, certify, gate, compare):
+    for module in (env, fixtures, certify, gate, compare, audit):
         module.add_parser(subparsers)
     for command in {id(c): c for c in subparsers.choices.values()}.values():  # aliases: once each
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
@@ -113,12 +113,16 @@ EXIT_CODES = {
     "compare": ((0, "the reports serve the same calls, served speedups within --tolerance"),
                 (1, "they differ: each difference printed"),
                 (2, "unreadable, or reports that cannot be compared (partial, predicted, --quick)")),
+    "audit": ((0, "no recorded misses in the folder"),
+              (1, "recorded misses: each printed (certify --fixtures FOLDER keeps their variants off)"),
+              (2, "bad input: no such folder, or a fixture in it that does not load (named)")),
 }
 # A command's description where it gives none: its one-line help.
 _HELP = {"env": "torch, CUDA, each GPU and the kernel it gets, sageattention and its extensions.",
          "fixtures": "List and inspect activation fixtures.",
          "gate": "Whether to enable a model family on this machine, from a certify report.",
-         "compare": "Whether two certify reports of one machine serve the same calls."}
+         "compare": "Whether two certify reports of one machine serve the same calls.",
+         "audit": "The misses the wrapper's audit recorded in production, from the folder it saved them in."}
 
 
 def main(argv: list[str] | None = None) -> int:

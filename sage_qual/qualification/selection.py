@@ -12,18 +12,35 @@ from dataclasses import dataclass
 
 import torch
 
+from sage_qual import records
 from sage_qual.errors import UsageError
 from sage_qual.fixtures import fileformat, known
+from sage_qual.fixtures.audit_misses import recorded_miss
 from sage_qual.qualification import families as families_mod
 from sage_qual.qualification.names import select_families
 
 
 def fixture_dirs(directories: list[str] | None) -> list[str]:
-    """The directories given, or the repository's fixtures/ when none were."""
-    if directories is not None:
-        return directories
+    """The directories given, or the repository's fixtures/ when none were. Folders of the wrapper's
+    audit alone (every fixture in them recorded by it) run beside the shipped fixtures: a recorded miss
+    is evidence about the family, not a replacement for its fixtures."""
     shipped = fileformat.shipped_dir()
-    return [str(shipped)] if shipped else []
+    shipped = [str(shipped)] if shipped else []
+    if directories is None:
+        return shipped
+    if directories and all(_holds_audit_misses(d) for d in directories):
+        return shipped + [d for d in directories if d not in shipped]
+    return directories
+
+
+def _holds_audit_misses(directory: str) -> bool:
+    """Whether every fixture of the folder was recorded by the wrapper's audit (False for a folder
+    that does not load: `read_fixtures` names its problem)."""
+    try:
+        paths = fileformat.list_fixtures(directory)
+        return bool(paths) and all("audit" in fileformat.load_fixture(p).source for p in paths)
+    except fileformat.FixtureError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -88,6 +105,10 @@ def load_checked(paths) -> list[fileformat.Fixture]:
         except fileformat.FixtureError as error:
             raise UsageError(str(error)) from None
         check_finite(fixture, path)
+        try:
+            recorded_miss(fixture.source, str(path))  # an audit's record is read whole, or refused here
+        except records.RecordError as error:
+            raise UsageError(str(error)) from None
         if fixture.name in seen:
             raise UsageError(f"two fixtures named {fixture.name}: {seen[fixture.name]} and {path}")
         seen[fixture.name] = path

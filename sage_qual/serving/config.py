@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal, Mapping, Sequence
+from typing import Callable, Literal, Mapping, Sequence
 
 from sage_qual import limits
 from sage_qual.serving import contexts, variants
@@ -63,6 +63,30 @@ class Bound:
 SIDE_WORDS = {"key": "keys", "query": "query tokens"}
 
 
+@dataclass(frozen=True)
+class AuditConfig:
+    """every: audit one served call in this many per device (0: off). rows: query rows per audit.
+    retire: a miss moves the device to torch for the family, for the rest of the process (False:
+    count and warn only). record: saves a miss, `record(kept, miss) -> path` (None: not saved);
+    `fixtures.recorder.AuditFolder(path)` saves it as a recorded fixture."""
+    every: int = limits.AUDIT_EVERY
+    rows: int = limits.AUDIT_ROWS
+    retire: bool = True
+    record: Callable | None = None
+
+    def __post_init__(self):
+        for name, least in (("every", 0), ("rows", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"AuditConfig.{name}={value!r}: give a whole number of at least {least}"
+                                 + (" (0 turns the audit off)" if name == "every" else ""))
+        if not isinstance(self.retire, bool):
+            raise ValueError(f"AuditConfig.retire={self.retire!r}: give True or False")
+        if self.record is not None and not callable(self.record):
+            raise ValueError(f"AuditConfig.record={self.record!r}: give fixtures.recorder.AuditFolder(path), "
+                             "or None to keep misses unrecorded")
+
+
 # Head sizes the kernels take: upstream pads others, which the wrapper refuses (eligibility, head_dim).
 KERNEL_HEAD_DIMS = (64, 128)
 
@@ -96,6 +120,8 @@ class WrapperConfig:
     # Whether a call with an attn_mask may be served: only where a profile certified the served
     # variant on masked calls (`Served.masks`), and only by a variant that takes a mask.
     masks: bool = False
+    # The sampled audit of served calls (serving.audit): on by default; AuditConfig(every=0) turns it off.
+    audit: AuditConfig = field(default_factory=AuditConfig)
 
     def __post_init__(self):
         # A threshold of 0 serves every length (a forced variant's target); the rest count from 1.
@@ -134,6 +160,8 @@ class WrapperConfig:
             if isinstance(self.layouts, str) or unknown:
                 raise ValueError(f"WrapperConfig.layouts={self.layouts!r}: give a tuple of layout names "
                                  f"from {', '.join(LAYOUTS)}, or None for any layout")
+        if not isinstance(self.audit, AuditConfig):
+            raise ValueError(f"WrapperConfig.audit={self.audit!r}: give a serving.audit.AuditConfig")
         if self.contexts is not None:
             contexts.check_names(self.contexts, "WrapperConfig.contexts")
         if isinstance(self.bounds, (str, Bound)) or not all(isinstance(b, Bound) for b in self.bounds):

@@ -26,6 +26,7 @@ class ReasonKind(str, enum.Enum):
     LAYOUT = "layout"  # a long check's output on a view differs from its output on contiguous copies
     LONG = "long"  # a long check failed or did not run: the verified range stops below its length
     CONTEXT = "context"  # an execution-context check failed or did not run: the variant falls back there
+    AUDIT = "audit"  # the wrapper's audit caught the variant over the family's bound in production
 
 
 @dataclass(frozen=True)

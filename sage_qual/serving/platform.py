@@ -101,6 +101,26 @@ class CudaPlatform:
         out.record_stream(caller)
         return out
 
+    def read_later(self, values: torch.Tensor) -> Callable[[bool], list[float] | None]:
+        """Start copying a few values to host memory without waiting for the device; returns
+        `read(wait)`, which gives them once the copy has completed (None before), or waits for it
+        when `wait`. The audit's numbers travel so: the served path never synchronizes."""
+        if values.device.type != "cuda":
+            ready = values.tolist()
+            return lambda wait: ready
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        host.copy_(values, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+
+        def read(wait: bool) -> list[float] | None:
+            if not wait and not copied.query():
+                return None
+            copied.synchronize()
+            return host.tolist()
+
+        return read
+
 
 _platform: CudaPlatform = CudaPlatform()
 

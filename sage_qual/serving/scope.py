@@ -9,6 +9,7 @@ import logging
 from dataclasses import dataclass, field
 
 from sage_qual.limits import STATUS_LINE_LIMIT, one_line
+from sage_qual.serving.audit import AuditTally
 
 log = logging.getLogger("sage_qual")
 
@@ -24,6 +25,7 @@ class ScopeReport:
     details: dict[str, str] = field(default_factory=dict)  # per reason, its first call's detail
     out_of_memory: bool = False  # once set, the rest of the scope runs on PyTorch
     not_installed: str = ""  # why install() left torch's function in place when the scope began
+    audit: AuditTally = field(default_factory=AuditTally)  # the sampled audit (serving.audit), read by exit
 
     def fell_back(self, reason: str, template: str = "", values: tuple = ()) -> None:
         """Count a fallback; its detail (`template % values`) is formatted for a reason's first call."""
@@ -41,12 +43,14 @@ class ScopeReport:
                             f"here ({self.not_installed})")
         counted = self.fallbacks.most_common()
         head = f"{self.calls} attention calls, {self.served} on SageAttention; on PyTorch SDPA: "
+        audit = self.audit
+        tail = f"; {audit.summary()}" if audit.audited or audit.skipped or audit.misses else ""
         detailed = ", ".join(f"{reason}={count} [{self.details.get(reason, '')}]"
                              for reason, count in counted)
-        if len(head + detailed) <= STATUS_LINE_LIMIT:
-            return head + (detailed or "none")
+        if len(head + detailed + tail) <= STATUS_LINE_LIMIT:
+            return head + (detailed or "none") + tail
         return one_line(head + ", ".join(f"{reason}={count}" for reason, count in counted)
-                        + " (first call of each: report.details)")
+                        + " (first call of each: report.details)" + tail)
 
 
 _active: contextvars.ContextVar[ScopeReport | None] = contextvars.ContextVar("sage_qual_scope", default=None)
@@ -61,6 +65,16 @@ def report_installs_with(check) -> None:
     """Set the function a new scope asks why the wrapper is not installed (called by the wrapper)."""
     global _not_installed
     _not_installed = check
+
+
+def _settle_audits() -> None:
+    """Judge every audit still on its way to the host (the wrapper replaces this)."""
+
+
+def settle_audits_with(settle) -> None:
+    """Set what a scope calls at exit to read its pending audits (called by the wrapper)."""
+    global _settle_audits
+    _settle_audits = settle
 
 
 def active() -> ScopeReport | None:
@@ -82,6 +96,7 @@ def sage_attention_scope():
         yield report
     finally:
         _active.reset(token)
+        _settle_audits()  # the scope's audits are read now, at the latest
         if outer is not None:
             outer.calls += report.calls
             outer.served += report.served
@@ -89,4 +104,5 @@ def sage_attention_scope():
             outer.fallbacks.update(report.fallbacks)
             outer.details = {**report.details, **outer.details}
             outer.out_of_memory |= report.out_of_memory
+            outer.audit.add(report.audit)
         log.debug(report.summary())

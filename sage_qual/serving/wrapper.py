@@ -17,9 +17,10 @@ import torch
 
 from sage_qual import limits
 from sage_qual.limits import one_line
-from sage_qual.serving import platform, sage_package, scope, torch_sdpa
+from sage_qual.serving import audit, platform, sage_package, scope, torch_sdpa
 from sage_qual.serving.assess import Packages, assess, box_facts, loaded
-from sage_qual.serving.config import DEFAULT_CONFIG, WrapperConfig
+from sage_qual.serving.audit import Auditor
+from sage_qual.serving.config import DEFAULT_CONFIG, AuditConfig, WrapperConfig
 from sage_qual.serving.contexts import CAPTURE, COMPILE, REASON, SIDE_STREAM
 from sage_qual.serving.eligibility import SdpaCall, bind, copies_fit, refusal, within_span
 from sage_qual.serving.failures import Failure, classify
@@ -82,7 +83,7 @@ class _Installed:
 
     def __init__(self, original, packages: Packages, config: WrapperConfig, devices: dict[int, DeviceState],
                  arguments: tuple):
-        self.arguments = arguments  # install()'s (config, profile, family)
+        self.arguments = arguments  # install()'s (config, profile, family, audit)
         self.original = original
         self.packages = packages
         self.config = config
@@ -94,6 +95,13 @@ class _Installed:
         self.lock = threading.Lock()
         self.function = None  # the function bound over torch's (see `_make_sdpa`)
         self.one_config = all(d.config is config for d in devices.values())
+        self.auditor = Auditor(config.audit, arguments[2], original, functools.partial(_retire, self),
+                               self.build_of)
+
+    def build_of(self, device: DeviceState) -> str:
+        """Its kernel's provider, version and origin, as a recorded miss names the build."""
+        package = self.packages[device.variant.provider]
+        return " ".join(filter(None, (package.provider, package.version, package.origin)))
 
 
 _installed: _Installed | None = None
@@ -107,38 +115,45 @@ def install_status() -> InstallStatus:
 
 # A scope that begins while nothing is installed says so instead of reporting "0 attention calls".
 scope.report_installs_with(lambda: "" if _installed is not None else _status.reason)
+scope.settle_audits_with(lambda: _installed.auditor.settle(wait=True) if _installed is not None else None)
 
 
-def install(config: WrapperConfig | None = None, profile=None, family: str | None = None) -> InstallStatus:
+def install(config: WrapperConfig | None = None, profile=None, family: str | None = None,
+            audit: AuditConfig | None = None) -> InstallStatus:
     """Rebind torch's SDPA to the wrapper once. Never raises; logs one WARNING when it cannot.
 
     profile: a `sage-qual certify` profile.json (path or dict). Its GPU then gets the variant and
     thresholds certified for `family` (default: for all families), or no kernel. A GPU no entry
     describes keeps the defaults, and a family the nearest entry keeps off stays off, with one WARNING.
     Without config and profile, the built-in defaults apply (`sage_qual.serving.defaults`).
+    audit: the sampled audit of served calls (`serving.audit`), in place of the config's (default:
+    on, one call in `limits.AUDIT_EVERY` per device); `AuditConfig(every=0)` turns it off.
 
     Called again while installed: with the same arguments it changes nothing and returns the same
     status; with others it installs anew with them (a notebook or a server switching families gets
     what it asked for, said in one INFO line), as `uninstall()` then `install()` would.
     """
     with _install_lock:
-        return _install(config, profile, family)
+        return _install(config, profile, family, audit)
 
 
-def _install(config: WrapperConfig | None, profile=None, family: str | None = None) -> InstallStatus:
+def _install(config: WrapperConfig | None, profile=None, family: str | None = None,
+             audit_config: AuditConfig | None = None) -> InstallStatus:
     global _installed, _status
-    arguments = (config, profile, family)
+    arguments = (config, profile, family, audit_config)
     if _installed is not None:
         if _installed.arguments == arguments:
             return _status
         log.info("install() called again with other arguments: installing anew with them")
-        torch_sdpa.unbind(_installed.function)
+        _take_out(_installed)
         _installed = None
     try:
         loaded = _load_profile(profile)  # a broken profile is said before any GPU or package check
         # Without a config of the caller's, the first-call check holds the family's fitness bound.
         config = config or dataclasses.replace(DEFAULT_CONFIG,
                                                check_max_rel_l2=limits.first_call_max_rel_l2(family))
+        if audit_config is not None:
+            config = dataclasses.replace(config, audit=audit_config)
         devices, packages = _probe(config, loaded, family, builtin=arguments[0] is None)
         package = _primary(packages)
     except sage_package.SageUnavailable as why:
@@ -171,9 +186,15 @@ def uninstall() -> None:
     global _installed, _status
     with _install_lock:
         if _installed is not None:
-            torch_sdpa.unbind(_installed.function)
+            _take_out(_installed)
             _installed = None
         _status = InstallStatus(False, "uninstall() was called")
+
+
+def _take_out(state: _Installed) -> None:
+    """Unbind an installed wrapper, its pending audits judged first (their misses still count)."""
+    torch_sdpa.unbind(state.function)
+    state.auditor.settle(wait=True)
 
 
 def _load_profile(profile):
@@ -249,8 +270,10 @@ def _probe(config: WrapperConfig, profile=None, family: str | None = None,
         variant, reason = gpu.kernel, gpu.no_kernel_reason
         if own.note and not variant and own.config.kernel_table.get(capability) == ():
             reason = own.note  # the profile or the built-in defaults keep it off: say why
-        devices[index] = DeviceState(index, cuda.device_name(index), capability, variant, reason,
-                                     config=own.config, profile_note=own.note, profile_reasons=own.reasons)
+        name = cuda.device_name(index)
+        devices[index] = DeviceState(index, name, capability, variant, reason, config=own.config,
+                                     profile_note=own.note, profile_reasons=own.reasons,
+                                     retired=audit.retired_before(index, name, family))
     if not any(d.variant for d in devices.values()):
         first, *others = devices.values()
         more = f" and {len(others)} more GPUs (install_status().devices)" if others else ""
@@ -358,6 +381,9 @@ def _serve(state: _Installed, report: ScopeReport, args: tuple, kwargs: dict, co
         # block runs out of memory too (H200, docs/results/README.md, "Out-of-memory fallback").
         out = None
         return original(*args, **kwargs)
+    number = state.auditor.due(device.index)
+    if number is not None:
+        _audit(state, report, device, call, out, context, number)
     device.cache_errors = 0
     report.calls += 1
     report.served += 1
@@ -368,6 +394,23 @@ def _serve(state: _Installed, report: ScopeReport, args: tuple, kwargs: dict, co
         log.info("%s %s serves attention on %s with %s (variant %s)", PROVIDERS[package.provider].title,
                  package.version, device.label, device.variant.function, device.variant.name)
     return out
+
+
+def _audit(state: _Installed, report: ScopeReport, device: DeviceState, call: SdpaCall, out, context,
+           number: int) -> None:
+    """Start audit `number` on this served call (`serving.audit`); skipped and counted under capture,
+    where its numbers could not be read back, and when the audit itself fails (out of memory for
+    its slice), which must not cost the served call."""
+    if CAPTURE in context:
+        audit.skipped(report.audit, "capture")
+        return
+    cuda = platform.current()
+    try:
+        with cuda.device_guard(device.index):
+            state.auditor.start(cuda, device, call, out, number, report.audit, _describe(call, context))
+    except Exception as error:  # noqa: BLE001 - the served output stands; the audit says why it did not run
+        audit.skipped(report.audit, "error")
+        log.debug("audit of %s not run: %s: %s", _describe(call, context), type(error).__name__, error)
 
 
 def _device_refusal(state: _Installed, call: SdpaCall, cuda, index: int | None,

@@ -216,6 +216,7 @@ class _Model:
         self.uses = {key: entry.uses for key, entry in report.shapes.items()}
         self.cells = {(c.variant, c.fixture, d.index): c for d in devices for c in d.cells}
         self.masked = {f.name for f in report.fixtures if f.masked}
+        self.misses = {f.name: f.audit for f in report.fixtures if f.audit is not None}
         self.speedup = _speedups(devices, self.shapes)
         self.ms = {}
         for device in devices:
@@ -406,11 +407,17 @@ class _Model:
         return max_q, max_k, layouts, reasons + list(broken.values())
 
     def _failures(self, variant: str, fixture: str) -> list[Finding]:
+        """Each device's reasons against the variant on the fixture: its cell's, and a miss the
+        wrapper's audit recorded there with this variant on a GPU of this model, whatever the cell says
+        now (a kernel wrong only on later calls, or in a context certify's cell did not recreate)."""
         found = []
+        miss = self.misses.get(fixture)
         for device in self.devices:
             cell = self.cells.get((variant, fixture, device.index))
             missing = [Reason(ReasonKind.INCOMPLETE, "not run")]
             reasons = missing if cell is None else judged(self.report, cell)
+            if miss is not None and miss.variant == variant and miss.gpu == device.name:
+                reasons = [*reasons, Reason(ReasonKind.AUDIT, miss.reason())]
             found += [Finding(variant, fixture, device.index, reason) for reason in reasons]
         return found
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from sage_qual import limits
+from sage_qual.fixtures.audit_misses import RecordedMiss
 from sage_qual.qualification.evidence import identity
 from sage_qual.qualification.evidence.context_runs import ContextRun, safe_contexts  # noqa: F401 (the model's)
 from sage_qual.qualification.evidence.numbers import (  # noqa: F401 (the model's)
@@ -319,6 +320,9 @@ class FixtureRecord:
     provenance: str
     masked: bool = field(default=False, metadata={
         "description": "the call has an attn_mask: only variants that take a mask run it"})
+    audit: RecordedMiss | None = field(default=None, metadata={
+        "description": "recorded by the wrapper's audit: the miss it caught, which keeps that variant off "
+                       "the family on that GPU model"})
 
     def check(self) -> list[tuple[str, str]]:
         # Each bound is the fitness bound of the cells of its class (fixtures.fitness): none may be missing.

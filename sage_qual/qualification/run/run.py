@@ -24,6 +24,7 @@ from typing import Callable, Protocol
 
 from sage_qual.errors import UsageError
 from sage_qual.fixtures import fileformat
+from sage_qual.fixtures.audit_misses import recorded_miss
 from sage_qual.qualification import names
 from sage_qual.qualification import selection as selection_mod
 from sage_qual.qualification.decide import checked, profile, verdict
@@ -176,7 +177,8 @@ def fixture_record(fixture: fileformat.Fixture) -> report_model.FixtureRecord:
         dtype=report_model.DType(str(fixture.dtype).replace("torch.", "")), q=list(fixture.q.shape),
         k=list(fixture.k.shape), sha256=fixture.sha256, provenance=fixture.provenance,
         bounds={report_model.AccuracyClass(name): report_model.PublishedBound(**bound)
-                for name, bound in fixture.bounds.items()}, masked=fixture.mask is not None)
+                for name, bound in fixture.bounds.items()}, masked=fixture.mask is not None,
+        audit=recorded_miss(fixture.source, str(fixture.path)))
 
 
 @contextlib.contextmanager
