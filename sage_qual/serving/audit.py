@@ -2,10 +2,11 @@
 
 The first-call check judges one call per device, dtype, head size and context; the audit keeps
 judging the calls after it. Audit n of a device (its (n+1)·N-th served call) recomputes a slice with
-torch: sample n mod B, the query heads of K/V head (n div B) mod H_kv, and the query row block
-(n · 7919) mod blocks of `rows` rows, with every key. So successive audits walk every sample, head
-group and row block of a call shape (7919 is prime: no block count below it repeats a block before
-visiting all).
+torch: sample n mod B, the query heads of K/V head (n div B) mod H_kv, and, once per round of
+samples and heads, the next query row block of `rows` rows in the order m · 7919 mod blocks (m: the
+round), with every key. So B · H_kv · blocks successive audits of one call shape visit every sample,
+head group and row block once, and the rows jump across the sequence from round to round (7919 is
+prime: any block count below it is visited whole).
 
 Nothing on the served path waits for the GPU: the slice's error norms are computed on the GPU and
 copied to host memory without blocking (`CudaPlatform.read_later`); they are read at the next audit
@@ -117,7 +118,7 @@ def slice_of(number: int, query_shape, kv_heads: int, rows: int) -> tuple[int, r
     group = heads // kv_heads
     kv_head = (number // batch) % kv_heads
     blocks = max(1, math.ceil(tokens / rows))
-    start = ((number * ROW_STRIDE) % blocks) * rows
+    start = (((number // (batch * kv_heads)) * ROW_STRIDE) % blocks) * rows
     heads = range(kv_head * group, (kv_head + 1) * group)
     return number % batch, heads, slice(start, min(start + rows, tokens))
 

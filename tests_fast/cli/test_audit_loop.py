@@ -1,0 +1,188 @@
+"""The audit's loop on the fake kernel, end to end: a kernel wrong only on some calls is caught in
+production by the wrapper's audit, the call is recorded in a folder, `sage-qual audit` lists it,
+certify on a fake GPU runs that folder beside the shipped fixtures and keeps the variant off the
+family, and gate exits 1 naming the recorded fixture. Each step is needed: without the audit nothing
+is recorded, without the recording the folder is empty, and a report that did not read the folder
+enables the family."""
+
+import dataclasses
+import json
+
+import pytest
+import torch.nn.functional as F
+
+import sage_qual
+from sage_qual.cli import main
+from sage_qual.fixtures import fileformat
+from sage_qual.fixtures.recorder import AuditFolder
+from sage_qual.qualification.selftest import faults as worker_faults
+from sage_qual.serving.config import AuditConfig
+
+from .. import fakes
+from ..helpers import SMALL, qkv, wrapped
+
+GPU = "Fake H200"
+HOOK = {"gpus": [{"name": GPU, "capability": [9, 0]}]}
+STRICT = {"fp16": {"max_rel_l2": 0.05, "min_cosine": 0.998}, "fp8": {"max_rel_l2": 0.12, "min_cosine": 0.99}}
+
+
+@pytest.fixture
+def shipped(tmp_path, monkeypatch):
+    """A shipped fixtures folder of one small Krea-2 fixture (the fake kernel is exact on it)."""
+    folder = tmp_path / "shipped"
+    folder.mkdir()
+    fakes.random_fixture(folder, "krea2_small", "Krea-2", STRICT)
+    monkeypatch.setattr(fileformat, "shipped_dir", lambda: folder)
+    return folder
+
+
+def outlier_in_k(fake):
+    """Wrong (rows shifted, finite) only on calls whose K has a channel 8x the median channel."""
+    def make(exact):
+        channel_max = fake.calls[-1].k.float().abs().amax(dim=(0, 1, 2))
+        return exact.roll(1, dims=2) * 2 if channel_max.max() > 8 * channel_max.median() else exact
+    return make
+
+
+def after_call(count):
+    calls = [0]
+
+    def make(exact):
+        calls[0] += 1
+        return exact if calls[0] <= count else exact.roll(1, dims=2) * 2
+    return make
+
+
+def production(folder, defect, every=5, calls=40, audit=True):
+    """A Krea-2 process on the fake H200, its kernel given `defect`: every 4th call has an outlier
+    channel in K. Returns the scope's report."""
+    plain = qkv()
+    outlier = tuple(t.clone() for t in plain)
+    outlier[1][..., 3] *= 50
+    audit_config = AuditConfig(every=every if audit else 0, record=AuditFolder(str(folder)))
+    with wrapped(config=dataclasses.replace(SMALL, audit=audit_config), names=[GPU]) as (_, fake):
+        sage_qual.install(config=dataclasses.replace(SMALL, audit=audit_config), family="Krea-2")
+        fake.return_value(defect(fake) if defect is outlier_in_k else defect)
+        with sage_qual.sage_attention_scope() as report:
+            for call in range(calls):
+                F.scaled_dot_product_attention(*(outlier if call % 4 == 3 else plain))
+    return report
+
+
+def certify_and_gate(tmp_path, monkeypatch, capsys, folder):
+    monkeypatch.setenv(worker_faults.TEST_HOOK, json.dumps(HOOK))
+    out = tmp_path / "out"
+    assert main(["certify", "--variants", "sm90-fp8-cuda", "--fixtures", str(folder), "--families", "Krea-2",
+                 "--out", str(out)]) == 0
+    capsys.readouterr()
+    code = main(["gate", "--family", "Krea-2", "--report", str(out / "report.json"), "--fixtures",
+                 str(folder), "--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("defect", [outlier_in_k, after_call(12)],
+                         ids=["outlier-calls-only", "after-call-12"])
+def test_the_audit_catches_the_defect_records_it_and_certify_then_keeps_the_family_off(
+        tmp_path, monkeypatch, capsys, shipped, defect):
+    folder = tmp_path / "misses"
+    report = production(folder, defect)
+    assert report.audit.misses, report.summary()
+    [recorded] = folder.glob("*.safetensors")
+    assert report.audit.misses[0].fixture == str(recorded)
+    # The loop: certify runs the folder beside the shipped fixture, gate names the recorded one.
+    code, answer = certify_and_gate(tmp_path, monkeypatch, capsys, folder)
+    assert code == 1, answer
+    [gpu] = answer["gpus"]
+    audit_reasons = [r["detail"] for r in gpu["reasons"] if r["kind"] == "audit"]
+    assert audit_reasons and all(recorded.stem in detail for detail in audit_reasons), gpu["reasons"]
+    assert "recorded miss in production" in audit_reasons[0]
+    report_md = (tmp_path / "out" / "report.md").read_text()
+    assert f"| {recorded.stem} | Krea-2 | recorded |" in report_md
+    assert "krea2_small | Krea-2 | replica" in report_md
+
+
+@pytest.mark.parametrize("every", [3, 5, 8])
+def test_the_audit_catches_a_defect_within_every_calls_of_its_start(tmp_path, every):
+    report = production(tmp_path / "misses", after_call(12), every=every, calls=12 + 2 * every + 1)
+    assert report.audit.misses
+    # Audited within `every` calls of the first wrong one, acted on when the next audit reads it.
+    assert report.served <= 12 + 2 * every and report.fallbacks["device"] >= 1, report.summary()
+
+
+def test_without_the_audit_nothing_is_recorded_and_the_family_is_enabled(tmp_path, monkeypatch, capsys,
+                                                                         shipped):
+    folder = tmp_path / "misses"
+    report = production(folder, outlier_in_k, audit=False)
+    assert not report.audit.misses and not list(folder.glob("*.safetensors"))
+    monkeypatch.setenv(worker_faults.TEST_HOOK, json.dumps(HOOK))
+    out = tmp_path / "out"
+    assert main(["certify", "--variants", "sm90-fp8-cuda", "--families", "Krea-2", "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["gate", "--family", "Krea-2", "--report", str(out / "report.json")]) == 0
+
+
+def test_a_recorded_miss_keeps_off_only_its_own_gpu_model(tmp_path, monkeypatch, capsys, shipped):
+    folder = tmp_path / "misses"
+    production(folder, outlier_in_k)
+    other_model = {"gpus": [{"name": "Fake H100", "capability": [9, 0]}]}
+    monkeypatch.setenv(worker_faults.TEST_HOOK, json.dumps(other_model))
+    out = tmp_path / "out"
+    assert main(["certify", "--variants", "sm90-fp8-cuda", "--fixtures", str(folder), "--families", "Krea-2",
+                 "--out", str(out)]) == 0
+    capsys.readouterr()
+    code = main(["gate", "--family", "Krea-2", "--report", str(out / "report.json"), "--fixtures",
+                 str(folder)])
+    assert code == 0, capsys.readouterr()
+
+
+# sage-qual audit FOLDER --------------------------------------------------------------------------------
+
+def test_the_audit_command_lists_the_misses_with_exit_1_and_an_empty_folder_with_exit_0(tmp_path, capsys):
+    folder = tmp_path / "misses"
+    production(folder, after_call(1), every=2, calls=4)
+    assert main(["audit", str(folder), "--json"]) == 1
+    answer = json.loads(capsys.readouterr().out)
+    [found] = answer["misses"]
+    assert answer["exit_code"] == 1 and found["family"] == "Krea-2" and found["miss"]["gpu"] == GPU
+    assert found["miss"]["variant"] == "sm90-fp8-cuda"
+    assert found["miss"]["rel_l2"] > found["miss"]["max_rel_l2"]
+    assert main(["audit", str(folder)]) == 1
+    assert f"{found['fixture']} [Krea-2, recorded]: sm90-fp8-cuda: recorded miss in production" in \
+        capsys.readouterr().out
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["audit", str(empty)]) == 0
+    assert capsys.readouterr().out == f"no recorded misses in {empty}\n"
+
+
+def test_a_replica_in_the_folder_is_listed_apart_and_never_as_a_miss(tmp_path, capsys):
+    folder = tmp_path / "misses"
+    folder.mkdir()
+    fakes.random_fixture(folder, "a_replica", "Krea-2", STRICT)
+    assert main(["audit", str(folder), "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["misses"] == [] and answer["others"] == ["a_replica"]
+
+
+@pytest.mark.parametrize("edit, said", [
+    (lambda audit: audit.pop("gpu"), "source.audit: gpu: missing"),
+    (lambda audit: audit.update(rel_l2="big"), "source.audit: rel_l2"),
+    (lambda audit: audit.update(gpu=" "), "source.audit: gpu: is empty"),
+])
+def test_a_damaged_record_is_refused_with_the_file_and_the_fix(tmp_path, capsys, edit, said):
+    folder = tmp_path / "misses"
+    production(folder, after_call(1), every=2, calls=4)
+    [path] = folder.glob("*.safetensors")
+    fixture = fileformat.load_fixture(path)
+    source = json.loads(json.dumps(fixture.source))
+    edit(source["audit"])
+    fileformat.save_fixture(path, fixture.q, fixture.k, fixture.v, family=fixture.family, kind=fixture.kind,
+                            source=source, provenance=fixture.provenance, bounds=fixture.bounds)
+    assert main(["audit", str(folder)]) == 2
+    error = capsys.readouterr().err
+    assert str(path) in error and said in error and "re-record it with the wrapper's audit" in error
+
+
+def test_a_missing_folder_is_refused():
+    assert main(["audit", "/no/such/folder"]) == 2
+
