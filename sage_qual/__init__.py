@@ -17,6 +17,8 @@ from sage_qual.version import __version__
 
 # Public name -> the module that defines it.
 _PUBLIC = {
+    "AuditConfig": "sage_qual.serving.config",
+    "audit_tally": "sage_qual.serving.audit",
     "DEFAULT_CONFIG": "sage_qual.serving.config",
     "WrapperConfig": "sage_qual.serving.config",
     "ScopeReport": "sage_qual.serving.scope",

@@ -28,6 +28,16 @@ class AuditAnswer(Answer):
     others: list[str] = field(default_factory=list)
 
 
+SCHEMA_FILE = "docs/audit_schema.json"  # `schema()` as committed; a fast test checks they agree
+
+
+def schema() -> dict:
+    """The JSON Schema of `sage-qual audit --json`."""
+    return records.schema(AuditAnswer, "sage-qual audit --json",
+                          "The misses the wrapper's audit recorded in a folder: exit_code 0 none, 1 some, "
+                          "2 bad input (problem says why).", "https://sage-qual.invalid/audit/1")
+
+
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("audit", help="list the misses the wrapper's audit recorded in a folder")
     parser.add_argument("folder", help="the folder given to fixtures.recorder.AuditFolder")

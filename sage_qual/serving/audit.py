@@ -67,7 +67,7 @@ class Miss:
 @dataclass
 class AuditTally:
     """Calls audited and skipped (per reason), the worst relative L2 per family with its bound, and
-    the misses: a scope's (`ScopeReport.audit`) or the process's (`process_tally()`)."""
+    the misses: a scope's (`ScopeReport.audit`) or the process's (`audit_tally()`)."""
     audited: int = 0
     skipped: collections.Counter = field(default_factory=collections.Counter)
     worst: dict[str, float] = field(default_factory=dict)
@@ -240,7 +240,7 @@ def reset_process() -> None:
         RETIRED.clear()
 
 
-def process_tally() -> AuditTally:
+def audit_tally() -> AuditTally:
     """What every audit of this process found (a copy)."""
     copy = AuditTally()
     with _PROCESS_LOCK:

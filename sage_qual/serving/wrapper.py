@@ -174,8 +174,10 @@ def _install(config: WrapperConfig | None, profile=None, family: str | None = No
             log.info("%s: %s", device.label, device.profile_note)
     served = ", ".join(f"{d.label} -> {d.variant.name}" for d in devices.values() if d.variant)
     unserved = "; ".join(f"{d.label}: {d.no_kernel_reason}" for d in devices.values() if not d.variant)
-    log.info("SageAttention %s enabled for SDPA calls inside sage_attention_scope(): %s%s",
-             package.version, served, f"; no kernel for {unserved}" if unserved else "")
+    every = config.audit.every
+    audited = f"; audit: 1 served call in {every} per GPU" if every else "; audit off"
+    log.info("SageAttention %s enabled for SDPA calls inside sage_attention_scope(): %s%s%s",
+             package.version, served, f"; no kernel for {unserved}" if unserved else "", audited)
     return _status
 
 

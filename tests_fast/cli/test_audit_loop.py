@@ -7,7 +7,9 @@ enables the family."""
 
 import dataclasses
 import json
+from pathlib import Path
 
+import jsonschema
 import pytest
 import torch.nn.functional as F
 
@@ -186,3 +188,17 @@ def test_a_damaged_record_is_refused_with_the_file_and_the_fix(tmp_path, capsys,
 def test_a_missing_folder_is_refused():
     assert main(["audit", "/no/such/folder"]) == 2
 
+
+
+def test_the_committed_schema_is_the_generated_one_and_an_answer_meets_it(tmp_path, capsys):
+    from sage_qual.cli import audit
+
+    root = Path(__file__).resolve().parents[2]
+    assert json.loads((root / audit.SCHEMA_FILE).read_text()) == audit.schema(), \
+        "regenerate docs/audit_schema.json from sage_qual.cli.audit.schema()"
+    folder = tmp_path / "misses"
+    production(folder, after_call(1), every=2, calls=4)
+    main(["audit", str(folder), "--json"])
+    jsonschema.validate(json.loads(capsys.readouterr().out), audit.schema())
+    main(["audit", str(tmp_path / "none"), "--json"])
+    jsonschema.validate(json.loads(capsys.readouterr().out), audit.schema())

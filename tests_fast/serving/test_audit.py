@@ -142,7 +142,7 @@ def test_an_inner_scope_hands_its_audit_to_the_outer_one():
             F.scaled_dot_product_attention(*qkv())
             inner = serve_many(2)
     assert inner.audit.audited == 2 and outer.audit.audited == 3
-    assert audit.process_tally().audited == 3
+    assert audit.audit_tally().audited == 3
 
 
 # What a miss does --------------------------------------------------------------------------------

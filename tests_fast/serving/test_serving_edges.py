@@ -271,7 +271,7 @@ def test_install_logs_each_gpus_kernel_or_why_none(caplog):
     why = WrapperConfig().choose((8, 7), {})[1]
     assert records(caplog, logging.INFO)[-1] == (
         "SageAttention 2.2.0 enabled for SDPA calls inside sage_attention_scope(): cuda:0 (H200, sm_90) -> "
-        f"sm90-fp8-cuda; no kernel for cuda:1 (Orin, sm_87): {why}")
+        f"sm90-fp8-cuda; no kernel for cuda:1 (Orin, sm_87): {why}; audit: 1 served call in 100 per GPU")
 
 
 def test_install_logs_the_kernels_of_a_box_where_every_gpu_has_one(caplog):
@@ -280,7 +280,13 @@ def test_install_logs_the_kernels_of_a_box_where_every_gpu_has_one(caplog):
         assert sage_qual.install().enabled
     assert records(caplog, logging.INFO)[-1] == (
         "SageAttention 2.2.0 enabled for SDPA calls inside sage_attention_scope(): cuda:0 (H200, sm_90) -> "
-        "sm90-fp8-cuda, cuda:1 (L40S, sm_89) -> sm89-fp8-cuda")
+        "sm90-fp8-cuda, cuda:1 (L40S, sm_89) -> sm89-fp8-cuda; audit: 1 served call in 100 per GPU")
+
+
+def test_install_logs_the_audit_off(caplog):
+    with FakeCuda([FakeGpu((9, 0), "H200")]), FakeSageAttention().installed():
+        assert sage_qual.install(audit=sage_qual.AuditConfig(every=0)).enabled
+    assert records(caplog, logging.INFO)[-1].endswith("-> sm90-fp8-cuda; audit off")
 
 
 def test_install_warns_once_with_the_reason(caplog):
