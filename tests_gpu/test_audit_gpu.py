@@ -126,7 +126,7 @@ def test_audit_catches_a_kernel_wrong_on_later_calls(sage, box, tmp_path, record
     finally:
         sage_qual.uninstall()
     assert calls[0] > good_calls, "the defect never came into play"
-    [miss] = report.audit.misses
+    miss = report.audit.misses[0]  # the next audit, read at the scope's exit, may miss too
     # Audited within 10 calls; read back at the next audit at the latest: at most 20 wrong calls served.
     assert calls[0] <= good_calls + 20, f"{calls[0] - good_calls} wrong calls served before the audit acted"
     assert miss.fixture and os.path.exists(miss.fixture), miss
