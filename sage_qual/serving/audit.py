@@ -9,8 +9,10 @@ head group and row block once, and the rows jump across the sequence from round 
 prime: any block count below it is visited whole).
 
 Nothing on the served path waits for the GPU: the slice's error norms are computed on the GPU and
-copied to host memory without blocking (`CudaPlatform.read_later`); they are read at the next audit
-once that copy has completed, and at the latest when the scope exits. A miss (relative L2 over the
+copied to host memory without blocking (`CudaPlatform.read_later`); they are judged at the first
+served call after that copy has completed, and at the latest when the scope exits. A host that runs
+ahead of its GPU runs ahead of the audit too: the wrong calls served before a miss acts are those
+the host queued meanwhile. A miss (relative L2 over the
 family's fitness bound, `limits.first_call_max_rel_l2`, or a non-finite output) is counted, logged
 once per device in one WARNING with the numbers, moves that device to torch for the family for the
 rest of the process (`AuditConfig.retire`), and with `AuditConfig.record` (a

@@ -386,6 +386,8 @@ def _serve(state: _Installed, report: ScopeReport, args: tuple, kwargs: dict, co
     number = state.auditor.due(device.index)
     if number is not None:
         _audit(state, report, device, call, out, context, number)
+    elif state.auditor.pending:  # an audit on its way: judged as soon as its numbers have arrived
+        state.auditor.settle(wait=False)
     device.cache_errors = 0
     report.calls += 1
     report.served += 1
