@@ -152,7 +152,7 @@ def test_audit_catches_a_kernel_wrong_on_later_calls(sage, box, tmp_path, record
 
 def test_audit_in_each_execution_context(sage, box):
     """On a side stream and under torch.compile the audit judges the real kernel's output within its
-    bound; under CUDA-graph capture it is skipped and counted."""
+    bound; under CUDA-graph capture (Triton's kernel, which can be captured) it is skipped and counted."""
     q, k, v = make_qkv((1, 24, 24, 4608, 4608, 128), torch.bfloat16)
     contexts = ("side_stream", "capture", "compile")
     status = sage_qual.install(config=sage_qual.WrapperConfig(audit=AuditConfig(every=1), contexts=contexts))
@@ -168,14 +168,19 @@ def test_audit_in_each_execution_context(sage, box):
             compiled = torch.compile(lambda a, b, c: F.scaled_dot_product_attention(a, b, c) * 1.0,
                                      fullgraph=True)
             compiled(q, k, v)
-        audited_eagerly = report.audit.audited
-        assert audited_eagerly >= 3 and not report.audit.misses, report.summary()
-        if status.devices[0].variant.kernel_function.launches_on == "current":  # capturable
+        assert report.audit.audited >= 3 and not report.audit.misses, report.summary()
+        # Capture needs a kernel that launches on torch's current stream: Triton's, where this GPU runs it.
+        triton = {(9, 0): ("sm86-fp16-triton",)}
+        config = sage_qual.WrapperConfig(audit=AuditConfig(every=1), contexts=contexts, kernel_table=triton)
+        status = sage_qual.install(config=config)
+        assert status.enabled and status.devices[0].variant.name == "sm86-fp16-triton", status.reason
+        with sage_qual.sage_attention_scope() as captured:
+            F.scaled_dot_product_attention(q, k, v)  # checked and audited eagerly first
             graph = torch.cuda.CUDAGraph()
-            with sage_qual.sage_attention_scope() as captured:
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.graph(graph, stream=side):
-                    F.scaled_dot_product_attention(q, k, v)
-            assert captured.audit.skipped[CAPTURE] == 1 and captured.audit.audited == 0, captured.summary()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.graph(graph, stream=side):
+                F.scaled_dot_product_attention(q, k, v)
+        assert captured.served == 2 and captured.audit.skipped[CAPTURE] == 1, captured.summary()
+        assert captured.audit.audited == 1 and not captured.audit.misses, captured.summary()
     finally:
         sage_qual.uninstall()
