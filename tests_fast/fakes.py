@@ -23,6 +23,7 @@ DATA = Path(__file__).parent / "data"
 H200, H100, RTX4090 = "NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA GeForce RTX 4090"
 L40S, H200_NVL = "NVIDIA L40S", "NVIDIA H200 NVL"  # not in the fleet report
 CAPABILITY = {H200: [9, 0], H100: [9, 0], RTX4090: [8, 9], L40S: [8, 9], H200_NVL: [9, 0]}
+MEMORY_GIB = {RTX4090: 24.0}  # the fleet report's; its H200 and H100 keep the sample's 139.8
 
 
 def load(name: str) -> dict:
@@ -49,7 +50,10 @@ def write_fixture(directory: Path, name: str, family: str, bounds: dict, seed: i
 
 
 def gpu_entry(template: dict, index: int, name: str) -> dict:
-    return {**template, "index": index, "name": name, "capability": CAPABILITY[name]}
+    """`template` (a report's GPU entry) as GPU `index` of model `name`, with that model's memory as the
+    fleet report records it (a GPU of another memory is another part: serving.machine.RULES)."""
+    return {**template, "index": index, "name": name, "capability": CAPABILITY[name],
+            "memory_gib": MEMORY_GIB.get(name, template["memory_gib"])}
 
 
 def env_result(environment: dict | report_model.EnvironmentRecord,

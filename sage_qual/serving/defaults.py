@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 from sage_qual import jsonfile, records
 from sage_qual.limits import one_line
-from sage_qual.serving import profile
+from sage_qual.serving import machine, profile
 from sage_qual.serving.config import DEFAULT_CONFIG, Bound, WrapperConfig
 from sage_qual.serving.served import Served
 from sage_qual.serving.variants import capability_label
@@ -71,9 +71,8 @@ def read(path: Path = DATA) -> tuple[profile.Profile, list[Source]]:
 
 
 def _same_model(gpu: profile.ProfileGpu, device: profile.LocalDevice) -> bool:
-    memory = gpu.memory_gib is None or abs(gpu.memory_gib - device.memory_gib) <= profile.MEMORY_TOLERANCE_GIB
-    return (profile.same_gpu_name(gpu.name, device.name) and tuple(gpu.capability) == device.capability
-            and memory)
+    """The defaults bind the hardware only (`machine.HARDWARE`): software differences are said."""
+    return not any(d.kind in machine.HARDWARE for d in profile.differences(gpu, device))
 
 
 def device_configs(machines: list[profile.LocalDevice], family: str | None = None,
@@ -90,7 +89,7 @@ def _device_config(measured: profile.Profile, device: profile.LocalDevice, famil
     if same is not None:
         chosen = profile.family_entry(same, family) or same.default
         where = f"built-in defaults, measured on {same.label} with torch {same.environment.torch}"
-        other = _other_build(same.environment, device)
+        other = _other_build(same, device)
         if other:
             # The entry still applies, and it serves only what was verified: its range, layouts,
             # contexts and bounds. A build that differs is said once (install's WARNING), the advice
@@ -128,15 +127,11 @@ def _applied(base: WrapperConfig, device: profile.LocalDevice, chosen: profile.E
                                 tuple(r.detail for r in chosen.reasons))
 
 
-def _other_build(measured: profile.ProfileEnvironment, device: profile.LocalDevice) -> str:
-    """The defaults' sageattention build against this device's, when they differ ("" when the same,
-    or when either did not record its build)."""
-    if measured.sageattention != device.sageattention:
-        return f"sageattention {measured.sageattention}, {device.sageattention or 'none'} here"
-    if measured.sageattention_source and device.sageattention_source and \
-            measured.sageattention_source != device.sageattention_source:
-        return f"sageattention build {measured.sageattention_source}, {device.sageattention_source} here"
-    return ""
+def _other_build(measured: profile.ProfileGpu, device: profile.LocalDevice) -> str:
+    """How the defaults' sageattention version or build differs from this device's ("" when neither
+    does, or a build is not recorded), in `machine`'s phrasing."""
+    found = [d.text for d in profile.differences(measured, device) if d.kind in machine.KERNELS]
+    return "; ".join(found)
 
 
 def most_conservative(entries: list[profile.Entry]) -> profile.Entry | None:

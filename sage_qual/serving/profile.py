@@ -36,25 +36,20 @@ from dataclasses import dataclass, field
 from typing import Literal, Mapping
 
 import torch
-from packaging.version import InvalidVersion, Version
 
 from sage_qual import jsonfile, limits, records
 from sage_qual.limits import one_line
-from sage_qual.serving import platform, sage_package
+from sage_qual.serving import machine, platform, sage_package
 from sage_qual.serving.config import DEFAULT_CONFIG, WrapperConfig
 from sage_qual.serving.env_record import Reason
+from sage_qual.serving.machine import Difference, Kind, Machine
 from sage_qual.serving.providers import THU_ML
 from sage_qual.serving.served import Served, served_nothing
 from sage_qual.serving.variants import VARIANTS, capability_label, gpu_label
 
 KIND = "sage-qual-profile"
 SCHEMA_VERSION = 3
-# Memory as nvidia-smi and torch report it differs by driver reservations; within this many GiB
-# it is the same card (an H200 shows 139.8, an H100 79.6 or 93.1 GiB: far apart).
-MEMORY_TOLERANCE_GIB = 1.0
-# One model name can hide cut-down dies: within this share of SMs it is the same card, as
-# comfy-kitchen's per-GPU tuning table binds an entry to the SM version and SM count within 10 %.
-SM_COUNT_TOLERANCE = 0.10
+
 FIX = "use the profile.json `sage-qual certify` wrote, or certify again"
 
 
@@ -308,83 +303,42 @@ class LocalDevice:
     other_sources: Mapping[str, str] = field(default_factory=dict)  # the other providers' builds here
 
 
-def same_gpu_name(a: str, b: str) -> bool:
-    """GPU names as one model: without case or surrounding space ("nvidia h200 " is "NVIDIA H200")."""
-    return a.strip().casefold() == b.strip().casefold()
-
-
-def _torch_release(version: str) -> tuple:
-    """(major, minor, local build tag) of a torch version: equal for two patch releases of one build."""
-    try:
-        parsed = Version(version)
-    except InvalidVersion:
-        return (version,)
-    return (*parsed.release[:2], parsed.local)
-
-
-def differences(gpu: ProfileGpu, device: LocalDevice) -> list[str]:
-    """What differs between the machine an entry was certified on and this device, hardware first."""
-    found = []
-    if not same_gpu_name(gpu.name, device.name) or tuple(gpu.capability) != device.capability:
-        found.append("GPU %s, %s here" % (device.name, capability_label(device.capability)))
-    elif gpu.memory_gib is not None and abs(gpu.memory_gib - device.memory_gib) > MEMORY_TOLERANCE_GIB:
-        found.append(f"memory {gpu.memory_gib:g} GiB, {device.memory_gib:g} here")
-    elif not _same_sm_count(gpu.sm_count, device.sm_count):
-        found.append(f"{gpu.sm_count} SMs, {device.sm_count} here")
+def machine_of(gpu: ProfileGpu) -> Machine:
+    """The machine an entry was certified on."""
     env = gpu.environment
-    for label, certified, here in (("sageattention", env.sageattention, device.sageattention),
-                                   ("CUDA", env.torch_cuda, device.torch_cuda),
-                                   ("torch", env.torch, device.torch)):
-        if certified != here:
-            found.append(f"{label} {certified or 'none'}, {here or 'none'} here")
-    if not _same_build(env.sageattention_source, device.sageattention_source):
-        found.append(f"sageattention build {env.sageattention_source}, {device.sageattention_source} here "
-                     "(another source under one version: a fork or an older build)")
-    entries = (gpu.default, *gpu.families.values())
-    served = {VARIANTS[e.variant].provider for e in entries if e.variant in VARIANTS}
-    for provider, certified in sorted(env.other_providers.items()):
-        here = device.other_sources.get(provider, "")
-        if provider in served and not _same_build(certified, here):  # only where its kernel is served
-            found.append(f"{provider} build {certified}, {here or 'none'} here")
-    return found
+    return Machine(gpu.name, tuple(gpu.capability), gpu.memory_gib, gpu.sm_count, env.torch, env.torch_cuda,
+                   env.driver, env.triton, env.sageattention,
+                   ((THU_ML.name, env.sageattention_source), *sorted(env.other_providers.items())))
 
 
-def is_near_match(gpu: ProfileGpu, device: LocalDevice) -> bool:
-    """The same GPU model, sageattention and CUDA, with torch another patch release of the same build
-    (2.11.1+cu130 for 2.11.0+cu130): the kernels are the same binaries and torch's SDPA backends do
-    not change within a minor release, so the entry applies (docs/certify.md, "Which entry applies")."""
-    env = gpu.environment
-    return (len(differences(gpu, device)) == 1 and env.torch != device.torch
-            and _torch_release(env.torch) == _torch_release(device.torch))
+def machine_here(device: LocalDevice) -> Machine:
+    """A visible device as the machine an entry must match (the driver and Triton are not read)."""
+    return Machine(device.name, tuple(device.capability), device.memory_gib, device.sm_count, device.torch,
+                   device.torch_cuda, sageattention=device.sageattention,
+                   builds=((THU_ML.name, device.sageattention_source), *sorted(device.other_sources.items())))
+
+
+def differences(gpu: ProfileGpu, device: LocalDevice) -> list[Difference]:
+    """What differs between the machine an entry was certified on and this device (`machine`)."""
+    return machine.differences(machine_of(gpu), machine_here(device))
 
 
 def nearest(profile: Profile, device: LocalDevice) -> ProfileGpu:
-    """The entry closest to this device: one that matches in everything that binds it (GPU model,
-    memory, SM count, sageattention and its build, CUDA, torch) first, then a near match
-    (`is_near_match`), then the same GPU model, memory, SM count, sageattention, its build, CUDA,
-    torch's release and torch itself; the first in the file among equals."""
+    """The entry closest to this device: one that matches in everything that binds it (`machine.RULES`)
+    first, with fewer near-match differences, then the same GPU model, memory, SM count, sageattention,
+    its build, CUDA, torch's release and torch itself; the first in the file among equals."""
+    here = machine_here(device)
+
     def closeness(gpu: ProfileGpu):
-        env = gpu.environment
-        return (not differences(gpu, device), is_near_match(gpu, device),
-                same_gpu_name(gpu.name, device.name) and tuple(gpu.capability) == device.capability,
-                tuple(gpu.capability) == device.capability,
-                gpu.memory_gib is None or abs(gpu.memory_gib - device.memory_gib) <= MEMORY_TOLERANCE_GIB,
-                _same_sm_count(gpu.sm_count, device.sm_count),
-                env.sageattention == device.sageattention,
-                _same_build(env.sageattention_source, device.sageattention_source),
-                env.torch_cuda == device.torch_cuda,
-                _torch_release(env.torch) == _torch_release(device.torch), env.torch == device.torch)
+        found = machine.differences(machine_of(gpu), here)
+        kinds = {d.kind for d in found}
+        ranked = (Kind.SAGEATTENTION, Kind.BUILD, Kind.CUDA, Kind.TORCH, Kind.TORCH_PATCH)
+        tolerance = machine.MEMORY_TOLERANCE_GIB
+        memory = gpu.memory_gib is None or abs(gpu.memory_gib - device.memory_gib) <= tolerance
+        return (not machine.binding(found), -len(machine.near(found)), Kind.GPU not in kinds,
+                tuple(gpu.capability) == device.capability, memory, Kind.SM_COUNT not in kinds,
+                *(kind not in kinds for kind in ranked))
     return max(profile.gpus, key=closeness)
-
-
-def _same_sm_count(certified: int | None, here: int | None) -> bool:
-    """Within SM_COUNT_TOLERANCE of each other, or one not recorded (not compared)."""
-    return not certified or not here or abs(certified - here) <= SM_COUNT_TOLERANCE * max(certified, here)
-
-
-def _same_build(certified: str, here: str) -> bool:
-    """One sageattention build (`sage_package.source_digest`), or one not recorded (not compared)."""
-    return not certified or not here or certified == here
 
 
 def served_families(gpu: ProfileGpu) -> list[str]:
@@ -429,10 +383,12 @@ def device_configs(profile, machines: list[LocalDevice], family: str | None = No
 def _device_config(profile: Profile, device: LocalDevice, family: str | None,
                    base: WrapperConfig) -> DeviceConfig:
     gpu = nearest(profile, device)
-    differ = differences(gpu, device)
-    if not differ or is_near_match(gpu, device):
+    found = differences(gpu, device)
+    differ = [d.text for d in machine.binding(found)]
+    if not differ:
         chosen = entry(gpu, family)
-        near = f"near match ({differ[0]}): " if differ else ""
+        said = machine.near(found)
+        near = f"near match ({'; '.join(d.text for d in said)}): " if said else ""
         return DeviceConfig(apply(base, device.capability, chosen, gpu.max_span_elements),
                             _entry_note(gpu, chosen, family, near),
                             tuple(r.detail for r in chosen.reasons) if not chosen.variant else ())

@@ -208,9 +208,8 @@ def test_family_without_fixtures_is_not_certified():
 
 
 @pytest.mark.parametrize("change, message", [
-    (lambda env: env.update(torch="2.12.0+cu130"), "torch 2.11.0+cu130 in the report, 2.12.0+cu130 here"),
-    (lambda env: env.update(driver="590.10"), "NVIDIA driver 580.159.04 in the report, 590.10 here"),
-    (lambda env: env.update(sageattention="2.2.1"), "sageattention 2.2.0 in the report, 2.2.1 here"),
+    (lambda env: env.update(torch="2.12.0+cu130"), "torch 2.11.0+cu130 measured, 2.12.0+cu130 here"),
+    (lambda env: env.update(sageattention="2.2.1"), "sageattention 2.2.0 measured, 2.2.1 here"),
     (lambda env: env["gpus"].append({**env["gpus"][0], "index": 2, "name": "NVIDIA B200",
                                       "capability": [10, 0]}),
      "NVIDIA B200 (sm_100) here is not in the report"),
@@ -234,7 +233,7 @@ def test_another_sageattention_build_under_one_version_is_stale(made, here, stal
     data["environment"]["sageattention_source"] = made
     machine = {**copy.deepcopy(data["environment"]), "sageattention_source": here}
     code, lines = decide(data, "FLUX.1", here=machine)
-    named = "sageattention build sha256:aaaa in the report, sha256:bbbb here" in lines[0]
+    named = "sageattention build sha256:aaaa measured, sha256:bbbb here" in lines[0]
     assert (code == 2 and named) == stale
 
 
@@ -338,7 +337,7 @@ def test_cli_gate_foreign_report(capsys, tmp_path, machine, fixture_dir):
     (lambda env: env.update(gpus=[]), "no CUDA GPU is visible here"),
     (lambda env: env.update(sageattention_problem="sageattention is not installed: build it"),
      "sageattention cannot run here: sageattention is not installed"),
-    (lambda env: env.update(torch="2.12.0"), "stale report: torch 2.11.0+cu130 in the report, 2.12.0 here"),
+    (lambda env: env.update(torch="2.12.0"), "stale report: torch 2.11.0+cu130 measured, 2.12.0 here"),
 ])
 def test_cli_gate_cannot_decide_on_this_machine(capsys, machine, fixture_dir, change, message):
     machine["environment"] = copy.deepcopy(machine["environment"])
@@ -471,3 +470,17 @@ def test_a_predicted_report_cannot_decide_and_merges_as_such(capsys, tmp_path):
     path.write_text(json.dumps(data))
     code, out, _ = run_cli(capsys, "merge", str(path))
     assert code == 0 and "predicted, not measured" in out and "enable:" not in out
+
+
+@pytest.mark.parametrize("change, said", [
+    (lambda env: env.update(driver="590.10"), "NVIDIA driver 580.159.04 measured, 590.10 here"),
+    (lambda env: env.update(torch="2.11.1+cu130"), "torch 2.11.0+cu130 measured, 2.11.1+cu130 here"),
+])
+def test_a_difference_the_rules_allow_decides_and_is_said(change, said):
+    """serving.machine.RULES: the driver is only said, a torch patch release is a near match; both
+    let the report decide, and gate names them above the verdict."""
+    data = load(H200)
+    here = copy.deepcopy(data["environment"])
+    change(here)
+    code, lines = decide(data, "FLUX.1", here=here)
+    assert code != 2 and lines[0] == f"the report applies here, with differences the rules allow: {said}"

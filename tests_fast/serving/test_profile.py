@@ -97,14 +97,15 @@ def test_the_family_entry_is_taken():
 
 
 @pytest.mark.parametrize("device, why", [
-    (machine(H100), "nearest Fake H200 (sm_90) differs: GPU Fake H100, sm_90 here"),
+    (machine(H100),
+     "nearest Fake H200 (sm_90) differs: GPU Fake H200 (sm_90) measured, Fake H100 (sm_90) here"),
     (machine(FakeGpu((9, 0), "Fake H200", 80.0)),
-     "nearest Fake H200 (sm_90) differs: memory 141 GiB, 80 here"),
+     "nearest Fake H200 (sm_90) differs: memory 141 GiB measured, 80 here"),
     (machine(H200, torch_version="1.0.0"),
-     f"nearest Fake H200 (sm_90) differs: torch {torch.__version__}, 1.0.0 here"),
-    (machine(H200, torch_cuda="12.8"), "nearest Fake H200 (sm_90) differs: CUDA 13.0, 12.8 here"),
+     f"nearest Fake H200 (sm_90) differs: torch {torch.__version__} measured, 1.0.0 here"),
+    (machine(H200, torch_cuda="12.8"), "nearest Fake H200 (sm_90) differs: CUDA 13.0 measured, 12.8 here"),
     (machine(H200, sageattention="2.2.1"),
-     "nearest Fake H200 (sm_90) differs: sageattention 2.2.0, 2.2.1 here"),
+     "nearest Fake H200 (sm_90) differs: sageattention 2.2.0 measured, 2.2.1 here"),
 ])
 def test_a_device_the_profile_does_not_describe_keeps_the_defaults_and_says_why(device, why):
     [only] = profile.device_configs(make_profile(entry=make_entry(min_q=9999)), [device])
@@ -383,7 +384,7 @@ def test_each_devices_profile_note_is_logged(fake, caplog):
     note = (
         f"no profile entry matches: defaults here ({builtin_sm90_thresholds()} tokens); nearest Fake H100 "
         "(sm_90) "
-        "differs: GPU Fake H200, sm_90 here"
+        "differs: GPU Fake H100 (sm_90) measured, Fake H200 (sm_90) here"
     )
     infos = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
     assert [m for m in infos if "no profile entry" in m] == [f"cuda:0 (Fake H200, sm_90): {note}"]

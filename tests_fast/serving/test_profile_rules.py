@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 
+from sage_qual.serving import machine as machine_rules
 from sage_qual.serving import profile
 from sage_qual.serving.config import DEFAULT_CONFIG
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
@@ -131,7 +132,7 @@ def test_a_version_1_profile_reads_with_any_memory():
     }
     read = profile.load(data)
     assert read.schema_version == 3 and read.gpus[0].memory_gib is None and read.fixtures == {"f": "a"}
-    assert profile.differences(read.gpus[0], machine(memory=80.0)) == []
+    assert texts(read.gpus[0], machine(memory=80.0)) == []
 
 
 def test_the_schema_names_the_profile_and_its_version():
@@ -162,10 +163,21 @@ def test_a_machine_without_cuda_in_torch_has_no_cuda_version():
 
 # What differs, and which entry is nearest -------------------------------------------------------------
 
+def texts(gpu, device) -> list[str]:
+    """What differs, in the one phrasing (`serving.machine`)."""
+    return [d.text for d in profile.differences(gpu, device)]
+
+
+def near_match(gpu, device) -> bool:
+    """The entry applies, as a near match (`serving.machine.RULES`)."""
+    found = profile.differences(gpu, device)
+    return not machine_rules.binding(found) and bool(machine_rules.near(found))
+
+
 
 def test_a_matching_device_differs_in_nothing():
-    assert profile.differences(load().gpus[0], machine()) == []
-    assert profile.differences(load().gpus[0], machine(name=" nvidia h200 ", memory=140.8)) == []
+    assert texts(load().gpus[0], machine()) == []
+    assert texts(load().gpus[0], machine(name=" nvidia h200 ", memory=140.8)) == []
 
 
 def test_differences_name_hardware_first_then_sageattention_cuda_and_torch():
@@ -178,20 +190,21 @@ def test_differences_name_hardware_first_then_sageattention_cuda_and_torch():
         torch_cuda="12.8",
         sageattention="2.2.0.post1",
     )
-    assert profile.differences(certified, here) == [
-        "GPU NVIDIA H100, sm_90 here",
-        "sageattention 2.2.0, 2.2.0.post1 here",
-        "CUDA 13.0, 12.8 here",
-        f"torch {TORCH}, 2.10.0+cu128 here",
+    assert texts(certified, here) == [
+        "GPU NVIDIA H200 (sm_90) measured, NVIDIA H100 (sm_90) here",
+        "sageattention 2.2.0 measured, 2.2.0.post1 here",
+        "CUDA 13.0 measured, 12.8 here",
+        f"torch {TORCH} measured, 2.10.0+cu128 here",
     ]
-    assert profile.differences(certified, machine(capability=(9, 1))) == ["GPU NVIDIA H200, sm_91 here"]
-    assert profile.differences(certified, machine(memory=141.0)) == ["memory 139.8 GiB, 141 here"]
-    assert profile.differences(certified, machine(memory=140.8)) == []  # within 1 GiB: the same card
-    assert profile.differences(load(gpu(memory=139.5)).gpus[0], machine(memory=140.5)) == []  # 1 GiB exactly
-    assert profile.differences(load(gpu(sageattention="")).gpus[0], machine()) == [
-        "sageattention none, 2.2.0 here"
+    assert texts(certified, machine(capability=(9, 1))) == [
+        "GPU NVIDIA H200 (sm_90) measured, NVIDIA H200 (sm_91) here"]
+    assert texts(certified, machine(memory=141.0)) == ["memory 139.8 GiB measured, 141 here"]
+    assert texts(certified, machine(memory=140.8)) == []  # within 1 GiB: the same card
+    assert texts(load(gpu(memory=139.5)).gpus[0], machine(memory=140.5)) == []  # 1 GiB exactly
+    assert texts(load(gpu(sageattention="")).gpus[0], machine()) == [
+        "sageattention none measured, 2.2.0 here"
     ]
-    assert profile.differences(certified, machine(sageattention="")) == ["sageattention 2.2.0, none here"]
+    assert texts(certified, machine(sageattention="")) == ["sageattention 2.2.0 measured, none here"]
 
 
 @pytest.mark.parametrize(
@@ -206,12 +219,12 @@ def test_differences_name_hardware_first_then_sageattention_cuda_and_torch():
     ],
 )
 def test_a_near_match_is_another_torch_patch_release_and_nothing_else(here, near):
-    assert profile.is_near_match(load().gpus[0], machine(torch_version=here)) is near
+    assert near_match(load().gpus[0], machine(torch_version=here)) is near
 
 
 def test_a_near_match_needs_everything_else_equal():
-    assert not profile.is_near_match(load().gpus[0], machine(torch_version="2.11.1+cu130", memory=80.0))
-    assert not profile.is_near_match(
+    assert not near_match(load().gpus[0], machine(torch_version="2.11.1+cu130", memory=80.0))
+    assert not near_match(
         load().gpus[0], machine(torch_version="2.11.1+cu130", sageattention="2.1.1")
     )
 
@@ -265,7 +278,8 @@ def test_the_note_of_a_served_entry_names_variant_start_and_range():
 
 def test_a_near_match_note_says_what_differs():
     found = notes(load(), machine(torch_version="2.11.1+cu130"), family=None)
-    assert found.note.startswith(f"near match (torch {TORCH}, 2.11.1+cu130 here): profile entry NVIDIA H200")
+    said = f"near match (torch {TORCH} measured, 2.11.1+cu130 here): profile entry NVIDIA H200"
+    assert found.note.startswith(said)
     assert found.config.kernel_table[(9, 0)] == ("sm90-fp8-cuda",) and found.matched
 
 
@@ -314,7 +328,7 @@ def test_a_device_no_entry_matches_keeps_the_defaults_and_names_the_nearest():
     assert found.config is base and not found.matched
     assert found.note == (
         "no profile entry matches: defaults here (1536/512 tokens); nearest NVIDIA H200 "
-        "(sm_90) differs: GPU NVIDIA L40S, sm_89 here"
+        "(sm_90) differs: GPU NVIDIA H200 (sm_90) measured, NVIDIA L40S (sm_89) here"
     )
 
 
@@ -325,7 +339,7 @@ def test_a_family_the_nearest_entry_keeps_off_stays_off_on_another_device():
     assert found.config.kernel_table[(9, 0)] == () and not found.matched
     assert found.note.startswith(
         "no profile entry matches, and the nearest keeps family SDXL off, so off here; "
-        "nearest NVIDIA H200 (sm_90) differs: CUDA 13.0, 12.8 here"
+        "nearest NVIDIA H200 (sm_90) differs: CUDA 13.0 measured, 12.8 here"
     )
     assert found.reasons == ("NaN on a zero V channel",)
     everything = notes(load(gpu(default=off)), machine(torch_cuda="12.8"))
@@ -375,7 +389,8 @@ def test_a_matched_family_entry_says_its_family_and_a_served_entry_gives_no_reas
 def test_the_nearest_entry_lists_every_difference():
     found = notes(load(), machine(torch_version="2.10.0+cu128", torch_cuda="12.8"))
     assert found.note.endswith(
-        f"nearest NVIDIA H200 (sm_90) differs: CUDA 13.0, 12.8 here; torch {TORCH}, 2.10.0+cu128 here"
+        f"nearest NVIDIA H200 (sm_90) differs: CUDA 13.0 measured, 12.8 here; torch {TORCH} measured, "
+        "2.10.0+cu128 here"
     )
     kept_off = notes(load(gpu(default=entry(None))), machine(torch_cuda="12.8"))
     assert kept_off.matched is False

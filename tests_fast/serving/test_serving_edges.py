@@ -358,7 +358,8 @@ def test_install_joins_every_gpu_without_a_kernel(caplog):
         assert sage_qual.install().enabled
     why = WrapperConfig().choose((8, 7), {})[1]
     assert records(caplog, logging.INFO)[-1].endswith(
-        f"; no kernel for cuda:1 (Orin, sm_87): {why}; cuda:2 (Orin, sm_87): {why}")
+        f"; no kernel for cuda:1 (Orin, sm_87): {why}; cuda:2 (Orin, sm_87): {why}; audit: 1 served call in "
+        "100 per GPU")
 
 
 def test_a_config_without_a_kernel_for_a_gpu_gives_the_tables_reason():

@@ -18,7 +18,7 @@ from sage_qual import jsonfile, records
 from sage_qual.qualification.decide import checked, verdict
 from sage_qual.qualification.decide import profile as building
 from sage_qual.qualification.evidence.report_model import ReportError
-from sage_qual.serving import profile
+from sage_qual.serving import machine, profile
 from sage_qual.serving.config import KERNEL_TABLE
 from sage_qual.serving.defaults import DATA, KIND, DefaultProfile, Source, merged, most_conservative, read
 from sage_qual.serving.env_record import Reason, ReasonKind
@@ -98,7 +98,7 @@ def build(files: list[Path], previous: Path | None = DATA) -> DefaultProfile:
         for gpu in kept.gpus:
             if (gpu.name.strip().casefold(), tuple(gpu.capability)) not in runs:
                 gpus.append(gpu)
-                sources += [source for source in kept_sources if profile.same_gpu_name(source.gpu, gpu.name)]
+                sources += [source for source in kept_sources if machine.same_gpu_name(source.gpu, gpu.name)]
     newest = max((loaded for group in runs.values() for _, _, loaded in group), key=lambda p: p.created)
     for group in runs.values():
         group.sort(key=lambda run: run[2].created)

@@ -5,8 +5,9 @@ use, so the four always say the same word. gate exits 0 to enable a family on th
 ("enable"; also "safe, no speedup" unless --require-speedup: a profile then serves nothing, so
 switching the family on changes nothing), 1 to keep it off (every reason printed), 2 when it
 cannot decide: no report, a partial, damaged, edited or predicted one, no GPU or no usable
-sageattention here, or a stale one (made on another GPU model, driver, torch, sageattention or
-other fixtures than this machine has).
+sageattention here, or a stale one: made on a machine that differs from this one in a way
+`serving.machine.RULES` says binds (the rules the wrapper's profile matcher applies), or with other
+fixtures than this machine has.
 
 The whole decision is here, not in the command line: `gate()` reads the report, this machine and
 its fixtures and calls `decide()`, which gives every refusal as a `GateDecision` with a `problem`
@@ -33,6 +34,7 @@ from sage_qual.qualification.decide import budget_check, checked, verdict
 from sage_qual.qualification.decide.verdict import FamilyDecision, Verdict
 from sage_qual.qualification.evidence.report_model import Report, ReportError
 from sage_qual.qualification.families import Family, counts_for, find
+from sage_qual.serving import machine
 from sage_qual.serving.env_record import EnvironmentRecord, Reason
 from sage_qual.serving.served import Served
 from sage_qual.serving.variants import VARIANTS, gpu_label
@@ -46,30 +48,37 @@ def models(here: EnvironmentRecord) -> set[str]:
     return {gpu_label(gpu.name, gpu.capability) for gpu in here.gpus}
 
 
-def stale(data: Report, family: Family, here: EnvironmentRecord, local: dict[str, str]) -> list[str]:
-    """How the report's machine differs from this one, for this family; empty when it does not."""
-    made, differences = data.environment, []
-    for key, label in (("driver", "NVIDIA driver"), ("torch", "torch"), ("sageattention", "sageattention")):
-        if getattr(made, key) != getattr(here, key):
-            differences.append(f"{label} {getattr(made, key) or 'none'} in the report, "
-                               f"{getattr(here, key) or 'none'} here")
-    if made.sageattention_source and here.sageattention_source and \
-            made.sageattention_source != here.sageattention_source:
-        differences.append(f"sageattention build {made.sageattention_source} in the report, "
-                           f"{here.sageattention_source} here")
-    certified = {gpu_label(d.name, d.capability) for d in data.devices}
-    for model in sorted(models(here) - certified):
-        differences.append(f"{model} here is not in the report")
+def stale(data: Report, family: Family, here: EnvironmentRecord, local: Mapping[str, str]) -> Staleness:
+    """How the report's machine differs from this one for this family, by the rules the wrapper's
+    profile matcher applies too (`serving.machine.RULES`): what keeps it from applying (`binding`, the
+    fixtures included), and the differences it applies despite, said beside the verdict (`allowed`)."""
+    binding_found, near_found = [], []
+    for gpu in here.gpus:
+        model = gpu_label(gpu.name, gpu.capability)
+        measured = [d for d in data.devices if gpu_label(d.name, d.capability) == model]
+        if not measured:
+            binding_found.append(f"{model} here is not in the report")
+            continue
+        found = machine.differences(machine.from_record(data.environment, measured[0]),
+                                    machine.from_record(here, gpu))
+        binding_found += [d.text for d in machine.binding(found) if d.text not in binding_found]
+        near_found += [d.text for d in machine.allowed(found) if d.text not in near_found]
     recorded = {f.name: f.sha256 for f in data.fixtures if counts_for(family, f.family)}
     for name in sorted(set(recorded) | set(local)):
         if name not in local:
-            differences.append(f"fixture {name} is in the report but not here")
+            binding_found.append(f"fixture {name} is in the report but not here")
         elif name not in recorded:
-            differences.append(f"fixture {name} is here but not in the report")
+            binding_found.append(f"fixture {name} is here but not in the report")
         elif recorded[name] != local[name]:
-            differences.append(f"fixture {name} changed (sha256 {local[name][:12]} here, "
-                               f"{recorded[name][:12]} in the report)")
-    return differences
+            binding_found.append(f"fixture {name} changed (sha256 {local[name][:12]} here, "
+                                 f"{recorded[name][:12]} in the report)")
+    return Staleness(binding_found, near_found)
+
+
+@dataclass(frozen=True)
+class Staleness:
+    binding: list[str]  # why the report does not apply here
+    allowed: list[str]  # what differs that the rules allow (a near match, or only said): gate says them
 
 
 @dataclass(frozen=True)
@@ -80,12 +89,14 @@ class GateDecision:
     code: int
     problem: str = ""  # with code 2: why no decision is possible
     gpus: list[tuple[str, FamilyDecision]] = field(default_factory=list)
+    differences: list[str] = field(default_factory=list)  # what differs that the rules allow (`stale`)
 
     def answer(self) -> GateAnswer:
         """The `gate --json` answer: each GPU's verdict with its `Served` unchanged."""
         return GateAnswer(self.family, self.code, self.problem, [
             GpuAnswer(model, d.verdict, d.served, d.results.certified, d.reasons,
-                      VARIANTS[d.served.variant].provider if d.served else "") for model, d in self.gpus])
+                      VARIANTS[d.served.variant].provider if d.served else "") for model, d in self.gpus],
+            differences=self.differences)
 
 
 @dataclass(frozen=True)
@@ -114,6 +125,9 @@ class GateAnswer:
     gpus: list[GpuAnswer]
     version: int = field(default=ANSWER_VERSION, metadata={
         "description": "2: each GPU's served range in `served`; absent (1): its fields flat"})
+    differences: list[str] = field(default_factory=list, metadata={
+        "description": "how this machine differs from the report's in ways the rules allow (a near match, or "
+                       "only said: serving.machine.RULES); the report applies"})
 
 
 def report_problem(source: str, data: Report, family: Family) -> str:
@@ -159,16 +173,18 @@ def decide_stored(data: Report, family: Family, here: EnvironmentRecord, local: 
 def _decided(problem: str, data: Report, family: Family, here: EnvironmentRecord, local: Mapping[str, str],
              require_speedup: bool) -> GateDecision:
     """The decision once the report's and the machine's problem is known (`problem`)."""
-    differences = [] if problem else stale(data, family, here, local)
-    if differences:
-        problem = f"stale report: {'; '.join(differences)}. Run `sage-qual certify` on this machine again"
+    differences = Staleness([], []) if problem else stale(data, family, here, local)
+    if differences.binding:
+        problem = (f"stale report: {'; '.join(differences.binding)}. Run `sage-qual certify` on this machine "
+                   "again")
     if problem:
         return GateDecision(family.name, ExitCode.USAGE, problem)
     models_here = models(here)
     gpus = [(gpu.model, gpu.family(family.name)) for gpu in verdict.decide(data) if gpu.model in models_here]
     kept_off = any(d.verdict == Verdict.KEEP_OFF or (d.verdict == Verdict.NO_SPEEDUP and require_speedup)
                    for _, d in gpus)
-    return GateDecision(family.name, ExitCode.KEEP_OFF if kept_off else ExitCode.ENABLE, gpus=gpus)
+    return GateDecision(family.name, ExitCode.KEEP_OFF if kept_off else ExitCode.ENABLE, gpus=gpus,
+                        differences=differences.allowed)
 
 
 def decide(data: Report, family: Family, here: EnvironmentRecord, fixtures: Mapping[str, Fixture],

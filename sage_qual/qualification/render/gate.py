@@ -15,7 +15,8 @@ def lines(decision: GateDecision, require_speedup: bool) -> list[str]:
     there, or the verdict and every reason."""
     if decision.problem:
         return [decision.problem]
-    found = []
+    found = ([f"the report applies here, with differences the rules allow: {'; '.join(decision.differences)}"]
+             if decision.differences else [])
     for model, family in decision.gpus:
         where = f"{decision.family} on {model}"
         if family.verdict == Verdict.ENABLE:
