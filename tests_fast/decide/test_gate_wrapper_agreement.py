@@ -30,8 +30,8 @@ def host(change):
     env, gpu = RUN43.environment, RUN43.environment.gpus[0]
     fields = {"name": gpu.name, "capability": tuple(gpu.capability), "memory_gib": gpu.memory_gib,
               "sm_count": gpu.sm_count, "torch": env.torch, "torch_cuda": env.torch_cuda,
-              "driver": env.driver, "triton": env.triton, "sageattention": env.sageattention, "source": env.sageattention_source,
-              "ck": env.other_providers[0].source}
+              "driver": env.driver, "triton": env.triton, "sageattention": env.sageattention,
+              "source": env.sageattention_source, "ck": env.other_providers[0].source}
     change(fields)
     gpus = [dataclasses.replace(gpu, name=fields["name"], capability=list(fields["capability"]),
                                 memory_gib=fields["memory_gib"], sm_count=fields["sm_count"])]
