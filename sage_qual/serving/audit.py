@@ -38,6 +38,7 @@ import torch
 
 from sage_qual import limits
 from sage_qual.serving.config import AuditConfig
+from sage_qual.serving.contexts import CAPTURE
 
 log = logging.getLogger("sage_qual")
 
@@ -151,6 +152,27 @@ class Auditor:
             count = self.counts[index]
             self.counts[index] = count + 1
         return count // every if count % every == every - 1 else None
+
+    def served(self, cuda, tally: AuditTally, device, call, out: torch.Tensor, context: tuple[str, ...],
+               described: str) -> None:
+        """A call the wrapper served: audited when its turn has come (`due`); skipped and counted under
+        capture, where its numbers could not be read back, and when the audit itself fails (out of
+        memory for its slice), which must not cost the served call. Otherwise an audit on its way is
+        judged as soon as its numbers have arrived."""
+        number = self.due(device.index)
+        if number is None:
+            if self.pending:
+                self.settle(wait=False)
+            return
+        if CAPTURE in context:
+            skipped(tally, "capture")
+            return
+        try:
+            with cuda.device_guard(device.index):
+                self.start(cuda, device, call, out, number, tally, described)
+        except Exception as error:  # noqa: BLE001 - the served output stands; the audit says why it did not
+            skipped(tally, "error")
+            log.debug("audit of %s not run: %s: %s", described, type(error).__name__, error)
 
     def start(self, cuda, device, call, out: torch.Tensor, number: int, tally: AuditTally, described: str):
         """Recompute audit `number`'s slice with torch and send its error norms to the host."""

@@ -383,11 +383,7 @@ def _serve(state: _Installed, report: ScopeReport, args: tuple, kwargs: dict, co
         # block runs out of memory too (H200, docs/results/README.md, "Out-of-memory fallback").
         out = None
         return original(*args, **kwargs)
-    number = state.auditor.due(device.index)
-    if number is not None:
-        _audit(state, report, device, call, out, context, number)
-    elif state.auditor.pending:  # an audit on its way: judged as soon as its numbers have arrived
-        state.auditor.settle(wait=False)
+    state.auditor.served(cuda, report.audit, device, call, out, context, _describe(call, context))
     device.cache_errors = 0
     report.calls += 1
     report.served += 1
@@ -398,23 +394,6 @@ def _serve(state: _Installed, report: ScopeReport, args: tuple, kwargs: dict, co
         log.info("%s %s serves attention on %s with %s (variant %s)", PROVIDERS[package.provider].title,
                  package.version, device.label, device.variant.function, device.variant.name)
     return out
-
-
-def _audit(state: _Installed, report: ScopeReport, device: DeviceState, call: SdpaCall, out, context,
-           number: int) -> None:
-    """Start audit `number` on this served call (`serving.audit`); skipped and counted under capture,
-    where its numbers could not be read back, and when the audit itself fails (out of memory for
-    its slice), which must not cost the served call."""
-    if CAPTURE in context:
-        audit.skipped(report.audit, "capture")
-        return
-    cuda = platform.current()
-    try:
-        with cuda.device_guard(device.index):
-            state.auditor.start(cuda, device, call, out, number, report.audit, _describe(call, context))
-    except Exception as error:  # noqa: BLE001 - the served output stands; the audit says why it did not run
-        audit.skipped(report.audit, "error")
-        log.debug("audit of %s not run: %s: %s", _describe(call, context), type(error).__name__, error)
 
 
 def _device_refusal(state: _Installed, call: SdpaCall, cuda, index: int | None,
