@@ -79,15 +79,9 @@ def _decide(path: Path) -> Decided:
         data = checked.load(path)
     except ReportError as error:
         raise UsageError(str(error)) from None
-    if not data.complete:
-        raise UsageError(f"{path}: complete: false: a partial report has no thresholds; run certify to "
-                         "the end")
-    if data.predicted:
-        raise UsageError(f"{path}: predicted: true: certify --emulate measured nothing; compare reports "
-                         "certify wrote on the GPU")
-    if data.options.quick:
-        raise UsageError(f"{path}: options.quick: true: a --quick run times no family's shapes, so its "
-                         "thresholds are no profile's; compare full certify runs")
+    problem = checked.undecidable(data, str(path))
+    if problem:
+        raise UsageError(problem)
     return decided(data)
 
 

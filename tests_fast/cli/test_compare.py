@@ -129,8 +129,8 @@ def test_what_one_report_lacks_is_a_difference():
                              "NVIDIA H200 (sm_90): variant sm86-fp16-triton ran in only one report"]
 
 
-@pytest.mark.parametrize("field, words", [("predicted", "certify --emulate measured nothing"),
-                                          ("quick", "a --quick run times no family's shapes")])
+@pytest.mark.parametrize("field, words", [("predicted", "is a predicted report (certify --emulate"),
+                                          ("quick", "is a --quick report: it ran the smallest fixture")])
 def test_predicted_and_quick_reports_are_refused(tmp_path, capsys, field, words):
     data = checked.load(SAMPLE)
     edited = (dataclasses.replace(data, predicted=True) if field == "predicted" else

@@ -299,7 +299,7 @@ def test_gate_refuses_a_predicted_report(capsys, tmp_path, machine):
     decision = gate_module.decide(typed, families.find("FLUX.1"), typed.environment, {}, False)
     assert (decision.family, decision.code, decision.problem, decision.gpus) == (
         "FLUX.1", 2, "report.json is a predicted report (certify --emulate: the CPU numerics model, no GPU "
-                     "ran), so it cannot enable a family: run `sage-qual certify` on the GPU", [])
+                     "ran): it decides nothing; run `sage-qual certify` on the GPU", [])
     assert records.dump(decision.answer()) == {
         "family": "FLUX.1",
         "exit_code": 2,
@@ -318,7 +318,7 @@ def test_gate_decides_nothing_from_a_partial_report():
     decision = gate_module.decide(data, families.find("FLUX.1"), here, {}, False)
     status = checked.status_line(False, data.started, data.finished, data.stopped)
     assert (decision.family, decision.code, decision.problem, decision.gpus) == (
-        "FLUX.1", 2, f"report.json is a partial report ({status}): run certify to the end", [])
+        "FLUX.1", 2, f"report.json is a partial report ({status}): it decides nothing; run certify to the end", [])
 
 
 def test_gate_json_holds_each_models_decision(capsys, fleet, machine):

@@ -87,3 +87,10 @@ def test_gate_is_stale_exactly_where_the_wrapper_does_not_apply_the_entry(kind, 
     assert config.note.startswith("near match (") == near
     assert bool(decision.differences) == (kind in (machine.Kind.TORCH_PATCH, machine.Kind.DRIVER,
                                                    machine.Kind.TRITON))
+
+
+def test_docs_certify_states_the_rules_as_declared():
+    text = (RESULTS.parent / "certify.md").read_text()
+    table = text.split("<!-- machine-rules -->")[1].split("<!-- /machine-rules -->")[0]
+    rows = [line.strip("| ").split(" | ") for line in table.strip().splitlines()[2:]]
+    assert rows == [[f"`{kind.value}`", rule.effect.value, rule.why] for kind, rule in machine.RULES.items()]

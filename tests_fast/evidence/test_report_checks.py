@@ -537,13 +537,13 @@ def test_only_a_cell_that_ran_to_the_end_is_measured(outcome, measured):
     assert report_model.Cell("v", "f", Outcome(outcome), detail="x").measured is measured
 
 
-def test_a_quick_report_cannot_enable_a_family():
-    assert checked.quick_problem(reads(lambda d: None)) == ""
-    problem = checked.quick_problem(reads(lambda d: d["options"].update(quick=True)))
+def test_a_quick_report_decides_nothing():
+    assert checked.undecidable(reads(lambda d: None), "r.json") == ""
+    problem = checked.undecidable(reads(lambda d: d["options"].update(quick=True)), "r.json")
     assert problem == (
-        "a --quick report cannot enable a family: it ran the smallest fixture of each family only "
-        "and left out the stress fixtures that carry the known failures (report.md lists them); "
-        "run `sage-qual certify` without --quick"
+        "r.json is a --quick report: it ran the smallest fixture of each family only, left out the stress "
+        "fixtures that carry the known failures (report.md lists them) and timed no family's shapes, so it "
+        "decides nothing; run `sage-qual certify` without --quick"
     )
 
 

@@ -196,14 +196,22 @@ def status_line(complete: bool, started: str, finished: str | None, stopped: str
             "it measured before it stopped. No verdicts are drawn from a partial run.")
 
 
-def quick_problem(report: Report) -> str:
-    """Why the report cannot enable a family whatever the machine, for a --quick run; '' otherwise.
-    A pre-flight runs the smallest fixture of each family only, and the stress fixtures it leaves
-    out are the ones that carry the known failures: its "pass" is not a family's."""
-    if not report.options.quick:
-        return ""
-    return ("a --quick report cannot enable a family: it ran the smallest fixture of each family only and "
-            "left out the stress fixtures that carry the known failures (report.md lists them); run "
-            "`sage-qual certify` without --quick")
+def undecidable(report: Report, source: str) -> str:
+    """Why `report` (read from `source`) can decide nothing, on any machine; '' when it can. gate,
+    compare and the defaults builder refuse through here, in these words (merge shows the same three
+    in its table). A partial run did not finish; a predicted one measured nothing on a GPU; a --quick
+    pre-flight runs the smallest fixture of each family only, leaves out the stress fixtures that
+    carry the known failures and times no family's shapes: its "pass" is not a family's."""
+    if not report.complete:
+        line = status_line(report.complete, report.started, report.finished, report.stopped)
+        return f"{source} is a partial report ({line}): it decides nothing; run certify to the end"
+    if report.predicted:
+        return (f"{source} is a predicted report (certify --emulate: the CPU numerics model, no GPU ran): it "
+                "decides nothing; run `sage-qual certify` on the GPU")
+    if report.options.quick:
+        return (f"{source} is a --quick report: it ran the smallest fixture of each family only, left out "
+                "the stress fixtures that carry the known failures (report.md lists them) and timed no "
+                "family's shapes, so it decides nothing; run `sage-qual certify` without --quick")
+    return ""
 
 

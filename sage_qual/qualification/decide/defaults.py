@@ -34,9 +34,9 @@ def load_run(path: Path) -> profile.Profile:
             report = checked.load(path)
         except ReportError as error:
             raise profile.ProfileError(str(error)) from None
-        if not report.complete or report.predicted or report.options.quick:
-            raise profile.ProfileError(f"{path}: a partial, predicted or --quick report measured no profile: "
-                                       "give full certify runs")
+        problem = checked.undecidable(report, str(path))
+        if problem:
+            raise profile.ProfileError(problem)
         return building.build(report, verdict.decide(report))
     return profile.load(path)
 

@@ -132,14 +132,9 @@ class GateAnswer:
 
 def report_problem(source: str, data: Report, family: Family) -> str:
     """Why this report cannot decide for the family on any machine; empty when it can."""
-    if not data.complete:
-        line = checked.status_line(data.complete, data.started, data.finished, data.stopped)
-        return f"{source} is a partial report ({line}): run certify to the end"
-    if data.predicted:  # no GPU can make it measured
-        return (f"{source} is a predicted report (certify --emulate: the CPU numerics model, no GPU ran), "
-                "so it cannot enable a family: run `sage-qual certify` on the GPU")
-    if checked.quick_problem(data):
-        return checked.quick_problem(data)
+    problem = checked.undecidable(data, source)
+    if problem:
+        return problem
     if family.name not in data.options.families:
         return f"the report did not certify {family.name} (it ran: {', '.join(data.options.families)})"
     return ""
