@@ -318,8 +318,8 @@ def test_gate_decides_nothing_from_a_partial_report():
     decision = gate_module.decide(data, families.find("FLUX.1"), here, {}, False)
     status = checked.status_line(False, data.started, data.finished, data.stopped)
     assert (decision.family, decision.code, decision.problem, decision.gpus) == (
-        "FLUX.1", 2, f"report.json is a partial report ({status}): it decides nothing; run certify to the end",
-        [])
+        "FLUX.1", 2,
+        f"report.json is a partial report ({status}): it decides nothing; run certify to the end", [])
 
 
 def test_gate_json_holds_each_models_decision(capsys, fleet, machine):
