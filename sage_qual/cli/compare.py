@@ -18,6 +18,7 @@ predicted (certify --emulate) or --quick runs (their thresholds are no profile's
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ from sage_qual.qualification.decide import checked, verdict
 from sage_qual.qualification.evidence.report_model import ReportError, ShapeSpec
 from sage_qual.qualification.measure.speed import RUN_TO_RUN_SPREAD
 from sage_qual.serving.env_record import EnvironmentRecord
+from sage_qual.serving.served import Served
 
 DEFAULT_TOLERANCE = RUN_TO_RUN_SPREAD
 
@@ -127,10 +129,14 @@ def served_speed_change(a: verdict.FamilyDecision, b: verdict.FamilyDecision, fi
     return math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None
 
 
-# What must be equal between two runs, in the words a difference is named with: all a decision serves
-# but its thresholds (judged by the served speedups) and its bounds' words.
-EXACT = {"variant": "variant", "head_dims": "head dims", "layouts": "layouts", "contexts": "contexts",
-         "max_query_tokens": "upper bound", "max_key_tokens": "upper bound"}
+# How each field of `Served` is compared: the thresholds by the served speedups, the bounds by what they
+# keep on torch (not their reasons' words), every other field exactly, named in these words (a field
+# added to Served is compared exactly under its own name: none can be forgotten).
+BY_SPEED = ("min_query_tokens", "min_key_tokens")
+WORDS = {"head_dims": "head dims", "max_query_tokens": "upper bound", "max_key_tokens": "upper bound",
+         "masks": "masked calls"}
+EXACT = {f.name: WORDS.get(f.name, f.name) for f in dataclasses.fields(Served)
+         if f.name not in BY_SPEED and f.name != "bounds"}
 
 
 def changed(a: verdict.FamilyDecision, b: verdict.FamilyDecision, change: float | None,

@@ -29,11 +29,11 @@ def test_run_8_against_run_13_reports_the_range_and_layout_differences(capsys):
     one short line each (issue 43: compare's lines ran past 300 characters)."""
     assert cli.main(["compare", str(RUN8), str(RUN13)]) == 1
     out = capsys.readouterr().out.splitlines()
-    at = out.index("NVIDIA H200 (sm_90) Qwen-Image: DIFFERS: layouts, upper bound")
+    at = out.index("NVIDIA H200 (sm_90) Qwen-Image: DIFFERS: upper bound, layouts")
     assert out[at + 1].startswith("    first:  enable ")
     assert "(no upper bound verified" in out[at + 1]  # run 8: no long checks
     assert out[at + 2].startswith("    second: enable ") and " to 32,768 tokens" in out[at + 2]
-    assert "  NVIDIA H200 (sm_90) Qwen-Image: layouts, upper bound" in out[out.index(next(
+    assert "  NVIDIA H200 (sm_90) Qwen-Image: upper bound, layouts" in out[out.index(next(
         line for line in out if "difference(s) beyond 5%:" in line)):]
     entries = [line for line in out if not line.startswith("    ")]
     assert max(map(len, entries)) < 120, max(entries, key=len)
@@ -186,3 +186,23 @@ def test_the_tolerance_is_a_fraction_from_0_to_below_1(capsys, tolerance, code):
     assert cli.main(["compare", "--tolerance", tolerance, str(SAMPLE), str(SAMPLE)]) == code
     err = capsys.readouterr().err
     assert (code == 2) == ("--tolerance" in err), err
+
+
+# A value of each field of Served other than the first decision's (issue 53: compare ignored `masks`).
+OTHER_VALUES = {"variant": "sm89-fp8-cuda", "min_query_tokens": 4096, "min_key_tokens": 4096,
+                "head_dims": [64], "max_query_tokens": 16384, "max_key_tokens": 16384, "layouts": ["contiguous"],
+                "contexts": ["side_stream"], "bounds": [Bound("key", 17, "a test")], "masks": True}
+
+
+@pytest.mark.parametrize("name", [f.name for f in dataclasses.fields(Served)])
+def test_every_field_of_what_is_served_is_compared(name):
+    """A field of Served that compare does not judge fails here: each is exact, judged by the served
+    speedups (the thresholds) or by what it keeps on torch (the bounds)."""
+    assert set(OTHER_VALUES) == {f.name for f in dataclasses.fields(Served)}
+    first = decision()
+    second = decision(**{name: OTHER_VALUES[name]})
+    found = compare.changed(first, second, None, 0.05)
+    if name in compare.BY_SPEED:  # judged by the served speedups, which are equal here
+        assert found == []
+    else:
+        assert found, name
