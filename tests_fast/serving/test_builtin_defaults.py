@@ -375,4 +375,3 @@ def test_a_merge_of_equal_entries_is_the_entry_whatever_field_it_sets():
     assert defaults.merged(served.variant, [entry, entry], served.head_dims) == entry
     masked_once = profile.Entry(dataclasses.replace(served, masks=False), entry.reasons)
     assert defaults.merged(served.variant, [entry, masked_once], served.head_dims).served.masks is False
-
