@@ -191,8 +191,8 @@ def test_the_tolerance_is_a_fraction_from_0_to_below_1(capsys, tolerance, code):
 # A value of each field of Served other than the first decision's (issue 53: compare ignored `masks`).
 OTHER_VALUES = {"variant": "sm89-fp8-cuda", "min_query_tokens": 4096, "min_key_tokens": 4096,
                 "head_dims": [64], "max_query_tokens": 16384, "max_key_tokens": 16384,
-                "layouts": ["contiguous"], "contexts": ["side_stream"], "bounds": [Bound("key", 17, "a test")],
-                "masks": True}
+                "layouts": ["contiguous"], "contexts": ["side_stream"],
+                "bounds": [Bound("key", 17, "a test")], "masks": True}
 
 
 @pytest.mark.parametrize("name", [f.name for f in dataclasses.fields(Served)])
