@@ -28,6 +28,7 @@ from sage_qual.errors import Answer, ExitCode, UsageError
 from sage_qual.qualification.decide import checked, verdict
 from sage_qual.qualification.evidence.report_model import ReportError, ShapeSpec
 from sage_qual.qualification.measure.speed import RUN_TO_RUN_SPREAD
+from sage_qual.serving import machine
 from sage_qual.serving.env_record import EnvironmentRecord
 from sage_qual.serving.served import Served
 
@@ -58,22 +59,17 @@ class Decided:
     environment: EnvironmentRecord
 
 
-# The software that makes a kernel's numbers and times, as the report records it. A rebuild of one
-# source gives another build fingerprint (runs 31 and 33, docs/results/), so a change here is said,
-# not counted as a difference: the verdicts decide whether the two serve the same calls.
-SOFTWARE = {"sageattention": "sageattention", "sageattention_source": "sageattention build",
-            "torch": "torch", "torch_cuda": "CUDA", "triton": "triton", "driver": "driver"}
-
-
 def software_changes(first: Decided, second: Decided) -> list[str]:
-    """One line per piece of software the two reports ran on that differs."""
-    pairs = {said: (getattr(first.environment, field), getattr(second.environment, field))
-             for field, said in SOFTWARE.items()}
-    builds = [{o.provider: f"{o.version} {o.source}".strip()
-               for o in d.environment.other_providers if o.version} for d in (first, second)]
-    pairs.update({provider: (builds[0].get(provider, ""), builds[1].get(provider, ""))
-                  for provider in sorted(set(builds[0]) | set(builds[1]))})
-    return [f"{said} {a or '-'} vs {b or '-'}" for said, (a, b) in pairs.items() if a != b]
+    """One line per difference of the machines the two reports ran on (`serving.machine`), of a GPU
+    model both ran on. A rebuild of one source gives another build fingerprint (runs 31 and 33,
+    docs/results/), so every difference is said, none counted: the verdicts decide whether the two
+    serve the same calls."""
+    common = [model for model in first.gpus if model in second.gpus] or [None]
+    gpus = [d.gpus[common[0]] if common[0] else next(iter(d.gpus.values()), None) for d in (first, second)]
+    if None in gpus:
+        return []
+    machines = [machine.from_record(d.environment, gpu) for d, gpu in zip((first, second), gpus, strict=True)]
+    return [d.between() for d in machine.differences(*machines)]
 
 
 def _decide(path: Path) -> Decided:

@@ -103,12 +103,26 @@ class Machine:
 
 @dataclass(frozen=True)
 class Difference:
+    """One thing that differs: its kind, what it is ("torch"), and its value on each side."""
     kind: Kind
-    text: str  # "torch 2.11.0+cu130 measured, 2.11.1+cu130 here": the one phrasing
+    what: str
+    measured: str
+    here: str
+    why: str = ""  # what such a difference usually is, said after it
 
     @property
     def effect(self) -> Effect:
         return RULES[self.kind].effect
+
+    @property
+    def text(self) -> str:
+        """"torch 2.11.0+cu130 measured, 2.11.1+cu130 here": the one phrasing (gate, the wrapper)."""
+        said = f"{self.what} {self.measured} measured, {self.here} here"
+        return f"{said} ({self.why})" if self.why else said
+
+    def between(self) -> str:
+        """"torch 2.11.0+cu130 vs 2.11.1+cu130": between two runs (compare)."""
+        return f"{self.what} {self.measured} vs {self.here}"
 
 
 def same_gpu_name(a: str, b: str) -> bool:
@@ -125,35 +139,35 @@ def differences(measured: Machine, here: Machine) -> list[Difference]:
     first; each with its kind (whose effect `RULES` gives)."""
     found = []
     if not same_model(measured, here):
-        found.append(Difference(Kind.GPU, f"GPU {measured.model} measured, {here.model} here"))
+        found.append(Difference(Kind.GPU, "GPU", measured.model, here.model))
     elif _known(measured.memory_gib, here.memory_gib) and \
             abs(measured.memory_gib - here.memory_gib) > MEMORY_TOLERANCE_GIB:
-        found.append(Difference(Kind.MEMORY, f"memory {measured.memory_gib:g} GiB measured, "
-                                             f"{here.memory_gib:g} here"))
+        found.append(Difference(Kind.MEMORY, "memory", f"{measured.memory_gib:g} GiB",
+                                f"{here.memory_gib:g}"))
     elif _known(measured.sm_count, here.sm_count) and \
             abs(measured.sm_count - here.sm_count) > SM_COUNT_TOLERANCE * max(measured.sm_count,
                                                                               here.sm_count):
-        found.append(Difference(Kind.SM_COUNT, f"{measured.sm_count} SMs measured, {here.sm_count} here"))
+        found.append(Difference(Kind.SM_COUNT, "SM count", str(measured.sm_count), str(here.sm_count)))
     # sageattention, CUDA and torch are always known: "" is none installed (no CUDA: a CPU build).
     for kind, label in ((Kind.SAGEATTENTION, "sageattention"), (Kind.CUDA, "CUDA")):
         ours, theirs = getattr(measured, kind.value), getattr(here, kind.value)
         if ours != theirs:
-            found.append(Difference(kind, f"{label} {ours or 'none'} measured, {theirs or 'none'} here"))
+            found.append(Difference(kind, label, ours or "none", theirs or "none"))
     if measured.torch != here.torch:
         patch = _torch_release(measured.torch) == _torch_release(here.torch)
-        found.append(Difference(Kind.TORCH_PATCH if patch else Kind.TORCH,
-                                f"torch {measured.torch or 'none'} measured, {here.torch or 'none'} here"))
+        found.append(Difference(Kind.TORCH_PATCH if patch else Kind.TORCH, "torch", measured.torch or "none",
+                                here.torch or "none"))
     for kind, label in ((Kind.DRIVER, "NVIDIA driver"), (Kind.TRITON, "Triton")):
         ours, theirs = getattr(measured, kind.value), getattr(here, kind.value)
         if _known(ours, theirs) and ours != theirs:
-            found.append(Difference(kind, f"{label} {ours} measured, {theirs} here"))
+            found.append(Difference(kind, label, ours, theirs))
     builds_here = dict(here.builds)
     for provider, build in sorted(measured.builds):
         theirs = builds_here.get(provider, "")
         if _known(build, theirs) and build != theirs:
             label = "sageattention" if provider == THU_ML.name else provider
-            found.append(Difference(Kind.BUILD, f"{label} build {build} measured, {theirs} here (another "
-                                                "source under one version: a fork or an older build)"))
+            found.append(Difference(Kind.BUILD, f"{label} build", build, theirs,
+                                    "another source under one version: a fork or an older build"))
     return found
 
 

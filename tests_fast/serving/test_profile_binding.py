@@ -162,7 +162,7 @@ def test_an_entry_applies_only_to_the_sm_count_it_certified(made, here, applies)
     [config] = profile.device_configs(data, [dataclasses.replace(machine(H200), sm_count=here)])
     assert config.matched == applies
     if not applies:
-        assert f"{made} SMs measured, {here} here" in config.note
+        assert f"SM count {made} measured, {here} here" in config.note
 
 
 def test_certify_records_the_sm_count_from_the_device_to_the_profile():
