@@ -175,7 +175,8 @@ class Comparison:
                 f"    second: {self.second}"]
 
 
-def differences(first: Decided, second: Decided, tolerance: float) -> tuple[list[Comparison], list[str]]:
+def verdict_differences(first: Decided, second: Decided,
+                        tolerance: float) -> tuple[list[Comparison], list[str]]:
     """(every entry compared, every difference as one line: a GPU model or a variant in one report
     only, then each entry that differs, whole)."""
     compared, found = [], []
@@ -212,7 +213,7 @@ def _compare(args: argparse.Namespace) -> int:
     if not 0 <= args.tolerance < 1:
         raise UsageError(f"--tolerance is {args.tolerance:g}: give a fraction from 0 to below 1 (0.1 = 10 %)")
     first, second = _decide(args.first), _decide(args.second)
-    compared, found = differences(first, second, args.tolerance)
+    compared, found = verdict_differences(first, second, args.tolerance)
     software = software_changes(first, second)
     code = ExitCode.KEEP_OFF if found else ExitCode.OK
     if args.json:

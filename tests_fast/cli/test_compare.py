@@ -79,52 +79,53 @@ def gpu(*families: FamilyDecision, ran=("sm90-fp8-cuda",), speedup=1.2, extra=()
     dict(variant="sm80-fp16-cuda"), dict(bounds=[Bound("key", 17, "ip-adapter")]),
 ], ids=lambda change: ",".join(change))
 def test_every_part_of_what_is_served_is_compared(change):
-    _, found = compare.differences(gpu(decision()), gpu(decision(**change)), 0.10)
+    _, found = compare.verdict_differences(gpu(decision()), gpu(decision(**change)), 0.10)
     assert [line.split(":")[0] for line in found] == ["NVIDIA H200 (sm_90) FLUX.1"]
 
 
 def test_a_bound_is_compared_by_its_side_and_tokens_not_its_words():
     first = decision(bounds=[Bound("key", 17, "flux1_ip_adapter_zero_uncond: NaN")])
     reworded = decision(bounds=[Bound("key", 17, "flux1_ip_adapter_zero_uncond: output not finite")])
-    assert compare.differences(gpu(first), gpu(reworded), 0.10)[1] == []
-    _, found = compare.differences(gpu(first), gpu(decision(bounds=[Bound("key", 18, "x")])), 0.10)
+    assert compare.verdict_differences(gpu(first), gpu(reworded), 0.10)[1] == []
+    _, found = compare.verdict_differences(gpu(first), gpu(decision(bounds=[Bound("key", 18, "x")])), 0.10)
     assert (
         len(found) == 1
         and "; calls with fewer than 17 keys stay on torch (flux1_ip_adapter_zero_uncond: NaN) vs "
         in found[0]
     )
     assert found[0].endswith("; calls with fewer than 18 keys stay on torch (x) (served speedup x1.000)")
-    assert compare.differences(gpu(first), gpu(decision(bounds=[Bound("query", 17, "x")])), 0.10)[1] != []
+    other_side = decision(bounds=[Bound("query", 17, "x")])
+    assert compare.verdict_differences(gpu(first), gpu(other_side), 0.10)[1] != []
 
 
 def test_served_speed_is_judged_not_the_length_served_from():
     """The served-from length moved one refinement step between identical H200 runs (run 29): alone
     it is no difference. The speedup over the shapes either entry serves is, beyond the tolerance."""
     later = decision(min_query_tokens=11_648, min_key_tokens=11_648)
-    assert compare.differences(gpu(decision()), gpu(later), 0.05)[1] == []
-    assert compare.differences(gpu(decision()), gpu(decision(), speedup=1.2 * 1.04), 0.05)[1] == []
-    _, found = compare.differences(gpu(decision()), gpu(decision(), speedup=1.2 / 1.10), 0.05)
+    assert compare.verdict_differences(gpu(decision()), gpu(later), 0.05)[1] == []
+    assert compare.verdict_differences(gpu(decision()), gpu(decision(), speedup=1.2 * 1.04), 0.05)[1] == []
+    _, found = compare.verdict_differences(gpu(decision()), gpu(decision(), speedup=1.2 / 1.10), 0.05)
     assert [line.split(":")[0] for line in found] == [
         "NVIDIA H200 (sm_90) FLUX.1",
         "NVIDIA H200 (sm_90) default",
     ]
     assert all(line.endswith("(served speedup x0.909)") for line in found)
-    assert compare.differences(gpu(decision()), gpu(decision(), speedup=1.2 / 1.10), 0.12)[1] == []
+    assert compare.verdict_differences(gpu(decision()), gpu(decision(), speedup=1.2 / 1.10), 0.12)[1] == []
 
 
 def test_a_shape_no_entry_serves_does_not_count():
     narrow = decision(min_query_tokens=20_000, min_key_tokens=20_000)
     slower = gpu(narrow, speedup=1.2)
     slower.gpus["NVIDIA H200 (sm_90)"].speedups[("sm90-fp8-cuda", "self 8192")] = (0.4, 0.5)
-    assert compare.differences(gpu(narrow), slower, 0.05)[1] == []
+    assert compare.verdict_differences(gpu(narrow), slower, 0.05)[1] == []
     slower.gpus["NVIDIA H200 (sm_90)"].speedups[("sm90-fp8-cuda", "self 32768")] = (0.4, 0.5)
-    assert compare.differences(gpu(narrow), slower, 0.05)[1] != []
+    assert compare.verdict_differences(gpu(narrow), slower, 0.05)[1] != []
 
 
 def test_what_one_report_lacks_is_a_difference():
     wan = decision(family="Wan 2.2")
     both = gpu(decision(), wan, ran=("sm90-fp8-cuda", "sm86-fp16-triton"))
-    _, found = compare.differences(gpu(decision()), both, 0.10)
+    _, found = compare.verdict_differences(gpu(decision()), both, 0.10)
     assert sorted(found) == ["NVIDIA H200 (sm_90) Wan 2.2: in only one report",
                              "NVIDIA H200 (sm_90): variant sm86-fp16-triton ran in only one report"]
 
@@ -174,11 +175,11 @@ def test_a_gpu_model_in_one_report_only_is_a_difference_and_the_others_still_com
     h100 = GpuDecision("NVIDIA H100", (9, 0), 79.6, [1], {}, [], decision(family=None))
     first = gpu(decision(), extra=[h100])
     second = gpu(decision(), ran=("sm90-fp8-cuda", "sm86-fp16-triton"))
-    lines, found = compare.differences(first, second, 0.10)
+    lines, found = compare.verdict_differences(first, second, 0.10)
     assert found == ["NVIDIA H100 (sm_90): in only one report",
                      "NVIDIA H200 (sm_90): variant sm86-fp16-triton ran in only one report"]
     assert [c.where for c in lines] == ["NVIDIA H200 (sm_90) FLUX.1", "NVIDIA H200 (sm_90) default"]
-    assert compare.differences(second, first, 0.10)[1][0] == "NVIDIA H100 (sm_90): in only one report"
+    assert compare.verdict_differences(second, first, 0.10)[1][0] == "NVIDIA H100 (sm_90): in only one report"
 
 
 @pytest.mark.parametrize("tolerance, code", [("0", 0), ("0.5", 0), ("1", 2), ("-0.1", 2), ("1.5", 2)])

@@ -29,7 +29,7 @@ def reports():
 )
 def test_back_to_back_runs_compare_equal(reports, pair):
     first, second = (compare.decided(reports[n]) for n in pair)
-    lines, found = compare.differences(first, second, compare.DEFAULT_TOLERANCE)
+    lines, found = compare.verdict_differences(first, second, compare.DEFAULT_TOLERANCE)
     assert len(lines) == 9 and not found, "\n".join(found)
 
 
@@ -59,7 +59,7 @@ def slowed(report, variant: str, factor: float):
 def test_the_sm90_kernel_ten_percent_slower_is_flagged(reports):
     first = compare.decided(reports[0])
     second = compare.decided(slowed(reports[0], "sm90-fp8-cuda", SLOWER))
-    _, found = compare.differences(first, second, compare.DEFAULT_TOLERANCE)
+    _, found = compare.verdict_differences(first, second, compare.DEFAULT_TOLERANCE)
     flagged = {line.split(") ")[1].split(":")[0] for line in found}
     assert {"FLUX.1", "FLUX.2", "Z-Image", "Qwen-Image", "Krea-2", "Wan 2.2"} <= flagged, "\n".join(found)
     assert all("served speedup x0.9" in line or "vs safe, no speedup" in line for line in found), found
