@@ -209,7 +209,13 @@ class Auditor:
                 if not self.pending:
                     return
                 first = self.pending[0]
-                norms = first.read(wait)
+                try:
+                    norms = first.read(wait)
+                except Exception as error:  # noqa: BLE001 - a faulted context: the scope's exit must not raise
+                    self.pending.popleft()
+                    skipped(first.tally, "error")
+                    log.debug("audit of %s not read: %s: %s", first.call, type(error).__name__, error)
+                    continue
                 if norms is None:
                     return
                 self.pending.popleft()

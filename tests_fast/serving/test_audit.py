@@ -274,3 +274,17 @@ def test_a_compiled_call_is_audited_as_its_operator_runs():
             run(*qkv())
     assert report.served == 2 and report.audit.audited == 2 and len(report.audit.misses) == 1
     assert "(compile)" in report.audit.misses[0].call
+
+
+def test_numbers_that_cannot_be_read_are_counted_skipped_and_the_scope_exits_cleanly():
+    """A faulted CUDA context raises on every read: the scope's exit and uninstall() must not."""
+    def broken(values):
+        def read(wait):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return read
+
+    with wrapped(config=config(every=1)) as (cuda, _):
+        cuda.read_later = broken
+        report = serve_many(2)
+        sage_qual.uninstall()
+    assert report.audit.audited == 0 and report.audit.skipped == {"error": 2} and report.served == 2
