@@ -39,7 +39,7 @@ def decided(path: Path) -> compare.Decided:
 
 def test_two_h200_runs_give_the_same_verdicts_and_served_speed():
     first, second = (decided(path) for path in RUNS)
-    lines, found = compare.differences(first, second, compare.DEFAULT_TOLERANCE)
+    lines, found = compare.verdict_differences(first, second, compare.DEFAULT_TOLERANCE)
     assert lines and not found, "\n".join(found)
     enabled = [d for gpu in first.gpus.values() for d in gpu.families if d.verdict == verdict.Verdict.ENABLE]
     assert enabled, "the runs enable a family: served speedups are compared, not None"
@@ -55,7 +55,7 @@ RUN13 = {name: RESULTS / "run13-h200x2" / f"certify-{name}" / "report.json.gz" f
 @pytest.mark.parametrize("pair", ["bc", "cd", "bd", "de"])
 def test_run_13s_back_to_back_and_two_gpu_certify_runs_compare_equal(pair):
     first, second = (compare.decided(checked.load(RUN13[name])) for name in pair)
-    lines, found = compare.differences(first, second, compare.DEFAULT_TOLERANCE)
+    lines, found = compare.verdict_differences(first, second, compare.DEFAULT_TOLERANCE)
     assert lines and not found, "\n".join(found)
 
 
