@@ -12,10 +12,11 @@ Nothing on the served path waits for the GPU: the slice's error norms are comput
 copied to host memory without blocking (`CudaPlatform.read_later`); they are judged at the first
 served call after that copy has completed, and at the latest when the scope exits. A host that runs
 ahead of its GPU runs ahead of the audit too: the wrong calls served before a miss acts are those
-the host queued meanwhile. A miss (relative L2 over the
-family's fitness bound, `limits.first_call_max_rel_l2`, or a non-finite output) is counted, logged
-once per device in one WARNING with the numbers, moves that device to torch for the family for the
-rest of the process (`AuditConfig.retire`), and with `AuditConfig.record` (a
+the host queued meanwhile (docs/audit.md has what runs 44 and 45 measured).
+
+A miss (relative L2 over the family's fitness bound, `limits.first_call_max_rel_l2`, or a non-finite
+output) is counted and said in one WARNING with the numbers; it moves that device to torch for the
+family for the rest of the process (`AuditConfig.retire`), and with `AuditConfig.record` (a
 `fixtures.recorder.AuditFolder`) is saved as a `recorded` fixture that `certify --fixtures FOLDER` runs.
 
 Contexts: on a side stream and under torch.compile (the operator's body runs eagerly) the audit runs
