@@ -18,7 +18,7 @@ import sage_qual
 from sage_qual.fixtures import fileformat
 from sage_qual.qualification.decide import checked, verdict
 from sage_qual.qualification.decide import profile as building
-from sage_qual.serving import profile
+from sage_qual.serving import devices_here, profile
 
 from .conftest import FIXTURE_DIR
 
@@ -32,7 +32,7 @@ IP_ADAPTER = FIXTURE_DIR / "flux1_ip_adapter_zero_uncond.safetensors"
 def run25_profile(sage) -> profile.Profile:
     data = checked.load(RUN25)
     built = building.build(data, verdict.decide(data))
-    [gpu], here = built.gpus, profile.this_machine()[0]
+    [gpu], here = built.gpus, devices_here.this_machine()[0]
     if not profile.same_gpu_name(gpu.name, here.name) or tuple(gpu.capability) != here.capability:
         pytest.skip(f"run 25's profile is an {gpu.name}'s; this GPU is {here.name}")
     environment = dataclasses.replace(gpu.environment, torch=here.torch, torch_cuda=here.torch_cuda,

@@ -35,11 +35,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal, Mapping
 
-import torch
-
 from sage_qual import jsonfile, limits, records
 from sage_qual.limits import one_line
-from sage_qual.serving import machine, platform, sage_package
+from sage_qual.serving import machine
 from sage_qual.serving.config import DEFAULT_CONFIG, WrapperConfig
 from sage_qual.serving.env_record import Reason
 from sage_qual.serving.machine import Difference, Kind, Machine
@@ -402,26 +400,3 @@ def _device_config(profile: Profile, device: LocalDevice, family: str | None,
     thresholds = f"{base.min_query_tokens}/{base.min_key_tokens} tokens"
     note = f"no profile entry matches: defaults here ({thresholds}); {nearest_entry}"
     return DeviceConfig(base, one_line(note), matched=False)
-
-
-def this_machine() -> list[LocalDevice]:
-    """Every visible device as a profile entry must match it. Raises SageUnavailable without a
-    usable sageattention (its version is part of the match)."""
-    packages = sage_package.load_all()
-    package = packages[THU_ML.name]
-    if isinstance(package, str):
-        raise sage_package.SageUnavailable(package)
-    return machines(platform.current(), package.version, package.source,
-                    sage_package.other_builds(packages, package))
-
-
-def machines(cuda: platform.CudaPlatform, sageattention: str, source: str = "",
-             other_sources: Mapping[str, str] | None = None) -> list[LocalDevice]:
-    """Every device of `cuda` as a profile entry must match it, with this sageattention version and
-    build (`source`), and the other providers' builds (`other_sources`: provider -> source digest)."""
-    cuda_version = cuda.torch_cuda()
-    torch_cuda = "%d.%d" % cuda_version if cuda_version else ""
-    return [LocalDevice(cuda.device_name(i), cuda.capability(i), round(cuda.total_memory(i) / 2**30, 1),
-                    torch.__version__, torch_cuda, sageattention, source, cuda.sm_count(i),
-                    dict(other_sources or {}))
-            for i in range(cuda.device_count())]

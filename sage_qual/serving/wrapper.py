@@ -216,7 +216,8 @@ def _device_configs(cuda, packages: Packages, config: WrapperConfig, profile, fa
     profile's entry where one matches; one WARNING when the profile describes a GPU not, or when the
     built-in defaults were measured with another sageattention build."""
     from sage_qual.serving import defaults
-    from sage_qual.serving.profile import DeviceConfig, ProfileError, device_configs, machines
+    from sage_qual.serving.devices_here import machines
+    from sage_qual.serving.profile import DeviceConfig, ProfileError, device_configs
 
     package = _primary(packages)
     here = machines(cuda, package.version, package.source, sage_package.other_builds(packages, package))

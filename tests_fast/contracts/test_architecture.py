@@ -272,3 +272,14 @@ def test_the_readme_layout_table_names_every_module():
         if f"`{stem}`" not in text and f"`{stem}.py`" not in text and f"{stem}.py`" not in text:
             missing.append(name)
     assert not missing, f"docs/guide.md's layout table does not name: {missing}"
+
+
+def test_a_profile_is_read_and_matched_without_torch():
+    """Issue 53: gate and the defaults builder read profiles; reading and matching one imports no torch
+    (the visible devices are `serving.devices_here`'s)."""
+    import subprocess
+    import sys
+
+    probe = "import sys, sage_qual.serving.profile, sage_qual.serving.machine; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "False", done.stderr

@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 import torch
 
+from sage_qual.serving import devices_here, profile
 from sage_qual.serving import machine as machine_rules
-from sage_qual.serving import profile
 from sage_qual.serving.config import DEFAULT_CONFIG
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
 
@@ -147,7 +147,7 @@ def test_the_schema_names_the_profile_and_its_version():
 def test_this_machine_is_every_visible_device_with_the_installed_sageattention():
     gpus = [FakeGpu((9, 0), "NVIDIA H200", 139.8), FakeGpu((8, 9), "NVIDIA GeForce RTX 4090", 23.99)]
     with FakeCuda(gpus, torch_cuda=(12, 8)), FakeSageAttention(version="2.2.0+cu128").installed():
-        found = profile.this_machine()
+        found = devices_here.this_machine()
     assert found == [
         profile.LocalDevice("NVIDIA H200", (9, 0), 139.8, torch.__version__, "12.8", "2.2.0+cu128"),
         profile.LocalDevice(
@@ -158,7 +158,7 @@ def test_this_machine_is_every_visible_device_with_the_installed_sageattention()
 
 def test_a_machine_without_cuda_in_torch_has_no_cuda_version():
     with FakeCuda([FakeGpu((9, 0), "NVIDIA H200", 139.8)], torch_cuda=None) as cuda:
-        assert profile.machines(cuda, "2.2.0")[0].torch_cuda == ""
+        assert devices_here.machines(cuda, "2.2.0")[0].torch_cuda == ""
 
 
 # What differs, and which entry is nearest -------------------------------------------------------------
