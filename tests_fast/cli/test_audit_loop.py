@@ -24,7 +24,13 @@ from .. import fakes
 from ..helpers import SMALL, qkv, wrapped
 
 GPU = "Fake H200"
-HOOK = {"gpus": [{"name": GPU, "capability": [9, 0]}]}
+
+
+def on_fake_gpu(monkeypatch, gpu=GPU):
+    """certify's workers run on one fake sm_90 GPU of this name (the test hook)."""
+    monkeypatch.setenv(worker_faults.TEST_HOOK, json.dumps({"gpus": [{"name": gpu, "capability": [9, 0]}]}))
+
+
 STRICT = {"fp16": {"max_rel_l2": 0.05, "min_cosine": 0.998}, "fp8": {"max_rel_l2": 0.12, "min_cosine": 0.99}}
 
 
@@ -71,8 +77,9 @@ def production(folder, defect, every=5, calls=40, audit=True):
     return report
 
 
-def certify_and_gate(tmp_path, monkeypatch, capsys, folder):
-    monkeypatch.setenv(worker_faults.TEST_HOOK, json.dumps(HOOK))
+def certify_and_gate(tmp_path, monkeypatch, capsys, folder, gpu=GPU):
+    """certify on a fake GPU named `gpu` with `folder` beside the shipped fixtures, then gate --json."""
+    on_fake_gpu(monkeypatch, gpu)
     out = tmp_path / "out"
     assert main(["certify", "--variants", "sm90-fp8-cuda", "--fixtures", str(folder), "--families", "Krea-2",
                  "--out", str(out)]) == 0
@@ -116,7 +123,7 @@ def test_without_the_audit_nothing_is_recorded_and_the_family_is_enabled(tmp_pat
     folder = tmp_path / "misses"
     report = production(folder, outlier_in_k, audit=False)
     assert not report.audit.misses and not list(folder.glob("*.safetensors"))
-    monkeypatch.setenv(worker_faults.TEST_HOOK, json.dumps(HOOK))
+    on_fake_gpu(monkeypatch)
     out = tmp_path / "out"
     assert main(["certify", "--variants", "sm90-fp8-cuda", "--families", "Krea-2", "--out", str(out)]) == 0
     capsys.readouterr()
@@ -126,15 +133,8 @@ def test_without_the_audit_nothing_is_recorded_and_the_family_is_enabled(tmp_pat
 def test_a_recorded_miss_keeps_off_only_its_own_gpu_model(tmp_path, monkeypatch, capsys, shipped):
     folder = tmp_path / "misses"
     production(folder, outlier_in_k)
-    other_model = {"gpus": [{"name": "Fake H100", "capability": [9, 0]}]}
-    monkeypatch.setenv(worker_faults.TEST_HOOK, json.dumps(other_model))
-    out = tmp_path / "out"
-    assert main(["certify", "--variants", "sm90-fp8-cuda", "--fixtures", str(folder), "--families", "Krea-2",
-                 "--out", str(out)]) == 0
-    capsys.readouterr()
-    code = main(["gate", "--family", "Krea-2", "--report", str(out / "report.json"), "--fixtures",
-                 str(folder)])
-    assert code == 0, capsys.readouterr()
+    code, answer = certify_and_gate(tmp_path, monkeypatch, capsys, folder, gpu="Fake H100")
+    assert code == 0, answer
 
 
 # sage-qual audit FOLDER --------------------------------------------------------------------------------
