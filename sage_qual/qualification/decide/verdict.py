@@ -63,6 +63,7 @@ from sage_qual.qualification.measure.speed import (
 )
 from sage_qual.serving.config import KERNEL_TABLE, Bound
 from sage_qual.serving.contexts import CONTEXTS, REASON
+from sage_qual.serving.machine import same_gpu_name
 from sage_qual.serving.served import Served
 from sage_qual.serving.variants import VARIANTS, gpu_label
 
@@ -416,7 +417,7 @@ class _Model:
             cell = self.cells.get((variant, fixture, device.index))
             missing = [Reason(ReasonKind.INCOMPLETE, "not run")]
             reasons = missing if cell is None else judged(self.report, cell)
-            if miss is not None and miss.variant == variant and miss.gpu == device.name:
+            if miss is not None and miss.variant == variant and same_gpu_name(miss.gpu, device.name):
                 reasons = [*reasons, Reason(ReasonKind.AUDIT, miss.reason())]
             found += [Finding(variant, fixture, device.index, reason) for reason in reasons]
         return found
