@@ -112,3 +112,66 @@ def test_a_masked_call_is_served_and_right_in_every_context(name, runnable, reco
         eager = rows[f"{kind} eager"]
         assert eager["rel_l2"] <= BOUND, eager
         assert eager["extra_bytes_per_element"] <= limits.MEMORY_BOUND, eager
+
+
+KEYLESS_SCRIPT = """
+import json
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+import sage_qual
+from sage_qual.serving import wrapper
+from sage_qual.serving.config import WrapperConfig
+from sage_qual.serving.torch_sdpa import TORCH_SDPA
+
+cap = torch.cuda.get_device_capability(0)
+config = WrapperConfig(min_query_tokens=1, min_key_tokens=1, kernel_table={{cap: ({name!r},)}}, masks=True)
+status = sage_qual.install(config=config)
+assert status.enabled, status.reason
+g = torch.Generator("cuda").manual_seed(0)
+q, k, v = (torch.randn((2, 8, 1024, 128), device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+keep = torch.ones((2, 1, 1024, 1024), device="cuda", dtype=torch.bool)
+keep[:, :, 7] = False  # query row 7 keeps no key
+keep[1, :, :, 900:] = False  # item 1 is a shorter prompt
+bias = torch.zeros(keep.shape, device="cuda", dtype=torch.bfloat16).masked_fill(~keep, float("-inf"))
+
+def row(out):  # what an output holds on row 7
+    r = out[:, :, 7].float()
+    return "nan" if r.isnan().any() else "zero" if (r == 0).all() else "other"
+
+rows = {{}}
+for kind, mask in (("bool", keep), ("additive", bias)):
+    found = {{}}
+    for backend in (SDPBackend.MATH, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+        try:
+            with sdpa_kernel([backend]):
+                found["torch " + backend.name] = row(TORCH_SDPA(q, k, v, attn_mask=mask))
+        except RuntimeError as error:
+            found["torch " + backend.name] = "refused: " + str(error).splitlines()[0][:80]
+    found["kernel"] = row(wrapper._installed.kernels[0](q, k, v, sm_scale=128 ** -0.5, attn_mask=mask))
+    float_mask = mask if kind == "bool" else mask.float()  # torch takes a bias in the query's dtype
+    reference = TORCH_SDPA(q.float(), k.float(), v.float(), attn_mask=float_mask)
+    with sage_qual.sage_attention_scope() as report:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.cuda.synchronize()
+    finite = bool(out.isfinite().all())
+    rows[kind] = {{**found, "served": report.served, "wrapper": row(out), "finite": finite,
+                  "rel_l2": float((out.float() - reference).norm() / reference.norm())}}
+print(json.dumps(rows))
+"""
+
+
+@pytest.mark.parametrize("name", MASKED_VARIANTS)
+def test_a_query_row_without_keys_gets_what_torch_gives_it(name, runnable, record):
+    """Issue 54: what torch's CUDA backends and the kernel give a query row its mask keeps no key for
+    (recorded), and the wrapper serving the call with torch's answer on that row, finite."""
+    runnable(name)
+    rows = run_child(KEYLESS_SCRIPT.format(name=name), timeout=300)
+    for kind, row in rows.items():
+        record(test="keyless-row", variant=name, fixture=kind, kind="random", served=row["served"],
+               rel_l2=row["rel_l2"], **{key.replace(" ", "_"): value for key, value in row.items()
+                                        if key.startswith("torch") or key in ("kernel", "wrapper")})
+    for kind, row in rows.items():
+        assert row["served"] == 1, (kind, row)  # the kernel served it
+        assert row["finite"] and row["wrapper"] == row["torch MATH"] == "zero", (kind, row)
+        assert row["rel_l2"] <= BOUND, (kind, row)

@@ -2,6 +2,8 @@
 
 Only tensor metadata is read (shape, dtype, strides, flags, storage pointers): nothing here may
 synchronize the device. Device state (retired, no kernel) and scope state (out of memory) are the wrapper's.
+A served masked call's query rows that its mask keeps no key for are set on the device to what torch
+gives them (`rows_without_keys`).
 """
 
 from __future__ import annotations
@@ -212,6 +214,16 @@ def _mask_refusal(mask: torch.Tensor, q: torch.Tensor, scores: tuple[int, ...], 
     if cuda.tensor_device(mask) != cuda.tensor_device(q):
         return "mask", "attn_mask on another device than the query", ()
     return None
+
+
+def rows_without_keys(mask: torch.Tensor) -> torch.Tensor:
+    """[..., N_q, 1], True where `mask` (as SDPA takes it) keeps no key for a query row. torch's SDPA
+    gives such a row zeros; comfy-kitchen's kernel NaN (its fake; the GPU's in docs/providers.md), so
+    the wrapper zeroes them in the output. Computed on the device: deciding a fallback on it would
+    read the device on every masked call."""
+    if mask.dtype == torch.bool:
+        return ~mask.any(-1, keepdim=True)
+    return mask.amax(-1, keepdim=True) == float("-inf")  # no mask-sized temporary
 
 
 # Spans ------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from sage_qual.serving.assess import Packages, assess, box_facts, loaded
 from sage_qual.serving.audit import Auditor
 from sage_qual.serving.config import DEFAULT_CONFIG, AuditConfig, WrapperConfig
 from sage_qual.serving.contexts import CAPTURE, COMPILE, REASON, SIDE_STREAM
-from sage_qual.serving.eligibility import SdpaCall, bind, copies_fit, refusal, within_span
+from sage_qual.serving.eligibility import SdpaCall, bind, copies_fit, refusal, rows_without_keys, within_span
 from sage_qual.serving.failures import Failure, classify
 from sage_qual.serving.providers import PROVIDERS, THU_ML
 from sage_qual.serving.scope import ScopeReport, _active
@@ -357,7 +357,8 @@ def _serve(state: _Installed, report: ScopeReport, args: tuple, kwargs: dict, co
 
     def run():  # the copies are made here: out of memory for them is handled as for the kernel's own
         given = within_span(call, config.max_span_elements) if copy else call
-        return kernel(given.query, given.key, given.value, sm_scale=call.sm_scale, attn_mask=call.attn_mask)
+        out = kernel(given.query, given.key, given.value, sm_scale=call.sm_scale, attn_mask=call.attn_mask)
+        return out if call.attn_mask is None else out.masked_fill_(rows_without_keys(call.attn_mask), 0)
 
     with cuda.device_guard(device.index):
         try:

@@ -110,6 +110,21 @@ def test_the_audit_catches_the_defect_records_it_and_certify_then_keeps_the_fami
     assert "krea2_small | Krea-2 | replica" in report_md
 
 
+def test_gate_without_the_folder_still_keeps_the_family_off_and_says_the_file_is_absent(
+        tmp_path, monkeypatch, capsys, shipped):
+    """A CI job may gate on a host without the misses' folder: the report's miss stands (exit 1, not
+    'stale: certify again', which without the folder would drop the miss)."""
+    folder = tmp_path / "misses"
+    production(folder, outlier_in_k)
+    [recorded] = folder.glob("*.safetensors")
+    certify_and_gate(tmp_path, monkeypatch, capsys, folder)
+    assert main(["gate", "--family", "Krea-2", "--report", str(tmp_path / "out" / "report.json"),
+                 "--json"]) == 1
+    answer = json.loads(capsys.readouterr().out)
+    assert any(recorded.stem in r["detail"] for r in answer["gpus"][0]["reasons"] if r["kind"] == "audit")
+    assert any(recorded.stem in line and "--fixtures" in line for line in answer["differences"]), answer
+
+
 @pytest.mark.parametrize("every", [3, 5, 8])
 def test_the_audit_catches_a_defect_within_every_calls_of_its_start(tmp_path, every):
     report = production(tmp_path / "misses", after_call(12), every=every, calls=12 + 2 * every + 1)

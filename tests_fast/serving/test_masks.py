@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 import sage_qual
 from sage_qual.serving import profile as profile_mod
+from sage_qual.serving.numerics import exact_attention
 from sage_qual.serving.profile import ProfileError
 from sage_qual.serving.served import Served
 from sage_qual.serving.variants import mask_broadcasts
@@ -176,3 +177,25 @@ def test_the_one_broadcast_rule_is_torchs(scores, mask_shape):
     except RuntimeError:
         torch_says = False
     assert mask_broadcasts(mask_shape, scores) is torch_says
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+@pytest.mark.parametrize("shape", [(2, 1, TOKENS, TOKENS), (1, 2, TOKENS, TOKENS), (TOKENS, TOKENS)],
+                         ids=["per-item", "per-head", "2-d"])
+def test_a_query_row_the_mask_keeps_no_key_for_gets_what_torch_gives_it(kind, shape):
+    """Issue 54: torch gives such a row zeros, the kernel (here comfy-kitchen's fake) NaN; the call is
+    still served, and its output is torch's on that row and the kernel's elsewhere."""
+    q, k, v = qkv()
+    keep = torch.ones(shape, dtype=torch.bool)
+    keep[..., 7, :] = False  # query row 7 keeps no key (in every item and head the mask covers)
+    keep[..., 9, 50:] = False  # row 9 keeps some
+    bias = torch.zeros(shape, dtype=torch.float16).masked_fill(~keep, float("-inf"))
+    mask = keep if kind == "bool" else bias
+    with served():
+        out, report = call(q, k, v, mask)
+    assert report.served == 1, report.summary()
+    kernel_out = exact_attention(q.float(), k.float(), v.float(), 64 ** -0.5, attn_mask=mask)  # as the fake's
+    expected = TORCH_SDPA(q.float(), k.float(), v.float(), attn_mask=mask if kind == "bool" else mask.float())
+    assert kernel_out[..., 7, :].isnan().all(), "the fake no longer returns NaN on a keyless row"
+    assert out.isfinite().all()
+    torch.testing.assert_close(out.float(), expected, atol=2e-3, rtol=2e-3)

@@ -209,12 +209,15 @@ def budget_problem(source: str, data: Report, family: Family, models_here: set[s
     cache = Entries(load_cache(path, model))
     known = len(cache)
     owners = {f.name: f.family for f in data.fixtures}
+    # A recorded miss absent here is taken as stored (gate.stale says so): it keeps its variant off.
+    absent_misses = data.recorded_misses() - set(fixtures)
     problem = ""
     for n, device in enumerate(data.devices):
         if gpu_label(device.name, device.capability) not in models_here:
             continue
         for m, cell in enumerate(device.cells):
-            if not cell.measured or not counts_for(family, owners.get(cell.fixture, "")):
+            if (not cell.measured or not counts_for(family, owners.get(cell.fixture, ""))
+                    or cell.fixture in absent_misses):
                 continue
             where = f"{source}: devices[{n}].cells[{m}] ({cell.variant} on {cell.fixture})"
             variant = _cell_variant(data, cell.variant, tuple(device.capability))

@@ -433,6 +433,10 @@ class Report:
         "description": "true: every outcome was judged for fitness as well as conformance (schema 5); "
                        "false in an older report, whose outcomes the reader judges for fitness again"})
 
+    def recorded_misses(self) -> set[str]:
+        """The names of the fixtures that the wrapper's audit recorded as misses."""
+        return {f.name for f in self.fixtures if f.audit is not None}
+
     def check(self) -> list[tuple[str, str]]:
         if self.complete and not self.finished:
             return [("finished", "null in a report marked complete")]
