@@ -218,9 +218,9 @@ def _mask_refusal(mask: torch.Tensor, q: torch.Tensor, scores: tuple[int, ...], 
 
 def rows_without_keys(mask: torch.Tensor) -> torch.Tensor:
     """[..., N_q, 1], True where `mask` (as SDPA takes it) keeps no key for a query row. torch's SDPA
-    gives such a row zeros; comfy-kitchen's kernel NaN (its fake; the GPU's in docs/providers.md), so
-    the wrapper zeroes them in the output. Computed on the device: deciding a fallback on it would
-    read the device on every masked call."""
+    gives such a row zeros, and so does the wrapper: comfy-kitchen's kernel gives zeros on the H100, its
+    public fake NaN (run 47, docs/providers.md). Computed on the device: deciding a fallback on it
+    would read the device at every masked call."""
     if mask.dtype == torch.bool:
         return ~mask.any(-1, keepdim=True)
     return mask.amax(-1, keepdim=True) == float("-inf")  # no mask-sized temporary
