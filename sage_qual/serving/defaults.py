@@ -104,17 +104,25 @@ def _device_config(measured: profile.Profile, device: profile.LocalDevice, famil
     models = ", ".join(gpu.name for gpu in kin)
     kept_off = [e for gpu in kin if family and (e := profile.family_entry(gpu, family)) and not e.variant]
     if kept_off:  # the kernels of one capability are the same code: a family failed there stays off
-        where = f"built-in defaults: {device.name} was never measured, kept as on {models}"
+        where = f"built-in defaults: {device.name} never measured, off as on {models}"
         return _applied(base, device, kept_off[0], where, what)
+    # A GPU model no run measured that gets a kernel is warned about (matched=False): it serves by a
+    # rule, not a verdict certified on it.
     strictest = most_conservative([gpu.default for gpu in kin])
     if strictest is None:
-        return profile.DeviceConfig(base, "")
+        if not base.kernel_table.get(device.capability):
+            return profile.DeviceConfig(base, "")
+        return profile.DeviceConfig(base, one_line(
+            f"built-in defaults: no {capability} GPU was measured, so not certified (run sage-qual certify "
+            f"here): {what} by the default rule, from {base.min_query_tokens:,} query tokens (InvokeAI's "
+            f"RTX 4090 break-even, limits.MIN_QUERY_TOKENS)"), matched=False)
     # Today's table stays (the model was never measured); what it serves is what its kin verified.
     verified = profile.apply(base, device.capability, strictest)
     config = dataclasses.replace(verified, kernel_table=base.kernel_table)
     return profile.DeviceConfig(config, one_line(
-        f"built-in defaults: {device.name} was never measured; the most conservative thresholds measured "
-        f"on {capability} ({models}): {strictest.served.short()}"))
+        f"built-in defaults: {device.name} was never measured, so not certified (run sage-qual certify "
+        f"here): {what} by the strictest of {capability} ({models}): {strictest.served.short()}"),
+        matched=False)
 
 
 def _applied(base: WrapperConfig, device: profile.LocalDevice, chosen: profile.Entry, where: str,

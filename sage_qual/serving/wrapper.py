@@ -46,6 +46,7 @@ class DeviceState:
     config: WrapperConfig = field(default=DEFAULT_CONFIG, repr=False)
     profile_note: str = ""  # which profile entry (or built-in default) applies, or why none does: one line
     profile_reasons: tuple[str, ...] = ()  # every reason that entry gives for serving nothing, in full
+    profile_matched: bool = True  # False: no entry describes it, or a rule for a model never measured: warn
 
     @property
     def safe_contexts(self) -> tuple[str, ...]:
@@ -169,6 +170,12 @@ def _install(config: WrapperConfig | None, profile=None, family: str | None = No
     _installed.function = _make_sdpa(_installed)
     torch_sdpa.bind(_installed.function, _installed.original)
     _status = InstallStatus(True, "", package.version, tuple(devices.values()))
+    unmatched = [device for device in devices.values() if not device.profile_matched]
+    if unmatched:  # one WARNING, once the install stands
+        source = "built-in defaults" if loaded is None else "profile"
+        others = f" and {len(unmatched) - 1} more GPUs" if len(unmatched) > 1 else ""
+        note = unmatched[0].profile_note.removeprefix(f"{source}: ")  # said once, first
+        log.warning("%s", one_line(f"{source}: {unmatched[0].label}{others}: {note}"))
     for device in devices.values():
         if device.profile_note:
             log.info("%s: %s", device.label, device.profile_note)
@@ -229,13 +236,6 @@ def _device_configs(cuda, packages: Packages, config: WrapperConfig, profile, fa
         )
     except ProfileError as error:
         raise sage_package.SageUnavailable(str(error)) from None
-    unmatched = [(i, c) for i, c in enumerate(chosen) if not c.matched]
-    if unmatched:
-        (index, first), more = unmatched[0], len(unmatched) - 1
-        label = "cuda:%d (%s, %s)" % (index, here[index].name, capability_label(here[index].capability))
-        others = f" and {more} more GPUs" if more else ""
-        source = "built-in defaults" if profile is None else "profile"
-        log.warning("%s", one_line(f"{source}: {label}{others}: {first.note}"))
     return chosen
 
 
@@ -276,6 +276,7 @@ def _probe(config: WrapperConfig, profile=None, family: str | None = None,
         name = cuda.device_name(index)
         devices[index] = DeviceState(index, name, capability, variant, reason, config=own.config,
                                      profile_note=own.note, profile_reasons=own.reasons,
+                                     profile_matched=own.matched,
                                      retired=audit.retired_before(index, name, family))
     if not any(d.variant for d in devices.values()):
         first, *others = devices.values()

@@ -119,14 +119,35 @@ def test_a_gpu_never_measured_keeps_the_table_with_the_strictest_thresholds_of_i
     assert device.variant.name == "sm90-fp8-cuda"  # today's table
     assert (device.config.min_query_tokens, device.config.min_key_tokens, device.config.head_dims) == \
         (13824, 13824, (128,))  # the H200's, the higher of the two models measured
-    assert "NVIDIA H800 was never measured" in device.profile_note
+    assert "NVIDIA H800 was never measured, so not certified (run sage-qual certify here)" in \
+        device.profile_note
     assert len(device.profile_note) <= STATUS_LINE_LIMIT
+
+
+def test_a_gpu_model_never_measured_that_gets_a_kernel_is_said_in_one_warning_with_its_rule(caplog):
+    """Issue 54: install(family=...) on a GPU model no run measured said enabled=True with no WARNING,
+    so nothing told that the verdict is a rule, not a certified one."""
+    for gpu, rule in ((RTX4090, "by the default rule, from 1,536 query tokens"),
+                      (H800, "by the strictest of sm_90 (NVIDIA H200, NVIDIA H100 80GB HBM3)")):
+        caplog.clear()
+        with FakeCuda([gpu]), FakeSageAttention().installed(), caplog.at_level(logging.INFO, "sage_qual"):
+            status = sage_qual.install(family="FLUX.1")
+            sage_qual.uninstall()
+        assert status.enabled
+        [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert warning.startswith(f"built-in defaults: cuda:0 ({gpu.name}, ") and "not certified" in warning
+        assert rule in status.devices[0].profile_note and "family FLUX.1" in status.devices[0].profile_note
+    caplog.clear()
+    with FakeCuda([H200]), FakeSageAttention().installed(), caplog.at_level(logging.WARNING, "sage_qual"):
+        assert sage_qual.install(family="FLUX.1").enabled  # a model measured: no warning
+        sage_qual.uninstall()
+    assert not caplog.records
 
 
 def test_a_capability_never_measured_keeps_todays_table_and_thresholds():
     status, report = call(1536, [RTX4090])
     [device] = status.devices
-    assert device.config == DEFAULT_CONFIG and device.profile_note == ""
+    assert device.config == DEFAULT_CONFIG and "no sm_89 GPU was measured" in device.profile_note
     assert report.served == 1
 
 
@@ -142,7 +163,7 @@ def test_the_strictest_thresholds_take_the_highest_counts_at_the_head_sizes_all_
     [unknown] = defaults.device_configs([machine], path=path)
     assert (unknown.config.min_query_tokens, unknown.config.min_key_tokens, unknown.config.head_dims) == \
         (13824, 32768, (128,))
-    assert "(NVIDIA H200, NVIDIA H100 80GB HBM3, Fake sm90 card)" in unknown.note
+    assert "(NVIDIA H200, NVIDIA H100 80GB HBM3, Fake sm90 card)" in unknown.note and not unknown.matched
     card = profile.LocalDevice("Fake sm90 card", (9, 0), 80.0, "2", "", "")
     [measured] = defaults.device_configs([card], path=path)
     assert (measured.config.min_query_tokens, measured.config.head_dims) == (4096, (64, 128))
