@@ -1,31 +1,5 @@
-"""A fake `sageattention` (and, when asked, a fake `comfy_kitchen`) and a fake CUDA, for our tests
-and for downstream apps' tests.
-
-    from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention, on_device
-
-    fake = FakeSageAttention(version="2.2.0")
-    with FakeCuda([FakeGpu((8, 9), "RTX 4090")]), fake.installed():
-        sage_qual.install()
-        with sage_qual.sage_attention_scope():
-            out = F.scaled_dot_product_attention(q, k, v)   # CPU tensors, served by the fake
-    assert fake.calls[0].keywords["smooth_k"] is False
-
-CPU tensors count as CUDA tensors on fake device 0, or on the device `on_device()` gives them;
-meta tensors count as not on a GPU. The fake kernels are made from the variant registry
-(`sage_qual.serving.variants.KERNEL_FUNCTIONS`): one per kernel function, with its keyword
-signature. Each records every call, refuses what the real kernel refuses (see `check_call`), and
-returns the exact attention computed in float32 (cast to the input dtype, as the real kernels
-return), unless told to raise or return something else.
-
-Execution contexts: `with cuda.side_stream():` and `with cuda.capture():` make calls run as if on a
-side stream or during a CUDA-graph capture. The fake kernels of thu-ml's CUDA functions then return
-zeros, as a launch on the legacy stream does there (unordered, or not recorded); the Triton one, which
-launches on the current stream, stays right (`FakeSageAttention.current_stream` changes which).
-
-`FakeSageAttention(comfy_kitchen="0.2.40")` also installs a fake comfy-kitchen whose
-`comfy_kitchen.sage_attention.int8_attention` is made the same way; without it a real comfy-kitchen
-is hidden for the block, so a test sees the same machine wherever it runs.
-"""
+"""The fake `sageattention` and `comfy_kitchen` of `sage_qual.testing`: kernels made from the variant
+registry that record their calls and refuse what the real ones refuse."""
 
 from __future__ import annotations
 
@@ -42,7 +16,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from sage_qual.serving import contexts, platform, sage_package
+from sage_qual.serving import platform, sage_package
 from sage_qual.serving.eligibility import MASK_DTYPES
 from sage_qual.serving.numerics import exact_attention
 from sage_qual.serving.providers import COMFY_KITCHEN, THU_ML
@@ -53,150 +27,12 @@ from sage_qual.serving.variants import (
     mask_broadcasts,
     upstream_pick,
 )
+from sage_qual.testing.cuda import FakeCuda, device_of
 
 # comfy_kitchen's modules the fake puts in place (or hides): its package, kernels module and the
 # packages above its CUDA extension.
 _CK_MODULES = ("comfy_kitchen", "comfy_kitchen.sage_attention", "comfy_kitchen.backends",
                "comfy_kitchen.backends.cuda")
-
-_FAKE_INDEX = "_sage_qual_fake_cuda_index"
-
-
-def on_device(tensor: torch.Tensor, index: int) -> torch.Tensor:
-    """Mark a CPU tensor as living on fake CUDA device `index` (returns the same tensor)."""
-    setattr(tensor, _FAKE_INDEX, index)
-    return tensor
-
-
-@dataclass(frozen=True)
-class FakeGpu:
-    capability: tuple[int, int]
-    name: str = "Fake GPU"
-    memory_gib: float = 24.0
-    sm_count: int | None = None  # None: torch does not say (a machine description without it)
-
-
-class FakeCuda(platform.CudaPlatform):
-    """Makes a CPU build of torch look like a CUDA build with the given GPUs.
-
-    `events` records device switches ("enter 1", "exit 1"), and the fake kernels append
-    "kernel <name> on <device>", so tests can check the kernel ran with its device current.
-    """
-
-    def __init__(self, gpus: list[FakeGpu], torch_cuda: Optional[tuple[int, int]] = (13, 0),
-                 rocm: bool = False):
-        self.gpus = list(gpus)
-        self._torch_cuda = torch_cuda
-        self.rocm = rocm
-        self.current_device = 0
-        # Per device, as torch keeps a current stream per device: "default" or "side", and whether
-        # that device's current stream is capturing a CUDA graph. A call is judged by its own
-        # device's stream, never by the current device's (issue 43).
-        self.streams = {index: "default" for index in range(len(self.gpus))}
-        self.capturing: set[int] = set()
-        self.events: list[str] = []
-        self.reads_held = False  # True: a value sent to the host arrives only when waited for
-        self._swap = None
-
-    def is_rocm(self) -> bool:
-        return self.rocm
-
-    def device_count(self) -> int:
-        return len(self.gpus)
-
-    def capability(self, index: int) -> tuple[int, int]:
-        return self.gpus[index].capability
-
-    def device_name(self, index: int) -> str:
-        return self.gpus[index].name
-
-    def total_memory(self, index: int) -> int:
-        return int(self.gpus[index].memory_gib * 2**30)
-
-    def sm_count(self, index: int) -> int | None:
-        return self.gpus[index].sm_count
-
-    def torch_cuda(self):
-        return self._torch_cuda
-
-    def tensor_device(self, tensor: torch.Tensor):
-        if tensor.device.type != "cpu":
-            return None
-        return getattr(tensor, _FAKE_INDEX, 0)
-
-    @contextlib.contextmanager
-    def device_guard(self, index: int):
-        previous, self.current_device = self.current_device, index
-        self.events.append(f"enter {index}")
-        try:
-            yield
-        finally:
-            self.current_device = previous
-            self.events.append(f"exit {index}")
-
-    def autocast_enabled(self) -> bool:
-        # The fake CUDA device is the CPU, so CPU autocast stands for CUDA autocast.
-        return torch.is_autocast_enabled("cpu")
-
-    @contextlib.contextmanager
-    def side_stream(self, index: Optional[int] = None):
-        """Run the block as if torch's current stream of device `index` (None: the current device)
-        were a side stream."""
-        index = self.current_device if index is None else index
-        previous, self.streams[index] = self.streams[index], "side"
-        try:
-            yield
-        finally:
-            self.streams[index] = previous
-
-    @contextlib.contextmanager
-    def capture(self, index: Optional[int] = None):
-        """Run the block as if a CUDA graph were being captured on device `index` (None: the current
-        device), on a side stream, as torch does."""
-        index = self.current_device if index is None else index
-        previous = self.streams[index], index in self.capturing
-        self.streams[index] = "side"
-        self.capturing.add(index)
-        try:
-            yield
-        finally:
-            self.streams[index] = previous[0]
-            if not previous[1]:
-                self.capturing.discard(index)
-
-    @property
-    def stream(self) -> str:
-        """The current device's current stream."""
-        return self.streams[self.current_device]
-
-    def stream_contexts(self, index: int) -> tuple[str, ...]:
-        if index in self.capturing:
-            return (contexts.CAPTURE, contexts.SIDE_STREAM)
-        return (contexts.SIDE_STREAM,) if self.streams[index] != "default" else ()
-
-    def run_on_legacy_stream(self, index: int, call):
-        self.events.append(f"legacy stream on {index}")
-        previous, self.streams[index] = self.streams[index], "default"
-        try:
-            return call()
-        finally:
-            self.streams[index] = previous
-
-    def read_later(self, values: torch.Tensor):
-        ready = values.tolist()
-        return lambda wait: ready if wait or not self.reads_held else None
-
-    def __enter__(self):
-        self._swap = platform.use(self)
-        return self._swap.__enter__()
-
-    def __exit__(self, *exc):
-        return self._swap.__exit__(*exc)
-
-
-def _device_of(tensor: torch.Tensor) -> Optional[int]:
-    return getattr(tensor, _FAKE_INDEX, 0) if tensor.device.type == "cpu" else None
-
 
 def check_call(function: KernelFunction, q, k, v, keywords: dict[str, Any]) -> None:
     """Raise what the real kernel raises for a call it refuses (upstream core.py's asserts and
@@ -205,11 +41,11 @@ def check_call(function: KernelFunction, q, k, v, keywords: dict[str, Any]) -> N
     shapes its Triton kernel would read out of bounds (a batch or head_dim mismatch)."""
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         raise TypeError("q, k and v must be tensors")
-    if _device_of(q) is None:
+    if device_of(q) is None:
         raise AssertionError("Input tensors must be on cuda.")
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise AssertionError("Input tensors must be in dtype of torch.float16 or torch.bfloat16")
-    if not _device_of(q) == _device_of(k) == _device_of(v):
+    if not device_of(q) == device_of(k) == device_of(v):
         raise AssertionError("All tensors must be on the same device.")
     if not q.dtype == k.dtype == v.dtype:
         raise AssertionError("All tensors must have the same dtype.")
@@ -237,7 +73,7 @@ def check_call(function: KernelFunction, q, k, v, keywords: dict[str, Any]) -> N
         raise AssertionError("Mask should be None for causal attention.")
     mask = keywords.get(function.mask_keyword) if function.mask_keyword else None
     if mask is not None:  # comfy-kitchen's _validate_inputs
-        if _device_of(mask) != _device_of(q):
+        if device_of(mask) != device_of(q):
             raise ValueError("attn_mask must be on the same CUDA device as q, k, and v")
         if mask.dtype not in MASK_DTYPES:
             raise TypeError("attn_mask must be bool, float16, bfloat16, or float32")
