@@ -9,6 +9,7 @@ re-derived on this CPU: about a second each."""
 import dataclasses
 
 import pytest
+import torch
 
 from sage_qual.qualification import families
 from sage_qual.qualification.decide import budget_check, gate
@@ -90,10 +91,12 @@ def test_only_checks_that_bound_the_family_on_the_gpus_here_are_re_derived(deriv
                                             FLUX, {"NVIDIA H100 (sm_90)"}, "cpu") == ""
 
 
-def test_without_a_gpu_nothing_is_re_derived(derived, monkeypatch):
-    monkeypatch.setattr(budget_check, "long_device", lambda: None)
-    assert budget_check.long_budget_problem("r.json", report_of(loosened(derived, "max_rel_l2", 10.0)),
-                                            FLUX, HERE) == ""
+def test_without_a_gpu_the_checks_are_re_derived_on_the_cpu(derived, monkeypatch):
+    """Issue 54: without a GPU torch can see, a loosened long check was taken as stored."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    problem = budget_check.long_budget_problem("r.json", report_of(loosened(derived, "max_rel_l2", 10.0)),
+                                               FLUX, HERE)
+    assert "budget.max_rel_l2" in problem and "drawn on cpu" in problem, problem
 
 
 def test_gate_refuses_a_loosened_long_check(derived, monkeypatch):
@@ -162,9 +165,7 @@ def test_on_the_gpu_the_allowance_is_a_cells(derived, monkeypatch):
     assert asked == ["cuda", "cpu"]
 
 
-@pytest.mark.parametrize("available, device", [(True, "cuda"), (False, None)])
+@pytest.mark.parametrize("available, device", [(True, "cuda"), (False, "cpu")])
 def test_the_inputs_are_drawn_on_the_gpu_when_there_is_one(monkeypatch, available, device):
-    import torch
-
     monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
     assert budget_check.long_device() == device

@@ -277,14 +277,15 @@ def _looser(where: str, stored: Budget | None, derived: Budget, relative: float 
 LONG_REL_OTHER_DEVICE = 0.5
 
 
-def long_device() -> str | None:
-    """Where gate draws the long checks' inputs again: the GPU ("cuda"), as certify drew them. None
-    without one: a gate there decides nothing (no GPU to match a report to) but behind the test
-    hook's fake GPUs; and the model at a real long call takes 7-13 s a check at 8,192 tokens on this
-    VM's CPU (2026-12-02), more past it."""
+def long_device() -> str:
+    """Where gate draws the long checks' inputs again: the GPU ("cuda"), as certify drew them, else the
+    CPU, with the allowance for another device's draws (LONG_REL_OTHER_DEVICE): a gate that cannot see
+    a GPU through torch (the test hook's fake GPUs, a CPU build of torch on a GPU host) once took a
+    long check's budget as stored, however loosened (issue 54). The model at a real long call takes
+    7-13 s a check at 8,192 tokens on this VM's CPU (2026-12-02), more past it."""
     import torch
 
-    return "cuda" if torch.cuda.is_available() else None
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def derived_long_budget(check: LongCheck, device: str, variant: Variant | None = None,
@@ -311,9 +312,9 @@ def long_budget_problem(source: str, data: Report, family: Family, models_here: 
                 if gpu_label(gpu.name, gpu.capability) in models_here
                 for m, check in enumerate(gpu.long or [])
                 if check.outcome in (Outcome.PASS, Outcome.FAIL) and long_check_counts(check, family)]
-    device = (device or long_device()) if counting else None  # torch only for a check to derive
-    if device is None:
+    if not counting:
         return ""
+    device = device or long_device()  # torch only for a check to derive
     relative = BUDGET_REL if device == "cuda" else LONG_REL_OTHER_DEVICE
     for n, m, gpu, check in counting:
         where = f"{source}: devices[{n}].long[{m}] ({check.variant} at {check.shape.q_tokens:,} tokens)"
