@@ -72,7 +72,7 @@ def read(path: Path = DATA) -> tuple[profile.Profile, list[Source]]:
 
 def _same_model(gpu: profile.ProfileGpu, device: profile.LocalDevice) -> bool:
     """The defaults bind the hardware only (`machine.HARDWARE`): software differences are said."""
-    return not any(d.kind in machine.HARDWARE for d in profile.differences(gpu, device))
+    return not any(d.kind in machine.HARDWARE for d in profile.entry_differences(gpu, device))
 
 
 def device_configs(machines: list[profile.LocalDevice], family: str | None = None,
@@ -138,7 +138,7 @@ def _applied(base: WrapperConfig, device: profile.LocalDevice, chosen: profile.E
 def _other_build(measured: profile.ProfileGpu, device: profile.LocalDevice) -> str:
     """How the defaults' sageattention version or build differs from this device's ("" when neither
     does, or a build is not recorded), in `machine`'s phrasing."""
-    found = [d.text for d in profile.differences(measured, device) if d.kind in machine.KERNELS]
+    found = [d.text for d in profile.entry_differences(measured, device) if d.kind in machine.KERNELS]
     return "; ".join(found)
 
 

@@ -316,7 +316,7 @@ def machine_here(device: LocalDevice) -> Machine:
                    builds=((THU_ML.name, device.sageattention_source), *sorted(device.other_sources.items())))
 
 
-def differences(gpu: ProfileGpu, device: LocalDevice) -> list[Difference]:
+def entry_differences(gpu: ProfileGpu, device: LocalDevice) -> list[Difference]:
     """What differs between the machine an entry was certified on and this device (`machine`)."""
     return machine.differences(machine_of(gpu), machine_here(device))
 
@@ -381,7 +381,7 @@ def device_configs(profile, machines: list[LocalDevice], family: str | None = No
 def _device_config(profile: Profile, device: LocalDevice, family: str | None,
                    base: WrapperConfig) -> DeviceConfig:
     gpu = nearest(profile, device)
-    found = differences(gpu, device)
+    found = entry_differences(gpu, device)
     differ = [d.text for d in machine.binding(found)]
     if not differ:
         chosen = entry(gpu, family)

@@ -165,12 +165,12 @@ def test_a_machine_without_cuda_in_torch_has_no_cuda_version():
 
 def texts(gpu, device) -> list[str]:
     """What differs, in the one phrasing (`serving.machine`)."""
-    return [d.text for d in profile.differences(gpu, device)]
+    return [d.text for d in profile.entry_differences(gpu, device)]
 
 
 def near_match(gpu, device) -> bool:
     """The entry applies, as a near match (`serving.machine.RULES`)."""
-    found = profile.differences(gpu, device)
+    found = profile.entry_differences(gpu, device)
     return not machine_rules.binding(found) and bool(machine_rules.near(found))
 
 
