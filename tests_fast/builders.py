@@ -43,6 +43,7 @@ from sage_qual.qualification.evidence.report_model import (
 from sage_qual.qualification.measure import long_check as long_check_mod
 from sage_qual.qualification.run import options
 from sage_qual.serving import profile
+from sage_qual.serving import profile_matching as matching
 from sage_qual.serving.served import Served
 from sage_qual.serving.variants import VARIANTS
 from sage_qual.testing import FakeGpu
@@ -116,7 +117,7 @@ def refusal(entry) -> str:
 
 
 def machine(gpu, torch_version=None, sageattention="2.2.0", torch_cuda="13.0", source="", sm_count=None):
-    return profile.LocalDevice(gpu.name, gpu.capability, gpu.memory_gib, torch_version or torch.__version__,
+    return matching.LocalDevice(gpu.name, gpu.capability, gpu.memory_gib, torch_version or torch.__version__,
                            torch_cuda, sageattention, source, sm_count)
 
 

@@ -28,6 +28,7 @@ from typing import Any, Literal
 from sage_qual import jsonfile, records
 from sage_qual.limits import one_line
 from sage_qual.serving import machine, profile
+from sage_qual.serving import profile_matching as matching
 from sage_qual.serving.config import DEFAULT_CONFIG, Bound, WrapperConfig
 from sage_qual.serving.served import Served
 from sage_qual.serving.variants import capability_label
@@ -70,20 +71,20 @@ def read(path: Path = DATA) -> tuple[profile.Profile, list[Source]]:
     return profile.load(wrapper.profile, f"built-in defaults {path}: profile", FIX), wrapper.sources
 
 
-def _same_model(gpu: profile.ProfileGpu, device: profile.LocalDevice) -> bool:
+def _same_model(gpu: profile.ProfileGpu, device: matching.LocalDevice) -> bool:
     """The defaults bind the hardware only (`machine.HARDWARE`): software differences are said."""
-    return not any(d.kind in machine.HARDWARE for d in profile.entry_differences(gpu, device))
+    return not any(d.kind in machine.HARDWARE for d in matching.entry_differences(gpu, device))
 
 
-def device_configs(machines: list[profile.LocalDevice], family: str | None = None,
-                   base: WrapperConfig = DEFAULT_CONFIG, path: Path = DATA) -> list[profile.DeviceConfig]:
+def device_configs(machines: list[matching.LocalDevice], family: str | None = None,
+                   base: WrapperConfig = DEFAULT_CONFIG, path: Path = DATA) -> list[matching.DeviceConfig]:
     """Each device's defaults under the rules of the module docstring."""
     measured, _ = read(path)
     return [_device_config(measured, device, family, base) for device in machines]
 
 
-def _device_config(measured: profile.Profile, device: profile.LocalDevice, family: str | None,
-                   base: WrapperConfig) -> profile.DeviceConfig:
+def _device_config(measured: profile.Profile, device: matching.LocalDevice, family: str | None,
+                   base: WrapperConfig) -> matching.DeviceConfig:
     what = f"family {family}" if family else "all families"
     same = next((gpu for gpu in measured.gpus if _same_model(gpu, device)), None)
     if same is not None:
@@ -111,34 +112,34 @@ def _device_config(measured: profile.Profile, device: profile.LocalDevice, famil
     strictest = most_conservative([gpu.default for gpu in kin])
     if strictest is None:
         if not base.kernel_table.get(device.capability):
-            return profile.DeviceConfig(base, "")
-        return profile.DeviceConfig(base, one_line(
+            return matching.DeviceConfig(base, "")
+        return matching.DeviceConfig(base, one_line(
             f"built-in defaults: no {capability} GPU was measured, so not certified (run sage-qual certify "
             f"here): {what} by the default rule, from {base.min_query_tokens:,} query tokens (InvokeAI's "
             f"RTX 4090 break-even, limits.MIN_QUERY_TOKENS)"), matched=False)
     # Today's table stays (the model was never measured); what it serves is what its kin verified.
-    verified = profile.apply(base, device.capability, strictest)
+    verified = matching.apply(base, device.capability, strictest)
     config = dataclasses.replace(verified, kernel_table=base.kernel_table)
-    return profile.DeviceConfig(config, one_line(
+    return matching.DeviceConfig(config, one_line(
         f"built-in defaults: {device.name} was never measured, so not certified (run sage-qual certify "
         f"here): {what} by the strictest of {capability} ({models}): {strictest.served.short()}"),
         matched=False)
 
 
-def _applied(base: WrapperConfig, device: profile.LocalDevice, chosen: profile.Entry, where: str,
-             what: str, max_span_elements: int | None = None) -> profile.DeviceConfig:
-    config = profile.apply(base, device.capability, chosen, max_span_elements)
+def _applied(base: WrapperConfig, device: matching.LocalDevice, chosen: profile.Entry, where: str,
+             what: str, max_span_elements: int | None = None) -> matching.DeviceConfig:
+    config = matching.apply(base, device.capability, chosen, max_span_elements)
     if chosen.served:
-        return profile.DeviceConfig(config, one_line(f"{where}: {chosen.served.short()}"))
+        return matching.DeviceConfig(config, one_line(f"{where}: {chosen.served.short()}"))
     first = chosen.reasons[0].detail if chosen.reasons else "no reason recorded"
-    return profile.DeviceConfig(config, one_line(f"{where}: {what} kept off: {first}"),
+    return matching.DeviceConfig(config, one_line(f"{where}: {what} kept off: {first}"),
                                 tuple(r.detail for r in chosen.reasons))
 
 
-def _other_build(measured: profile.ProfileGpu, device: profile.LocalDevice) -> str:
+def _other_build(measured: profile.ProfileGpu, device: matching.LocalDevice) -> str:
     """How the defaults' sageattention version or build differs from this device's ("" when neither
     does, or a build is not recorded), in `machine`'s phrasing."""
-    found = [d.text for d in profile.entry_differences(measured, device) if d.kind in machine.KERNELS]
+    found = [d.text for d in matching.entry_differences(measured, device) if d.kind in machine.KERNELS]
     return "; ".join(found)
 
 

@@ -1,4 +1,4 @@
-"""The visible devices as a profile entry must match them (`profile.LocalDevice`): what torch and
+"""The visible devices as a profile entry must match them (`profile_matching.LocalDevice`): what torch and
 the installed packages say of this machine. Apart from `profile`, which reads and matches profiles
 without torch (gate and the defaults builder read them)."""
 
@@ -9,7 +9,7 @@ from typing import Mapping
 import torch
 
 from sage_qual.serving import platform, sage_package
-from sage_qual.serving.profile import LocalDevice
+from sage_qual.serving.profile_matching import LocalDevice
 from sage_qual.serving.providers import THU_ML
 
 

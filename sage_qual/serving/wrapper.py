@@ -224,7 +224,8 @@ def _device_configs(cuda, packages: Packages, config: WrapperConfig, profile, fa
     built-in defaults were measured with another sageattention build."""
     from sage_qual.serving import defaults
     from sage_qual.serving.devices_here import machines
-    from sage_qual.serving.profile import DeviceConfig, ProfileError, device_configs
+    from sage_qual.serving.profile import ProfileError
+    from sage_qual.serving.profile_matching import DeviceConfig, device_configs
 
     package = _primary(packages)
     here = machines(cuda, package.version, package.source, sage_package.other_builds(packages, package))

@@ -14,7 +14,8 @@ from sage_qual.errors import ExitCode
 from sage_qual.qualification.decide import checked, gate, verdict
 from sage_qual.qualification.decide import profile as building
 from sage_qual.qualification.families import counts_for, find
-from sage_qual.serving import machine, profile
+from sage_qual.serving import machine
+from sage_qual.serving import profile_matching as matching
 from sage_qual.serving.env_record import OtherProvider
 
 from ..helpers import RESULTS
@@ -39,7 +40,7 @@ def host(change):
         env, torch=fields["torch"], torch_cuda=fields["torch_cuda"], driver=fields["driver"],
         triton=fields["triton"], sageattention=fields["sageattention"], sageattention_source=fields["source"],
         other_providers=[OtherProvider("comfy-kitchen", "0.2.40", fields["ck"])], gpus=gpus)
-    device = profile.LocalDevice(fields["name"], fields["capability"], fields["memory_gib"], fields["torch"],
+    device = matching.LocalDevice(fields["name"], fields["capability"], fields["memory_gib"], fields["torch"],
                                  fields["torch_cuda"], fields["sageattention"], fields["source"],
                                  fields["sm_count"], {"comfy-kitchen": fields["ck"]})
     return environment, device
@@ -69,7 +70,7 @@ def test_gate_is_stale_exactly_where_the_wrapper_does_not_apply_the_entry(kind, 
     environment, device = host(CHANGES[kind])
     local = {f.name: f.sha256 for f in RUN43.fixtures if counts_for(find(family), f.family)}
     decision = gate.decide_stored(RUN43, find(family), environment, local, require_speedup=False)
-    [config] = profile.device_configs(PROFILE, [device], family=family)
+    [config] = matching.device_configs(PROFILE, [device], family=family)
     stale = decision.code == ExitCode.USAGE
     assert stale == (not config.matched), (decision.problem, config.note)
     assert stale == (machine.RULES[kind].effect == machine.Effect.NO_MATCH)

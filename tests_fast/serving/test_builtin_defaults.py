@@ -19,6 +19,7 @@ from sage_qual.limits import STATUS_LINE_LIMIT
 from sage_qual.qualification.decide import checked, verdict
 from sage_qual.qualification.decide import defaults as building
 from sage_qual.serving import defaults, profile
+from sage_qual.serving import profile_matching as matching
 from sage_qual.serving.config import DEFAULT_CONFIG, KERNEL_TABLE
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
 
@@ -159,12 +160,12 @@ def test_the_strictest_thresholds_take_the_highest_counts_at_the_head_sizes_all_
     data["profile"]["gpus"].append(other)
     path = tmp_path / "defaults.json"
     path.write_text(json.dumps(data))
-    machine = profile.LocalDevice(H800.name, (9, 0), H800.memory_gib, "2.13.0", "13.0", "2.2.0")
+    machine = matching.LocalDevice(H800.name, (9, 0), H800.memory_gib, "2.13.0", "13.0", "2.2.0")
     [unknown] = defaults.device_configs([machine], path=path)
     assert (unknown.config.min_query_tokens, unknown.config.min_key_tokens, unknown.config.head_dims) == \
         (13824, 32768, (128,))
     assert "(NVIDIA H200, NVIDIA H100 80GB HBM3, Fake sm90 card)" in unknown.note and not unknown.matched
-    card = profile.LocalDevice("Fake sm90 card", (9, 0), 80.0, "2", "", "")
+    card = matching.LocalDevice("Fake sm90 card", (9, 0), 80.0, "2", "", "")
     [measured] = defaults.device_configs([card], path=path)
     assert (measured.config.min_query_tokens, measured.config.head_dims) == (4096, (64, 128))
 

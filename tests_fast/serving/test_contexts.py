@@ -294,20 +294,21 @@ def test_the_operator_for_legacy_kernels_is_kept_out_of_cuda_graphs():
 
 def test_a_profile_entry_gives_its_device_the_certified_contexts():
     from sage_qual.serving import profile
+    from sage_qual.serving import profile_matching as matching
 
     served = Served("sm90-fp8-cuda", 32, 16, [64], 64, 64, ["contiguous"], contexts=["capture"])
-    config = profile.apply(SMALL, SM90, profile.Entry(served))
+    config = matching.apply(SMALL, SM90, profile.Entry(served))
     assert config.safe_contexts(VARIANTS["sm90-fp8-cuda"]) == ("capture",)
     assert "; contexts: capture)" in served.text()
-    assert (
-        profile.apply(SMALL, SM90, profile.Entry(dataclasses.replace(served, contexts=None))).contexts is None
-    )
+    unverified = profile.Entry(dataclasses.replace(served, contexts=None))
+    assert matching.apply(SMALL, SM90, unverified).contexts is None
 
 
 def test_a_profile_entry_with_no_context_certified_serves_the_default_stream_only():
     """`contexts: []` (certify checked, and none passed) is not null (never checked: the built-in
     rule, which trusts a legacy-stream kernel on a side stream): a side-stream call falls back."""
     from sage_qual.serving import profile
+    from sage_qual.serving import profile_matching as matching
 
     from .. import builders
 
@@ -315,7 +316,7 @@ def test_a_profile_entry_with_no_context_certified_serves_the_default_stream_onl
         "sm90-fp8-cuda", 32, 16, [64], max_query_tokens=64, max_key_tokens=64, contexts=[]))
     entry = profile.load(data).gpus[0].default
     assert entry.served.contexts == []
-    config = profile.apply(SMALL, SM90, entry)
+    config = matching.apply(SMALL, SM90, entry)
     assert config.safe_contexts(VARIANTS["sm90-fp8-cuda"]) == ()
     tensors = qkv()
     with wrapped(gpus=(SM90,), config=config) as (cuda, fake):

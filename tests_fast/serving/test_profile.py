@@ -15,6 +15,7 @@ from sage_qual.qualification.decide import profile as building
 from sage_qual.qualification.measure import judge, speed
 from sage_qual.qualification.measure.speed import Thresholds, break_even
 from sage_qual.serving import profile
+from sage_qual.serving import profile_matching as matching
 from sage_qual.serving.config import DEFAULT_CONFIG, KERNEL_TABLE
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention, on_device
 
@@ -72,7 +73,7 @@ def test_a_head_size_that_is_slower_everywhere_is_left_out():
 
 # Profiles: reading, validation, and each device's own configuration ---------------------------
 def test_a_matching_device_gets_the_entry_and_others_keep_the_table():
-    [only] = profile.device_configs(make_profile(entry=make_entry(min_q=4096, min_k=1024)),
+    [only] = matching.device_configs(make_profile(entry=make_entry(min_q=4096, min_k=1024)),
                                     [machine(H200)])
     config = only.config
     assert config.kernel_table[(9, 0)] == ("sm89-fp8-cuda",)
@@ -83,17 +84,17 @@ def test_a_matching_device_gets_the_entry_and_others_keep_the_table():
 
 
 def test_an_entry_without_a_variant_leaves_the_gpu_without_kernel():
-    [only] = profile.device_configs(make_profile(entry=make_entry(variant=None)), [machine(H200)])
+    [only] = matching.device_configs(make_profile(entry=make_entry(variant=None)), [machine(H200)])
     assert only.config.kernel_table[(9, 0)] == ()
     assert only.config.min_query_tokens == DEFAULT_CONFIG.min_query_tokens
 
 
 def test_the_family_entry_is_taken():
     families = {"FLUX.1": make_entry("sm90-fp8-cuda", 4608, 512)}
-    [only] = profile.device_configs(make_profile(families=families), [machine(H200)], family="flux.1")
+    [only] = matching.device_configs(make_profile(families=families), [machine(H200)], family="flux.1")
     assert only.config.kernel_table[(9, 0)] == ("sm90-fp8-cuda",) and only.config.min_query_tokens == 4608
     with pytest.raises(profile.ProfileError, match="no entry for family SDXL"):
-        profile.device_configs(make_profile(families=families), [machine(H200)], family="SDXL")
+        matching.device_configs(make_profile(families=families), [machine(H200)], family="SDXL")
 
 
 @pytest.mark.parametrize("device, why", [
@@ -108,7 +109,7 @@ def test_the_family_entry_is_taken():
      "nearest Fake H200 (sm_90) differs: sageattention 2.2.0 measured, 2.2.1 here"),
 ])
 def test_a_device_the_profile_does_not_describe_keeps_the_defaults_and_says_why(device, why):
-    [only] = profile.device_configs(make_profile(entry=make_entry(min_q=9999)), [device])
+    [only] = matching.device_configs(make_profile(entry=make_entry(min_q=9999)), [device])
     assert only.config == DEFAULT_CONFIG
     assert why in only.note and "no profile entry matches: defaults here (1536/512 tokens)" in only.note
     assert not only.matched
@@ -206,7 +207,7 @@ def test_a_version_1_profile_still_reads():
            "environment": make_gpu()["environment"], "fixtures": {}, "default": flat_entry(), "families": {}}
     loaded = profile.load(old)
     assert loaded.gpus[0].memory_gib is None and loaded.gpus[0].default.variant == "sm89-fp8-cuda"
-    [only] = profile.device_configs(old, [machine(H200)])
+    [only] = matching.device_configs(old, [machine(H200)])
     assert only.config.min_query_tokens == 2048
 
 

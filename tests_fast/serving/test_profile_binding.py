@@ -12,6 +12,7 @@ import types
 import pytest
 
 from sage_qual.serving import profile, sage_package
+from sage_qual.serving import profile_matching as matching
 
 from ..builders import H200, machine, make_entry, make_gpu, make_profile
 
@@ -104,7 +105,7 @@ def certified(source: str) -> dict:
     ids=["same-build", "another-build", "profile-before-builds", "build-unknown-here"])
 def test_an_entry_applies_only_to_the_build_it_certified(made, here, applies):
     device = dataclasses.replace(machine(H200), sageattention_source=here)
-    [config] = profile.device_configs(certified(made), [device])
+    [config] = matching.device_configs(certified(made), [device])
     assert config.matched == applies
     if not applies:
         assert "sageattention build sha256:aaaa measured, sha256:bbbb here" in config.note
@@ -127,7 +128,7 @@ def test_comfy_kitchens_build_binds_an_entry_whatever_it_serves(made, here, serv
     the verdict chose among every variant that ran, so another comfy-kitchen could have won); as gate
     binds it. A provider not installed here is not compared."""
     device = dataclasses.replace(machine(H200), other_sources={"comfy-kitchen": here})
-    [config] = profile.device_configs(with_comfy_kitchen(made, serves_it), [device], family="SDXL")
+    [config] = matching.device_configs(with_comfy_kitchen(made, serves_it), [device], family="SDXL")
     assert config.matched == applies
     if not applies:
         assert "comfy-kitchen build sha256:cccc measured, sha256:dddd here" in config.note
@@ -159,7 +160,7 @@ def test_a_profile_without_the_field_still_reads():
 def test_an_entry_applies_only_to_the_sm_count_it_certified(made, here, applies):
     data = make_profile(make_gpu(H200))
     data["gpus"][0]["sm_count"] = made
-    [config] = profile.device_configs(data, [dataclasses.replace(machine(H200), sm_count=here)])
+    [config] = matching.device_configs(data, [dataclasses.replace(machine(H200), sm_count=here)])
     assert config.matched == applies
     if not applies:
         assert f"SM count {made} measured, {here} here" in config.note

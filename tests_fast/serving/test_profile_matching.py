@@ -16,7 +16,7 @@ from packaging.version import Version
 
 import sage_qual
 from sage_qual.limits import STATUS_LINE_LIMIT
-from sage_qual.serving import profile
+from sage_qual.serving import profile_matching as matching
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
 
 from ..builders import H200, machine, make_entry, make_gpu, make_profile, reason
@@ -46,14 +46,14 @@ def warnings(caplog):
 def test_gpu_names_compare_without_case_or_surrounding_space(name):
     certified = make_profile(make_gpu(entry=make_entry(min_q=4096)))
     certified["gpus"][0]["name"] = name
-    [only] = profile.device_configs(certified, [machine(H200)])
+    [only] = matching.device_configs(certified, [machine(H200)])
     assert only.matched and only.config.min_query_tokens == 4096
 
 
 def test_inner_spaces_and_other_models_still_differ():
     certified = make_profile(make_gpu(entry=make_entry(min_q=4096)))
     certified["gpus"][0]["name"] = "FakeH200"
-    [only] = profile.device_configs(certified, [machine(H200)])
+    [only] = matching.device_configs(certified, [machine(H200)])
     assert not only.matched and only.config.min_query_tokens != 4096
 
 
@@ -67,7 +67,7 @@ def test_inner_spaces_and_other_models_still_differ():
 ])
 def test_another_torch_patch_release_is_a_near_match_that_applies(certified_torch, here, applies):
     certified = make_profile(make_gpu(entry=make_entry(min_q=4096), torch_version=certified_torch))
-    [only] = profile.device_configs(certified, [machine(H200, torch_version=here)])
+    [only] = matching.device_configs(certified, [machine(H200, torch_version=here)])
     assert only.matched == applies
     assert (only.config.min_query_tokens == 4096) == applies
     if applies:
@@ -212,7 +212,7 @@ def test_the_entry_of_this_build_wins_over_another_builds_whatever_the_order(ord
     and the defaults served what this build's entry keeps on torch."""
     other, this = with_binding(SERVING, source="aaaa"), with_binding(KEEPING_OFF, source="bbbb")
     certified = make_profile(*((other, this) if order == "other-first" else (this, other)))
-    [only] = profile.device_configs(certified, [machine(H200, source="bbbb")])
+    [only] = matching.device_configs(certified, [machine(H200, source="bbbb")])
     assert only.matched and only.config.kernel_table[H200.capability] == ()
     assert "certifies no SageAttention variant" in only.note
 
@@ -221,7 +221,7 @@ def test_the_entry_of_this_build_wins_over_another_builds_whatever_the_order(ord
 def test_the_entry_of_this_sm_count_wins_over_a_cut_down_dies(order):
     cut, full = with_binding(KEEPING_OFF, sm_count=114), with_binding(SERVING, sm_count=132)
     certified = make_profile(*((cut, full) if order == "other-first" else (full, cut)))
-    [only] = profile.device_configs(certified, [machine(H200, sm_count=132)])
+    [only] = matching.device_configs(certified, [machine(H200, sm_count=132)])
     assert only.matched and only.config.min_query_tokens == 1024
 
 
@@ -230,11 +230,11 @@ def test_an_exact_match_wins_over_a_near_one():
     near = make_gpu(entry=make_entry(min_q=8192), torch_version=another_patch_release(torch.__version__))
     exact = make_gpu(entry=make_entry(min_q=1024))
     for gpus in ((near, exact), (exact, near)):
-        [only] = profile.device_configs(make_profile(*gpus), [machine(H200)])
+        [only] = matching.device_configs(make_profile(*gpus), [machine(H200)])
         assert only.matched and only.config.min_query_tokens == 1024 and not only.note.startswith("near")
 
 
 def test_an_unrecorded_build_or_sm_count_is_not_compared():
     certified = make_profile(with_binding(SERVING))
-    [only] = profile.device_configs(certified, [machine(H200, source="bbbb", sm_count=132)])
+    [only] = matching.device_configs(certified, [machine(H200, source="bbbb", sm_count=132)])
     assert only.matched and only.config.min_query_tokens == 1024

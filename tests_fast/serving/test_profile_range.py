@@ -8,6 +8,7 @@ import torch.nn.functional as F
 import sage_qual
 from sage_qual import limits
 from sage_qual.serving import profile
+from sage_qual.serving import profile_matching as matching
 from sage_qual.testing import FakeCuda, FakeSageAttention
 
 from ..builders import H200, edited, machine, make_entry, make_gpu, make_profile, refusal
@@ -20,7 +21,7 @@ def ranged_entry(max_q=8192, max_k=4096, layouts=("contiguous", "transposed"), *
 
 def test_the_range_layouts_and_span_reach_the_devices_config():
     gpu = {**make_gpu(entry=ranged_entry()), "max_span_elements": 3 * 2**29}
-    [only] = profile.device_configs(make_profile(gpu), [machine(H200)])
+    [only] = matching.device_configs(make_profile(gpu), [machine(H200)])
     config = only.config
     assert (config.max_query_tokens, config.max_key_tokens) == (8192, 4096)
     assert config.layouts == ("contiguous", "transposed")
@@ -30,7 +31,7 @@ def test_the_range_layouts_and_span_reach_the_devices_config():
 
 
 def test_a_profile_without_them_keeps_no_bound_any_layout_and_the_default_span():
-    [only] = profile.device_configs(make_profile(), [machine(H200)])
+    [only] = matching.device_configs(make_profile(), [machine(H200)])
     config = only.config
     assert (config.max_query_tokens, config.max_key_tokens, config.layouts) == (None, None, None)
     assert config.max_span_elements == limits.MAX_SPAN_ELEMENTS
@@ -39,7 +40,7 @@ def test_a_profile_without_them_keeps_no_bound_any_layout_and_the_default_span()
 
 def test_a_family_entry_brings_its_own_range():
     families = {"Wan 2.2": ranged_entry(max_q=75_600, max_k=75_600, layouts=None)}
-    [only] = profile.device_configs(make_profile(families=families), [machine(H200)], family="wan 2.2")
+    [only] = matching.device_configs(make_profile(families=families), [machine(H200)], family="wan 2.2")
     assert (only.config.max_query_tokens, only.config.layouts) == (75_600, None)
 
 

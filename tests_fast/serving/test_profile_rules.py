@@ -10,6 +10,7 @@ import torch
 
 from sage_qual.serving import devices_here, profile
 from sage_qual.serving import machine as machine_rules
+from sage_qual.serving import profile_matching as matching
 from sage_qual.serving.config import DEFAULT_CONFIG
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
 
@@ -69,7 +70,7 @@ def machine(
     torch_cuda="13.0",
     sageattention="2.2.0",
 ):
-    return profile.LocalDevice(name, capability, memory, torch_version, torch_cuda, sageattention)
+    return matching.LocalDevice(name, capability, memory, torch_version, torch_cuda, sageattention)
 
 
 # Family names ------------------------------------------------------------------------------------
@@ -149,8 +150,8 @@ def test_this_machine_is_every_visible_device_with_the_installed_sageattention()
     with FakeCuda(gpus, torch_cuda=(12, 8)), FakeSageAttention(version="2.2.0+cu128").installed():
         found = devices_here.this_machine()
     assert found == [
-        profile.LocalDevice("NVIDIA H200", (9, 0), 139.8, torch.__version__, "12.8", "2.2.0+cu128"),
-        profile.LocalDevice(
+        matching.LocalDevice("NVIDIA H200", (9, 0), 139.8, torch.__version__, "12.8", "2.2.0+cu128"),
+        matching.LocalDevice(
             "NVIDIA GeForce RTX 4090", (8, 9), 24.0, torch.__version__, "12.8", "2.2.0+cu128"
         ),
     ]
@@ -165,12 +166,12 @@ def test_a_machine_without_cuda_in_torch_has_no_cuda_version():
 
 def texts(gpu, device) -> list[str]:
     """What differs, in the one phrasing (`serving.machine`)."""
-    return [d.text for d in profile.entry_differences(gpu, device)]
+    return [d.text for d in matching.entry_differences(gpu, device)]
 
 
 def near_match(gpu, device) -> bool:
     """The entry applies, as a near match (`serving.machine.RULES`)."""
-    found = profile.entry_differences(gpu, device)
+    found = matching.entry_differences(gpu, device)
     return not machine_rules.binding(found) and bool(machine_rules.near(found))
 
 
@@ -235,35 +236,35 @@ def test_the_nearest_entry_is_the_same_model_then_memory_then_software():
     h200_cuda = gpu(torch_cuda="12.8")
     h200_nvl = gpu(name="NVIDIA H200 NVL", memory=141.0)
     read = load(h100, h200_old, h200_cuda, h200_nvl)
-    assert profile.nearest(read, machine()).environment.torch_cuda == "12.8"  # same model, one difference
-    assert profile.nearest(read, machine()).environment.sageattention == "2.2.0"
-    assert profile.nearest(read, machine(name="NVIDIA H100", memory=79.6)).name == "NVIDIA H100"
-    assert profile.nearest(read, machine(name="NVIDIA H200 NVL", memory=141.0)).name == "NVIDIA H200 NVL"
+    assert matching.nearest(read, machine()).environment.torch_cuda == "12.8"  # same model, one difference
+    assert matching.nearest(read, machine()).environment.sageattention == "2.2.0"
+    assert matching.nearest(read, machine(name="NVIDIA H100", memory=79.6)).name == "NVIDIA H100"
+    assert matching.nearest(read, machine(name="NVIDIA H200 NVL", memory=141.0)).name == "NVIDIA H200 NVL"
     # An unknown sm_90 GPU: the entry with its memory first.
-    assert profile.nearest(read, machine(name="NVIDIA GH200", memory=79.0)).name == "NVIDIA H100"
+    assert matching.nearest(read, machine(name="NVIDIA GH200", memory=79.0)).name == "NVIDIA H100"
     # The same model beats one of another name on the same capability, however well its software matches.
     other_name = gpu(name="NVIDIA H100")
     same_name = gpu(torch_cuda="12.8")
-    assert profile.nearest(load(same_name, other_name), machine()).name == "NVIDIA H200"
-    assert profile.nearest(load(other_name, same_name), machine()).name == "NVIDIA H200"
+    assert matching.nearest(load(same_name, other_name), machine()).name == "NVIDIA H200"
+    assert matching.nearest(load(other_name, same_name), machine()).name == "NVIDIA H200"
     # Among equals, the first in the file.
-    assert profile.nearest(load(gpu(memory=139.8), gpu(memory=139.9)), machine()).memory_gib == 139.8
+    assert matching.nearest(load(gpu(memory=139.8), gpu(memory=139.9)), machine()).memory_gib == 139.8
 
 
 def test_the_nearest_prefers_the_same_torch_release_then_the_same_torch():
     read = load(gpu(torch="2.10.0+cu130"), gpu(torch="2.11.5+cu130"), gpu(torch="2.11.0+cu130"))
-    assert profile.nearest(read, machine(torch_version="2.11.0+cu130")).environment.torch == "2.11.0+cu130"
-    assert profile.nearest(read, machine(torch_version="2.11.3+cu130")).environment.torch == "2.11.5+cu130"
+    assert matching.nearest(read, machine(torch_version="2.11.0+cu130")).environment.torch == "2.11.0+cu130"
+    assert matching.nearest(read, machine(torch_version="2.11.3+cu130")).environment.torch == "2.11.5+cu130"
     read = load(gpu(capability=(8, 9), name="X", default=entry("sm89-fp8-cuda")),
                 gpu(capability=(9, 0), name="Y"))
-    assert profile.nearest(read, machine(name="Z", capability=(9, 0))).name == "Y"
+    assert matching.nearest(read, machine(name="Z", capability=(9, 0))).name == "Y"
 
 
 # Notes -----------------------------------------------------------------------------------------------
 
 
 def notes(read, here, family=None, base=DEFAULT_CONFIG):
-    return profile.device_configs(read, [here], family, base)[0]
+    return matching.device_configs(read, [here], family, base)[0]
 
 
 def test_the_note_of_a_served_entry_names_variant_start_and_range():
@@ -353,27 +354,28 @@ def test_each_device_gets_its_own_base_config():
         dataclasses.replace(DEFAULT_CONFIG, min_query_tokens=100),
         dataclasses.replace(DEFAULT_CONFIG, min_query_tokens=200),
     ]
-    found = profile.device_configs(load(), [machine(), machine(name="Other", capability=(8, 9))], None, bases)
+    here = [machine(), machine(name="Other", capability=(8, 9))]
+    found = matching.device_configs(load(), here, None, bases)
     assert found[0].config.min_query_tokens == 2048  # the entry's threshold over its own base
     assert found[1].config is bases[1]
     with pytest.raises(ValueError):
-        profile.device_configs(load(), [machine()], None, bases)
+        matching.device_configs(load(), [machine()], None, bases)
 
 
 def test_an_entry_applies_to_its_capability_only_with_its_span_limit():
     read = load(gpu(default=entry(max_query_tokens=20000, layouts=["contiguous"])))
     read_gpu = dataclasses.replace(read.gpus[0], max_span_elements=1_000_000)
-    config = profile.apply(DEFAULT_CONFIG, (9, 0), read_gpu.default, read_gpu.max_span_elements)
+    config = matching.apply(DEFAULT_CONFIG, (9, 0), read_gpu.default, read_gpu.max_span_elements)
     assert config.kernel_table[(9, 0)] == ("sm90-fp8-cuda",)
     assert config.kernel_table[(8, 9)] == DEFAULT_CONFIG.kernel_table[(8, 9)]
     assert (config.min_query_tokens, config.min_key_tokens, config.head_dims) == (2048, 512, (128,))
     assert (config.max_query_tokens, config.max_key_tokens, config.layouts) == (20000, None, ("contiguous",))
     assert config.max_span_elements == 1_000_000
     assert (
-        profile.apply(DEFAULT_CONFIG, (9, 0), read_gpu.default).max_span_elements
+        matching.apply(DEFAULT_CONFIG, (9, 0), read_gpu.default).max_span_elements
         == DEFAULT_CONFIG.max_span_elements
     )
-    off = profile.apply(DEFAULT_CONFIG, (9, 0), profile.Entry(None))
+    off = matching.apply(DEFAULT_CONFIG, (9, 0), profile.Entry(None))
     assert off.kernel_table[(9, 0)] == () and off.min_query_tokens == DEFAULT_CONFIG.min_query_tokens
 
 
@@ -484,13 +486,13 @@ def test_a_profile_certifies_at_least_one_gpu():
 def test_memory_then_cuda_decide_between_entries_of_one_model():
     # Memory within 1 GiB (exactly 1 included) comes before the software.
     read = load(gpu(memory=139.5, torch_cuda="12.8"), gpu(memory=150.0))
-    assert profile.nearest(read, machine(memory=140.5)).memory_gib == 139.5
+    assert matching.nearest(read, machine(memory=140.5)).memory_gib == 139.5
     # Then CUDA: the entry with this machine's CUDA, wherever it stands in the file.
     read = load(gpu(torch_cuda="12.8"), gpu(torch_cuda="13.0", torch="2.10.0+cu130"))
-    assert profile.nearest(read, machine()).environment.torch_cuda == "13.0"
+    assert matching.nearest(read, machine()).environment.torch_cuda == "13.0"
     # An unknown GPU of a known capability: the entry whose memory matches, not the first.
     read = load(gpu(), gpu(name="NVIDIA H100", memory=79.6))
-    assert profile.nearest(read, machine(name="NVIDIA GH200", memory=79.0)).name == "NVIDIA H100"
+    assert matching.nearest(read, machine(name="NVIDIA GH200", memory=79.0)).name == "NVIDIA H100"
 
 
 def test_a_profile_file_that_cannot_be_used_is_named_in_the_error(tmp_path):
