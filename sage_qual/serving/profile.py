@@ -1,11 +1,11 @@
-"""The per-GPU profile certify writes, and the wrapper configuration it gives each device.
+"""The per-GPU profile certify writes, as a file: its records, its schema, and reading it.
 
 A profile holds one entry per certified GPU model, each with what defines the machine it was
 measured on (GPU name, compute capability, memory, torch with its CUDA, sageattention) and, per
 family and by default for all of them, the fastest variant that passed every fixture there (or
 none), with the head sizes and the query and key lengths from which it measured faster than the
 fastest SDPA backend. Which entry each visible device gets, and the `WrapperConfig` it gives, is
-`profile_matching`'s job; this module is the file: its records, its schema and reading it.
+`profile_matching`'s job.
 
     {"kind": "sage-qual-profile", "schema_version": 3, "created": ..., "host": ...,
      "fixtures": {name: sha256},
