@@ -403,3 +403,18 @@ def test_a_merge_of_equal_entries_is_the_entry_whatever_field_it_sets():
     assert defaults.merged(served.variant, [entry, entry], served.head_dims) == entry
     masked_once = profile.Entry(dataclasses.replace(served, masks=False), entry.reasons)
     assert defaults.merged(served.variant, [entry, masked_once], served.head_dims).served.masks is False
+
+
+@pytest.mark.parametrize("spans, kept", [((2**31 - 1, 2**30), 2**30), ((2**30, None), None)],
+                         ids=["the-lowest", "none-where-a-run-verified-none"])
+def test_the_span_limit_merged_over_runs_is_the_lowest_any_run_verified(tmp_path, spans, kept):
+    """Issue 54's surviving mutant: the merge could keep the wrong end of a span limit."""
+    files = []
+    for span in spans:
+        path = certify_profile(tmp_path, "RTX 4090", make_entry("sm89-fp8-cuda", 2048, 512, [128]), {})
+        data = json.loads(path.read_text())
+        data["gpus"][0]["max_span_elements"] = span
+        path.write_text(json.dumps(data))
+        files.append(path)
+    [rtx] = [gpu for gpu in building.build(files, previous=None).profile.gpus if gpu.name == "RTX 4090"]
+    assert rtx.max_span_elements == kept
