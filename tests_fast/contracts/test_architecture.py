@@ -72,8 +72,9 @@ def test_imports_flow_one_way(module):
 
 
 # Inside qualification, the stages import one way too: each floor from its own and the floors
-# before it. selection and measure share a floor (neither needs the other); the self-test sits
-# below run, whose test hooks inject its defects into the fake kernels.
+# before it. selection and measure share a floor (neither needs the other); the self-test is the top
+# floor: its fault-injecting worker builds on run's Worker, which names it only by module path
+# (run/pool.py, FAULTY_WORKER_MODULE), never by an import.
 STAGES = (("families", "names"), ("evidence",), ("selection", "measure"), ("integrations",), ("decide",),
           ("render",), ("run",), ("selftest",))
 STAGE_FLOOR = {stage: floor for floor, stages in enumerate(STAGES) for stage in stages}
