@@ -287,6 +287,34 @@ def test_the_readme_layout_table_names_every_module():
     assert not missing, f"docs/guide.md's layout table does not name: {missing}"
 
 
+def _content_words(text: str) -> set[str]:
+    return {w for w in re.findall(r"[a-z]+", text.lower()) if len(w) >= 5 and w not in _COMMON}
+
+
+_COMMON = set("which where their there these those about other every after before under whose without "
+              "within being while first".split())
+# A module's job in the table: "`name` (what it does)", a parenthesis inside allowed.
+_JOB = re.compile(r"`(\w+)` \(((?:[^()]|\([^()]*\))*)\)")
+
+
+def test_the_layout_table_says_what_each_module_does_now():
+    """Issue 54: the table named every module but some jobs were stale. Each job given for a module
+    shares a word with the opening paragraph of the module's own docstring."""
+    stale = []
+    for key, job in _layout_rows().items():
+        folder = PACKAGE.parent / key.strip("`").rstrip("/")
+        for name, said in _JOB.findall(job):
+            found = [p for p in (folder / f"{name}.py", folder / name / "__init__.py") if p.exists()]
+            path = found[0] if found else None
+            if path is None:
+                continue  # a name that is not a module of the folder (a function, a CLI verb)
+            opening = (ast.get_docstring(ast.parse(path.read_text())) or "").split("\n\n")[0]
+            if not _content_words(said) & _content_words(opening):
+                stale.append(f"{path.relative_to(PACKAGE.parent)}: table says {said[:60]!r}, "
+                             f"the module {opening[:60]!r}")
+    assert not stale, stale
+
+
 def test_a_profile_is_read_and_matched_without_torch():
     """Issue 53: gate and the defaults builder read profiles; reading and matching one imports no torch
     (the visible devices are `serving.devices_here`'s)."""
