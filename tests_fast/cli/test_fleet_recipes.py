@@ -2,6 +2,7 @@
 README promises, the scripts parse, and the merge-and-gate step works on the committed H200 reports
 (run 11's two GPUs, compared with run 8's first report), through `python -m sage_qual`."""
 
+import gzip
 import json
 import os
 import shutil
@@ -269,3 +270,25 @@ def test_the_fleet_line_carries_the_contexts_every_host_certified(tmp_path):
     assert done.returncode == 0, done.stderr
     assert gates(tmp_path)["Wan 2.2"].endswith("(layouts: contiguous, transposed, nhd, fused_qkv; contexts: "
                                                "side_stream, compile))")
+
+
+def test_one_required_family_kept_off_among_several_fails_the_step(fleet):
+    """Issue 54's surviving mutant: only a single required family was tried."""
+    done = merge_and_gate(fleet, baseline=False, REQUIRED_FAMILIES="Wan 2.2,FLUX.2,Z-Image")
+    assert done.returncode == 1, done.stderr
+    decided = gates(fleet)
+    assert decided["Wan 2.2"].startswith("enable") and decided["FLUX.2"].startswith("keep off")
+
+
+def test_a_predicted_report_keeps_every_family_off_for_the_fleet(tmp_path):
+    """A host's `certify --emulate` report beside a measured one: no GPU ran there, so nothing is on."""
+    run21 = RESULTS / "run21-h200" / "certify" / "report.json.gz"
+    measured = json.loads(gzip.decompress(run21.read_bytes()))
+    for host, predicted in (("h200-a", False), ("h200-b", True)):
+        (tmp_path / "reports" / host).mkdir(parents=True)
+        report = {**measured, "predicted": predicted}
+        (tmp_path / "reports" / host / "report.json").write_text(json.dumps(report))
+    done = merge_and_gate(tmp_path, baseline=False, REQUIRED_FAMILIES="Wan 2.2")
+    assert done.returncode == 1, done.stderr
+    why = "keep off (vm NVIDIA H200 (h200-b): the report is partial or predicted)"  # run 21's host is "vm"
+    assert gates(tmp_path)["Wan 2.2"] == why
