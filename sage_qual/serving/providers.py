@@ -42,6 +42,7 @@ THU_ML = Provider(
 COMFY_KITCHEN = Provider(
     "comfy-kitchen", "comfy-kitchen", "comfy-kitchen", "comfy_kitchen", "comfy_kitchen.sage_attention",
     ("backends.cuda._C",), "0.2.31",
-    'pip install "sage-qual[comfy-kitchen]" (PyPI comfy-kitchen, a CUDA wheel for Linux and Windows)',
+    "pip install comfy-kitchen (PyPI, a CUDA wheel for Linux and Windows; in a sage-qual checkout: "
+    'pip install -e ".[comfy-kitchen]")',
 )
 PROVIDERS: dict[str, Provider] = {p.name: p for p in (THU_ML, COMFY_KITCHEN)}

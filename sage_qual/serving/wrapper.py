@@ -183,8 +183,9 @@ def _install(config: WrapperConfig | None, profile=None, family: str | None = No
     unserved = "; ".join(f"{d.label}: {d.no_kernel_reason}" for d in devices.values() if not d.variant)
     every = config.audit.every
     audited = f"; audit: 1 served call in {every} per GPU" if every else "; audit off"
-    log.info("SageAttention %s enabled for SDPA calls inside sage_attention_scope(): %s%s%s",
-             package.version, served, f"; no kernel for {unserved}" if unserved else "", audited)
+    log.info("%s %s enabled for SDPA calls inside sage_attention_scope(): %s%s%s",
+             PROVIDERS[package.provider].title, package.version, served,
+             f"; no kernel for {unserved}" if unserved else "", audited)
     return _status
 
 

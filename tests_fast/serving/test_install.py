@@ -390,3 +390,28 @@ def test_without_comfy_kitchen_a_profile_naming_its_variant_says_so():
         status = sage_qual.install(profile=profile, family="SDXL")
         sage_qual.uninstall()
     assert not status.enabled and "comfy-kitchen is not installed" in status.devices[0].no_kernel_reason
+
+
+@pytest.mark.parametrize("thu_ml", [dict(triton=False), dict(import_error=ImportError("No module named 'x'")),
+                                    dict(version=None)], ids=["no-triton", "thu-ml-fails-to-import",
+                                                             "thu-ml-without-metadata"])
+def test_comfy_kitchen_serves_without_triton_or_thu_mls_package_and_is_named_so(thu_ml, caplog):
+    """Issue 54: nothing tested that comfy-kitchen needs neither (its kernels are CUDA, its package its
+    own); the enable line then named comfy-kitchen's version as SageAttention's."""
+    config = sage_qual.WrapperConfig(kernel_table={(8, 9): ("ck-int8-cuda",)})
+    fake = FakeSageAttention(comfy_kitchen="0.2.40", **thu_ml)
+    gpus = FakeCuda([FakeGpu((8, 9), "RTX 4090")])
+    with gpus, fake.installed(), caplog.at_level(logging.INFO, "sage_qual"):
+        status = sage_qual.install(config=config)
+        sage_qual.uninstall()
+    assert status.enabled and status.devices[0].variant.name == "ck-int8-cuda", status.reason
+    enabled = [r.getMessage() for r in caplog.records if "enabled for SDPA calls" in r.getMessage()]
+    assert enabled and enabled[0].startswith("comfy-kitchen 0.2.40 enabled"), enabled
+
+
+def test_no_install_hint_names_a_sage_qual_package_on_pypi():
+    """sage-qual is not on PyPI: `pip install "sage-qual[...]"` would fetch whatever took the name."""
+    from sage_qual.serving.providers import PROVIDERS
+
+    for provider in PROVIDERS.values():
+        assert "sage-qual[" not in provider.install_hint.replace('-e ".[', ""), provider.install_hint
