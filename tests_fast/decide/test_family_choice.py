@@ -294,22 +294,26 @@ CK, SM90 = "ck-int8-cuda", "sm90-fp8-cuda"
 MASKED = "flux1_masked_batch"
 
 
-def decided(fastest: str, masked_outcome: str | None = "pass", masked_family: str = "flux.1"):
+def decided(fastest: str, masked_outcome: str | None = "pass", masked_family: str = "flux.1",
+            *more_outcomes: str):
     """FLUX.1 on one H200 where `fastest` takes a quarter of SDPA's time and the other half of it, with
-    a masked fixture that only ck-int8-cuda ran (`masked_outcome`; None: it has no cell there)."""
+    a masked fixture that only ck-int8-cuda ran (`masked_outcome`; None: it has no cell there), and one
+    more masked fixture of the family per `more_outcomes`."""
     own, sweep, _ = shape_keys(sample())
     ms = {(fastest, key): 0.25 for key in own + sweep}
     ms.update({(v, key): 0.5 for v in (CK, SM90) if v != fastest for key in own + sweep})
     data = timed_report([ms], variants=(CK, SM90))
     typed = checked.parse(data, "test report")
-    masked = builders.fixture(MASKED, masked_family, masked=True)
     device = typed.devices[0]
-    cells = list(device.cells)
-    if masked_outcome is not None:
-        fields = {"rel_l2": 0.5, "reasons": [builders.reason("accuracy", "relative L2 0.5 > 0.12")]} \
-            if masked_outcome == "fail" else {}
-        cells.append(builders.cell(CK, masked, masked_outcome, **fields))
-    typed = dataclasses.replace(typed, fixtures=[*typed.fixtures, masked],
+    cells, fixtures = list(device.cells), []
+    for n, outcome in enumerate((masked_outcome, *more_outcomes)):
+        masked = builders.fixture(MASKED + (f"_{n}" if n else ""), masked_family, masked=True)
+        fixtures.append(masked)
+        if outcome is not None:
+            fields = {"rel_l2": 0.5, "reasons": [builders.reason("accuracy", "relative L2 0.5 > 0.12")]} \
+                if outcome == "fail" else {}
+            cells.append(builders.cell(CK, masked, outcome, **fields))
+    typed = dataclasses.replace(typed, fixtures=[*typed.fixtures, *fixtures],
                                 devices=[dataclasses.replace(device, cells=cells)])
     (gpu,) = verdict.decide(checked.parse(records.dump(typed), "test report"))
     return gpu.family(FAMILY.name)
@@ -335,6 +339,15 @@ def test_a_failed_masked_call_keeps_masked_calls_on_torch_not_the_family():
     assert any(
         r.detail.startswith(f"masked calls stay on torch: {CK} on {MASKED}") for r in decision.range_reasons
     )
+
+
+@pytest.mark.parametrize("outcomes", [("pass", "fail"), ("fail", "pass"), ("pass", "pass", "fail")])
+def test_every_masked_fixture_of_the_family_decides_not_only_the_first(outcomes):
+    """Issue 54's surviving mutant: only the first masked fixture of an entry decided."""
+    decision = decided(CK, outcomes[0], "flux.1", *outcomes[1:])
+    assert decision.variant == CK and decision.served.masks is False
+    assert any("masked calls stay on torch" in r.detail for r in decision.range_reasons)
+    assert decided(CK, "pass", "flux.1", *["pass"] * (len(outcomes) - 1)).served.masks is True
 
 
 def test_a_masked_call_not_run_serves_no_masked_call():
