@@ -332,3 +332,17 @@ def test_the_config_takes_the_profiles_span_limit_and_no_more():
 
 def test_layout_names_are_the_documented_ones():
     assert LAYOUTS == ("contiguous", "transposed", "fused_qkv", "nhd")
+
+
+@pytest.mark.parametrize("batch", [2, 3])
+def test_layout_of_a_batch_of_more_than_one_reads_its_batch_stride_too(batch):
+    """Issue 54: every layout test used batch 1, where the batch stride is never read; a batch taken
+    every other item of a larger one is neither transposed nor one fused projection."""
+    made = [rand(2 * batch, 48, 2, 64, dtype=torch.bfloat16).transpose(1, 2) for _ in range(3)]
+    assert layout_of(*(t[:batch] for t in made)) == "transposed"
+    assert layout_of(*(t[::2] for t in made)) == "strided"
+    q, k, v = fused(48, 2, batch=2 * batch)
+    assert layout_of(q[:batch], k[:batch], v[:batch]) == "fused_qkv"
+    assert layout_of(q[::2], k[::2], v[::2]) == "strided"
+    contiguous = [rand(2 * batch, 2, 48, 64, dtype=torch.bfloat16) for _ in range(3)]
+    assert layout_of(*(t[::2] for t in contiguous)) == "strided"
