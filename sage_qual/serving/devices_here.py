@@ -1,6 +1,6 @@
 """The visible devices as a profile entry must match them (`profile_matching.LocalDevice`): what torch and
-the installed packages say of this machine. Apart from `profile`, which reads and matches profiles
-without torch (gate and the defaults builder read them)."""
+the installed packages say of this machine. Apart from `profile` and `profile_matching`, which read
+and match profiles without torch (gate and the defaults builder read them)."""
 
 from __future__ import annotations
 

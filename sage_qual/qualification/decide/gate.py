@@ -64,8 +64,9 @@ def stale(data: Report, family: Family, here: EnvironmentRecord, local: Mapping[
         binding_found += [d.text for d in machine.binding(found) if d.text not in binding_found]
         near_found += [d.text for d in machine.allowed(found) if d.text not in near_found]
     recorded = {f.name: f.sha256 for f in data.fixtures if counts_for(family, f.family)}
+    misses = data.recorded_misses()
     for name in sorted(set(recorded) | set(local)):
-        if name not in local and name in data.recorded_misses():
+        if name not in local and name in misses:
             # A miss stands without its file: certifying again without the folder would drop it.
             near_found.append(f"fixture {name}, a miss the audit recorded, is in the report but not "
                               f"here (its cells are taken as stored; pass its folder with --fixtures to "
