@@ -17,7 +17,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.gpu]
 MASKED_VARIANTS = [name for name, variant in VARIANTS.items() if variant.takes_mask]
 BOUND = 0.12  # relative L2 against torch's masked SDPA, as test_contexts_gpu.py's fp8 class bound
 
-SCRIPT = """
+# The child's start: only the variant under test, masked calls allowed, from the first token.
+INSTALLED = """
 import json
 import torch
 import torch.nn.functional as F
@@ -29,7 +30,9 @@ config = WrapperConfig(min_query_tokens=1, min_key_tokens=1, kernel_table={{cap:
 status = sage_qual.install(config=config)
 assert status.enabled, status.reason
 g = torch.Generator("cuda").manual_seed(0)
-shape = (2, 24, 4160, 128)
+"""
+
+SCRIPT = INSTALLED + """shape = (2, 24, 4160, 128)
 q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
 kept = torch.tensor([4160, 4160 - 40], device="cuda")
 keep = (torch.arange(4160, device="cuda")[None, :] < kept[:, None])[:, None, None, :]
@@ -114,21 +117,11 @@ def test_a_masked_call_is_served_and_right_in_every_context(name, runnable, reco
         assert eager["extra_bytes_per_element"] <= limits.MEMORY_BOUND, eager
 
 
-KEYLESS_SCRIPT = """
-import json
-import torch
-import torch.nn.functional as F
+KEYLESS_SCRIPT = INSTALLED + """
 from torch.nn.attention import SDPBackend, sdpa_kernel
-import sage_qual
 from sage_qual.serving import wrapper
-from sage_qual.serving.config import WrapperConfig
 from sage_qual.serving.torch_sdpa import TORCH_SDPA
 
-cap = torch.cuda.get_device_capability(0)
-config = WrapperConfig(min_query_tokens=1, min_key_tokens=1, kernel_table={{cap: ({name!r},)}}, masks=True)
-status = sage_qual.install(config=config)
-assert status.enabled, status.reason
-g = torch.Generator("cuda").manual_seed(0)
 q, k, v = (torch.randn((2, 8, 1024, 128), device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
 keep = torch.ones((2, 1, 1024, 1024), device="cuda", dtype=torch.bool)
 keep[:, :, 7] = False  # query row 7 keeps no key
