@@ -87,7 +87,8 @@ for report in reports:
                       "host's gates again into an empty gates.jsonl, or remove one line")
         seen[key] = number
         gates[key] = code
-families = list(dict.fromkeys(name for row in fleet for name in row["families"]))
+# the families a report decided, or a host's gate answered (a --quick report decides none)
+families = list(dict.fromkeys([name for row in fleet for name in row["families"]] + [f for _, f in gates]))
 
 
 def common_range(rows, family):
@@ -132,8 +133,8 @@ for family in families:
     for row in fleet:
         where = f"{row['host']} {row['gpu']} ({Path(row['report']).parent.name})"
         entry = row["families"].get(family)
-        if not row["complete"] or row["predicted"]:
-            why.append(f"{where}: the report is partial or predicted")
+        if row["undecidable"]:  # partial, predicted or --quick, in sage-qual's words
+            why.append(f"{where}: {row['undecidable']}")
         elif entry is None or entry["verdict"] not in passing:
             why.append(f"{where}: {entry['verdict'] if entry else 'not run'}")
         else:
@@ -150,10 +151,16 @@ for family in families:
     out.append(f"{family}: {verdict}" + (f" ({'; '.join(why)})" if why else ""))
     if why:
         off.append(family)
-decisions.write_text("\n".join(out) + "\n")
-print("\n".join(out))
 required = [f.strip() for f in os.environ.get("REQUIRED_FAMILIES", "").split(",") if f.strip()]
 unknown = [f for f in required if f not in families]
+refused = [row for row in fleet if row["undecidable"]]
+if unknown and refused:  # perhaps run there, but decided nowhere: kept off, not a typo
+    out += [f"{family}: keep off (no report that decides ran it; {refused[0]['undecidable']})"
+            for family in unknown]
+    off += unknown
+    unknown = []
+decisions.write_text("\n".join(out) + "\n")
+print("\n".join(out))
 if unknown:
     print(f"REQUIRED_FAMILIES names families no report ran: {', '.join(unknown)}", file=sys.stderr)
     sys.exit(2)

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from sage_qual.qualification.decide import checked
+
 ROOT = Path(__file__).resolve().parent.parent.parent
 FLEET = ROOT / "examples" / "fleet"
 RESULTS = ROOT / "docs" / "results"
@@ -280,6 +282,20 @@ def test_one_required_family_kept_off_among_several_fails_the_step(fleet):
     assert decided["Wan 2.2"].startswith("enable") and decided["FLUX.2"].startswith("keep off")
 
 
+def test_a_quick_report_without_gate_answers_enables_nothing(tmp_path):
+    """A --quick pre-flight merged with no gates.jsonl beside it: its stored "enable" is not a
+    family's, so a required family is kept off (exit 1) in gate's words, never enabled."""
+    run21 = json.loads(gzip.decompress((RESULTS / "run21-h200" / "certify" / "report.json.gz").read_bytes()))
+    report = tmp_path / "reports" / "h200-a" / "report.json"
+    report.parent.mkdir(parents=True)
+    report.write_text(json.dumps({**run21, "options": {**run21["options"], "quick": True}}))
+    done = merge_and_gate(tmp_path, baseline=False, REQUIRED_FAMILIES="Wan 2.2")
+    assert done.returncode == 1, done.stdout + done.stderr
+    why = checked.undecidable(checked.load(report), str(report))
+    assert "--quick report" in why
+    assert gates(tmp_path) == {"Wan 2.2": f"keep off (no report that decides ran it; {why})"}
+
+
 def test_a_predicted_report_keeps_every_family_off_for_the_fleet(tmp_path):
     """A host's `certify --emulate` report beside a measured one: no GPU ran there, so nothing is on."""
     run21 = RESULTS / "run21-h200" / "certify" / "report.json.gz"
@@ -290,5 +306,6 @@ def test_a_predicted_report_keeps_every_family_off_for_the_fleet(tmp_path):
         (tmp_path / "reports" / host / "report.json").write_text(json.dumps(report))
     done = merge_and_gate(tmp_path, baseline=False, REQUIRED_FAMILIES="Wan 2.2")
     assert done.returncode == 1, done.stderr
-    why = "keep off (vm NVIDIA H200 (h200-b): the report is partial or predicted)"  # run 21's host is "vm"
-    assert gates(tmp_path)["Wan 2.2"] == why
+    refused = tmp_path / "reports" / "h200-b" / "report.json"
+    why = checked.undecidable(checked.load(refused), str(refused))  # gate's refusal, in its words
+    assert gates(tmp_path)["Wan 2.2"] == f"keep off (vm NVIDIA H200 (h200-b): {why})"  # run 21's host: "vm"

@@ -397,7 +397,9 @@ def test_cli_merge_markdown_and_json(capsys):
     assert "safe, no speedup: speed" in h200
     rtx = next(line for line in lines if "RTX 4090" in line)
     assert "591.44" in rtx and "enable: sm89-fp8-cuda >= 4608/1024" in rtx
-    assert sum("partial report" in line for line in lines) == 2  # the partial run's two devices
+    # the partial run's one GPU model, and below the table gate's refusal of it, in its words
+    assert sum("decides nothing (below)" in line for line in lines) == 1
+    assert lines[-1] == f"- {checked.undecidable(checked.load(PARTIAL), str(PARTIAL))}"
     code, out, _ = run_cli(capsys, "merge", "--json", str(H200), str(RTX4090))
     rows = json.loads(out)["rows"]
     assert [(r["host"], r["gpu"], r["devices"]) for r in rows] == [
@@ -469,7 +471,8 @@ def test_a_predicted_report_cannot_decide_and_merges_as_such(capsys, tmp_path):
     path = tmp_path / "predicted.json"
     path.write_text(json.dumps(data))
     code, out, _ = run_cli(capsys, "merge", str(path))
-    assert code == 0 and "predicted, not measured" in out and "enable:" not in out
+    assert code == 0 and "| sample-h200-2gpu | NVIDIA H200 | 90 | 2 |" in out and "enable:" not in out
+    assert out.splitlines()[-1] == f"- {checked.undecidable(checked.load(path), str(path))}"
 
 
 @pytest.mark.parametrize("change, said", [

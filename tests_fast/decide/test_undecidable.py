@@ -1,5 +1,6 @@
-"""One refusal of a report that decides nothing (issue 53): gate, compare and the defaults builder
-refuse a partial, predicted or --quick report through `checked.undecidable`, in its one wording."""
+"""One refusal of a report that decides nothing (issue 53): gate, compare, merge and the defaults
+builder refuse a partial, predicted or --quick report through `checked.undecidable`, in its one
+wording (merge lists the report without verdicts and says why)."""
 
 import dataclasses
 import json
@@ -23,7 +24,7 @@ EDITS = {
 
 
 @pytest.mark.parametrize("kind", list(EDITS))
-def test_gate_compare_and_the_builder_refuse_in_one_wording(tmp_path, capsys, kind):
+def test_gate_compare_merge_and_the_builder_refuse_in_one_wording(tmp_path, capsys, kind):
     data = EDITS[kind](checked.load(SAMPLE))
     path = tmp_path / "report.json"
     path.write_text(json.dumps(records.dump(data)))
@@ -32,6 +33,9 @@ def test_gate_compare_and_the_builder_refuse_in_one_wording(tmp_path, capsys, ki
     assert gate.report_problem(str(path), checked.load(path), find("FLUX.1")) == said
     assert cli.main(["compare", str(SAMPLE), str(path)]) == 2
     assert capsys.readouterr().err == f"sage-qual compare: {said}\n"
+    assert cli.main(["merge", "--json", str(path)]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["rows"]
+    assert (row["undecidable"], row["families"]) == (said, {})
     with pytest.raises(profile.ProfileError) as refused:
         building.load_run(path)
     assert str(refused.value) == said

@@ -109,8 +109,8 @@ def test_merge_table_for_every_kind_of_row():
     rows = [row(),
             row(host="box-b", gpu="NVIDIA GeForce RTX 4090", capability=[8, 9], devices=[0], driver="",
                 sageattention="", families={"FLUX.1": FLUX}),
-            row(host="box-c", complete=False, families={}),
-            row(host="box-d", predicted=True)]
+            row(host="box-c", complete=False, families={}, undecidable="c.json is a partial report (...)"),
+            row(host="box-d", predicted=True, families={}, undecidable="d.json is a predicted report (...)")]
     assert fleet_render.merge_markdown(rows).splitlines() == [
         "| host | GPU | sm | GPUs | driver | torch | sageattention | FLUX.1 | SDXL | Wan 2.2 |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -120,10 +120,13 @@ def test_merge_table_for_every_kind_of_row():
         "| box-b | NVIDIA GeForce RTX 4090 | 89 | 1 | - | 2.11.0 | - | enable: sm90-fp8-cuda >= 4608/512, "
         "head_dim 128 | "
         "not run | not run |",
-        "| box-c | NVIDIA H200 | 90 | 2 | 580.1 | 2.11.0 | 2.2.0 | partial report | partial report | "
-        "partial report |",
-        "| box-d | NVIDIA H200 | 90 | 2 | 580.1 | 2.11.0 | 2.2.0 | predicted, not measured | "
-        "predicted, not measured | predicted, not measured |",
+        "| box-c | NVIDIA H200 | 90 | 2 | 580.1 | 2.11.0 | 2.2.0 | decides nothing (below) | "
+        "decides nothing (below) | decides nothing (below) |",
+        "| box-d | NVIDIA H200 | 90 | 2 | 580.1 | 2.11.0 | 2.2.0 | decides nothing (below) | "
+        "decides nothing (below) | decides nothing (below) |",
+        "",
+        "- c.json is a partial report (...)",
+        "- d.json is a predicted report (...)",
     ]
 
 
@@ -137,7 +140,8 @@ def test_merge_table_tells_two_builds_of_one_version_apart():
 
 def test_merge_rows_of_a_report_as_it_is_decided():
     """A complete report gives a row per GPU model with each family's verdict, its build and the kinds of
-    reason once each, sorted; a partial one a row per device and no verdict."""
+    reason once each, sorted; one that decides nothing (partial, predicted, --quick) a row per GPU
+    model, no verdict, and gate's refusal (`checked.undecidable`) in its words."""
     data = json.loads(SAMPLE.read_text())
     data["environment"]["sageattention_source"] = "sha256:feedface"
     data["environment"]["other_providers"] = [
@@ -154,10 +158,13 @@ def test_merge_rows_of_a_report_as_it_is_decided():
         kinds = model.families[decision.family].reasons
         assert kinds == sorted({r.kind for r in decision.reasons}, key=lambda kind: kind.value)
         assert model.families[decision.family].served == decision.served
-    partial = checked.parse({**data, "complete": False, "finished": None}, "r.json")
-    rows = fleet.merge_rows([(Path("r.json"), partial)])
-    assert [(r.devices, r.families, r.complete) for r in rows] == [
-        ([d.index], {}, False) for d in typed.devices]
+    assert model.undecidable == ""
+    for edit in ({"complete": False, "finished": None}, {"predicted": True},
+                 {"options": {**data["options"], "quick": True}}):
+        refused = checked.parse({**data, **edit}, "r.json")
+        rows = fleet.merge_rows([(Path("r.json"), refused)])
+        assert [(r.gpu, r.devices, r.families) for r in rows] == [(model.gpu, model.devices, {})]
+        assert rows[0].undecidable == checked.undecidable(refused, "r.json") != ""
 
 
 def test_merge_table_gives_the_verified_range_and_layouts():

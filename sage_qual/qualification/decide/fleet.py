@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sage_qual.qualification.decide import verdict
+from sage_qual.qualification.decide import checked, verdict
 from sage_qual.qualification.decide.verdict import FamilyDecision, Verdict
 from sage_qual.qualification.evidence import report_model
 from sage_qual.qualification.evidence.report_model import Report
@@ -30,8 +30,8 @@ class FleetVerdict:
 
 @dataclass(frozen=True)
 class FleetRow:
-    """One GPU model of one report: where it ran and each family's verdict (none for a partial report:
-    one row per device then, as no verdict is drawn)."""
+    """One GPU model of one report: where it ran and each family's verdict (none for a report that
+    decides nothing, `undecidable` saying why)."""
     host: str
     report: str  # the report file
     complete: bool
@@ -47,6 +47,9 @@ class FleetRow:
     families: dict[str, FleetVerdict]
     # The other providers' packages that served certify ("comfy-kitchen 0.2.40 (sha256:...)").
     other_providers: list[str] = field(default_factory=list)
+    # Why the report decides nothing, in the words gate and compare refuse it with
+    # (`checked.undecidable`); "" when it decides. A --quick report's "pass" is not a family's.
+    undecidable: str = ""
 
 
 def merge_rows(reports: list[tuple[Path, Report]]) -> list[FleetRow]:
@@ -58,9 +61,13 @@ def merge_rows(reports: list[tuple[Path, Report]]) -> list[FleetRow]:
                       sageattention_source=env.sageattention_source,
                       other_providers=[f"{o.provider} {o.version}" + (f" ({o.source})" if o.source else "")
                                        for o in env.other_providers if o.version])
-        if not data.complete:
-            rows += [FleetRow(**common, gpu=device.name, capability=list(device.capability),
-                              devices=[device.index], families={}) for device in data.devices]
+        problem = checked.undecidable(data, str(path))
+        if problem:  # no verdict: one row per GPU model the run saw
+            models: dict[tuple, list[int]] = {}
+            for device in data.devices:
+                models.setdefault((device.name, tuple(device.capability)), []).append(device.index)
+            rows += [FleetRow(**common, gpu=name, capability=list(capability), devices=indices, families={},
+                              undecidable=problem) for (name, capability), indices in models.items()]
             continue
         rows += [FleetRow(**common, gpu=gpu.name, capability=list(gpu.capability), devices=gpu.devices,
                           families={v.family: FleetVerdict.of(v) for v in gpu.families})

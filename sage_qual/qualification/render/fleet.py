@@ -24,16 +24,15 @@ def merge_markdown(rows: list[FleetRow]) -> str:
         if targets:
             cells.append(row.target or "(variants)")
         for name in names:
-            if not row.complete:
-                cells.append("partial report")
-            elif row.predicted:
-                cells.append("predicted, not measured")
+            if row.undecidable:
+                cells.append("decides nothing (below)")
             elif name not in row.families:
                 cells.append("not run")
             else:
                 cells.append(cell(row.families[name]))
         body.append(cells)
-    return "\n".join(markdown_table(header, body))
+    refused = list(dict.fromkeys(row.undecidable for row in rows if row.undecidable))
+    return "\n".join(markdown_table(header, body) + [""] * bool(refused) + [f"- {why}" for why in refused])
 
 
 def sageattention(row: FleetRow) -> str:
