@@ -1,13 +1,14 @@
 """Typed JSON records: dataclasses read strictly from parsed JSON, and the JSON Schema they imply.
 
 One description serves both: `parse(cls, data, ...)` checks every key and type of `data` against the
-dataclass `cls` (nested dataclasses, enums, lists, string-keyed dicts, Optional, Literal) and builds
-it; `dump(record)` is its inverse, the JSON object of a record, checked by the same rules so a
-producer cannot write what a reader would refuse; `schema(cls)` writes the rules as JSON Schema
-2020-12. A field with a default may be absent; one without must be present; unknown keys are
-refused. Numbers must be finite (Python's json module reads NaN and Infinity, JSON itself has
-neither). Field metadata adds `description`, `minimum` and `pattern`; a dataclass may define
-`check(self) -> list[tuple[str, str]]` for rules across fields, returning (key, problem) pairs.
+dataclass `cls` (nested dataclasses, enums, lists, tuples `tuple[T, ...]` (a JSON list), string-keyed
+dicts, Optional, Literal) and builds it; `dump(record)` is its inverse, the JSON object of a record,
+checked by the same rules so a producer cannot write what a reader would refuse; `schema(cls)`
+writes the rules as JSON Schema 2020-12. A field with a default may be absent; one without must be
+present; unknown keys are refused. Numbers must be finite (Python's json module reads NaN and
+Infinity, JSON itself has neither). Field metadata adds `description`, `minimum` and `pattern`; a
+dataclass may define `check(self) -> list[tuple[str, str]]` for rules across fields, returning
+(key, problem) pairs. A frozen record calls `tuples(self)` in `__post_init__` to hold tuples only.
 
 A problem is a `RecordError` naming the key path, the problem and the fix, in one line.
 """
@@ -66,7 +67,7 @@ def _describe(tp) -> str:
         return "one of " + ", ".join(repr(m.value) for m in tp)
     if dataclasses.is_dataclass(tp):
         return "an object"
-    if origin is list:
+    if origin in (list, tuple):
         return "a list"
     if origin is dict:
         return "an object"
@@ -75,6 +76,22 @@ def _describe(tp) -> str:
     if origin in (Union, types.UnionType):
         return " or ".join(_describe(a) for a in typing.get_args(tp))
     return str(tp)
+
+
+def _is_tuple(tp) -> bool:
+    """`tuple[T, ...]`, or it or null."""
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        return any(_is_tuple(option) for option in typing.get_args(tp))
+    return typing.get_origin(tp) is tuple
+
+
+def tuples(record) -> None:
+    """For a frozen record's `__post_init__`: a list given for a `tuple[T, ...]` field is stored as a
+    tuple, so a record built from lists equals the one read back, hashes, and cannot be changed."""
+    for f, hint in _fields(type(record)):
+        value = getattr(record, f.name)
+        if isinstance(value, list) and _is_tuple(hint):
+            object.__setattr__(record, f.name, tuple(value))
 
 
 @functools.cache
@@ -135,11 +152,13 @@ class _Reader:
                 return tp(data)
             except ValueError:
                 self.fail(key, f"is {_json_type_name(data)}, expected {_describe(tp)}")
-        if origin is list:
+        if origin in (list, tuple):
             if not isinstance(data, list):
                 self.fail(key, f"is {_json_type_name(data)}, expected a list")
-            (item,) = typing.get_args(tp)
-            return [self.value(item, x, f"{key}[{i}]") for i, x in enumerate(data)]
+            item, *rest = typing.get_args(tp)
+            if origin is tuple and rest != [Ellipsis]:
+                raise TypeError(f"records reads tuple[T, ...] only, not {tp!r}: a length is metadata")
+            return origin(self.value(item, x, f"{key}[{i}]") for i, x in enumerate(data))
         if origin is dict:
             if not isinstance(data, dict):
                 self.fail(key, f"is {_json_type_name(data)}, expected an object")
@@ -174,7 +193,7 @@ class _Reader:
 
     def _constraints(self, f: dataclasses.Field, value, path: str) -> None:
         minimum, maximum = f.metadata.get("minimum"), f.metadata.get("maximum")
-        items = value if isinstance(value, list) else [value]
+        items = value if isinstance(value, (list, tuple)) else [value]
         for x in items:
             if not isinstance(x, (int, float)) or isinstance(x, bool):
                 continue
@@ -186,7 +205,7 @@ class _Reader:
         if pattern is not None and isinstance(value, str) and not re.fullmatch(pattern, value):
             self.fail(path, f"{value!r} does not match {pattern}")
         length = f.metadata.get("length")
-        if length is not None and isinstance(value, list) and len(value) != length:
+        if length is not None and isinstance(value, (list, tuple)) and len(value) != length:
             self.fail(path, f"has {len(value)} items, expected {length}")
 
 
@@ -256,7 +275,7 @@ def _schema_of(tp, defs: dict) -> dict:
         return {"enum": [m.value for m in tp]}
     if origin in (Union, types.UnionType):
         return {"anyOf": [_schema_of(a, defs) for a in typing.get_args(tp)]}
-    if origin is list:
+    if origin in (list, tuple):
         return {"type": "array", "items": _schema_of(typing.get_args(tp)[0], defs)}
     if origin is dict:
         keys, item = typing.get_args(tp)

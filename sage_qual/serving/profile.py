@@ -53,7 +53,10 @@ class Entry:
     """What the wrapper serves on a certified GPU model for one family (or by default): `served`, or
     nothing (null), with the reasons it serves no more."""
     served: Served | None
-    reasons: list[Reason] = field(default_factory=list)
+    reasons: tuple[Reason, ...] = ()
+
+    def __post_init__(self):
+        records.tuples(self)
 
     @property
     def variant(self) -> str | None:
@@ -78,7 +81,7 @@ class ProfileEnvironment:
 class ProfileGpu:
     """One certified GPU model and the software it was measured with."""
     name: str
-    capability: list[int] = field(metadata={"length": 2, "minimum": 0})
+    capability: tuple[int, ...] = field(metadata={"length": 2, "minimum": 0})
     memory_gib: float | None = field(metadata={"minimum": 0,
                                                "description": "null: any (schema version 1 profiles)"})
     environment: ProfileEnvironment
@@ -92,6 +95,9 @@ class ProfileGpu:
                        "2^31 - 1; null or absent: that default limit"})
     sm_count: int | None = field(default=None, metadata={
         "minimum": 1, "description": "its streaming multiprocessors; null or absent: not compared"})
+
+    def __post_init__(self):
+        records.tuples(self)
 
     @property
     def label(self) -> str:
@@ -117,7 +123,10 @@ class Profile:
     created: str
     host: str
     fixtures: dict[str, str]
-    gpus: list[ProfileGpu]
+    gpus: tuple[ProfileGpu, ...]
+
+    def __post_init__(self):
+        records.tuples(self)
 
     def check(self) -> list[tuple[str, str]]:
         if not self.gpus:

@@ -8,8 +8,9 @@ every reader states one range in one phrasing (`text()`, or `short()` in the fle
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from sage_qual import records
 from sage_qual.serving.config import KERNEL_HEAD_DIMS, LAYOUTS, Bound, WrapperConfig
 from sage_qual.serving.contexts import CONTEXTS
 from sage_qual.serving.variants import VARIANTS, Capability
@@ -22,19 +23,22 @@ class Served:
     variant: str
     min_query_tokens: int
     min_key_tokens: int
-    head_dims: list[int]
+    head_dims: tuple[int, ...]
     # The verified range and layouts (null: no upper bound, any layout: a report without long checks).
     max_query_tokens: int | None = None
     max_key_tokens: int | None = None
-    layouts: list[str] | None = None
+    layouts: tuple[str, ...] | None = None
     # The execution contexts certify verified (names in contexts.CONTEXTS; null: none were checked,
     # the variant's built-in rule, `contexts.builtin_safe`).
-    contexts: list[str] | None = None
+    contexts: tuple[str, ...] | None = None
     # Calls kept on torch whatever the thresholds.
-    bounds: list[Bound] = field(default_factory=list)
+    bounds: tuple[Bound, ...] = ()
     # Whether masked calls (an attn_mask) are served: the variant takes a mask and passed every masked
     # fixture of the family (false: masked calls stay on torch).
     masks: bool = False
+
+    def __post_init__(self):
+        records.tuples(self)
 
     def check(self) -> list[tuple[str, str]]:
         """(field, problem) for what makes it unusable; empty when nothing does."""

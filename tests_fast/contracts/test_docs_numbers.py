@@ -58,7 +58,7 @@ def test_the_break_even_ranges_are_the_committed_runs():
     runs = [checked.load(RUN13 / f"certify-{n}" / "report.json.gz") for n in "bcde"]
     decisions = [gpu for run in runs for gpu in verdict.decide(run)]
     run13 = {f.served.min_query_tokens for gpu in decisions for f in gpu.families
-             if f.served and f.served.head_dims == [128]}
+             if f.served and f.served.head_dims == (128,)}
     assert len(run13) == 1 and f"all gave {run13.pop():,} tokens" in flat(README)
     later = [checked.load(ROOT / f"docs/results/{run}/certify/report.json.gz")
              for run in ("run22-h200", "run24-h200", "run25-h200")]

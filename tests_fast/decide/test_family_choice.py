@@ -121,7 +121,7 @@ def test_the_family_gets_the_fastest_variant_that_pays_at_its_shapes(draw):
     else:
         assert (found["verdict"], found["variant"]) == ("enable", chosen)
         assert (found["min_query_tokens"], found["min_key_tokens"], found["head_dims"]) == \
-            (thresholds.min_query_tokens, thresholds.min_key_tokens, thresholds.head_dims)
+            (thresholds.min_query_tokens, thresholds.min_key_tokens, tuple(thresholds.head_dims))
         assert found["speedups"] == {u["label"]: 1.0 / ms[(chosen, k)] for k in own
                                      for u in data["shapes"][k]["uses"] if u["family"] == FAMILY.name}
 

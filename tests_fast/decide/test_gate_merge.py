@@ -76,7 +76,7 @@ def test_fastest_passing_variant_is_chosen_with_its_break_even():
         flux.served.min_query_tokens,
         flux.served.min_key_tokens,
         flux.served.head_dims,
-    ) == ("sm90-fp8-cuda", 4608, 512, [128])
+    ) == ("sm90-fp8-cuda", 4608, 512, (128,))
 
 
 def test_slower_everywhere_is_safe_but_no_speedup():

@@ -74,3 +74,37 @@ def test_a_real_report_round_trips(run):
     path = RUN13 / run / "report.json.gz"
     report = files.load(path)
     assert files.from_dict(json.loads(json.dumps(records.dump(report))), str(path)) == report
+
+
+@dataclasses.dataclass(frozen=True)
+class Frozen:
+    sizes: tuple[int, ...] = dataclasses.field(metadata={"minimum": 1, "length": 2})
+    inner: tuple[Inner, ...] | None = None
+
+    def __post_init__(self):
+        records.tuples(self)
+
+
+def test_a_frozen_record_holds_tuples_read_or_built():
+    built = Frozen([3, 5], [Inner(7)])
+    assert built.sizes == (3, 5) and built.inner == (Inner(7),)
+    assert records.dump(built) == {"sizes": [3, 5], "inner": [{"size": 7}]}
+    read = records.parse(Frozen, {"sizes": [3, 5], "inner": [{"size": 7}]}, "f.json", "fix")
+    assert read == built and type(read.sizes) is tuple
+    for data, key in (({"sizes": [0, 5]}, "sizes"), ({"sizes": [3]}, "sizes"), ({"sizes": "35"}, "sizes"),
+                      ({"sizes": [3, 5], "inner": [{"size": 2}]}, "inner[0].size")):
+        with pytest.raises(records.RecordError) as refused:
+            records.parse(Frozen, data, "f.json", "fix")
+        assert refused.value.key == key
+    schema = records.schema(Frozen, "t", "d", "id")["properties"]["sizes"]
+    assert schema == {"type": "array", "items": {"type": "integer", "minimum": 1},
+                      "minItems": 2, "maxItems": 2}
+
+
+def test_a_tuple_of_fixed_length_is_not_a_record_type():
+    @dataclasses.dataclass(frozen=True)
+    class Pair:
+        pair: tuple[int, int]
+
+    with pytest.raises(TypeError, match=r"tuple\[T, \.\.\.\] only"):
+        records.parse(Pair, {"pair": [1, 2]}, "p.json", "fix")

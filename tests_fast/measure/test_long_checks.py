@@ -241,12 +241,12 @@ def test_a_family_is_enabled_up_to_its_longest_passing_check():
     # its own longest call (16,896) and the generic sweep at its head size (to 32,768)
     assert (flux.served.max_query_tokens, flux.served.max_key_tokens) == (32768, 32768)
     assert (
-        flux.served.layouts == ["contiguous", "transposed", "nhd", "fused_qkv"] and flux.range_reasons == []
+        flux.served.layouts == ("contiguous", "transposed", "nhd", "fused_qkv") and flux.range_reasons == []
     )
     assert flux.served.text() == ("from 4,608 to 32,768 query / 512 to 32,768 key tokens, head_dim 128 "
                                    "(layouts: contiguous, transposed, nhd, fused_qkv)")
     qwen = gpu.family("Qwen-Image")
-    assert qwen.served.layouts == ["contiguous", "transposed", "nhd"]  # what Qwen-Image declares
+    assert qwen.served.layouts == ("contiguous", "transposed", "nhd")  # what Qwen-Image declares
 
 
 @pytest.mark.parametrize("how", ["accuracy", "crash"])
@@ -289,7 +289,7 @@ def test_nothing_verified_past_the_break_even_keeps_the_family_off():
 def test_a_layout_whose_view_differs_is_dropped_not_the_range():
     _, gpu = decided(fail_at=16384, how="layout")
     flux = gpu.family("FLUX.1")
-    assert flux.served.max_query_tokens == 32768 and flux.served.layouts == ["contiguous", "nhd", "fused_qkv"]
+    assert flux.served.max_query_tokens == 32768 and flux.served.layouts == ("contiguous", "nhd", "fused_qkv")
     first = flux.range_reasons[0]
     assert first.kind.value == "layout" and "layout transposed" in first.detail
 
@@ -378,7 +378,7 @@ def test_the_profile_holds_the_range_and_layouts():
     built = profile.build(typed, [gpu])
     flux = built.gpus[0].families["FLUX.1"]
     assert (flux.served.max_query_tokens, flux.served.max_key_tokens) == (8192, 8192)
-    assert flux.served.layouts == ["contiguous", "transposed", "nhd", "fused_qkv"]
+    assert flux.served.layouts == ("contiguous", "transposed", "nhd", "fused_qkv")
     assert flux.reasons[0].kind == "long"
     off = built.gpus[0].families["Wan 2.2"]  # kept off: no range
     assert off.served is None

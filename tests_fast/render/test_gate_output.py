@@ -149,14 +149,14 @@ def test_merge_rows_of_a_report_as_it_is_decided():
         {"provider": "fourth", "version": "1.0"}, {"provider": "broken", "version": "", "problem": "no GPU"}]
     typed = checked.parse(data, "r.json")
     (model,) = fleet.merge_rows([(Path("r.json"), typed)])
-    assert model.devices == [d.index for d in typed.devices]
+    assert model.devices == tuple(d.index for d in typed.devices)
     assert model.sageattention_source == "sha256:feedface"
     # the providers that could serve, each with its build where the report has one
-    assert model.other_providers == ["comfy-kitchen 0.2.40 (sha256:65f98cf1050cc674)", "fourth 1.0"]
+    assert model.other_providers == ("comfy-kitchen 0.2.40 (sha256:65f98cf1050cc674)", "fourth 1.0")
     (decided,) = verdict.decide(typed)
     for decision in decided.families:
         kinds = model.families[decision.family].reasons
-        assert kinds == sorted({r.kind for r in decision.reasons}, key=lambda kind: kind.value)
+        assert list(kinds) == sorted({r.kind for r in decision.reasons}, key=lambda kind: kind.value)
         assert model.families[decision.family].served == decision.served
     assert model.undecidable == ""
     for edit in ({"complete": False, "finished": None}, {"predicted": True},

@@ -203,7 +203,7 @@ def test_certify_checks_every_variant_in_every_context_and_the_profile_keeps_wha
     assert served, [d.reasons for d in gpu.families + [gpu.default]]
     for decision, entry in served:
         expected = CLEAN[SM90.name] if decision.variant == SM90.name else [SIDE_STREAM, CAPTURE]
-        assert decision.served.contexts == entry["served"]["contexts"] == expected
+        assert list(decision.served.contexts) == entry["served"]["contexts"] == expected
         assert f"contexts: {', '.join(expected)}" in decision.served.text()
         if decision.variant == TRITON.name:
             assert any(r.kind.value == "context" and "compile" in r.detail for r in decision.range_reasons)

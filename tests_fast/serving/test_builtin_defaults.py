@@ -85,7 +85,7 @@ def test_the_h200_default_entry_is_the_highest_threshold_any_run_served_the_kern
     assert {s.file for s in sources if s.gpu == "NVIDIA H200"} == \
         {str(p.relative_to(RESULTS.parent.parent)) for p in SOURCES}
     entry = h200.default
-    assert entry.variant == KERNEL_TABLE[(9, 0)][0] and entry.served.head_dims == [128]
+    assert entry.variant == KERNEL_TABLE[(9, 0)][0] and entry.served.head_dims == (128,)
     thresholds = (entry.served.min_query_tokens, entry.served.min_key_tokens)
     assert thresholds == served_thresholds_of_the_sources() == (13824, 13824)
 
@@ -232,7 +232,7 @@ def test_install_on_an_h200_gives_each_family_the_runs_verdict_and_range(family)
     served = [d.served for d in decisions]
     assert config.min_query_tokens == max(s.min_query_tokens for s in served)
     assert config.max_query_tokens == min(s.max_query_tokens for s in served)
-    assert list(config.layouts) == served[0].layouts and list(config.contexts) == served[0].contexts
+    assert config.layouts == served[0].layouts and config.contexts == served[0].contexts
     assert [(b.side, b.below) for b in config.bounds] == [(b.side, b.below) for b in served[0].bounds]
 
 
@@ -258,7 +258,7 @@ def test_an_h200_gets_the_span_limit_and_an_unmeasured_sm90_the_verified_range()
     assert on_h200.config.max_span_elements == h200.max_span_elements is not None
     [on_h800] = installed([H800]).devices
     default = h200.default.served
-    assert (on_h800.config.max_query_tokens, list(on_h800.config.layouts), list(on_h800.config.contexts)) == \
+    assert (on_h800.config.max_query_tokens, on_h800.config.layouts, on_h800.config.contexts) == \
         (default.max_query_tokens, default.layouts, default.contexts)
     assert on_h800.config.kernel_table == DEFAULT_CONFIG.kernel_table  # never measured: today's table
 
@@ -343,19 +343,19 @@ def test_the_command_adds_a_gpu_model_and_keeps_the_others(tmp_path, capsys):
     assert "NVIDIA H200 (sm_90), NVIDIA H100 80GB HBM3 (sm_90), RTX 4090 (sm_89)" in capsys.readouterr().out
     measured, sources = defaults.read(data)
     *kept, rtx = measured.gpus
-    assert kept == defaults.read()[0].gpus
+    assert tuple(kept) == defaults.read()[0].gpus
     assert [s.file for s in sources][-2:] == [str(first), str(second)]
     # The default kernel where every run served it: head_dim 128 (the second run served no 64), from
     # the highest thresholds of those entries.
     assert (rtx.default.variant, rtx.default.served.min_query_tokens, rtx.default.served.min_key_tokens,
-            rtx.default.served.head_dims) == ("sm89-fp8-cuda", 3072, 512, [128])
+            rtx.default.served.head_dims) == ("sm89-fp8-cuda", 3072, 512, (128,))
     flux, sdxl, wan = (rtx.families[name] for name in ("FLUX.1", "SDXL", "Wan 2.2"))
     assert (
         flux.variant,
         flux.served.min_query_tokens,
         flux.served.min_key_tokens,
         flux.served.head_dims,
-    ) == ("sm89-fp8-cuda", 3072, 512, [128])
+    ) == ("sm89-fp8-cuda", 3072, 512, (128,))
     assert sdxl.variant is None and "different variants" in sdxl.reasons[0].detail
     assert wan.variant is None and wan.reasons[0].detail == "sm89-fp8-cuda on flux: NaN"  # off once: off
 

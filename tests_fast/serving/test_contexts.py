@@ -315,7 +315,7 @@ def test_a_profile_entry_with_no_context_certified_serves_the_default_stream_onl
     data = builders.make_profile(gpu=builders.H200, entry=builders.make_entry(
         "sm90-fp8-cuda", 32, 16, [64], max_query_tokens=64, max_key_tokens=64, contexts=[]))
     entry = profile.load(data).gpus[0].default
-    assert entry.served.contexts == []
+    assert entry.served.contexts == ()
     config = matching.apply(SMALL, SM90, entry)
     assert config.safe_contexts(VARIANTS["sm90-fp8-cuda"]) == ()
     tensors = qkv()

@@ -3,9 +3,10 @@ family, each verdict `verdict.decide()`'s, with the range, layouts, head sizes a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from sage_qual import records
 from sage_qual.qualification.decide import checked, verdict
 from sage_qual.qualification.decide.verdict import FamilyDecision, Verdict
 from sage_qual.qualification.evidence import report_model
@@ -20,7 +21,10 @@ class FleetVerdict:
     verdict, what a profile serves (null: nothing) and the kinds of reason it serves no more."""
     verdict: Verdict
     served: Served | None
-    reasons: list[report_model.ReasonKind]  # each kind once, sorted: the details are in report.md
+    reasons: tuple[report_model.ReasonKind, ...]  # each kind once, sorted: the details are in report.md
+
+    def __post_init__(self):
+        records.tuples(self)
 
     @classmethod
     def of(cls, decision: FamilyDecision) -> FleetVerdict:
@@ -42,14 +46,17 @@ class FleetRow:
     sageattention: str
     sageattention_source: str  # its build fingerprint ("" where the report has none)
     gpu: str
-    capability: list[int]
-    devices: list[int]
+    capability: tuple[int, ...]
+    devices: tuple[int, ...]
     families: dict[str, FleetVerdict]
     # The other providers' packages that served certify ("comfy-kitchen 0.2.40 (sha256:...)").
-    other_providers: list[str] = field(default_factory=list)
+    other_providers: tuple[str, ...] = ()
     # Why the report decides nothing, in the words gate and compare refuse it with
     # (`checked.undecidable`); "" when it decides. A --quick report's "pass" is not a family's.
     undecidable: str = ""
+
+    def __post_init__(self):
+        records.tuples(self)
 
 
 def merge_rows(reports: list[tuple[Path, Report]]) -> list[FleetRow]:

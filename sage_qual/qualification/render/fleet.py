@@ -39,7 +39,7 @@ def sageattention(row: FleetRow) -> str:
     """Its version and build (two builds of one version are two rows to tell apart), and the other
     providers' beside it."""
     build = f" ({row.sageattention_source})" if row.sageattention_source else ""
-    return "; ".join(([row.sageattention + build] if row.sageattention else ["-"]) + row.other_providers)
+    return "; ".join((row.sageattention + build if row.sageattention else "-",) + row.other_providers)
 
 
 def cell(found: FleetVerdict) -> str:
