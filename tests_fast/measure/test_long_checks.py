@@ -428,3 +428,17 @@ def test_emulate_predicts_the_long_checks(tmp_path, capsys):
         last_tile = (check.shape.q_tokens - 1) // 128 * 128
         assert check.rows == [0, last_tile]  # EMULATE_BLOCKS: the first and the last block
     checked.load(tmp_path / "report.json")  # reads back, its evidence consistent
+
+
+@pytest.mark.parametrize("name", ["ck-int8-cuda", "sm90-fp8-cuda"])
+def test_a_long_checks_model_runs_the_scheme_of_its_key_count(name):
+    """The sampled rows' model is `numerics.predict` on those rows: comfy-kitchen's key tile is 128
+    past 1,024 keys, and a long check modelled with 64 at every length (issue 54, a bug found by
+    reading) judged its kernel against another kernel's arithmetic."""
+    variant = VARIANTS[name]
+    generator = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, n, 128, generator=generator).to(torch.bfloat16) for n in (512, 1152, 1152))
+    k[..., 5] += 30  # an outlier channel, so the key blocks' INT8 scales differ with their size
+    starts, model_rows, _ = long_check._model_on_sampled_rows(variant, q, k, v, blocks=2)
+    expected = numerics.predict(variant, long_check.take_rows(q, starts), k, v)
+    assert torch.equal(model_rows, expected)

@@ -221,7 +221,7 @@ def _model_on_sampled_rows(variant: Variant, q, k, v, blocks: int = SAMPLE_BLOCK
     the one derivation `check` judges against and `model_budget` re-derives."""
     starts = sample_starts(q.shape[2], blocks)
     q_rows = take_rows(q, starts)
-    model_rows = numerics.attention(q_rows, k, v, variant.numerics.at_head_dim(q.shape[-1]))
+    model_rows = numerics.attention(q_rows, k, v, numerics.scheme_of(variant, q, k))
     return starts, model_rows, sampled_reference(q_rows, k, v)
 
 
