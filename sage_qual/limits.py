@@ -7,6 +7,8 @@ repository that holds the measurement.
 
 from __future__ import annotations
 
+import re
+
 # --- The wrapper -------------------------------------------------------------------------------
 # Fewest query / key tokens a call needs before SageAttention serves it: below them quantizing
 # costs more than the kernel saves. The break-even the InvokeAI SageAttention backend shipped,
@@ -118,5 +120,29 @@ STATUS_LINE_LIMIT = 200
 
 
 def one_line(text: str, limit: int = STATUS_LINE_LIMIT) -> str:
-    """`text` cut to `limit` characters, ending in "..." where it was cut."""
-    return text if len(text) <= limit else text[: limit - 3].rstrip() + "..."
+    """`text` in at most `limit` characters. The lists in parentheses go first, the longest first,
+    each left as "(...)": they are the supporting detail (SDXL's reason kept its seven per-shape
+    speedups and lost "27,520 key tokens" to a plain cut, issue 54). An aside that is no list, as
+    "(run sage-qual certify here)", is advice and stays. Only then is the end cut, to "...": a
+    message puts its number and its advice before that point."""
+    while len(text) > limit:
+        aside = _longest_list_aside(text)
+        if aside is None:  # an aside the cut splits goes whole: "(..." would read as "(...)"
+            return re.sub(r"\s*\([^()]*$", "", text[: limit - 3]).rstrip() + "..."
+        start, end = aside
+        text = text[:start] + "(...)" + text[end:]
+    return text
+
+
+def _longest_list_aside(text: str) -> tuple[int, int] | None:
+    """(start, end) of the longest balanced top-level "(...)" holding a list (", "), the last among
+    equals; None if there is none."""
+    depth, opened, found = 0, 0, []
+    for at, char in enumerate(text):
+        if char == "(":
+            depth, opened = depth + 1, (at if depth == 0 else opened)
+        elif char == ")" and depth:
+            depth -= 1
+            if depth == 0 and ", " in text[opened:at]:
+                found.append((opened, at + 1))
+    return max(reversed(found), key=lambda span: span[1] - span[0], default=None)

@@ -96,7 +96,7 @@ def _device_config(measured: profile.Profile, device: matching.LocalDevice, fami
             # contexts and bounds. A build that differs is said once (install's WARNING), the advice
             # first: the 200-character line (limits.one_line) cut it after the GPU's name and both
             # build digests on the H100 of device run 42.
-            where = ("built-in defaults of another build (verified range only; certify this build for its "
+            where = ("built-in defaults: another build's (verified range only; certify this build for its "
                      f"own profile), measured on {same.label} with {other}")
         applied = _applied(base, device, chosen, where, what, same.max_span_elements)
         return dataclasses.replace(applied, matched=not other)
@@ -121,8 +121,8 @@ def _device_config(measured: profile.Profile, device: matching.LocalDevice, fami
     verified = matching.apply(base, device.capability, strictest)
     config = dataclasses.replace(verified, kernel_table=base.kernel_table)
     return matching.DeviceConfig(config, one_line(
-        f"built-in defaults: {device.name} was never measured, so not certified (run sage-qual certify "
-        f"here): {what} by the strictest of {capability} ({models}): {strictest.served.short()}"),
+        f"built-in defaults: {device.name} never measured, not certified (run sage-qual certify): "
+        f"{what} as the strictest {capability} measured ({models}): {strictest.served.short()}"),
         matched=False)
 
 

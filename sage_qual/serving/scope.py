@@ -40,7 +40,7 @@ class ScopeReport:
         if self.not_installed and not self.calls:
             # Not "not installed": a profile that keeps the family off leaves torch's function in place too.
             return one_line("attention calls not counted, all on PyTorch SDPA: the wrapper serves nothing "
-                            f"here ({self.not_installed})")
+                            f"here: {self.not_installed}")
         counted = self.fallbacks.most_common()
         head = f"{self.calls} attention calls, {self.served} on SageAttention; on PyTorch SDPA: "
         audit = self.audit

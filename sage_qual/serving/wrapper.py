@@ -175,7 +175,8 @@ def _install(config: WrapperConfig | None, profile=None, family: str | None = No
         source = "built-in defaults" if loaded is None else "profile"
         others = f" and {len(unmatched) - 1} more GPUs" if len(unmatched) > 1 else ""
         note = unmatched[0].profile_note.removeprefix(f"{source}: ")  # said once, first
-        log.warning("%s", one_line(f"{source}: {unmatched[0].label}{others}: {note}"))
+        # the device by its index: the note names the GPU model, and the 200 characters go to the range
+        log.warning("%s", one_line(f"{source}: cuda:{unmatched[0].index}{others}: {note}"))
     for device in devices.values():
         if device.profile_note:
             log.info("%s: %s", device.label, device.profile_note)

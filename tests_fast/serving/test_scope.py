@@ -185,7 +185,7 @@ def test_a_scope_whose_install_was_refused_says_so_instead_of_counting_zero_call
                 F.scaled_dot_product_attention(*qkv())
     assert report.not_installed == status.reason
     assert report.summary() == ("attention calls not counted, all on PyTorch SDPA: the wrapper serves "
-                                f"nothing here ({status.reason})")
+                                f"nothing here: {status.reason}")
 
 
 def test_a_scope_that_began_while_installed_counts_its_calls():
@@ -396,6 +396,6 @@ def test_a_family_a_profile_keeps_off_is_said_as_such_not_as_not_installed():
             F.scaled_dot_product_attention(*qkv())
     assert "not installed" not in report.summary()
     assert report.summary().startswith("attention calls not counted, all on PyTorch SDPA: the wrapper serves "
-                                       "nothing here (")
+                                       "nothing here: ")
     assert "family Krea-2" in report.summary()
     sage_qual.uninstall()

@@ -167,7 +167,7 @@ def test_a_scope_without_install_says_calls_are_not_counted():
         pass
     assert report.not_installed == sage_qual.install_status().reason != ""
     assert report.summary() == ("attention calls not counted, all on PyTorch SDPA: the wrapper serves "
-                                f"nothing here ({report.not_installed})")
+                                f"nothing here: {report.not_installed}")
 
 
 def test_the_scope_asks_the_installed_check(monkeypatch):
