@@ -110,7 +110,8 @@ class FakeSageAttention:
         unordered or unrecorded launch does.
     extension_dir: a folder to give the package files, as a built one has: its `__init__.py` and one
         `<extension>.so` per extension (written when absent), so `sage_package.source_digest` sees a
-        build; a test rewrites one to stand for another build. None: a package without files.
+        build; a test rewrites one to stand for another build. The fake comfy_kitchen's files go in
+        its `comfy_kitchen` subfolder. None: packages without files.
     comfy_kitchen: the version of a fake comfy-kitchen to install beside it (None: none, and a real
         one hidden); `ck_extensions` are its compiled extensions that import.
     """
@@ -232,8 +233,18 @@ class FakeSageAttention:
             module.__path__ = []
             modules[name] = module
         modules["comfy_kitchen"].__version__ = self.comfy_kitchen
+        if self.ck_folder is not None:  # the package and its kernels module, as files
+            self.ck_folder.mkdir(parents=True, exist_ok=True)
+            for name in ("comfy_kitchen", "comfy_kitchen.sage_attention"):
+                file = "__init__.py" if name == "comfy_kitchen" else name.split(".")[1] + ".py"
+                modules[name].__file__ = str(self.ck_folder / file)
+                Path(modules[name].__file__).touch()
         self._add_kernels(modules["comfy_kitchen.sage_attention"], COMFY_KITCHEN.name)
         return modules
+
+    @property
+    def ck_folder(self) -> Optional[Path]:
+        return self.extension_dir / "comfy_kitchen" if self.extension_dir is not None else None
 
     def _make_dispatcher(self, module: types.ModuleType) -> Callable:
         """Upstream's `sageattn()`: the kernel and options core.py picks for the GPU of `q` (the
@@ -313,7 +324,8 @@ class _FakeFinder(importlib.abc.MetaPathFinder):
             return importlib.machinery.ModuleSpec(name, _ExtensionLoader(self.fake.extensions,
                                                                          self.fake.extension_dir))
         if self.fake.comfy_kitchen and name.split(".", 1)[-1] in COMFY_KITCHEN.extensions:
-            return importlib.machinery.ModuleSpec(name, _ExtensionLoader(self.fake.ck_extensions, None))
+            return importlib.machinery.ModuleSpec(name, _ExtensionLoader(self.fake.ck_extensions,
+                                                                         self.fake.ck_folder))
         return None
 
     def find_distributions(self, context=_ANY_DISTRIBUTION):

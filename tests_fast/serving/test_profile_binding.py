@@ -221,3 +221,30 @@ def test_env_shows_the_build_and_its_origin():
     env = env_record([], sageattention_source="sha256:0123456789abcdef", sageattention_origin="git u@c")
     assert "2.2.0 (build sha256:0123456789abcdef) from git u@c" in environment.render_text(env)
     assert " from " not in environment.render_text(dataclasses.replace(env, sageattention_origin=""))
+
+
+def test_comfy_kitchens_build_is_recorded_by_its_files_and_binds_the_profile(tmp_path, caplog):
+    """Issue 54: comfy-kitchen's build was recorded by its version, and every fake's digest was empty,
+    so no test took the path. The fake now has files: the environment records their digest, a profile
+    certified with it applies, and a rebuilt extension of the same version does not."""
+    import logging
+
+    import sage_qual
+    from sage_qual.testing import FakeCuda, FakeSageAttention
+
+    fake = FakeSageAttention(extension_dir=tmp_path / "build", comfy_kitchen="0.2.40")
+    with FakeCuda([H200]), fake.installed():
+        made = sage_package.load_all()["comfy-kitchen"].source
+        assert made.startswith("sha256:") and made != sage_package.load().source
+        data = with_comfy_kitchen(made, serves_it=True)
+        data["gpus"][0]["environment"]["sageattention_source"] = sage_package.load().source
+        assert sage_qual.install(profile=data, family="SDXL").devices[0].profile_matched
+        sage_qual.uninstall()
+        [binary] = (tmp_path / "build" / "comfy_kitchen").glob("*.so")
+        binary.write_bytes(b"another build of comfy-kitchen 0.2.40")
+        caplog.set_level(logging.WARNING, logger="sage_qual")
+        status = sage_qual.install(profile=data, family="SDXL")
+        sage_qual.uninstall()
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert f"comfy-kitchen build {made} measured, sha256:" in warning
+    assert not status.devices[0].profile_matched
