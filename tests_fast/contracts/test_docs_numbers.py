@@ -177,3 +177,62 @@ def test_the_main_jobs_counts_in_the_readme_are_what_it_selects():
     chosen = selection.select(None, None, quick=True)
     shipped = len(list_fixtures(shipped_dir()))
     assert (int(said.group(1)), int(said.group(2))) == (len(chosen.left_out), shipped)
+
+
+def test_the_main_jobs_times_in_benchmarks_md_are_its_benchmark_file():
+    """Issue 54: docs/benchmarks.md gave 21.2 s / 38.3 s from a 12-of-20 selection after the run
+    had changed. Its table is the newest docs/benchmarks/main-job.json, and its fixture counts are
+    what the main job selects now."""
+    import json
+    import re
+
+    from sage_qual.qualification import selection
+
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    start_at = page.index("## The main job")
+    section = flat(page[start_at:page.index("\n## ", start_at)])
+    measured = json.loads((ROOT / "docs" / "benchmarks" / "main-job.json").read_text())
+    stats = {b["name"]: b["stats"] for b in measured["benchmarks"]}
+    start = stats["test_process_start"]
+    assert (f"| `sage-qual --help` (baseline) | {start['median']:.3f} s | {start['min']:.3f}-"
+            f"{start['max']:.3f} s | 1x |") in section
+    for name, command in (("test_main_job[quick]", "`certify --emulate --quick` (the main job)"),
+                          ("test_main_job[full]", "`certify --emulate` (all ")):
+        run = stats[name]
+        median = f"**{run['median']:.1f} s**" if "quick" in name else f"{run['median']:.1f} s"
+        row = (f"| {median} | {run['min']:.1f}-{run['max']:.1f} s | "
+               f"{run['median'] / start['median']:.0f}x |")
+        assert re.search(re.escape(command) + r"[^|]*" + re.escape(row), section), row
+    assert f"code {measured['commit_info']['id'][:7]}" in section
+    chosen = selection.select(None, None, quick=True)
+    shipped = len(list_fixtures(shipped_dir()))
+    kept = shipped - len(chosen.left_out)
+    assert f"({kept} of {shipped}; it names the {len(chosen.left_out)} it leaves out)" in section
+    assert f"`certify --emulate` (all {shipped} fixtures)" in section
+
+
+def _gpu_rows(run: str, test: str) -> list[dict]:
+    import json
+
+    return [row for path in sorted((ROOT / "docs" / "results" / run).rglob("gpu_results.json"))
+            for row in json.loads(path.read_text()) if row.get("test") == test]
+
+
+def test_the_masked_calls_in_providers_md_are_runs_42_and_47():
+    """Issue 54: docs/providers.md said the masked GPU tests had not run after run 42 ran them. Its
+    sentences are the runs' rows: every context served and bit-identical to eager, the eager error,
+    and what each backend gives a query row its mask keeps no key for."""
+    page = flat((ROOT / "docs" / "providers.md").read_text())
+    masked = _gpu_rows("run42-h100", "masked-call")
+    contexts = {row["fixture"].split()[1] for row in masked}
+    assert contexts == {"eager", "side_stream", "capture", "compile"}
+    assert all(row["served"] == 1 and row["identical"] for row in masked)
+    [eager] = {round(row["rel_l2"], 4) for row in masked if row["fixture"].endswith("eager")}
+    assert ("ran on the H100 of run 42 (docs/results/run42-h100/: served in every context, bit-identical to "
+            f"the eager call, relative L2 {eager} against torch's float32 masked SDPA)") in page
+    keyless = {row["fixture"]: row for row in _gpu_rows("run47-h100", "keyless-row")}
+    assert {row["kernel"] for row in keyless.values()} == {"zero"}
+    assert "comfy-kitchen's kernel gives zeros" in page
+    cudnn = {fixture: row["torch_CUDNN_ATTENTION"] for fixture, row in keyless.items()}
+    assert cudnn == {"bool": "other", "additive": "zero"}
+    assert "torch's cuDNN backend other values for a bool mask" in page
