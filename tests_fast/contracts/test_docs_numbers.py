@@ -236,3 +236,19 @@ def test_the_masked_calls_in_providers_md_are_runs_42_and_47():
     cudnn = {fixture: row["torch_CUDNN_ATTENTION"] for fixture, row in keyless.items()}
     assert cudnn == {"bool": "other", "additive": "zero"}
     assert "torch's cuDNN backend other values for a bool mask" in page
+
+
+def test_no_install_line_sends_a_user_to_pypi_for_sage_qual():
+    """Issue 54: `pip install "sage-qual[comfy-kitchen]"` named a PyPI name sage-qual does not hold,
+    which anyone could register. Every doc, example and message installs sage-qual from a checkout."""
+    import re
+
+    sources = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "examples").rglob("*"),
+               *(ROOT / "sage_qual").rglob("*.py")]
+    command = re.compile(r"pip3? install ([^\n#`|,;]*)")  # its arguments, up to a comment or the prose
+    package = re.compile(r"sage[-_]qual(\[[^\]]*\])?")
+    found = [f"{path.relative_to(ROOT)}: pip install {match.group(1)}" for path in sources if path.is_file()
+             for match in command.finditer(path.read_text(errors="replace"))
+             if any(package.fullmatch(word.strip("'\"\\)")) for word in
+                    re.split(r"\s(?:in|or|from|and)\s", match.group(1))[0].split())]
+    assert found == []

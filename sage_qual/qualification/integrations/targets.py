@@ -369,8 +369,9 @@ def _diffusers_dispatch():
     try:
         return importlib.import_module("diffusers.models.attention_dispatch")
     except ImportError as error:
-        raise TargetError(f"diffusers targets need diffusers ({error}): pip install 'sage-qual[diffusers]'") \
-            from None
+        # sage-qual is not on PyPI: its extra installs from a checkout only
+        raise TargetError(f"diffusers targets need diffusers ({error}): pip install diffusers==0.42.1, "
+                          "or pip install -e '.[diffusers]' in a sage-qual checkout") from None
 
 
 def diffusers_target(backend: str) -> Target:
