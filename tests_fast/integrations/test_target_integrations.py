@@ -165,8 +165,8 @@ def test_diffusers_targets_without_diffusers_say_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "diffusers.models.attention_dispatch", None)
     with pytest.raises(
         targets.TargetError,
-        match=r"^diffusers targets need diffusers \(.*\): pip install "
-        r"'sage-qual\[diffusers\]'$",
+        match=r"^diffusers targets need diffusers \(.*\): pip install diffusers==0\.42\.1, or pip "
+        r"install -e '\.\[diffusers\]' in a sage-qual checkout$",
     ):
         targets.resolve("diffusers:sage")
 
