@@ -101,21 +101,21 @@ def model_miss_marks(variant: str, fixture: str) -> list:
     import pytest
 
     reason = MODEL_MISSES.get((variant, fixture))
-    return [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+    return [pytest.mark.xfail(strict=True, raises=AssertionError, reason=reason)] if reason else []
 
 
 def long_call_marks(variant: str) -> list:
     import pytest
 
     reason = LONG_CALL_DEFECTS.get(variant)
-    return [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+    return [pytest.mark.xfail(strict=True, raises=AssertionError, reason=reason)] if reason else []
 
 
 def marks(variant: str, fixture: str) -> list:
     import pytest
 
     reason = KNOWN_DEFECTS.get((variant, fixture))
-    return [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+    return [pytest.mark.xfail(strict=True, raises=AssertionError, reason=reason)] if reason else []
 
 
 def unlisted(results_path) -> list[dict]:
