@@ -50,8 +50,8 @@ def spied(package, variant):
     return long_check.kernel_of(types.SimpleNamespace(kernel=lambda asked: spy), variant), calls
 
 
-@pytest.mark.parametrize("call", list(CALLS))
-@pytest.mark.parametrize("variant_name", [pytest.param(v, marks=long_call_marks(v)) for v in VARIANT_NAMES])
+@pytest.mark.parametrize(("variant_name", "call"), [
+    pytest.param(v, c, marks=long_call_marks(v, c), id=f"{v}-{c}") for v in VARIANT_NAMES for c in CALLS])
 def test_long_call_in_every_layout(variant_name, call, kernels, runnable, record):
     variant = runnable(variant_name)
     shape = CALLS[call]
