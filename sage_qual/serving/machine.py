@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from packaging.version import InvalidVersion, Version
 
 from sage_qual.serving.providers import THU_ML
-from sage_qual.serving.variants import capability_label
+from sage_qual.serving.variants import gpu_label
 
 # Memory as nvidia-smi and torch report it differs by driver reservations; within this many GiB
 # it is the same card (an H200 shows 139.8, an H100 79.6 or 93.1 GiB: far apart).
@@ -24,6 +24,7 @@ MEMORY_TOLERANCE_GIB = 1.0
 # One model name can hide cut-down dies: within this share of SMs it is the same card, as
 # comfy-kitchen's per-GPU tuning table binds an entry to the SM version and SM count within 10 %.
 SM_COUNT_TOLERANCE = 0.10
+
 
 class Kind(str, enum.Enum):
     GPU = "gpu"  # name or compute capability
@@ -98,7 +99,12 @@ class Machine:
 
     @property
     def model(self) -> str:
-        return f"{self.gpu} ({capability_label(self.capability)})"
+        return gpu_label(self.gpu, self.capability)
+
+
+def builds(thu_ml_source: str, others) -> tuple[tuple[str, str], ...]:
+    """`Machine.builds` from thu-ml's build digest and the other providers' ((provider, digest) pairs)."""
+    return ((THU_ML.name, thu_ml_source), *sorted(others))
 
 
 @dataclass(frozen=True)
@@ -174,11 +180,10 @@ def differences(measured: Machine, here: Machine) -> list[Difference]:
 def from_record(environment, gpu) -> Machine:
     """The machine of an `EnvironmentRecord` (a report's, or this one's as gate collects it) and one of
     its GPUs (a report's device or a GpuInfo: name, capability, memory_gib, sm_count)."""
-    builds = ((THU_ML.name, environment.sageattention_source),
-              *sorted((other.provider, other.source) for other in environment.other_providers))
     return Machine(gpu.name, tuple(gpu.capability), gpu.memory_gib, gpu.sm_count, environment.torch,
                    environment.torch_cuda, environment.driver, environment.triton, environment.sageattention,
-                   builds)
+                   builds(environment.sageattention_source,
+                          ((other.provider, other.source) for other in environment.other_providers)))
 
 
 def binding(found: list[Difference]) -> list[Difference]:

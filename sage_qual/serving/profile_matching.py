@@ -14,7 +14,6 @@ from sage_qual.serving import machine
 from sage_qual.serving.config import DEFAULT_CONFIG, WrapperConfig
 from sage_qual.serving.machine import Difference, Kind, Machine
 from sage_qual.serving.profile import Entry, Profile, ProfileGpu, entry, family_entry, load, served_families
-from sage_qual.serving.providers import THU_ML
 from sage_qual.serving.served import served_nothing
 
 
@@ -45,14 +44,14 @@ def machine_of(gpu: ProfileGpu) -> Machine:
     env = gpu.environment
     return Machine(gpu.name, tuple(gpu.capability), gpu.memory_gib, gpu.sm_count, env.torch, env.torch_cuda,
                    env.driver, env.triton, env.sageattention,
-                   ((THU_ML.name, env.sageattention_source), *sorted(env.other_providers.items())))
+                   machine.builds(env.sageattention_source, env.other_providers.items()))
 
 
 def machine_here(device: LocalDevice) -> Machine:
     """A visible device as the machine an entry must match (the driver and Triton are not read)."""
     return Machine(device.name, tuple(device.capability), device.memory_gib, device.sm_count, device.torch,
                    device.torch_cuda, sageattention=device.sageattention,
-                   builds=((THU_ML.name, device.sageattention_source), *sorted(device.other_sources.items())))
+                   builds=machine.builds(device.sageattention_source, device.other_sources.items()))
 
 
 def entry_differences(gpu: ProfileGpu, device: LocalDevice) -> list[Difference]:

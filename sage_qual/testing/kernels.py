@@ -235,8 +235,8 @@ class FakeSageAttention:
         modules["comfy_kitchen"].__version__ = self.comfy_kitchen
         if self.ck_folder is not None:  # the package and its kernels module, as files
             self.ck_folder.mkdir(parents=True, exist_ok=True)
-            for name in ("comfy_kitchen", "comfy_kitchen.sage_attention"):
-                file = "__init__.py" if name == "comfy_kitchen" else name.split(".")[1] + ".py"
+            files = {"comfy_kitchen": "__init__.py", "comfy_kitchen.sage_attention": "sage_attention.py"}
+            for name, file in files.items():
                 modules[name].__file__ = str(self.ck_folder / file)
                 Path(modules[name].__file__).touch()
         self._add_kernels(modules["comfy_kitchen.sage_attention"], COMFY_KITCHEN.name)

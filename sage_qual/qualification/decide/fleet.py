@@ -72,11 +72,11 @@ def merge_rows(reports: list[tuple[Path, Report]]) -> list[FleetRow]:
         if problem:  # no verdict: one row per GPU model the run saw
             models: dict[tuple, list[int]] = {}
             for device in data.devices:
-                models.setdefault((device.name, tuple(device.capability)), []).append(device.index)
-            rows += [FleetRow(**common, gpu=name, capability=list(capability), devices=indices, families={},
+                models.setdefault(device.model, []).append(device.index)
+            rows += [FleetRow(**common, gpu=name, capability=capability, devices=indices, families={},
                               undecidable=problem) for (name, capability), indices in models.items()]
             continue
-        rows += [FleetRow(**common, gpu=gpu.name, capability=list(gpu.capability), devices=gpu.devices,
+        rows += [FleetRow(**common, gpu=gpu.name, capability=gpu.capability, devices=gpu.devices,
                           families={v.family: FleetVerdict.of(v) for v in gpu.families})
                  for gpu in verdict.decide(data)]
     return rows
