@@ -61,3 +61,19 @@ def test_compares_rule_is_stated_as_the_code_has_it(doc):
     text = READ[doc]
     assert f"--tolerance (default {compare.DEFAULT_TOLERANCE:g}" in text
     assert "each threshold within" not in text and "--tolerance 0.1]" not in text
+
+
+ROOT = DOCS.parent
+EVERY_PAGE = [ROOT / "README.md", *sorted(DOCS.glob("*.md")), *sorted((ROOT / "examples").rglob("*.md"))]
+
+
+@pytest.mark.parametrize("page", EVERY_PAGE, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_page_gives_compares_tolerance_as_the_code_has_it(page):
+    """The fleet recipes' README said "within `compare`'s 10 %" after the default became 0.05: any
+    "compare's N %" or "--tolerance (default X" on any page must be the code's default."""
+    text = flat(page.read_text())
+    percents = re.findall(r"compare`?'s (\d+(?:\.\d+)?) ?%", text)
+    defaults_given = re.findall(r"--tolerance[^)]{0,40}?default:? (\d*\.\d+)", text)
+    expected = compare.DEFAULT_TOLERANCE
+    assert [float(p) / 100 for p in percents if float(p) / 100 != expected] == []
+    assert [float(d) for d in defaults_given if float(d) != expected] == []

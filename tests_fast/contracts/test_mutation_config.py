@@ -6,13 +6,19 @@ from pathlib import Path
 import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
-MUTATE = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mutmut"]["only_mutate"]
+MUTMUT = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mutmut"]
+MUTATE = MUTMUT["only_mutate"]
 
 
 def test_every_module_to_mutate_exists():
     assert MUTATE and [path for path in MUTATE if not (ROOT / path).is_file()] == []
 
 
-def test_the_fleet_rows_and_the_built_in_defaults_are_mutated():
+def test_every_test_file_the_mutants_run_against_exists():
+    selection = MUTMUT["pytest_add_cli_args_test_selection"]
+    assert selection and [path for path in selection if not (ROOT / path).is_file()] == []
+
+
+def test_the_fleet_rows_and_gate_and_the_built_in_defaults_are_mutated():
     assert {"sage_qual/qualification/decide/fleet.py", "sage_qual/qualification/decide/defaults.py",
             "sage_qual/serving/defaults.py"} <= set(MUTATE)

@@ -1,8 +1,20 @@
-"""`sage-qual merge`: one fleet table from the certify reports of many hosts, a row per GPU model and
-family, each verdict `verdict.decide()`'s, with the range, layouts, head sizes and contexts it serves."""
+"""The fleet: `sage-qual merge`'s table from the certify reports of many hosts (a row per GPU model and
+family, each verdict `verdict.decide()`'s, with the range, layouts, head sizes and contexts it serves),
+and the fleet step's gate over those rows (examples/fleet/merge_and_gate.sh), one answer per family.
+
+The gate enables a family for the fleet when every host's report decides and passes it and every
+host's own gate (where its `gates.jsonl` exists) exited 0; the enabled line names what every host
+verified. `python -m sage_qual.qualification.decide.fleet FLEET_JSON DECISIONS REPORT...` reads `merge
+--json`'s rows and each report's `gates.jsonl`, writes one line per family to DECISIONS and prints
+them. REQUIRED_FAMILIES and REQUIRE_SPEEDUP come from the environment, as the script documents.
+Exit 0: every required family is on; 1: one is kept off; 2: bad input, named with its file and line.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,6 +23,7 @@ from sage_qual.qualification.decide import checked, verdict
 from sage_qual.qualification.decide.verdict import FamilyDecision, Verdict
 from sage_qual.qualification.evidence import report_model
 from sage_qual.qualification.evidence.report_model import Report
+from sage_qual.serving.config import SIDE_WORDS
 from sage_qual.serving.served import Served
 
 
@@ -82,3 +95,170 @@ def merge_rows(reports: list[tuple[Path, Report]]) -> list[FleetRow]:
     return rows
 
 
+# the fleet step's gate ---------------------------------------------------------------------------------
+YES = ("1", "true", "yes", "on")
+NO = ("0", "false", "no", "off", "")
+
+
+class BadInput(Exception):
+    """Input the step cannot decide on; the message names the file, line or variable and the fix."""
+
+
+def passing_verdicts(require_speedup: str) -> set[str]:
+    """The stored verdicts that let a family on: "safe, no speedup" counts unless REQUIRE_SPEEDUP is set,
+    as with `gate --require-speedup`."""
+    value = require_speedup.strip().lower()
+    if value not in YES + NO:
+        raise BadInput(f"REQUIRE_SPEEDUP={value!r}: give 1 (or true, yes, on) or 0 (or false, no, off)")
+    return {"enable"} if value in YES else {"enable", "safe, no speedup"}
+
+
+def gate_answers(reports: list[str]) -> dict[tuple[str, str], int]:
+    """(report folder, family) -> the exit code of that host's own gate, from the `gates.jsonl` beside
+    each report (certify-one.sh writes one `gate --json` answer per line)."""
+    codes: dict[tuple[str, str], int] = {}
+    line_of: dict[tuple[str, str], int] = {}
+    for report in reports:
+        answers = Path(report).with_name("gates.jsonl")
+        text = answers.read_text(errors="replace") if answers.exists() else ""
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                answer = json.loads(line)
+            except ValueError as error:  # a gate killed mid-write leaves a torn line
+                raise BadInput(f"{answers} line {number}: not JSON ({error}): a gate answer cut short? run "
+                               "the host's gate again, or remove the line") from None
+            code = answer.get("exit_code") if isinstance(answer, dict) else None
+            if not isinstance(answer, dict) or not isinstance(answer.get("family"), str) or \
+                    isinstance(code, bool) or not isinstance(code, int):
+                raise BadInput(f"{answers} line {number}: not a `sage-qual gate --json` answer (it needs a "
+                               "string family and an integer exit_code): run the host's gate again, or "
+                               "remove the line")
+            key = (str(Path(report).parent), answer["family"])
+            if key in line_of:  # two answers for one family: which holds would depend on line order
+                raise BadInput(f"{answers} lines {line_of[key]} and {number}: both answer "
+                               f"{answer['family']}: run the host's gates again into an empty "
+                               "gates.jsonl, or remove one line")
+            line_of[key] = number
+            codes[key] = code
+    return codes
+
+
+def common_range(rows: list[dict], family: str) -> str:
+    """What every host serves of an enabled family (each row's `served`, as `merge --json` gives it):
+    each GPU model's variant, and the intersection of the hosts' ranges, head sizes, layouts and
+    contexts, every host's bounds, and masked calls where every host serves them ('' when they share
+    no range)."""
+    entries = [row["families"][family]["served"] for row in rows]
+    variants = ", ".join(sorted({f"{row['families'][family]['served']['variant']} on {row['gpu']}"
+                                 for row in rows}))
+    low_q, low_k = max(e["min_query_tokens"] for e in entries), max(e["min_key_tokens"] for e in entries)
+    dims = sorted(set.intersection(*(set(e["head_dims"]) for e in entries)))
+    if not dims:
+        return ""
+    dims_text = f"head_dim {'/'.join(map(str, dims))}"
+    below: dict[str, int] = {}  # a host's bound holds for the fleet: per side, the highest
+    for e in entries:
+        for bound in e["bounds"]:
+            below[bound["side"]] = max(below.get(bound["side"], 0), bound["below"])
+    kept = "".join(f"; calls with fewer than {n:,} {SIDE_WORDS[side]} stay on torch"
+                   for side, n in sorted(below.items()))
+    # masked calls are served only where every host serves them (as Served.text says it)
+    masks = "; masked calls too" if all(e["masks"] for e in entries) else ""
+    if any(e["max_query_tokens"] is None for e in entries):
+        return (f"{variants}; every host: from {low_q:,} query / {low_k:,} key tokens, {dims_text}, no upper "
+                f"bound verified (a report without long checks{masks}){kept}")
+    high_q = min(e["max_query_tokens"] for e in entries)
+    high_k = min(e["max_key_tokens"] or e["max_query_tokens"] for e in entries)
+    layouts = [name for name in entries[0]["layouts"] if all(name in e["layouts"] for e in entries)]
+    if low_q > high_q or low_k > high_k or not layouts:
+        return ""
+    tokens = (f"from {low_q:,} to {high_q:,} tokens" if (low_q, high_q) == (low_k, high_k) else
+              f"from {low_q:,} to {high_q:,} query / {low_k:,} to {high_k:,} key tokens")
+    # the contexts every host certified (a host that checked none keeps the variant's built-in rule)
+    checked = [e["contexts"] for e in entries if e["contexts"] is not None]
+    contexts = ("" if not checked else "; contexts: " + (", ".join(
+        name for name in checked[0] if all(name in c for c in checked)) or "none")
+                + ("" if len(checked) == len(entries) else " (a host without context checks: built-in rule)"))
+    return (f"{variants}; every host: {tokens}, {dims_text} (layouts: {', '.join(layouts)}{contexts}{masks})"
+            f"{kept}")
+
+
+def _family_line(rows: list[dict], gates: dict[tuple[str, str], int], family: str,
+                 passing: set[str]) -> tuple[str, bool]:
+    """The family's line, and whether it is kept off."""
+    why, verdicts = [], set()
+    for row in rows:
+        where = f"{row['host']} {row['gpu']} ({Path(row['report']).parent.name})"
+        entry = row["families"].get(family)
+        if row["undecidable"]:  # partial, predicted or --quick, in sage-qual's words
+            why.append(f"{where}: {row['undecidable']}")
+        elif entry is None or entry["verdict"] not in passing:
+            why.append(f"{where}: {entry['verdict'] if entry else 'not run'}")
+        else:
+            verdicts.add(entry["verdict"])
+        code = gates.get((str(Path(row["report"]).parent), family))
+        if Path(row["report"]).with_name("gates.jsonl").exists() and code != 0:
+            why.append(f"{where}: gate exit {code if code is not None else 'missing'}")
+    # "safe, no speedup" anywhere: the family may be enabled, but serves nothing there
+    verdict = "keep off" if why else "enable" if verdicts == {"enable"} else "safe, no speedup"
+    if verdict == "enable":
+        served = common_range(rows, family)
+        why = [] if served else ["no range of tokens, head sizes and layouts every host verified"]
+        verdict = f"enable ({served})" if served else "keep off"
+    return f"{family}: {verdict}" + (f" ({'; '.join(why)})" if why else ""), bool(why)
+
+
+@dataclass(frozen=True)
+class FleetGate:
+    """The step's answer: one line per family, and what the exit code is decided from."""
+    lines: tuple[str, ...]
+    kept_off: tuple[str, ...]
+    unknown: tuple[str, ...]  # required families no report ran: bad input, a typo most likely
+
+    def exit_code(self, required: list[str]) -> int:
+        return 2 if self.unknown else 1 if any(f in self.kept_off for f in required) else 0
+
+
+def decide(rows: list[dict], gates: dict[tuple[str, str], int], required: list[str],
+           passing: set[str]) -> FleetGate:
+    """One line per family that a report decided or a host's gate answered (a --quick report decides
+    none). A required family no report ran is unknown, unless an undecidable report might have run it:
+    then it is kept off, with that report's refusal."""
+    families = list(dict.fromkeys([name for row in rows for name in row["families"]] + [f for _, f in gates]))
+    lines, off = [], []
+    for family in families:
+        line, kept_off = _family_line(rows, gates, family, passing)
+        lines.append(line)
+        if kept_off:
+            off.append(family)
+    unknown = [f for f in required if f not in families]
+    refused = [row for row in rows if row["undecidable"]]
+    if unknown and refused:  # perhaps run there, but decided nowhere: kept off, not a typo
+        lines += [f"{family}: keep off (no report that decides ran it; {refused[0]['undecidable']})"
+                  for family in unknown]
+        off += unknown
+        unknown = []
+    return FleetGate(tuple(lines), tuple(off), tuple(unknown))
+
+
+def main(argv: list[str] | None = None) -> int:
+    fleet_json, decisions, *reports = sys.argv[1:] if argv is None else argv
+    required = [f.strip() for f in os.environ.get("REQUIRED_FAMILIES", "").split(",") if f.strip()]
+    try:
+        passing = passing_verdicts(os.environ.get("REQUIRE_SPEEDUP", ""))
+        answer = decide(json.loads(Path(fleet_json).read_text())["rows"], gate_answers(reports), required,
+                        passing)
+    except BadInput as error:
+        print(f"merge_and_gate.sh: {error}", file=sys.stderr)
+        return 2
+    Path(decisions).write_text("\n".join(answer.lines) + "\n")
+    print("\n".join(answer.lines))
+    if answer.unknown:
+        print(f"REQUIRED_FAMILIES names families no report ran: {', '.join(answer.unknown)}", file=sys.stderr)
+    return answer.exit_code(required)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,248 @@
+"""The fleet step's gate, in process, on rows shaped as `merge --json` writes them (synthetic numbers):
+each rule of sage_qual/qualification/decide/fleet.py on its own, where examples/fleet's end-to-end
+tests (tests_fast/cli/test_fleet_recipes.py) run it on committed reports. Issue 54: the step was a
+heredoc no mutation run could reach, and 3 of 11 plausible bugs in it were caught."""
+
+import json
+import re
+
+import pytest
+
+from sage_qual.qualification.decide import fleet
+from sage_qual.qualification.decide.fleet import BadInput
+
+PASSING = fleet.passing_verdicts("")
+STRICT = fleet.passing_verdicts("1")
+
+
+def served(**change) -> dict:
+    return {"variant": "sm90-fp8-cuda", "min_query_tokens": 4096, "min_key_tokens": 4096, "head_dims": [128],
+            "max_query_tokens": 32768, "max_key_tokens": 32768, "layouts": ["contiguous", "transposed"],
+            "contexts": ["side_stream", "compile"], "bounds": [], "masks": False, **change}
+
+
+def row(host: str, families: dict, *, gpu="NVIDIA H200", undecidable="", folder=None) -> dict:
+    return {"host": host, "gpu": gpu, "report": f"/fleet/{folder or host}/report.json", "families": families,
+            "undecidable": undecidable}
+
+
+def enabled(**change) -> dict:
+    return {"verdict": "enable", "served": served(**change)}
+
+
+def lines(rows, gates=None, required=(), passing=PASSING) -> dict[str, str]:
+    answer = fleet.decide(rows, gates or {}, list(required), passing)
+    return dict(line.split(": ", 1) for line in answer.lines)
+
+
+def test_every_host_enabling_the_same_range_enables_it_in_full():
+    rows = [row("a", {"Wan": enabled()}), row("b", {"Wan": enabled()})]
+    assert lines(rows)["Wan"] == (
+        "enable (sm90-fp8-cuda on NVIDIA H200; every host: from 4,096 to 32,768 tokens, head_dim 128 "
+        "(layouts: contiguous, transposed; contexts: side_stream, compile))")
+
+
+def test_the_range_is_the_highest_start_and_the_lowest_end_on_each_side():
+    rows = [row("a", {"Wan": enabled(min_query_tokens=2048, min_key_tokens=8192, max_key_tokens=65536)}),
+            row("b", {"Wan": enabled(max_query_tokens=16384, max_key_tokens=None)})]
+    assert "from 4,096 to 16,384 query / 8,192 to 16,384 key tokens" in lines(rows)["Wan"]
+
+
+def test_a_range_no_host_shares_keeps_the_family_off():
+    rows = [row("a", {"Wan": enabled(max_query_tokens=8192, max_key_tokens=8192)}),
+            row("b", {"Wan": enabled(min_query_tokens=16384, min_key_tokens=16384)})]
+    assert lines(rows)["Wan"] == "keep off (no range of tokens, head sizes and layouts every host verified)"
+    keys_apart = [row("a", {"Wan": enabled(max_key_tokens=8192)}),
+                  row("b", {"Wan": enabled(min_key_tokens=16384)})]
+    assert lines(keys_apart)["Wan"].startswith("keep off (no range")
+
+
+@pytest.mark.parametrize("second, stated, reversed_stated", [
+    # the shared names, in the first host's order
+    (["transposed", "contiguous", "nhd"], "contiguous, transposed", "transposed, contiguous"),
+    (["transposed"], "transposed", "transposed"),
+])
+def test_the_layouts_stated_are_those_every_host_verified(second, stated, reversed_stated):
+    rows = [row("a", {"Wan": enabled()}), row("b", {"Wan": enabled(layouts=second)})]
+    assert f"(layouts: {stated};" in lines(rows)["Wan"]
+    assert f"(layouts: {reversed_stated};" in lines(rows[::-1])["Wan"]
+
+
+def test_no_layout_every_host_verified_keeps_the_family_off():
+    rows = [row("a", {"Wan": enabled(layouts=["contiguous"])}), row("b", {"Wan": enabled(layouts=["nhd"])})]
+    assert lines(rows)["Wan"].startswith("keep off (no range of tokens, head sizes and layouts")
+
+
+def test_head_sizes_are_those_every_host_served_and_none_shared_keeps_it_off():
+    rows = [row("a", {"Wan": enabled(head_dims=[64, 128])}), row("b", {"Wan": enabled(head_dims=[128, 256])})]
+    assert "head_dim 128 (" in lines(rows)["Wan"]
+    both = [row("a", {"Wan": enabled(head_dims=[64, 128])}), row("b", {"Wan": enabled(head_dims=[128, 64])})]
+    assert "head_dim 64/128 (" in lines(both)["Wan"]
+    apart = [row("a", {"Wan": enabled(head_dims=[64])}), row("b", {"Wan": enabled(head_dims=[128])})]
+    assert lines(apart)["Wan"].startswith("keep off (no range")
+
+
+@pytest.mark.parametrize("second, stated", [
+    (["compile"], "; contexts: compile))"),
+    ([], "; contexts: none))"),
+    (None, "; contexts: side_stream, compile (a host without context checks: built-in rule)))"),
+])
+def test_the_contexts_stated_are_those_every_host_certified(second, stated):
+    rows = [row("a", {"Wan": enabled()}), row("b", {"Wan": enabled(contexts=second)})]
+    assert lines(rows)["Wan"].endswith(stated)
+
+
+def test_no_host_with_context_checks_states_no_contexts():
+    rows = [row("a", {"Wan": enabled(contexts=None)}), row("b", {"Wan": enabled(contexts=None)})]
+    assert lines(rows)["Wan"].endswith("(layouts: contiguous, transposed))")
+
+
+def test_masked_calls_are_stated_only_where_every_host_serves_them():
+    both = [row("a", {"Wan": enabled(masks=True)}), row("b", {"Wan": enabled(masks=True)})]
+    assert lines(both)["Wan"].endswith("contexts: side_stream, compile; masked calls too))")
+    one = [row("a", {"Wan": enabled(masks=True)}), row("b", {"Wan": enabled()})]
+    assert "mask" not in lines(one)["Wan"]
+    unbounded = [row("a", {"Wan": enabled(masks=True, max_query_tokens=None)}), both[1]]
+    assert "(a report without long checks; masked calls too))" in lines(unbounded)["Wan"]
+
+
+def test_each_sides_bound_is_the_highest_any_host_keeps_on_torch():
+    rows = [row("a", {"Wan": enabled(bounds=[{"side": "key", "below": 17}, {"side": "query", "below": 5}])}),
+            row("b", {"Wan": enabled(bounds=[{"side": "key", "below": 33}])})]
+    assert lines(rows)["Wan"].endswith("; calls with fewer than 33 keys stay on torch; calls with fewer "
+                                       "than 5 query tokens stay on torch)")
+
+
+def test_a_host_without_an_upper_bound_says_so_from_the_highest_start():
+    rows = [row("a", {"Wan": enabled(max_query_tokens=None, max_key_tokens=None, min_query_tokens=9728)}),
+            row("b", {"Wan": enabled(bounds=[{"side": "key", "below": 17}])})]
+    assert lines(rows)["Wan"] == (
+        "enable (sm90-fp8-cuda on NVIDIA H200; every host: from 9,728 query / 4,096 key tokens, "
+        "head_dim 128, no upper bound verified (a report without long checks); calls with fewer than 17 "
+        "keys stay on torch)")
+
+
+def test_each_gpu_models_variant_is_named():
+    rows = [row("a", {"Wan": enabled()}), row("b", {"Wan": enabled(variant="sm89-fp8-cuda")}, gpu="RTX 4090")]
+    assert lines(rows)["Wan"].startswith("enable (sm89-fp8-cuda on RTX 4090, sm90-fp8-cuda on NVIDIA H200; ")
+
+
+def test_a_host_that_keeps_the_family_off_or_never_ran_it_keeps_it_off_naming_each():
+    rows = [row("a", {"Wan": {"verdict": "keep off", "served": None}, "SDXL": enabled()}),
+            row("b", {"Wan": enabled()}, folder="b-folder"), row("c", {"SDXL": enabled()})]
+    decided = lines(rows)
+    assert decided["Wan"] == "keep off (a NVIDIA H200 (a): keep off; c NVIDIA H200 (c): not run)"
+    assert decided["SDXL"] == "keep off (b NVIDIA H200 (b-folder): not run)"
+
+
+def test_safe_no_speedup_anywhere_is_said_and_counts_as_off_only_when_speedup_is_required():
+    safe = {"verdict": "safe, no speedup", "served": None}
+    rows = [row("a", {"SDXL": enabled()}), row("b", {"SDXL": safe})]
+    assert lines(rows)["SDXL"] == "safe, no speedup"
+    assert fleet.decide(rows, {}, ["SDXL"], PASSING).exit_code(["SDXL"]) == 0
+    strict = fleet.decide(rows, {}, ["SDXL"], STRICT)
+    assert strict.lines == ("SDXL: keep off (b NVIDIA H200 (b): safe, no speedup)",)
+    assert strict.exit_code(["SDXL"]) == 1
+
+
+def test_an_undecidable_report_keeps_every_family_off_in_its_own_words():
+    rows = [row("a", {"Wan": enabled()}), row("b", {}, undecidable="b/report.json is a predicted report")]
+    assert lines(rows)["Wan"] == "keep off (b NVIDIA H200 (b): b/report.json is a predicted report)"
+
+
+def test_a_hosts_own_gate_must_have_said_enable_where_it_answered(tmp_path):
+    for host in ("a", "b"):
+        (tmp_path / host).mkdir()
+    (tmp_path / "b" / "gates.jsonl").write_text(json.dumps({"family": "Wan", "exit_code": 1}) + "\n")
+    rows = [{**row(host, {"Wan": enabled(), "SDXL": enabled()}),
+             "report": str(tmp_path / host / "report.json")} for host in ("a", "b")]
+    gates = fleet.gate_answers([r["report"] for r in rows])
+    assert gates == {(str(tmp_path / "b"), "Wan"): 1}
+    decided = lines(rows, gates)
+    assert decided["Wan"] == "keep off (b NVIDIA H200 (b): gate exit 1)"
+    assert decided["SDXL"] == "keep off (b NVIDIA H200 (b): gate exit missing)"  # b's gates.jsonl has none
+
+
+def test_a_family_only_a_gate_answered_gets_a_line():
+    rows = [row("a", {"Wan": enabled()})]
+    decided = lines(rows, {("/fleet/a", "Krea"): 0})
+    assert list(decided) == ["Wan", "Krea"] and decided["Krea"] == "keep off (a NVIDIA H200 (a): not run)"
+
+
+@pytest.mark.parametrize("required, code", [
+    ([], 0), (["Wan"], 0), (["SDXL"], 1), (["Wan", "SDXL"], 1), (["SDXL", "Wan"], 1), (["Wan", "Krea"], 2),
+])
+def test_the_exit_code_is_1_when_any_required_family_is_off_and_2_for_one_no_report_ran(required, code):
+    rows = [row("a", {"Wan": enabled(), "SDXL": {"verdict": "keep off", "served": None}})]
+    answer = fleet.decide(rows, {}, required, PASSING)
+    assert answer.exit_code(required) == code
+    assert len(answer.lines) == 2  # the lines are written whatever the code
+    assert answer.unknown == tuple(f for f in required if f == "Krea")
+
+
+def test_a_required_family_an_undecidable_report_may_have_run_is_kept_off_not_unknown():
+    rows = [row("a", {}, undecidable="a/report.json is a --quick report")]
+    answer = fleet.decide(rows, {}, ["Wan"], PASSING)
+    why = "a/report.json is a --quick report"
+    assert answer.lines == (f"Wan: keep off (no report that decides ran it; {why})",)
+    assert answer.exit_code(["Wan"]) == 1 and answer.unknown == ()
+
+
+@pytest.mark.parametrize("value, passing", [
+    ("1", {"enable"}), (" Yes ", {"enable"}), ("TRUE", {"enable"}), ("on", {"enable"}),
+    ("0", {"enable", "safe, no speedup"}), ("no", {"enable", "safe, no speedup"}),
+    ("Off", {"enable", "safe, no speedup"}), ("false", {"enable", "safe, no speedup"}),
+    ("", {"enable", "safe, no speedup"}),
+])
+def test_require_speedup_spellings(value, passing):
+    assert fleet.passing_verdicts(value) == passing
+
+
+def test_an_unknown_require_speedup_is_bad_input_naming_the_spellings():
+    with pytest.raises(BadInput, match=r"REQUIRE_SPEEDUP='2': give 1 \(or true, yes, on\) or 0"):
+        fleet.passing_verdicts("2")
+
+
+@pytest.mark.parametrize("text, problem", [
+    ('{"family": "Wan", "exit_co', "line 2: not JSON"),
+    ('{"family": "Wan", "exit_code": true}', "line 2: not a `sage-qual gate --json` answer"),
+    ('{"family": 3, "exit_code": 0}', "line 2: not a `sage-qual gate --json` answer"),
+    ('"Wan"', "line 2: not a `sage-qual gate --json` answer"),
+    ('{"family": "SDXL", "exit_code": 0}', "lines 1 and 2: both answer SDXL"),
+])
+def test_a_bad_gates_file_is_bad_input_naming_the_file_and_line(tmp_path, text, problem):
+    answers = tmp_path / "a" / "gates.jsonl"
+    answers.parent.mkdir()
+    answers.write_text(json.dumps({"family": "SDXL", "exit_code": 0}) + "\n" + text + "\n")
+    with pytest.raises(BadInput, match="^" + re.escape(f"{answers} {problem}")):
+        fleet.gate_answers([str(tmp_path / "a" / "report.json")])
+
+
+def test_one_family_answered_on_two_hosts_is_two_answers(tmp_path):
+    for host, code in (("a", 0), ("b", 3)):
+        (tmp_path / host).mkdir()
+        answer = json.dumps({"family": "Wan", "exit_code": code})
+        (tmp_path / host / "gates.jsonl").write_text(f"\n{answer}\n")
+    gates = fleet.gate_answers([str(tmp_path / h / "report.json") for h in ("a", "b")])
+    assert gates == {(str(tmp_path / "a"), "Wan"): 0, (str(tmp_path / "b"), "Wan"): 3}
+
+
+def test_main_writes_and_prints_the_lines_then_names_an_unknown_family(tmp_path, monkeypatch, capsys):
+    merged = tmp_path / "fleet.json"
+    merged.write_text(json.dumps({"rows": [row("a", {"Wan": enabled()})]}))
+    monkeypatch.setenv("REQUIRED_FAMILIES", " Wan , Krea,")
+    monkeypatch.delenv("REQUIRE_SPEEDUP", raising=False)
+    code = fleet.main([str(merged), str(tmp_path / "gates.txt"), "/fleet/a/report.json"])
+    written = (tmp_path / "gates.txt").read_text()
+    assert code == 2 and written.startswith("Wan: enable (") and written.endswith(")\n")
+    out, err = capsys.readouterr()
+    assert out == written and err == "REQUIRED_FAMILIES names families no report ran: Krea\n"
+
+
+def test_main_turns_bad_input_into_exit_2_with_the_steps_name(tmp_path, monkeypatch, capsys):
+    merged = tmp_path / "fleet.json"
+    merged.write_text(json.dumps({"rows": []}))
+    monkeypatch.setenv("REQUIRE_SPEEDUP", "maybe")
+    assert fleet.main([str(merged), str(tmp_path / "gates.txt")]) == 2
+    assert capsys.readouterr().err.startswith("merge_and_gate.sh: REQUIRE_SPEEDUP='maybe'")
+    assert not (tmp_path / "gates.txt").exists()
