@@ -104,6 +104,7 @@ def test_merge_and_gate_on_the_committed_h200_reports(fleet):
     assert "h200-a: same as the last release" in done.stdout
     assert "h200-b: no report of the last release" in done.stdout
     compared = (fleet / "out" / "compare-h200-a.txt").read_text()
+    assert "Wan 2.2: no difference, served speedup x0.982" in compared  # run 11 against run 8, not back
     assert compared.endswith("same verdicts, variants, ranges, layouts and contexts; served speedups "
                              "within 5%\n")
 
@@ -164,6 +165,16 @@ def test_no_reports_is_an_error(tmp_path):
     (tmp_path / "reports").mkdir()
     done = merge_and_gate(tmp_path, baseline=False)
     assert done.returncode == 2 and "no report.json under" in done.stderr
+
+
+def test_a_report_merge_refuses_stops_the_step_as_bad_input_naming_it(fleet):
+    broken = fleet / "reports" / "h200-b" / "report.json"
+    broken.write_bytes(broken.read_bytes()[:1000])  # cut short, as a failed copy leaves it
+    done = merge_and_gate(fleet, baseline=False, REQUIRED_FAMILIES="Wan 2.2")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"sage-qual merge: {broken}: cannot be read" in done.stderr
+    assert "give a readable report.json" in done.stderr
+    assert not (fleet / "out" / "fleet-gates.txt").exists()
 
 
 def test_certify_one_sh_that_cannot_certify_never_gates_an_older_report(tmp_path):
