@@ -7,6 +7,7 @@ report builds a valid one here and then breaks the dumped dict, so it shows whic
 
 import dataclasses
 import hashlib
+import json
 import math
 from pathlib import Path
 
@@ -301,3 +302,14 @@ def summarized(typed: Report, out: Path) -> str:
     from sage_qual.qualification.render import summary
 
     return summary.text(typed, out, verdict.decide(typed))
+
+
+def certify_profile(folder: Path, name: str, entry: dict, families: dict, capability=(8, 9),
+                    torch_version="2.13.0") -> Path:
+    """A certify run's profile.json of one GPU model (make_gpu's) in `folder`, each file created a day
+    after the one before it (the builder of the built-in defaults orders runs by that)."""
+    gpu = make_gpu(FakeGpu(capability, name, 24.0), entry, families, torch_version)
+    count = len(list(folder.iterdir()))
+    path = folder / f"{name}-{count}.json"
+    path.write_text(json.dumps({**make_profile(gpu), "created": f"2026-12-{count + 1:02d}T00:00:00+00:00"}))
+    return path

@@ -246,3 +246,65 @@ def test_main_turns_bad_input_into_exit_2_with_the_steps_name(tmp_path, monkeypa
     assert fleet.main([str(merged), str(tmp_path / "gates.txt")]) == 2
     assert capsys.readouterr().err.startswith("merge_and_gate.sh: REQUIRE_SPEEDUP='maybe'")
     assert not (tmp_path / "gates.txt").exists()
+
+
+def test_hosts_sharing_one_length_serve_at_that_length():
+    rows = [row("a", {"Wan": enabled(max_query_tokens=16384, max_key_tokens=16384)}),
+            row("b", {"Wan": enabled(min_query_tokens=16384, min_key_tokens=16384)})]
+    assert "every host: from 16,384 to 16,384 tokens, head_dim 128" in lines(rows)["Wan"]
+
+
+def test_a_lower_bound_after_a_higher_one_keeps_the_higher():
+    rows = [row("a", {"Wan": enabled(bounds=[{"side": "key", "below": 33}])}),
+            row("b", {"Wan": enabled(bounds=[{"side": "key", "below": 17}])})]
+    assert lines(rows)["Wan"].endswith("; calls with fewer than 33 keys stay on torch)")
+
+
+def test_a_required_family_decided_nowhere_keeps_every_other_line_and_verdict():
+    rows = [row("a", {"Wan": enabled(), "SDXL": {"verdict": "keep off", "served": None}}),
+            row("b", {}, undecidable="b/report.json is a --quick report")]
+    answer = fleet.decide(rows, {}, ["Krea"], PASSING)
+    assert [line.split(":")[0] for line in answer.lines] == ["Wan", "SDXL", "Krea"]
+    assert answer.kept_off == ("Wan", "SDXL", "Krea")  # Wan: b decides nothing
+
+
+def test_a_gates_file_that_is_not_text_is_bad_input_not_a_crash(tmp_path):
+    answers = tmp_path / "a" / "gates.jsonl"
+    answers.parent.mkdir()
+    answers.write_bytes(b'{"family": "Wan", "exit_code": 0}\n\xff\xfe\x00garbage\n')
+    with pytest.raises(BadInput, match=re.escape(f"{answers} line 2: not JSON")):
+        fleet.gate_answers([str(tmp_path / "a" / "report.json")])
+
+
+def test_each_bad_gates_line_says_how_to_mend_it(tmp_path):
+    answers = tmp_path / "a" / "gates.jsonl"
+    answers.parent.mkdir()
+    mends = {"{": "a gate answer cut short? run the host's gate again, or remove the line",
+             "[]": "(it needs a string family and an integer exit_code): run the host's gate again, or "
+                   "remove the line",
+             '{"family": "Wan", "exit_code": 0}\n{"family": "Wan", "exit_code": 0}':
+                 "both answer Wan: run the host's gates again into an empty gates.jsonl, or remove one line"}
+    for text, mend in mends.items():
+        answers.write_text(text + "\n")
+        with pytest.raises(BadInput) as raised:
+            fleet.gate_answers([str(tmp_path / "a" / "report.json")])
+        assert str(raised.value).endswith(mend)
+
+
+def test_main_reads_its_arguments_and_the_environment(tmp_path, monkeypatch, capsys):
+    """As the script runs it: the arguments from the command line, no REQUIRED_FAMILIES set."""
+    merged = tmp_path / "fleet.json"
+    merged.write_text(json.dumps({"rows": [row("a", {"Wan": enabled(),
+                                                      "SDXL": {"verdict": "keep off", "served": None}})]}))
+    decisions = tmp_path / "gates.txt"
+    monkeypatch.setattr("sys.argv", ["fleet", str(merged), str(decisions), "/fleet/a/report.json"])
+    monkeypatch.delenv("REQUIRED_FAMILIES", raising=False)
+    monkeypatch.delenv("REQUIRE_SPEEDUP", raising=False)
+    assert fleet.main() == 0
+    assert [line.split(":")[0] for line in decisions.read_text().splitlines()] == ["Wan", "SDXL"]
+    assert capsys.readouterr().out == decisions.read_text()
+    monkeypatch.setenv("REQUIRED_FAMILIES", "SDXL")
+    assert fleet.main() == 1
+    monkeypatch.setenv("REQUIRED_FAMILIES", "Krea,Foo")
+    assert fleet.main() == 2
+    assert capsys.readouterr().err == "REQUIRED_FAMILIES names families no report ran: Krea, Foo\n"

@@ -23,7 +23,7 @@ from sage_qual.serving import profile_matching as matching
 from sage_qual.serving.config import DEFAULT_CONFIG, KERNEL_TABLE
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
 
-from ..builders import make_entry, make_gpu, make_profile, reason
+from ..builders import certify_profile, make_entry, reason
 from ..helpers import newest_certify_run
 
 RESULTS = Path(__file__).resolve().parent.parent.parent / "docs" / "results"
@@ -319,14 +319,6 @@ def test_a_broken_data_file_is_one_line_naming_it(tmp_path, content, message):
 
 
 # The builder: adding a GPU model from a certify run ----------------------------------------------
-def certify_profile(tmp_path, name, entry, families, capability=(8, 9), torch_version="2.13.0"):
-    gpu = make_gpu(FakeGpu(capability, name, 24.0), entry, families, torch_version)
-    count = len(list(tmp_path.iterdir()))
-    path = tmp_path / f"{name}-{count}.json"
-    path.write_text(json.dumps({**make_profile(gpu), "created": f"2026-12-{count + 1:02d}T00:00:00+00:00"}))
-    return path
-
-
 OFF = make_entry(None, reasons=[reason("non_finite", "sm89-fp8-cuda on flux: NaN")])
 
 
