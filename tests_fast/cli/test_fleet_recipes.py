@@ -173,6 +173,7 @@ def test_a_report_merge_refuses_stops_the_step_as_bad_input_naming_it(fleet):
     done = merge_and_gate(fleet, baseline=False, REQUIRED_FAMILIES="Wan 2.2")
     assert done.returncode == 2, done.stdout + done.stderr
     assert f"sage-qual merge: {broken}: cannot be read" in done.stderr
+    assert done.stderr.count("sage-qual merge:") == 1  # stopped at the first refusal, not after the second
     assert "give a readable report.json" in done.stderr
     assert not (fleet / "out" / "fleet-gates.txt").exists()
 
