@@ -75,9 +75,10 @@ def test_runs_that_share_no_head_size_keep_the_family_off_saying_so(tmp_path):
     assert [(r.kind, r.detail) for r in entry.reasons] == [(ReasonKind.SPEED, "the runs share no head size")]
 
 
-def test_the_newest_run_gives_the_software_whatever_order_the_files_come_in(tmp_path):
+def test_the_newest_run_gives_the_software_whatever_order_or_names_the_files_have(tmp_path):
     older = certify_profile(tmp_path, "RTX 4090", make_entry(), {}, torch_version="2.12.0")
     newer = certify_profile(tmp_path, "RTX 4090", make_entry(), {}, torch_version="2.13.0")
+    older = older.rename(tmp_path / "z-older.json")  # names sort against their dates
     assert built_gpu([newer, older]).environment.torch == "2.13.0"
     assert built_gpu([older, newer]).environment.torch == "2.13.0"
 
@@ -125,5 +126,20 @@ def test_a_file_that_is_no_run_is_refused_naming_it(tmp_path, capsys, content, s
         path.write_bytes(content)
     assert building.main([str(path), "--out", str(tmp_path / "d.json")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and (f"{path} {said}" in err or f"{said}{path}" in err), err
+    expected = f"error: {said}{path}: " if said == "cannot read " else f"error: {path} {said}"
+    assert err.startswith(expected), err
     assert not (tmp_path / "d.json").exists()
+
+
+def test_the_commands_help_names_it_and_what_it_takes(capsys):
+    with pytest.raises(SystemExit) as done:
+        building.main(["--help"])
+    said = " ".join(capsys.readouterr().out.split())
+    assert done.value.code == 0
+    assert said.startswith("usage: python -m sage_qual.qualification.decide.defaults [-h] [--out OUT] runs "
+                           "[runs ...]")
+    assert ("Build the built-in defaults from certify runs (report.json, decided with this code's rules, or "
+            "profile.json): every run of a GPU model merged to its most conservative entry; models the files "
+            "do not name are kept.") in said
+    assert "runs report.json or profile.json files written by certify" in said
+    assert f"--out OUT the data file to write (default: {defaults.DATA})" in said
