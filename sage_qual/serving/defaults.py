@@ -65,7 +65,7 @@ def read(path: Path = DATA) -> tuple[profile.Profile, list[Source]]:
                          unreadable="cannot read built-in defaults {path}: {reason}",
                          not_json="built-in defaults {path} are not JSON: {reason}; " + FIX)
     try:
-        wrapper = records.parse(DefaultProfile, data, str(path), FIX)
+        wrapper = records.parse(DefaultProfile, data, f"built-in defaults {path}", FIX)
     except records.RecordError as error:
         raise profile.ProfileError(str(error)) from None
     return profile.load(wrapper.profile, f"built-in defaults {path}: profile", FIX), wrapper.sources
