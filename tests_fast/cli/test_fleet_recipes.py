@@ -234,12 +234,9 @@ def test_the_real_scripts_certify_gate_and_merge_one_object_per_line(tmp_path):
     assert "Traceback" not in merged.stderr
 
 
-@pytest.mark.parametrize("line, problem", [
-    ('{"family": "Wan 2.2", "exit_co', "not JSON"),  # a gate killed mid-write
-    ('{"exit_code": 0}', "not a `sage-qual gate --json` answer"),
-    ('{"family": "Wan 2.2", "exit_code": "0"}', "not a `sage-qual gate --json` answer"),
-    ('[1, 2]', "not a `sage-qual gate --json` answer"),
-], ids=["torn", "no-family", "string-code", "not-an-object"])
+# Each kind of bad gates line, each duplicate and each REQUIRE_SPEEDUP spelling is tested in process
+# (tests_fast/decide/test_fleet_gate.py); one case of each here shows the script passes it through.
+@pytest.mark.parametrize("line, problem", [('{"family": "Wan 2.2", "exit_co', "not JSON")], ids=["torn"])
 def test_a_bad_gates_line_is_bad_input_named_with_its_file_and_line(fleet, line, problem):
     """Issue 43: a torn line crashed the step with a traceback and exit 1 ("a required family is kept
     off"). Now: exit 2, the file and line named, no traceback."""
@@ -250,7 +247,7 @@ def test_a_bad_gates_line_is_bad_input_named_with_its_file_and_line(fleet, line,
     assert f"{answers} line 3: {problem}" in done.stderr and "Traceback" not in done.stderr
 
 
-@pytest.mark.parametrize("codes", [(1, 0), (0, 1), (0, 0)])
+@pytest.mark.parametrize("codes", [(1, 0)])
 def test_a_family_answered_twice_in_one_gates_file_is_bad_input_naming_both_lines(fleet, codes):
     """Issue 54: keep off, then enable, for one family: the last line won and the step exited 0."""
     answers = (fleet / "reports" / "h200-b" / "gates.jsonl")
@@ -262,8 +259,7 @@ def test_a_family_answered_twice_in_one_gates_file_is_bad_input_naming_both_line
     assert f"{answers} lines 1 and 3: both answer Z-Image" in done.stderr and "Traceback" not in done.stderr
 
 
-@pytest.mark.parametrize("value, strict", [("true", True), ("YES", True), ("on", True), ("0", False),
-                                           ("false", False), ("", False)])
+@pytest.mark.parametrize("value, strict", [("YES", True), ("false", False)])
 def test_require_speedup_reads_the_usual_spellings(fleet, value, strict):
     done = merge_and_gate(fleet, baseline=False, REQUIRED_FAMILIES="SDXL", REQUIRE_SPEEDUP=value)
     assert done.returncode == (1 if strict else 0), done.stderr

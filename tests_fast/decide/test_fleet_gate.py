@@ -207,6 +207,8 @@ def test_an_unknown_require_speedup_is_bad_input_naming_the_spellings():
     ('{"family": "Wan", "exit_co', "line 2: not JSON"),
     ('{"family": "Wan", "exit_code": true}', "line 2: not a `sage-qual gate --json` answer"),
     ('{"family": 3, "exit_code": 0}', "line 2: not a `sage-qual gate --json` answer"),
+    ('{"exit_code": 0}', "line 2: not a `sage-qual gate --json` answer"),
+    ('{"family": "Wan", "exit_code": "0"}', "line 2: not a `sage-qual gate --json` answer"),
     ('"Wan"', "line 2: not a `sage-qual gate --json` answer"),
     ('{"family": "SDXL", "exit_code": 0}', "lines 1 and 2: both answer SDXL"),
 ])

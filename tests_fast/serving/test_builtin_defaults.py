@@ -5,6 +5,7 @@ its compute capability, a capability never measured today's table and thresholds
 WARNING."""
 
 import dataclasses
+import functools
 import json
 import logging
 from pathlib import Path
@@ -36,6 +37,13 @@ H200 = FakeGpu((9, 0), "NVIDIA H200", 139.8)  # as torch names the GPUs of docs/
 H100 = FakeGpu((9, 0), "NVIDIA H100 80GB HBM3", 79.2)
 H800 = FakeGpu((9, 0), "NVIDIA H800", 79.6)  # an sm_90 model no run measured
 RTX4090 = FakeGpu((8, 9), "NVIDIA GeForce RTX 4090", 24.0)
+
+
+@functools.cache
+def decided(path: Path) -> tuple[verdict.GpuDecision, ...]:
+    """A source report decided afresh, once per module: nine tests read the same twelve (2-3 s each
+    time, 2026-12-07 --durations)."""
+    return tuple(verdict.decide(checked.load(path)))
 
 
 def installed(gpus, **options):
@@ -226,7 +234,7 @@ def test_the_defaults_carry_every_field_the_newest_run_sets():
 def test_install_on_an_h200_gives_each_family_the_runs_verdict_and_range(family):
     """The sources (the newest run among them: test_the_defaults_are_built_from_the_newest_committed_runs)
     decided afresh: the family's variant, from the highest threshold to the lowest verified length."""
-    decisions = [verdict.decide(checked.load(path))[0].family(family) for path in SOURCES]
+    decisions = [decided(path)[0].family(family) for path in SOURCES]
     [device] = installed([H200], family=family).devices
     if decisions[0].variant is None:
         assert device.variant is None
@@ -243,7 +251,7 @@ def test_install_on_an_h200_gives_each_family_the_runs_verdict_and_range(family)
 def test_the_default_entry_serves_no_length_past_the_verified_range(monkeypatch):
     [device] = installed([H200]).devices
     served = [d.served.max_query_tokens for path in SOURCES
-              for d in verdict.decide(checked.load(path))[0].families if d.served]
+              for d in decided(path)[0].families if d.served]
     assert device.config.max_query_tokens is not None and device.config.max_query_tokens <= min(served)
     # What the wrapper falls back to is a stand-in: torch's SDPA at 40,000 tokens took 23 s on the CPU.
     sage_qual.uninstall()
