@@ -8,8 +8,9 @@
 # REQUIRE_SPEEDUP=1 (or true, yes, on): "safe, no speedup" counts as kept off (as
 # `gate --require-speedup`); 0, false, no, off or unset: it passes.
 # Exit codes: 0 every required family is on; 1 a required family is kept off; 2 bad input (no
-# reports, a report merge refuses, a gates.jsonl line that is not a gate answer, an unknown
-# REQUIRED_FAMILIES name or REQUIRE_SPEEDUP value), each named on stderr with its file and line.
+# reports, a report merge refuses, a gates.jsonl line that is not a gate answer or answers a family
+# twice, an unknown REQUIRED_FAMILIES name or REQUIRE_SPEEDUP value), each named on stderr with its
+# file and line.
 # Writes OUT_DIR/fleet.md, fleet.json, compare-<host>.txt and fleet-gates.txt (an enabled family
 # with each GPU model's variant and the range, head sizes and layouts every host verified).
 set -uo pipefail
