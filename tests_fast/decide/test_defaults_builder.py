@@ -131,7 +131,8 @@ def test_a_file_that_is_no_run_is_refused_naming_it(tmp_path, capsys, content, s
     assert not (tmp_path / "d.json").exists()
 
 
-def test_the_commands_help_names_it_and_what_it_takes(capsys):
+def test_the_commands_help_names_it_and_what_it_takes(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "2000")  # argparse wraps at the terminal's width, paths at a hyphen
     with pytest.raises(SystemExit) as done:
         building.main(["--help"])
     said = " ".join(capsys.readouterr().out.split())
