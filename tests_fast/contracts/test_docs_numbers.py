@@ -3,6 +3,7 @@ give: the fixture count, the kernels' and SDPA's error ranges, and the sm90 kern
 per run. When a run is committed anew, this test names each sentence to update. One word for each
 kind of limit: a fixture's "fitness bound", a cell's "budget"."""
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -252,3 +253,25 @@ def test_no_install_line_sends_a_user_to_pypi_for_sage_qual():
              if any(package.fullmatch(word.strip("'\"\\)")) for word in
                     re.split(r"\s(?:in|or|from|and)\s", match.group(1))[0].split())]
     assert found == []
+
+
+def _bench_medians(path: Path) -> tuple[tuple[float, float, float], float]:
+    """(wall min, median, max) and the CPU median of a farm-bench output."""
+    rows = {line.split()[1] + " " + line.split()[2]: [float(x) for x in line.split()[3:6]]
+            for line in path.read_text().splitlines() if line.startswith("A ") and line.split()[2] == "s"}
+    return tuple(rows["wall s"]), rows["cpu s"][1]
+
+
+@pytest.mark.parametrize("stamp", ["2026-12-07", "2026-12-07b"])
+def test_the_fast_suites_times_are_its_benchmark_files(stamp):
+    """docs/fast-suite.md's before/after rows of a benchmarked section, against the committed outputs."""
+    text = (ROOT / "docs" / "fast-suite.md").read_text()
+    lines = text[text.index(f"`docs/benchmarks/fast-suite-{stamp}-before.txt`"):].splitlines()
+    start = next(n for n, line in enumerate(lines) if line.startswith("| code |"))
+    rows = list(itertools.takewhile(lambda line: line.startswith("|"), lines[start + 2:]))
+    benchmarks = ROOT / "docs" / "benchmarks"
+    for row, which in zip(rows, ("before", "after"), strict=True):
+        (low, median, high), cpu = _bench_medians(benchmarks / f"fast-suite-{stamp}-{which}.txt")
+        cells = [cell.strip().replace("*", "") for cell in row.strip("|").split("|")]
+        assert cells[1] == f"{median:.1f} s ({low:.1f}-{high:.1f})", row
+        assert cells[2] == f"{cpu:.1f} s", row
