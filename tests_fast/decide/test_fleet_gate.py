@@ -157,7 +157,7 @@ def test_a_hosts_own_gate_must_have_said_enable_where_it_answered(tmp_path):
     rows = [{**row(host, {"Wan": enabled(), "SDXL": enabled()}),
              "report": str(tmp_path / host / "report.json")} for host in ("a", "b")]
     gates = fleet.gate_answers([r["report"] for r in rows])
-    assert gates == {(str(tmp_path / "b"), "Wan"): 1}
+    assert gates == {str(tmp_path / "b"): {"Wan": 1}}  # a has no gates.jsonl
     decided = lines(rows, gates)
     assert decided["Wan"] == "keep off (b NVIDIA H200 (b): gate exit 1)"
     assert decided["SDXL"] == "keep off (b NVIDIA H200 (b): gate exit missing)"  # b's gates.jsonl has none
@@ -165,7 +165,7 @@ def test_a_hosts_own_gate_must_have_said_enable_where_it_answered(tmp_path):
 
 def test_a_family_only_a_gate_answered_gets_a_line():
     rows = [row("a", {"Wan": enabled()})]
-    decided = lines(rows, {("/fleet/a", "Krea"): 0})
+    decided = lines(rows, {"/fleet/a": {"Krea": 0}})
     assert list(decided) == ["Wan", "Krea"] and decided["Krea"] == "keep off (a NVIDIA H200 (a): not run)"
 
 
@@ -226,7 +226,7 @@ def test_one_family_answered_on_two_hosts_is_two_answers(tmp_path):
         answer = json.dumps({"family": "Wan", "exit_code": code})
         (tmp_path / host / "gates.jsonl").write_text(f"\n{answer}\n")
     gates = fleet.gate_answers([str(tmp_path / h / "report.json") for h in ("a", "b")])
-    assert gates == {(str(tmp_path / "a"), "Wan"): 0, (str(tmp_path / "b"), "Wan"): 3}
+    assert gates == {str(tmp_path / "a"): {"Wan": 0}, str(tmp_path / "b"): {"Wan": 3}}
 
 
 def test_main_writes_and_prints_the_lines_then_names_an_unknown_family(tmp_path, monkeypatch, capsys):
@@ -310,3 +310,14 @@ def test_main_reads_its_arguments_and_the_environment(tmp_path, monkeypatch, cap
     monkeypatch.setenv("REQUIRED_FAMILIES", "Krea,Foo")
     assert fleet.main() == 2
     assert capsys.readouterr().err == "REQUIRED_FAMILIES names families no report ran: Krea, Foo\n"
+
+
+def test_a_gates_file_with_no_answer_keeps_every_family_off_as_missing(tmp_path):
+    """A host whose gate loop wrote nothing (only blank lines) answered no family: none is enabled there."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "gates.jsonl").write_text("\n\n")
+    report = str(tmp_path / "a" / "report.json")
+    gates = fleet.gate_answers([report])
+    assert gates == {str(tmp_path / "a"): {}}
+    assert lines([{**row("a", {"Wan": enabled()}), "report": report}], gates)["Wan"] == (
+        "keep off (a NVIDIA H200 (a): gate exit missing)")

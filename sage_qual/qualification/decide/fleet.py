@@ -113,15 +113,18 @@ def passing_verdicts(require_speedup: str) -> set[str]:
     return {"enable"} if value in YES else {"enable", "safe, no speedup"}
 
 
-def gate_answers(reports: list[str]) -> dict[tuple[str, str], int]:
-    """(report folder, family) -> the exit code of that host's own gate, from the `gates.jsonl` beside
-    each report (certify-one.sh writes one `gate --json` answer per line)."""
-    codes: dict[tuple[str, str], int] = {}
-    line_of: dict[tuple[str, str], int] = {}
+def gate_answers(reports: list[str]) -> dict[str, dict[str, int]]:
+    """Report folder -> family -> the exit code of that host's own gate, from the `gates.jsonl` beside
+    each report (certify-one.sh writes one `gate --json` answer per line). A folder is there exactly
+    when its `gates.jsonl` is, so a family its gate did not answer reads as missing."""
+    codes: dict[str, dict[str, int]] = {}
     for report in reports:
         answers = Path(report).with_name("gates.jsonl")
-        text = answers.read_text(errors="replace") if answers.exists() else ""
-        for number, line in enumerate(text.splitlines(), 1):
+        if not answers.exists():
+            continue
+        answered = codes.setdefault(str(answers.parent), {})
+        line_of: dict[str, int] = {}
+        for number, line in enumerate(answers.read_text(errors="replace").splitlines(), 1):
             if not line.strip():
                 continue
             try:
@@ -135,13 +138,12 @@ def gate_answers(reports: list[str]) -> dict[tuple[str, str], int]:
                 raise BadInput(f"{answers} line {number}: not a `sage-qual gate --json` answer (it needs a "
                                "string family and an integer exit_code): run the host's gate again, or "
                                "remove the line")
-            key = (str(Path(report).parent), answer["family"])
-            if key in line_of:  # two answers for one family: which holds would depend on line order
-                raise BadInput(f"{answers} lines {line_of[key]} and {number}: both answer "
-                               f"{answer['family']}: run the host's gates again into an empty "
-                               "gates.jsonl, or remove one line")
-            line_of[key] = number
-            codes[key] = code
+            family = answer["family"]
+            if family in line_of:  # two answers for one family: which holds would depend on line order
+                raise BadInput(f"{answers} lines {line_of[family]} and {number}: both answer {family}: run "
+                               "the host's gates again into an empty gates.jsonl, or remove one line")
+            line_of[family] = number
+            answered[family] = code
     return codes
 
 
@@ -151,8 +153,8 @@ def common_range(rows: list[dict], family: str) -> str:
     contexts, every host's bounds, and masked calls where every host serves them ('' when they share
     no range)."""
     entries = [row["families"][family]["served"] for row in rows]
-    variants = ", ".join(sorted({f"{row['families'][family]['served']['variant']} on {row['gpu']}"
-                                 for row in rows}))
+    variants = ", ".join(sorted({f"{e['variant']} on {row['gpu']}"
+                                 for row, e in zip(rows, entries, strict=True)}))
     low_q, low_k = max(e["min_query_tokens"] for e in entries), max(e["min_key_tokens"] for e in entries)
     dims = sorted(set.intersection(*(set(e["head_dims"]) for e in entries)))
     if not dims:
@@ -185,12 +187,13 @@ def common_range(rows: list[dict], family: str) -> str:
             f"{kept}")
 
 
-def _family_line(rows: list[dict], gates: dict[tuple[str, str], int], family: str,
+def _family_line(rows: list[dict], gates: dict[str, dict[str, int]], family: str,
                  passing: set[str]) -> tuple[str, bool]:
     """The family's line, and whether it is kept off."""
     why, verdicts = [], set()
     for row in rows:
-        where = f"{row['host']} {row['gpu']} ({Path(row['report']).parent.name})"
+        folder = Path(row["report"]).parent
+        where = f"{row['host']} {row['gpu']} ({folder.name})"
         entry = row["families"].get(family)
         if row["undecidable"]:  # partial, predicted or --quick, in sage-qual's words
             why.append(f"{where}: {row['undecidable']}")
@@ -198,8 +201,9 @@ def _family_line(rows: list[dict], gates: dict[tuple[str, str], int], family: st
             why.append(f"{where}: {entry['verdict'] if entry else 'not run'}")
         else:
             verdicts.add(entry["verdict"])
-        code = gates.get((str(Path(row["report"]).parent), family))
-        if Path(row["report"]).with_name("gates.jsonl").exists() and code != 0:
+        answered = gates.get(str(folder))
+        if answered is not None and answered.get(family) != 0:
+            code = answered.get(family)
             why.append(f"{where}: gate exit {code if code is not None else 'missing'}")
     # "safe, no speedup" anywhere: the family may be enabled, but serves nothing there
     verdict = "keep off" if why else "enable" if verdicts == {"enable"} else "safe, no speedup"
@@ -221,12 +225,13 @@ class FleetGate:
         return 2 if self.unknown else 1 if any(f in self.kept_off for f in required) else 0
 
 
-def decide(rows: list[dict], gates: dict[tuple[str, str], int], required: list[str],
+def decide(rows: list[dict], gates: dict[str, dict[str, int]], required: list[str],
            passing: set[str]) -> FleetGate:
     """One line per family that a report decided or a host's gate answered (a --quick report decides
     none). A required family no report ran is unknown, unless an undecidable report might have run it:
     then it is kept off, with that report's refusal."""
-    families = list(dict.fromkeys([name for row in rows for name in row["families"]] + [f for _, f in gates]))
+    families = list(dict.fromkeys([name for row in rows for name in row["families"]] +
+                                  [name for answered in gates.values() for name in answered]))
     lines, off = [], []
     for family in families:
         line, kept_off = _family_line(rows, gates, family, passing)
