@@ -1,6 +1,7 @@
 """Helpers shared by the wrapper's tests: small attention inputs and an installed wrapper on fake GPUs."""
 
 import contextlib
+import itertools
 from pathlib import Path
 
 import torch
@@ -73,3 +74,12 @@ def newest_certify_run(gpu: str = "") -> Path:
 
 def newest_h200_run() -> Path:
     return newest_certify_run("h200")
+
+
+def table_rows(text: str, header: str) -> list[list[str]]:
+    """The cells of the first Markdown table in `text` whose header row starts with `header` ("| code |"),
+    each stripped of spaces and bold marks."""
+    lines = text.splitlines()
+    start = next(n for n, line in enumerate(lines) if line.startswith(header))
+    rows = itertools.takewhile(lambda line: line.startswith("|"), lines[start + 2:])
+    return [[cell.strip().replace("*", "") for cell in row.strip().strip("|").split("|")] for row in rows]

@@ -3,7 +3,6 @@ give: the fixture count, the kernels' and SDPA's error ranges, and the sm90 kern
 per run. When a run is committed anew, this test names each sentence to update. One word for each
 kind of limit: a fixture's "fitness bound", a cell's "budget"."""
 
-import itertools
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,7 @@ from sage_qual import cli
 from sage_qual.fixtures.fileformat import list_fixtures, shipped_dir
 from sage_qual.qualification.decide import checked, verdict
 
-from ..helpers import flat, newest_certify_run
+from ..helpers import flat, newest_certify_run, table_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "docs" / "guide.md").read_text()  # the README's reference page
@@ -266,12 +265,9 @@ def _bench_medians(path: Path) -> tuple[tuple[float, float, float], float]:
 def test_the_fast_suites_times_are_its_benchmark_files(stamp):
     """docs/fast-suite.md's before/after rows of a benchmarked section, against the committed outputs."""
     text = (ROOT / "docs" / "fast-suite.md").read_text()
-    lines = text[text.index(f"`docs/benchmarks/fast-suite-{stamp}-before.txt`"):].splitlines()
-    start = next(n for n, line in enumerate(lines) if line.startswith("| code |"))
-    rows = list(itertools.takewhile(lambda line: line.startswith("|"), lines[start + 2:]))
+    section = text[text.index(f"`docs/benchmarks/fast-suite-{stamp}-before.txt`"):]
     benchmarks = ROOT / "docs" / "benchmarks"
-    for row, which in zip(rows, ("before", "after"), strict=True):
+    for cells, which in zip(table_rows(section, "| code |"), ("before", "after"), strict=True):
         (low, median, high), cpu = _bench_medians(benchmarks / f"fast-suite-{stamp}-{which}.txt")
-        cells = [cell.strip().replace("*", "") for cell in row.strip("|").split("|")]
-        assert cells[1] == f"{median:.1f} s ({low:.1f}-{high:.1f})", row
-        assert cells[2] == f"{cpu:.1f} s", row
+        assert cells[1] == f"{median:.1f} s ({low:.1f}-{high:.1f})", cells
+        assert cells[2] == f"{cpu:.1f} s", cells

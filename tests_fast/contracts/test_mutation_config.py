@@ -2,10 +2,11 @@
 layouts old), and the modules issue 54 put under it are there."""
 
 import gzip
-import itertools
 from pathlib import Path
 
 import tomllib
+
+from ..helpers import table_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 MUTMUT = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mutmut"]
@@ -39,17 +40,13 @@ def _counts(results: Path, module: str) -> tuple[int, int, int]:
 def test_the_issue_54_mutation_table_is_its_saved_results():
     """docs/mutation.md's 2026-12-07 table: each row's counts as the saved results of its run give them."""
     text = (ROOT / "docs" / "mutation.md").read_text()
-    table = text[text.index("## 2026-12-07: the built-in defaults' builder"):]
-    lines = table.splitlines()
-    start = next(n for n, line in enumerate(lines) if line.startswith("| module |"))
-    rows = list(itertools.takewhile(lambda line: line.startswith("|"), lines[start + 2:]))
+    rows = table_rows(text[text.index("## 2026-12-07: the built-in defaults' builder"):], "| module |")
     assert len(rows) >= 8
-    for row in rows:
-        cells = [cell.strip() for cell in row.strip("|").split("|")]
+    for cells in rows:
         module = cells[0].split("`")[1].removesuffix(".py").replace("/", ".")
         module = module if module.startswith("serving") else f"qualification.{module}"
         commit = cells[2].split()[0]
         [results] = RUNS.glob(f"*-{commit}.txt.gz")
         mutants, killed, survived = _counts(results, module)
-        assert (int(cells[3]), int(cells[4]), int(cells[5])) == (mutants, killed, survived), row
-        assert cells[6] == f"{100 * killed / mutants:.1f}", row
+        assert (int(cells[3]), int(cells[4]), int(cells[5])) == (mutants, killed, survived), cells
+        assert cells[6] == f"{100 * killed / mutants:.1f}", cells
