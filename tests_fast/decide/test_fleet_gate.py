@@ -208,6 +208,7 @@ def test_an_unknown_require_speedup_is_bad_input_naming_the_spellings():
     ('{"family": "Wan", "exit_code": true}', "line 2: not a `sage-qual gate --json` answer"),
     ('{"family": 3, "exit_code": 0}', "line 2: not a `sage-qual gate --json` answer"),
     ('{"exit_code": 0}', "line 2: not a `sage-qual gate --json` answer"),
+    ('{"family": " ", "exit_code": 0}', "line 2: not a `sage-qual gate --json` answer"),
     ('{"family": "Wan", "exit_code": "0"}', "line 2: not a `sage-qual gate --json` answer"),
     ('"Wan"', "line 2: not a `sage-qual gate --json` answer"),
     ('{"family": "SDXL", "exit_code": 0}', "lines 1 and 2: both answer SDXL"),
@@ -282,7 +283,7 @@ def test_each_bad_gates_line_says_how_to_mend_it(tmp_path):
     answers = tmp_path / "a" / "gates.jsonl"
     answers.parent.mkdir()
     mends = {"{": "a gate answer cut short? run the host's gate again, or remove the line",
-             "[]": "(it needs a string family and an integer exit_code): run the host's gate again, or "
+             "[]": "(it needs a family name and an integer exit_code): run the host's gate again, or "
                    "remove the line",
              '{"family": "Wan", "exit_code": 0}\n{"family": "Wan", "exit_code": 0}':
                  "both answer Wan: run the host's gates again into an empty gates.jsonl, or remove one line"}

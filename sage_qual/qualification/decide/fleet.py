@@ -133,12 +133,12 @@ def gate_answers(reports: list[str]) -> dict[str, dict[str, int]]:
                 raise BadInput(f"{answers} line {number}: not JSON ({error}): a gate answer cut short? run "
                                "the host's gate again, or remove the line") from None
             code = answer.get("exit_code") if isinstance(answer, dict) else None
-            if not isinstance(answer, dict) or not isinstance(answer.get("family"), str) or \
-                    isinstance(code, bool) or not isinstance(code, int):
+            family = answer.get("family") if isinstance(answer, dict) else None
+            if not isinstance(family, str) or not family.strip() or isinstance(code, bool) or \
+                    not isinstance(code, int):
                 raise BadInput(f"{answers} line {number}: not a `sage-qual gate --json` answer (it needs a "
-                               "string family and an integer exit_code): run the host's gate again, or "
+                               "family name and an integer exit_code): run the host's gate again, or "
                                "remove the line")
-            family = answer["family"]
             if family in line_of:  # two answers for one family: which holds would depend on line order
                 raise BadInput(f"{answers} lines {line_of[family]} and {number}: both answer {family}: run "
                                "the host's gates again into an empty gates.jsonl, or remove one line")
