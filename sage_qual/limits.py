@@ -22,26 +22,13 @@ MIN_KEY_TOKENS = 512
 # torch (a few MiB at most, so the checked call costs no more memory than later ones:
 # docs/results/README.md, "Extra memory per call", first checked call and later calls equal).
 CHECK_ROWS = 1024
-# Largest relative L2 against torch the first-call check accepts: the fitness bound of the family
-# served (sage_qual/fixtures/fitness.py). The first call may be any of the family's calls (Qwen-Image's
-# is its outlier block 0), so it is held to the loosest fitness bound among the family's shipped
-# fixtures, keyed by normalized family name (letters and digits; a fast test recomputes the table
-# from fixtures/): 0.3 for every family, the stress rule. With no family named, the loosest of all.
-# The seeds' fixed 0.5 passed comfy-kitchen's 0.508 on the Krea-2 outlier replica (run 40, H200).
-FIRST_CALL_MAX_REL_L2 = {"flux1": 0.3, "flux2": 0.3, "zimage": 0.3, "qwenimage": 0.3, "krea2": 0.3,
-                         "sdxl": 0.3, "ltx2": 0.3, "wan22": 0.3}
-CHECK_MAX_REL_L2 = max(FIRST_CALL_MAX_REL_L2.values())
-
-
-def first_call_max_rel_l2(family: str | None) -> float:
-    """The first-call check's limit for `family` (None, or a family no table names: the loosest)."""
-    key = "".join(c for c in (family or "").lower() if c.isascii() and c.isalnum())
-    return FIRST_CALL_MAX_REL_L2.get(key, CHECK_MAX_REL_L2)
-
-# The audit of served calls (`serving.audit`): one served call in AUDIT_EVERY per device recomputes
-# AUDIT_ROWS query rows of one head group with torch. In a 4-layer model at 16,384 tokens (24 heads of
-# 128, bf16) on an H100 80GB HBM3, auditing every call cost 2.3 % of model time (1.013-1.028 over 14
-# repeats), 1 in 100 0.998x (0.991-1.002): below the repeats' spread, where 1 % was the budget
+# The first-call check and the audit judge a served call's slice against the family's fitness bound
+# (sage_qual/verdicts/fitness.py, `family_bound`) and the variant's numerics model (`serving.slice_check`).
+# The audit of served calls (`serving.audit`): one served call in each block of AUDIT_EVERY per device
+# recomputes AUDIT_ROWS query rows of one head group with torch. In a 4-layer model at 16,384 tokens
+# (24 heads of 128, bf16) on an H100 80GB HBM3, auditing every call with torch alone cost 2.3 % of
+# model time (1.013-1.028 over 14 repeats), 1 in 100 0.998x (0.991-1.002): below the repeats' spread,
+# where 1 % was the budget
 # (docs/results/run43-h100/audit, run44-h100; docs/benchmarks.md, "The audit").
 AUDIT_EVERY = 100
 AUDIT_ROWS = 256

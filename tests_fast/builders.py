@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 
 from sage_qual import limits, records
-from sage_qual.fixtures.fitness import FitnessBound
 from sage_qual.qualification import families
 from sage_qual.qualification.evidence import tasks
 from sage_qual.qualification.evidence.report_model import (
@@ -48,6 +47,7 @@ from sage_qual.serving import profile_matching as matching
 from sage_qual.serving.served import Served
 from sage_qual.serving.variants import VARIANTS
 from sage_qual.testing import FakeGpu
+from sage_qual.verdicts.fitness import FitnessBound
 
 SAMPLE = Path(__file__).parent / "data" / "sample_h200_2gpu.json"
 H200 = FakeGpu((9, 0), "Fake H200", 141.0)

@@ -59,7 +59,7 @@ KNOWN_DEFECTS.update({
         "INT8 quantization (thu-ml's sm90 kernel: 0.097 on this file)."),
     ("ck-int8-cuda", "krea2_b0_outlier_gqa"): _CK + (
         "relative L2 0.508 (within its model-derived budget 0.58, as the rotation predicts): unfit for "
-        "Krea-2, past the fixture's fitness bound 0.3 (sage_qual/fixtures/fitness.py), and over the "
+        "Krea-2, past the fixture's fitness bound 0.3 (sage_qual/verdicts/fitness.py), and over the "
         "first-call check's 0.3, so the wrapper keeps the call on torch and the served-call test fails."),
     ("ck-int8-cuda", "qwen_image_b52_value_sinks"): _CK + (
         "output norm 0.968 of the reference (budget 0.9938) and worst head cosine 0.9983 (budget 0.9992)."),

@@ -14,7 +14,7 @@ import textwrap
 from pathlib import Path
 
 from sage_qual.errors import ExitCode, UsageError
-from sage_qual.fixtures import fitness
+from sage_qual.verdicts import fitness
 
 
 def add_parser(subparsers) -> None:
@@ -141,7 +141,8 @@ def render(info: dict) -> str:
     lines += [f"  fitness bound {cls:<5} relative L2 <= {b['max_rel_l2']}, cosine >= {b['min_cosine']}"
               for cls, b in info["bounds"].items()]
     if info["bounds"]:
-        bound = fitness.bound_for(info["name"], info["kind"], next(iter(info["bounds"].values())))
+        first_class, stated = next(iter(info["bounds"].items()))
+        bound = fitness.bound_for(info["name"], info["kind"], first_class, stated)
         lines.append(f"  bound source {bound.source}")
     else:
         lines.append("  bound source none: the file states no bound")

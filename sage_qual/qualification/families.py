@@ -21,10 +21,10 @@ joint models add their text tokens. Where each number comes from is cited next t
 
 from __future__ import annotations
 
-import re
 from dataclasses import asdict, dataclass
 
 from sage_qual.limits import MEMORY_BOUND
+from sage_qual.verdicts import fitness
 
 
 @dataclass(frozen=True)
@@ -147,8 +147,7 @@ class Family:
 GENERIC = "generic"
 
 
-def normalize(name: str) -> str:
-    return re.sub(r"[^a-z0-9]", "", name.lower())
+normalize = fitness.family_key  # the one family key (verdicts.fitness)
 
 
 def site(label: str, smallest: Shape, largest: Shape, fixtures: tuple[str, ...] = ()) -> CallSite:

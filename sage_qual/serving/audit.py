@@ -1,28 +1,38 @@
-"""A sampled audit of served calls: every Nth call a device serves is checked against torch's SDPA.
+"""The audit of served calls: a sample of the calls a device serves, each judged as certify judges a cell.
 
 The first-call check judges one call per device, dtype, head size and context; the audit keeps
-judging the calls after it. Audit n of a device (its (n+1)·N-th served call) recomputes a slice with
-torch: sample n mod B, the query heads of K/V head (n div B) mod H_kv, and, once per round of
-samples and heads, the next query row block of `rows` rows in the order m · 7919 mod blocks (m: the
-round), with every key. So B · H_kv · blocks successive audits of one call shape visit every sample,
-head group and row block once, and the rows jump across the sequence from round to round (7919 is
-prime: any block count below it is visited whole).
+judging the calls after it, with the same function (`slice_check`).
 
-Nothing on the served path waits for the GPU: the slice's error norms are computed on the GPU and
-copied to host memory without blocking (`CudaPlatform.read_later`); they are judged at the first
-served call after that copy has completed, and at the latest when the scope exits. A host that runs
-ahead of its GPU runs ahead of the audit too: the wrong calls served before a miss acts are those
-the host queued meanwhile (docs/audit.md has what runs 44 and 45 measured).
+**Which calls.** One audit in each block of `every` served calls of a device, at a place in the block
+drawn by a seeded generator (`Schedule`): the rate is exactly 1 in `every`, and the audited calls
+cannot alias with a model's structure. A model issues its attention calls in the same order every
+step, so a fixed period (the 100th, 200th, ... call) sees only L / gcd(every, L) of L layers, forever
+(3 of Qwen-Image's 60). Here each served call is audited with probability 1 / `every`, and two calls of
+one layer in one block exclude each other, so a defect in one layer that is served k times escapes
+with probability at most (1 - 1/every)^k <= exp(-k / every): **found within FOUND_WITHIN x every of
+its calls** (FOUND_WITHIN x every x L served calls for a layer of a step of L calls), except with
+probability exp(-20), about 2e-9. tests_fast/serving/test_audit_schedule.py checks the bound for
+1 to 256 calls per step and `every` in {1, 7, 10, 100, 1000}.
 
-A miss (relative L2 over the family's fitness bound, `limits.first_call_max_rel_l2`, or a non-finite
-output) is counted and said in one WARNING with the numbers; it moves that device to torch for the
-family for the rest of the process (`AuditConfig.retire`), and with `AuditConfig.record` (a
-`fixtures.recorder.AuditFolder`) is saved as a `recorded` fixture that `certify --fixtures FOLDER` runs.
+**Which slice.** Each audit draws its slice number n from the same generator and takes
+`slice_check.audit_slice(n)` (a sample, the query heads of one K/V head, a block of query rows), so
+every layer reaches every slice of its shape in a coupon collector's time.
+
+**Both judges.** Fitness: relative L2 against torch within the family's bound (`verdicts.fitness`); a
+miss retires the device for the family (`AuditConfig.retire`). Conformance: within the served
+variant's numerics model on the same slice, with certify's margin; a drift is one WARNING with both
+numbers, and by default retires the device too (`AuditConfig.drift`): certify fails a cell off its
+model, so a kernel off its model is no longer the kernel the family was enabled for, even while its
+output is still fit. Either is counted, and with `AuditConfig.record` saved as a `recorded` fixture
+that `certify --fixtures FOLDER` runs.
+
+Nothing on the served path waits for the GPU: the slice's norms are computed on the GPU and copied to
+host memory without blocking (`CudaPlatform.read_later`); they are judged at the first served call
+after that copy has completed, and at the latest when the scope exits.
 
 Contexts: on a side stream and under torch.compile (the operator's body runs eagerly) the audit runs
 on the caller's current stream, after the kernel's output; while a CUDA graph is captured the call is
-skipped and counted as skipped: a replay would recompute the slice of the captured inputs, but its
-error could not be read back.
+skipped and counted as skipped: its numbers could not be read back.
 """
 
 from __future__ import annotations
@@ -30,132 +40,122 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import math
+import random
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from sage_qual import limits
+from sage_qual.serving import slice_check
+from sage_qual.serving.audit_tally import DRIFT, MISS, AuditTally, Finding
 from sage_qual.serving.config import AuditConfig
 from sage_qual.serving.contexts import CAPTURE
+from sage_qual.verdicts import fitness
 
 log = logging.getLogger("sage_qual")
 
 ANY_FAMILY = "any family"  # what an install for no family names its calls
-ROW_STRIDE = 7919  # a prime: the row-block walk visits every block of any call below 7919 blocks
+FOUND_WITHIN = 20  # the stated bound, in units of `every` calls of the wrong layer (docstring)
 
 
-@dataclass(frozen=True)
-class Miss:
-    """One audited call over its bound: where, the numbers, and the fixture it was saved as."""
-    family: str
-    device: str  # its label: "cuda:0 (NVIDIA H200, sm_90)"
-    gpu: str
-    capability: tuple[int, int]
-    variant: str
-    build: str  # the provider and version of the kernel's package
-    rel_l2: float
-    bound: float
-    call: str  # shapes, dtype and context
-    rows: str  # the audited slice
-    fixture: str = ""  # the recorded fixture's path ("" when not recorded)
+class Schedule:
+    """The served calls of one device to audit, and each audit's slice number: one audit in each block
+    of `every` calls at a seeded random place, its slice number drawn from the same generator. Drawn,
+    not counted: with one audit per block, the audit count of a layer's calls is fixed by the layer
+    (60 calls per step at every = 10: layer l is always audit n = l div 10 mod 6), so a counted walk
+    would show each layer only some slices."""
 
-    def text(self) -> str:
-        recorded = f"; recorded as {self.fixture}" if self.fixture else ""
-        return (f"{self.variant} on {self.device} for {self.family}: relative L2 {self.rel_l2:.3g} against "
-                f"PyTorch SDPA, bound {self.bound:g} ({self.call}, slice {self.rows}){recorded}")
+    def __init__(self, every: int, seed: str):
+        self.every = every
+        self.random = random.Random(seed)
+        self.count = 0  # served calls so far
+        self.audits = 0  # audits so far: the block the next one falls in
+        self.next = self.random.randrange(every)
+
+    def due(self) -> int | None:
+        """This served call's slice number when it is to be audited, else None."""
+        count, self.count = self.count, self.count + 1
+        if count != self.next:
+            return None
+        return self.advance()
+
+    def advance(self) -> int:
+        """Draw this audit's slice number and place the next audit in the next block."""
+        number = self.random.getrandbits(31)
+        self.audits += 1
+        self.next = self.audits * self.every + self.random.randrange(self.every)
+        return number
 
 
-@dataclass
-class AuditTally:
-    """Calls audited and skipped (per reason), the worst relative L2 per family with its bound, and
-    the misses: a scope's (`ScopeReport.audit`) or the process's (`audit_tally()`)."""
-    audited: int = 0
-    skipped: collections.Counter = field(default_factory=collections.Counter)
-    worst: dict[str, float] = field(default_factory=dict)
-    bounds: dict[str, float] = field(default_factory=dict)
-    misses: list[Miss] = field(default_factory=list)
-
-    def judged(self, family: str, rel_l2: float, bound: float) -> None:
-        self.audited += 1
-        self._worst(family, rel_l2, bound)
-
-    def add(self, other: AuditTally) -> None:
-        self.audited += other.audited
-        self.skipped.update(other.skipped)
-        for family, rel_l2 in other.worst.items():
-            self._worst(family, rel_l2, other.bounds[family])
-        self.misses += other.misses
-
-    def _worst(self, family: str, rel_l2: float, bound: float) -> None:
-        self.bounds[family] = bound
-        worst = self.worst.get(family)
-        if worst is None or not rel_l2 <= worst:  # NaN stays the worst
-            self.worst[family] = rel_l2
-
-    def summary(self) -> str:
-        """"audit: 12 calls (2 skipped: capture), worst Krea-2 0.041 (bound 0.3), 0 misses"."""
-        skipped = sum(self.skipped.values())
-        why = ", ".join(f"{reason}={count}" for reason, count in self.skipped.items())
-        parts = [f"audit: {self.audited} calls" + (f" ({skipped} skipped: {why})" if skipped else "")]
-        parts += [f"worst {family} {rel_l2:.3g} (bound {self.bounds[family]:g})"
-                  for family, rel_l2 in self.worst.items()]
-        return ", ".join(parts + [f"{len(self.misses)} misses"])
+def draws(every: int, seed: str, audits: int) -> list[tuple[int, int]]:
+    """(served-call number, slice number) of a device's first `audits` audits, as `Schedule` draws them."""
+    schedule = Schedule(every, seed)
+    found = []
+    for _ in range(audits):
+        position = schedule.next
+        found.append((position, schedule.advance()))
+    return found
 
 
 @dataclass
 class _Pending:
-    """An audit whose error norms are on their way to the host."""
+    """An audit whose norms are on their way to the host."""
+
     read: Callable[[bool], list[float] | None]  # the norms once copied (wait: block until then)
     tally: AuditTally  # the scope's
     device: object  # the wrapper's DeviceState
+    dtype: torch.dtype
     call: str
     rows: str
-    keep: dict | None  # the slice's tensors and the call's channel maxima, when misses are recorded
-
-
-def slice_of(number: int, query_shape, kv_heads: int, rows: int) -> tuple[int, range, slice]:
-    """Audit `number`'s slice of a call: (sample, query heads, query rows); module docstring."""
-    batch, heads, tokens = query_shape[0], query_shape[1], query_shape[2]
-    group = heads // kv_heads
-    kv_head = (number // batch) % kv_heads
-    blocks = max(1, math.ceil(tokens / rows))
-    start = (((number // (batch * kv_heads)) * ROW_STRIDE) % blocks) * rows
-    heads = range(kv_head * group, (kv_head + 1) * group)
-    return number % batch, heads, slice(start, min(start + rows, tokens))
+    keep: dict | None  # the slice's tensors and the call's channel maxima, when findings are recorded
 
 
 class Auditor:
-    """The audit of one install: counts served calls per device, starts an audit on every Nth, and
-    settles audits whose numbers have arrived (`settle`)."""
+    """The audit of one install: schedules served calls per device, starts their audits, and settles
+    audits whose numbers have arrived (`settle`)."""
 
-    def __init__(self, config: AuditConfig, family: str | None, original, retire: Callable,
-                 build_of: Callable):
+    def __init__(
+        self, config: AuditConfig, family: str | None, original, retire: Callable, build_of: Callable
+    ):
         self.config = config
         self.family = family or ANY_FAMILY
-        self.bound = limits.first_call_max_rel_l2(family)
+        self.key = fitness.family_key(self.family)
         self.original = original  # torch's SDPA, as the wrapper calls it
         self.retire = retire  # (device, why): the wrapper's retirement
         self.build_of = build_of  # device -> its kernel's provider and version
-        self.counts: dict[int, int] = collections.Counter()
+        self.schedules: dict[int, Schedule] = {}
         self.pending: collections.deque[_Pending] = collections.deque()
-        self.warned: set[int] = set()
+        self.warned: set[tuple[int, str]] = set()
         self.lock = threading.Lock()
 
+    def bound(self, device) -> float:
+        """The family's fitness bound for the device's variant (`verdicts.fitness.family_bound`)."""
+        return fitness.family_bound(
+            None if self.family == ANY_FAMILY else self.family, device.variant.accuracy_class
+        )
+
     def due(self, index: int) -> int | None:
-        """The audit number when this served call on device `index` is to be audited, else None."""
+        """The slice number when this served call on device `index` is to be audited, else None."""
         every = self.config.every
         if not every:
             return None
         with self.lock:
-            count = self.counts[index]
-            self.counts[index] = count + 1
-        return count // every if count % every == every - 1 else None
+            schedule = self.schedules.get(index)
+            if schedule is None:
+                schedule = self.schedules[index] = Schedule(every, f"{self.config.seed}:{index}")
+            return schedule.due()
 
-    def served(self, cuda, tally: AuditTally, device, call, out: torch.Tensor, context: tuple[str, ...],
-               described: str) -> None:
+    def served(
+        self,
+        cuda,
+        tally: AuditTally,
+        device,
+        call,
+        out: torch.Tensor,
+        context: tuple[str, ...],
+        described: str,
+    ) -> None:
         """A call the wrapper served: audited when its turn has come (`due`); skipped and counted under
         capture, where its numbers could not be read back, and when the audit itself fails (out of
         memory for its slice), which must not cost the served call. Otherwise an audit on its way is
@@ -176,29 +176,21 @@ class Auditor:
             log.debug("audit of %s not run: %s: %s", described, type(error).__name__, error)
 
     def start(self, cuda, device, call, out: torch.Tensor, number: int, tally: AuditTally, described: str):
-        """Recompute audit `number`'s slice with torch and send its error norms to the host."""
+        """Measure audit `number`'s slice (`slice_check.measure`) and send its norms to the host."""
         q, k, v = call.query, call.key, call.value
-        sample, heads, rows = slice_of(number, q.shape, k.shape[1], self.config.rows)
-        kv_head = heads.start // len(heads)
-        picked = (slice(sample, sample + 1), slice(heads.start, heads.stop), rows)
-        q_slice = q[picked]
-        k_slice, v_slice = (t[sample:sample + 1, kv_head:kv_head + 1] for t in (k, v))
-        mask = call.attn_mask
-        if mask is not None:  # the same slice of the scores' mask: a view, nothing copied
-            mask = mask.expand(*q.shape[:3], k.shape[2])[picked]
-        expected = self.original(q_slice, k_slice, v_slice, attn_mask=mask, scale=call.scale,
-                                 enable_gqa=len(heads) > 1).float()
-        got = out[picked].float()
-        norms = torch.stack([torch.linalg.vector_norm(got - expected), torch.linalg.vector_norm(expected)])
+        where = slice_check.audit_slice(number, q.shape, k.shape[1], self.config.rows)
+        norms = slice_check.measure(self.original, call, out, where, device.variant)
         keep = None
         if self.config.record is not None:  # copies: the caller may overwrite its tensors before the read
+            q_slice, k_slice, v_slice, mask = slice_check.inputs(call, where)
             channels = torch.stack([t.detach().abs().amax(dim=(0, 1, 2)).float() for t in (q, k, v)])
             keep = {name: t.detach().clone() for name, t in (("q", q_slice), ("k", k_slice), ("v", v_slice))}
-            keep.update(mask=None if mask is None else mask.detach().clone(), channels=channels,
-                        shapes={"q": list(q.shape), "k": list(k.shape), "v": list(v.shape)})
-        where = (f"sample {sample}, query heads {heads.start}-{heads.stop - 1}" if len(heads) > 1
-             else f"sample {sample}, query head {heads.start}") + f", rows {rows.start}-{rows.stop - 1}"
-        pending = _Pending(cuda.read_later(norms), tally, device, described, where, keep)
+            keep.update(
+                mask=None if mask is None else mask.detach().clone(),
+                channels=channels,
+                shapes={"q": list(q.shape), "k": list(k.shape), "v": list(v.shape)},
+            )
+        pending = _Pending(cuda.read_later(norms), tally, device, q.dtype, described, where.text(), keep)
         with self.lock:
             self.pending.append(pending)
         self.settle(wait=False)
@@ -223,44 +215,73 @@ class Auditor:
             self._judge(first, norms)
 
     def _judge(self, pending: _Pending, norms: list[float]) -> None:
-        error, reference = norms
-        rel_l2 = error / max(reference, 1e-12)
-        pending.tally.judged(self.family, rel_l2, self.bound)
-        with _PROCESS_LOCK:
-            PROCESS.judged(self.family, rel_l2, self.bound)
-        if rel_l2 <= self.bound:
-            return
         device = pending.device
-        miss = Miss(self.family, device.label, device.name, tuple(device.capability), device.variant.name,
-                    self.build_of(device), rel_l2, self.bound, pending.call, pending.rows)
+        judgement = slice_check.judge(norms, self.bound(device), pending.dtype)
+        variant = device.variant.name
+        for tally in (pending.tally, PROCESS):
+            with _PROCESS_LOCK:
+                tally.judged(
+                    self.family, variant, judgement.rel_l2, judgement.fitness_bound, judgement.model_rel_l2
+                )
+        if judgement.fit and judgement.conforms:
+            return
+        judge, bound = (
+            (MISS, judgement.fitness_bound) if not judgement.fit else (DRIFT, judgement.conformance_bound)
+        )
+        finding = Finding(
+            judge,
+            self.family,
+            device.label,
+            device.name,
+            tuple(device.capability),
+            variant,
+            self.build_of(device),
+            judgement.rel_l2,
+            bound,
+            judgement.model_rel_l2,
+            pending.call,
+            pending.rows,
+        )
         if pending.keep is not None:
             try:
-                miss = dataclasses.replace(miss, fixture=str(self.config.record(pending.keep, miss)))
+                finding = dataclasses.replace(finding, fixture=str(self.config.record(pending.keep, finding)))
             except Exception as error:  # noqa: BLE001 - a full disk must not cost the application
-                log.warning("SageAttention audit: could not record the miss (%s): %s: %s", self.config.record,
-                            type(error).__name__, error)
-        pending.tally.misses.append(miss)
+                log.warning(
+                    "SageAttention audit: could not record the %s (%s): %s: %s",
+                    judge,
+                    self.config.record,
+                    type(error).__name__,
+                    error,
+                )
         with _PROCESS_LOCK:
-            PROCESS.misses.append(miss)
-        if self.config.retire:  # the retirement's WARNING gives the numbers
-            RETIRED[(device.index, device.name, _key(self.family))] = f"audit miss for {self.family}"
-            self.retire(device, f"audit miss: {miss.text()}")
+            pending.tally.found(finding)
+            PROCESS.found(finding)
+        retire = self.config.retire if judge == MISS else self.config.drift == "retire"
+        if retire:  # the retirement's WARNING gives the numbers
+            why = f"audit {judge} for {self.family}"
+            with _PROCESS_LOCK:
+                RETIRED[(device.index, device.name, self.key)] = why
+                for tally in (pending.tally, PROCESS):
+                    tally.retired[device.label] = why
+            self.retire(device, f"audit {judge}: {finding.text()}")
             return
         with self.lock:
-            first = device.index not in self.warned
-            self.warned.add(device.index)
+            first = (device.index, judge) not in self.warned
+            self.warned.add((device.index, judge))
         if first:
-            log.warning("SageAttention audit miss: %s; it keeps serving (AuditConfig.retire=False), later "
-                        "misses are counted only", miss.text())
-
-
-def _key(family: str) -> str:
-    return "".join(c for c in family.lower() if c.isascii() and c.isalnum())
+            keeps = "AuditConfig.retire=False" if judge == MISS else "AuditConfig.drift='warn'"
+            log.warning(
+                "SageAttention audit %s: %s; it keeps serving (%s), later %ses are counted only",
+                judge,
+                finding.text(),
+                keeps,
+                judge,
+            )
 
 
 def retired_before(index: int, name: str, family: str | None) -> str:
     """Why an audit of this process moved this device to torch for `family` ("" if none did)."""
-    return RETIRED.get((index, name, _key(family or "any family")), "")
+    return RETIRED.get((index, name, fitness.family_key(family or ANY_FAMILY)), "")
 
 
 def reset_process() -> None:
@@ -281,12 +302,12 @@ def audit_tally() -> AuditTally:
 
 def skipped(tally: AuditTally, reason: str) -> None:
     """Count a due audit not run (`reason`: the context that prevents it) in the scope and process."""
-    tally.skipped[reason] += 1
     with _PROCESS_LOCK:
+        tally.skipped[reason] += 1
         PROCESS.skipped[reason] += 1
 
 
-# The process's audit: every scope's numbers, and the devices a miss moved to torch per family.
+# The process's audit: every scope's numbers, and the devices an audit moved to torch per family.
 PROCESS = AuditTally()
 _PROCESS_LOCK = threading.Lock()
 RETIRED: dict[tuple[int, str, str], str] = {}

@@ -6,7 +6,6 @@ the default numbers, and where each was measured, are in `sage_qual.limits`.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Callable, Literal, Mapping, Sequence
 
@@ -65,14 +64,18 @@ SIDE_WORDS = {"key": "keys", "query": "query tokens"}
 
 @dataclass(frozen=True)
 class AuditConfig:
-    """every: audit one served call in this many per device (0: off). rows: query rows per audit.
-    retire: a miss moves the device to torch for the family, for the rest of the process (False:
-    count and warn only). record: saves a miss, `record(kept, miss) -> path` (None: not saved);
-    `fixtures.recorder.AuditFolder(path)` saves it as a recorded fixture."""
+    """every: audit one served call in each block of this many per device, at a seeded random place
+    (0: off). rows: query rows per audit. retire: a miss (past the family's fitness bound) moves the
+    device to torch for the family, for the rest of the process (False: count and warn only). drift:
+    what a kernel off its numerics model does, "retire" as a miss or "warn" and keep serving.
+    record: saves a finding, `record(kept, finding) -> path` (None: not saved);
+    `fixtures.recorder.AuditFolder(path)` saves it as a recorded fixture. seed: the schedule's."""
     every: int = limits.AUDIT_EVERY
     rows: int = limits.AUDIT_ROWS
     retire: bool = True
+    drift: str = "retire"
     record: Callable | None = None
+    seed: int = 0
 
     def __post_init__(self):
         for name, least in (("every", 0), ("rows", 1)):
@@ -82,6 +85,10 @@ class AuditConfig:
                                  + (" (0 turns the audit off)" if name == "every" else ""))
         if not isinstance(self.retire, bool):
             raise ValueError(f"AuditConfig.retire={self.retire!r}: give True or False")
+        if self.drift not in ("retire", "warn"):
+            raise ValueError(f"AuditConfig.drift={self.drift!r}: give 'retire' or 'warn'")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"AuditConfig.seed={self.seed!r}: give a whole number")
         if self.record is not None and not callable(self.record):
             raise ValueError(f"AuditConfig.record={self.record!r}: give fixtures.recorder.AuditFolder(path), "
                              "or None to keep misses unrecorded")
@@ -97,7 +104,6 @@ class WrapperConfig:
     min_key_tokens: int = limits.MIN_KEY_TOKENS
     head_dims: tuple[int, ...] = KERNEL_HEAD_DIMS
     check_rows: int = limits.CHECK_ROWS  # first-call check: query rows of one sample and K/V group
-    check_max_rel_l2: float = limits.CHECK_MAX_REL_L2
     cache_error_limit: int = limits.CACHE_ERROR_LIMIT  # Triton cache failures in a row
     kernel_table: Mapping[Capability, tuple[str, ...]] = field(default_factory=lambda: dict(KERNEL_TABLE))
     # Longest calls served, in tokens (None: no upper bound); a profile sets the verified range.
@@ -130,10 +136,6 @@ class WrapperConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"WrapperConfig.{name}={value!r}: give a whole number of at least {least}")
-        limit = self.check_max_rel_l2
-        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 < limit < math.inf:
-            raise ValueError(f"WrapperConfig.check_max_rel_l2={limit!r}: give the first-call check's largest "
-                             "relative L2, a finite number above 0 (limits.first_call_max_rel_l2)")
         dims = self.head_dims
         if isinstance(dims, (str, int)) or not dims or any(d not in KERNEL_HEAD_DIMS for d in dims):
             raise ValueError(f"WrapperConfig.head_dims={dims!r}: give a tuple of head sizes the kernels take "

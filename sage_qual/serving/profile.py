@@ -37,6 +37,7 @@ from sage_qual import jsonfile, limits, records
 from sage_qual.serving.env_record import Reason
 from sage_qual.serving.served import Served
 from sage_qual.serving.variants import VARIANTS, capability_label, gpu_label
+from sage_qual.verdicts import fitness
 
 KIND = "sage-qual-profile"
 SCHEMA_VERSION = 3
@@ -261,10 +262,6 @@ def load(source, where: str = "profile", fix: str = FIX) -> Profile:
         raise ProfileError(str(records.RecordError(error.where, key, error.problem, error.fix))) from None
 
 
-def _normalize(name: str) -> str:
-    return re.sub(r"[^a-z0-9]", "", name.lower())
-
-
 def entry(gpu: ProfileGpu, family: str | None = None) -> Entry:
     chosen = family_entry(gpu, family)
     if chosen is None:
@@ -277,7 +274,8 @@ def family_entry(gpu: ProfileGpu, family: str | None) -> Entry | None:
     """The entry for `family` (the default entry for None); None when the GPU has none for it."""
     if family is None:
         return gpu.default
-    return next((chosen for name, chosen in gpu.families.items() if _normalize(name) == _normalize(family)),
+    key = fitness.family_key(family)
+    return next((chosen for name, chosen in gpu.families.items() if fitness.family_key(name) == key),
                 None)
 
 

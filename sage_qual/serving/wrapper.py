@@ -15,9 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sage_qual import limits
 from sage_qual.limits import one_line
-from sage_qual.serving import audit, platform, sage_package, scope, torch_sdpa
+from sage_qual.serving import audit, platform, sage_package, scope, slice_check, torch_sdpa
 from sage_qual.serving.assess import Packages, assess, box_facts, loaded
 from sage_qual.serving.audit import Auditor
 from sage_qual.serving.config import DEFAULT_CONFIG, AuditConfig, WrapperConfig
@@ -27,6 +26,7 @@ from sage_qual.serving.failures import Failure, classify
 from sage_qual.serving.providers import PROVIDERS, THU_ML
 from sage_qual.serving.scope import ScopeReport, _active
 from sage_qual.serving.variants import Variant, capability_label
+from sage_qual.verdicts import fitness
 
 log = logging.getLogger("sage_qual")
 
@@ -128,7 +128,7 @@ def install(config: WrapperConfig | None = None, profile=None, family: str | Non
     describes keeps the defaults, and a family the nearest entry keeps off stays off, with one WARNING.
     Without config and profile, the built-in defaults apply (`sage_qual.serving.defaults`).
     audit: the sampled audit of served calls (`serving.audit`), in place of the config's (default:
-    on, one call in `limits.AUDIT_EVERY` per device); `AuditConfig(every=0)` turns it off.
+    on, one call in each block of `limits.AUDIT_EVERY` per device); `AuditConfig(every=0)` turns it off.
 
     Called again while installed: with the same arguments it changes nothing and returns the same
     status; with others it installs anew with them (a notebook or a server switching families gets
@@ -150,9 +150,7 @@ def _install(config: WrapperConfig | None, profile=None, family: str | None = No
         _installed = None
     try:
         loaded = _load_profile(profile)  # a broken profile is said before any GPU or package check
-        # Without a config of the caller's, the first-call check holds the family's fitness bound.
-        config = config or dataclasses.replace(DEFAULT_CONFIG,
-                                               check_max_rel_l2=limits.first_call_max_rel_l2(family))
+        config = config or DEFAULT_CONFIG
         if audit_config is not None:
             config = dataclasses.replace(config, audit=audit_config)
         devices, packages = _probe(config, loaded, family, builtin=arguments[0] is None)
@@ -371,7 +369,7 @@ def _serve(state: _Installed, report: ScopeReport, args: tuple, kwargs: dict, co
             # checks its first side-stream call. Never under capture, where reading a value is illegal.
             check_key = (call.query.dtype, call.query.shape[-1], context)
             if CAPTURE not in context and check_key not in device.checked:
-                problem = _first_call_problem(state, call, out)
+                problem = _first_call_problem(state, device, call, out)
                 if problem:
                     why = f"first-call check failed for {_describe(call, context)}: {problem}"
                     _retire(state, device, why)
@@ -418,28 +416,18 @@ def _device_refusal(state: _Installed, call: SdpaCall, cuda, index: int | None,
     return device
 
 
-def _first_call_problem(state: _Installed, call: SdpaCall, out: torch.Tensor) -> str:
-    """Recompute a slice with torch; the kernel's result there must be finite and close.
-
-    The slice is the first sample, query heads 0..g-1 (the first K/V group) against K/V head 0,
-    last `check_rows` query rows: a few MiB at most, so the checked call costs no more memory
-    than later ones.
-    """
-    q, k, v = call.query, call.key, call.value
-    group = q.shape[1] // k.shape[1]
-    rows = slice(-state.config.check_rows, None)
-    q_slice, k_slice, v_slice = q[:1, :group, rows], k[:1, :1], v[:1, :1]
-    mask = call.attn_mask
-    if mask is not None:  # the same slice of the scores' mask: a view, nothing copied
-        mask = mask.expand(*q.shape[:3], k.shape[2])[:1, :group, rows]
-    expected = state.original(q_slice, k_slice, v_slice, attn_mask=mask, scale=call.scale,
-                              enable_gqa=group > 1).float()
-    got = out[:1, :group, rows].float()
-    error = torch.linalg.vector_norm(got - expected) / torch.linalg.vector_norm(expected).clamp_min(1e-12)
-    rel_l2 = error.item()  # the one host read of a served call's first instance
-    if not rel_l2 <= state.config.check_max_rel_l2:  # NaN fails this too
-        return (f"relative L2 {rel_l2:.3g} against PyTorch (limit {state.config.check_max_rel_l2}: the "
-                "fitness bound of the family served, sage_qual/limits.py)")
+def _first_call_problem(state: _Installed, device: DeviceState, call: SdpaCall, out: torch.Tensor) -> str:
+    """The audit's check on the first call's slice (`slice_check.first_call_slice`: sample 0, the first
+    K/V group, the last `check_rows` query rows: a few MiB at most, so the checked call costs no more
+    memory than later ones), both judges, read at once: '' when fit and on its model, else why not."""
+    where = slice_check.first_call_slice(call.query.shape, call.key.shape[1], state.config.check_rows)
+    norms = slice_check.measure(state.original, call, out, where, device.variant)
+    bound = state.auditor.bound(device)
+    judgement = slice_check.judge(norms.tolist(), bound, call.query.dtype)  # the one host read
+    if not judgement.fit:
+        return f"{judgement.text()}: past the fitness bound of the family served ({fitness.TABLE_SOURCE})"
+    if not judgement.conforms:
+        return f"{judgement.text()}: off the variant's numerics model by more than certify's margin"
     return ""
 
 

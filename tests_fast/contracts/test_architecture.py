@@ -1,5 +1,7 @@
-"""The package's layers import one way: base -> serving -> testing -> api -> fixtures -> qualification
--> cli (base: errors, jsonfile, limits, records, version; api: the package's own __init__).
+"""The package's layers import one way: base -> verdicts -> serving -> testing -> api -> fixtures ->
+qualification -> cli (base: errors, jsonfile, limits, records, version; verdicts: the torch-free
+tables both the served path and the qualification side read, the fitness table first; api: the
+package's own __init__).
 
 Read from the source (ast), so a lazy import inside a function counts as much as one at the top.
 """
@@ -12,7 +14,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent.parent / "sage_qual"
 # Each layer may import its own and the layers before it, never a later one.
-LAYERS = ("base", "serving", "testing", "api", "fixtures", "qualification", "cli")
+LAYERS = ("base", "verdicts", "serving", "testing", "api", "fixtures", "qualification", "cli")
 
 
 def layer_of(module: str) -> str:

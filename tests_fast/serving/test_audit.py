@@ -15,7 +15,7 @@ import sage_qual
 from sage_qual.fixtures import fileformat
 from sage_qual.fixtures.audit_misses import recorded_miss
 from sage_qual.fixtures.recorder import AUDIT_PROVENANCE, AuditFolder
-from sage_qual.serving import audit
+from sage_qual.serving import audit, slice_check
 from sage_qual.serving.config import AuditConfig
 from sage_qual.serving.contexts import CAPTURE
 
@@ -71,7 +71,7 @@ def test_the_default_install_audits_served_calls():
     assert "audit: 2 calls, worst any family" in report.summary()
 
 
-@pytest.mark.parametrize("every, calls, audited", [(1, 5, 5), (3, 8, 2), (3, 9, 3), (0, 50, 0)])
+@pytest.mark.parametrize("every, calls, audited", [(1, 5, 5), (4, 12, 3), (3, 9, 3), (0, 50, 0)])
 def test_one_served_call_in_every_is_audited(every, calls, audited):
     with wrapped(config=config(every=every)):
         report = serve_many(calls)
@@ -85,7 +85,8 @@ def test_calls_left_to_torch_are_not_counted_toward_the_audit():
             for _ in range(5):
                 F.scaled_dot_product_attention(*short)
             F.scaled_dot_product_attention(*qkv())
-    assert report.fallbacks == {"short": 5} and report.audit.audited == 0
+            F.scaled_dot_product_attention(*qkv())
+    assert report.fallbacks == {"short": 5} and report.audit.audited == 1  # one in the first block of 2
 
 
 # The slice --------------------------------------------------------------------------------------
@@ -96,7 +97,8 @@ def test_successive_audits_visit_every_sample_head_group_and_row_block(batch, he
     blocks = math.ceil(tokens / rows)
     seen = set()
     for number in range(batch * kv_heads * blocks):
-        sample, query_heads, picked = audit.slice_of(number, (batch, heads, tokens), kv_heads, rows)
+        where = slice_check.audit_slice(number, (batch, heads, tokens), kv_heads, rows)
+        sample, query_heads, picked = where.sample, where.heads, where.rows
         assert len(query_heads) == heads // kv_heads and 0 < picked.stop - picked.start <= rows
         seen.add((sample, query_heads.start, picked.start))
     group = heads // kv_heads

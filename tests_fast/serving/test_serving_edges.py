@@ -5,17 +5,20 @@ kernel choice from box facts, the scope's install seam and the variants' per-hea
 
 import copy
 import logging
+import math
+import re
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import sage_qual
-from sage_qual.serving import scope
+from sage_qual.serving import scope, slice_check
 from sage_qual.serving.config import KERNEL_TABLE, WrapperConfig
 from sage_qual.serving.eligibility import bind
 from sage_qual.serving.variants import EXTENSIONS, VARIANTS, BoxFacts
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention, on_device
+from sage_qual.verdicts import conformance
 
 from ..builders import H100 as PROFILED_H100
 from ..builders import H200 as PROFILED_H200
@@ -34,17 +37,17 @@ def describe(q, k, v):
 
 
 # The first-call check -----------------------------------------------------------------------------
-@pytest.mark.parametrize("limit, kept", [(1.0, True), (0.999, False)])
-def test_first_call_check_passes_at_exactly_its_limit(limit, kept):
-    """A kernel returning twice torch's answer is off by exactly 1.0 relative L2 when the checked
-    slice is the whole call (one head, every row): 2x - x is exact in floating point."""
-    tensors = qkv(heads=1)
-    twice = 2 * TORCH_SDPA(*tensors)
-    config = WrapperConfig(**{**vars(SMALL), "check_rows": tensors[0].shape[2], "check_max_rel_l2": limit})
-    with wrapped(config=config) as (_, fake), sage_qual.sage_attention_scope() as report:
-        fake.return_value(lambda exact: twice)
-        F.scaled_dot_product_attention(*tensors)
-    assert (report.served == 1) is kept and (not retired()) is kept
+@pytest.mark.parametrize("limit, fit", [(1.0, True), (0.999, False)])
+def test_the_online_judge_passes_at_exactly_its_limit(limit, fit):
+    """Twice the reference is off by exactly 1.0 relative L2 (2x - x is exact in floating point): fit
+    at a bound of 1.0, not at 0.999; conformance likewise at exactly its bound."""
+    judgement = slice_check.judge([2.0, 2.0, math.nan], limit, torch.bfloat16)
+    assert judgement.rel_l2 == 1.0 and judgement.fit is fit and judgement.conforms
+    model = (1.0 - conformance.UNIT_ROUNDOFF["bfloat16"]) / (1 + conformance.MARGIN)
+    on_bound = slice_check.judge([2.0, 2.0, 2.0 * model], limit, torch.bfloat16)
+    assert on_bound.conformance_bound == pytest.approx(1.0) and on_bound.model_rel_l2 == pytest.approx(model)
+    past = slice_check.judge([2.0, 2.0, 2.0 * model * 0.999], limit, torch.bfloat16)
+    assert not past.conforms
 
 
 def test_first_call_check_is_relative_also_for_small_outputs():
@@ -72,8 +75,14 @@ def test_a_failed_first_call_check_is_reported_with_the_call(caplog):
         fake.return_value(lambda exact: exact * 3)
         F.scaled_dot_product_attention(*tensors)
         where = label()
-    why = (f"first-call check failed for {describe(*tensors)}: relative L2 2 against PyTorch (limit 0.3: the "
-           "fitness bound of the family served, sage_qual/limits.py)")
+    # The model's number is this host's arithmetic: read back, then checked in its place in the line.
+    why = retired()
+    model = re.search(r"its numerics model ([0-9.]+) \(conformance bound ([0-9.]+)\)", why)
+    assert why == (f"first-call check failed for {describe(*tensors)}: relative L2 2 against PyTorch SDPA, "
+                   f"fitness bound 0.3, its numerics model {model[1]} (conformance bound {model[2]}): "
+                   "past the "
+                   "fitness bound of the family served (sage_qual/verdicts/fitness.py)")
+    assert 0 < float(model[1]) < 0.1
     assert report.details == {"kernel_error": why} and retired() == why
     assert records(caplog, logging.WARNING) == [
         f"SageAttention retired on {where}, its attention runs on PyTorch SDPA until restart: {why}"]

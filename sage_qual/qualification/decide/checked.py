@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from sage_qual.fixtures import fitness
 from sage_qual.qualification.evidence import files, tasks
 from sage_qual.qualification.evidence.report_model import (
     Cell,
@@ -31,6 +30,7 @@ from sage_qual.qualification.families import (
 )
 from sage_qual.qualification.measure import judge
 from sage_qual.serving.variants import VARIANTS
+from sage_qual.verdicts import fitness
 
 
 def load(path) -> Report:
@@ -51,7 +51,7 @@ def parse(data: dict, where: str) -> Report:
 def cell_fitness(fixture: FixtureRecord, cell: Cell) -> fitness.FitnessBound:
     """The fitness bound of a cell: its fixture's bound for the cell's accuracy class."""
     accuracy_class = cell.accuracy_class or VARIANTS[cell.variant].accuracy_class
-    return fitness.bound_for(fixture.name, fixture.kind.value, fixture.bounds[accuracy_class])
+    return fitness.bound_for(fixture.name, fixture.kind.value, accuracy_class, fixture.bounds[accuracy_class])
 
 
 def judged(report: Report, cell: Cell, with_fitness: bool = True) -> list[Reason]:
@@ -88,7 +88,13 @@ def check_evidence(report: Report, where: str) -> None:
     """ReportError when a cell's stored outcome disagrees with what it measured against its stored
     budget, or its variant is unknown. The budget itself is derived from the numerics model
     (`budgets.budget`) and cannot be recomputed without the fixture's tensors; the fixture's class
-    bounds are provenance only, so a budget may be looser than them."""
+    bounds are provenance only, so a budget may be looser than them. A fixture the fitness table names
+    must carry the table's bounds: the verdict's fitness bound is the table's, never the report's copy."""
+    for n, fixture in enumerate(report.fixtures):
+        mismatch = fitness.table_mismatch(fixture.name, fixture.bounds)
+        if mismatch:
+            raise ReportError(f"{where}: fixtures[{n}].bounds: {mismatch}: the report's copy was edited, and "
+                              "the verdict reads the table's bound: certify again")
     for n, device in enumerate(report.devices):
         # Span probes run after the sweep, whose every variant job ends with its long checks: probes
         # beside no long check mean the long checks were removed, and the verdict would lose its

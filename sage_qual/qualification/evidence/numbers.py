@@ -33,7 +33,7 @@ class Budget:
 @dataclass(frozen=True)
 class PublishedBound:
     """A fixture's bound for one accuracy class as its file states it (`fixtures/fileformat.py`): the
-    fitness bound of every cell of that class on it (`fixtures.fitness.bound_for`)."""
+    fitness bound of every cell of that class on it (`verdicts.fitness.bound_for`)."""
     max_rel_l2: float
     min_cosine: float
 

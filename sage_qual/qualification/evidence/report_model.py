@@ -325,7 +325,7 @@ class FixtureRecord:
                        "the family on that GPU model"})
 
     def check(self) -> list[tuple[str, str]]:
-        # Each bound is the fitness bound of the cells of its class (fixtures.fitness): none may be missing.
+        # Each bound is the fitness bound of the cells of its class (verdicts.fitness): none may be missing.
         missing = [c.value for c in AccuracyClass if c not in self.bounds]
         if missing:
             return [("bounds", f"no bound for class {', '.join(missing)} (every cell's fitness bound is its "

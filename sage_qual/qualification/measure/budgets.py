@@ -38,14 +38,8 @@ from sage_qual.qualification.evidence.report_model import Budget, Metrics
 from sage_qual.qualification.measure import accuracy
 from sage_qual.serving import numerics
 from sage_qual.serving.variants import Variant
+from sage_qual.verdicts.conformance import MARGIN
 
-# Kernel against model on every shipped fixture where both are finite: at most 1.5 % apart in
-# relative L2 (H200, docs/results/run6-h200x2-pytest-slow/gpu_results.json.gz; table and method in
-# docs/numerics.md); run to run 0 % (runs 5 and 6 equal to 4 significant digits). One margin for
-# the suite: about 7x the worst measured spread, for the worst-slice errors (maxima over heads, items and
-# row blocks, which move more than the whole-tensor error), and well under the 0.25 allowed.
-MEASURED_SPREAD = 0.015
-MARGIN = 0.10
 # The tightest cosine bound: one unit of the 6 decimals budgets are stored with below 1, so an exact
 # output (cosine 1 up to float64 rounding) passes.
 MAX_MIN_COSINE = 1.0 - 1e-6

@@ -1,6 +1,6 @@
 """The one judgement of a cell: its measured metrics, its budget and its fitness bound in, the reasons
 it fails out. Two judges: conformance (within the budget its numerics model derives: the kernel is
-on its model) and fitness (within the error the family was shown to tolerate, `fixtures.fitness`);
+on its model) and fitness (within the error the family was shown to tolerate, `verdicts.fitness`);
 a cell passes only where both hold, and each failure says which judge it is (`ReasonKind.ACCURACY`:
 off its model; `ReasonKind.UNFIT`: unfit for the family).
 
@@ -19,8 +19,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from sage_qual.fixtures.fitness import FitnessBound
 from sage_qual.qualification.evidence.report_model import Budget, Metrics, Reason, ReasonKind
+from sage_qual.verdicts.fitness import FitnessBound
 
 # limit -> (metric, "max" or "min", what it says)
 LIMITS = {

@@ -52,7 +52,6 @@ from typing import Callable
 
 import torch
 
-from sage_qual.fixtures import fitness
 from sage_qual.qualification import families as families_mod
 from sage_qual.qualification.evidence.report_model import Budget, DType, LongCheck, Outcome, ShapeSpec
 from sage_qual.qualification.evidence.tasks import LongTask
@@ -60,6 +59,7 @@ from sage_qual.qualification.families import Shape
 from sage_qual.qualification.measure import accuracy, budgets, judge
 from sage_qual.serving import numerics
 from sage_qual.serving.variants import VARIANTS, Variant
+from sage_qual.verdicts import fitness
 
 SAMPLE_BLOCKS = 4
 SAMPLE_ROWS = 128  # a multiple of every variant's Q tile (16, 32 or 128 rows): whole tiles are sampled

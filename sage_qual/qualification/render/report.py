@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sage_qual.fixtures import fitness
 from sage_qual.qualification.decide import verdict
 from sage_qual.qualification.decide.checked import status_line
 from sage_qual.qualification.evidence import report_model
@@ -22,6 +21,7 @@ from sage_qual.qualification.render import plots
 from sage_qual.qualification.render.markdown import markdown_table, safe_text
 from sage_qual.serving.contexts import CHECKS
 from sage_qual.serving.variants import VARIANTS, capability_label, gpu_label
+from sage_qual.verdicts import fitness
 
 if TYPE_CHECKING:  # selection reads fixtures with torch; rendering imports neither
     from sage_qual.qualification.selection import LeftOut
@@ -138,7 +138,8 @@ def _fitness_blocks(data: Report) -> list[Block]:
     rows = []
     for f in data.fixtures:
         bounds = {
-            name.value: fitness.bound_for(f.name, f.kind.value, bound) for name, bound in f.bounds.items()
+            name.value: fitness.bound_for(f.name, f.kind.value, name.value, bound)
+            for name, bound in f.bounds.items()
         }
         numbers = "; ".join(
             f"{name} {b.max_rel_l2:g}" + (f" / {b.min_cosine:g}" if b.min_cosine is not None else "")
