@@ -17,6 +17,7 @@ from sage_qual.errors import UsageError
 from sage_qual.fixtures import fileformat, known
 from sage_qual.fixtures.audit_misses import recorded_miss
 from sage_qual.qualification import families as families_mod
+from sage_qual.qualification.evidence import report_model
 from sage_qual.qualification.names import select_families
 
 
@@ -139,3 +140,14 @@ def _left_out(fixture: fileformat.Fixture) -> LeftOut:
     failures = known.failures(fixture)
     owner = families_mod.family_of(fixture.family)
     return LeftOut(fixture.name, owner.name if owner else families_mod.normalize(fixture.family), failures)
+
+
+def fixture_record(fixture: fileformat.Fixture) -> report_model.FixtureRecord:
+    """What a report stores of a fixture file: certify writes it, gate compares a report's copy with it."""
+    return report_model.FixtureRecord(
+        name=fixture.name, family=fixture.family, kind=report_model.FixtureKind(fixture.kind),
+        dtype=report_model.DType(str(fixture.dtype).replace("torch.", "")), q=list(fixture.q.shape),
+        k=list(fixture.k.shape), sha256=fixture.sha256, provenance=fixture.provenance,
+        bounds={report_model.AccuracyClass(name): report_model.PublishedBound(**bound)
+                for name, bound in fixture.bounds.items()}, masked=fixture.mask is not None,
+        audit=recorded_miss(fixture.source, str(fixture.path)))

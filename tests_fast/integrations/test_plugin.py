@@ -206,8 +206,16 @@ def test_the_check_a_test_calls_returns_the_cell_record(fake_h200):
     assert 0 < cell.metrics.rel_l2 <= cell.budget.max_rel_l2 and cell.extra_bytes_per_element == 0
 
 
+def first_rows_wrong(exact):
+    """Wrong in the first 256 query rows only: the first-call check, which judges the call's last rows
+    by both judges, passes it and the wrapper serves the call."""
+    out = exact.clone()
+    out[:, :, :256] *= 3
+    return out
+
+
 def test_the_check_fails_the_test_with_every_reason(fake_h200):
-    fake_h200.return_value(lambda exact: exact * 1.2)
+    fake_h200.return_value(first_rows_wrong)
     with pytest.raises(pytest.fail.Exception,
                        match=r"^sage-qual: wrapper:sm90-fp8-cuda on flux1_1024: relative L2 .*; "):
         check_cell(targets.resolve("wrapper:sm90-fp8-cuda"), _fixture("flux1_1024"), (9, 0), _CpuBench())
@@ -242,14 +250,7 @@ def test_a_served_call_within_budget_passes(fake_h200):
 
 
 def test_a_result_out_of_budget_fails_with_the_numbers(fake_h200):
-    # Wrong in the first 256 query rows only: past flux1_1024's budget, while the first-call check,
-    # which judges the call's last rows by both judges, passes it and the wrapper serves the call.
-    def first_rows_wrong(exact):
-        out = exact.clone()
-        out[:, :, :256] *= 3
-        return out
-
-    fake_h200.return_value(first_rows_wrong)
+    fake_h200.return_value(first_rows_wrong)  # past flux1_1024's budget, served
     cell = measure_target(targets.resolve("wrapper:sm90-fp8-cuda"), _fixture("flux1_1024"),
                                      (9, 0), _CpuBench())
     assert cell.outcome == Outcome.FAIL

@@ -24,11 +24,13 @@ where a fixture is read or a budget derived.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from sage_qual import records
 from sage_qual.errors import ExitCode, UsageError
 from sage_qual.qualification.decide import budget_check, checked, verdict
 from sage_qual.qualification.decide.verdict import FamilyDecision, Verdict
@@ -196,7 +198,7 @@ def decide(data: Report, family: Family, here: EnvironmentRecord, fixtures: Mapp
     caller asked `report_problem` already (gate() does, before it looks for a GPU)."""
     local = {name: fixture.sha256 for name, fixture in fixtures.items()}
     if problem is None:
-        problem = report_problem(source, data, family)
+        problem = report_problem(source, data, family) or copies_problem(source, data, fixtures)
     decision = _decided(problem or machine_problem(here), data, family, here, local, require_speedup)
     if decision.code != ExitCode.USAGE:
         problem = (budget_check.budget_problem(source, data, family, models(here), fixtures)
@@ -204,6 +206,38 @@ def decide(data: Report, family: Family, here: EnvironmentRecord, fixtures: Mapp
         if problem:
             return GateDecision(family.name, ExitCode.USAGE, problem)
     return decision
+
+
+# What a report copies from a fixture file, besides its bytes' sha256: the evidence is the file at hand.
+COPIED_FIELDS = ("family", "kind", "dtype", "q", "k", "bounds", "provenance", "masked", "audit")
+
+
+def copies_problem(source: str, data: Report, fixtures: Mapping[str, Fixture]) -> str:
+    """Why the report's copy of a fixture file at hand is not what that file says ('' when every copy
+    is): with the same sha256 the file's fields cannot differ, so a difference is an edit of the
+    report (a recorded miss removed or moved, a bound raised). A changed file is `stale`'s to say."""
+    from sage_qual.qualification import selection
+
+    for stored in data.fixtures:
+        fixture = fixtures.get(stored.name)
+        if fixture is None or fixture.sha256 != stored.sha256:
+            continue
+        copy, here = records.dump(stored), records.dump(selection.fixture_record(fixture))
+        for name in COPIED_FIELDS:
+            copied, found = copy.get(name), here.get(name)
+            while isinstance(copied, dict) and isinstance(found, dict) and copied != found:  # the first key
+                key = next(k for k in sorted(set(copied) | set(found)) if copied.get(k) != found.get(k))
+                name, copied, found = f"{name}.{key}", copied.get(key), found.get(key)
+            if copied != found:
+                return (f"{source}: fixtures: {stored.name!r}.{name} is {_shown(copied)} in the report but "
+                        f"{_shown(found)} in {fixture.path} (the same file, sha256 {fixture.sha256[:12]}): "
+                        "the report's copy was edited; certify again")
+    return ""
+
+
+def _shown(value) -> str:
+    text = json.dumps(value, sort_keys=True)
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def family_fixtures(fixture_dirs: list[str] | None, family: Family) -> Mapping[str, Fixture]:

@@ -23,8 +23,6 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from sage_qual.errors import UsageError
-from sage_qual.fixtures import fileformat
-from sage_qual.fixtures.audit_misses import recorded_miss
 from sage_qual.qualification import names
 from sage_qual.qualification import selection as selection_mod
 from sage_qual.qualification.decide import checked, profile, verdict
@@ -166,19 +164,9 @@ def header(planned: plan_mod.Plan, machine: plan_mod.Machine, predicted: bool, t
                                      families=[f.name for f in chosen.families],
                                      fixture_dirs=chosen.fixture_dirs,
                                      quick=request.quick, timeout_s=timeout),
-        environment=machine.environment, fixtures=[fixture_record(f) for f in chosen.fixtures],
+        environment=machine.environment, fixtures=[selection_mod.fixture_record(f) for f in chosen.fixtures],
         shapes=planned.shapes, devices=planned.devices, predicted=predicted, target=target,
         fitness_judged=True)
-
-
-def fixture_record(fixture: fileformat.Fixture) -> report_model.FixtureRecord:
-    return report_model.FixtureRecord(
-        name=fixture.name, family=fixture.family, kind=report_model.FixtureKind(fixture.kind),
-        dtype=report_model.DType(str(fixture.dtype).replace("torch.", "")), q=list(fixture.q.shape),
-        k=list(fixture.k.shape), sha256=fixture.sha256, provenance=fixture.provenance,
-        bounds={report_model.AccuracyClass(name): report_model.PublishedBound(**bound)
-                for name, bound in fixture.bounds.items()}, masked=fixture.mask is not None,
-        audit=recorded_miss(fixture.source, str(fixture.path)))
 
 
 @contextlib.contextmanager
