@@ -271,11 +271,11 @@ class Auditor:
         if first:
             keeps = "AuditConfig.retire=False" if judge == MISS else "AuditConfig.drift='warn'"
             log.warning(
-                "SageAttention audit %s: %s; it keeps serving (%s), later %ses are counted only",
+                "SageAttention audit %s: %s; it keeps serving (%s), later %s are counted only",
                 judge,
                 finding.text(),
                 keeps,
-                judge,
+                "misses" if judge == MISS else "drifts",
             )
 
 

@@ -3,8 +3,10 @@ which slice, when its numbers are read, what a miss does, and each execution con
 
 import dataclasses
 import itertools
+import json
 import logging
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -290,3 +292,165 @@ def test_numbers_that_cannot_be_read_are_counted_skipped_and_the_scope_exits_cle
         report = serve_many(2)
         sage_qual.uninstall()
     assert report.audit.audited == 0 and report.audit.skipped == {"error": 2} and report.served == 2
+
+
+# The second judge: conformance -------------------------------------------------------------------
+
+def scaled_after(calls, good, factor):
+    """Right for `good` calls, then `factor` x torch's output: 20 % off is under the fitness bound 0.3
+    but several times the sm90 model's error on these tensors (0.03-0.05 per slice)."""
+    def make(exact):
+        calls[0] += 1
+        return exact if calls[0] <= good else exact * factor
+    return make
+
+
+def test_a_kernel_off_its_model_but_fit_is_a_drift_that_retires_the_gpu_by_default(caplog):
+    calls = [0]
+    with wrapped(config=config(every=1)) as (_, fake):
+        serve_many(1)
+        fake.return_value(scaled_after(calls, 1, 1.2))
+        report = serve_many(3)
+    [drift] = report.audit.drifts
+    assert not report.audit.misses and drift.judge == "drift"
+    assert drift.rel_l2 == pytest.approx(0.2, rel=1e-2) and drift.rel_l2 < 0.3
+    assert drift.model_rel_l2 is not None and drift.model_rel_l2 < drift.bound < drift.rel_l2
+    said = "audit drift: sm90-fp8-cuda on cuda:0 (GPU0, sm_90) for any family: relative L2 "
+    assert retired().startswith(said)
+    assert "where its numerics model gives" in retired()
+    assert report.audit.retired == {"cuda:0 (GPU0, sm_90)": "audit drift for any family"}
+    assert "0 misses, 1 drifts" in report.summary()
+
+
+def test_with_drift_warn_the_kernel_keeps_serving_and_warns_once(caplog):
+    calls = [0]
+    with wrapped(config=config(every=1, drift="warn")) as (_, fake):
+        serve_many(1)
+        fake.return_value(scaled_after(calls, 0, 1.2))
+        report = serve_many(4)
+    assert report.served == 4 and len(report.audit.drifts) == 4 and not retired()
+    [warning] = [m for m in records(caplog, logging.WARNING) if "audit drift" in m]
+    assert "it keeps serving (AuditConfig.drift='warn'), later drifts are counted only" in warning
+
+
+def test_a_kernel_closer_to_torch_than_its_model_conforms():
+    """Conformance bounds the kernel's error from above only: exact output is no drift."""
+    with wrapped(config=config(every=1)):
+        report = serve_many(5)
+    assert report.audit.audited == 5 and not report.audit.drifts and not report.audit.misses
+    [(key, ratio)] = report.audit.worst_ratio.items()
+    assert key == ("any family", "sm90-fp8-cuda") and ratio < 1
+
+
+def test_a_bad_drift_or_seed_option_is_named():
+    with pytest.raises(ValueError, match="AuditConfig.drift='stop': give 'retire' or 'warn'"):
+        AuditConfig(drift="stop")
+    with pytest.raises(ValueError, match="AuditConfig.seed=1.5: give a whole number"):
+        AuditConfig(seed=1.5)
+
+
+# The calls CPU fakes make easy to skip -------------------------------------------------------------
+
+def test_a_batch_of_two_is_audited_in_both_samples_and_a_defect_in_the_second_is_found():
+    """Classifier-free guidance: sample 1 (the conditional half) wrong only."""
+    def second_sample_wrong(exact):
+        out = exact.clone()
+        out[1] = -out[1]
+        return out
+
+    tensors = qkv(batch=2)
+    with wrapped(config=config(every=1)) as (_, fake):
+        serve_many(1, tensors)
+        fake.return_value(second_sample_wrong)
+        report = serve_many(8, tensors)
+    assert report.audit.misses and all("sample 1" in m.rows for m in report.audit.misses)
+
+
+def test_a_masked_call_is_judged_on_its_mask_slice_and_the_mask_is_saved_with_a_miss(tmp_path):
+    q, k, v = qkv(batch=2)
+    mask = torch.ones(2, 1, 1, k.shape[2], dtype=torch.bool)
+    mask[1, ..., 8:] = False  # the second item's last keys are padding
+    # comfy-kitchen's kernel takes a mask (thu-ml's take none).
+    masked = dataclasses.replace(config(every=1, record=AuditFolder(str(tmp_path))), masks=True,
+                                 kernel_table={SM90: ("ck-int8-cuda",)})
+    with wrapped(config=masked, fake=sage_qual.testing.FakeSageAttention(comfy_kitchen="0.2.40")) as (_, fake):
+        with sage_qual.sage_attention_scope() as report:
+            for _ in range(4):
+                F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        assert report.served == 4 and report.audit.audited == 4, report.summary()
+        assert not report.audit.misses and not report.audit.drifts  # judged with the mask: exact output fits
+        fake.return_value(lambda exact: exact * 3)
+        wrong = serve_many(2, (q, k, v), attn_mask=mask)
+    [miss, *_] = wrong.audit.misses
+    saved = fileformat.load_fixture(miss.fixture)
+    sample = int(miss.rows.split(",")[0].removeprefix("sample "))
+    assert torch.equal(saved.mask, mask[sample:sample + 1].expand(1, 1, saved.q.shape[2], k.shape[2]))
+
+
+def test_a_zero_reference_slice_is_judged_by_its_absolute_error():
+    """V zero in every key: torch's output is zero, so any output off zero is a miss (not a division by
+    zero), and an exact zero output is fit."""
+    q, k, v = qkv()
+    zero_v = torch.zeros_like(v)
+    with wrapped(config=config(every=1)) as (_, fake):
+        report = serve_many(2, (q, k, zero_v))
+        assert not report.audit.misses and report.audit.worst["any family"] == 0
+        fake.return_value(lambda exact: exact + 1)
+        wrong = serve_many(1, (q, k, zero_v))
+    assert wrong.audit.misses and wrong.audit.misses[0].rel_l2 > 1e6
+
+
+def test_an_install_without_a_family_retires_for_any_family_and_a_later_install_for_none_stays_off():
+    calls = [0]
+    with wrapped(config=config(every=1)) as (_, fake):
+        serve_many(1)
+        fake.return_value(wrong_after(calls, 0))
+        serve_many(2)
+        assert audit.retired_before(0, "GPU0", None) == "audit miss for any family"
+        fake.behave()
+        sage_qual.install(config=config(every=2))
+        assert retired() == "audit miss for any family"
+        assert audit.retired_before(0, "GPU0", "FLUX.1") == ""
+
+
+# What a service reads -----------------------------------------------------------------------------
+
+def test_the_tally_is_a_json_snapshot_with_every_number():
+    calls = [0]
+    with wrapped(config=config(every=1, retire=False)) as (_, fake):
+        sage_qual.install(config=config(every=1, retire=False), family="Krea-2")
+        serve_many(2)
+        fake.return_value(wrong_after(calls, 0))
+        serve_many(1)
+        fake.return_value(lambda exact: torch.full_like(exact, float("nan")))
+        serve_many(1)
+    snapshot = json.loads(json.dumps(audit.audit_tally().snapshot(), allow_nan=False))
+    assert snapshot["audited"] == 4 and snapshot["skipped"] == {}
+    [worst] = snapshot["worst"]
+    assert (worst["family"], worst["variant"], worst["fitness_bound"]) == ("Krea-2", "sm90-fp8-cuda", 0.3)
+    assert worst["rel_l2"] is None  # the NaN output: not finite
+    assert [m["judge"] for m in snapshot["misses"]] == ["miss", "miss"] and snapshot["drifts"] == []
+    first = snapshot["misses"][0]
+    assert first["rel_l2"] > 0.3 and first["gpu"] == "GPU0" and first["capability"] == [9, 0]
+    assert snapshot["retired"] == []
+
+
+def test_the_tally_as_prometheus_metrics():
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from sage_qual.serving import audit_tally
+
+    calls = [0]
+    with wrapped(config=config(every=1)) as (_, fake):
+        serve_many(1)
+        fake.return_value(wrong_after(calls, 0))
+        serve_many(2)
+    registry = prometheus_client.CollectorRegistry()
+    registry.register(audit_tally.prometheus_collector(audit.audit_tally))
+    text = prometheus_client.generate_latest(registry).decode()
+    assert "sage_qual_audit_calls_total 2.0" in text
+    found = 'sage_qual_audit_findings_total{family="any family",judge="miss",variant="sm90-fp8-cuda"} 1.0'
+    assert found in text
+    assert "sage_qual_audit_retired_devices 1.0" in text
+    assert 'sage_qual_audit_fitness_bound{family="any family"} 0.3' in text
+    documented = (Path(__file__).resolve().parents[2] / "docs" / "audit.md").read_text()
+    assert all(f"`{name}`" in documented for name in audit_tally.METRICS)

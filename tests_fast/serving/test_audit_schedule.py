@@ -6,10 +6,17 @@ A model issues its calls in the same order every step, so layer l of a step of L
 call number c with c mod L = l. The bound (serving/audit.py): every layer is audited within
 FOUND_WITHIN x every of its own calls, from any onset, except with probability exp(-20)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
+import torch.nn.functional as F
 
+import sage_qual
 from sage_qual.serving import audit, slice_check
+from sage_qual.serving.config import AuditConfig
+
+from ..helpers import SMALL, qkv, retired, wrapped
 
 EVERY = (1, 7, 10, 100, 1000)
 CALLS_PER_STEP = range(1, 257)
@@ -77,3 +84,33 @@ def test_every_layer_sees_every_slice_in_time(calls, shape, kv_heads):
         for p, n in audit.draws(every, "0:0", audits)
     }
     assert len(seen) == calls * slices
+
+
+@pytest.mark.parametrize("calls, wrong_layer", [(60, 17), (60, 18), (57, 17), (40, 17), (30, 7)])
+def test_the_issue_table_rerun_on_the_fake_kernel_finds_the_wrong_layer_within_the_bound(calls, wrong_layer):
+    """Issue 62's table (the default AuditConfig, one layer's output ten times its bound wrong): the
+    fixed period missed 60/17, 40/17 and 30/7 for ever; each is now found, retired and counted within
+    FOUND_WITHIN x every calls of the wrong layer, and the wrong layer's calls stop at the retirement."""
+    every = sage_qual.WrapperConfig().audit.every
+    counts = {"calls": 0, "wrong": 0}
+
+    def wrong_in_one_layer(exact):
+        number = counts["calls"]
+        counts["calls"] += 1
+        if number % calls == wrong_layer:
+            counts["wrong"] += 1
+            return exact.roll(1, dims=2) * 3
+        return exact
+
+    tensors = qkv(heads=1, q_tokens=32, k_tokens=16)
+    with wrapped(config=dataclasses.replace(SMALL, audit=AuditConfig())) as (_, fake):
+        fake.return_value(wrong_in_one_layer)
+        with sage_qual.sage_attention_scope() as report:
+            for _ in range(audit.FOUND_WITHIN * every + 1):  # steps: the bound in calls of one layer
+                for _ in range(calls):
+                    F.scaled_dot_product_attention(*tensors)
+                if retired():
+                    break
+    assert report.audit.misses and retired().startswith("audit miss"), report.summary()
+    assert 0 < counts["wrong"] <= audit.FOUND_WITHIN * every, counts
+    assert report.served == counts["calls"]  # every call of the loop was the kernel's until the miss
