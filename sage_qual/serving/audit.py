@@ -258,12 +258,10 @@ class Auditor:
             PROCESS.found(finding)
         retire = self.config.retire if judge == MISS else self.config.drift == "retire"
         if retire:  # the retirement's WARNING gives the numbers
-            why = f"audit {judge} for {self.family}"
             with _PROCESS_LOCK:
-                RETIRED[(device.index, device.name, self.key)] = why
                 for tally in (pending.tally, PROCESS):
-                    tally.retired[device.label] = why
-            self.retire(device, f"audit {judge}: {finding.text()}")
+                    tally.retired[device.label] = f"audit {judge} for {self.family}"
+            self.retire(device, f"audit {judge}: {finding.text()}", self.family)
             return
         with self.lock:
             first = (device.index, judge) not in self.warned
@@ -279,9 +277,20 @@ class Auditor:
             )
 
 
+EVERY_FAMILY = "*"  # RETIRED's key of a retirement for every family (a kernel error, a first-call failure)
+
+
+def remember_retired(index: int, name: str, family: str | None, why: str) -> None:
+    """Record that this process moved a device to torch for `family` (None: every family)."""
+    key = EVERY_FAMILY if family is None else fitness.family_key(family)
+    with _PROCESS_LOCK:
+        RETIRED.setdefault((index, name, key), why)
+
+
 def retired_before(index: int, name: str, family: str | None) -> str:
-    """Why an audit of this process moved this device to torch for `family` ("" if none did)."""
-    return RETIRED.get((index, name, fitness.family_key(family or ANY_FAMILY)), "")
+    """Why this process moved this device to torch for `family`, or for every family ("" if it did not)."""
+    key = fitness.family_key(family or ANY_FAMILY)
+    return RETIRED.get((index, name, key)) or RETIRED.get((index, name, EVERY_FAMILY), "")
 
 
 def reset_process() -> None:
@@ -307,7 +316,7 @@ def skipped(tally: AuditTally, reason: str) -> None:
         PROCESS.skipped[reason] += 1
 
 
-# The process's audit: every scope's numbers, and the devices an audit moved to torch per family.
+# The process's audit: every scope's numbers, and the devices moved to torch per family ("*": all).
 PROCESS = AuditTally()
 _PROCESS_LOCK = threading.Lock()
 RETIRED: dict[tuple[int, str, str], str] = {}

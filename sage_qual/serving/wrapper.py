@@ -38,7 +38,7 @@ class DeviceState:
     capability: tuple[int, int]
     variant: Variant | None = field(repr=False)
     no_kernel_reason: str = ""
-    retired: str = ""  # why the device went back to PyTorch for good (until restart)
+    retired: str = ""  # why the device went back to PyTorch until the process restarts
     checked: set = field(default_factory=set)  # (dtype, head_dim) that passed the first-call check
     cache_errors: int = 0  # consecutive Triton cache failures
     announced: bool = False
@@ -284,6 +284,10 @@ def _probe(config: WrapperConfig, profile=None, family: str | None = None,
         more = f" and {len(others)} more GPUs (install_status().devices)" if others else ""
         raise _NoKernel(one_line(f"{first.label}{more}: {first.no_kernel_reason}"),
                         tuple(devices.values()))
+    if all(d.retired for d in devices.values() if d.variant):  # as its WARNING said: not served again
+        first = next(d for d in devices.values() if d.variant)
+        why = f"{first.label} was retired by this process until it restarts: {first.retired}"
+        raise _NoKernel(one_line(why), tuple(devices.values()))
     return devices, packages
 
 
@@ -452,13 +456,16 @@ def _record_failure(state, report, device, call, error) -> None:
         _retire(state, device, f"raised: {detail}")
 
 
-def _retire(state: _Installed, device: DeviceState, why: str) -> None:
+def _retire(state: _Installed, device: DeviceState, why: str, family: str | None = None) -> None:
+    """Move `device` to torch for `family` (None: every family) until the process restarts: a later
+    install() for that family keeps it there (`audit.retired_before`), as the WARNING says."""
     with state.lock:
         if device.retired:
             return
         device.retired = why
-    log.warning("SageAttention retired on %s, its attention runs on PyTorch SDPA until restart: %s",
-                device.label, why)
+    audit.remember_retired(device.index, device.name, family, why)
+    log.warning("SageAttention retired on %s for %s until this process restarts, its attention runs on "
+                "PyTorch SDPA: %s", device.label, family or "every family", why)
 
 
 def _describe(call: SdpaCall, context: tuple[str, ...] = ()) -> str:

@@ -163,7 +163,7 @@ def test_a_miss_is_counted_warned_once_with_its_numbers_and_moves_the_gpu_to_tor
     [warning] = [m for m in records(caplog, logging.WARNING) if "audit miss" in m]
     assert f"relative L2 {miss.rel_l2:.3g} against PyTorch SDPA, bound 0.3" in warning
     assert "q/k/v [1, 2, 48, 64] [1, 2, 24, 64] [1, 2, 24, 64] float16" in warning
-    assert "its attention runs on PyTorch SDPA until restart" in warning
+    assert "for any family until this process restarts, its attention runs on PyTorch SDPA" in warning
 
 
 def test_with_retire_off_a_miss_is_counted_and_warned_once_and_the_kernel_keeps_serving(caplog):
@@ -187,8 +187,10 @@ def test_a_miss_keeps_the_gpu_off_that_family_in_a_later_install_of_the_process_
         fake.behave()
         sage_qual.install(config=config(every=1), family="FLUX.1")
         assert not retired()
-        sage_qual.install(config=config(every=1), family="krea 2")
-        assert retired() == "audit miss for Krea-2"
+        status = sage_qual.install(config=config(every=1), family="krea 2")
+        assert retired().startswith("audit miss: sm90-fp8-cuda on cuda:0 (GPU0, sm_90) for Krea-2: relative ")
+        assert not status.enabled
+        assert "was retired by this process until it restarts: audit miss" in status.reason
         audit.reset_process()
         sage_qual.install(config=config(every=1), family="Krea-2", audit=AuditConfig(every=2))
         assert not retired()
@@ -319,6 +321,7 @@ def test_a_kernel_off_its_model_but_fit_is_a_drift_that_retires_the_gpu_by_defau
     assert retired().startswith(said)
     assert "where its numerics model gives" in retired()
     assert report.audit.retired == {"cuda:0 (GPU0, sm_90)": "audit drift for any family"}
+    assert audit.retired_before(0, "GPU0", None) == retired()
     assert "0 misses, 1 drifts" in report.summary()
 
 
@@ -373,7 +376,8 @@ def test_a_masked_call_is_judged_on_its_mask_slice_and_the_mask_is_saved_with_a_
     # comfy-kitchen's kernel takes a mask (thu-ml's take none).
     masked = dataclasses.replace(config(every=1, record=AuditFolder(str(tmp_path))), masks=True,
                                  kernel_table={SM90: ("ck-int8-cuda",)})
-    with wrapped(config=masked, fake=sage_qual.testing.FakeSageAttention(comfy_kitchen="0.2.40")) as (_, fake):
+    with_ck = sage_qual.testing.FakeSageAttention(comfy_kitchen="0.2.40")
+    with wrapped(config=masked, fake=with_ck) as (_, fake):
         with sage_qual.sage_attention_scope() as report:
             for _ in range(4):
                 F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -406,10 +410,10 @@ def test_an_install_without_a_family_retires_for_any_family_and_a_later_install_
         serve_many(1)
         fake.return_value(wrong_after(calls, 0))
         serve_many(2)
-        assert audit.retired_before(0, "GPU0", None) == "audit miss for any family"
+        assert audit.retired_before(0, "GPU0", None).startswith("audit miss: sm90-fp8-cuda on cuda:0 (GPU0, ")
         fake.behave()
-        sage_qual.install(config=config(every=2))
-        assert retired() == "audit miss for any family"
+        assert not sage_qual.install(config=config(every=2)).enabled
+        assert retired().startswith("audit miss: ")
         assert audit.retired_before(0, "GPU0", "FLUX.1") == ""
 
 

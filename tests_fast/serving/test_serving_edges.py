@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 import sage_qual
-from sage_qual.serving import scope, slice_check
+from sage_qual.limits import one_line
+from sage_qual.serving import audit, scope, slice_check
 from sage_qual.serving.config import KERNEL_TABLE, WrapperConfig
 from sage_qual.serving.eligibility import bind
 from sage_qual.serving.variants import EXTENSIONS, VARIANTS, BoxFacts
@@ -85,7 +86,27 @@ def test_a_failed_first_call_check_is_reported_with_the_call(caplog):
     assert 0 < float(model[1]) < 0.1
     assert report.details == {"kernel_error": why} and retired() == why
     assert records(caplog, logging.WARNING) == [
-        f"SageAttention retired on {where}, its attention runs on PyTorch SDPA until restart: {why}"]
+        f"SageAttention retired on {where} for every family until this process restarts, its attention runs "
+        f"on PyTorch SDPA: {why}"]
+
+
+def test_a_retirement_holds_for_every_later_install_of_the_process_as_its_warning_says():
+    """A first-call failure retires the GPU for every family: install() again, for another family or
+    for none, does not serve there and says why (issue 64); a fresh process (reset_process) does."""
+    with wrapped() as (_, fake), sage_qual.sage_attention_scope():
+        fake.return_value(lambda exact: exact * 3)
+        F.scaled_dot_product_attention(*qkv())
+        why = retired()
+    fake.behave()
+    with FakeCuda([FakeGpu((9, 0), "GPU0")]), fake.installed():
+        for family in ("FLUX.1", None):
+            status = sage_qual.install(config=SMALL, family=family)
+            assert not status.enabled and status.reason == one_line(
+                f"cuda:0 (GPU0, sm_90) was retired by this process until it restarts: {why}")
+            assert retired() == why
+            sage_qual.uninstall()
+        audit.reset_process()
+        assert sage_qual.install(config=SMALL).enabled and not retired()
 
 
 # What each failure leaves in the report and the log ------------------------------------------------
