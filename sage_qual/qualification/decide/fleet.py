@@ -12,6 +12,7 @@ Exit 0: every required family is on; 1: one is kept off; 2: bad input, named wit
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sage_qual import records
+from sage_qual.qualification import families
 from sage_qual.qualification.decide import checked, verdict
 from sage_qual.qualification.decide.verdict import FamilyDecision, Verdict
 from sage_qual.qualification.evidence import report_model
@@ -139,12 +141,21 @@ def gate_answers(reports: list[str]) -> dict[str, dict[str, int]]:
                 raise BadInput(f"{answers} line {number}: not a `sage-qual gate --json` answer (it needs a "
                                "family name and an integer exit_code): run the host's gate again, or "
                                "remove the line")
+            family = _known(family, f"{answers} line {number}")
             if family in line_of:  # two answers for one family: which holds would depend on line order
                 raise BadInput(f"{answers} lines {line_of[family]} and {number}: both answer {family}: run "
                                "the host's gates again into an empty gates.jsonl, or remove one line")
             line_of[family] = number
             answered[family] = code
     return codes
+
+
+def _known(name: str, where: str) -> str:
+    """The family's one name ("flux.1" and "FLUX.1 " are FLUX.1), or BadInput naming `where`."""
+    try:
+        return families.find(name).name
+    except KeyError as error:
+        raise BadInput(f"{where}: {error.args[0]}: give a family by one of those names") from None
 
 
 def common_range(rows: list[dict], family: str) -> str:
@@ -249,20 +260,48 @@ def decide(rows: list[dict], gates: dict[str, dict[str, int]], required: list[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    fleet_json, decisions, *reports = sys.argv[1:] if argv is None else argv
-    required = [f.strip() for f in os.environ.get("REQUIRED_FAMILIES", "").split(",") if f.strip()]
+    parser = argparse.ArgumentParser(
+        prog="python -m sage_qual.qualification.decide.fleet",
+        description="The fleet step's gate (examples/fleet/merge_and_gate.sh): one line per family from "
+                    "`sage-qual merge --json`'s rows and each report folder's gates.jsonl. Environment: "
+                    "REQUIRED_FAMILIES (comma-separated), REQUIRE_SPEEDUP. Exit 0: every required family "
+                    "on; 1: one kept off; 2: bad input.")
+    parser.add_argument("fleet_json", help="the output of `sage-qual merge --json`")
+    parser.add_argument("decisions", help="the file to write one line per family to")
+    parser.add_argument("reports", nargs="*",
+                        help="each host's report.json (its folder's gates.jsonl is read)")
     try:
+        args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    except SystemExit as stop:  # --help (0) or a usage error (2), said by argparse
+        return int(stop.code or 0)
+    try:
+        required = [_known(f, "REQUIRED_FAMILIES")
+                    for f in os.environ.get("REQUIRED_FAMILIES", "").split(",") if f.strip()]
         passing = passing_verdicts(os.environ.get("REQUIRE_SPEEDUP", ""))
-        answer = decide(json.loads(Path(fleet_json).read_text())["rows"], gate_answers(reports), required,
-                        passing)
-    except BadInput as error:
+        answer = decide(_rows(Path(args.fleet_json)), gate_answers(args.reports), required, passing)
+        Path(args.decisions).write_text("\n".join(answer.lines) + "\n")
+    except (BadInput, OSError) as error:
         print(f"merge_and_gate.sh: {error}", file=sys.stderr)
         return 2
-    Path(decisions).write_text("\n".join(answer.lines) + "\n")
     print("\n".join(answer.lines))
     if answer.unknown:
         print(f"REQUIRED_FAMILIES names families no report ran: {', '.join(answer.unknown)}", file=sys.stderr)
     return answer.exit_code(required)
+
+
+def _rows(path: Path) -> list[dict]:
+    """`merge --json`'s rows, or BadInput naming the file and the fix."""
+    try:
+        rows = json.loads(path.read_text())["rows"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise BadInput(f"{path}: not the output of `sage-qual merge --json` ({type(error).__name__}: "
+                       f"{error}): run merge --json again") from None
+    needed = ("families", "undecidable")
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and all(k in r for k in needed)
+                                             for r in rows):
+        raise BadInput(f"{path}: rows: not the rows of `sage-qual merge --json` (each needs "
+                       f"{', '.join(needed)}): run merge --json again")
+    return rows
 
 
 if __name__ == "__main__":
