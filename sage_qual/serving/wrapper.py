@@ -120,7 +120,7 @@ scope.settle_audits_with(lambda: _installed.auditor.settle(wait=True) if _instal
 
 
 def install(config: WrapperConfig | None = None, profile=None, family: str | None = None,
-            audit: AuditConfig | None = None) -> InstallStatus:
+            audit: AuditConfig | None = None, own_family: bool = False) -> InstallStatus:
     """Rebind torch's SDPA to the wrapper once. Never raises; logs one WARNING when it cannot.
 
     profile: a `sage-qual certify` profile.json (path or dict). Its GPU then gets the variant and
@@ -129,18 +129,33 @@ def install(config: WrapperConfig | None = None, profile=None, family: str | Non
     Without config and profile, the built-in defaults apply (`sage_qual.serving.defaults`).
     audit: the sampled audit of served calls (`serving.audit`), in place of the config's (default:
     on, one call in each block of `limits.AUDIT_EVERY` per device); `AuditConfig(every=0)` turns it off.
+    family: one of the families sage-qual qualifies, in any spelling ("krea 2" is Krea-2); another is
+    refused with the known names, unless `own_family=True` says it is a family of your own: it gets the
+    profile's (or the built-in defaults') default entry and the loosest fitness bound of all.
 
     Called again while installed: with the same arguments it changes nothing and returns the same
     status; with others it installs anew with them (a notebook or a server switching families gets
     what it asked for, said in one INFO line), as `uninstall()` then `install()` would.
     """
     with _install_lock:
-        return _install(config, profile, family, audit)
+        return _install(config, profile, family, audit, own_family)
 
 
 def _install(config: WrapperConfig | None, profile=None, family: str | None = None,
-             audit_config: AuditConfig | None = None) -> InstallStatus:
+             audit_config: AuditConfig | None = None, own_family: bool = False) -> InstallStatus:
     global _installed, _status
+    if family is not None and not (own_family and isinstance(family, str) and family.strip()):
+        known = fitness.family_name(family) if isinstance(family, str) else None
+        if known is None:  # as any refused install: what was installed before is taken out
+            if _installed is not None:
+                _take_out(_installed)
+                _installed = None
+            _status = InstallStatus(False, one_line(
+                f"unknown family {family!r} (known: {', '.join(fitness.FAMILY_NAMES)}): name one of them, or "
+                "install(family=..., own_family=True) for a family of your own"))
+            log.warning("SageAttention not enabled, attention stays on PyTorch SDPA: %s", _status.reason)
+            return _status
+        family = known
     arguments = (config, profile, family, audit_config)
     if _installed is not None:
         if _installed.arguments == arguments:

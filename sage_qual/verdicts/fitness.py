@@ -33,6 +33,17 @@ def family_key(name: str) -> str:
     return re.sub(r"[^a-z0-9]", "", name.lower())
 
 
+# The model families sage-qual qualifies, by their one name (qualification/families.py declares each
+# with its shapes; a fast test checks the two lists agree).
+FAMILY_NAMES = ("FLUX.1", "FLUX.2", "Z-Image", "Qwen-Image", "Krea-2", "SDXL", "LTX-2", "Wan 2.2")
+
+
+def family_name(name: str) -> str | None:
+    """The family's one name for any spelling of it ("flux 1" -> "FLUX.1"), None for an unknown one."""
+    key = family_key(name)
+    return next((known for known in FAMILY_NAMES if family_key(known) == key), None)
+
+
 # Published field measurements (InvokeAI's SageAttention PRs, RTX 4090, SageAttention 2.2.0).
 KREA2_GOOD_IMAGE = (
     "InvokeAI PR #9662: Krea-2 block 0 at cosine 0.988 against float32 gave a good image, "

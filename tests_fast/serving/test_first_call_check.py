@@ -225,7 +225,7 @@ def test_install_holds_the_first_call_to_the_fitness_bound_of_the_family_it_serv
     monkeypatch.setattr(numerics, "predict", unmodelled)
     fake = FakeSageAttention()
     with FakeCuda([FakeGpu((9, 0), "GPU0")]), fake.installed():
-        assert sage_qual.install(config=SMALL, family=family).enabled
+        assert sage_qual.install(config=SMALL, family=family, own_family=family is not None).enabled
         fake.return_value(scaled(1.15))
         out, report = serve(*qkv())
         assert (report.served == 1) is (limit == 0.2), report.details

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import sage_qual
 from sage_qual.limits import one_line
-from sage_qual.serving import audit, scope, slice_check
+from sage_qual.serving import audit, scope, slice_check, wrapper
 from sage_qual.serving.config import KERNEL_TABLE, WrapperConfig
 from sage_qual.serving.eligibility import bind
 from sage_qual.serving.variants import EXTENSIONS, VARIANTS, BoxFacts
@@ -415,3 +415,30 @@ def test_uninstall_leaves_a_status_that_says_so():
         sage_qual.uninstall()
         status = sage_qual.install_status()
     assert status.enabled is False and status.reason == "uninstall() was called"
+
+
+@pytest.mark.parametrize("given, served", [("krea 2", "Krea-2"), ("FLUX.1 ", "FLUX.1"),
+                                           ("wan-2.2", "Wan 2.2")])
+def test_install_takes_a_family_in_any_spelling_by_its_one_name(given, served):
+    with wrapped():
+        assert sage_qual.install(config=SMALL, family=given).enabled
+        assert wrapper._installed.auditor.family == served
+
+
+@pytest.mark.parametrize("given", ["Flux", "Wan 2.1", "", "FLUX.1\nenabled", 7])
+def test_install_refuses_an_unknown_family_with_the_known_names(given, caplog):
+    with wrapped():
+        status = sage_qual.install(config=SMALL, family=given)
+        assert not status.enabled and wrapper._installed is None
+    assert status.reason.startswith(f"unknown family {given!r} (known: FLUX.1, FLUX.2, Z-Image, Qwen-Image, ")
+    assert status.reason.endswith("install(family=..., own_family=True) for a family of your own")
+    assert "\n" not in status.reason  # a name from a file cannot forge a log line
+
+
+def test_a_family_of_your_own_is_served_with_the_loosest_fitness_bound():
+    from sage_qual.verdicts import fitness
+
+    with wrapped():
+        assert sage_qual.install(config=SMALL, family="Wan 2.1", own_family=True).enabled
+        device = sage_qual.install_status().devices[0]
+        assert wrapper._installed.auditor.bound(device) == fitness.family_bound(None)
