@@ -6,8 +6,8 @@ import argparse
 from dataclasses import dataclass, field
 
 from sage_qual import jsonfile, records
-from sage_qual.errors import Answer, ExitCode
-from sage_qual.fixtures.audit_misses import RecordedMiss, recorded_miss
+from sage_qual.errors import Answer, ExitCode, UsageError
+from sage_qual.fixtures.audit_misses import AUDIT_PROVENANCE, RecordedMiss, recorded_miss
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,10 @@ def read(folder: str) -> AuditAnswer:
     misses, others = [], []
     for fixture in selection.read_fixtures([folder]):  # a file that does not load is a UsageError
         miss = recorded_miss(fixture.source, str(fixture.path))
+        if miss is None and fixture.provenance.startswith(AUDIT_PROVENANCE):
+            raise UsageError(f"{fixture.path}: source.audit: missing, where its provenance says the "
+                             "audit recorded it: the file was edited; re-record it with the wrapper's audit, "
+                             "or take it out of the folder")
         if miss is None:
             others.append(fixture.name)
         else:

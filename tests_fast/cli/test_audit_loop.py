@@ -181,6 +181,51 @@ def test_a_replica_in_the_folder_is_listed_apart_and_never_as_a_miss(tmp_path, c
     assert answer["misses"] == [] and answer["others"] == ["a_replica"]
 
 
+def drifted_after(count):
+    """20 % off torch from call `count` on: fit for Krea-2 (0.3), several times the model's error."""
+    calls = [0]
+
+    def make(exact):
+        calls[0] += 1
+        return exact if calls[0] <= count else exact * 1.2
+    return make
+
+
+def test_a_drift_is_recorded_as_a_drift_and_certify_then_keeps_the_variant_off(tmp_path, monkeypatch, capsys,
+                                                                              shipped):
+    folder = tmp_path / "drifts"
+    report = production(folder, drifted_after(12))
+    assert report.audit.drifts and not report.audit.misses, report.summary()
+    [recorded] = folder.glob("*.safetensors")
+    assert main(["audit", str(folder)]) == 1
+    listed = capsys.readouterr().out
+    assert "sm90-fp8-cuda: recorded drift in production: the audit measured relative L2 0.2 where its " \
+           "numerics model gives " in listed
+    fixture = fileformat.load_fixture(recorded)
+    assert fixture.bounds["fp8"]["max_rel_l2"] == 0.3  # the file's own bound is the family's fitness bound
+    assert fixture.provenance.startswith("recorded by the audit in production: sm90-fp8-cuda")
+    assert "drift: relative L2 0.2 over the bound" in fixture.provenance
+    code, answer = certify_and_gate(tmp_path, monkeypatch, capsys, folder)
+    assert code == 1, answer
+    [gpu] = answer["gpus"]
+    assert any(r["kind"] == "audit" and "recorded drift in production" in r["detail"] for r in gpu["reasons"])
+
+
+def test_a_fixture_whose_provenance_says_the_audit_but_whose_record_is_gone_is_bad_input(tmp_path, capsys):
+    """`sage-qual audit` said "no recorded misses" (exit 0) for a recorded miss whose source.audit was
+    set to null (issue 64)."""
+    folder = tmp_path / "misses"
+    production(folder, after_call(1), every=2, calls=4)
+    [path] = folder.glob("*.safetensors")
+    fixture = fileformat.load_fixture(path)
+    fileformat.save_fixture(path, fixture.q, fixture.k, fixture.v, family=fixture.family, kind=fixture.kind,
+                            source={**fixture.source, "audit": None}, provenance=fixture.provenance,
+                            bounds=fixture.bounds)
+    assert main(["audit", str(folder)]) == 2
+    error = capsys.readouterr().err
+    assert f"{path}: source.audit: missing, where its provenance says the audit recorded it" in error
+
+
 @pytest.mark.parametrize("edit, said", [
     (lambda audit: audit.pop("gpu"), "source.audit: gpu: missing"),
     (lambda audit: audit.update(rel_l2="big"), "source.audit: rel_l2"),
