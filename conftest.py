@@ -58,7 +58,7 @@ def missing_gpu() -> str:
 
     if not torch.cuda.is_available():
         return f"no CUDA GPU visible to torch {torch.__version__}"
-    from sage_qual.serving import sage_package
+    from sage_qual.kernels import sage_package
 
     try:
         sage_package.load()

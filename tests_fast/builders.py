@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from sage_qual import limits, records
+from sage_qual.kernels.variants import VARIANTS
 from sage_qual.qualification import families
 from sage_qual.qualification.evidence import tasks
 from sage_qual.qualification.evidence.report_model import (
@@ -42,12 +43,11 @@ from sage_qual.qualification.evidence.report_model import (
 )
 from sage_qual.qualification.measure import long_check as long_check_mod
 from sage_qual.qualification.run import options
-from sage_qual.serving import profile
 from sage_qual.serving import profile_matching as matching
-from sage_qual.serving.served import Served
-from sage_qual.serving.variants import VARIANTS
 from sage_qual.testing import FakeGpu
+from sage_qual.verdicts import profile
 from sage_qual.verdicts.fitness import FitnessBound
+from sage_qual.verdicts.served import Served
 
 SAMPLE = Path(__file__).parent / "data" / "sample_h200_2gpu.json"
 H200 = FakeGpu((9, 0), "Fake H200", 141.0)

@@ -14,6 +14,7 @@ import torch
 
 from sage_qual import records
 from sage_qual.fixtures import fileformat
+from sage_qual.qualification import selection
 from sage_qual.qualification.evidence import files, report_model, tasks
 from sage_qual.qualification.evidence.report_model import Outcome
 
@@ -51,7 +52,7 @@ def write_fixture(directory: Path, name: str, family: str, bounds: dict, seed: i
 
 def gpu_entry(template: dict, index: int, name: str) -> dict:
     """`template` (a report's GPU entry) as GPU `index` of model `name`, with that model's memory as the
-    fleet report records it (a GPU of another memory is another part: serving.machine.RULES)."""
+    fleet report records it (a GPU of another memory is another part: verdicts.machine.RULES)."""
     return {**template, "index": index, "name": name, "capability": CAPABILITY[name],
             "memory_gib": MEMORY_GIB.get(name, template["memory_gib"])}
 
@@ -103,6 +104,10 @@ def write_fleet(directory: Path, data: dict) -> tuple[Path, Path, dict]:
     fixtures.mkdir()
     for seed, f in enumerate(data["fixtures"]):
         f["sha256"] = write_fixture(fixtures, f["name"], f["family"], f["bounds"], seed)
+        written = fileformat.load_fixture(fixtures / f"{f['name']}{fileformat.SUFFIX}")
+        # What a report copies from a file is the file's (gate compares the two).
+        f.update({key: value for key, value in records.dump(selection.fixture_record(written)).items()
+                  if key in ("q", "k", "dtype", "provenance", "masked", "kind")})
     path = directory / "report.json"
     path.write_text(json.dumps(data))
     return path, fixtures, data

@@ -16,10 +16,11 @@ import torch
 
 import sage_qual
 from sage_qual.fixtures.fileformat import load_fixture
-from sage_qual.serving import platform, sage_package
+from sage_qual.kernels import sage_package
+from sage_qual.kernels.variants import VARIANTS, BoxFacts
+from sage_qual.serving import platform
 from sage_qual.serving.assess import GpuAssessment, assess, box_facts
 from sage_qual.serving.config import WrapperConfig
-from sage_qual.serving.variants import VARIANTS, BoxFacts
 
 FIXTURE_DIR = Path(__file__).resolve().parent.parent / "fixtures"
 # Masked calls (a fixture holding an attn_mask) run only on the variants that take a mask
@@ -29,6 +30,16 @@ FIXTURE_PATHS = sorted(p for p in FIXTURE_DIR.glob("*.safetensors") if p not in 
 VARIANT_NAMES = list(VARIANTS)
 MASK_CASES = [(name, path) for path in MASKED_PATHS for name in VARIANT_NAMES if VARIANTS[name].takes_mask]
 _results: list[dict] = []
+
+
+@pytest.fixture(autouse=True)
+def _fresh_process_audit():
+    """Each GPU test starts as a fresh process would: no earlier test's retirement or finding holds."""
+    from sage_qual.serving import audit
+
+    audit.reset_process()
+    yield
+    audit.reset_process()
 
 
 @pytest.fixture(scope="session")

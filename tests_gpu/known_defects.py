@@ -3,7 +3,7 @@
 Key: (variant, fixture stem). Value: what was measured, where, and why it is the kernel's fault.
 An entry that starts passing fails the run (strict xfail), so a fixed kernel is noticed.
 
-A cell where the numerics model predicts a non-finite output (sage_qual/serving/numerics.py) is
+A cell where the numerics model predicts a non-finite output (sage_qual/kernels/numerics.py) is
 an expected failure in test_accuracy.py even before it is listed here, provided the kernel is
 non-finite too; once a GPU run has measured it, it gets an entry here with its numbers
 (`python -m tests_gpu.known_defects RESULTS_JSON` lists the measured, unlisted ones).

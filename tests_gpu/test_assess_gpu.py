@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 import sage_qual
+from sage_qual.kernels.variants import VARIANTS
 from sage_qual.limits import STARTUP_TIMEOUT
 from sage_qual.qualification.evidence import tasks
 from sage_qual.qualification.run import pool
 from sage_qual.serving import environment
-from sage_qual.serving.variants import VARIANTS
 
 pytestmark = [pytest.mark.slow, pytest.mark.gpu]
 

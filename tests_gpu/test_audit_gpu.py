@@ -15,9 +15,9 @@ import torch.nn.functional as F
 
 import sage_qual
 from sage_qual.fixtures.recorder import AuditFolder
+from sage_qual.kernels.contexts import CAPTURE
 from sage_qual.serving import audit, wrapper
 from sage_qual.serving.config import AuditConfig
-from sage_qual.serving.contexts import CAPTURE
 
 from .shapes import make_qkv
 

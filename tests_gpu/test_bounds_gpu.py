@@ -18,7 +18,8 @@ import sage_qual
 from sage_qual.fixtures import fileformat
 from sage_qual.qualification.decide import checked, verdict
 from sage_qual.qualification.decide import profile as building
-from sage_qual.serving import devices_here, profile
+from sage_qual.serving import devices_here
+from sage_qual.verdicts import profile
 
 from .conftest import FIXTURE_DIR
 

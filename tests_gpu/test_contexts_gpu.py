@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from sage_qual.serving import contexts
-from sage_qual.serving.contexts import CHECKS
-from sage_qual.serving.variants import VARIANTS
+from sage_qual.kernels import contexts
+from sage_qual.kernels.contexts import CHECKS
+from sage_qual.kernels.variants import VARIANTS
 
 from .child import run_child
 
@@ -37,8 +37,8 @@ import json
 from sage_qual import records
 from sage_qual.qualification.measure import context_check
 from sage_qual.qualification.evidence.report_model import safe_contexts
-from sage_qual.serving.contexts import CONTEXTS
-from sage_qual.serving.variants import VARIANTS
+from sage_qual.kernels.contexts import CONTEXTS
+from sage_qual.kernels.variants import VARIANTS
 variant = VARIANTS[{name!r}]
 rows = {{}}
 for label, through, trusted in (("kernel", "kernel", None), ("wrapper", "wrapper", None),

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 
 import sage_qual
 from sage_qual.qualification.measure import accuracy, speed
-from sage_qual.serving import defaults, profile
+from sage_qual.serving import defaults
+from sage_qual.verdicts import profile
 
 pytestmark = [pytest.mark.slow, pytest.mark.gpu]
 

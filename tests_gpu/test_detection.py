@@ -104,7 +104,7 @@ import json
 from sage_qual.qualification.measure import context_check
 from sage_qual.qualification.selftest import detection
 from sage_qual.qualification.evidence.report_model import safe_contexts
-from sage_qual.serving.variants import VARIANTS
+from sage_qual.kernels.variants import VARIANTS
 variant = VARIANTS[{variant!r}]
 found = {{"clean": safe_contexts(context_check.check_variant(variant))}}
 for defect in detection.CONTEXT_DEFECTS:

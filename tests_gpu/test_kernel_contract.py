@@ -1,5 +1,5 @@
 """The registry's kernel contract against the installed SageAttention: each kernel function's keyword
-names and defaults, as `sage_qual.serving.variants.KERNEL_FUNCTIONS` declares them (and the fake
+names and defaults, as `sage_qual.kernels.variants.KERNEL_FUNCTIONS` declares them (and the fake
 kernels of `sage_qual.testing` are made from), and the malformed calls the real kernels refuse
 before they launch, which the fakes refuse too.
 """
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from sage_qual.serving.variants import FP16_TRITON, KERNEL_FUNCTIONS, VARIANTS
+from sage_qual.kernels.variants import FP16_TRITON, KERNEL_FUNCTIONS, VARIANTS
 
 pytestmark = [pytest.mark.slow, pytest.mark.gpu]
 
@@ -39,9 +39,9 @@ def test_keyword_contract_matches_the_installed_kernel(function, packages, recor
 # test must never take the suite down with it.
 CHILD = """
 import json, sys, torch
-from sage_qual.serving import sage_package
-from sage_qual.serving.providers import PROVIDERS
-from sage_qual.serving.variants import VARIANTS
+from sage_qual.kernels import sage_package
+from sage_qual.kernels.providers import PROVIDERS
+from sage_qual.kernels.variants import VARIANTS
 variant, case = VARIANTS[sys.argv[1]], sys.argv[2]
 
 def tensors(heads=4, kv_heads=2, q_tokens=256, kv_tokens=128, head_dim=64, dtype=torch.float16, batch=1):

@@ -8,7 +8,7 @@ kernel fault under capture must not reach the test process."""
 import pytest
 
 from sage_qual import limits
-from sage_qual.serving.variants import VARIANTS
+from sage_qual.kernels.variants import VARIANTS
 
 from .child import run_child
 

@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from sage_qual.fixtures.fileformat import list_fixtures, load_fixture, shipped_dir
+from sage_qual.kernels import numerics
+from sage_qual.kernels.variants import VARIANTS
 from sage_qual.qualification.decide import budget_check
 from sage_qual.qualification.measure import accuracy, budgets
 from sage_qual.qualification.selftest import model_check
-from sage_qual.serving import numerics
-from sage_qual.serving.variants import VARIANTS
 
 from .conftest import FIXTURE_PATHS, MASK_CASES, VARIANT_NAMES
 from .known_defects import model_miss_marks

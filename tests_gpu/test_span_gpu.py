@@ -28,8 +28,8 @@ from pathlib import Path
 import pytest
 
 from sage_qual import limits
+from sage_qual.kernels.variants import VARIANTS
 from sage_qual.qualification.measure import span_probe
-from sage_qual.serving.variants import VARIANTS
 
 from .child import run_child
 

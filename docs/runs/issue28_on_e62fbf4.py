@@ -88,7 +88,7 @@ class _Tree:
             gate.local_fixture_files = counting
 
     def profile_module(self):
-        from sage_qual.serving import profile
+        from sage_qual.verdicts import profile
         return profile
 
     def defaults_module(self):

@@ -132,7 +132,7 @@ def _gate_lines(control):
 
 
 def _profile_lines():
-    from sage_qual.serving import profile
+    from sage_qual.verdicts import profile
 
     for name, edit in PROFILE_EDITS.items():
         data = _profile()

@@ -13,7 +13,7 @@ import torch  # noqa: E402  (timed apart from the fingerprint)
 
 import_s = time.perf_counter() - start
 torch.cuda.init()
-from sage_qual.serving import sage_package  # noqa: E402
+from sage_qual.kernels import sage_package  # noqa: E402
 
 times = []
 for _ in range(2):

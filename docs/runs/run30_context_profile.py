@@ -15,7 +15,7 @@ CHILD = """
 import json, sys, time
 started = time.perf_counter()
 from sage_qual.qualification.measure import context_check
-from sage_qual.serving.variants import VARIANTS
+from sage_qual.kernels.variants import VARIANTS
 imported = time.perf_counter() - started
 seconds = {}
 timed = context_check._run

@@ -28,9 +28,9 @@ from sage_qual.errors import Answer, ExitCode, UsageError
 from sage_qual.qualification.decide import checked, verdict
 from sage_qual.qualification.evidence.report_model import ReportError, ShapeSpec
 from sage_qual.qualification.measure.speed import RUN_TO_RUN_SPREAD
-from sage_qual.serving import machine
-from sage_qual.serving.env_record import EnvironmentRecord
-from sage_qual.serving.served import Served
+from sage_qual.verdicts import machine
+from sage_qual.verdicts.env_record import EnvironmentRecord
+from sage_qual.verdicts.served import Served
 
 DEFAULT_TOLERANCE = RUN_TO_RUN_SPREAD
 
@@ -60,7 +60,7 @@ class Decided:
 
 
 def software_changes(first: Decided, second: Decided) -> list[str]:
-    """One line per difference of the machines the two reports ran on (`serving.machine`), of a GPU
+    """One line per difference of the machines the two reports ran on (`verdicts.machine`), of a GPU
     model both ran on. A rebuild of one source gives another build fingerprint (runs 31 and 33,
     docs/results/), so every difference is said, none counted: the verdicts decide whether the two
     serve the same calls."""

@@ -5,8 +5,8 @@ starts (issue 28)."""
 from __future__ import annotations
 
 from sage_qual.errors import UsageError
+from sage_qual.kernels.variants import VARIANTS
 from sage_qual.qualification import families as families_mod
-from sage_qual.serving.variants import VARIANTS
 
 
 def select_variants(names: list[str] | None) -> list[str]:

@@ -10,10 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from sage_qual.serving import platform, sage_package
+from sage_qual.kernels import sage_package
+from sage_qual.kernels.providers import THU_ML
+from sage_qual.kernels.variants import VARIANTS, BoxFacts, Variant
+from sage_qual.serving import platform
 from sage_qual.serving.config import DEFAULT_CONFIG, WrapperConfig
-from sage_qual.serving.providers import THU_ML
-from sage_qual.serving.variants import VARIANTS, BoxFacts, Variant
 
 UNUSABLE_PACKAGE = "sageattention unusable (see above)"
 # Every provider's package, or why it cannot serve (`sage_package.load_all`).

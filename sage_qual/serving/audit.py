@@ -38,6 +38,7 @@ skipped and counted as skipped: its numbers could not be read back.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import random
@@ -47,10 +48,10 @@ from typing import Callable
 
 import torch
 
+from sage_qual.kernels.contexts import CAPTURE
 from sage_qual.serving import slice_check
 from sage_qual.serving.audit_tally import DRIFT, MISS, AuditTally, Finding
 from sage_qual.serving.config import AuditConfig
-from sage_qual.serving.contexts import CAPTURE
 from sage_qual.verdicts import fitness
 
 log = logging.getLogger("sage_qual")
@@ -291,6 +292,21 @@ def retired_before(index: int, name: str, family: str | None) -> str:
     """Why this process moved this device to torch for `family`, or for every family ("" if it did not)."""
     key = fitness.family_key(family or ANY_FAMILY)
     return RETIRED.get((index, name, key)) or RETIRED.get((index, name, EVERY_FAMILY), "")
+
+
+@contextlib.contextmanager
+def retirements_set_aside():
+    """Within: no retirement of this process holds (a qualification trial installs the wrapper afresh);
+    after: exactly those of before hold again."""
+    with _PROCESS_LOCK:
+        saved = dict(RETIRED)
+        RETIRED.clear()
+    try:
+        yield
+    finally:
+        with _PROCESS_LOCK:
+            RETIRED.clear()
+            RETIRED.update(saved)
 
 
 def reset_process() -> None:

@@ -7,59 +7,26 @@ the default numbers, and where each was measured, are in `sage_qual.limits`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from sage_qual import limits
-from sage_qual.serving import contexts, variants
-from sage_qual.serving.variants import UPSTREAM_PICKS, VARIANTS, BoxFacts, Capability, Variant
+from sage_qual.kernels import contexts, variants
+from sage_qual.kernels.variants import (
+    KERNEL_HEAD_DIMS,
+    LAYOUTS,
+    UPSTREAM_PICKS,
+    VARIANTS,
+    BoxFacts,
+    Capability,
+    Variant,
+)
+from sage_qual.verdicts.served import Bound
 
 # Preference order per compute capability; the first variant this box can run wins. The default is
 # upstream sageattn()'s own choice, declared once in variants.UPSTREAM_PICKS (with why).
 KERNEL_TABLE: Mapping[Capability, tuple[str, ...]] = UPSTREAM_PICKS
 
 
-# Memory layouts a profile may list as verified (`WrapperConfig.layouts`); `eligibility.layout_of`
-# names a call's layout. "nhd" is a kernel called with tensor_layout="NHD" (certify's name for it):
-# the wrapper always calls with "HND", so none of its calls has that layout.
-LAYOUTS = ("contiguous", "transposed", "fused_qkv", "nhd")
-
-
-@dataclass(frozen=True)
-class Bound:
-    """Calls with fewer than `below` query or key tokens stay on torch, whatever the thresholds: a
-    certified failure there (`reason`: which fixture, which call site) that the served range excludes
-    (qualification.decide.verdict, "Bounds"). A profile carries it, so lowering a threshold cannot
-    hand the kernel the calls it failed."""
-    side: Literal["query", "key"]
-    below: int = field(metadata={"minimum": 2})
-    reason: str = field(metadata={"minLength": 1})
-
-    def check(self) -> list[tuple[str, str]]:
-        """(field, problem) for what makes the bound unusable; empty when nothing does."""
-        if self.side not in ("query", "key"):
-            return [("side", f"is {self.side!r}: give 'query' or 'key'")]
-        if isinstance(self.below, bool) or not isinstance(self.below, int) or self.below < 2:
-            return [("below", f"is {self.below!r}: give a token count of at least 2 (below 1 token bounds "
-                              "nothing)")]
-        if not isinstance(self.reason, str) or not self.reason.strip():
-            return [("reason", "is empty: say which fixture and call the bound keeps on torch")]
-        return []
-
-    @property
-    def tokens(self) -> str:
-        """What it counts, in words: "keys" or "query tokens"."""
-        return SIDE_WORDS[self.side]
-
-    def text(self) -> str:
-        """"calls with fewer than 17 keys stay on torch (sdxl_ip_adapter_zero_uncond: ...)"."""
-        return f"calls with fewer than {self.below:,} {self.tokens} stay on torch ({self.reason})"
-
-    def short(self) -> str:
-        """"keys >= 17": what a served call needs, as tables and notes give it."""
-        return f"{self.tokens} >= {self.below:,}"
-
-
-SIDE_WORDS = {"key": "keys", "query": "query tokens"}
 
 
 @dataclass(frozen=True)
@@ -94,8 +61,6 @@ class AuditConfig:
                              "or None to keep misses unrecorded")
 
 
-# Head sizes the kernels take: upstream pads others, which the wrapper refuses (eligibility, head_dim).
-KERNEL_HEAD_DIMS = (64, 128)
 
 
 @dataclass(frozen=True)

@@ -26,12 +26,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 from sage_qual import jsonfile, records
+from sage_qual.kernels.variants import capability_label
 from sage_qual.limits import one_line
-from sage_qual.serving import machine, profile
 from sage_qual.serving import profile_matching as matching
-from sage_qual.serving.config import DEFAULT_CONFIG, Bound, WrapperConfig
-from sage_qual.serving.served import Served
-from sage_qual.serving.variants import capability_label
+from sage_qual.serving.config import DEFAULT_CONFIG, WrapperConfig
+from sage_qual.verdicts import machine, profile
+from sage_qual.verdicts.served import Bound, Served
 
 DATA = Path(__file__).with_name("default_profile.json")
 KIND = "sage-qual-default-profile"

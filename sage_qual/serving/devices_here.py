@@ -8,9 +8,10 @@ from typing import Mapping
 
 import torch
 
-from sage_qual.serving import platform, sage_package
+from sage_qual.kernels import sage_package
+from sage_qual.kernels.providers import THU_ML
+from sage_qual.serving import platform
 from sage_qual.serving.profile_matching import LocalDevice
-from sage_qual.serving.providers import THU_ML
 
 
 def this_machine() -> list[LocalDevice]:

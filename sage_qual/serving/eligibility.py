@@ -14,9 +14,9 @@ from typing import Any, NamedTuple
 
 import torch
 
+from sage_qual.kernels.variants import mask_broadcasts
 from sage_qual.limits import SPAN_PAD_TOKENS as SPAN_PAD
 from sage_qual.serving.config import WrapperConfig
-from sage_qual.serving.variants import mask_broadcasts
 
 # Every reason a call in a scope can fall back to PyTorch, in the order they are tested.
 REASONS = (
@@ -309,7 +309,7 @@ def _layout(tensors, shapes, strides) -> str:
 
 def layout_of(q, k, v) -> str:
     """The memory layout of a call's 4-D [B, H, N, D] tensors with contiguous last dimensions, each
-    name in `config.LAYOUTS`: "contiguous"; "transposed", each a contiguous [B, N, H, D] viewed as
+    name in `variants.LAYOUTS`: "contiguous"; "transposed", each a contiguous [B, N, H, D] viewed as
     [B, H, N, D] (diffusers' projections); "fused_qkv", views into one fused projection; else
     "strided" (also when q, k and v differ, which no profile verifies)."""
     return _layout((q, k, v), (q.shape, k.shape, v.shape), (q.stride(), k.stride(), v.stride()))

@@ -17,13 +17,14 @@ import sys
 import torch
 
 from sage_qual import records
-from sage_qual.serving import platform, sage_package
+from sage_qual.kernels import sage_package
+from sage_qual.kernels.contexts import builtin_safe
+from sage_qual.kernels.providers import PROVIDERS, THU_ML
+from sage_qual.kernels.variants import VARIANTS, capability_label
+from sage_qual.serving import platform
 from sage_qual.serving.assess import MachineAssessment, assess_machine
 from sage_qual.serving.config import DEFAULT_CONFIG, WrapperConfig
-from sage_qual.serving.contexts import builtin_safe
-from sage_qual.serving.env_record import EnvironmentRecord, GpuInfo, OtherProvider
-from sage_qual.serving.providers import PROVIDERS, THU_ML
-from sage_qual.serving.variants import VARIANTS, capability_label
+from sage_qual.verdicts.env_record import EnvironmentRecord, GpuInfo, OtherProvider
 from sage_qual.version import __version__
 
 # The record (defined once, torch-free, as report.json stores it) under the names this module gives it.

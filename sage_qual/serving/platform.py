@@ -13,7 +13,7 @@ from typing import Callable, ContextManager
 
 import torch
 
-from sage_qual.serving import contexts
+from sage_qual.kernels import contexts
 
 
 # Cached once per device index for the process (the set of visible devices cannot change once

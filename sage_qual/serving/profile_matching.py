@@ -6,23 +6,51 @@ the default table and thresholds, and its note says why (nothing in the profile 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Mapping
 
 from sage_qual.limits import one_line
-from sage_qual.serving import machine
 from sage_qual.serving.config import DEFAULT_CONFIG, WrapperConfig
-from sage_qual.serving.machine import Difference, Kind, Machine
-from sage_qual.serving.profile import Entry, Profile, ProfileGpu, entry, family_entry, load, served_families
-from sage_qual.serving.served import served_nothing
+from sage_qual.verdicts import machine
+from sage_qual.verdicts.machine import Difference, Kind, Machine
+from sage_qual.verdicts.profile import Entry, Profile, ProfileGpu, entry, family_entry, load, served_families
+from sage_qual.verdicts.served import Served
 
 
 def apply(base: WrapperConfig, capability: tuple[int, int], chosen: Entry,
           max_span_elements: int | None = None) -> WrapperConfig:
-    """`base` with this capability served as the entry serves (`Served.config`), or by nothing."""
+    """`base` with this capability served as the entry serves (`served_config`), or by nothing."""
     if chosen.served is None:
         return served_nothing(base, capability)
-    return chosen.served.config(base, capability, max_span_elements)
+    return served_config(chosen.served, base, capability, max_span_elements)
+
+
+def served_config(served: Served, base: WrapperConfig, capability: tuple[int, int],
+                  max_span_elements: int | None = None) -> WrapperConfig:
+    """`base` with this capability served by `served`'s variant from its thresholds to its verified
+    range, in its layouts and contexts, within its bounds, and the GPU's certified span limit (None:
+    `base`'s)."""
+    table = {**base.kernel_table, capability: (served.variant,)}
+    return dataclasses.replace(
+        base,
+        kernel_table=table,
+        min_query_tokens=served.min_query_tokens,
+        min_key_tokens=served.min_key_tokens,
+        head_dims=tuple(served.head_dims),
+        max_query_tokens=served.max_query_tokens,
+        max_key_tokens=served.max_key_tokens,
+        layouts=None if served.layouts is None else tuple(served.layouts),
+        contexts=None if served.contexts is None else tuple(served.contexts),
+        bounds=tuple(served.bounds),
+        masks=served.masks,
+        max_span_elements=max_span_elements or base.max_span_elements,
+    )
+
+
+def served_nothing(base: WrapperConfig, capability: tuple[int, int]) -> WrapperConfig:
+    """`base` with no variant for this capability: every call there goes to torch."""
+    return dataclasses.replace(base, kernel_table={**base.kernel_table, capability: ()})
 
 
 @dataclass(frozen=True)

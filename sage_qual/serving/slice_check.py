@@ -3,7 +3,7 @@
 The first-call check and the audit both call `measure` and `judge`. A slice is one sample, the query
 heads of one K/V head and a block of query rows, with every key (cutting keys would change the
 softmax). It is recomputed twice on the call's own device: by torch's SDPA (the reference, in the
-input dtype) and by the served variant's numerics model (`serving.numerics`), so the check knows
+input dtype) and by the served variant's numerics model (`kernels.numerics`), so the check knows
 the error the kernel should have on exactly that call. Two judges, as in certify:
 
 - fitness: the kernel's relative L2 against torch within the family's fitness bound
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from sage_qual.serving import numerics
-from sage_qual.verdicts import conformance
+from sage_qual.kernels import numerics
+from sage_qual.verdicts import conformance, fitness
 
 ROW_ALIGN = 128  # every variant's Q tile divides it: a slice starting here quantizes Q as the call did
 ROW_STRIDE = 7919  # a prime: the audit's row-block walk visits every block of any call below 7919 blocks
@@ -123,6 +123,14 @@ class Judgement:
     @property
     def conforms(self) -> bool:
         return self.conformance_bound is None or not self.rel_l2 > self.conformance_bound
+
+    def problem(self) -> str:
+        """'' when both judges pass; else the numbers and the judge that failed."""
+        if not self.fit:
+            return f"{self.text()}: past the fitness bound of the family served ({fitness.TABLE_SOURCE})"
+        if not self.conforms:
+            return f"{self.text()}: off the variant's numerics model by more than certify's margin"
+        return ""
 
     def text(self) -> str:
         """The failing judge's numbers first: "relative L2 0.41 against PyTorch SDPA, fitness bound 0.3"."""

@@ -15,17 +15,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sage_qual.kernels import sage_package
+from sage_qual.kernels.contexts import CAPTURE, COMPILE, REASON, SIDE_STREAM
+from sage_qual.kernels.providers import PROVIDERS, THU_ML
+from sage_qual.kernels.variants import Variant, capability_label
 from sage_qual.limits import one_line
-from sage_qual.serving import audit, platform, sage_package, scope, slice_check, torch_sdpa
+from sage_qual.serving import audit, platform, scope, slice_check, torch_sdpa
 from sage_qual.serving.assess import Packages, assess, box_facts, loaded
 from sage_qual.serving.audit import Auditor
 from sage_qual.serving.config import DEFAULT_CONFIG, AuditConfig, WrapperConfig
-from sage_qual.serving.contexts import CAPTURE, COMPILE, REASON, SIDE_STREAM
 from sage_qual.serving.eligibility import SdpaCall, bind, copies_fit, refusal, rows_without_keys, within_span
 from sage_qual.serving.failures import Failure, classify
-from sage_qual.serving.providers import PROVIDERS, THU_ML
 from sage_qual.serving.scope import ScopeReport, _active
-from sage_qual.serving.variants import Variant, capability_label
 from sage_qual.verdicts import fitness
 
 log = logging.getLogger("sage_qual")
@@ -83,8 +84,8 @@ class _Installed:
     """What a successful install() holds; module-level singleton while installed."""
 
     def __init__(self, original, packages: Packages, config: WrapperConfig, devices: dict[int, DeviceState],
-                 arguments: tuple):
-        self.arguments = arguments  # install()'s (config, profile, family, audit)
+                 arguments: tuple, family: str | None):
+        self.arguments = arguments  # install()'s (config, profile, family, audit, own_family) as given
         self.original = original
         self.packages = packages
         self.config = config
@@ -96,7 +97,7 @@ class _Installed:
         self.lock = threading.Lock()
         self.function = None  # the function bound over torch's (see `_make_sdpa`)
         self.one_config = all(d.config is config for d in devices.values())
-        self.auditor = Auditor(config.audit, arguments[2], original, functools.partial(_retire, self),
+        self.auditor = Auditor(config.audit, family, original, functools.partial(_retire, self),
                                self.build_of)
 
     def build_of(self, device: DeviceState) -> str:
@@ -129,9 +130,8 @@ def install(config: WrapperConfig | None = None, profile=None, family: str | Non
     Without config and profile, the built-in defaults apply (`sage_qual.serving.defaults`).
     audit: the sampled audit of served calls (`serving.audit`), in place of the config's (default:
     on, one call in each block of `limits.AUDIT_EVERY` per device); `AuditConfig(every=0)` turns it off.
-    family: one of the families sage-qual qualifies, in any spelling ("krea 2" is Krea-2); another is
-    refused with the known names, unless `own_family=True` says it is a family of your own: it gets the
-    profile's (or the built-in defaults') default entry and the loosest fitness bound of all.
+    family: a family sage-qual qualifies, any spelling ("krea 2"); another is refused, unless
+    `own_family=True`: then the default entry and the loosest fitness bound of all serve it.
 
     Called again while installed: with the same arguments it changes nothing and returns the same
     status; with others it installs anew with them (a notebook or a server switching families gets
@@ -144,19 +144,7 @@ def install(config: WrapperConfig | None = None, profile=None, family: str | Non
 def _install(config: WrapperConfig | None, profile=None, family: str | None = None,
              audit_config: AuditConfig | None = None, own_family: bool = False) -> InstallStatus:
     global _installed, _status
-    if family is not None and not (own_family and isinstance(family, str) and family.strip()):
-        known = fitness.family_name(family) if isinstance(family, str) else None
-        if known is None:  # as any refused install: what was installed before is taken out
-            if _installed is not None:
-                _take_out(_installed)
-                _installed = None
-            _status = InstallStatus(False, one_line(
-                f"unknown family {family!r} (known: {', '.join(fitness.FAMILY_NAMES)}): name one of them, or "
-                "install(family=..., own_family=True) for a family of your own"))
-            log.warning("SageAttention not enabled, attention stays on PyTorch SDPA: %s", _status.reason)
-            return _status
-        family = known
-    arguments = (config, profile, family, audit_config)
+    arguments = (config, profile, family, audit_config, own_family)
     if _installed is not None:
         if _installed.arguments == arguments:
             return _status
@@ -164,6 +152,7 @@ def _install(config: WrapperConfig | None, profile=None, family: str | None = No
         _take_out(_installed)
         _installed = None
     try:
+        family = _family(family, own_family)
         loaded = _load_profile(profile)  # a broken profile is said before any GPU or package check
         config = config or DEFAULT_CONFIG
         if audit_config is not None:
@@ -179,7 +168,7 @@ def _install(config: WrapperConfig | None, profile=None, family: str | None = No
         log.warning("SageAttention not enabled, attention stays on PyTorch SDPA: %s", _status.reason)
         return _status
     _installed = _Installed(torch.nn.functional.scaled_dot_product_attention, packages, config, devices,
-                            arguments)
+                            arguments, family)
     _installed.function = _make_sdpa(_installed)
     torch_sdpa.bind(_installed.function, _installed.original)
     _status = InstallStatus(True, "", package.version, tuple(devices.values()))
@@ -221,10 +210,22 @@ def _take_out(state: _Installed) -> None:
     state.auditor.settle(wait=True)
 
 
+def _family(family, own_family: bool) -> str | None:
+    """The family's one name, the caller's own as given, else SageUnavailable with the known names."""
+    if family is None or own_family and isinstance(family, str) and family.strip():
+        return family
+    known = fitness.family_name(family) if isinstance(family, str) else None
+    if known is None:
+        raise sage_package.SageUnavailable(
+            f"unknown family {family!r} (known: {', '.join(fitness.FAMILY_NAMES)}): name one of them, or "
+            "install(family=..., own_family=True) for a family of your own")
+    return known
+
+
 def _load_profile(profile):
     if profile is None:
         return None
-    from sage_qual.serving.profile import ProfileError, load
+    from sage_qual.verdicts.profile import ProfileError, load
 
     try:
         return load(profile)
@@ -239,8 +240,8 @@ def _device_configs(cuda, packages: Packages, config: WrapperConfig, profile, fa
     built-in defaults were measured with another sageattention build."""
     from sage_qual.serving import defaults
     from sage_qual.serving.devices_here import machines
-    from sage_qual.serving.profile import ProfileError
     from sage_qual.serving.profile_matching import DeviceConfig, device_configs
+    from sage_qual.verdicts.profile import ProfileError
 
     package = _primary(packages)
     here = machines(cuda, package.version, package.source, sage_package.other_builds(packages, package))
@@ -442,12 +443,7 @@ def _first_call_problem(state: _Installed, device: DeviceState, call: SdpaCall, 
     where = slice_check.first_call_slice(call.query.shape, call.key.shape[1], state.config.check_rows)
     norms = slice_check.measure(state.original, call, out, where, device.variant)
     bound = state.auditor.bound(device)
-    judgement = slice_check.judge(norms.tolist(), bound, call.query.dtype)  # the one host read
-    if not judgement.fit:
-        return f"{judgement.text()}: past the fitness bound of the family served ({fitness.TABLE_SOURCE})"
-    if not judgement.conforms:
-        return f"{judgement.text()}: off the variant's numerics model by more than certify's margin"
-    return ""
+    return slice_check.judge(norms.tolist(), bound, call.query.dtype).problem()  # the one host read
 
 
 def _record_failure(state, report, device, call, error) -> None:

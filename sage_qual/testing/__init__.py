@@ -12,7 +12,7 @@ and for downstream apps' tests.
 
 CPU tensors count as CUDA tensors on fake device 0, or on the device `on_device()` gives them;
 meta tensors count as not on a GPU. The fake kernels are made from the variant registry
-(`sage_qual.serving.variants.KERNEL_FUNCTIONS`): one per kernel function, with its keyword
+(`sage_qual.kernels.variants.KERNEL_FUNCTIONS`): one per kernel function, with its keyword
 signature. Each records every call, refuses what the real kernel refuses (see `check_call`), and
 returns the exact attention computed in float32 (cast to the input dtype, as the real kernels
 return), unless told to raise or return something else.
@@ -28,7 +28,7 @@ is hidden for the block, so a test sees the same machine wherever it runs.
 """
 
 
-from sage_qual.serving.numerics import exact_attention
+from sage_qual.kernels.numerics import exact_attention
 from sage_qual.testing.cuda import FakeCuda, FakeGpu, on_device
 from sage_qual.testing.kernels import FakeSageAttention, KernelCall, check_call
 

@@ -8,7 +8,8 @@ from typing import Optional
 
 import torch
 
-from sage_qual.serving import contexts, platform
+from sage_qual.kernels import contexts
+from sage_qual.serving import platform
 
 _FAKE_INDEX = "_sage_qual_fake_cuda_index"
 

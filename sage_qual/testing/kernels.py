@@ -16,17 +16,18 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from sage_qual.serving import platform, sage_package
-from sage_qual.serving.eligibility import MASK_DTYPES
-from sage_qual.serving.numerics import exact_attention
-from sage_qual.serving.providers import COMFY_KITCHEN, THU_ML
-from sage_qual.serving.variants import (
+from sage_qual.kernels import sage_package
+from sage_qual.kernels.numerics import exact_attention
+from sage_qual.kernels.providers import COMFY_KITCHEN, THU_ML
+from sage_qual.kernels.variants import (
     EXTENSIONS,
     KERNEL_FUNCTIONS,
     KernelFunction,
     mask_broadcasts,
     upstream_pick,
 )
+from sage_qual.serving import platform
+from sage_qual.serving.eligibility import MASK_DTYPES
 from sage_qual.testing.cuda import FakeCuda, device_of
 
 # comfy_kitchen's modules the fake puts in place (or hides): its package, kernels module and the

@@ -14,8 +14,7 @@ from sage_qual.cli import compare
 from sage_qual.qualification.decide import checked
 from sage_qual.qualification.decide.verdict import FamilyDecision, GpuDecision, VariantStatus, Verdict
 from sage_qual.qualification.evidence.report_model import ShapeSpec
-from sage_qual.serving.config import Bound
-from sage_qual.serving.served import Served
+from sage_qual.verdicts.served import Bound, Served
 
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
 RUN8 = RESULTS / "run8-h200x2-final" / "certify" / "certify-a" / "report.json.gz"  # no long checks

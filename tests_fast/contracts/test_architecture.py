@@ -1,6 +1,7 @@
-"""The package's layers import one way: base -> verdicts -> serving -> testing -> api -> fixtures ->
-qualification -> cli (base: errors, jsonfile, limits, records, version; verdicts: the torch-free
-tables both the served path and the qualification side read, the fitness table first; api: the
+"""The package's layers import one way: base -> kernels -> verdicts -> serving -> testing -> api ->
+fixtures -> qualification -> cli (base: errors, jsonfile, limits, records, version; kernels: what can
+run and the model of what it computes; verdicts: the torch-free records both the served path and the
+qualification side apply, the fitness table first; serving: the wrapper's hot path only; api: the
 package's own __init__).
 
 Read from the source (ast), so a lazy import inside a function counts as much as one at the top.
@@ -14,7 +15,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent.parent / "sage_qual"
 # Each layer may import its own and the layers before it, never a later one.
-LAYERS = ("base", "verdicts", "serving", "testing", "api", "fixtures", "qualification", "cli")
+LAYERS = ("base", "kernels", "verdicts", "serving", "testing", "api", "fixtures", "qualification", "cli")
 
 
 def layer_of(module: str) -> str:
@@ -323,6 +324,26 @@ def test_a_profile_is_read_and_matched_without_torch():
     import subprocess
     import sys
 
-    probe = "import sys, sage_qual.serving.profile, sage_qual.serving.machine; print('torch' in sys.modules)"
+    probe = ("import sys, sage_qual.verdicts.profile, sage_qual.verdicts.machine; "
+             "print('torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "False", done.stderr
+
+
+# Issue 63: serving/ is the hot path only (it held 24 modules and every shared record); the records
+# live a floor below it, and import no torch, so gate, merge and the fleet read them without it.
+MAX_SERVING_MODULES = 16
+
+
+def test_serving_holds_the_hot_path_only():
+    modules = [p.name for p in (PACKAGE / "serving").glob("*.py") if p.name != "__init__.py"]
+    assert len(modules) <= MAX_SERVING_MODULES, sorted(modules)
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("sage_qual.verdicts")))
+def test_the_records_floor_imports_no_torch(module):
+    nodes = list(ast.walk(ast.parse(MODULES[module].read_text())))
+    imported = {alias.name.split(".")[0] for node in nodes if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {(node.module or "").split(".")[0] for node in nodes if isinstance(node, ast.ImportFrom)}
+    assert "torch" not in imported, module

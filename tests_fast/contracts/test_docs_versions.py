@@ -5,7 +5,7 @@ import re
 from pathlib import Path
 
 from sage_qual.qualification.evidence import report_model
-from sage_qual.serving import profile
+from sage_qual.verdicts import profile
 
 CERTIFY = " ".join((Path(__file__).resolve().parents[2] / "docs" / "certify.md").read_text().split())
 
@@ -16,5 +16,5 @@ def test_the_report_schema_version_is_the_models():
 
 
 def test_the_profile_schema_version_is_the_readers():
-    stated = re.search(r"A profile \(`sage_qual/serving/profile\.py`, schema version (\d+)", CERTIFY)
+    stated = re.search(r"A profile \(`sage_qual/verdicts/profile\.py`, schema version (\d+)", CERTIFY)
     assert stated and int(stated.group(1)) == profile.SCHEMA_VERSION

@@ -8,8 +8,8 @@ import pytest
 
 from sage_qual.qualification.decide.fleet import FleetRow, FleetVerdict
 from sage_qual.serving import defaults
-from sage_qual.serving.profile import Entry, Profile, ProfileGpu
-from sage_qual.serving.served import Served
+from sage_qual.verdicts.profile import Entry, Profile, ProfileGpu
+from sage_qual.verdicts.served import Served
 
 RECORDS = [Served, Entry, ProfileGpu, Profile, FleetRow, FleetVerdict]
 

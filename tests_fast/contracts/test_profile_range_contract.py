@@ -1,6 +1,6 @@
 """The profile contract between certify (which writes the verified range) and the wrapper (which
 serves only inside it): an entry's optional max_query_tokens, max_key_tokens (null: no upper bound)
-and layouts (null: any), in the entry's `served` record (`serving.served.Served`). The builder's side is
+and layouts (null: any), in the entry's `served` record (`verdicts.served.Served`). The builder's side is
 also tests_fast/measure/test_long_checks.py."""
 
 import json
@@ -12,8 +12,8 @@ import sage_qual
 from sage_qual import records
 from sage_qual.qualification.decide import checked, verdict
 from sage_qual.qualification.decide import profile as building
-from sage_qual.serving import profile
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
+from sage_qual.verdicts import profile
 
 from ..builders import SAMPLE, long_records
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from sage_qual import records
+from sage_qual.kernels.variants import VARIANTS
 from sage_qual.qualification.decide import checked, fleet, gate, verdict
 from sage_qual.qualification.evidence.report_model import (
     AccuracyClass,
@@ -33,7 +34,6 @@ from sage_qual.qualification.families import FAMILIES, find
 from sage_qual.qualification.measure import judge
 from sage_qual.qualification.render import plots
 from sage_qual.qualification.run import plan
-from sage_qual.serving.variants import VARIANTS
 
 from .. import builders
 

@@ -18,7 +18,7 @@ from sage_qual.qualification.decide.verdict import Verdict
 from sage_qual.qualification.families import CallSite, cross_attention
 from sage_qual.qualification.measure import speed
 from sage_qual.qualification.measure.speed import Thresholds
-from sage_qual.serving.config import Bound
+from sage_qual.verdicts.served import Bound
 
 from .. import builders
 

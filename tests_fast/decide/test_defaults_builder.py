@@ -8,8 +8,9 @@ import json
 import pytest
 
 from sage_qual.qualification.decide import defaults as building
-from sage_qual.serving import defaults, profile
-from sage_qual.serving.env_record import ReasonKind
+from sage_qual.serving import defaults
+from sage_qual.verdicts import profile
+from sage_qual.verdicts.env_record import ReasonKind
 
 from ..builders import certify_profile, make_entry, reason
 

@@ -20,9 +20,8 @@ from sage_qual.fixtures.recorder import AuditFolder
 from sage_qual.qualification import selection
 from sage_qual.qualification.decide import checked, defaults, gate
 from sage_qual.qualification.evidence.report_model import ReportError
-from sage_qual.serving import profile
 from sage_qual.serving.audit_tally import MISS, Finding
-from sage_qual.verdicts import fitness
+from sage_qual.verdicts import fitness, profile
 
 from ..helpers import RESULTS
 

@@ -16,7 +16,7 @@ from sage_qual.qualification.evidence import files
 from sage_qual.qualification.evidence.report_model import Outcome, ReasonKind
 from sage_qual.qualification.run import run
 from sage_qual.qualification.selftest import faults as worker_faults
-from sage_qual.serving import profile
+from sage_qual.verdicts import profile
 
 from .. import builders
 

@@ -16,11 +16,11 @@ import re
 
 import pytest
 
+from sage_qual.kernels.variants import VARIANTS, gpu_label
 from sage_qual.qualification import families, selection
 from sage_qual.qualification.decide import budget_check, checked
 from sage_qual.qualification.integrations import targets
 from sage_qual.qualification.measure import budgets
-from sage_qual.serving.variants import VARIANTS, gpu_label
 
 from ..builders import budget_of as only
 from ..fakes import CAPABILITY, H100, H200, L40S, RTX4090, fleet_report, write_fleet

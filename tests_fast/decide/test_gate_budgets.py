@@ -17,13 +17,13 @@ import pytest
 
 from sage_qual import cli, records
 from sage_qual.fixtures import fileformat
+from sage_qual.kernels.variants import VARIANTS
 from sage_qual.qualification import families, selection
 from sage_qual.qualification.decide import budget_check, checked
 from sage_qual.qualification.decide import gate as gate_module
 from sage_qual.qualification.evidence import files
 from sage_qual.qualification.measure import budgets
 from sage_qual.qualification.run import worker_executor
-from sage_qual.serving.variants import VARIANTS
 
 from ..builders import reason
 from ..fakes import H200, fleet_report, gpu_entry, on_machine, write_fleet

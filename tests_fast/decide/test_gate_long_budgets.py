@@ -11,10 +11,10 @@ import dataclasses
 import pytest
 import torch
 
+from sage_qual.kernels.variants import gpu_label
 from sage_qual.qualification import families
 from sage_qual.qualification.decide import budget_check, gate
 from sage_qual.qualification.evidence.report_model import Budget, LongCheck, ShapeUse
-from sage_qual.serving.variants import gpu_label
 
 from .. import builders
 

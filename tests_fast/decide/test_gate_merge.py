@@ -480,7 +480,7 @@ def test_a_predicted_report_cannot_decide_and_merges_as_such(capsys, tmp_path):
     (lambda env: env.update(torch="2.11.1+cu130"), "torch 2.11.0+cu130 measured, 2.11.1+cu130 here"),
 ])
 def test_a_difference_the_rules_allow_decides_and_is_said(change, said):
-    """serving.machine.RULES: the driver is only said, a torch patch release is a near match; both
+    """verdicts.machine.RULES: the driver is only said, a torch patch release is a near match; both
     let the report decide, and gate names them above the verdict."""
     data = load(H200)
     here = copy.deepcopy(data["environment"])

@@ -1,5 +1,5 @@
 """Gate and the wrapper agree on where a verdict holds (issue 53): for every kind of difference
-between the machine a run was measured on and this one (`serving.machine.Kind`), gate says "stale"
+between the machine a run was measured on and this one (`verdicts.machine.Kind`), gate says "stale"
 exactly when `install(profile=that run's profile)` does not apply the run's entry, and where both
 apply (a match or a near match) gate's verdict and what the wrapper serves are one.
 
@@ -14,9 +14,9 @@ from sage_qual.errors import ExitCode
 from sage_qual.qualification.decide import checked, gate, verdict
 from sage_qual.qualification.decide import profile as building
 from sage_qual.qualification.families import counts_for, find
-from sage_qual.serving import machine
 from sage_qual.serving import profile_matching as matching
-from sage_qual.serving.env_record import OtherProvider
+from sage_qual.verdicts import machine
+from sage_qual.verdicts.env_record import OtherProvider
 
 from ..helpers import RESULTS
 

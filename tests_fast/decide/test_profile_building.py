@@ -12,8 +12,7 @@ from sage_qual.qualification.decide.verdict import FamilyDecision, Verdict
 from sage_qual.qualification.evidence.report_model import Outcome, Reason, ReasonKind, SpanProbe
 from sage_qual.qualification.measure import span_probe
 from sage_qual.qualification.measure.span_probe import SpanCase
-from sage_qual.serving.config import Bound
-from sage_qual.serving.served import Served
+from sage_qual.verdicts.served import Bound, Served
 
 from .. import builders
 

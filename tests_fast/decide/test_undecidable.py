@@ -12,7 +12,7 @@ from sage_qual import cli, records
 from sage_qual.qualification.decide import checked, gate
 from sage_qual.qualification.decide import defaults as building
 from sage_qual.qualification.families import find
-from sage_qual.serving import profile
+from sage_qual.verdicts import profile
 
 SAMPLE = Path(__file__).parent.parent / "data" / "sample_h200_2gpu.json"
 

@@ -26,7 +26,7 @@ from sage_qual.qualification.evidence.report_model import (
     Speed,
 )
 from sage_qual.qualification.run import pool
-from sage_qual.serving.env_record import EnvironmentRecord
+from sage_qual.verdicts.env_record import EnvironmentRecord
 from tests_fast import builders
 
 SHAPE = tasks.shape_spec(families.self_attention(24, 8192, 128).as_dict())

@@ -9,8 +9,8 @@ import types
 import pytest
 import torch
 
+from sage_qual.kernels.variants import VARIANTS, BoxFacts
 from sage_qual.qualification.integrations import targets
-from sage_qual.serving.variants import VARIANTS, BoxFacts
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
 
 BACKENDS = [

@@ -74,7 +74,7 @@ def test_claims_read_as_the_wrapper_words_them():
 
 
 def test_machine_reasons_name_the_gpu_and_the_missing_package():
-    from sage_qual.serving.variants import BoxFacts
+    from sage_qual.kernels.variants import BoxFacts
 
     ampere = BoxFacts((8, 0), (12, 8), frozenset({"_qattn_sm80"}), True)
     reasons = targets.resolve("wrapper:sm90-fp8-cuda").machine_reasons(ampere)

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from sage_qual.fixtures.fileformat import load_fixture
+from sage_qual.kernels import numerics
+from sage_qual.kernels.variants import VARIANTS
 from sage_qual.qualification.evidence.report_model import Metrics
 from sage_qual.qualification.measure import accuracy, budgets
-from sage_qual.serving import numerics
-from sage_qual.serving.variants import VARIANTS
 
 from ..fakes import random_fixture
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from sage_qual.fixtures.fileformat import list_fixtures, load_fixture, shipped_dir
+from sage_qual.kernels.variants import VARIANTS
 from sage_qual.qualification.evidence.report_model import Metrics, Reason, ReasonKind
 from sage_qual.qualification.measure import accuracy, budgets, judge
-from sage_qual.serving.variants import VARIANTS
 from tests_fast import builders
 
 FIXTURES = {p.stem: p for p in list_fixtures(shipped_dir())}

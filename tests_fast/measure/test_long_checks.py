@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from sage_qual.kernels import numerics
+from sage_qual.kernels.variants import VARIANTS
 from sage_qual.qualification import families
 from sage_qual.qualification.decide import checked, fleet, gate, profile, verdict
 from sage_qual.qualification.evidence import tasks
@@ -20,8 +22,6 @@ from sage_qual.qualification.render import fleet as fleet_render
 from sage_qual.qualification.render import plots
 from sage_qual.qualification.render.gate import lines as gate_lines
 from sage_qual.qualification.run import in_process, plan, run
-from sage_qual.serving import numerics
-from sage_qual.serving.variants import VARIANTS
 
 from .. import builders
 from ..builders import SAMPLE, emulate_request, long_records, long_task

@@ -9,8 +9,8 @@ import types
 import pytest
 import torch
 
+from sage_qual.kernels.variants import VARIANTS
 from sage_qual.qualification.measure import accuracy
-from sage_qual.serving.variants import VARIANTS
 
 
 def randn(*shape, seed=0, dtype=torch.float32):

@@ -16,9 +16,10 @@ from hypothesis import strategies as st
 
 import sage_qual
 from sage_qual import limits
-from sage_qual.serving.config import Bound, WrapperConfig
+from sage_qual.serving.config import WrapperConfig
 from sage_qual.serving.eligibility import SdpaCall, refusal
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
+from sage_qual.verdicts.served import Bound
 
 PROPERTY = settings(max_examples=300, deadline=None, derandomize=True, database=None)
 SPAN = 20_000  # elements: a fused 64-token view of 2 x 3 heads spans more, its copies fewer

@@ -7,10 +7,10 @@ masked calls only where every entry serves them, and the last entry's reasons.""
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sage_qual.serving import defaults, profile
-from sage_qual.serving.config import Bound
-from sage_qual.serving.env_record import Reason, ReasonKind
-from sage_qual.serving.served import Served
+from sage_qual.serving import defaults
+from sage_qual.verdicts import profile
+from sage_qual.verdicts.env_record import Reason, ReasonKind
+from sage_qual.verdicts.served import Bound, Served
 
 VARIANT = "ck-int8-cuda"  # takes a mask, so `masks` may be either
 LAYOUTS = ["contiguous", "transposed", "nhd", "fused_qkv"]

@@ -14,9 +14,10 @@ import torch
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
+from sage_qual.kernels.variants import KERNEL_HEAD_DIMS
 from sage_qual.qualification import families
 from sage_qual.qualification.measure import speed
-from sage_qual.serving.config import KERNEL_HEAD_DIMS, WrapperConfig
+from sage_qual.serving.config import WrapperConfig
 from sage_qual.serving.eligibility import SdpaCall, bind, refusal
 from sage_qual.serving.scope import ScopeReport
 

@@ -10,8 +10,7 @@ from sage_qual.qualification.decide.verdict import FamilyDecision, VariantResult
 from sage_qual.qualification.evidence.report_model import Reason, ReasonKind
 from sage_qual.qualification.render import fleet as fleet_render
 from sage_qual.qualification.render.gate import lines as gate_lines
-from sage_qual.serving.config import Bound
-from sage_qual.serving.served import Served
+from sage_qual.verdicts.served import Bound, Served
 
 from ..builders import budget_of as only
 

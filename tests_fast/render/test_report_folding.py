@@ -3,7 +3,7 @@ repeated one 95-character sentence in 96 rows)."""
 
 from sage_qual.qualification.render import report
 
-LONG = "predicted by the CPU numerics model (sage_qual.serving.numerics), not measured on a GPU"
+LONG = "predicted by the CPU numerics model (sage_qual.kernels.numerics), not measured on a GPU"
 
 
 def test_a_long_reason_of_many_rows_is_a_note_and_the_rest_stay_as_they_are():

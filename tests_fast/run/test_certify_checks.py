@@ -215,7 +215,7 @@ def test_only_a_full_run_refines_and_follows_up(tmp_path):
     """A pre-flight (--quick) plans its sweep and nothing after it: its thresholds are not the ones a
     profile keeps."""
     from sage_qual.qualification.selection import Selection
-    from sage_qual.serving.env_record import GpuInfo
+    from sage_qual.verdicts.env_record import GpuInfo
 
     gpu = GpuInfo(index=0, name="Fake H200", capability=[9, 0], memory_gib=141.0, kernel="sm90-fp8-cuda")
     machine = plan.Machine(builders.environment([builders.device()]), [plan.DeviceFacts(gpu, {})])

@@ -418,16 +418,16 @@ def test_junit_xml_has_a_case_per_gpu_model_and_family(quick_run):
 @pytest.mark.parametrize("installed, preloaded", [(True, ["sageattention", "torch._dynamo"]), (False, [])],
                          ids=["with-sageattention", "without"])
 def test_the_zygote_preloads_what_a_kernels_first_call_imports(tmp_path, installed, preloaded):
-    """`serving.kernel_imports`, in the zygote's preload, imports sageattention and torch._dynamo
+    """`kernels.kernel_imports`, in the zygote's preload, imports sageattention and torch._dynamo
     before any worker is forked (3.7 s of every variant's first cell on the H200, run 9); nothing
     where sageattention is not installed."""
-    assert "sage_qual.serving.kernel_imports" in pool.ZYGOTE_PRELOAD
+    assert "sage_qual.kernels.kernel_imports" in pool.ZYGOTE_PRELOAD
     if installed:
         (tmp_path / "sageattention").mkdir()
         (tmp_path / "sageattention" / "__init__.py").write_text("")
     env = pool.worker_env()
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
-    code = ("import sys; from sage_qual.serving import kernel_imports; "
+    code = ("import sys; from sage_qual.kernels import kernel_imports; "
             "print([m for m in ('sageattention', 'torch._dynamo') if m in sys.modules])")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr

@@ -20,7 +20,7 @@ from sage_qual.qualification.evidence.report_model import Cell, Device, Outcome,
 from sage_qual.qualification.measure import judge
 from sage_qual.qualification.run import in_process, pool, run, worker_executor
 from sage_qual.qualification.run import options as run_options
-from sage_qual.serving.env_record import EnvironmentRecord, GpuInfo
+from sage_qual.verdicts.env_record import EnvironmentRecord, GpuInfo
 
 from .. import builders
 from ..fakes import env_result

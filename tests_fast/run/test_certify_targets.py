@@ -168,9 +168,9 @@ def test_emulate_predicts_each_variant_and_gate_refuses_the_report(tmp_path, cap
 def test_the_prediction_is_the_numerics_models_output_judged_against_its_budget():
     import math
 
+    from sage_qual.kernels import numerics
+    from sage_qual.kernels.variants import VARIANTS
     from sage_qual.qualification.measure import accuracy, budgets, judge
-    from sage_qual.serving import numerics
-    from sage_qual.serving.variants import VARIANTS
 
     fixture = load_fixture(sorted(shipped_dir().glob("*.safetensors"))[0])
     variant = VARIANTS["sm90-fp8-cuda"]

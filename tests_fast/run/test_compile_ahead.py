@@ -16,7 +16,7 @@ from sage_qual.qualification.evidence.report_model import DType, Outcome, ShapeE
 from sage_qual.qualification.run import plan, worker
 from sage_qual.qualification.selection import Selection
 from sage_qual.qualification.selftest import faults as worker_faults
-from sage_qual.serving.env_record import GpuInfo
+from sage_qual.verdicts.env_record import GpuInfo
 
 from .. import builders
 

@@ -13,6 +13,8 @@ import torch._dynamo
 import torch.nn.functional as F
 
 from sage_qual import records
+from sage_qual.kernels.contexts import CAPTURE, CHECKS, COMPILE, CONTEXTS, SIDE_STREAM
+from sage_qual.kernels.variants import VARIANTS
 from sage_qual.qualification.decide import checked, profile, verdict
 from sage_qual.qualification.evidence.report_model import (
     ContextCheck,
@@ -26,8 +28,6 @@ from sage_qual.qualification.run import run as run_mod
 from sage_qual.qualification.run.run import certify
 from sage_qual.qualification.selftest import detection
 from sage_qual.qualification.selftest import faults as worker_faults
-from sage_qual.serving.contexts import CAPTURE, CHECKS, COMPILE, CONTEXTS, SIDE_STREAM
-from sage_qual.serving.variants import VARIANTS
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
 
 from .. import builders, fakes

@@ -17,11 +17,11 @@ import torch
 
 from sage_qual.errors import UsageError
 from sage_qual.fixtures.fileformat import load_fixture
+from sage_qual.kernels.variants import VARIANTS
 from sage_qual.qualification.decide import checked
 from sage_qual.qualification.evidence import report_model, tasks
 from sage_qual.qualification.measure import accuracy, budgets, judge
 from sage_qual.qualification.run import in_process, plan, run
-from sage_qual.serving.variants import VARIANTS
 
 from .. import builders
 from ..fakes import random_fixture

@@ -20,7 +20,7 @@ from sage_qual.qualification.render import plots
 from sage_qual.qualification.run import plan, run
 from sage_qual.qualification.selftest import faults as worker_faults
 from sage_qual.records import dump
-from sage_qual.serving import profile as serving_profile
+from sage_qual.verdicts import profile as serving_profile
 
 from .. import builders, fakes
 

@@ -14,16 +14,16 @@ import torch
 
 from sage_qual import records
 from sage_qual.fixtures.fileformat import list_fixtures, load_fixture, shipped_dir
+from sage_qual.kernels import numerics
+from sage_qual.kernels.variants import VARIANTS
 from sage_qual.limits import MEMORY_BOUND
-from sage_qual.qualification import families
+from sage_qual.qualification import families, selection
 from sage_qual.qualification.decide import checked, verdict
 from sage_qual.qualification.evidence import files, report_model
 from sage_qual.qualification.evidence.report_model import Metrics, Outcome, ReasonKind
 from sage_qual.qualification.measure import accuracy, budgets, judge, long_check
 from sage_qual.qualification.run import run
 from sage_qual.qualification.selftest import detection
-from sage_qual.serving import numerics
-from sage_qual.serving.variants import VARIANTS
 from sage_qual.testing import FakeSageAttention
 
 from .. import builders
@@ -108,7 +108,7 @@ def baseline(bench, failing):
 
 
 def _record(fixture) -> report_model.FixtureRecord:
-    return run.fixture_record(fixture)  # as certify records it
+    return selection.fixture_record(fixture)  # as certify records it
 
 
 def _cell(variant, fixture, metrics: Metrics) -> report_model.Cell:

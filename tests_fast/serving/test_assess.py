@@ -8,10 +8,11 @@ import pytest
 
 import sage_qual
 from sage_qual import records
+from sage_qual.kernels import sage_package
+from sage_qual.kernels.variants import FP8_CUDA_SM90, VARIANTS
 from sage_qual.qualification.evidence.tasks import EnvTask
 from sage_qual.qualification.run.worker import Worker
-from sage_qual.serving import environment, sage_package
-from sage_qual.serving.variants import FP8_CUDA_SM90, VARIANTS
+from sage_qual.serving import environment
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
 from tests_gpu.conftest import assess_device
 

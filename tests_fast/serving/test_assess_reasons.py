@@ -4,9 +4,10 @@ says for every variant and GPU."""
 
 import pytest
 
-from sage_qual.serving import assess, sage_package
+from sage_qual.kernels import sage_package
+from sage_qual.kernels.variants import VARIANTS, BoxFacts
+from sage_qual.serving import assess
 from sage_qual.serving.config import DEFAULT_CONFIG, WrapperConfig
-from sage_qual.serving.variants import VARIANTS, BoxFacts
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
 
 SM90 = "sageattn_qk_int8_pv_fp8_cuda_sm90"

@@ -17,9 +17,9 @@ import sage_qual
 from sage_qual.fixtures import fileformat
 from sage_qual.fixtures.audit_misses import recorded_miss
 from sage_qual.fixtures.recorder import AUDIT_PROVENANCE, AuditFolder
+from sage_qual.kernels.contexts import CAPTURE
 from sage_qual.serving import audit, slice_check
 from sage_qual.serving.config import AuditConfig
-from sage_qual.serving.contexts import CAPTURE
 
 from ..helpers import SMALL, qkv, records, retired, wrapped
 

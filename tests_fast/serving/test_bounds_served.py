@@ -7,9 +7,10 @@ import torch
 import torch.nn.functional as F
 
 import sage_qual
-from sage_qual.serving import profile
-from sage_qual.serving.config import Bound, WrapperConfig
+from sage_qual.serving.config import WrapperConfig
 from sage_qual.testing import FakeCuda, FakeSageAttention
+from sage_qual.verdicts import profile
+from sage_qual.verdicts.served import Bound
 
 from ..builders import H200, make_entry, make_gpu, make_profile
 

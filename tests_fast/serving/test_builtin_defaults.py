@@ -19,10 +19,11 @@ from sage_qual import records
 from sage_qual.limits import STATUS_LINE_LIMIT
 from sage_qual.qualification.decide import checked, verdict
 from sage_qual.qualification.decide import defaults as building
-from sage_qual.serving import defaults, profile
+from sage_qual.serving import defaults
 from sage_qual.serving import profile_matching as matching
 from sage_qual.serving.config import DEFAULT_CONFIG, KERNEL_TABLE
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
+from sage_qual.verdicts import profile
 
 from ..builders import certify_profile, make_entry, reason
 from ..helpers import newest_certify_run
@@ -395,8 +396,7 @@ def test_a_merge_of_equal_entries_is_the_entry_whatever_field_it_sets():
     """Issue 53: the defaults' merge built the merged Served by position and dropped `masks`, so the
     built-in defaults could never serve a masked call however a run certified it. Every field of
     Served is set away from its default here; a field the merge forgets comes back as its default."""
-    from sage_qual.serving.config import Bound
-    from sage_qual.serving.served import Served
+    from sage_qual.verdicts.served import Bound, Served
 
     served = Served(variant="ck-int8-cuda", min_query_tokens=9_728, min_key_tokens=640, head_dims=[64, 128],
                     max_query_tokens=32_768, max_key_tokens=16_384, layouts=["contiguous", "transposed"],

@@ -10,11 +10,12 @@ import torch._dynamo
 import torch.nn.functional as F
 
 import sage_qual
-from sage_qual.serving import compiled, contexts
+from sage_qual.kernels import contexts
+from sage_qual.kernels.variants import CK_INT8, FP8_CUDA_SM90, FP16_TRITON, VARIANTS
+from sage_qual.serving import compiled
 from sage_qual.serving.eligibility import REASONS
-from sage_qual.serving.served import Served
-from sage_qual.serving.variants import CK_INT8, FP8_CUDA_SM90, FP16_TRITON, VARIANTS
 from sage_qual.testing import FakeSageAttention, on_device
+from sage_qual.verdicts.served import Served
 
 from ..helpers import SMALL, TORCH_SDPA, qkv, retired, wrapped
 
@@ -293,8 +294,8 @@ def test_the_operator_for_legacy_kernels_is_kept_out_of_cuda_graphs():
 # A certified profile's contexts -------------------------------------------------------------------
 
 def test_a_profile_entry_gives_its_device_the_certified_contexts():
-    from sage_qual.serving import profile
     from sage_qual.serving import profile_matching as matching
+    from sage_qual.verdicts import profile
 
     served = Served("sm90-fp8-cuda", 32, 16, [64], 64, 64, ["contiguous"], contexts=["capture"])
     config = matching.apply(SMALL, SM90, profile.Entry(served))
@@ -307,8 +308,8 @@ def test_a_profile_entry_gives_its_device_the_certified_contexts():
 def test_a_profile_entry_with_no_context_certified_serves_the_default_stream_only():
     """`contexts: []` (certify checked, and none passed) is not null (never checked: the built-in
     rule, which trusts a legacy-stream kernel on a side stream): a side-stream call falls back."""
-    from sage_qual.serving import profile
     from sage_qual.serving import profile_matching as matching
+    from sage_qual.verdicts import profile
 
     from .. import builders
 

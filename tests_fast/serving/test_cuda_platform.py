@@ -8,7 +8,7 @@ import contextlib
 import pytest
 import torch
 
-from sage_qual.serving import contexts
+from sage_qual.kernels import contexts
 from sage_qual.serving.platform import CudaPlatform
 
 

@@ -7,11 +7,12 @@ import json
 
 import pytest
 
-from sage_qual.serving import defaults, profile
+from sage_qual.serving import defaults
 from sage_qual.serving import profile_matching as matching
-from sage_qual.serving.config import DEFAULT_CONFIG, Bound
-from sage_qual.serving.served import Served
+from sage_qual.serving.config import DEFAULT_CONFIG
 from sage_qual.testing import FakeGpu
+from sage_qual.verdicts import profile
+from sage_qual.verdicts.served import Bound, Served
 
 from ..builders import make_entry, make_gpu, make_profile, reason
 

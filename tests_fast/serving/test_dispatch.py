@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import sage_qual
-from sage_qual.serving.variants import KERNEL_FUNCTIONS, VARIANTS
+from sage_qual.kernels.variants import KERNEL_FUNCTIONS, VARIANTS
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention, exact_attention, on_device
 
 from ..helpers import TORCH_SDPA, qkv, wrapped

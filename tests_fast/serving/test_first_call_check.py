@@ -211,7 +211,7 @@ def test_install_holds_the_first_call_to_the_fitness_bound_of_the_family_it_serv
     """The check's limit is the family's in the fitness table (`family_bound`), whatever the config;
     with no family, or one the table does not name, the loosest of all. The model is taken out
     (unmodelled arithmetic), so fitness alone decides: an output 0.15 off passes a bound of 0.2 only."""
-    from sage_qual.serving import numerics
+    from sage_qual.kernels import numerics
     from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
     from sage_qual.verdicts import fitness
 

@@ -411,7 +411,7 @@ def test_comfy_kitchen_serves_without_triton_or_thu_mls_package_and_is_named_so(
 
 def test_no_install_hint_names_a_sage_qual_package_on_pypi():
     """sage-qual is not on PyPI: `pip install "sage-qual[...]"` would fetch whatever took the name."""
-    from sage_qual.serving.providers import PROVIDERS
+    from sage_qual.kernels.providers import PROVIDERS
 
     for provider in PROVIDERS.values():
         assert "sage-qual[" not in provider.install_hint.replace('-e ".[', ""), provider.install_hint

@@ -1,6 +1,6 @@
-"""The one place that names compute capabilities and GPU models (serving/variants.py)."""
+"""The one place that names compute capabilities and GPU models (kernels/variants.py)."""
 
-from sage_qual.serving.variants import capability_label, gpu_label
+from sage_qual.kernels.variants import capability_label, gpu_label
 
 
 def test_capability_label_joins_major_and_minor():

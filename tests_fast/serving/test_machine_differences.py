@@ -1,4 +1,4 @@
-"""`machine.differences()` at its edges (sage_qual/serving/machine.py): the SM-count tolerance at its
+"""`machine.differences()` at its edges (sage_qual/verdicts/machine.py): the SM-count tolerance at its
 bound, a side with no torch, each label, a build one side does not record. Written at what a mutation
 run of the module left alive against the profile and gate tests (docs/mutation.md, 2026-12-07)."""
 
@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from sage_qual.serving import machine
-from sage_qual.serving.machine import Difference, Kind
+from sage_qual.verdicts import machine
+from sage_qual.verdicts.machine import Difference, Kind
 
 H100 = machine.Machine("NVIDIA H100 80GB HBM3", (9, 0), 79.2, 100, "2.11.0+cu130", "13.0", "580.159.04",
                        "3.6.0", "2.2.0", machine.builds("sha256:aaaa", [("comfy-kitchen", "sha256:cccc")]))

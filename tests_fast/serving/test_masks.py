@@ -11,12 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sage_qual
-from sage_qual.serving import profile as profile_mod
-from sage_qual.serving.numerics import exact_attention
-from sage_qual.serving.profile import ProfileError
-from sage_qual.serving.served import Served
-from sage_qual.serving.variants import mask_broadcasts
+from sage_qual.kernels.numerics import exact_attention
+from sage_qual.kernels.variants import mask_broadcasts
+from sage_qual.serving.profile_matching import served_config
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention, on_device
+from sage_qual.verdicts import profile as profile_mod
+from sage_qual.verdicts.profile import ProfileError
+from sage_qual.verdicts.served import Served
 
 from .. import builders
 from ..helpers import TORCH_SDPA
@@ -162,8 +163,9 @@ def test_the_first_call_check_of_a_masked_call_compares_with_the_mask():
 def test_served_says_it_serves_masked_calls():
     served_record = Served(CK, 1024, 1024, [128], 32768, 32768, ["contiguous"], ["side_stream"], masks=True)
     assert "masked calls too" in served_record.text() and "; masks" in served_record.short()
-    assert served_record.config(sage_qual.WrapperConfig(), (7, 5)).masks
-    assert not Served(CK, 1024, 1024, [128], 32768, 32768).config(sage_qual.WrapperConfig(), (7, 5)).masks
+    assert served_config(served_record, sage_qual.WrapperConfig(), (7, 5)).masks
+    unmasked = Served(CK, 1024, 1024, [128], 32768, 32768)
+    assert not served_config(unmasked, sage_qual.WrapperConfig(), (7, 5)).masks
 
 
 @settings(deadline=None)  # the first call imports torch's broadcasting

@@ -14,10 +14,10 @@ from sage_qual.qualification.decide import bounds, checked, verdict
 from sage_qual.qualification.decide import profile as building
 from sage_qual.qualification.measure import judge, speed
 from sage_qual.qualification.measure.speed import Thresholds, break_even
-from sage_qual.serving import profile
 from sage_qual.serving import profile_matching as matching
 from sage_qual.serving.config import DEFAULT_CONFIG, KERNEL_TABLE
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention, on_device
+from sage_qual.verdicts import profile
 
 from ..builders import (
     H100,

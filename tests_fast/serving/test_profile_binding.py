@@ -11,8 +11,9 @@ import types
 
 import pytest
 
-from sage_qual.serving import profile, sage_package
+from sage_qual.kernels import sage_package
 from sage_qual.serving import profile_matching as matching
+from sage_qual.verdicts import profile
 
 from ..builders import H200, machine, make_entry, make_gpu, make_profile
 
@@ -124,7 +125,7 @@ def with_comfy_kitchen(source: str, serves_it: bool) -> dict:
     ("sha256:cccc", "sha256:dddd", False, False), ("sha256:cccc", "", True, True)],
     ids=["same-build", "another-build", "another-build-not-served", "not-installed-here"])
 def test_comfy_kitchens_build_binds_an_entry_whatever_it_serves(made, here, serves_it, applies):
-    """A second provider's build binds as sageattention's does, served or not (serving.machine.RULES:
+    """A second provider's build binds as sageattention's does, served or not (verdicts.machine.RULES:
     the verdict chose among every variant that ran, so another comfy-kitchen could have won); as gate
     binds it. A provider not installed here is not compared."""
     device = dataclasses.replace(machine(H200), other_sources={"comfy-kitchen": here})

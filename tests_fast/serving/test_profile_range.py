@@ -7,9 +7,9 @@ import torch.nn.functional as F
 
 import sage_qual
 from sage_qual import limits
-from sage_qual.serving import profile
 from sage_qual.serving import profile_matching as matching
 from sage_qual.testing import FakeCuda, FakeSageAttention
+from sage_qual.verdicts import profile
 
 from ..builders import H200, edited, machine, make_entry, make_gpu, make_profile, refusal
 

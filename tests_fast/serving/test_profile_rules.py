@@ -8,11 +8,12 @@ import dataclasses
 import pytest
 import torch
 
-from sage_qual.serving import devices_here, profile
-from sage_qual.serving import machine as machine_rules
+from sage_qual.serving import devices_here
 from sage_qual.serving import profile_matching as matching
 from sage_qual.serving.config import DEFAULT_CONFIG
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention
+from sage_qual.verdicts import machine as machine_rules
+from sage_qual.verdicts import profile
 
 TORCH = "2.11.0+cu130"
 ENV = {"torch": TORCH, "torch_cuda": "13.0", "driver": "580", "sageattention": "2.2.0", "triton": "3.6.0"}
@@ -165,12 +166,12 @@ def test_a_machine_without_cuda_in_torch_has_no_cuda_version():
 # What differs, and which entry is nearest -------------------------------------------------------------
 
 def texts(gpu, device) -> list[str]:
-    """What differs, in the one phrasing (`serving.machine`)."""
+    """What differs, in the one phrasing (`verdicts.machine`)."""
     return [d.text for d in matching.entry_differences(gpu, device)]
 
 
 def near_match(gpu, device) -> bool:
-    """The entry applies, as a near match (`serving.machine.RULES`)."""
+    """The entry applies, as a near match (`verdicts.machine.RULES`)."""
     found = matching.entry_differences(gpu, device)
     return not machine_rules.binding(found) and bool(machine_rules.near(found))
 

@@ -4,10 +4,11 @@ so each wording rule has its test here."""
 
 import pytest
 
-from sage_qual.serving.config import DEFAULT_CONFIG, LAYOUTS, Bound
-from sage_qual.serving.contexts import CONTEXTS
-from sage_qual.serving.served import KERNEL_HEAD_DIMS, Served, served_nothing
-from sage_qual.serving.variants import VARIANTS
+from sage_qual.kernels.contexts import CONTEXTS
+from sage_qual.kernels.variants import KERNEL_HEAD_DIMS, LAYOUTS, VARIANTS
+from sage_qual.serving.config import DEFAULT_CONFIG
+from sage_qual.serving.profile_matching import served_config, served_nothing
+from sage_qual.verdicts.served import Bound, Served
 
 SM90 = (9, 0)
 BOUND = Bound("key", 17, "flux1_ip_adapter_zero_uncond: output not finite")
@@ -127,18 +128,16 @@ def test_each_check_names_its_field(change, field, words):
 
 
 def test_its_config_serves_the_variant_on_its_capability_only_within_its_range():
-    config = served(bounds=[BOUND]).config(DEFAULT_CONFIG, SM90, max_span_elements=1_000_000)
+    config = served_config(served(bounds=[BOUND]), DEFAULT_CONFIG, SM90, max_span_elements=1_000_000)
     assert config.kernel_table[SM90] == ("sm90-fp8-cuda",)
     assert config.kernel_table[(8, 9)] == DEFAULT_CONFIG.kernel_table[(8, 9)]
     assert (config.min_query_tokens, config.max_query_tokens, config.max_key_tokens) == (9728, 75600, 75600)
     assert (config.head_dims, config.layouts, config.contexts) == ((128,), ("contiguous", "transposed"),
                                                                    ("side_stream", "compile"))
     assert config.bounds == (BOUND,) and config.max_span_elements == 1_000_000
-    assert served().config(DEFAULT_CONFIG, SM90).max_span_elements == DEFAULT_CONFIG.max_span_elements
+    assert served_config(served(), DEFAULT_CONFIG, SM90).max_span_elements == DEFAULT_CONFIG.max_span_elements
     legacy = served(max_query_tokens=None, max_key_tokens=None, layouts=None, contexts=None)
-    assert (legacy.config(DEFAULT_CONFIG, SM90).layouts, legacy.config(DEFAULT_CONFIG, SM90).contexts) == (
-        None,
-        None,
-    )
+    legacy_config = served_config(legacy, DEFAULT_CONFIG, SM90)
+    assert (legacy_config.layouts, legacy_config.contexts) == (None, None)
     off = served_nothing(DEFAULT_CONFIG, SM90)
     assert off.kernel_table[SM90] == () and off.min_query_tokens == DEFAULT_CONFIG.min_query_tokens

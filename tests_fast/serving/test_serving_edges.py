@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 
 import sage_qual
+from sage_qual.kernels.variants import EXTENSIONS, VARIANTS, BoxFacts
 from sage_qual.limits import one_line
 from sage_qual.serving import audit, scope, slice_check, wrapper
 from sage_qual.serving.config import KERNEL_TABLE, WrapperConfig
 from sage_qual.serving.eligibility import bind
-from sage_qual.serving.variants import EXTENSIONS, VARIANTS, BoxFacts
 from sage_qual.testing import FakeCuda, FakeGpu, FakeSageAttention, on_device
 from sage_qual.verdicts import conformance
 

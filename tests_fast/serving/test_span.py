@@ -14,8 +14,9 @@ import torch.nn.functional as F
 
 import sage_qual
 from sage_qual import limits
+from sage_qual.kernels.variants import LAYOUTS
 from sage_qual.serving import wrapper
-from sage_qual.serving.config import DEFAULT_CONFIG, LAYOUTS, WrapperConfig
+from sage_qual.serving.config import DEFAULT_CONFIG, WrapperConfig
 from sage_qual.serving.eligibility import REASONS, SdpaCall, extent, layout_of, padded_count, refusal
 
 from ..helpers import SMALL, TORCH_SDPA, qkv, rand, wrapped
@@ -318,7 +319,7 @@ def test_config_refuses_bad_values_naming_the_field(field, value, message):
 
 def test_the_config_takes_the_profiles_span_limit_and_no_more():
     """One limit where the value enters, by a profile or by a caller's config."""
-    from sage_qual.serving.profile import ProfileGpu
+    from sage_qual.verdicts.profile import ProfileGpu
 
     [maximum] = [
         f.metadata["maximum"] for f in dataclasses.fields(ProfileGpu) if f.name == "max_span_elements"

@@ -3,8 +3,8 @@ wrapper's default table, `Variant.native_on` and the fake `sageattn()` all read 
 
 import pytest
 
+from sage_qual.kernels.variants import VARIANTS, upstream_pick
 from sage_qual.serving.config import KERNEL_TABLE
-from sage_qual.serving.variants import VARIANTS, upstream_pick
 
 
 @pytest.mark.parametrize("capability", sorted(KERNEL_TABLE))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from sage_qual.qualification.families import CallSite, Family, sites_of
 from sage_qual.qualification.measure.speed import Thresholds
-from sage_qual.serving.config import SIDE_WORDS, Bound
+from sage_qual.verdicts.served import SIDE_WORDS, Bound
 
 _TOKENS = {"key": "kv_tokens", "query": "q_tokens"}
 

@@ -29,9 +29,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from sage_qual.kernels.variants import VARIANTS, Variant, gpu_label
 from sage_qual.qualification.evidence.report_model import Budget, LongCheck, Outcome, Report
 from sage_qual.qualification.families import Family, counts_for
-from sage_qual.serving.variants import VARIANTS, Variant, gpu_label
 
 if TYPE_CHECKING:
     from sage_qual.fixtures.fileformat import Fixture
@@ -145,8 +145,8 @@ _EXACT = {"min_cosine": 1.0, "min_norm_ratio": 1.0, "max_norm_ratio": 1.0}  # th
 
 # Derived budgets cost about a second per variant and fixture on a CPU: kept on disk per (model code,
 # variant, fixture sha256), so a second gate on the same fixtures takes no model run.
-_MODEL_CODE = ("sage_qual.qualification.measure.budgets", "sage_qual.serving.numerics",
-               "sage_qual.qualification.measure.accuracy", "sage_qual.serving.variants")  # a budget's inputs
+_MODEL_CODE = ("sage_qual.qualification.measure.budgets", "sage_qual.kernels.numerics",
+               "sage_qual.qualification.measure.accuracy", "sage_qual.kernels.variants")  # a budget's inputs
 
 
 def _model_digest() -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from sage_qual.kernels.variants import VARIANTS
 from sage_qual.qualification.evidence import files, tasks
 from sage_qual.qualification.evidence.report_model import (
     Cell,
@@ -29,7 +30,6 @@ from sage_qual.qualification.families import (
     self_attention,
 )
 from sage_qual.qualification.measure import judge
-from sage_qual.serving.variants import VARIANTS
 from sage_qual.verdicts import fitness
 
 

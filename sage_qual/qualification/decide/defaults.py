@@ -18,10 +18,10 @@ from sage_qual import jsonfile, records
 from sage_qual.qualification.decide import checked, verdict
 from sage_qual.qualification.decide import profile as building
 from sage_qual.qualification.evidence.report_model import ReportError
-from sage_qual.serving import machine, profile
 from sage_qual.serving.config import KERNEL_TABLE
 from sage_qual.serving.defaults import DATA, KIND, DefaultProfile, Source, merged, most_conservative, read
-from sage_qual.serving.env_record import Reason, ReasonKind
+from sage_qual.verdicts import machine, profile
+from sage_qual.verdicts.env_record import Reason, ReasonKind
 
 
 def load_run(path: Path) -> profile.Profile:

@@ -25,8 +25,7 @@ from sage_qual.qualification.decide import checked, verdict
 from sage_qual.qualification.decide.verdict import FamilyDecision, Verdict
 from sage_qual.qualification.evidence import report_model
 from sage_qual.qualification.evidence.report_model import Report
-from sage_qual.serving.config import SIDE_WORDS
-from sage_qual.serving.served import Served
+from sage_qual.verdicts.served import SIDE_WORDS, Served
 
 
 # merge -------------------------------------------------------------------------------------------------

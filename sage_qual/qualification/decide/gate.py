@@ -6,7 +6,7 @@ use, so the four always say the same word. gate exits 0 to enable a family on th
 switching the family on changes nothing), 1 to keep it off (every reason printed), 2 when it
 cannot decide: no report, a partial, damaged, edited or predicted one, no GPU or no usable
 sageattention here, or a stale one: made on a machine that differs from this one in a way
-`serving.machine.RULES` says binds (the rules the wrapper's profile matcher applies), or with other
+`verdicts.machine.RULES` says binds (the rules the wrapper's profile matcher applies), or with other
 fixtures than this machine has.
 
 The whole decision is here, not in the command line: `gate()` reads the report, this machine and
@@ -32,14 +32,14 @@ from typing import TYPE_CHECKING
 
 from sage_qual import records
 from sage_qual.errors import ExitCode, UsageError
+from sage_qual.kernels.variants import VARIANTS, gpu_label
 from sage_qual.qualification.decide import budget_check, checked, verdict
 from sage_qual.qualification.decide.verdict import FamilyDecision, Verdict
 from sage_qual.qualification.evidence.report_model import Report, ReportError
 from sage_qual.qualification.families import Family, counts_for, find
-from sage_qual.serving import machine
-from sage_qual.serving.env_record import EnvironmentRecord, Reason
-from sage_qual.serving.served import Served
-from sage_qual.serving.variants import VARIANTS, gpu_label
+from sage_qual.verdicts import machine
+from sage_qual.verdicts.env_record import EnvironmentRecord, Reason
+from sage_qual.verdicts.served import Served
 
 if TYPE_CHECKING:
     from sage_qual.fixtures.fileformat import Fixture
@@ -52,7 +52,7 @@ def models(here: EnvironmentRecord) -> set[str]:
 
 def stale(data: Report, family: Family, here: EnvironmentRecord, local: Mapping[str, str]) -> Staleness:
     """How the report's machine differs from this one for this family, by the rules the wrapper's
-    profile matcher applies too (`serving.machine.RULES`): what keeps it from applying (`binding`, the
+    profile matcher applies too (`verdicts.machine.RULES`): what keeps it from applying (`binding`, the
     fixtures included), and the differences it applies despite, said beside the verdict (`allowed`)."""
     binding_found, near_found = [], []
     for gpu in here.gpus:
@@ -116,11 +116,11 @@ class GpuAnswer:
     served: Served | None
     certified: list[str]
     reasons: list[Reason]
-    provider: str = ""  # whose kernel `served` names (`serving.providers`); "" when nothing is served
+    provider: str = ""  # whose kernel `served` names (`kernels.providers`); "" when nothing is served
 
 
 # Version 2 (2026-12-03): what a GPU serves moved into its `served` object (the fields of
-# `serving.served.Served`); version 1, which had no `version` key, held them flat on the GPU's entry.
+# `verdicts.served.Served`); version 1, which had no `version` key, held them flat on the GPU's entry.
 ANSWER_VERSION = 2
 
 
@@ -135,7 +135,7 @@ class GateAnswer:
         "description": "2: each GPU's served range in `served`; absent (1): its fields flat"})
     differences: list[str] = field(default_factory=list, metadata={
         "description": "how this machine differs from the report's in ways the rules allow (a near match, or "
-                       "only said: serving.machine.RULES); the report applies"})
+                       "only said: verdicts.machine.RULES); the report applies"})
 
 
 def report_problem(source: str, data: Report, family: Family) -> str:

@@ -1,4 +1,4 @@
-"""Building the profile (read by `sage_qual.serving.profile`) from a report and its decisions.
+"""Building the profile (read by `sage_qual.verdicts.profile`) from a report and its decisions.
 
 A GPU's `max_span_elements` is `profile_limit()` of its span probes. Why the profile never goes
 above `limits.MAX_SPAN_ELEMENTS`, even when an above case was right: the probe's long tensor is the
@@ -17,7 +17,7 @@ from sage_qual.qualification.decide.verdict import FamilyDecision, GpuDecision
 from sage_qual.qualification.evidence.report_model import Report
 from sage_qual.qualification.measure import span_probe
 from sage_qual.qualification.measure.span_probe import SpanCase, SpanFinding
-from sage_qual.serving.profile import (
+from sage_qual.verdicts.profile import (
     KIND,
     SCHEMA_VERSION,
     Entry,

@@ -36,6 +36,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from sage_qual.kernels.contexts import CONTEXTS, REASON
+from sage_qual.kernels.variants import VARIANTS, gpu_label
 from sage_qual.qualification.decide.bounds import excluded_bounds
 from sage_qual.qualification.decide.checked import judged, long_judged
 from sage_qual.qualification.evidence.report_model import (
@@ -61,11 +63,9 @@ from sage_qual.qualification.measure.speed import (
     speedup_bounds,
     steady_lower_bounds,
 )
-from sage_qual.serving.config import KERNEL_TABLE, Bound
-from sage_qual.serving.contexts import CONTEXTS, REASON
-from sage_qual.serving.machine import same_gpu_name
-from sage_qual.serving.served import Served
-from sage_qual.serving.variants import VARIANTS, gpu_label
+from sage_qual.serving.config import KERNEL_TABLE
+from sage_qual.verdicts.machine import same_gpu_name
+from sage_qual.verdicts.served import Bound, Served
 
 
 class Verdict(str, enum.Enum):

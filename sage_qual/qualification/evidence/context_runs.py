@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sage_qual.serving.contexts import CHECKS, CONTEXTS
+from sage_qual.kernels.contexts import CHECKS, CONTEXTS
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,8 @@ from typing import Literal
 
 from sage_qual import limits
 from sage_qual.fixtures.audit_misses import RecordedMiss
+from sage_qual.kernels.contexts import CHECKS, CONTEXTS
+from sage_qual.kernels.variants import VARIANTS
 from sage_qual.qualification.evidence import identity
 from sage_qual.qualification.evidence.context_runs import ContextRun, safe_contexts  # noqa: F401 (the model's)
 from sage_qual.qualification.evidence.numbers import (  # noqa: F401 (the model's)
@@ -30,11 +32,9 @@ from sage_qual.qualification.evidence.numbers import (  # noqa: F401 (the model'
     PublishedBound,
 )
 from sage_qual.qualification.families import FAMILIES
-from sage_qual.serving.contexts import CHECKS, CONTEXTS
 
 # GpuInfo, ReasonKind: part of the report's model, imported from here
-from sage_qual.serving.env_record import EnvironmentRecord, GpuIdentity, GpuInfo, Reason, ReasonKind  # noqa: F401
-from sage_qual.serving.variants import VARIANTS
+from sage_qual.verdicts.env_record import EnvironmentRecord, GpuIdentity, GpuInfo, Reason, ReasonKind  # noqa: F401
 
 KIND = "sage-qual-report"
 SCHEMA_VERSION = 5

@@ -41,7 +41,7 @@ from sage_qual.qualification.evidence.report_model import (
     SpanProbe,
     Speed,
 )
-from sage_qual.serving.env_record import EnvironmentRecord
+from sage_qual.verdicts.env_record import EnvironmentRecord
 
 FIX = "the worker and its parent disagree on the protocol, a sage-qual bug: report it with the worker's log"
 

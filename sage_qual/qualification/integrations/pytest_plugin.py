@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from sage_qual.kernels.variants import capability_label
 from sage_qual.qualification import families as families_mod
-from sage_qual.serving.variants import capability_label
 
 if TYPE_CHECKING:  # imported where a check runs: the plugin costs nothing until asked
     from sage_qual.qualification.evidence.report_model import Cell

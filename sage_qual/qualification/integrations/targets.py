@@ -30,12 +30,9 @@ from typing import Callable, ContextManager, Iterator
 
 import torch
 
-from sage_qual.serving import assess, platform, sage_package
-from sage_qual.serving.config import DEFAULT_CONFIG, KERNEL_TABLE, WrapperConfig
-from sage_qual.serving.eligibility import SdpaCall, refusal
-from sage_qual.serving.providers import THU_ML
-from sage_qual.serving.scope import ScopeReport
-from sage_qual.serving.variants import (
+from sage_qual.kernels import sage_package
+from sage_qual.kernels.providers import THU_ML
+from sage_qual.kernels.variants import (
     KERNEL_FUNCTIONS,
     UPSTREAM_PICKS,
     VARIANTS,
@@ -45,6 +42,10 @@ from sage_qual.serving.variants import (
     capability_label,
     upstream_pick,
 )
+from sage_qual.serving import assess, audit, platform
+from sage_qual.serving.config import DEFAULT_CONFIG, KERNEL_TABLE, WrapperConfig
+from sage_qual.serving.eligibility import SdpaCall, refusal
+from sage_qual.serving.scope import ScopeReport
 
 FP16_TYPES = (torch.float16, torch.bfloat16)
 # Every sageattention function an integration may call; `Evidence` counts calls to these.
@@ -269,6 +270,10 @@ def wrapper_target(variant: str | None = None) -> Target:
             return
         if replaced:
             sage_qual.uninstall()
+        # A trial of its own: no retirement of an earlier trial (or of the app) holds in it, and none
+        # made in it outlives it.
+        set_aside = audit.retirements_set_aside()
+        set_aside.__enter__()
         installed_here = not sage_qual.install_status().enabled
         status = sage_qual.install(config=config) if installed_here else sage_qual.install_status()
         try:
@@ -282,6 +287,7 @@ def wrapper_target(variant: str | None = None) -> Target:
         finally:
             if installed_here:
                 sage_qual.uninstall()
+            set_aside.__exit__(None, None, None)
             for app_config in restore.values():  # the one configuration of the app's wrapper
                 sage_qual.install(config=app_config)
 

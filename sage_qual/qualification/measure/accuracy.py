@@ -16,9 +16,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from sage_qual.kernels.variants import Variant
 from sage_qual.qualification.evidence.report_model import Metrics
 from sage_qual.serving.torch_sdpa import TORCH_SDPA  # torch's own, whatever is bound over it
-from sage_qual.serving.variants import Variant
 
 # Query rows per block of the per-block error: the smallest Q tile of any variant's CTA (sm90: 64),
 # so a defect confined to one kernel tile shows in at least one block.

@@ -1,6 +1,6 @@
 """Each cell's budget, derived from what the numerics model says the variant reaches on the fixture.
 
-expected = the model's output (`sage_qual.serving.numerics.predict`) measured against float32 with
+expected = the model's output (`sage_qual.kernels.numerics.predict`) measured against float32 with
 the same metrics as the kernel (`accuracy.errors`); budget = expected x (1 + MARGIN) for every error,
 the norm ratio between the model's and 1, widened by MARGIN x the expected relative L2 (at least
 NORM_FLOOR), the worst head cosine within (1 + MARGIN)^2 of its distance from 1 (1 - cosine grows
@@ -34,10 +34,10 @@ from dataclasses import dataclass
 import torch
 
 from sage_qual.fixtures.fileformat import Fixture
+from sage_qual.kernels import numerics
+from sage_qual.kernels.variants import Variant
 from sage_qual.qualification.evidence.report_model import Budget, Metrics
 from sage_qual.qualification.measure import accuracy
-from sage_qual.serving import numerics
-from sage_qual.serving.variants import Variant
 from sage_qual.verdicts.conformance import MARGIN
 
 # The tightest cosine bound: one unit of the 6 decimals budgets are stored with below 1, so an exact

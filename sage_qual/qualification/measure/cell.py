@@ -21,10 +21,10 @@ import torch
 
 from sage_qual import limits, records
 from sage_qual.fixtures.fileformat import Fixture
+from sage_qual.kernels.variants import Variant, capability_label
 from sage_qual.qualification.evidence import tasks
 from sage_qual.qualification.evidence.report_model import Cell, Outcome, SmoothK
 from sage_qual.qualification.measure import accuracy, budgets, judge
-from sage_qual.serving.variants import Variant, capability_label
 
 Call = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 

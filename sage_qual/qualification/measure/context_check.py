@@ -30,9 +30,9 @@ import torch
 import torch.nn.functional as F
 
 from sage_qual import limits
+from sage_qual.kernels.contexts import COMPILE, CONTEXTS
 from sage_qual.qualification.evidence.report_model import ContextRun, safe_contexts
 from sage_qual.qualification.measure import accuracy
-from sage_qual.serving.contexts import COMPILE, CONTEXTS
 
 BUSY_MATMULS = 8  # 8192^2 bf16 matmuls queued before the inputs: milliseconds of the side stream
 COMPILE_CALLS = 3  # the third call of reduce-overhead is the first replay of its CUDA graph
@@ -165,10 +165,11 @@ def _run(name: str, counter: _Served, measure) -> ContextRun:
 
 def _install(variant, contexts) -> None:
     import sage_qual
-    from sage_qual.serving import platform
+    from sage_qual.serving import audit, platform
     from sage_qual.serving.config import WrapperConfig
 
     sage_qual.uninstall()
+    audit.RETIRED.clear()  # a trial of its own (within check_variant's set-aside): no earlier one holds
     capability = platform.current().capability(0)
     status = sage_qual.install(config=WrapperConfig(min_query_tokens=1, min_key_tokens=1,
                                                     kernel_table={capability: (variant.name,)},
@@ -199,8 +200,8 @@ def check_variant(variant, place=None, shape=limits.CONTEXT_CHECK_SHAPE, dtype=t
     q, k, v = inputs[0]
     stream_checks = (("side_stream", place.side_stream), ("capture", place.captured))
     if through == "kernel":
-        from sage_qual.serving import sage_package
-        from sage_qual.serving.providers import PROVIDERS
+        from sage_qual.kernels import sage_package
+        from sage_qual.kernels.providers import PROVIDERS
 
         package = sage_package.load(PROVIDERS[variant.provider])
         kernel = functools.partial(variant.invoke, package.kernel(variant))
@@ -213,6 +214,10 @@ def check_variant(variant, place=None, shape=limits.CONTEXT_CHECK_SHAPE, dtype=t
                 [context(lambda *t: counter(kernel, *t, **keywords), q, k, v)], [expected], torch_outs[:1])))
         return runs
 
+    from sage_qual.serving import audit
+
+    set_aside = audit.retirements_set_aside()  # what the process had retired holds again after the checks
+    set_aside.__enter__()
     try:
         _install(variant, contexts)
         eager = _Served()
@@ -237,4 +242,5 @@ def check_variant(variant, place=None, shape=limits.CONTEXT_CHECK_SHAPE, dtype=t
     finally:
         torch._dynamo.reset()
         sage_qual.uninstall()
+        set_aside.__exit__(None, None, None)
     return runs

@@ -52,13 +52,13 @@ from typing import Callable
 
 import torch
 
+from sage_qual.kernels import numerics
+from sage_qual.kernels.variants import VARIANTS, Variant
 from sage_qual.qualification import families as families_mod
 from sage_qual.qualification.evidence.report_model import Budget, DType, LongCheck, Outcome, ShapeSpec
 from sage_qual.qualification.evidence.tasks import LongTask
 from sage_qual.qualification.families import Shape
 from sage_qual.qualification.measure import accuracy, budgets, judge
-from sage_qual.serving import numerics
-from sage_qual.serving.variants import VARIANTS, Variant
 from sage_qual.verdicts import fitness
 
 SAMPLE_BLOCKS = 4

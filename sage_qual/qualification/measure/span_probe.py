@@ -231,9 +231,9 @@ def check_case(variant, package, case: SpanCase, device: str) -> Checked:
 
 
 def main(argv: list[str]) -> int:
-    from sage_qual.serving import sage_package
-    from sage_qual.serving.providers import PROVIDERS
-    from sage_qual.serving.variants import VARIANTS
+    from sage_qual.kernels import sage_package
+    from sage_qual.kernels.providers import PROVIDERS
+    from sage_qual.kernels.variants import VARIANTS
 
     device = argv[argv.index("--device") + 1] if "--device" in argv else "cuda"
     variant, cases = VARIANTS[argv[0]], [records.parse(SpanCase, case, "span probe cases", CHILD_FIX)

@@ -13,14 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from sage_qual.kernels.contexts import CHECKS
+from sage_qual.kernels.variants import VARIANTS, capability_label, gpu_label
 from sage_qual.qualification.decide import verdict
 from sage_qual.qualification.decide.checked import status_line
 from sage_qual.qualification.evidence import report_model
 from sage_qual.qualification.evidence.report_model import Report
 from sage_qual.qualification.render import plots
 from sage_qual.qualification.render.markdown import markdown_table, safe_text
-from sage_qual.serving.contexts import CHECKS
-from sage_qual.serving.variants import VARIANTS, capability_label, gpu_label
 from sage_qual.verdicts import fitness
 
 if TYPE_CHECKING:  # selection reads fixtures with torch; rendering imports neither

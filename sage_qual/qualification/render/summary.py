@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from sage_qual.kernels.variants import VARIANTS, capability_label
 from sage_qual.qualification.decide import verdict
 from sage_qual.qualification.evidence.report_model import ReasonKind, Report
 from sage_qual.qualification.selection import LeftOut
-from sage_qual.serving.variants import VARIANTS, capability_label
 
 
 def text(written: Report, out: Path, decisions: list[verdict.GpuDecision],

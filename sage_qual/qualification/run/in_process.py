@@ -1,5 +1,5 @@
 """The in-process executor (`certify --emulate`): the worker's own task handlers, run in this
-process, with each variant's numerics model (`sage_qual.serving.numerics`) as its kernel.
+process, with each variant's numerics model (`sage_qual.kernels.numerics`) as its kernel.
 
 No GPU runs: a cell is measured and judged by `measure.cell` exactly as on a GPU, against the budget
 derived from the same model with the suite's margin, so a prediction fails where the model's own
@@ -19,21 +19,26 @@ at seconds per check; checks alike after that reduction are computed once.
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
+from pathlib import Path
+
+import torch
 
 from sage_qual.fixtures import fileformat
+from sage_qual.kernels import numerics
+from sage_qual.kernels.variants import VARIANTS
 from sage_qual.qualification.evidence import files, tasks
 from sage_qual.qualification.evidence.report_model import Cell, LongCheck, Outcome
 from sage_qual.qualification.measure import budgets, judge
 from sage_qual.qualification.run import plan as plan_mod
 from sage_qual.qualification.run import worker as worker_mod
 from sage_qual.qualification.run import worker_executor
-from sage_qual.serving import environment, numerics
-from sage_qual.serving.env_record import GpuInfo
-from sage_qual.serving.variants import VARIANTS
+from sage_qual.serving import environment
+from sage_qual.verdicts.env_record import GpuInfo
 
-PREDICTED = "predicted by the CPU numerics model (sage_qual.serving.numerics), not measured on a GPU"
+PREDICTED = "predicted by the CPU numerics model (sage_qual.kernels.numerics), not measured on a GPU"
 LONG_BLOCKS = 2  # sampled row blocks per predicted long check: the first and the last
 DEVICE_NAME = "numerics model (CPU, predicted)"
 
@@ -87,12 +92,52 @@ def _with_hazards(task: tasks.CellTask, cell: Cell) -> Cell:
     return dataclasses.replace(cell, hazards=found, reasons=reasons, outcome=Outcome.FAIL)
 
 
+def free_cpus() -> int:
+    """Torch threads for a prediction: the CPUs this process may use less those other processes keep
+    busy as the run starts, at least one. torch's threads wait for each other at every parallel
+    operation, so one CPU taken by another process stalls them all: on 2 cores with two CPU-bound
+    processes beside it, 2 threads took the main job 127 s where it took 25 s alone
+    (docs/fast-suite.md, "The main job on a busy machine"). The load average would count this
+    process's own recent work and lags by a minute; the processes running now (`others_running`) do
+    not."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, usable - others_running())
+
+
+def others_running(samples: int = 5, interval: float = 0.01) -> int:
+    """Threads of other processes running now: the kernel's count of running threads
+    (/proc/loadavg's fourth field) less this process's own, the median of a few samples; 0 where
+    /proc cannot say (not Linux)."""
+    counts = []
+    for sample in range(samples):
+        try:
+            running = int(Path("/proc/loadavg").read_text().split()[3].split("/")[0])
+            own = sum(1 for task in Path("/proc/self/task").iterdir() if _state(task) == "R")
+        except (OSError, ValueError, IndexError):
+            return 0
+        counts.append(max(0, running - own))
+        if sample + 1 < samples:
+            time.sleep(interval)
+    return sorted(counts)[len(counts) // 2]
+
+
+def _state(task: Path) -> str:
+    """A thread's scheduler state letter ("R": running), from its stat line (after the parenthesised name)."""
+    try:
+        return (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
 class InProcessExecutor:
     """Runs a plan's jobs in this thread, through `worker.HANDLERS`; an interrupt (KeyboardInterrupt)
-    stops between two tasks."""
+    stops between two tasks. Its torch threads are the free CPUs (`free_cpus`) unless OMP_NUM_THREADS
+    says how many."""
     predicted = True
 
     def __init__(self):
+        if not os.environ.get("OMP_NUM_THREADS"):
+            torch.set_num_threads(free_cpus())
         self.worker = worker_mod.Worker(CpuBench(), kernels=ModelKernels())
         self.long: dict[tuple, LongCheck] = {}
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from sage_qual import limits, records
 from sage_qual.fixtures import fileformat
+from sage_qual.kernels.variants import VARIANTS
 from sage_qual.qualification import families as families_mod
 from sage_qual.qualification.decide.verdict import GpuDecision
 from sage_qual.qualification.evidence import tasks
@@ -39,8 +40,7 @@ from sage_qual.qualification.measure import span_probe
 from sage_qual.qualification.measure.speed import intervals_to_refine, served_bar, speedup_bounds
 from sage_qual.qualification.run.options import Integration, RunRequest
 from sage_qual.qualification.selection import Selection
-from sage_qual.serving.env_record import EnvironmentRecord, GpuInfo
-from sage_qual.serving.variants import VARIANTS
+from sage_qual.verdicts.env_record import EnvironmentRecord, GpuInfo
 
 # The generic sweep: self-attention of GENERIC_HEADS heads at SELF_TOKENS (families.py, where the
 # verdict's evidence check reads them too) at both head sizes, and cross-attention on short keys

@@ -48,9 +48,9 @@ EXIT_POISONED = 70  # a worker's exit code when a CUDA error left its context un
 # grandchild that escaped the group could hold it open, and then the reader is left behind).
 READER_JOIN_TIMEOUT = 10.0
 # Imported once, in the zygote, before it forks a worker: this module first, so that the environment
-# those imports set is known (`_ENV_AT_IMPORT`); the worker module imports torch; `serving.kernel_imports`
+# those imports set is known (`_ENV_AT_IMPORT`); the worker module imports torch; `kernels.kernel_imports`
 # what a kernel's first call imports.
-ZYGOTE_PRELOAD = [__name__, WORKER_MODULE, "sage_qual.serving.kernel_imports"]
+ZYGOTE_PRELOAD = [__name__, WORKER_MODULE, "sage_qual.kernels.kernel_imports"]
 _ENV_AT_IMPORT = dict(os.environ)
 _zygote_lock = threading.Lock()
 _zygote: multiprocessing.context.ForkServerContext | None = None
@@ -330,7 +330,7 @@ def collect_environment(task: tasks_mod.EnvTask, log_path: Path, timeout: float)
 
 class Pool:
     """Workers started ahead of need, forked from the zygote that imported torch and what a kernel's
-    first call imports (`serving.kernel_imports`). Those started with the same `imports` are alike
+    first call imports (`kernels.kernel_imports`). Those started with the same `imports` are alike
     until their job (and its GPU and Triton cache) arrives."""
 
     def __init__(self, log_dir: Path):

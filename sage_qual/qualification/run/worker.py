@@ -4,7 +4,7 @@ The parent's side (starting, following and killing workers) is `pool`; the test 
 the GPU or inject faults (`selftest.faults.FaultyWorker`) sit on top of `Worker`, which knows none.
 
 A worker, forked from the zygote, has torch and what a kernel's first call imports
-(`serving.kernel_imports`); it waits for one JSON job line on stdin (so the parent can start it early,
+(`kernels.kernel_imports`); it waits for one JSON job line on stdin (so the parent can start it early,
 while another worker still runs). It keeps reading stdin: end of file means the parent died, and
 the worker exits. Results leave as JSON lines on the original stdout; file descriptor 1 is pointed
 at stderr first, so whatever Triton, CUDA or a print writes there lands in the stderr log whose
@@ -38,15 +38,16 @@ import torch
 
 from sage_qual import records
 from sage_qual.fixtures import fileformat
+from sage_qual.kernels import sage_package
+from sage_qual.kernels.providers import PROVIDERS
+from sage_qual.kernels.variants import VARIANTS
 from sage_qual.qualification.evidence import tasks
 from sage_qual.qualification.evidence.report_model import Outcome, ShapeSpec
 from sage_qual.qualification.evidence.tasks import MessageType
 from sage_qual.qualification.measure import accuracy, cell, long_check, span_probe
 from sage_qual.qualification.run.pool import EXIT_POISONED
-from sage_qual.serving import environment, failures, sage_package
+from sage_qual.serving import environment, failures
 from sage_qual.serving.assess import assess_machine
-from sage_qual.serving.providers import PROVIDERS
-from sage_qual.serving.variants import VARIANTS
 
 # SDPA's backends by the SDPBackend member that selects each; left alone, SDPA picks one of them.
 SDPA_BACKENDS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}

@@ -26,7 +26,7 @@ from sage_qual.qualification.evidence.report_model import Outcome
 from sage_qual.qualification.run import plan as plan_mod
 from sage_qual.qualification.run import pool
 from sage_qual.qualification.run.options import Integration, RunRequest, no_gpu_message, requested_devices
-from sage_qual.serving.env_record import EnvironmentRecord
+from sage_qual.verdicts.env_record import EnvironmentRecord
 
 # Workers kept starting ahead per GPU: a worker's start (a fork of the zygote, then CUDA's and the
 # kernel's first call) costs seconds, and the first spares are forked while the zygote still imports.

@@ -30,13 +30,14 @@ from typing import Callable, Iterable
 import torch
 
 from sage_qual.fixtures.fileformat import Fixture
+from sage_qual.kernels import numerics
+from sage_qual.kernels.contexts import CAPTURE, COMPILE, SIDE_STREAM
+from sage_qual.kernels.variants import Numerics, Variant
 from sage_qual.qualification.evidence.report_model import Reason
 from sage_qual.qualification.families import FAMILIES, counts_for
 from sage_qual.qualification.measure import accuracy, budgets, judge
 from sage_qual.qualification.render.report import markdown_table
-from sage_qual.serving import numerics, platform
-from sage_qual.serving.contexts import CAPTURE, COMPILE, SIDE_STREAM
-from sage_qual.serving.variants import Numerics, Variant
+from sage_qual.serving import platform
 
 ALL = frozenset(f.name for f in FAMILIES)
 _KEY_BLOCK = 64  # the K tile of every kernel but sm90's (128): a multiple of 128 is one of 64 too

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 from sage_qual import jsonfile
 from sage_qual.fixtures.fileformat import list_fixtures, load_fixture, shipped_dir
+from sage_qual.kernels.variants import VARIANTS
 from sage_qual.qualification.measure import budgets
 from sage_qual.qualification.render.report import markdown_table
-from sage_qual.serving.variants import VARIANTS
 
 # Acceptance: the model's relative L2 within 10 % of the kernel's on every cell (issue 9).
 TOLERANCE = 0.10

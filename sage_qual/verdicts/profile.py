@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 from typing import Literal, Mapping
 
 from sage_qual import jsonfile, limits, records
-from sage_qual.serving.env_record import Reason
-from sage_qual.serving.served import Served
-from sage_qual.serving.variants import VARIANTS, capability_label, gpu_label
+from sage_qual.kernels.variants import VARIANTS, capability_label, gpu_label
 from sage_qual.verdicts import fitness
+from sage_qual.verdicts.env_record import Reason
+from sage_qual.verdicts.served import Served
 
 KIND = "sage-qual-profile"
 SCHEMA_VERSION = 3

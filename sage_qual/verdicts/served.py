@@ -7,13 +7,49 @@ every reader states one range in one phrasing (`text()`, or `short()` in the fle
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 from sage_qual import records
-from sage_qual.serving.config import KERNEL_HEAD_DIMS, LAYOUTS, Bound, WrapperConfig
-from sage_qual.serving.contexts import CONTEXTS
-from sage_qual.serving.variants import VARIANTS, Capability
+from sage_qual.kernels.contexts import CONTEXTS
+from sage_qual.kernels.variants import KERNEL_HEAD_DIMS, LAYOUTS, VARIANTS
+
+SIDE_WORDS = {"key": "keys", "query": "query tokens"}
+
+
+@dataclass(frozen=True)
+class Bound:
+    """Calls with fewer than `below` query or key tokens stay on torch, whatever the thresholds: a
+    certified failure there (`reason`: which fixture, which call site) that the served range excludes
+    (qualification.decide.verdict, "Bounds"). A profile carries it, so lowering a threshold cannot
+    hand the kernel the calls it failed."""
+    side: Literal["query", "key"]
+    below: int = field(metadata={"minimum": 2})
+    reason: str = field(metadata={"minLength": 1})
+
+    def check(self) -> list[tuple[str, str]]:
+        """(field, problem) for what makes the bound unusable; empty when nothing does."""
+        if self.side not in ("query", "key"):
+            return [("side", f"is {self.side!r}: give 'query' or 'key'")]
+        if isinstance(self.below, bool) or not isinstance(self.below, int) or self.below < 2:
+            return [("below", f"is {self.below!r}: give a token count of at least 2 (below 1 token bounds "
+                              "nothing)")]
+        if not isinstance(self.reason, str) or not self.reason.strip():
+            return [("reason", "is empty: say which fixture and call the bound keeps on torch")]
+        return []
+
+    @property
+    def tokens(self) -> str:
+        """What it counts, in words: "keys" or "query tokens"."""
+        return SIDE_WORDS[self.side]
+
+    def text(self) -> str:
+        """"calls with fewer than 17 keys stay on torch (sdxl_ip_adapter_zero_uncond: ...)"."""
+        return f"calls with fewer than {self.below:,} {self.tokens} stay on torch ({self.reason})"
+
+    def short(self) -> str:
+        """"keys >= 17": what a served call needs, as tables and notes give it."""
+        return f"{self.tokens} >= {self.below:,}"
 
 
 @dataclass(frozen=True)
@@ -133,29 +169,3 @@ class Served:
         contexts = "" if self.contexts is None else f"; contexts: {', '.join(self.contexts) or 'none'}"
         layouts = "any layout" if self.layouts is None else ", ".join(self.layouts)
         return f"{self.variant} {tokens}{dims} ({layouts}{contexts}{masks}{bounds})"
-
-    def config(self, base: WrapperConfig, capability: Capability,
-               max_span_elements: int | None = None) -> WrapperConfig:
-        """`base` with this capability served by the variant from its thresholds to its verified range,
-        in its layouts and contexts, within its bounds, and the GPU's certified span limit (None:
-        `base`'s)."""
-        table = {**base.kernel_table, capability: (self.variant,)}
-        return dataclasses.replace(
-            base,
-            kernel_table=table,
-            min_query_tokens=self.min_query_tokens,
-            min_key_tokens=self.min_key_tokens,
-            head_dims=tuple(self.head_dims),
-            max_query_tokens=self.max_query_tokens,
-            max_key_tokens=self.max_key_tokens,
-            layouts=None if self.layouts is None else tuple(self.layouts),
-            contexts=None if self.contexts is None else tuple(self.contexts),
-            bounds=tuple(self.bounds),
-            masks=self.masks,
-            max_span_elements=max_span_elements or base.max_span_elements,
-        )
-
-
-def served_nothing(base: WrapperConfig, capability: Capability) -> WrapperConfig:
-    """`base` with no variant for this capability: every call there goes to torch."""
-    return dataclasses.replace(base, kernel_table={**base.kernel_table, capability: ()})

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from packaging.version import InvalidVersion, Version
 
-from sage_qual.serving.providers import THU_ML
-from sage_qual.serving.variants import gpu_label
+from sage_qual.kernels.providers import THU_ML
+from sage_qual.kernels.variants import gpu_label
 
 # Memory as nvidia-smi and torch report it differs by driver reservations; within this many GiB
 # it is the same card (an H200 shows 139.8, an H100 79.6 or 93.1 GiB: far apart).

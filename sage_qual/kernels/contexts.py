@@ -13,7 +13,7 @@ Triton kernel, which launches on torch's current stream, was bit-identical in bo
 
 from __future__ import annotations
 
-from sage_qual.serving.variants import Variant
+from sage_qual.kernels.variants import Variant
 
 SIDE_STREAM = "side_stream"  # torch's current stream is not the device's default stream
 CAPTURE = "capture"  # the current stream is capturing a CUDA graph

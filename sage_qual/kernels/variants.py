@@ -4,7 +4,7 @@ This registry is the single source of truth for the wrapper's per-GPU kernel tab
 (`config.KERNEL_TABLE` names variants from here), for what a GPU can run (`assess`), for the fake
 kernels of `sage_qual.testing` (generated from `KERNEL_FUNCTIONS`) and for the GPU qualification
 suite, which runs every variant the box can execute. Each kernel function names its provider
-(`serving.providers`): thu-ml's SageAttention 2.2, read from its source (sageattention/core.py,
+(`kernels.providers`): thu-ml's SageAttention 2.2, read from its source (sageattention/core.py,
 setup.py, csrc/qattn), and comfy-kitchen's INT8 attention, read from comfy_kitchen/sage_attention.py
 and backends/cuda/sage_attention/ (github.com/Comfy-Org/comfy-kitchen at 7d86acf, 0.2.31).
 
@@ -20,7 +20,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from sage_qual.serving.providers import COMFY_KITCHEN, PROVIDERS, THU_ML
+from sage_qual.kernels.providers import COMFY_KITCHEN, PROVIDERS, THU_ML
 
 Capability = tuple[int, int]
 
@@ -421,3 +421,12 @@ def upstream_pick(capability: Capability) -> Variant | None:
     """The kernel upstream sageattn() picks on this GPU (its first choice), or None where it has none."""
     names = UPSTREAM_PICKS.get(tuple(capability))
     return VARIANTS[names[0]] if names else None
+
+
+# Memory layouts a profile may list as verified (`WrapperConfig.layouts`); `eligibility.layout_of`
+# names a call's layout. "nhd" is a kernel called with tensor_layout="NHD" (certify's name for it):
+# the wrapper always calls with "HND", so none of its calls has that layout.
+LAYOUTS = ("contiguous", "transposed", "fused_qkv", "nhd")
+
+# Head sizes the kernels take: upstream pads others, which the wrapper refuses (eligibility, head_dim).
+KERNEL_HEAD_DIMS = (64, 128)

@@ -54,7 +54,7 @@ class GpuInfo(GpuIdentity):
 
 @dataclass(frozen=True)
 class OtherProvider:
-    """A kernel provider beside thu-ml's sageattention (`serving.providers`), as this machine has it."""
+    """A kernel provider beside thu-ml's sageattention (`kernels.providers`), as this machine has it."""
     provider: str
     version: str  # "" when not usable
     source: str = ""  # its build: sage_package.source_digest()

@@ -22,8 +22,8 @@ from types import ModuleType
 
 from packaging.version import InvalidVersion, Version
 
-from sage_qual.serving.providers import PROVIDERS, THU_ML, Provider
-from sage_qual.serving.variants import Variant
+from sage_qual.kernels.providers import PROVIDERS, THU_ML, Provider
+from sage_qual.kernels.variants import Variant
 
 BUILD_HINT = THU_ML.install_hint
 
