@@ -43,7 +43,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--variants", nargs="+", help="variant names (default: all)")
     parser.add_argument("--families", nargs="+", help="families to certify (default: all)")
     parser.add_argument("--fixtures", nargs="+", metavar="DIR", help="fixture directories (default: shipped)")
-    parser.add_argument("--quick", action="store_true", help="smallest fixture per family, short sweep")
+    parser.add_argument("--quick", action="store_true",
+                        help="smallest fixture per family and each fixture with a known failure, short sweep")
     parser.add_argument("--timeout", type=float, default=limits.TASK_TIMEOUT,
                         help="seconds a task may run before its worker is killed "
                              f"(default {limits.TASK_TIMEOUT:g})")

@@ -541,9 +541,9 @@ def test_a_quick_report_decides_nothing():
     assert checked.undecidable(reads(lambda d: None), "r.json") == ""
     problem = checked.undecidable(reads(lambda d: d["options"].update(quick=True)), "r.json")
     assert problem == (
-        "r.json is a --quick report: it ran the smallest fixture of each family only, left out the stress "
-        "fixtures that carry the known failures (report.md lists them) and timed no family's shapes, so it "
-        "decides nothing; run `sage-qual certify` without --quick"
+        "r.json is a --quick report: it ran the smallest fixture of each family and those with a known "
+        "failure, left the others out (report.md lists them) and timed no family's shapes, so it decides "
+        "nothing; run `sage-qual certify` without --quick"
     )
 
 

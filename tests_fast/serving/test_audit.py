@@ -458,3 +458,9 @@ def test_the_tally_as_prometheus_metrics():
     assert 'sage_qual_audit_fitness_bound{family="any family"} 0.3' in text
     documented = (Path(__file__).resolve().parents[2] / "docs" / "audit.md").read_text()
     assert all(f"`{name}`" in documented for name in audit_tally.METRICS)
+
+
+@pytest.mark.parametrize("folder", ["", "  ", None])
+def test_an_audit_folder_must_name_a_folder(folder):
+    with pytest.raises(ValueError, match=r"give the folder to record into"):
+        AuditFolder(folder)

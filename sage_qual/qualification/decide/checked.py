@@ -206,8 +206,8 @@ def undecidable(report: Report, source: str) -> str:
     """Why `report` (read from `source`) can decide nothing, on any machine; '' when it can. gate,
     compare and the defaults builder refuse through here, in these words (merge shows the same three
     in its table). A partial run did not finish; a predicted one measured nothing on a GPU; a --quick
-    pre-flight runs the smallest fixture of each family only, leaves out the stress fixtures that
-    carry the known failures and times no family's shapes: its "pass" is not a family's."""
+    pre-flight runs the smallest fixture of each family and those with a known failure, leaves the
+    others out and times no family's shapes: its "pass" is not a family's."""
     if not report.complete:
         line = status_line(report.complete, report.started, report.finished, report.stopped)
         return f"{source} is a partial report ({line}): it decides nothing; run certify to the end"
@@ -215,9 +215,9 @@ def undecidable(report: Report, source: str) -> str:
         return (f"{source} is a predicted report (certify --emulate: the CPU numerics model, no GPU ran): it "
                 "decides nothing; run `sage-qual certify` on the GPU")
     if report.options.quick:
-        return (f"{source} is a --quick report: it ran the smallest fixture of each family only, left out "
-                "the stress fixtures that carry the known failures (report.md lists them) and timed no "
-                "family's shapes, so it decides nothing; run `sage-qual certify` without --quick")
+        return (f"{source} is a --quick report: it ran the smallest fixture of each family and those with "
+                "a known failure, left the others out (report.md lists them) and timed no family's "
+                "shapes, so it decides nothing; run `sage-qual certify` without --quick")
     return ""
 
 
