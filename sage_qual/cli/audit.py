@@ -79,6 +79,7 @@ def _audit(args: argparse.Namespace) -> int:
         print(f"  {found.fixture} [{found.family}, recorded]: {found.miss.variant}: {found.miss.reason()}"
               + (f"; {found.miss.call}, slice {found.miss.slice}" if found.miss.call else ""))
     if answer.others:
-        print(f"  not recorded by the audit, not listed: {', '.join(answer.others)}")
+        print(f"  no miss recorded (the worst calls the audit kept, or fixtures of others), not judged: "
+              f"{', '.join(answer.others)}")
     return answer.exit_code
 

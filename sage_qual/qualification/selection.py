@@ -23,8 +23,9 @@ from sage_qual.qualification.names import select_families
 
 def fixture_dirs(directories: list[str] | None) -> list[str]:
     """The directories given, or the repository's fixtures/ when none were. Folders of the wrapper's
-    audit alone (every fixture in them recorded by it) run beside the shipped fixtures: a recorded miss
-    is evidence about the family, not a replacement for its fixtures."""
+    audit alone (every fixture in them recorded by it: a miss, a drift or a site's worst call) run
+    beside the shipped fixtures: what production saw is evidence about the family, not a replacement
+    for its fixtures."""
     shipped = fileformat.shipped_dir()
     shipped = [str(shipped)] if shipped else []
     if directories is None:
@@ -39,7 +40,7 @@ def _holds_audit_misses(directory: str) -> bool:
     that does not load: `read_fixtures` names its problem)."""
     try:
         paths = fileformat.list_fixtures(directory)
-        return bool(paths) and all("audit" in fileformat.load_fixture(p).source for p in paths)
+        return bool(paths) and all({"audit", "worst"} & set(fileformat.load_fixture(p).source) for p in paths)
     except fileformat.FixtureError:
         return False
 

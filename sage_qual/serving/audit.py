@@ -50,7 +50,7 @@ import torch
 
 from sage_qual.kernels.contexts import CAPTURE
 from sage_qual.serving import slice_check
-from sage_qual.serving.audit_tally import DRIFT, MISS, AuditTally, Finding
+from sage_qual.serving.audit_tally import DRIFT, MISS, WORST, AuditTally, Finding
 from sage_qual.serving.config import AuditConfig
 from sage_qual.verdicts import fitness
 
@@ -224,36 +224,23 @@ class Auditor:
                 tally.judged(
                     self.family, variant, judgement.rel_l2, judgement.fitness_bound, judgement.model_rel_l2
                 )
-        if judgement.fit and judgement.conforms:
+        fine = judgement.fit and judgement.conforms
+        if fine or not judgement.fit:
+            judge, bound = (WORST if fine else MISS), judgement.fitness_bound
+        else:
+            judge, bound = DRIFT, judgement.conformance_bound
+        finding = Finding(judge, self.family, device.label, device.name, tuple(device.capability), variant,
+                          self.build_of(device), judgement.rel_l2, bound, judgement.model_rel_l2,
+                          pending.call, pending.rows)
+        if fine:  # the folder may keep it as its site's worst real call
+            self._keep_worst(pending, finding)
             return
-        judge, bound = (
-            (MISS, judgement.fitness_bound) if not judgement.fit else (DRIFT, judgement.conformance_bound)
-        )
-        finding = Finding(
-            judge,
-            self.family,
-            device.label,
-            device.name,
-            tuple(device.capability),
-            variant,
-            self.build_of(device),
-            judgement.rel_l2,
-            bound,
-            judgement.model_rel_l2,
-            pending.call,
-            pending.rows,
-        )
         if pending.keep is not None:
             try:
                 finding = dataclasses.replace(finding, fixture=str(self.config.record(pending.keep, finding)))
             except Exception as error:  # noqa: BLE001 - a full disk must not cost the application
-                log.warning(
-                    "SageAttention audit: could not record the %s (%s): %s: %s",
-                    judge,
-                    self.config.record,
-                    type(error).__name__,
-                    error,
-                )
+                log.warning("SageAttention audit: could not record the %s (%s): %s: %s", judge,
+                            self.config.record, type(error).__name__, error)
         with _PROCESS_LOCK:
             pending.tally.found(finding)
             PROCESS.found(finding)
@@ -277,6 +264,17 @@ class Auditor:
                 "misses" if judge == MISS else "drifts",
             )
 
+
+    def _keep_worst(self, pending: _Pending, seen: Finding) -> None:
+        """Offer a fit audited call to the folder's worst calls per site (`AuditFolder.worst`), where
+        the record keeps them; a folder that cannot be written costs a debug line only."""
+        keep_worst = getattr(self.config.record, "worst", None)
+        if pending.keep is None or keep_worst is None:
+            return
+        try:
+            keep_worst(pending.keep, seen)
+        except Exception as error:  # noqa: BLE001 - the served output stands
+            log.debug("audit: the worst call of %s not kept: %s: %s", seen.call, type(error).__name__, error)
 
 EVERY_FAMILY = "*"  # RETIRED's key of a retirement for every family (a kernel error, a first-call failure)
 

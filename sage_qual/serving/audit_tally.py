@@ -15,13 +15,14 @@ import math
 from dataclasses import dataclass, field
 
 MISS, DRIFT = "miss", "drift"
+WORST = "worst"  # a fit audited call, offered to the folder as its site's worst (never a finding)
 
 
 @dataclass(frozen=True)
 class Finding:
     """One audited call a judge failed: where, the numbers, and the fixture it was saved as."""
 
-    judge: str  # MISS (fitness) or DRIFT (conformance)
+    judge: str  # MISS (fitness) or DRIFT (conformance); WORST: a fit call offered to the folder
     family: str
     device: str  # its label: "cuda:0 (NVIDIA H200, sm_90)"
     gpu: str

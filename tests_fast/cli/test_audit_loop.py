@@ -262,3 +262,68 @@ def test_the_committed_schema_is_the_generated_one_and_an_answer_meets_it(tmp_pa
     jsonschema.validate(json.loads(capsys.readouterr().out), audit.schema())
     main(["audit", str(tmp_path / "none"), "--json"])
     jsonschema.validate(json.loads(capsys.readouterr().out), audit.schema())
+
+
+# The worst real calls --------------------------------------------------------------------------------
+
+SITES = {"a": (48, 24, 1.001), "b": (64, 32, 1.005), "c": (96, 48, 1.01)}  # q tokens, keys, output factor
+
+
+def several_sites(folder, max_worst, calls=30):
+    """A Krea-2 process on the fake H200 whose three call sites (shapes) each run a little off torch,
+    all fit and on the model: 0.1 %, 0.5 % and 1 %."""
+    tensors = {site: qkv(q_tokens=q, k_tokens=k) for site, (q, k, _) in SITES.items()}
+    factor = {q: f for q, _, f in SITES.values()}
+    config = dataclasses.replace(SMALL, audit=AuditConfig(every=1, record=AuditFolder(str(folder),
+                                                                                    max_worst=max_worst)))
+    with wrapped(config=config, names=[GPU]) as (_, fake):
+        sage_qual.install(config=config, family="Krea-2")
+        fake.return_value(lambda exact: exact * factor[exact.shape[2]])
+        with sage_qual.sage_attention_scope() as report:
+            for call in range(calls):
+                F.scaled_dot_product_attention(*tensors["abc"[call % 3]])
+    return report
+
+
+def test_the_audit_keeps_the_worst_call_of_each_site_within_its_bound(tmp_path, capsys):
+    folder = tmp_path / "seen"
+    report = several_sites(folder, max_worst=2)
+    assert report.audit.audited == 30 and not report.audit.misses and not report.audit.drifts
+    files = list(folder.glob("*.safetensors"))
+    assert len(files) == 2  # the bound: max_worst sites, the two worst (b and c)
+    worst = sorted(fileformat.load_fixture(p).source["worst"]["rel_l2"] for p in files)
+    assert worst == pytest.approx([0.005, 0.01], rel=0.05)
+    calls = {fileformat.load_fixture(p).source["worst"]["call"] for p in files}
+    assert sorted(call[:20] for call in calls) == [
+        "q/k/v [1, 2, 64, 64]", "q/k/v [1, 2, 96, 64]"]  # sites b and c; a's 0.1 % was displaced
+    fixture = fileformat.load_fixture(files[0])
+    assert fixture.kind == "recorded" and fixture.family == "Krea-2"
+    assert fixture.provenance.startswith("recorded by the audit as the worst call of its site: sm90-fp8-cuda")
+    assert "channels" in fixture.source["full_call"] and fixture.bounds["fp8"]["max_rel_l2"] == 0.3
+    assert main(["audit", str(folder)]) == 0  # worst calls are no misses
+    assert "no recorded misses" in capsys.readouterr().out
+
+
+def test_a_site_keeps_one_file_its_worst(tmp_path):
+    folder = tmp_path / "seen"
+    several_sites(folder, max_worst=16)
+    files = list(folder.glob("worst-*.safetensors"))
+    assert len(files) == 3  # one per site, rewritten when a worse call of it came
+    assert len({fileformat.load_fixture(p).source["worst"]["call"] for p in files}) == 3
+
+
+def test_certify_runs_the_worst_calls_beside_the_shipped_fixtures(tmp_path, monkeypatch, capsys, shipped):
+    folder = tmp_path / "seen"
+    several_sites(folder, max_worst=2, calls=9)
+    code, answer = certify_and_gate(tmp_path, monkeypatch, capsys, folder)
+    report_md = (tmp_path / "out" / "report.md").read_text()
+    for path in folder.glob("*.safetensors"):
+        assert f"| {path.stem} | Krea-2 | recorded |" in report_md
+    assert "krea2_small | Krea-2 | replica" in report_md
+    [gpu] = answer["gpus"]
+    assert not [r for r in gpu["reasons"] if r["kind"] == "audit"]  # no miss among them
+
+
+def test_no_worst_call_is_kept_at_max_worst_0(tmp_path):
+    several_sites(tmp_path / "seen", max_worst=0, calls=6)
+    assert not list(tmp_path.rglob("*.safetensors"))
