@@ -96,7 +96,7 @@ def test_the_audit_catches_the_defect_records_it_and_certify_then_keeps_the_fami
     folder = tmp_path / "misses"
     report = production(folder, defect)
     assert report.audit.misses, report.summary()
-    [recorded] = folder.glob("*.safetensors")
+    [recorded] = folder.glob("audit-*.safetensors")
     assert report.audit.misses[0].fixture == str(recorded)
     # The loop: certify runs the folder beside the shipped fixture, gate names the recorded one.
     code, answer = certify_and_gate(tmp_path, monkeypatch, capsys, folder)
@@ -116,7 +116,7 @@ def test_gate_without_the_folder_still_keeps_the_family_off_and_says_the_file_is
     'stale: certify again', which without the folder would drop the miss)."""
     folder = tmp_path / "misses"
     production(folder, outlier_in_k)
-    [recorded] = folder.glob("*.safetensors")
+    [recorded] = folder.glob("audit-*.safetensors")
     certify_and_gate(tmp_path, monkeypatch, capsys, folder)
     assert main(["gate", "--family", "Krea-2", "--report", str(tmp_path / "out" / "report.json"),
                  "--json"]) == 1
@@ -196,7 +196,7 @@ def test_a_drift_is_recorded_as_a_drift_and_certify_then_keeps_the_variant_off(t
     folder = tmp_path / "drifts"
     report = production(folder, drifted_after(12))
     assert report.audit.drifts and not report.audit.misses, report.summary()
-    [recorded] = folder.glob("*.safetensors")
+    [recorded] = folder.glob("audit-*.safetensors")
     assert main(["audit", str(folder)]) == 1
     listed = capsys.readouterr().out
     assert "sm90-fp8-cuda: recorded drift in production: the audit measured relative L2 0.2 where its " \
@@ -216,7 +216,7 @@ def test_a_fixture_whose_provenance_says_the_audit_but_whose_record_is_gone_is_b
     set to null (issue 64)."""
     folder = tmp_path / "misses"
     production(folder, after_call(1), every=2, calls=4)
-    [path] = folder.glob("*.safetensors")
+    [path] = folder.glob("audit-*.safetensors")
     fixture = fileformat.load_fixture(path)
     fileformat.save_fixture(path, fixture.q, fixture.k, fixture.v, family=fixture.family, kind=fixture.kind,
                             source={**fixture.source, "audit": None}, provenance=fixture.provenance,
@@ -234,7 +234,7 @@ def test_a_fixture_whose_provenance_says_the_audit_but_whose_record_is_gone_is_b
 def test_a_damaged_record_is_refused_with_the_file_and_the_fix(tmp_path, capsys, edit, said):
     folder = tmp_path / "misses"
     production(folder, after_call(1), every=2, calls=4)
-    [path] = folder.glob("*.safetensors")
+    [path] = folder.glob("audit-*.safetensors")
     fixture = fileformat.load_fixture(path)
     source = json.loads(json.dumps(fixture.source))
     edit(source["audit"])

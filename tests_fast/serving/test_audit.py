@@ -226,7 +226,7 @@ def test_a_miss_is_recorded_as_a_recorded_fixture_that_keeps_the_outlier_channel
         fake.return_value(lambda exact: exact * 3)
         report = serve_many(1, (q, k, v), enable_gqa=True)
     [miss] = report.audit.misses
-    [path] = tmp_path.glob("*.safetensors")
+    [path] = tmp_path.glob("audit-*.safetensors")
     assert miss.fixture == str(path)
     fixture = fileformat.load_fixture(path)
     assert fixture.kind == "recorded" and fixture.family == "Krea-2"

@@ -210,7 +210,7 @@ def budget_problem(source: str, data: Report, family: Family, models_here: set[s
     known = len(cache)
     owners = {f.name: f.family for f in data.fixtures}
     # A recorded miss absent here is taken as stored (gate.stale says so): it keeps its variant off.
-    absent_misses = data.recorded_misses() - set(fixtures)
+    absent_misses = data.audit_recordings() - set(fixtures)
     problem = ""
     for n, device in enumerate(data.devices):
         if gpu_label(device.name, device.capability) not in models_here:

@@ -66,13 +66,14 @@ def stale(data: Report, family: Family, here: EnvironmentRecord, local: Mapping[
         binding_found += [d.text for d in machine.binding(found) if d.text not in binding_found]
         near_found += [d.text for d in machine.allowed(found) if d.text not in near_found]
     recorded = {f.name: f.sha256 for f in data.fixtures if counts_for(family, f.family)}
-    misses = data.recorded_misses()
+    misses, recordings = data.recorded_misses(), data.audit_recordings()
     for name in sorted(set(recorded) | set(local)):
-        if name not in local and name in misses:
-            # A miss stands without its file: certifying again without the folder would drop it.
-            near_found.append(f"fixture {name}, a miss the audit recorded, is in the report but not "
-                              f"here (its cells are taken as stored; pass its folder with --fixtures to "
-                              f"check them)")
+        if name not in local and name in recordings:
+            # What the audit recorded stands without its file: certifying without it would drop it.
+            what = ("a miss the audit recorded" if name in misses
+                    else "the worst call of a site the audit kept")
+            near_found.append(f"fixture {name}, {what}, is in the report but not here (its cells are taken "
+                              f"as stored; pass its folder with --fixtures to check them)")
         elif name not in local:
             binding_found.append(f"fixture {name} is in the report but not here")
         elif name not in recorded:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from sage_qual import limits
-from sage_qual.fixtures.audit_misses import RecordedMiss
+from sage_qual.fixtures.audit_misses import WORST_PROVENANCE, RecordedMiss
 from sage_qual.kernels.contexts import CHECKS, CONTEXTS
 from sage_qual.kernels.variants import VARIANTS
 from sage_qual.qualification.evidence import identity
@@ -436,6 +436,12 @@ class Report:
     def recorded_misses(self) -> set[str]:
         """The names of the fixtures that the wrapper's audit recorded as misses."""
         return {f.name for f in self.fixtures if f.audit is not None}
+
+    def audit_recordings(self) -> set[str]:
+        """The names of every fixture the wrapper's audit recorded: its misses and drifts, and the worst
+        call of each site it kept (`fixtures.recorder.AuditFolder.worst`)."""
+        kept = {f.name for f in self.fixtures if f.provenance.startswith(WORST_PROVENANCE)}
+        return self.recorded_misses() | kept
 
     def check(self) -> list[tuple[str, str]]:
         if self.complete and not self.finished:
