@@ -52,7 +52,8 @@ class Finding:
 
 
 def _worse(rel_l2: float, worst: float | None) -> bool:
-    return worst is None or not rel_l2 <= worst  # NaN stays the worst
+    """Whether `rel_l2` replaces `worst`: a NaN (an output not finite) is the worst and stays it."""
+    return worst is None or not math.isnan(worst) and not rel_l2 <= worst
 
 
 @dataclass
@@ -168,7 +169,7 @@ class AuditTally:
 METRICS = {
     "sage_qual_audit_calls_total": "served calls audited",
     "sage_qual_audit_skipped_total": "audits due but not run, by reason",
-    "sage_qual_audit_worst_rel_l2": "worst relative L2 against torch per family and variant (NaN: unfinite)",
+    "sage_qual_audit_worst_rel_l2": "worst relative L2 against torch by family and variant (NaN: not finite)",
     "sage_qual_audit_fitness_bound": "the family's fitness bound",
     "sage_qual_audit_worst_kernel_over_model": "worst kernel relative L2 over its numerics model's",
     "sage_qual_audit_findings_total": "audited calls a judge failed, by judge, family and variant",
