@@ -59,6 +59,7 @@ def test_a_scope_merges_into_the_process_every_number():
     process.judged("Krea-2", "sm90-fp8-cuda", 0.05, 0.3, 0.05)
     process.skipped["capture"] += 1
     process.found(finding(MISS, 0.4))
+    process.found(finding(DRIFT, 0.08, bound=0.037))
     process.retired["cuda:1 (H, sm_90)"] = "audit drift for SDXL"
     process.add(tally_of_a_process())
     assert process.audited == 5 and process.skipped == {"capture": 3}
@@ -71,7 +72,7 @@ def test_a_scope_merges_into_the_process_every_number():
     }
     assert math.isnan(process.worst_by_variant[("FLUX.1", "sm90-fp8-cuda")])
     assert process.worst_ratio[("Krea-2", "sm90-fp8-cuda")] == pytest.approx(2.0)
-    assert [f.rel_l2 for f in process.misses] == [0.4, 0.5] and len(process.drifts) == 1
+    assert [f.rel_l2 for f in process.misses] == [0.4, 0.5] and [f.rel_l2 for f in process.drifts] == [0.08, 0.09]
     assert process.retired == {
         "cuda:1 (H, sm_90)": "audit drift for SDXL",
         "cuda:0 (H, sm_90)": "audit miss for Krea-2",

@@ -44,6 +44,7 @@ def test_the_online_judge_passes_at_exactly_its_limit(limit, fit):
     at a bound of 1.0, not at 0.999; conformance likewise at exactly its bound."""
     judgement = slice_check.judge([2.0, 2.0, math.nan], limit, torch.bfloat16)
     assert judgement.rel_l2 == 1.0 and judgement.fit is fit and judgement.conforms
+    assert judgement.text() == f"relative L2 1 against PyTorch SDPA, fitness bound {limit:g}"  # no model said
     model = (1.0 - conformance.UNIT_ROUNDOFF["bfloat16"]) / (1 + conformance.MARGIN)
     on_bound = slice_check.judge([2.0, 2.0, 2.0 * model], limit, torch.bfloat16)
     assert on_bound.conformance_bound == pytest.approx(1.0) and on_bound.model_rel_l2 == pytest.approx(model)
