@@ -72,7 +72,8 @@ def test_a_scope_merges_into_the_process_every_number():
     }
     assert math.isnan(process.worst_by_variant[("FLUX.1", "sm90-fp8-cuda")])
     assert process.worst_ratio[("Krea-2", "sm90-fp8-cuda")] == pytest.approx(2.0)
-    assert [f.rel_l2 for f in process.misses] == [0.4, 0.5] and [f.rel_l2 for f in process.drifts] == [0.08, 0.09]
+    assert [f.rel_l2 for f in process.misses] == [0.4, 0.5]
+    assert [f.rel_l2 for f in process.drifts] == [0.08, 0.09]
     assert process.retired == {
         "cuda:1 (H, sm_90)": "audit drift for SDXL",
         "cuda:0 (H, sm_90)": "audit miss for Krea-2",
