@@ -84,6 +84,9 @@ def _certify(args: argparse.Namespace) -> int:
         raise UsageError("--target qualifies one integration: leave out --emulate and --variants")
     subject = (options.Integration(args.target) if args.target is not None
                else options.Variants(_split(args.variants)))
+    if args.emulate and args.timeout != limits.TASK_TIMEOUT:  # a number nothing reads would be a silent no
+        raise UsageError(f"--timeout {args.timeout:g} with --emulate: it starts no worker to time out; leave "
+                         "out --timeout")
     executor = options.InProcess() if args.emulate else options.Workers(args.devices, args.timeout)
     request = options.RunRequest(out=args.out, subject=subject, executor=executor,
                                  families=_split(args.families), fixture_dirs=args.fixtures, quick=args.quick,

@@ -208,3 +208,12 @@ def test_the_readme_test_command_runs_the_benchmarks_once_without_a_warning():
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:]
     assert "passed" in done.stdout and "Benchmark" not in done.stdout + done.stderr, done.stdout[-2000:]
+
+
+@pytest.mark.parametrize("timeout", ["0", "30"])
+def test_emulate_refuses_a_timeout_it_would_not_read(tmp_path, capsys, timeout):
+    """`certify --emulate --timeout 0` was accepted (issue 64): the emulation starts no worker."""
+    out = str(tmp_path / "p")
+    assert cli.main(["certify", "--emulate", "--quick", "--timeout", timeout, "--out", out]) == 2
+    assert f"--timeout {timeout} with --emulate: it starts no worker to time out" in capsys.readouterr().err
+    assert not (tmp_path / "p").exists()
