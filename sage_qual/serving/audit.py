@@ -264,7 +264,6 @@ class Auditor:
                 "misses" if judge == MISS else "drifts",
             )
 
-
     def _keep_worst(self, pending: _Pending, seen: Finding) -> None:
         """Offer a fit audited call to the folder's worst calls per site (`AuditFolder.worst`), where
         the record keeps them; a folder that cannot be written costs a debug line only."""
@@ -275,6 +274,7 @@ class Auditor:
             keep_worst(pending.keep, seen)
         except Exception as error:  # noqa: BLE001 - the served output stands
             log.debug("audit: the worst call of %s not kept: %s: %s", seen.call, type(error).__name__, error)
+
 
 EVERY_FAMILY = "*"  # RETIRED's key of a retirement for every family (a kernel error, a first-call failure)
 

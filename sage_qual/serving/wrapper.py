@@ -212,14 +212,14 @@ def _take_out(state: _Installed) -> None:
 
 def _family(family, own_family: bool) -> str | None:
     """The family's one name, the caller's own as given, else SageUnavailable with the known names."""
-    if family is None or own_family and isinstance(family, str) and family.strip():
-        return family
     known = fitness.family_name(family) if isinstance(family, str) else None
-    if known is None:
+    if family is None or known is not None:
+        return known
+    if not (own_family and isinstance(family, str) and family.strip()):
         raise sage_package.SageUnavailable(
             f"unknown family {family!r} (known: {', '.join(fitness.FAMILY_NAMES)}): name one of them, or "
             "install(family=..., own_family=True) for a family of your own")
-    return known
+    return family
 
 
 def _load_profile(profile):

@@ -443,3 +443,9 @@ def test_a_family_of_your_own_is_served_with_the_loosest_fitness_bound():
         assert sage_qual.install(config=SMALL, family="Wan 2.1", own_family=True).enabled
         device = sage_qual.install_status().devices[0]
         assert wrapper._installed.auditor.bound(device) == fitness.family_bound(None)
+
+
+def test_a_family_of_your_own_spelt_as_a_known_one_is_the_known_one():
+    with wrapped():
+        assert sage_qual.install(config=SMALL, family="flux 1", own_family=True).enabled
+        assert wrapper._installed.auditor.family == "FLUX.1"
